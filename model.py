@@ -1,0 +1,548 @@
+"""
+Tiny Recursive Model (TRM), "Less is More: Recursive Reasoning with Tiny Networks" (arXiv 2510.04871).
+
+One 2-layer network `net` is applied recursively to a latent answer y and a latent reasoning state z:
+    n times: z = net(z, y + x);   then: y = net(y, z)
+repeated H_cycles times per supervision step, gradients only through the last repetition. An ACT
+head (q_head) learns when to stop; training runs one supervision step per optimizer step, carrying
+y and z across steps (deep supervision).
+
+Everything in a step follows the XLA rules of TRM_SPEC section 9: static shapes, torch.where instead of
+boolean indexing, no host reads of tensor values.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+IGNORE_LABEL_ID = -100
+
+
+@dataclass
+class TRMConfig:
+    vocab_size: int = 11
+    seq_len: int = 81
+    num_puzzle_identifiers: int = 1
+    hidden_size: int = 512
+    num_heads: int = 8
+    expansion: float = 4.0
+    L_layers: int = 2
+    H_cycles: int = 3
+    L_cycles: int = 6
+    halt_max_steps: int = 16
+    halt_exploration_prob: float = 0.1
+    pos_encodings: str = 'rope'      # 'rope' | 'learned' | 'none'
+    mlp_t: bool = False              # MLP-mixer over the sequence instead of attention (Sudoku)
+    puzzle_emb_ndim: int = 512       # 0 disables the puzzle embedding
+    puzzle_emb_len: int = 16         # prefix tokens reserved for it
+    forward_dtype: str = 'bfloat16'
+    no_ACT_continue: bool = True     # False: also learn q_continue against a bootstrapped target
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    loss_type: str = 'stablemax'     # 'stablemax' | 'softmax'
+    loss_dtype: str = 'float64'      # stablemax precision; TPUs want 'float32'
+
+    def __post_init__(self):
+        if self.pos_encodings not in ('rope', 'learned', 'none'):
+            raise ValueError(f"pos_encodings={self.pos_encodings!r}: allowed 'rope', 'learned', 'none'")
+        if self.loss_type not in ('stablemax', 'softmax'):
+            raise ValueError(f"loss_type={self.loss_type!r}: allowed 'stablemax', 'softmax'")
+        if self.forward_dtype not in ('bfloat16', 'float16', 'float32'):
+            raise ValueError(f"forward_dtype={self.forward_dtype!r}: allowed 'bfloat16', 'float16', 'float32'")
+        if self.loss_dtype not in ('float64', 'float32'):
+            raise ValueError(f"loss_dtype={self.loss_dtype!r}: allowed 'float64', 'float32'")
+        if not self.mlp_t and self.hidden_size % self.num_heads:
+            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
+        if self.puzzle_emb_ndim > self.puzzle_emb_len * self.hidden_size:
+            raise ValueError("puzzle_emb_ndim must fit in puzzle_emb_len * hidden_size")
+
+    @property
+    def total_len(self):  # sequence length inside the model (Sudoku: 81 + 16 = 97)
+        return self.seq_len + (self.puzzle_emb_len if self.puzzle_emb_ndim > 0 else 0)
+
+    @property
+    def prefix_len(self):
+        return self.total_len - self.seq_len
+
+
+# -----------------------------------------------------------------------------
+# building blocks
+
+def trunc_normal_(t, std):
+    """JAX-style truncated normal: cut at +-2 sigma, rescaled so the std really is `std`."""
+    # the std of a unit normal truncated to [-2, 2]
+    z = 0.8796256610342398
+    with torch.no_grad():
+        nn.init.trunc_normal_(t, mean=0.0, std=1.0, a=-2.0, b=2.0)
+        t.mul_(std / z)
+    return t
+
+
+def round_up(x, multiple):
+    return -(-x // multiple) * multiple
+
+
+def swiglu_inter(d, expansion):
+    return round_up(round(expansion * d * 2 / 3), 256)
+
+
+def rms_norm(x, eps):
+    """RMSNorm without weight over the last axis, computed in fp32 (TRM_SPEC section 1)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return x.to(dtype)
+
+
+class CastedLinear(nn.Module):
+    """Weights kept fp32 (optimizer and EMA see fp32), cast to the activation dtype in forward."""
+    def __init__(self, d_in, d_out, bias=False):
+        super().__init__()
+        self.weight = nn.Parameter(trunc_normal_(torch.empty(d_out, d_in), std=1.0 / math.sqrt(d_in)))
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
+
+    def forward(self, x):
+        bias = self.bias.to(x.dtype) if self.bias is not None else None
+        return F.linear(x, self.weight.to(x.dtype), bias)
+
+
+class CastedEmbedding(nn.Module):
+    def __init__(self, num, dim, std):
+        super().__init__()
+        self.embedding_weight = nn.Parameter(trunc_normal_(torch.empty(num, dim), std=std))
+
+    def forward(self, idx, dtype):
+        return F.embedding(idx, self.embedding_weight.to(dtype))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d, expansion):
+        super().__init__()
+        inter = swiglu_inter(d, expansion)
+        self.gate_up_proj = CastedLinear(d, 2 * inter)  # rows: [gate, up]
+        self.down_proj = CastedLinear(inter, d)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden_size, num_heads):
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
+        self.qkv_proj = CastedLinear(hidden_size, 3 * hidden_size)  # rows: [q heads, k heads, v heads]
+        self.o_proj = CastedLinear(hidden_size, hidden_size)
+
+    def forward(self, x, rope):
+        B, L, D = x.shape
+        qkv = self.qkv_proj(x).view(B, L, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(2)  # [B, L, H, hd]
+        if rope is not None:
+            cos, sin = rope  # [L, hd] fp32
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
+            k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=False)
+        return self.o_proj(out.transpose(1, 2).reshape(B, L, D))
+
+
+class Block(nn.Module):
+    """Post-norm block: attention (or a SwiGLU over the sequence axis, mlp_t) then a channel SwiGLU."""
+    def __init__(self, cfg: TRMConfig):
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        if cfg.mlp_t:
+            self.mlp_t = SwiGLU(cfg.total_len, cfg.expansion)
+        else:
+            self.self_attn = Attention(cfg.hidden_size, cfg.num_heads)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.expansion)
+
+    def forward(self, h, rope):
+        if hasattr(self, 'mlp_t'):
+            h = h.transpose(1, 2)  # [B, D, L]: mix across positions, normalise over the sequence axis
+            h = rms_norm(h + self.mlp_t(h), self.eps).transpose(1, 2)
+        else:
+            h = rms_norm(h + self.self_attn(h, rope), self.eps)
+        return rms_norm(h + self.mlp(h), self.eps)
+
+
+class Net(nn.Module):
+    """The one network used for both updates: net(h, injection) = blocks(h + injection)."""
+    def __init__(self, cfg: TRMConfig):
+        super().__init__()
+        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.L_layers)])
+
+    def forward(self, h, injection, rope):
+        h = h + injection
+        for layer in self.layers:
+            h = layer(h, rope)
+        return h
+
+
+# -----------------------------------------------------------------------------
+# the model
+
+class TRM(nn.Module):
+    def __init__(self, cfg: TRMConfig):
+        super().__init__()
+        self.config = cfg
+        D = cfg.hidden_size
+        self.embed_scale = math.sqrt(D)
+        self.forward_dtype = getattr(torch, cfg.forward_dtype)
+        self.embed_tokens = CastedEmbedding(cfg.vocab_size, D, std=1.0 / self.embed_scale)
+        self.lm_head = CastedLinear(D, cfg.vocab_size)
+        self.q_head = CastedLinear(D, 2, bias=True)
+        with torch.no_grad():  # start by never halting: q_halt = -5
+            self.q_head.weight.zero_()
+            self.q_head.bias.fill_(-5.0)
+        if cfg.pos_encodings == 'learned':
+            self.embed_pos = CastedEmbedding(cfg.total_len, D, std=1.0 / self.embed_scale)
+        if cfg.pos_encodings == 'rope':
+            hd = D // cfg.num_heads
+            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+            freqs = torch.outer(torch.arange(cfg.total_len, dtype=torch.float32), inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self.register_buffer('rope_cos', emb.cos(), persistent=False)
+            self.register_buffer('rope_sin', emb.sin(), persistent=False)
+        self.net = Net(cfg)
+        # Not parameters: the main optimizer and the EMA must not touch them (TRM_SPEC section 1).
+        # The puzzle embedding is trained by sign-SGD in train.py; H_init/L_init stay fixed.
+        self.register_buffer('puzzle_emb', torch.zeros(cfg.num_puzzle_identifiers, max(cfg.puzzle_emb_ndim, 1)))
+        self.register_buffer('H_init', trunc_normal_(torch.empty(D), std=1.0))
+        self.register_buffer('L_init', trunc_normal_(torch.empty(D), std=1.0))
+
+    # --- one supervision step of the recursion -------------------------------------------------
+
+    def input_embeddings(self, inputs, puzzle_rows):
+        cfg = self.config
+        x = self.embed_tokens(inputs.long(), self.forward_dtype)
+        if cfg.puzzle_emb_ndim > 0:
+            B = inputs.shape[0]
+            pad = cfg.prefix_len * cfg.hidden_size - cfg.puzzle_emb_ndim
+            prefix = F.pad(puzzle_rows, (0, pad)).view(B, cfg.prefix_len, cfg.hidden_size)
+            x = torch.cat((prefix.to(self.forward_dtype), x), dim=1)
+        if cfg.pos_encodings == 'learned':
+            x = 0.707106781 * (x + self.embed_pos.embedding_weight.to(self.forward_dtype))
+        return self.embed_scale * x
+
+    def rope(self):
+        return (self.rope_cos, self.rope_sin) if self.config.pos_encodings == 'rope' else None
+
+    def recursion(self, y, z, x):
+        """T = H_cycles rounds of { L_cycles x z-update, then a y-update }; grad through the last only."""
+        cfg, rope = self.config, self.rope()
+        with torch.no_grad():
+            for _ in range(cfg.H_cycles - 1):
+                for _ in range(cfg.L_cycles):
+                    z = self.net(z, y + x, rope)
+                y = self.net(y, z, rope)
+        for _ in range(cfg.L_cycles):
+            z = self.net(z, y + x, rope)
+        y = self.net(y, z, rope)
+        return y, z
+
+    def heads(self, y):
+        logits = self.lm_head(y)[:, self.config.prefix_len:]
+        q = self.q_head(y[:, 0]).float()
+        return logits, q[..., 0], q[..., 1]
+
+    def puzzle_rows(self, puzzle_identifiers):
+        return self.puzzle_emb[puzzle_identifiers.long()] if self.config.puzzle_emb_ndim > 0 else None
+
+    def init_latents(self, B, device):
+        shape = (B, self.config.total_len, self.config.hidden_size)
+        y = self.H_init.to(self.forward_dtype).expand(shape).to(device)
+        z = self.L_init.to(self.forward_dtype).expand(shape).to(device)
+        return y, z
+
+    # --- ACT: one call = one supervision step -----------------------------------------------------
+
+    def initial_carry(self, batch):
+        """All rows halted, so the first call loads every row of its batch."""
+        B = batch['inputs'].shape[0]
+        y, z = self.init_latents(B, batch['inputs'].device)
+        return dict(y=y, z=z, steps=torch.zeros(B, dtype=torch.int32, device=y.device),
+                    halted=torch.ones(B, dtype=torch.bool, device=y.device),
+                    **{k: torch.zeros_like(v) for k, v in batch.items()})
+
+    def refill(self, carry, batch):
+        """Halted rows restart: fresh latents, steps 0, and the new batch's row at the same index."""
+        h = carry['halted']
+        y0, z0 = self.init_latents(h.shape[0], h.device)
+        new = dict(y=torch.where(h[:, None, None], y0, carry['y']),
+                   z=torch.where(h[:, None, None], z0, carry['z']),
+                   steps=torch.where(h, torch.zeros_like(carry['steps']), carry['steps']),
+                   halted=h)
+        for k, v in batch.items():
+            new[k] = torch.where(h.view(-1, *([1] * (v.dim() - 1))), v, carry[k])
+        return new
+
+    def forward(self, carry, puzzle_rows=None):
+        """One supervision step on an already refilled carry. puzzle_rows [B, puzzle_emb_ndim] are
+        passed in (not looked up here) so the trainer can take their gradient for sign-SGD.
+        Returns the next carry (detached latents) and the step's outputs."""
+        cfg = self.config
+        if puzzle_rows is None:
+            puzzle_rows = self.puzzle_rows(carry['puzzle_identifiers'])
+        x = self.input_embeddings(carry['inputs'], puzzle_rows)
+        y, z = self.recursion(carry['y'], carry['z'], x)
+        logits, q_halt, q_continue = self.heads(y)
+
+        steps = carry['steps'] + 1
+        is_last = steps >= cfg.halt_max_steps
+        halted = is_last
+        out = dict(logits=logits, q_halt=q_halt, q_continue=q_continue)
+        if self.training and cfg.halt_max_steps > 1:
+            halt_signal = (q_halt > 0) if cfg.no_ACT_continue else (q_halt > q_continue)
+            halted = halted | halt_signal.detach()
+            # exploration: some rows draw a minimum number of steps before they may halt
+            explore = torch.rand(q_halt.shape, device=q_halt.device) < cfg.halt_exploration_prob
+            min_steps = torch.randint(2, cfg.halt_max_steps + 1, steps.shape, device=steps.device, dtype=steps.dtype)
+            halted = halted & (steps >= torch.where(explore, min_steps, torch.zeros_like(min_steps)))
+            if not cfg.no_ACT_continue:
+                # bootstrapped Q-learning target from one more (no-grad) step from the new latents
+                with torch.no_grad():
+                    y2, _ = self.recursion(y.detach(), z.detach(), x.detach())
+                    _, next_halt, next_cont = self.heads(y2)
+                out['target_q_continue'] = torch.sigmoid(
+                    torch.where(is_last, next_halt, torch.maximum(next_halt, next_cont)))
+        new_carry = dict(carry, y=y.detach(), z=z.detach(), steps=steps, halted=halted)
+        return new_carry, out
+
+    # --- evaluation: a fixed number of steps from fresh latents, no halting -----------------------
+
+    @torch.no_grad()
+    def predict(self, batch, n_steps):
+        """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
+        needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B]."""
+        y, z = self.init_latents(batch['inputs'].shape[0], batch['inputs'].device)
+        x = self.input_embeddings(batch['inputs'], self.puzzle_rows(batch['puzzle_identifiers']))
+        preds, q_halts = [], []
+        for _ in range(n_steps):
+            y, z = self.recursion(y, z, x)
+            logits, q_halt, _ = self.heads(y)
+            preds.append(logits.argmax(-1).to(torch.int32))
+            q_halts.append(q_halt)
+        return torch.stack(preds), torch.stack(q_halts)
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def flops_per_example(self, train=True):
+        """Model FLOPs for one supervision step of one example: every net call of the recursion,
+        no-grad passes included, plus heads; backward (2x forward) for the calls that carry grad.
+        With train=False: forward only (one evaluation step)."""
+        cfg, D, L = self.config, self.config.hidden_size, self.config.total_len
+        net = 0
+        for name, p in self.net.named_parameters():
+            # a [out, in] weight costs 2*out*in per vector it is applied to: L vectors for channel
+            # layers, D vectors for the sequence-mixing mlp_t
+            net += 2 * p.numel() * (D if '.mlp_t.' in name else L)
+        if not cfg.mlp_t:
+            net += cfg.L_layers * 4 * L * L * D  # QK^T and AV
+        heads = 2 * D * cfg.vocab_size * cfg.seq_len + 2 * D * 2
+        calls = cfg.H_cycles * (cfg.L_cycles + 1)
+        grad_calls = cfg.L_cycles + 1
+        fwd = calls * net + heads
+        if not train:
+            return fwd
+        bootstrap = (calls * net + heads) if not cfg.no_ACT_continue else 0
+        return fwd + 2 * (grad_calls * net + heads) + bootstrap
+
+
+# -----------------------------------------------------------------------------
+# loss (TRM_SPEC section 3)
+
+def log_stablemax(x, dim=-1):
+    s = torch.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
+    return torch.log(s / s.sum(dim=dim, keepdim=True))
+
+
+def token_losses(logits, labels, loss_type, loss_dtype):
+    """Per-token cross-entropy [B, L], zero where labels are IGNORE_LABEL_ID."""
+    valid = labels != IGNORE_LABEL_ID
+    safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
+    if loss_type == 'stablemax':
+        logp = log_stablemax(logits.to(getattr(torch, loss_dtype)))
+    else:
+        logp = torch.log_softmax(logits.float(), dim=-1)
+    nll = -torch.gather(logp, -1, safe.unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, nll, torch.zeros_like(nll))
+
+
+def act_loss(carry, out, cfg: TRMConfig):
+    """Loss summed over the batch (the trainer divides by the global batch size) and metric sums
+    over the rows that halted this step. All device tensors: nothing here reads a value on the host."""
+    labels = carry['labels']
+    logits = out['logits']
+    valid = labels != IGNORE_LABEL_ID
+    n_valid = valid.sum(-1)
+    divisor = n_valid.clamp_min(1).float()
+    is_correct = valid & (logits.argmax(-1) == labels)
+    seq_correct = is_correct.sum(-1) == n_valid
+
+    lm_loss = (token_losses(logits, labels, cfg.loss_type, cfg.loss_dtype).sum(-1) / divisor).float().sum()
+    q_halt_loss = F.binary_cross_entropy_with_logits(out['q_halt'], seq_correct.float(), reduction='sum')
+    q_continue_loss = torch.zeros_like(q_halt_loss)
+    if 'target_q_continue' in out:
+        q_continue_loss = F.binary_cross_entropy_with_logits(out['q_continue'], out['target_q_continue'], reduction='sum')
+    loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)
+
+    counted = carry['halted'] & (n_valid > 0)
+    f = counted.float()
+    metrics = dict(
+        count=f.sum(),
+        accuracy=(f * is_correct.sum(-1).float() / divisor).sum(),
+        exact_accuracy=(f * seq_correct.float()).sum(),
+        q_halt_accuracy=(f * ((out['q_halt'] >= 0) == seq_correct).float()).sum(),
+        steps=(f * carry['steps'].float()).sum(),
+        lm_loss=lm_loss.detach(), q_halt_loss=q_halt_loss.detach(), q_continue_loss=q_continue_loss.detach(),
+    )
+    return loss, metrics
+
+
+# -----------------------------------------------------------------------------
+# reference checkpoints (TRM_SPEC section 7)
+
+def from_reference_state_dict(sd):
+    """Map a state_dict saved by the reference implementation (keys '_orig_mod.model.inner.*', with or
+    without the prefix) onto this model's names."""
+    out = {}
+    for k, v in sd.items():
+        for prefix in ('_orig_mod.', 'model.', 'inner.'):
+            if k.startswith(prefix):
+                k = k[len(prefix):]
+        if k.startswith('L_level.'):
+            k = 'net.' + k[len('L_level.'):]
+        if k == 'puzzle_emb.weights':
+            k = 'puzzle_emb'
+        out[k] = v
+    return out
+
+
+def to_reference_state_dict(sd):
+    """The inverse of from_reference_state_dict, with the reference's full prefix."""
+    out = {}
+    for k, v in sd.items():
+        if k.startswith('net.'):
+            k = 'L_level.' + k[len('net.'):]
+        if k == 'puzzle_emb':
+            k = 'puzzle_emb.weights'
+        out['_orig_mod.model.inner.' + k] = v
+    return out
+
+
+# -----------------------------------------------------------------------------
+# optimisation (TRM_SPEC section 4)
+
+class AdamATan2(torch.optim.Optimizer):
+    """Adam with atan2 in place of m / (sqrt(v) + eps): no epsilon, bounded updates. Pure PyTorch
+    (foreach), so it runs on CPU, CUDA and XLA. The learning rate may be a device tensor, and the step
+    count lives on the device, so a changing LR or bias correction never recompiles an XLA graph."""
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, lr=None):
+        for group in self.param_groups:
+            params = [p for p in group['params'] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            b1, b2 = group['betas']
+            lr_ = group['lr'] if lr is None else lr
+            for p in params:
+                st = self.state[p]
+                if not st:  # ('t', not 'step': load_state_dict would move a 'step' to the CPU)
+                    st['t'] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st['exp_avg'] = torch.zeros_like(p)
+                    st['exp_avg_sq'] = torch.zeros_like(p)
+            m = [self.state[p]['exp_avg'] for p in params]
+            v = [self.state[p]['exp_avg_sq'] for p in params]
+            t = self.state[params[0]]['t']
+            t.add_(1)
+            for p in params[1:]:
+                self.state[p]['t'].copy_(t)
+            torch._foreach_mul_(params, 1 - lr_ * group['weight_decay'])
+            torch._foreach_lerp_(m, grads, 1 - b1)
+            torch._foreach_mul_(v, b2)
+            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+            bc1 = 1 - b1 ** t
+            bc2_sqrt = torch.sqrt(1 - b2 ** t)
+            denom = torch._foreach_sqrt(v)
+            torch._foreach_div_(denom, bc2_sqrt)
+            upd = [torch.atan2(mi, di) for mi, di in zip(m, denom)]
+            torch._foreach_mul_(upd, lr_ / bc1)
+            torch._foreach_sub_(params, upd)
+
+
+@torch.no_grad()
+def sign_sgd_update_(table, ids, grads, lr, weight_decay):
+    """Sign-SGD on the puzzle embedding rows a batch touched: w = w*(1 - lr*wd) - lr*sign(sum of grads
+    per id). ids [N] and grads [N, dim] are the GLOBAL batch's. Static shapes: a dense scatter-add
+    instead of the reference's unique() (TRM_SPEC section 8)."""
+    grad_sum = torch.zeros_like(table).index_add_(0, ids.long(), grads.to(table.dtype))
+    touched = torch.zeros(table.shape[0], dtype=table.dtype, device=table.device).index_add_(
+        0, ids.long(), torch.ones_like(ids, dtype=table.dtype)) > 0
+    new = table * (1 - lr * weight_decay) - lr * torch.sign(grad_sum)
+    table.copy_(torch.where(touched[:, None], new, table))
+
+
+def lr_at(step, base_lr, warmup_steps, total_steps, min_ratio):
+    """Linear warmup, then cosine to min_ratio * base_lr. `step` (0-based, the step about to run) may be
+    a tensor, so the schedule runs on the device. Never exactly 0: an XLA graph specialises on 0."""
+    step = torch.as_tensor(step, dtype=torch.float32)
+    warm = base_lr * (step + 1) / max(1, warmup_steps)
+    progress = ((step + 1 - warmup_steps) / max(1, total_steps - warmup_steps)).clamp(0, 1)
+    cos = base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + torch.cos(math.pi * progress)))
+    return torch.where(step + 1 < warmup_steps, warm, cos)
+
+
+# -----------------------------------------------------------------------------
+# the training step, shared by train.py and bench.py on every device
+
+def forward_loss(model, carry, batch, puzzle_rows):
+    """Refill halted rows, run one supervision step, compute the loss. The part worth torch.compile."""
+    carry = model.refill(carry, batch)
+    new_carry, out = model(carry, puzzle_rows)
+    loss, metrics = act_loss(new_carry, out, model.config)
+    return new_carry, loss, metrics
+
+
+def train_step(model, opt, ema_params, carry, batch, step_t, hp, fwd=forward_loss,
+               all_reduce_sum_=None, all_gather=None):
+    """One optimizer step = one supervision step: forward, loss, backward, gradient all-reduce, AdamATan2,
+    sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (XLA rules, TRM_SPEC section 9).
+    hp: lr, puzzle_emb_lr, puzzle_emb_weight_decay, warmup, total, min_ratio, global_batch_size, ema_rate."""
+    cfg = model.config
+    # puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
+    ids = torch.where(carry['halted'], batch['puzzle_identifiers'], carry['puzzle_identifiers'])
+    rows = model.puzzle_rows(ids).detach().requires_grad_(True) if cfg.puzzle_emb_ndim > 0 else None
+    new_carry, loss, metrics = fwd(model, carry, batch, rows)
+    (loss / hp['global_batch_size']).backward()  # summed over all ranks' rows: a global mean
+    params = [p for p in model.parameters()]
+    if all_reduce_sum_ is not None:
+        all_reduce_sum_([p.grad for p in params])
+    opt.step(lr=lr_at(step_t, hp['lr'], hp['warmup'], hp['total'], hp['min_ratio']))
+    if rows is not None:
+        gather = all_gather or (lambda t: t)
+        sign_sgd_update_(model.puzzle_emb, gather(ids), gather(rows.grad),
+                         lr_at(step_t, hp['puzzle_emb_lr'], hp['warmup'], hp['total'], hp['min_ratio']),
+                         hp['puzzle_emb_weight_decay'])
+    opt.zero_grad(set_to_none=True)
+    if hp.get('ema_rate') is not None:
+        with torch.no_grad():
+            torch._foreach_lerp_(ema_params, params, 1 - hp['ema_rate'])
+    step_t.add_(1)
+    return new_carry, loss.detach(), metrics

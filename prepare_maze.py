@@ -1,0 +1,415 @@
+"""
+Prepare the Maze-Hard dataset (TRM_SPEC section 5): 30x30 mazes, 1000 train + 1000 test.
+
+Three sources, one code path (CSV -> validated token arrays -> data.write_split):
+    python prepare_maze.py                                   # download sapientinc/maze-30x30-hard-1k
+    python prepare_maze.py --csv_dir DIR                     # local DIR/train.csv, DIR/test.csv
+    python prepare_maze.py --generate 1000 --num_test 1000   # offline generator, CSVs in <out>/csv/
+Options: --aug (the 8 dihedral images of every train maze, one group per maze), --subsample_size K
+(seeded subset of train), --seed, --skip_bad (skip and count malformed rows instead of failing).
+
+CSV rows are `source,question,answer,rating`; question/answer are n*n-char row-major strings over
+'# SGo' (wall, open, start, goal, path cell; 'o' only in the answer). Tokens: PAD 0, then 1..5 in that
+order. Path length, everywhere in this file, is the number of STEPS from S to G (= number of 'o'
+cells + 1). The verifier `maze_correct` accepts any shortest path, not only the label's.
+"""
+import argparse
+import csv
+import math
+import os
+import random
+import time
+from collections import Counter, deque
+
+import numpy as np
+
+from data import write_split
+
+CHARSET = '# SGo'  # token id = index + 1; 0 is PAD
+PAD, WALL, OPEN, START, GOAL, PATH = range(6)
+VOCAB_SIZE = 6
+BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
+HARD_ROWS = 1000  # rows per split of the hard-1k set, checked when downloading from BASE_URL
+HARD_MIN_PATH_LEN = 110  # the hard set keeps 30x30 mazes whose shortest path is longer than this
+
+_CHAR2ID = np.full(256, 255, np.uint8)  # 255 marks a character outside CHARSET
+_CHAR2ID[[ord(c) for c in CHARSET]] = np.arange(1, len(CHARSET) + 1)
+_ID2CHAR = np.array(list('?' + CHARSET))
+
+# -----------------------------------------------------------------------------
+# tokens
+
+def encode(strings):
+    """Equal-length strings -> [N, L] uint8 tokens (255 for a character outside CHARSET)."""
+    if len(strings) == 0:
+        return np.zeros((0, 0), np.uint8)
+    # 'replace' keeps one byte per character, so a stray non-ASCII character stays in its column
+    buf = np.frombuffer(''.join(strings).encode('ascii', 'replace'), np.uint8)
+    return _CHAR2ID[buf].reshape(len(strings), -1)
+
+
+def decode(tokens):
+    """One row of tokens -> its string ('?' for PAD or anything out of range)."""
+    t = np.asarray(tokens).astype(np.int64)
+    return ''.join(_ID2CHAR[np.where((t >= 0) & (t < VOCAB_SIZE), t, 0)].tolist())
+
+
+def dihedral(grids, k):
+    """The k-th (0..7) of the 8 symmetries of the square on [..., n, n]; k = 0 is the identity."""
+    g = np.rot90(grids, k % 4, axes=(-2, -1))
+    return g[..., ::-1] if k >= 4 else g
+
+# -----------------------------------------------------------------------------
+# verifier (also used to validate the labels we read or generate)
+
+def _grid_size(L):
+    n = math.isqrt(L)
+    assert n * n == L, f"sequence length {L} is not a perfect square"
+    return n
+
+
+def _pack_rows(mask):
+    """[B, n, n] bool -> [B, n] bitsets: bit j of word i is cell (i, j). uint64 up to n = 64 (so a BFS
+    step is a few shifts on B*n words instead of B*n*n bools), Python ints (object) beyond."""
+    n = mask.shape[-1]
+    dt = np.uint64 if n <= 64 else object
+    return np.bitwise_or.reduce(mask.astype(dt) << np.arange(n).astype(dt), axis=-1)
+
+
+def shortest_path_length(grids):
+    """BFS steps from S to G through non-wall cells, for each row of [B, n*n] tokens; -1 when G is
+    unreachable or the row lacks a unique S and G. All rows expand their frontier together, as
+    bitsets, and leave the batch once they reach G or their frontier stops growing."""
+    x = np.asarray(grids)
+    B, L = x.shape
+    n = _grid_size(L)
+    dist = np.full(B, -1, np.int64)
+    is_s, is_g = x == START, x == GOAL
+    rows = np.flatnonzero((is_s.sum(1) == 1) & (is_g.sum(1) == 1))
+    passable = _pack_rows(np.isin(x[rows], (OPEN, START, GOAL, PATH)).reshape(-1, n, n))
+    reach = _pack_rows(is_s[rows].reshape(-1, n, n))
+    goal = _pack_rows(is_g[rows].reshape(-1, n, n))
+    step = 0
+    while len(rows):
+        step += 1
+        new = reach | (reach << 1) | (reach >> 1)  # left/right neighbours (bit n is cut by passable)
+        new[:, 1:] |= reach[:, :-1]  # the cell above
+        new[:, :-1] |= reach[:, 1:]  # the cell below
+        new &= passable
+        hit = (new & goal).any(1)
+        dist[rows[hit]] = step
+        keep = ~hit & (new != reach).any(1)  # a frontier that stopped growing: no path
+        reach = new
+        if not keep.all():
+            rows, reach, passable, goal = rows[keep], reach[keep], passable[keep], goal[keep]
+    return dist
+
+
+def maze_correct(inputs, preds):
+    """bool [B]: the prediction keeps every wall, S and G of the input maze (and adds none), and its 'o'
+    cells form a 4-connected simple S->G path through open cells whose length equals the input's
+    shortest path length. Any optimal path is accepted.
+    Why degree checks suffice: if S and G have exactly one marked neighbour (S, G or 'o') and every
+    'o' exactly two, the marked cells are one S..G path plus disjoint cycles. That path has at least
+    d(S,G) steps, i.e. uses >= d-1 'o' cells; so with exactly d-1 'o' cells there are no cycles and the
+    path is a shortest one. Conversely a shortest path has no chords (one would be a shortcut)."""
+    x, p = np.asarray(inputs), np.asarray(preds)
+    assert x.shape == p.shape and x.ndim == 2, (x.shape, p.shape)
+    B, L = x.shape
+    n = _grid_size(L)
+    valid_question = np.isin(x, (WALL, OPEN, START, GOAL)).all(1)
+    keeps_maze = np.where(x != OPEN, p == x, (p == OPEN) | (p == PATH)).all(1)
+    on = np.isin(p, (START, GOAL, PATH)).reshape(B, n, n)
+    deg = np.zeros((B, n, n), np.int8)  # marked 4-neighbours of each cell
+    deg[:, 1:] += on[:, :-1]
+    deg[:, :-1] += on[:, 1:]
+    deg[:, :, 1:] += on[:, :, :-1]
+    deg[:, :, :-1] += on[:, :, 1:]
+    deg = deg.reshape(B, L)
+    is_path = p == PATH
+    is_end = (p == START) | (p == GOAL)
+    degrees_ok = (~is_path | (deg == 2)).all(1) & (~is_end | (deg == 1)).all(1)
+    ok = np.zeros(B, bool)
+    cand = np.flatnonzero(valid_question & keeps_maze & degrees_ok)  # only these need a BFS
+    if len(cand):
+        ok[cand] = shortest_path_length(x[cand]) == is_path[cand].sum(1) + 1
+    return ok
+
+# -----------------------------------------------------------------------------
+# CSV -> validated token arrays
+
+def read_csv(path, skip_bad=False):
+    """One split's CSV -> (questions, answers, n, n_skipped); questions/answers: [N, n*n] uint8 tokens.
+    A malformed row raises ValueError naming the file and 1-based line, or with skip_bad is skipped
+    and counted. The grid size n is inferred from the most common question length (a perfect square)."""
+    qs, ans, lines, bad = [], [], [], []  # bad: (line, reason)
+    with open(path, newline='', encoding='utf-8', errors='replace') as f:
+        reader = csv.reader(f)
+        header = next(reader, None)
+        if not header or 'question' not in header or 'answer' not in header:
+            raise ValueError(f"{path}:1: expected a header naming the columns question and answer "
+                             f"(source,question,answer,rating), got {header!r}")
+        qi, ai = header.index('question'), header.index('answer')
+        for row in reader:
+            if not row:
+                continue  # blank line, e.g. a trailing newline
+            if len(row) <= max(qi, ai):
+                bad.append((reader.line_num, f"{len(row)} field(s), expected {len(header)}"))
+                continue
+            qs.append(row[qi]); ans.append(row[ai]); lines.append(reader.line_num)
+    if not qs:
+        raise ValueError(f"{path}: no data rows")
+    L = Counter(len(q) for q in qs).most_common(1)[0][0]
+    n = math.isqrt(L)
+    if n < 2 or n * n != L:
+        raise ValueError(f"{path}: questions are {L} characters long, not n*n for an n x n maze")
+    good = []
+    for i, (q, a) in enumerate(zip(qs, ans)):
+        if len(q) != L or len(a) != L:
+            bad.append((lines[i], f"question/answer lengths {len(q)}/{len(a)}, expected {L} ({n}x{n})"))
+        else:
+            good.append(i)
+    q = encode([qs[i] for i in good]).reshape(-1, L)
+    a = encode([ans[i] for i in good]).reshape(-1, L)
+    # checks in order; a row is reported with the first one it fails
+    checks = [
+        ("question has a character outside '# SG'", ~np.isin(q, (WALL, OPEN, START, GOAL)).all(1)),
+        ("answer has a character outside '# SGo'", (a == 255).any(1)),
+        ("question needs exactly one S and one G", ((q == START).sum(1) != 1) | ((q == GOAL).sum(1) != 1)),
+        ("answer differs from the question other than by 'o' on open cells",
+         ~np.where(a == PATH, q == OPEN, a == q).all(1)),
+    ]
+    failed = np.zeros(len(good), bool)
+    for reason, mask in checks:
+        for j in np.flatnonzero(mask & ~failed):
+            bad.append((lines[good[j]], reason))
+        failed |= mask
+    # the label must be a shortest S->G path (ANY shortest path; maze_correct does not look at labels)
+    rest = np.flatnonzero(~failed)
+    not_optimal = rest[~maze_correct(q[rest], a[rest])]
+    for j in not_optimal:
+        bad.append((lines[good[j]], "answer's 'o' cells are not a shortest S->G path"))
+    failed[not_optimal] = True
+    if bad and not skip_bad:
+        line, reason = min(bad)
+        more = f" ({len(bad) - 1} more bad row(s))" if len(bad) > 1 else ""
+        raise ValueError(f"{path}:{line}: {reason}{more}; pass --skip_bad to skip malformed rows")
+    if failed.all():
+        raise ValueError(f"{path}: no valid rows left after skipping {len(bad)} malformed row(s)")
+    if bad:
+        print(f"{path}: skipped {len(bad)} malformed row(s), first: line {min(bad)[0]}: {min(bad)[1]}")
+    return q[~failed], a[~failed], n, len(bad)
+
+# -----------------------------------------------------------------------------
+# token arrays -> dataset on disk
+
+def augment(questions, answers, rng):
+    """Each maze -> its 8 dihedral images: the identity first, the other 7 in a seeded random order.
+    Returns [8N, L] arrays; rows 8i..8i+7 are the images of maze i (one group)."""
+    N, L = questions.shape
+    n = _grid_size(L)
+    order = np.concatenate([np.zeros((N, 1), np.int64), 1 + np.argsort(rng.random((N, 7)), axis=1)], 1)
+
+    def images(x):
+        all8 = np.stack([dihedral(x.reshape(N, n, n), k).reshape(N, L) for k in range(8)])  # [8, N, L]
+        return all8[order, np.arange(N)[:, None]].reshape(8 * N, L)
+    return images(questions), images(answers)
+
+
+def build_dataset(csv_dir, output_dir, aug=False, subsample_size=None, seed=0, skip_bad=False):
+    """csv_dir/{train,test}.csv -> output_dir/{train,test}/ (data.write_split layout). One puzzle per
+    maze, one example per puzzle; one group per maze (with aug: the maze and its 7 images). The same
+    seed gives byte-identical files. Returns {split: metadata}."""
+    rng = np.random.default_rng(seed)
+    metas, sizes = {}, set()
+    for split in ('train', 'test'):
+        q, a, n, skipped = read_csv(os.path.join(csv_dir, f'{split}.csv'), skip_bad)
+        sizes.add(n)
+        if len(sizes) > 1:
+            raise ValueError(f"train and test mazes differ in size: {sorted(sizes)}")
+        if split == 'train' and subsample_size is not None and subsample_size < len(q):
+            keep = np.sort(rng.choice(len(q), subsample_size, replace=False))  # sorted: keeps CSV order
+            q, a = q[keep], a[keep]
+        elif split == 'train' and subsample_size is not None:
+            print(f"--subsample_size {subsample_size} >= {len(q)} train mazes: using them all")
+        per_group = 1
+        if split == 'train' and aug:
+            q, a = augment(q, a, rng)
+            per_group = 8
+        P = len(q)
+        metas[split] = write_split(output_dir, split, q, a, puzzle_identifiers=np.zeros(P, np.int32),
+                                   puzzle_indices=np.arange(P + 1), group_indices=np.arange(0, P + 1, per_group),
+                                   vocab_size=VOCAB_SIZE, pad_id=PAD, ignore_label_id=0, blank_identifier_id=0,
+                                   num_puzzle_identifiers=1, extra=dict(puzzle_type='maze', grid_size=n))
+        steps = shortest_path_length(q)
+        print(f"{split}: {P // per_group} mazes {n}x{n} -> {P} examples, {P // per_group} groups"
+              f"{f', skipped {skipped}' if skipped else ''}; shortest path steps min {steps.min()} "
+              f"mean {steps.mean():.1f} max {steps.max()}")
+    return metas
+
+# -----------------------------------------------------------------------------
+# sources: download, or generate offline
+
+def download_csvs(dest_dir, base_url=BASE_URL):
+    """Fetch train.csv and test.csv from base_url into dest_dir (cached and resumed by download)."""
+    from prepare_sudoku import download  # lazy: only this path needs requests and the shared downloader
+    expected = HARD_ROWS if base_url == BASE_URL else None  # another base_url (a mirror, a test) may differ
+    for split in ('train', 'test'):
+        download(f"{base_url.rstrip('/')}/{split}.csv", os.path.join(dest_dir, f'{split}.csv'),
+                 expected_rows=expected)
+    return dest_dir
+
+
+def default_min_path_len(size):
+    """110 steps at 30x30, scaled with the number of cells for other sizes (the same fraction 110/900)."""
+    return round(HARD_MIN_PATH_LEN * size * size / 900)
+
+
+def generate_maze(n, rnd, loop_frac=0.05):
+    """A random n x n maze as a bytearray of '#'/' ' (row-major). Rooms sit on the odd coordinates
+    (n//2 per side; even n has no wall row/column at the far edges, the grid boundary is the wall),
+    joined by a randomized depth-first search (a spanning tree: long winding corridors); then each
+    remaining wall between two neighbouring rooms is knocked out with probability loop_frac, which
+    makes loops and so sometimes several shortest paths, as in the hard set."""
+    m = n // 2
+    grid = bytearray(b'#' * (n * n))
+
+    def room(i, j):
+        return (2 * i + 1) * n + 2 * j + 1
+
+    seen = [False] * (m * m)
+    i, j = rnd.randrange(m), rnd.randrange(m)
+    seen[i * m + j] = True
+    grid[room(i, j)] = 32  # ord(' ')
+    stack = [(i, j)]
+    while stack:
+        i, j = stack[-1]
+        nbrs = [(a, b) for a, b in ((i - 1, j), (i + 1, j), (i, j - 1), (i, j + 1))
+                if 0 <= a < m and 0 <= b < m and not seen[a * m + b]]
+        if not nbrs:
+            stack.pop()
+            continue
+        a, b = rnd.choice(nbrs)
+        seen[a * m + b] = True
+        grid[room(a, b)] = grid[(i + a + 1) * n + (j + b + 1)] = 32  # the room and the wall between
+        stack.append((a, b))
+    for i in range(m):
+        for j in range(m):
+            for a, b in ((i + 1, j), (i, j + 1)):
+                if a < m and b < m and rnd.random() < loop_frac:
+                    grid[(i + a + 1) * n + (j + b + 1)] = 32
+    return grid
+
+
+def _bfs(grid, n, src):
+    """Steps from src to every cell (-1: wall or unreachable), BFS parents, and the number of shortest
+    paths from src (capped at 2: we only want to know whether there are several)."""
+    N = n * n
+    dist, parent, npaths = [-1] * N, [-1] * N, [0] * N
+    dist[src], npaths[src] = 0, 1
+    queue = deque([src])
+    while queue:
+        v = queue.popleft()
+        d, c = dist[v] + 1, v % n
+        for w in (v - n if v >= n else -1, v + n if v + n < N else -1,
+                  v - 1 if c > 0 else -1, v + 1 if c < n - 1 else -1):
+            if w < 0 or grid[w] == 35:  # ord('#')
+                continue
+            if dist[w] < 0:
+                dist[w], parent[w], npaths[w] = d, v, npaths[v]
+                queue.append(w)
+            elif dist[w] == d:
+                npaths[w] = min(2, npaths[w] + npaths[v])
+    return dist, parent, npaths
+
+
+def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed=0, loop_frac=0.05):
+    """Write csv_dir/{train,test}.csv with random mazes whose shortest S->G path is LONGER than
+    min_path_len steps. Per maze: S uniform over open cells, then G uniform over the open cells more
+    than min_path_len steps from S (a new maze when there are none). Label: the BFS-parent shortest
+    path. rating = path steps. No maze appears twice (so none of test is in train). Returns stats."""
+    if size < 4:
+        raise ValueError("--size must be at least 4")
+    thr = default_min_path_len(size) if min_path_len is None else min_path_len
+    rnd = random.Random(seed)
+    os.makedirs(csv_dir, exist_ok=True)
+    t0, tried, multi, total_steps, seen = time.time(), 0, 0, 0, set()
+    for split, count in (('train', num_train), ('test', num_test)):
+        with open(os.path.join(csv_dir, f'{split}.csv'), 'w', newline='') as f:
+            writer = csv.writer(f, lineterminator='\n')
+            writer.writerow(['source', 'question', 'answer', 'rating'])
+            made, misses = 0, 0
+            while made < count:
+                tried += 1
+                grid = generate_maze(size, rnd, loop_frac)
+                s = rnd.choice([v for v in range(size * size) if grid[v] == 32])
+                dist, parent, npaths = _bfs(grid, size, s)
+                far = [v for v, d in enumerate(dist) if d > thr]
+                question = bytearray(grid)
+                if far:
+                    g = rnd.choice(far)
+                    question[s], question[g] = ord('S'), ord('G')
+                if not far or bytes(question) in seen:
+                    misses += 1
+                    if misses >= 1000:  # e.g. a threshold that this size (or loop_frac) cannot reach
+                        raise RuntimeError(f"1000 mazes in a row without a new one whose path is longer "
+                                           f"than {thr} steps at size {size}: lower --min_path_len or --loop_frac")
+                    continue
+                seen.add(bytes(question))
+                answer = bytearray(question)
+                v = parent[g]
+                while v != s:
+                    answer[v] = ord('o')
+                    v = parent[v]
+                writer.writerow([f'generated-{size}x{size}-seed{seed}', question.decode(), answer.decode(),
+                                 dist[g]])
+                made, misses = made + 1, 0
+                multi += npaths[g] > 1
+                total_steps += dist[g]
+    dt = time.time() - t0
+    n_made = num_train + num_test
+    stats = dict(mazes=n_made, tried=tried, seconds=dt, mazes_per_s=n_made / max(dt, 1e-9),
+                 mean_steps=total_steps / max(1, n_made), multi_path_frac=multi / max(1, n_made),
+                 min_path_len=thr)
+    print(f"generated {n_made} {size}x{size} mazes (path > {thr} steps) in {dt:.1f}s "
+          f"({stats['mazes_per_s']:.0f}/s, {tried} tried); mean path {stats['mean_steps']:.1f} steps; "
+          f"{100 * stats['multi_path_frac']:.0f}% have several shortest paths")
+    return stats
+
+# -----------------------------------------------------------------------------
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])
+    p.add_argument('--output_dir', default=None, help="default data/maze-30x30-hard-1k, or "
+                   "data/maze-gen-{size}x{size} with --generate")
+    p.add_argument('--csv_dir', default=None, help="use DIR/train.csv and DIR/test.csv instead of downloading")
+    p.add_argument('--base_url', default=BASE_URL, help="where {train,test}.csv are downloaded from")
+    p.add_argument('--generate', type=int, default=0, metavar='N', help="generate N train mazes offline")
+    p.add_argument('--num_test', type=int, default=1000, help="test mazes to generate")
+    p.add_argument('--size', type=int, default=30, help="generated maze side")
+    p.add_argument('--min_path_len', type=int, default=None, help="keep generated mazes whose shortest "
+                   "path is longer than this many steps (default 110 at 30x30, scaled with the area)")
+    p.add_argument('--loop_frac', type=float, default=0.05, help="fraction of inner walls knocked out")
+    p.add_argument('--aug', action='store_true', help="add the 7 other dihedral images of each train maze")
+    p.add_argument('--subsample_size', type=int, default=None, help="seeded subset of train mazes")
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--skip_bad', action='store_true', help="skip and count malformed rows instead of failing")
+    args = p.parse_args(argv)
+
+    out = args.output_dir or (f'data/maze-gen-{args.size}x{args.size}' if args.generate
+                              else 'data/maze-30x30-hard-1k')
+    if args.generate:
+        csv_dir = os.path.join(out, 'csv')
+        generate_csvs(csv_dir, args.generate, args.num_test, args.size, args.min_path_len, args.seed,
+                      args.loop_frac)
+    elif args.csv_dir:
+        csv_dir = args.csv_dir
+    else:
+        csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
+    build_dataset(csv_dir, out, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
+                  skip_bad=args.skip_bad)
+    print(f"wrote {out}")
+
+
+if __name__ == '__main__':
+    main()
