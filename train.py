@@ -12,6 +12,7 @@ import glob
 import math
 import os
 import re
+import secrets
 import signal
 import sys
 import time
@@ -485,7 +486,7 @@ def main(index=None):
     wandb_run = None
     if master and wandb_log:
         import wandb
-        run_id = run_id or wandb.util.generate_id()
+        run_id = run_id or secrets.token_hex(4)  # kept in checkpoints: a resumed run logs to the same W&B run
         wandb_run = wandb.init(project=wandb_project, name=wandb_run_name or None, id=run_id, resume='allow',
                                config=config, dir=local)
 
