@@ -413,8 +413,12 @@ def step_lines(out):
     rows = []
     for l in out.splitlines():
         if l.startswith('step '):
-            f = dict(kv.strip().split(' ', 1) for kv in l.split('|'))
-            rows.append({k: float(v.split('/')[0].split()[0]) for k, v in f.items()})
+            row = {}
+            for field in l.split('|'):  # 'step 20/320', 'loss 1.23', ..., '456 ex/s'
+                a, b = field.split()
+                key, val = (b, a) if b == 'ex/s' else (a, b.split('/')[0])
+                row[key] = float(val)
+            rows.append(row)
     return rows
 
 
@@ -442,7 +446,7 @@ def assert_same_state(a, b, exact=True):
             if exact:
                 assert torch.equal(a[key][k], b[key][k]), (key, k)
             else:
-                torch.testing.assert_close(a[key][k], b[key][k], rtol=2e-4, atol=2e-5, msg=f'{key} {k}')
+                torch.testing.assert_close(a[key][k], b[key][k], rtol=1e-4, atol=5e-5, msg=f'{key} {k}')  # float noise ~1e-5; a step moves ~1e-3
 
 
 def test_resume_continues_exactly(toy, tmp_path):

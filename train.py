@@ -410,13 +410,14 @@ def main(index=None):
     local = (local_dir or os.path.join('out', out_dir.rstrip('/').split('/')[-1])) if gs_out else out_dir
     if master:
         os.makedirs(local, exist_ok=True)
-    torch.manual_seed(seed + dev.rank)  # the rank offset decorrelates ACT exploration across ranks
+    torch.manual_seed(seed)  # the same initial weights on every rank
 
     loader = TrainLoader(data_path, global_batch_size, dev.rank, dev.world_size, seed)
     meta = loader.meta
     cfg = TRMConfig(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
                     num_puzzle_identifiers=meta['num_puzzle_identifiers'], **{k: config[k] for k in MODEL_KEYS})
     model = TRM(cfg).to(dev.device)
+    torch.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
     total_steps = loader.steps_for(epochs)
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
     eval_every = max(1, loader.steps_for(eval_interval))
