@@ -37,12 +37,11 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     n_puzzles, n_groups = len(puzzle_indices) - 1, len(group_indices) - 1
     d = os.path.join(root, split)
     os.makedirs(d, exist_ok=True)
-    arrays = dict(inputs=inputs.astype(np.int32), labels=labels.astype(np.int32),
-                  puzzle_identifiers=np.asarray(puzzle_identifiers, dtype=np.int32),
+    arrays = dict(inputs=inputs, labels=labels, puzzle_identifiers=np.asarray(puzzle_identifiers),
                   puzzle_indices=puzzle_indices, group_indices=group_indices)
     assert len(arrays['puzzle_identifiers']) == n_puzzles
-    for name, arr in arrays.items():
-        np.save(os.path.join(d, f'all__{name}.npy'), arr)
+    for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build stays small
+        np.save(os.path.join(d, f'all__{name}.npy'), arr.astype(np.int32, copy=False))
     meta = dict(pad_id=int(pad_id), ignore_label_id=int(ignore_label_id),
                 blank_identifier_id=int(blank_identifier_id), vocab_size=int(vocab_size),
                 seq_len=int(inputs.shape[1]), num_puzzle_identifiers=int(num_puzzle_identifiers),

@@ -402,6 +402,22 @@ def format_eval(r):
 
 
 # -----------------------------------------------------------------------------
+# stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then exit. Installed when the
+# module loads in a process's main thread: torch_xla.launch runs main() in a worker thread.
+
+STOP = dict(requested=False)
+
+
+def on_signal(signum, frame):
+    STOP['requested'] = True
+    signal.signal(signum, signal.SIG_DFL)  # a second one stops at once
+    print(f"pid {os.getpid()}: got signal {signum}; will save a checkpoint and exit", flush=True)
+
+
+if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
 
 def main(index=None):
     dev = Device(resolve_device(device))
@@ -521,16 +537,7 @@ def main(index=None):
     def train_step(carry, batch):
         return model_train_step(model, opt, ema_params, carry, batch, step_t, hp, fwd, dev.all_reduce_sum_, dev.all_gather)
 
-    # --- stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint first ---------------
-    stop = dict(requested=False)
-
-    def on_signal(signum, frame):
-        stop['requested'] = True
-        signal.signal(signum, signal.SIG_DFL)  # a second one stops at once
-        print(f"rank {dev.rank}: got signal {signum}; will save a checkpoint and exit")
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-
+    stop = STOP
     # --- loop -----------------------------------------------------------------------------------------
     prefetch = Prefetcher(loader, dev)
     first = prefetch._next

@@ -1,0 +1,751 @@
+"""
+Build the Sudoku datasets of TRM_SPEC section 5 (Sudoku-Extreme, or generated 4x4 / 6x6 / 9x9 puzzles).
+
+    python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
+    python prepare_sudoku.py --csv_dir /path/with/train_and_test_csv --output_dir data/sudoku-extreme-full
+    python prepare_sudoku.py --generate 2000 --size 4 --output_dir data/sudoku4
+
+Source CSV: header `source,question,answer,rating`, then one puzzle a row, n*n-char row-major strings
+('.' or '0' blank). Tokens: PAD 0, blank 1, digit d -> d+1 (vocab n+2, seq_len n*n). Each original
+puzzle and its `num_aug` shuffled copies form one group; every puzzle holds one example.
+
+Reading is vectorised numpy over the raw bytes (no Python loop per row): every row's structure and
+rating are checked, and the content (characters, givens, Sudoku rules) of every row that goes into the
+dataset, so the 1k x 1001 build from the 3.8M-row file takes seconds and under 1 GB. Only the puzzle
+generator (--generate) is scalar Python.
+"""
+import argparse
+import functools
+import itertools
+import math
+import os
+import random
+import re
+import sys
+import time
+
+import numpy as np
+import requests
+
+from data import write_split
+
+BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
+EXPECTED_ROWS = {'train': 3_831_994, 'test': 422_786}  # data rows, header excluded
+HEADER = 'source,question,answer,rating'
+BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}  # grid size n -> (rows, cols) of one box
+
+
+class CSVFormatError(ValueError):
+    """A malformed source CSV; the message names the file and the 1-based line."""
+
+
+class DownloadError(RuntimeError):
+    """A download that failed for good; the message names the URL and what went wrong."""
+
+
+class _Retryable(Exception):
+    """A failure worth another try (5xx, dropped connection)."""
+
+# -----------------------------------------------------------------------------
+# download: streamed, resumable (.part + HTTP Range), cached, row count checked
+
+def count_rows(path):
+    """Data rows in a CSV file (lines minus the header; a last line without '\\n' counts)."""
+    lines, last = 0, b'\n'
+    with open(path, 'rb') as f:
+        while chunk := f.read(1 << 24):
+            lines += chunk.count(b'\n')
+            last = chunk[-1:]
+    return max(0, lines + (last != b'\n') - 1)
+
+
+def _check_rows(path, expected_rows, what):
+    found = count_rows(path)
+    if found != expected_rows:
+        raise DownloadError(f"{what}: {found:,} data rows, expected {expected_rows:,} (file kept at {path}; "
+                            f"delete it to download again)")
+
+
+def _fetch(session, url, part):
+    """One attempt: continue `part` from its current size to the end of the file."""
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    # identity encoding: a Range must count bytes of the file itself, not of a gzip stream
+    headers = {'Accept-Encoding': 'identity', **({'Range': f'bytes={have}-'} if have else {})}
+    try:
+        r = session.get(url, headers=headers, stream=True, timeout=(15, 60))
+    except requests.RequestException as e:  # refused, DNS, timeout: maybe transient
+        raise _Retryable(f"{type(e).__name__}: {e}") from e
+    with r:
+        if r.status_code == 416 and have:  # nothing left to send: the .part may already be complete
+            total = r.headers.get('Content-Range', '').rpartition('/')[2]
+            if total.isdigit() and int(total) == have:
+                return
+            os.remove(part)
+            raise _Retryable(f"HTTP 416 for a {have}-byte partial file; starting over")
+        if r.status_code >= 500 or r.status_code == 429:
+            raise _Retryable(f"HTTP {r.status_code} {r.reason}")
+        if r.status_code not in (200, 206):
+            raise DownloadError(f"GET {url} failed: HTTP {r.status_code} {r.reason}")
+        total = None
+        if r.status_code == 206:
+            m = re.fullmatch(r'bytes (\d+)-(\d+)/(\d+|\*)', r.headers.get('Content-Range', '').strip())
+            if not m or int(m.group(1)) != have:
+                os.remove(part)
+                raise _Retryable(f"server resumed at the wrong place ({r.headers.get('Content-Range')!r}); "
+                                 f"starting over")
+            total = int(m.group(3)) if m.group(3) != '*' else None
+            mode = 'ab'
+        else:  # 200: the server ignored the Range (or there was none): write from the start
+            have, mode = 0, 'wb'
+            if 'Content-Length' in r.headers:
+                total = int(r.headers['Content-Length'])
+        done, shown, t0 = have, 0.0, time.time()
+        name = os.path.basename(part)[:-len('.part')]
+        try:
+            with open(part, mode) as f:
+                for block in r.iter_content(1 << 16):  # small blocks: a dropped connection loses little
+                    f.write(block)
+                    done += len(block)
+                    if time.time() - shown > 0.5:
+                        shown = time.time()
+                        pct = f" {100 * done / total:5.1f}%" if total else ''
+                        rate = (done - have) / max(1e-9, shown - t0) / 1e6
+                        print(f"\r{name}: {done / 1e6:,.1f}{f' / {total / 1e6:,.1f}' if total else ''} MB"
+                              f"{pct} {rate:.1f} MB/s", end='', file=sys.stderr, flush=True)
+        except (requests.RequestException, ConnectionError) as e:  # dropped mid-stream: resume next try
+            raise _Retryable(f"{type(e).__name__} after {done:,} bytes: {e}") from e
+        finally:
+            if shown:
+                print(file=sys.stderr)
+        if total is not None and done != total:
+            raise _Retryable(f"connection closed at {done:,} of {total:,} bytes")
+
+
+def download(url, dest_path, expected_rows=None, session=None, *, retries=5, backoff=2.0):
+    """Download `url` to `dest_path` and return dest_path. A finished file is reused (no request);
+    a partial one (`dest_path + '.part'`) is resumed with a Range request; 5xx answers and dropped
+    connections are retried with exponential backoff; `expected_rows` checks the CSV's data rows."""
+    if os.path.exists(dest_path):
+        if expected_rows is not None:
+            _check_rows(dest_path, expected_rows, dest_path)
+        return dest_path
+    os.makedirs(os.path.dirname(os.path.abspath(dest_path)), exist_ok=True)
+    part = dest_path + '.part'
+    session = session or requests.Session()
+    for attempt in range(retries + 1):
+        try:
+            _fetch(session, url, part)
+            break
+        except _Retryable as e:
+            if attempt == retries:
+                raise DownloadError(f"GET {url} failed: {e} (gave up after {retries + 1} attempts)") from None
+            wait = backoff * 2 ** attempt
+            print(f"GET {url}: {e}; retrying in {wait:.1f} s", file=sys.stderr)
+            time.sleep(wait)
+    if expected_rows is not None:
+        _check_rows(part, expected_rows, url)
+    os.replace(part, dest_path)  # only a complete, checked file gets the final name
+    return dest_path
+
+# -----------------------------------------------------------------------------
+# reading the CSV. Pass 1 (scan_csv) reads every row's structure and rating, vectorised a chunk at a
+# time; pass 2 (take_rows) reads and checks the content of only the rows that go into the dataset
+# (1000 of the 3.8M train rows for the 1k set; every test row), so the drawn subsample never needs
+# the whole file parsed.
+
+CHUNK = 1 << 23  # bytes parsed at a time: memory stays flat whatever the file size
+ROWS_AT_ONCE = 1 << 16  # rows content-checked at a time in pass 2
+RATING_WIDTH = 18  # longest rating field accepted (fits int64)
+PAD = 2 * 81 + 2 + RATING_WIDTH  # slack after a chunk so fixed-width windows never leave the buffer
+
+
+def _windows(arr, width):
+    """All `width`-byte windows of a 1-D byte array, as a [len - width + 1, width] view (no copy):
+    indexing it with field offsets copies fixed-width fields out of a variable-width file."""
+    return np.lib.stride_tricks.as_strided(arr, shape=(len(arr) - width + 1, width), strides=(1, 1),
+                                           writeable=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_lut(n):
+    lut = np.zeros(256, np.uint16)
+    lut[1:n + 1] = 1 << np.arange(n)
+    return lut
+
+
+def units_ok(digits, n):
+    """[B, n*n] digits (anything outside 1..n counts as wrong) -> bool [B]: every row, column and box
+    holds each digit once. A unit's sum of 2**(d-1) equals 2**n - 1 exactly when its n digits are
+    distinct (n powers of two have n set bits in their sum only if no two are equal)."""
+    br, bc = BOXES[n]
+    d = np.asarray(digits)
+    if d.dtype != np.uint8:
+        d = np.clip(d, 0, 255).astype(np.uint8)
+    B = len(d)
+    bits = _bit_lut(n)[d].reshape(B, n, n)
+    rows, cols = bits[:, :, 0].copy(), bits[:, 0].copy()  # summed by slices: faster than .sum(axis)
+    for j in range(1, n):
+        rows += bits[:, :, j]
+        cols += bits[:, j]
+    b5 = bits.reshape(B, n // br, br, n // bc, bc)
+    boxes = np.zeros((B, n // br, n // bc), np.uint16)
+    for i in range(br):
+        for j in range(bc):
+            boxes += b5[:, :, i, :, j]
+    full = (1 << n) - 1
+    return (rows == full).all(1) & (cols == full).all(1) & (boxes == full).all((1, 2))
+
+
+def _check_structure(buf, end, n):
+    """Pass 1 on the complete lines of buf[:end] (buf has PAD bytes of slack after end). Per line:
+    error code (0 good, 1 fields, 2 question length, 3 answer length, 4 rating), offset of the
+    question in buf, rating, line start."""
+    L = n * n
+    data = buf[:end]
+    nl = np.flatnonzero(data == 10)
+    starts = np.concatenate(([0], nl[:-1] + 1))
+    ends = nl - ((nl > starts) & (data[np.maximum(nl - 1, 0)] == 13))  # drop a '\r' before '\n'
+    commas = np.flatnonzero(data == 44)
+    upto_end = np.searchsorted(commas, nl)
+    first = np.concatenate(([0], upto_end[:-1]))  # index of the line's first comma in `commas`
+    commas = np.concatenate((commas, [0, 0, 0]))  # keeps the lookups below in range on short lines
+    c1, c2, c3 = commas[first], commas[first + 1], commas[first + 2]
+    # rating: 1..RATING_WIDTH chars, an optional '-' then digits; parsed column by column (Horner)
+    rlen, at = ends - c3 - 1, c3 + 1
+    neg = buf[at] == 45
+    rating_ok = (rlen >= 1) & (rlen <= RATING_WIDTH) & (rlen > neg)
+    rating = np.zeros(len(nl), np.int64)
+    for j in range(min(int(rlen.max(initial=0)), RATING_WIDTH)):
+        d = buf[at + j].astype(np.int64) - 48
+        active = (j < rlen) & ~neg if j == 0 else j < rlen
+        rating_ok &= ~active | ((d >= 0) & (d <= 9))
+        rating = np.where(active, rating * 10 + d, rating)
+    rating = np.where(neg, -rating, rating)
+    err = np.zeros(len(nl), np.uint8)
+    for code, bad in ((4, ~rating_ok), (3, c3 - c2 - 1 != L), (2, c2 - c1 - 1 != L), (1, upto_end - first != 3)):
+        err[bad] = code  # last assignment wins: the first problem of a row is reported
+    return err, c1 + 1, np.where(err == 0, rating, 0), starts
+
+
+def _content(qa, n):
+    """Pass 2 on [k, 2*n*n+1] raw bytes (question ',' answer). Returns error codes (0 good,
+    5 question character, 6 answer character, 7 answer contradicts a given, 8 answer breaks a rule)
+    and the token arrays (blank 1, digit d -> d+1)."""
+    L = n * n
+    dq, da = qa[:, :L] - np.uint8(48), qa[:, L + 1:] - np.uint8(48)  # '0'..'9' -> 0..9, '.' wraps to 254
+    blank = (dq == 0) | (dq == 254)
+    inputs = np.where(blank, np.uint8(1), dq + np.uint8(1))
+    labels = da + np.uint8(1)
+    q_bad = ~(blank | (dq - np.uint8(1) < n)).all(1)  # uint8 wrap: '0' and non-digits fail `< n`
+    a_bad = ~(da - np.uint8(1) < n).all(1)
+    contradicts = ((inputs != 1) & (inputs != labels)).any(1)
+    err = np.zeros(len(qa), np.uint8)
+    for code, bad in ((8, ~units_ok(da, n)), (7, contradicts), (6, a_bad), (5, q_bad)):
+        err[bad] = code
+    return err, inputs, labels
+
+
+def _units(n):
+    br, bc = BOXES[n]
+    for r in range(n):
+        yield f"row {r + 1}", [r * n + c for c in range(n)]
+    for c in range(n):
+        yield f"column {c + 1}", [r * n + c for r in range(n)]
+    for b in range(n):
+        R, C = b // (n // bc), b % (n // bc)
+        yield f"box {b + 1}", [(R * br + i) * n + C * bc + j for i in range(br) for j in range(bc)]
+
+
+def _describe(line, n):
+    """What is wrong with one CSV line, in words (scalar; only run for the rows that are reported)."""
+    fields = line.split(',')
+    if len(fields) != 4:
+        return f"expected 4 fields (source,question,answer,rating), found {len(fields)}"
+    _, q, a, r = fields
+    L, digits = n * n, '123456789'[:n]
+    for name, s in (('question', q), ('answer', a)):
+        if len(s) != L:
+            return f"{name} has {len(s)} characters, expected {L}"
+    if not (re.fullmatch(r'-?[0-9]+', r) and len(r) <= RATING_WIDTH):
+        return f"rating {r!r} is not an integer"
+    for name, s, allowed in (('question', q, '.0' + digits), ('answer', a, digits)):
+        for i, ch in enumerate(s):
+            if ch not in allowed:
+                return f"{name} has the invalid character {ch!r} at position {i + 1} (allowed: {allowed})"
+    for i, (g, s) in enumerate(zip(q, a)):
+        if g not in '.0' and g != s:
+            return f"answer has {s} where the question gives {g} (row {i // n + 1}, column {i % n + 1})"
+    for name, cells in _units(n):
+        seen = [a[i] for i in cells]
+        for ch in seen:
+            if seen.count(ch) > 1:
+                return f"answer repeats the digit {ch} in {name}"
+    return "malformed row"
+
+
+def _line_at(path, offset):
+    """The line holding byte `offset`, as text with one char per byte (lengths agree with the checks)."""
+    with open(path, 'rb') as f:
+        lo = max(0, offset - (1 << 16))
+        f.seek(lo)
+        before = f.read(offset - lo)
+        f.seek(lo + before.rfind(b'\n') + 1)
+        line = f.readline(1 << 16)
+    line = line[:-1] if line.endswith(b'\n') else line
+    return (line[:-1] if line.endswith(b'\r') else line).decode('latin-1')
+
+
+def _last_newline(buf, m):
+    """Position of the last newline in buf[:m], or -1; looks at the tail first (lines are short)."""
+    for lo in (max(0, m - (1 << 16)), 0):
+        hits = np.flatnonzero(buf[lo:m] == 10)
+        if len(hits):
+            return lo + int(hits[-1])
+    return -1
+
+
+class _Bad:
+    """Handles bad rows: raise at the first, or (skip_bad) count them and keep the first few messages."""
+    def __init__(self, path, n, skip_bad):
+        self.path, self.n, self.skip_bad, self.count, self.messages = path, n, skip_bad, 0, []
+
+    def __call__(self, offsets, lines):
+        for offset, line in zip(offsets[:1 if not self.skip_bad else max(0, 5 - len(self.messages))], lines):
+            msg = f"{self.path}:{line}: {_describe(_line_at(self.path, int(offset)), self.n)}"
+            if not self.skip_bad:
+                raise CSVFormatError(msg)
+            self.messages.append(msg)
+        self.count += len(offsets)
+
+
+def scan_csv(path, n=None, skip_bad=False):
+    """Pass 1 over the whole file: every row needs 4 fields, a question and an answer of n*n chars and
+    an integer rating. A bad row raises CSVFormatError naming file and line, or with skip_bad is
+    dropped and counted. Returns dict(n, q_off: file offset of each good row's question, rating,
+    line: its 1-based line number, rows: data rows read, bad: the _Bad tally)."""
+    with open(path, 'rb') as f:
+        header = f.readline(1 << 16).decode('utf-8', 'replace').lstrip('\ufeff').rstrip('\r\n')
+        names = header.split(',')
+        if len(names) != 4 or re.fullmatch(r'[.0-9]{16}|[.0-9]{36}|[.0-9]{81}', names[1]):
+            raise CSVFormatError(f"{path}:1: expected the header {HEADER!r}, found {header[:80]!r}")
+        if header != HEADER:  # the reference builder skips line 1 whatever it says; so do we, with a note
+            print(f"{path}:1: header {header[:80]!r} differs from {HEADER!r}; reading the columns in that "
+                  f"order anyway", file=sys.stderr)
+        body = f.tell()
+        if n is None:  # the grid size follows from the first row's question length
+            fields = f.readline(1 << 16).decode('utf-8', 'replace').split(',')
+            L = len(fields[1]) if len(fields) == 4 else -1
+            n = math.isqrt(max(L, 0))
+            if n * n != L or n not in BOXES:
+                raise CSVFormatError(f"{path}:2: cannot tell the grid size: the question has {L} characters, "
+                                     f"expected one of {[k * k for k in BOXES]}")
+            f.seek(body)
+        bad = _Bad(path, n, skip_bad)
+        buf = np.zeros(CHUNK + PAD, np.uint8)
+        view = memoryview(buf)
+        # per good row: question offset, rating, line number; preallocated from the first chunk's line
+        # length and grown if needed (many small per-chunk arrays would stay behind in the heap)
+        cols, kept = [np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)], 0
+        base, row0, carry, eof = body, 0, 0, False
+        while not eof:
+            got = f.readinto(view[carry:CHUNK])
+            m = carry + got
+            if got == 0:  # end of file; a last line without '\n' ends here
+                if carry == 0:
+                    break
+                buf[m], m, eof = 10, m + 1, True
+            end = _last_newline(buf, m) + 1
+            if end == 0:
+                raise CSVFormatError(f"{path}:{row0 + 2}: line longer than {CHUNK:,} bytes")
+            err, q_off, rating, starts = _check_structure(buf, end, n)
+            wrong = np.flatnonzero(err)
+            bad(base + starts[wrong], row0 + 2 + wrong)
+            good = np.flatnonzero(err == 0)
+            if kept + len(good) > len(cols[0]):
+                guess = int(os.path.getsize(path) / max(1, end) * len(err) * 1.05) + 1024
+                size = max(guess, int(1.5 * len(cols[0])), kept + len(good))
+                cols = [np.concatenate((c[:kept], np.zeros(size - kept, c.dtype))) for c in cols]
+            for c, v in zip(cols, (base + q_off[good], rating[good], row0 + 2 + good)):
+                c[kept:kept + len(good)] = v
+            kept += len(good)
+            row0 += len(err)
+            base += end
+            carry = m - end
+            buf[:carry] = buf[end:m].copy()
+    return dict(n=n, q_off=cols[0][:kept], rating=cols[1][:kept], line=cols[2][:kept], rows=row0, bad=bad)
+
+
+def load_rows(path, q_off, n):
+    """Raw bytes [k, 2*n*n+1] (question ',' answer) of the rows whose questions start at `q_off`.
+    Reads in offset order, one read per run of rows that fit in CHUNK bytes: a few scattered rows
+    cost a few small reads, all rows one sequential pass (a memory map would touch far more pages)."""
+    W = 2 * n * n + 1
+    q_off = np.asarray(q_off, np.int64)
+    out = np.empty((len(q_off), W), np.uint8)
+    order = np.argsort(q_off, kind='stable')
+    offs = q_off[order]
+    with open(path, 'rb') as f:
+        i = 0
+        while i < len(offs):
+            j = int(np.searchsorted(offs, offs[i] + CHUNK - W, 'right'))
+            f.seek(int(offs[i]))
+            block = np.frombuffer(f.read(int(offs[j - 1] - offs[i]) + W), np.uint8)
+            out[order[i:j]] = _windows(block, W)[offs[i:j] - offs[i]]
+            i = j
+    return out
+
+
+def take_rows(path, scan, candidates, want=None):
+    """Pass 2: the first `want` (default: all) rows of `candidates` (indices into the scan) whose content
+    is good: characters, answer consistent with the givens, valid Sudoku. A bad row raises, or with
+    skip_bad is counted and the next candidate takes its place. Returns (indices, inputs, labels)
+    in file order; inputs/labels are token arrays [k, n*n]."""
+    n, bad = scan['n'], scan['bad']
+    want = len(candidates) if want is None else want
+    none = np.zeros((0, n * n), np.uint8)
+    kept, ins, labs, pos = [np.zeros(0, np.int64)], [none], [none], 0
+    while want > 0 and pos < len(candidates):
+        idx = candidates[pos:pos + min(want, ROWS_AT_ONCE)]
+        pos += len(idx)
+        err, inputs, labels = _content(load_rows(path, scan['q_off'][idx], n), n)
+        wrong = np.flatnonzero(err)
+        bad(scan['q_off'][idx[wrong]], scan['line'][idx[wrong]])
+        good = err == 0
+        kept.append(idx[good])
+        ins.append(inputs[good])
+        labs.append(labels[good])
+        want -= int(good.sum())
+    return _in_file_order(kept, ins, labs)
+
+
+def _in_file_order(kept, ins, labs):
+    kept = np.concatenate(kept)
+    order = np.argsort(kept, kind='stable')
+    return kept[order], np.concatenate(ins)[order], np.concatenate(labs)[order]
+
+
+# -----------------------------------------------------------------------------
+# augmentation: validity-preserving shuffles, all copies at once with numpy index maps
+
+@functools.lru_cache(maxsize=None)
+def _perm_table(m):
+    """All m! permutations of range(m): drawing an index into this table is a uniform permutation,
+    and far cheaper than argsort of random keys for a million copies."""
+    count = math.factorial(m)
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.permutations(range(m))), np.uint8, m * count)
+    return flat.reshape(count, m)
+
+
+def _random_perms(rng, m, shape):
+    table = _perm_table(m)
+    return table[rng.integers(0, len(table), size=shape)].astype(np.int32)
+
+
+def random_transforms(rng, k, n):
+    """k random Sudoku symmetries of an n x n grid. Returns (pos [k, n*n]: the source cell of each
+    output cell, token_map [k, 16]: token -> token, PAD and blank fixed). Digit permutation, band and
+    row-within-band permutation, stack and column-within-stack permutation, and a transpose with
+    p=0.5 where boxes are square."""
+    br, bc = BOXES[n]
+    token_map = np.zeros((k, 16), np.uint8)
+    token_map[:, 1] = 1
+    token_map[:, 2:n + 2] = _random_perms(rng, n, k) + 2
+    rows = (_random_perms(rng, n // br, k)[:, :, None] * br + _random_perms(rng, br, (k, n // br))).reshape(k, n)
+    cols = (_random_perms(rng, n // bc, k)[:, :, None] * bc + _random_perms(rng, bc, (k, n // bc))).reshape(k, n)
+    row_part, col_part = rows * n, cols  # out[i, j] = in[rows[i], cols[j]]
+    if br == bc:  # transposed first: out[i, j] = in.T[rows[i], cols[j]] = in[cols[j], rows[i]]
+        flip = (rng.random(k) < 0.5)[:, None]
+        row_part, col_part = np.where(flip, rows, row_part), np.where(flip, cols * n, col_part)
+    return (row_part[:, :, None] + col_part[:, None, :]).reshape(k, n * n), token_map
+
+
+def augment(inputs, labels, n, num_aug, rng, chunk=1 << 14):
+    """Token arrays [G, n*n] -> [G * (num_aug + 1), n*n]: each puzzle followed by num_aug shuffled
+    copies; inputs and labels of a copy share one transform."""
+    G, L = inputs.shape
+    K = num_aug + 1
+    out_in, out_lab = np.empty((G, K, L), np.uint8), np.empty((G, K, L), np.uint8)
+    out_in[:, 0], out_lab[:, 0] = inputs, labels
+    # label token in the low 4 bits, "is a given" in bit 4: one gather moves both
+    packed = (labels | ((inputs != 1).astype(np.uint8) << 4)).ravel()
+    step = max(1, chunk // max(1, num_aug))  # puzzles per round: bounds the index arrays' memory
+    for g0 in range(0, G if num_aug else 0, step):
+        g1 = min(G, g0 + step)
+        k = (g1 - g0) * num_aug
+        pos, token_map = random_transforms(rng, k, n)
+        pos += (np.repeat(np.arange(g0, g1, dtype=np.int32), num_aug) * L)[:, None]  # into packed
+        moved = np.take(packed, pos)
+        lab = np.take(token_map, (np.arange(k) * 16)[:, None] + (moved & 15))
+        out_lab[g0:g1, 1:] = lab.reshape(g1 - g0, num_aug, L)
+        out_in[g0:g1, 1:] = np.where(moved >= 16, lab, np.uint8(1)).reshape(g1 - g0, num_aug, L)
+    return out_in.reshape(G * K, L), out_lab.reshape(G * K, L)
+
+# -----------------------------------------------------------------------------
+# verifier (evaluation)
+
+def sudoku_correct(inputs, preds, n=None):
+    """inputs, preds: integer token arrays [B, n*n] (blank 1, digit d -> d+1). True where the
+    prediction keeps every given and every row, column and box holds each digit once."""
+    inputs, preds = np.asarray(inputs), np.asarray(preds)
+    L = preds.shape[-1]
+    n = n or math.isqrt(L)
+    assert n * n == L and n in BOXES, f"no Sudoku layout for seq_len {L} (n={n})"
+    keeps = ((preds == inputs) | (inputs < 2)).all(1)
+    digits = np.clip(preds, 0, n + 2).astype(np.uint8) - np.uint8(1)  # PAD wraps to 255: no digit
+    return keeps & units_ok(digits, n)
+
+
+def tokens_to_strings(tokens):
+    """[B, n*n] tokens -> list of CSV strings ('.' blank; PAD shows as '?')."""
+    lut = np.frombuffer(b'?.123456789', np.uint8)
+    t = np.asarray(tokens)
+    return [row.tobytes().decode() for row in lut[np.clip(t, 0, 10)].astype(np.uint8)]
+
+# -----------------------------------------------------------------------------
+# solver: bitmask candidates, naked + hidden singles, minimum-remaining-values branching
+
+@functools.lru_cache(maxsize=None)
+def _geometry(n):
+    units = [cells for _, cells in _units(n)]
+    peers = [sorted({p for u in units if i in u for p in u} - {i}) for i in range(n * n)]
+    return units, peers, (1 << n) - 1
+
+
+def _propagate(cand, queue, units, peers, full):
+    """Apply singles until nothing changes; False on a contradiction. `queue`: newly solved cells."""
+    while True:
+        while queue:  # naked singles: a solved cell's digit leaves its peers
+            i = queue.pop()
+            b = cand[i]
+            for p in peers[i]:
+                m = cand[p]
+                if m & b:
+                    m ^= b
+                    if not m:
+                        return False
+                    cand[p] = m
+                    if not m & (m - 1):
+                        queue.append(p)
+        for unit in units:  # hidden singles: a digit with one place left in a unit goes there
+            once = twice = 0
+            for i in unit:
+                m = cand[i]
+                twice |= once & m
+                once |= m
+            if once != full:
+                return False  # some digit has no place left
+            hidden = once & ~twice
+            if hidden:
+                for i in unit:
+                    m = cand[i]
+                    h = m & hidden
+                    if h and h != m:
+                        if h & (h - 1):
+                            return False  # one cell is the only place for two digits
+                        cand[i] = h
+                        queue.append(i)
+        if not queue:
+            return True
+
+
+def _search(cand, queue, geo, limit, rng, found, stats):
+    """Depth-first: propagate, then branch on the unsolved cell with the fewest candidates."""
+    if not _propagate(cand, queue, *geo):
+        return
+    best, best_count = -1, 99
+    for i, m in enumerate(cand):
+        if m & (m - 1):
+            c = m.bit_count()
+            if c < best_count:
+                best, best_count = i, c
+                if c == 2:
+                    break
+    if best < 0:
+        found.append(cand)
+        return
+    m = cand[best]
+    choices = [1 << d for d in range(m.bit_length()) if m >> d & 1]
+    if rng is not None:
+        rng.shuffle(choices)
+    for b in choices:
+        stats[0] += 1  # one guess
+        child = cand.copy()
+        child[best] = b
+        _search(child, [best], geo, limit, rng, found, stats)
+        if len(found) >= limit:
+            return
+
+
+def solve(grid, n=None, limit=1, rng=None):
+    """grid: n*n ints (0 blank) or a CSV string. Returns (solutions, guesses): up to `limit` solutions
+    (lists of ints) and the number of guesses (branching assignments) the search made. Guesses are
+    deterministic without `rng`; with a random.Random the branch order is shuffled."""
+    if isinstance(grid, str):
+        grid = [0 if ch in '.0' else int(ch) for ch in grid]
+    n = n or math.isqrt(len(grid))
+    if n not in BOXES or len(grid) != n * n:
+        raise ValueError(f"a {len(grid)}-cell grid is not a {'/'.join(f'{k}x{k}' for k in BOXES)} Sudoku")
+    units, peers, full = geo = _geometry(n)
+    cand, queue = [full] * (n * n), []
+    for i, v in enumerate(grid):
+        if v:
+            cand[i] = 1 << (v - 1)
+            queue.append(i)
+    found, stats = [], [0]
+    _search(cand, queue, geo, limit, rng, found, stats)
+    return [[m.bit_length() for m in s] for s in found], stats[0]
+
+
+def count_solutions(grid, n=None, limit=2):
+    """Number of solutions, counted up to `limit` (2 answers 'is it unique?')."""
+    return len(solve(grid, n, limit=limit)[0])
+
+# -----------------------------------------------------------------------------
+# generator: random solved grid, then clue removal that keeps the solution unique
+
+def make_puzzle(n, rng):
+    """One minimal puzzle (no given can be removed without a second solution). Returns
+    (question, answer, rating): digit lists (0 blank) and the deterministic solver's guess count."""
+    solution = solve([0] * (n * n), n, rng=rng)[0][0]  # random branch order -> random solved grid
+    puzzle = list(solution)
+    order = list(range(n * n))
+    rng.shuffle(order)
+    for i in order:
+        puzzle[i] = 0
+        if count_solutions(puzzle, n) > 1:
+            puzzle[i] = solution[i]
+    return puzzle, solution, solve(puzzle, n)[1]
+
+
+def generate_puzzles(count, n, seed=0, min_rating=0):
+    """`count` distinct puzzles with rating >= min_rating, as CSV-ready (question, answer, rating)
+    strings. Same seed -> same puzzles. Gives up once fewer than 1 try in 100 succeeds."""
+    rng = random.Random(seed)
+    seen, out, tries = set(), [], 0
+    while len(out) < count:
+        tries += 1
+        if tries > 1000 and tries > 100 * (len(out) + 1):
+            raise RuntimeError(f"found only {len(out)} of {count} distinct {n}x{n} puzzles with rating >= "
+                               f"{min_rating} in {tries - 1} tries (too few exist, or the rating is too high)")
+        q, a, rating = make_puzzle(n, rng)
+        qs = ''.join('.' if v == 0 else str(v) for v in q)
+        if rating >= min_rating and qs not in seen:
+            seen.add(qs)
+            out.append((qs, ''.join(map(str, a)), rating))
+    return out
+
+
+def write_csv(path, puzzles, source):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, 'w', newline='') as f:
+        f.write(HEADER + '\n')
+        f.writelines(f"{source},{q},{a},{r}\n" for q, a, r in puzzles)
+
+# -----------------------------------------------------------------------------
+# build
+
+def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_difficulty=None, num_aug=0,
+                rng=None, skip_bad=False):
+    """One split from one CSV. Train takes min_difficulty, subsample_size (seeded) and num_aug; test
+    keeps every row in file order, unaugmented (one group per puzzle)."""
+    t0 = time.time()
+    rng = rng if rng is not None else np.random.default_rng(0)
+    scan = scan_csv(csv_path, n, skip_bad)
+    n = scan['n']
+    candidates = np.arange(len(scan['q_off']))
+    if split == 'train' and min_difficulty is not None:
+        candidates = candidates[scan['rating'] >= min_difficulty]
+    if split == 'train' and subsample_size is not None and subsample_size < len(candidates):
+        # a seeded draw; pass 2 then reads only these rows. Bad ones (skip_bad) are replaced by
+        # rows drawn from the rest, so the set stays a uniform draw from the good rows.
+        drawn = candidates[rng.choice(len(candidates), size=subsample_size, replace=False)]
+        idx, inputs, labels = take_rows(csv_path, scan, drawn)
+        if len(idx) < subsample_size:
+            rest = rng.permutation(np.setdiff1d(candidates, drawn))
+            more = take_rows(csv_path, scan, rest, subsample_size - len(idx))
+            idx, inputs, labels = _in_file_order(*zip((idx, inputs, labels), more))
+    else:
+        if split == 'train' and subsample_size is not None:
+            print(f"{split}: subsample_size {subsample_size:,} >= the {len(candidates):,} rows available: "
+                  f"keeping all", file=sys.stderr)
+        idx, inputs, labels = take_rows(csv_path, scan, candidates)
+    bad, rows, groups = scan['bad'], scan['rows'], len(inputs)
+    del scan, candidates, idx
+    for msg in bad.messages:
+        print(f"skipped {msg}", file=sys.stderr)
+    K = 1 + (num_aug if split == 'train' else 0)
+    if K > 1:
+        inputs, labels = augment(inputs, labels, n, K - 1, rng)
+    N = len(inputs)
+    write_split(output_dir, split, inputs, labels, puzzle_identifiers=np.zeros(N, np.int32),
+                puzzle_indices=np.arange(N + 1), group_indices=np.arange(0, N + 1, K), vocab_size=n + 2,
+                extra=dict(puzzle_type='sudoku', grid_size=n))
+    print(f"{split}: {rows:,} rows read, {bad.count:,} bad rows skipped, {groups:,} groups, {N:,} puzzles "
+          f"({n}x{n}) in {time.time() - t0:.1f} s")
+    return dict(n=n, rows=rows, skipped=bad.count, groups=groups, puzzles=N)
+
+
+def build(csv_dir, output_dir, n=None, subsample_size=None, min_difficulty=None, num_aug=0, seed=0,
+          skip_bad=False):
+    rng = np.random.default_rng(seed)  # one stream, train first: same seed -> identical files
+    return {split: build_split(os.path.join(csv_dir, f'{split}.csv'), output_dir, split, n, subsample_size,
+                               min_difficulty, num_aug, rng, skip_bad)
+            for split in ('train', 'test')}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0].strip())
+    p.add_argument('--output_dir', required=True)
+    src = p.add_argument_group('source (default: download Sudoku-Extreme)')
+    src.add_argument('--csv_dir', help='read train.csv and test.csv from here instead of downloading')
+    src.add_argument('--base_url', default=BASE_URL, help='where {train,test}.csv are downloaded from '
+                     '(default: the Sudoku-Extreme dataset)')
+    src.add_argument('--download_dir', default=os.path.join('data', 'downloads', 'sudoku-extreme'),
+                     help='cache for downloaded CSVs; a second run does not download (default: %(default)s)')
+    src.add_argument('--generate', type=int, metavar='N', help='generate N train puzzles offline instead')
+    src.add_argument('--num_test', type=int, help='test puzzles to generate (default: max(1, N // 10))')
+    src.add_argument('--min_rating', type=int, default=0,
+                     help='generated puzzles need at least this many solver guesses, their rating (default: 0)')
+    src.add_argument('--size', type=int, choices=sorted(BOXES), help='grid size (CSV: inferred; generate: 9)')
+    b = p.add_argument_group('build')
+    b.add_argument('--subsample_size', type=int, help='train: keep this many puzzles (seeded draw)')
+    b.add_argument('--min_difficulty', type=int, help='train: keep rows with rating >= this')
+    b.add_argument('--num_aug', type=int, default=0, help='train: shuffled copies per puzzle (default: 0)')
+    b.add_argument('--seed', type=int, default=0, help='subsample and augmentation seed (default: 0)')
+    b.add_argument('--skip_bad', action='store_true', help='skip malformed rows (counted) instead of failing')
+    args = p.parse_args(argv)
+    if args.generate is not None and args.csv_dir is not None:
+        p.error('--generate and --csv_dir exclude each other')
+    for name in ('generate', 'num_test', 'subsample_size', 'num_aug'):
+        if (getattr(args, name) or 0) < 0:
+            p.error(f'--{name} must not be negative')
+    t0 = time.time()
+    try:
+        if args.generate is not None:
+            n = args.size or 9
+            num_test = args.num_test if args.num_test is not None else max(1, args.generate // 10)
+            puzzles = generate_puzzles(args.generate + num_test, n, args.seed, args.min_rating)
+            csv_dir = os.path.join(args.output_dir, 'csv')
+            write_csv(os.path.join(csv_dir, 'train.csv'), puzzles[:args.generate], f'generated_{n}x{n}')
+            write_csv(os.path.join(csv_dir, 'test.csv'), puzzles[args.generate:], f'generated_{n}x{n}')
+            print(f"generated {len(puzzles):,} {n}x{n} puzzles in {time.time() - t0:.1f} s -> {csv_dir}")
+        elif args.csv_dir is not None:
+            csv_dir = args.csv_dir
+        else:
+            csv_dir = args.download_dir
+            official = args.base_url.rstrip('/') == BASE_URL  # row counts known for the official files only
+            session = requests.Session()
+            for split in ('train', 'test'):
+                download(f"{args.base_url.rstrip('/')}/{split}.csv", os.path.join(csv_dir, f'{split}.csv'),
+                         EXPECTED_ROWS[split] if official else None, session)
+        build(csv_dir, args.output_dir, args.size, args.subsample_size, args.min_difficulty, args.num_aug,
+              args.seed, args.skip_bad)
+    except (CSVFormatError, DownloadError, RuntimeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
