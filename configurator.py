@@ -7,6 +7,7 @@ already exist as a global of the script; values are parsed as Python literals an
 default's type (an int where a float is expected is fine).
 """
 import ast
+import builtins
 import difflib
 import sys
 
@@ -38,7 +39,7 @@ def _configure(g, argv):
             except OSError as e:
                 raise SystemExit(f"config error: cannot read config file {arg}: {e.strerror}")
             scope = {}
-            exec(compile(src, arg, 'exec'), {}, scope)  # errors carry the file and line
+            exec(builtins.compile(src, arg, 'exec'), {}, scope)  # errors carry the file and line; (train.py has its own 'compile')
             for key, value in scope.items():
                 if key.startswith('_') or callable(value) or type(value).__name__ == 'module':
                     continue
