@@ -78,6 +78,7 @@ ema_rate = 0.999
 device = 'auto'                 # 'auto' | 'cpu' | 'cuda' | 'xla' (auto picks xla when PJRT_DEVICE is set)
 compile = False                 # torch.compile the forward + loss (CUDA)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
+gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
@@ -181,7 +182,7 @@ class Device:
             state['cuda'] = torch.cuda.get_rng_state(self.device)
         if self.kind == 'xla':
             import torch_xla.core.xla_model as xm
-            state['xla'] = torch.tensor(xm.get_rng_state(), dtype=torch.int64)
+            state['xla'] = str(xm.get_rng_state())  # an unsigned 64-bit seed
         return state
 
     def set_rng_state(self, state):
@@ -191,6 +192,13 @@ class Device:
         if self.kind == 'xla' and 'xla' in state:
             import torch_xla.core.xla_model as xm
             xm.set_rng_state(int(state['xla']))
+
+    def xla_report(self):
+        """(graph compilations so far, aten ops that fell back to the CPU) on XLA. With static shapes the
+        compilations stop growing after warm-up and nothing falls back."""
+        import torch_xla.debug.metrics as met
+        compiles = met.metric_data('CompileTime')
+        return (compiles[0] if compiles else 0), sorted(n for n in met.counter_names() if n.startswith('aten::'))
 
     def shutdown(self):
         if self.kind != 'xla' and self.world_size > 1:
@@ -339,8 +347,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     metrics at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping."""
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
-    sums = None
-    example = None
+    sums, example, verified = None, None, 0
     for batch in loader:
         b = dev.to_device(batch)
         preds, q_halt = model.predict(b, n_steps)  # [S, B, L], [S, B]
@@ -361,19 +368,23 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
             steps_q_halt=((first + 1).float() * rows).sum(),
         )
+        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+        final_preds = preds[h]
+        dev.sync()  # one graph per batch; the predictions below are then plain transfers
         if verifier is not None:
-            p, inp, v = preds[h].cpu().numpy(), batch['inputs'], batch['valid']
+            p, inp, v = final_preds.cpu().numpy(), batch['inputs'], batch['valid']
             ok = np.asarray(verifier(inp, p)) & v
-            part['verified'] = torch.tensor(float(ok.sum()), device=dev.device)
+            verified += int(ok.sum())
             if show_example and example is None and v.any():
                 i = int(np.argmax(v))
                 example = (inp[i], p[i], bool(ok[i]))
-        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
-        dev.sync()
+    if verifier is not None:
+        sums['verified'] = torch.tensor(float(verified), device=dev.device)
     keys = sorted(sums)
-    flat = [sums[k].reshape(-1).float() for k in keys]
-    dev.all_reduce_sum_(flat)
-    s = {k: f.cpu().numpy() for k, f in zip(keys, flat)}
+    flat = torch.cat([sums[k].reshape(-1).float() for k in keys])  # one reduction, one transfer
+    dev.all_reduce_sum_([flat])
+    host = np.split(flat.cpu().numpy(), np.cumsum([sums[k].numel() for k in keys])[:-1])
+    s = dict(zip(keys, host))
     n = float(s['count'][0])
     exact_k = s['exact_per_step'][h]
     lo, hi = wilson_interval(exact_k, n)
@@ -447,7 +458,7 @@ def main(index=None):
     params, ema_params = list(model.parameters()), list(ema_model.parameters())
     step, best = 0, dict(step=-1, exact_accuracy=-1.0)
     run_id = None
-    carry_state, loader_state = None, None
+    carry_state, loader_state, resumed_from = None, None, None
 
     # --- starting point -------------------------------------------------------------------------
     if init_from == 'resume':
@@ -456,6 +467,7 @@ def main(index=None):
             if master:
                 print("init_from=resume: no checkpoint found, starting from scratch")
         else:
+            resumed_from = path
             if master:
                 print(f"resuming from {path} (step {ckpt['step']})")
             model.load_state_dict(ckpt['model'])
@@ -508,7 +520,8 @@ def main(index=None):
                                config=config, dir=local)
 
     # uploads run in the background; after each, the bucket is pruned like the local folder
-    uploader = gcs.Uploader(on_success=lambda *_: prune_checkpoints(gs_out, keep_last_n, best['step'])) \
+    uploader = gcs.Uploader(client=gcs.GCS(retries=gcs_retries),
+                            on_success=lambda *_: prune_checkpoints(gs_out, keep_last_n, best['step'])) \
         if (master and gs_out) else None
 
     def save(tag=''):
@@ -526,6 +539,7 @@ def main(index=None):
         if uploader:
             uploader.submit(path, f"{gs_out.rstrip('/')}/{os.path.basename(path)}")
         print(f"saved {path}{tag}")
+        return path
 
     # --- the training step (shared by CPU, CUDA and XLA) -------------------------------------------
     fwd = torch.compile(forward_loss) if (compile and dev.kind == 'cuda') else forward_loss
@@ -547,7 +561,7 @@ def main(index=None):
     model.train()
     acc = None
     bad_step = torch.tensor(-1.0, device=dev.device)  # first step with a non-finite loss, kept on the device
-    t0, last_step, last_good = time.time(), step, None
+    t0, last_step, last_good = time.time(), step, resumed_from
     interrupted = False
     while step < run_steps:
         batch = prefetch.next()
@@ -558,29 +572,29 @@ def main(index=None):
         dev.sync()
         step += 1
 
-        at_eval = step % eval_every == 0 or step == run_steps
+        # (no intermediate evaluation just before the final one)
+        at_eval = step == run_steps or (step % eval_every == 0 and run_steps - step >= eval_every // 2)
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
         at_log = step % log_interval == 0 or at_eval or at_ckpt or step == run_steps
         if stop['requested'] and dev.world_size == 1:
             at_log = True
         if at_log:
             # the one place the host reads device values
-            flag = torch.tensor(float(stop['requested']), device=dev.device)
-            vals = [v.float().reshape(1) for v in acc.values()] + [bad_step.reshape(1), flag.reshape(1)]
-            packed = torch.cat(vals)
-            reduced = packed.clone()
+            flags = torch.stack([(bad_step >= 0).float(), torch.tensor(float(stop['requested']), device=dev.device)])
+            reduced = torch.cat([v.float().reshape(1) for v in acc.values()] + [flags])
             dev.all_reduce_sum_([reduced])
-            host = reduced.cpu().numpy()
+            host = torch.cat([reduced, bad_step.reshape(1)]).cpu().numpy()  # one transfer
             m = dict(zip(acc.keys(), host[:len(acc)]))
-            if packed[-2].item() >= 0:
-                msg = (f"loss became NaN or inf at step {int(packed[-2].item())}; stopping without saving."
-                       f" Last good checkpoint: {last_good or 'none'}")
+            if host[-3] > 0:
+                where = f"at step {int(host[-1])}" if host[-1] >= 0 else "on another rank"
+                msg = (f"loss became NaN or inf {where}; stopping without saving. "
+                       f"Last good checkpoint: {last_good or 'none'}")
                 if master:
                     print(msg)
                 if uploader:
                     uploader.wait()
                 raise SystemExit(msg)
-            if host[-1] > 0:
+            if host[-2] > 0:
                 stop['requested'] = True
             dt = time.time() - t0
             n_steps = step - last_step
@@ -593,14 +607,14 @@ def main(index=None):
                             examples_per_s=global_batch_size * n_steps / max(dt, 1e-9))
                 print(f"step {step}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
                       f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f}"
-                      f" | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s")
+                      f" | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s"
+                      + (f" | compiles {dev.xla_report()[0]}" if dev.kind == 'xla' else ''))
                 if wandb_run:
                     wandb_run.log({f'train/{k}': v for k, v in line.items()}, step=step)
             acc, t0, last_step = None, time.time(), step
 
         if stop['requested']:
-            save(' (stop requested)')
-            last_good = True
+            last_good = save(' (stop requested)')
             interrupted = True
             break
         if at_eval:
@@ -612,20 +626,23 @@ def main(index=None):
                     wandb_run.log({f'eval/{k}': v for k, v in res.items() if k != 'exact_by_steps'}, step=step)
             if res['exact_accuracy'] > best['exact_accuracy']:
                 best = dict(step=step, exact_accuracy=float(res['exact_accuracy']))
-            save()
-            last_good = True
+            last_good = save()
             if final and master and example:
                 print(render_example(meta, *example))
         elif at_ckpt:
-            save()
-            last_good = True
+            last_good = save()
 
     if uploader:
-        uploader.wait()
+        # after SIGTERM a spot VM has ~30 s in all: the checkpoint upload gets most of it
+        if not uploader.wait(timeout=25 if interrupted else None):
+            print(f"warning: uploads to {gs_out} still running at exit; the local copies are in {local}")
         if uploader.failures:
             print(f"warning: {uploader.failures} upload(s) to {gs_out} failed; the local copies are in {local}")
     if wandb_run:
         wandb_run.finish()
+    if dev.kind == 'xla' and master:
+        compiles, fallbacks = dev.xla_report()
+        print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")
     dev.barrier()
     dev.shutdown()
     if interrupted:
