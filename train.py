@@ -112,7 +112,7 @@ class Device:
         if kind == 'xla':
             import torch_xla
             import torch_xla.runtime as xr
-            if xla_cache_dir:
+            if xla_cache_dir and os.environ.get('PJRT_DEVICE') != 'CPU':  # the CPU client cannot reload executables
                 xr.initialize_cache(os.path.expanduser(xla_cache_dir), readonly=xr.global_ordinal() != 0)
             self.device = torch_xla.device()
             self.rank, self.world_size = xr.global_ordinal(), xr.world_size()
@@ -448,6 +448,8 @@ def main(index=None):
     total_steps = loader.steps_for(epochs)
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
     eval_every = max(1, loader.steps_for(eval_interval))
+    if master and dev.kind == 'xla' and loss_dtype == 'float64':
+        print("warning: TPUs emulate float64 slowly; --loss_dtype=float32 is the fast path")
     if master:
         print(f"device {dev.kind} x{dev.world_size} | {model.num_params():,} parameters | "
               f"{model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | {total_steps} steps "
