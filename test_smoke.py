@@ -3,10 +3,15 @@ Tests that run real code on small real runs. Run with:  python -m pytest -q test
 Sections: model, optimisers, data, training runs (learning, resume, torchrun, signals, W&B), configurator,
 GCS (against a real emulator server), XLA on the CPU (PJRT_DEVICE=CPU), dataset builders, bench.py.
 """
+import csv
+import filecmp
+import functools
 import glob
+import http.server
 import json
 import math
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,19 +26,13 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
-from data import load_arrays, load_metadata
-import csv
-import filecmp
-import functools
-import http.server
-import prepare_maze as pm
-import re
-import prepare_sudoku as ps
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import gcs  # noqa: E402
+import prepare_maze as pm  # noqa: E402
+import prepare_sudoku as ps  # noqa: E402
 from data import EvalLoader, TrainLoader, load_arrays, load_metadata, write_split  # noqa: E402
 from model import (TRM, AdamATan2, TRMConfig, act_loss, from_reference_state_dict, lr_at,  # noqa: E402
                    sign_sgd_update_, to_reference_state_dict)
@@ -517,7 +516,7 @@ def test_sigterm_saves_and_resume_continues(toy, tmp_path):
     step = torch.load(ckpts[0], weights_only=True)['step']
     assert step >= 3
     p = run(args + ['--init_from=resume', f'--max_steps={step + 2}'])
-    assert f'resuming from' in p.stdout and f'step {step + 2}/' in p.stdout
+    assert 'resuming from' in p.stdout and f'step {step + 2}/' in p.stdout
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(toy, tmp_path):

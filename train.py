@@ -14,9 +14,7 @@ import os
 import re
 import secrets
 import signal
-import sys
 import time
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -85,7 +83,7 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
 
-from data import EvalLoader, TrainLoader, load_metadata, render_example
+from data import EvalLoader, TrainLoader, render_example
 from model import TRM, AdamATan2, TRMConfig, forward_loss, from_reference_state_dict, lr_at
 from model import train_step as model_train_step
 import gcs
@@ -175,6 +173,12 @@ class Device:
         pin = self.kind == 'cuda'
         return {k: (torch.from_numpy(v).pin_memory() if pin else torch.from_numpy(v)).to(self.device, non_blocking=pin)
                 for k, v in batch.items()}
+
+    def manual_seed(self, s):
+        torch.manual_seed(s)
+        if self.kind == 'xla':  # the device draws ACT exploration from its own generator
+            import torch_xla.core.xla_model as xm
+            xm.set_rng_state(s)
 
     def rng_state(self):
         state = dict(cpu=torch.get_rng_state())
@@ -444,7 +448,7 @@ def main(index=None):
     cfg = TRMConfig(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
                     num_puzzle_identifiers=meta['num_puzzle_identifiers'], **{k: config[k] for k in MODEL_KEYS})
     model = TRM(cfg).to(dev.device)
-    torch.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
+    dev.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
     total_steps = loader.steps_for(epochs)
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
     eval_every = max(1, loader.steps_for(eval_interval))
@@ -457,7 +461,7 @@ def main(index=None):
 
     opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
     ema_model = copy.deepcopy(model) if ema else model
-    params, ema_params = list(model.parameters()), list(ema_model.parameters())
+    ema_params = list(ema_model.parameters())
     step, best = 0, dict(step=-1, exact_accuracy=-1.0)
     run_id = None
     carry_state, loader_state, resumed_from = None, None, None
@@ -484,7 +488,7 @@ def main(index=None):
             if dev.rank == 0:
                 dev.set_rng_state(ckpt['rng'])
             else:  # other ranks' exploration streams: reseeded deterministically from the step
-                torch.manual_seed(seed + dev.rank + 1000003 * step)
+                dev.manual_seed(seed + dev.rank + 1000003 * step)
     elif init_from != 'scratch':
         if not os.path.exists(init_from):
             raise SystemExit(f"config error: init_from={init_from!r} is not 'scratch', 'resume' or an existing checkpoint file")
