@@ -176,6 +176,8 @@ class EvalLoader:
     padded to full size with pad inputs, ignored labels and the blank identifier; `valid` marks real rows."""
 
     def __init__(self, root, global_batch_size, rank=0, world_size=1, split='test', subset=0, seed=0):
+        if global_batch_size % world_size:
+            raise ValueError(f"eval batch size {global_batch_size} is not divisible by world_size={world_size}")
         self.meta = load_metadata(root, split)
         self.arrays = load_arrays(root, split)
         self.B, self.rank, self.local_B = global_batch_size, rank, global_batch_size // world_size

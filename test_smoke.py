@@ -519,6 +519,33 @@ def test_sigterm_saves_and_resume_continues(toy, tmp_path):
     assert 'resuming from' in p.stdout and f'step {step + 2}/' in p.stdout
 
 
+
+def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(toy, tmp_path):
+    args = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--data_path={toy}',
+            f'--out_dir={tmp_path}/o', '--epochs=200', '--eval_interval=1000', '--log_interval=2'] + TOY_ARGS
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+    proc = subprocess.Popen([sys.executable] + args, cwd=HERE, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    out = []
+    for line in proc.stdout:
+        out.append(line)
+        if line.startswith('step 4/'):
+            workers = subprocess.run(['pgrep', '-P', str(proc.pid)], capture_output=True, text=True).stdout.split()
+            assert len(workers) == 2, workers
+            os.kill(int(workers[1]), signal.SIGTERM)  # rank 1 only: as when one host is told first
+            break
+    try:
+        rest, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    out = ''.join(out) + rest
+    assert proc.returncode == 0, out
+    assert 'stopped cleanly' in out
+    ckpts = glob.glob(f'{tmp_path}/o/ckpt_*.pt')
+    assert len(ckpts) == 1 and torch.load(ckpts[0], weights_only=True)['carry']['inputs'].shape[0] == 50
+
+
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(toy, tmp_path):
     args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_interval=100',
             '--log_interval=5', '--checkpoint_interval=5'] + TOY_ARGS
@@ -1625,3 +1652,31 @@ def test_maze_download(gen_csv, http_dir, tmp_path):
         assert filecmp.cmp(os.path.join(out, 'raw', f'{split}.csv'), gen_csv / f'{split}.csv', shallow=False)
         rows = _rows(gen_csv / f'{split}.csv')
         assert [pm.decode(r) for r in load_arrays(out, split)['labels']] == [r['answer'] for r in rows]
+
+
+# -----------------------------------------------------------------------------
+# bench.py: smoke runs on the CPU and on CPU-XLA (speed is measured, never asserted)
+
+BENCH_TINY = ['--global_batch_size=8', '--hidden_size=32', '--num_heads=2', '--H_cycles=2', '--L_cycles=2',
+              '--halt_max_steps=3', '--steps=3', '--warmup_steps=2', '--eval_batches=1', '--forward_dtype=float32',
+              '--loss_dtype=float32', '--puzzle_emb_len=1', '--puzzle_emb_ndim=32']
+
+
+def bench_summary(out):
+    line = [l for l in out.splitlines() if l.startswith('bench: device=')][-1]
+    return dict(kv.split('=', 1) for kv in line.split()[1:])
+
+
+def test_bench_runs_on_cpu_with_a_train_config(toy):
+    p = run(['bench.py', 'config/baseline.py', f'--data_path={toy}', '--device=cpu'] + BENCH_TINY)
+    s = bench_summary(p.stdout)
+    assert s['device'] == 'cpu' and float(s['examples_per_s']) > 0 and float(s['eval_puzzles_per_s']) > 0
+    assert int(s['flops_per_example']) > 0 and s['mfu'] == 'n/a'  # no peak figure for a CPU
+
+
+def test_bench_on_xla_stops_compiling(tmp_path):
+    p = run(['bench.py', '--device=xla', '--mlp_t=False', '--pos_encodings=rope'] + BENCH_TINY, env=XLA_ENV)
+    s = bench_summary(p.stdout)
+    assert s['device'] == 'xla' and float(s['ms_per_step']) > 0
+    assert s['compiles_warm'] == s['compiles_end']  # the timed steps reused the warm-up graphs
+    assert 'CPU fallbacks: none' in p.stdout

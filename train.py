@@ -111,7 +111,9 @@ class Device:
             import torch_xla
             import torch_xla.runtime as xr
             if xla_cache_dir and os.environ.get('PJRT_DEVICE') != 'CPU':  # the CPU client cannot reload executables
-                xr.initialize_cache(os.path.expanduser(xla_cache_dir), readonly=xr.global_ordinal() != 0)
+                # one writable cache per local process: every host of a pod fills its own
+                xr.initialize_cache(os.path.join(os.path.expanduser(xla_cache_dir), str(xr.local_ordinal())),
+                                    readonly=False)
             self.device = torch_xla.device()
             self.rank, self.world_size = xr.global_ordinal(), xr.world_size()
             self.local_rank = xr.local_ordinal()
@@ -581,9 +583,8 @@ def main(index=None):
         # (no intermediate evaluation just before the final one)
         at_eval = step == run_steps or (step % eval_every == 0 and run_steps - step >= eval_every // 2)
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        at_log = step % log_interval == 0 or at_eval or at_ckpt or step == run_steps
-        if stop['requested'] and dev.world_size == 1:
-            at_log = True
+        stop_now = stop['requested'] and dev.world_size == 1  # several ranks: only the agreed flag below counts
+        at_log = step % log_interval == 0 or at_eval or at_ckpt or step == run_steps or stop_now
         if at_log:
             # the one place the host reads device values
             flags = torch.stack([(bad_step >= 0).float(), torch.tensor(float(stop['requested']), device=dev.device)])
@@ -600,8 +601,8 @@ def main(index=None):
                 if uploader:
                     uploader.wait()
                 raise SystemExit(msg)
-            if host[-2] > 0:
-                stop['requested'] = True
+            if host[-2] > 0:  # some rank got the signal: all stop at this same step
+                stop_now = True
             dt = time.time() - t0
             n_steps = step - last_step
             if master:
@@ -619,7 +620,7 @@ def main(index=None):
                     wandb_run.log({f'train/{k}': v for k, v in line.items()}, step=step)
             acc, t0, last_step = None, time.time(), step
 
-        if stop['requested']:
+        if stop_now:
             last_good = save(' (stop requested)')
             interrupted = True
             break
