@@ -582,6 +582,7 @@ def solve(grid, n=None, limit=1, rng=None):
     deterministic without `rng`; with a random.Random the branch order is shuffled."""
     if isinstance(grid, str):
         grid = [0 if ch in '.0' else int(ch) for ch in grid]
+    grid = [int(v) for v in grid]  # plain ints, also from a numpy array
     n = n or math.isqrt(len(grid))
     if n not in BOXES or len(grid) != n * n:
         raise ValueError(f"a {len(grid)}-cell grid is not a {'/'.join(f'{k}x{k}' for k in BOXES)} Sudoku")
