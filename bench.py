@@ -115,23 +115,24 @@ print(f"bench: {name} | {model.num_params():,} parameters | batch {global_batch_
       f"{flops / 1e9:.2f} GFLOPs per example-step")
 
 # --- training ------------------------------------------------------------------------------------
-t0 = time.time()
-for i in range(warmup_steps):
-    carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % 2], step_t, hp, fwd)
-    if kind == 'xla':
-        torch_xla.sync()
-wait()
-warmup_s = time.time() - t0
+
+def run_steps(n):
+    """n training steps; returns their wall time once the device has finished them."""
+    global carry, loss
+    t0 = time.time()
+    for i in range(n):
+        carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % 2], step_t, hp, fwd)
+        if kind == 'xla':
+            torch_xla.sync()
+    wait()
+    return time.time() - t0
+
+
+warmup_s = run_steps(warmup_steps)
 compiles_warm = compiles()
 if kind == 'cuda':
     torch.cuda.reset_peak_memory_stats(dev)
-t0 = time.time()
-for i in range(steps):
-    carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % 2], step_t, hp, fwd)
-    if kind == 'xla':
-        torch_xla.sync()
-wait()
-dt = (time.time() - t0) / steps
+dt = run_steps(steps) / steps
 compiles_end = compiles()
 ex_s = global_batch_size / dt
 tflops = flops * ex_s / 1e12
@@ -178,9 +179,7 @@ if profile:
     model.train()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == 'cuda' else [])
     with torch_profile(activities=acts) as prof:
-        for i in range(3):
-            carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % 2], step_t, hp, fwd)
-        wait()
+        run_steps(3)
     path = os.path.join(profile_dir, f'trace_{kind}.json')
     prof.export_chrome_trace(path)
     print(f"profile: wrote {path} (open in chrome://tracing or https://ui.perfetto.dev)")
