@@ -83,7 +83,7 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator
 config = {k: globals()[k] for k in config_keys}
 # -----------------------------------------------------------------------------
 
-from data import EvalLoader, TrainLoader, render_example
+from data import IGNORE_LABEL_ID, EvalLoader, TrainLoader, render_example
 from model import TRM, AdamATan2, TRMConfig, forward_loss, from_reference_state_dict, lr_at
 from model import train_step as model_train_step
 import gcs
@@ -218,12 +218,12 @@ class Prefetcher:
     def __init__(self, loader, dev):
         self.loader, self.dev = loader, dev
         self.consumed_state = loader.state_dict()
-        self._next = dev.to_device(loader.next_batch())
+        self.upcoming = dev.to_device(loader.next_batch())
 
     def next(self):
-        batch = self._next
+        batch = self.upcoming
         self.consumed_state = self.loader.state_dict()
-        self._next = self.dev.to_device(self.loader.next_batch())
+        self.upcoming = self.dev.to_device(self.loader.next_batch())
         return batch
 
 
@@ -358,7 +358,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         b = dev.to_device(batch)
         preds, q_halt = model.predict(b, n_steps)  # [S, B, L], [S, B]
         labels = b['labels']
-        valid_tok = labels != -100
+        valid_tok = labels != IGNORE_LABEL_ID
         n_valid = valid_tok.sum(-1)
         rows = (b['valid'] & (n_valid > 0)).float()
         tok_ok = (preds == labels) & valid_tok
@@ -562,7 +562,7 @@ def main(index=None):
     stop = STOP
     # --- loop -----------------------------------------------------------------------------------------
     prefetch = Prefetcher(loader, dev)
-    first = prefetch._next
+    first = prefetch.upcoming
     carry = model.initial_carry(first)
     if carry_state is not None:
         carry = {k: v.to(dev.device) for k, v in carry_state.items()}
