@@ -1679,4 +1679,4 @@ def test_bench_on_xla_stops_compiling(tmp_path):
     s = bench_summary(p.stdout)
     assert s['device'] == 'xla' and float(s['ms_per_step']) > 0
     assert s['compiles_warm'] == s['compiles_end']  # the timed steps reused the warm-up graphs
-    assert 'CPU fallbacks: none' in p.stdout
+    assert s['fallbacks'] == '0' and 'CPU fallbacks in training: none; in evaluation: none' in p.stdout
