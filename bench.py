@@ -5,50 +5,56 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py                                               # the paper's Sudoku MLP model
     python bench.py config/baseline.py --global_batch_size=384    # any train.py config; the batch is global_batch_size
     python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
-    python bench.py --compile=True --compile_mode=max-autotune-no-cudagraphs    # CUDA
+    python bench.py config/maze.py                                # the task's shape from the config: 30x30 maze, 900 tokens
+    python bench.py --compile=False                               # CUDA: eager (compiled is the default there, as in train.py)
+    python bench.py --compile_mode=max-autotune-no-cudagraphs     # CUDA
+    python bench.py --seq_align=1                                 # mlp_t without the sequence-axis padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     python bench.py --profile=True                                # also a trace of profile_steps steps
-It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, warm-up
-(compile) time, peak memory, evaluation puzzles/s, and on XLA the graph compilations and CPU fallbacks.
-The last line, `bench: key=value ...`, is for scripts.
+The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
+from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81 tokens,
+vocab 11); --seq_len / --vocab_size override it. On CUDA the step and the evaluation are compiled (train.py's
+compile=True: model.compiled_step and model.compiled_predict, the ones train.py uses).
+It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time to
+the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the graph
+compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
 """
-import ast
 import os
-import resource
+import re
 import time
 
 import numpy as np
 import torch
 
-# -----------------------------------------------------------------------------
-# config. First every key of train.py with its default, read from train.py's config block, so that its
-# config files (config/baseline.py sets data_path, epochs, lr, out_dir, ...) and flags work here unchanged.
+from configurator import read_config_block  # noqa: E402
+
+# every key of train.py with its default, so that its config files and flags work here unchanged
 _here = os.path.dirname(os.path.abspath(__file__))
-for _node in ast.parse(open(os.path.join(_here, 'train.py')).read()).body:
-    if isinstance(_node, ast.Assign) and isinstance(_node.targets[0], ast.Name):
-        if _node.targets[0].id == 'config_keys':
-            break  # the end of train.py's config block
-        try:
-            globals()[_node.targets[0].id] = ast.literal_eval(_node.value)
-        except ValueError:
-            pass  # not a plain literal: not a config key
+globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py')).items()})
+# -----------------------------------------------------------------------------
+# config: bench's own keys (train.py's are above)
 # then bench's own keys and defaults
 global_batch_size = 0           # the batch size; 0: 768 on a GPU or TPU, 64 on the CPU (config files may set it)
-data_path = ''                  # '': random tokens of the shape below; else a dataset folder (shape from its metadata)
-seq_len = 81                    # random data: Sudoku-sized
-vocab_size = 11
+data_path = ''                  # a dataset folder (shape and batches from it); one that does not exist: its name says the shape
+seq_len = 0                     # tokens per example; 0: from the dataset or data_path's name (default 81, Sudoku 9x9)
+vocab_size = 0                  # 0: likewise (Sudoku 9x9: 11, maze: 6)
 num_puzzle_identifiers = 1
-steps = 20                      # timed training steps
-warmup_steps = 3                # untimed steps first: compilation, autotuning, allocator (XLA: the first 2 steps differ)
+seq_align = 8                   # mlp_t pads the sequence axis of its matmuls to a multiple of this (exact); 1: off
+steps = 20                      # timed training steps (0: none; with checkpoint_dir, only the checkpoint is timed)
+warmup_steps = 3                # untimed steps first, the first one timed alone: compilation, autotuning, allocator (XLA: 2 at least)
 eval_batches = 3                # timed evaluation batches (model.predict for eval_steps or halt_max_steps steps); 0 skips
-compile_mode = 'default'        # with --compile=True on CUDA; 'max-autotune-no-cudagraphs' compiles for minutes
+compile_mode = 'default'        # torch.compile mode on CUDA (compile=True); 'max-autotune-no-cudagraphs' compiles for minutes
 profile = False                 # afterwards, trace profile_steps more steps into profile_dir
 profile_steps = 3
-profile_dir = 'out/profile'
+profile_dir = 'out/profile'     # where the trace goes
+checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
+from data import BOXES, MAZE_VOCAB_SIZE, load_metadata, puzzle_type  # noqa: E402
+from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import TRM, AdamATan2, TRMConfig, forward_loss, train_step  # noqa: E402
 
 # peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name found in the device's wins
@@ -56,91 +62,74 @@ PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 98
                ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),
                ('v5p', 459), ('TPU v5', 459), ('v4', 275)]
 
-kind = device if device != 'auto' else \
-    'xla' if os.environ.get('PJRT_DEVICE') else 'cuda' if torch.cuda.is_available() else 'cpu'  # as train.py
-if kind not in ('cpu', 'cuda', 'xla'):
-    raise SystemExit(f"config error: device={device!r}; allowed 'auto', 'cpu', 'cuda', 'xla'")
+kind = resolve_device(device)
+dev = Device(kind)
 if kind == 'xla':
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
-    dev = torch_xla.device()
     if warmup_steps < 2:  # step 1 also creates the optimizer state: a graph of its own
         print(f"note: warmup_steps={warmup_steps} -> 2 on XLA (the first two steps compile different graphs)")
         warmup_steps = 2
-elif kind == 'cuda':
-    dev = torch.device('cuda')
-    torch.backends.cuda.matmul.allow_tf32 = True  # as train.py
-    torch.backends.cudnn.allow_tf32 = True
-else:
-    dev = torch.device('cpu')
+compiled = bool(compile) and kind == 'cuda'
 if compile and kind != 'cuda':
-    print(f"note: compile=True applies to CUDA only (as in train.py); ignored on {kind}")
+    print(f"note: compile=True applies to CUDA only (the train.py key); not on {kind}")
 global_batch_size = global_batch_size or (64 if kind == 'cpu' else 768)
+if steps < 0 or (steps == 0 and not checkpoint_dir):
+    raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
+if seq_len < 0 or vocab_size < 0 or seq_align < 1:
+    raise SystemExit(f"config error: seq_len={seq_len}, vocab_size={vocab_size}, seq_align={seq_align}; "
+                     f"seq_len and vocab_size >= 0 (0: derived), seq_align >= 1")
+warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
+forward_dtype, dtype_why = choose_dtype(forward_dtype, kind)
+loss_dtype = resolve_loss_dtype(loss_dtype, kind)
 
 
-def device_name():
-    if kind == 'cuda':
-        return torch.cuda.get_device_name(dev)
-    if kind == 'xla':
-        name = xm.xla_device_kind(dev)  # e.g. 'TPU v4', 'TPU v5 lite', 'cpu'
-        accel = os.environ.get('TPU_ACCELERATOR_TYPE', '')  # e.g. 'v5litepod-8'
-        if not accel and xm.xla_device_hw(dev) == 'TPU':
-            try:
-                accel = torch_xla.tpu.get_tpu_type()  # asks the TPU VM's metadata server
-            except Exception:
-                pass
-        return f"XLA {name} {accel}".strip()
-    try:
-        cpu = next(l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name'))
-    except Exception:
-        cpu = 'cpu'
-    return f"{cpu}, {torch.get_num_threads()} threads"
+fmt = lambda x, spec: 'n/a' if x is None else format(x, spec)
 
 
 def peak_tflops(name):
-    if kind == 'cpu' or name.startswith('XLA cpu'):
+    if kind == 'cpu' or name.startswith('XLA on the CPU'):
         return None  # no meaningful peak figure for a CPU
     return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
 
 
-def wait():
-    """Block until the device has finished everything queued, so the clock can be read."""
-    if kind == 'cuda':
-        torch.cuda.synchronize()
-    elif kind == 'xla':
-        xm.wait_device_ops()
+def shape_from_name(path):
+    """(seq_len, vocab_size, why) of the task a dataset folder's name says: 'maze' (30x30 unless the name
+    says RxC), 'sudoku<N>' (N = 4, 6 or 9), anything else the paper's 9x9 Sudoku."""
+    name = os.path.basename(os.path.normpath(path)).lower() if path else ''
+    if 'maze' in name:
+        m = re.search(r'(\d+)x(\d+)', name)
+        r, c = (int(m.group(1)), int(m.group(2))) if m else (30, 30)
+        return r * c, MAZE_VOCAB_SIZE, f"maze {r}x{c}, from data_path's name {path!r}"
+    m = re.search(r'sudoku[-_]?(\d+)', name)
+    if m and int(m.group(1)) in BOXES:
+        n = int(m.group(1))
+        return n * n, n + 2, f"sudoku {n}x{n}, from data_path's name {path!r}"
+    if 'sudoku' in name:
+        return 81, 11, f"sudoku 9x9, from data_path's name {path!r}"
+    return 81, 11, (f"sudoku 9x9, the default: data_path's name {path!r} names no known puzzle" if path
+                    else "sudoku 9x9, the default: no data_path")
 
 
-def compiles():
-    """XLA graph compilations so far (0 elsewhere)."""
-    return (met.metric_data('CompileTime') or [0])[0] if kind == 'xla' else 0
-
-
-def xla_fallbacks():
-    """{aten op: count} of the ops XLA could not lower and ran on the CPU (none inside a clean step)."""
-    return {n: met.counter_value(n) for n in sorted(met.counter_names()) if n.startswith('aten::')} if kind == 'xla' else {}
-
-
-def peak_memory():
-    """(bytes, what was measured)."""
-    if kind == 'cuda':
-        return torch.cuda.max_memory_allocated(dev), 'peak allocated'
-    if kind == 'xla':
-        try:
-            info = xm.get_memory_info(dev)
-            return int(info.get('peak_bytes_used', info['bytes_used'])), 'device peak'
-        except Exception:
-            pass  # the XLA CPU client has no allocator statistics
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'  # Linux: KiB
-
-
-# --- data: a few batches staged on the device up front (loading is not what is measured) -----------------
-torch.manual_seed(seed)
-if kind == 'xla':
-    xm.set_rng_state(seed)  # the ACT exploration draws on the device
-if data_path and not os.path.exists(os.path.join(data_path, 'train', 'dataset.json')):
-    print(f"note: no dataset at data_path={data_path!r}; using random batches (the speed does not depend on the data)")
+# --- the task's shape, then a few batches staged on the device up front (loading is not what is measured) ---
+dev.manual_seed(seed)
+have_data = bool(data_path) and os.path.exists(os.path.join(data_path, 'train', 'dataset.json'))
+if have_data:
+    meta = load_metadata(data_path, 'train')
+    shape = (meta['seq_len'], meta['vocab_size'],
+             f"{puzzle_type(meta) or 'unknown puzzle'}, from the dataset's metadata in {data_path}")
+else:
+    shape = shape_from_name(data_path)
+    if data_path:
+        shape = shape[:2] + (shape[2] + '; no dataset there: random batches',)
+if seq_len or vocab_size:
+    why = ', '.join(f"--{k}={v}" for k, v in (('seq_len', seq_len), ('vocab_size', vocab_size)) if v)
+    shape = (seq_len or shape[0], vocab_size or shape[1], f"{why} as given; otherwise {shape[2]}")
+    if have_data and (shape[0], shape[1]) != (meta['seq_len'], meta['vocab_size']):
+        print(f"note: the dataset's shape is {meta['seq_len']} tokens, vocab {meta['vocab_size']}; random batches "
+              f"of the given shape instead")
+        have_data = False
+seq_len, vocab_size = shape[0], shape[1]
+print(f"shape: {seq_len} tokens, vocab {vocab_size} ({shape[2]})")
+if not have_data:
     data_path = ''
 eval_B = eval_batch_size or global_batch_size
 n_eval_steps = eval_steps or halt_max_steps
@@ -163,32 +152,72 @@ else:
                     puzzle_identifiers=rng.integers(0, num_puzzle_identifiers, B, dtype=np.int32))
     host_train = [random_batch(global_batch_size) for _ in range(2)]
     host_eval = [random_batch(eval_B) for _ in range(2)]
-to_dev = lambda b: {k: torch.from_numpy(v).to(dev) for k, v in b.items()}
-batches, eval_data = [to_dev(b) for b in host_train], [to_dev(b) for b in host_eval]
+batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) for b in host_eval]
 
-# --- model, optimizer, EMA and step, as train.py builds them ---------------------------------------------
+# --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------------------------
 model_keys = [f for f in TRMConfig.__dataclass_fields__ if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in model_keys})
-model = TRM(cfg).to(dev)
+model = TRM(cfg, seq_align=seq_align).to(dev.device)
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA model's
-fwd = torch.compile(forward_loss, mode=compile_mode) if (compile and kind == 'cuda') else forward_loss
+# train.py's step: compiled on CUDA with the same helper (forward + loss + its backward; optimizer, sign-SGD, EMA)
+fwd = model.compiled_step(compile_mode) if compiled else forward_loss
+predict = model.compiled_predict(compile_mode) if compiled else model.predict
 hp = dict(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay, warmup=lr_warmup_steps,
           total=10 ** 6, min_ratio=lr_min_ratio, global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None)
-step_t = torch.zeros((), device=dev)  # the step count lives on the device, as in train.py
+step_t = torch.zeros((), device=dev.device)  # the step count lives on the device (the LR schedule runs there)
 carry = model.initial_carry(batches[0])
 loss = None
 
-name = device_name()
+name = dev.name()
 peak = peak_tflops(name)
 flops = model.flops_per_example()  # one supervision step: every net call, the no-grad recursion passes included
-print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'}")
+print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype {dtype_why}")
 print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'attention'}, pos {pos_encodings}, "
       f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} tokens | "
       f"{forward_dtype}, loss {loss_type} {loss_dtype} | {flops / 1e9:.2f} GFLOPs per example-step | "
-      f"data {data_path or 'random'}")
+      f"data {data_path or 'random'} | {f'compiled ({compile_mode})' if compiled else 'eager'}"
+      + (f" | mlp_t sequence axis {cfg.total_len} -> {cfg.total_len + model.net.layers[0].seq_pad} (seq_align "
+         f"{seq_align})" if mlp_t else ''))
+
+
+# --- a checkpoint: the same parts as train.py's (weights, EMA, AdamATan2 moments, the ACT carry of the batch) ---
+if checkpoint_dir:
+    import tempfile
+
+    import gcs
+    from device import to_cpu
+    for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in the file
+        p.grad = torch.zeros_like(p)
+    opt.init_state()
+    opt.zero_grad(set_to_none=True)
+    remote = checkpoint_dir if gcs.is_gcs(checkpoint_dir) else ''
+    folder = tempfile.mkdtemp(prefix='bench_ckpt_') if remote else checkpoint_dir
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, 'ckpt_bench.pt')
+    t0 = time.perf_counter()
+    dev.wait()
+    state = to_cpu(dict(model=model.state_dict(), ema=model.state_dict(), optimizer=opt.state_dict(), carry=carry))
+    gcs.save_atomic(state, path)
+    save_s = time.perf_counter() - t0
+    carry_mb = sum(t.numel() * t.element_size() for t in state['carry'].values()) / 1e6
+    upload_s = None
+    if remote:
+        t0 = time.perf_counter()
+        gcs.upload_file(path, f"{remote.rstrip('/')}/ckpt_bench.pt")
+        upload_s = time.perf_counter() - t0
+        os.remove(path)
+    size_mb = sum(v.numel() * v.element_size() for v in [*state['model'].values(), *state['ema'].values(),
+                  *state['carry'].values()] + [t for st in state['optimizer']['state'].values() for t in st.values()]) / 1e6
+    print(f"checkpoint: {size_mb:.1f} MB of tensors ({carry_mb:.1f} MB of them the ACT carry of {global_batch_size} rows in "
+          f"{forward_dtype}) | device to host + write {save_s:.2f} s ({path if not remote else 'local temporary file'})"
+          + (f" | upload to {remote} {upload_s:.2f} s | save + upload {save_s + upload_s:.2f} s" if remote else ''))
+    if steps == 0:
+        print(f"bench: checkpoint_mb={size_mb:.1f} carry_mb={carry_mb:.1f} save_s={save_s:.2f} "
+              f"upload_s={fmt(upload_s, '.2f') if remote else 'n/a'}")
+        raise SystemExit(0)
 
 
 def run_steps(n):
@@ -197,54 +226,54 @@ def run_steps(n):
     t0 = time.perf_counter()
     for i in range(n):
         carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, hp, fwd)
-        if kind == 'xla':
-            torch_xla.sync()  # one graph per step, as train.py cuts it
-    wait()
+        dev.sync()  # one graph per step on XLA, cut where train.py cuts it
+    dev.wait()
     return time.perf_counter() - t0
 
 
 # --- training ---------------------------------------------------------------------------------------------
-warmup_s = run_steps(warmup_steps)
-compiles_warm = compiles()
-dt = run_steps(steps) / max(steps, 1)
-compiles_end = compiles()
-fallbacks = xla_fallbacks()  # read before anything below moves a value to the host
+first_step_s = run_steps(1)  # the time to the first step: compilation (CUDA, XLA) and first allocations
+warmup_s = first_step_s + run_steps(warmup_steps - 1)
+compiles_warm = dev.xla_report()[0]
+dt = run_steps(steps) / steps
+compiles_end, fallbacks = dev.xla_report()  # read before anything below moves a value to the host
 ex_s = global_batch_size / dt
 tflops = flops * ex_s / 1e12
 mfu = tflops / peak if peak else None
-mem, mem_what = peak_memory()
-print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.1f} examples/s | {ex_s * seq_len:.0f} tokens/s | {tflops:.3f} TFLOP/s | "
-      f"MFU {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | warm-up {warmup_s:.1f} s ({warmup_steps} steps) | "
+mem, mem_what = dev.peak_memory()
+print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.2f} examples/s | {ex_s * seq_len:.0f} tokens/s | {tflops:.3f} TFLOP/s | "
+      f"MFU {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | first step {first_step_s:.1f} s | warm-up {warmup_s:.1f} s "
+      f"({warmup_steps} step{'s' if warmup_steps > 1 else ''}, the first included) | "
       f"memory {mem / 2 ** 30:.2f} GiB ({mem_what}) | loss {float(loss.cpu()) / global_batch_size:.4f}")
 
-# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (as train.py's evaluate) --
+# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (model.evaluate's work) --
 eval_ps = eval_mfu = eval_warm_s = None
 eval_fallbacks = {}
 compiles_eval_warm = compiles_eval_end = compiles_end
 if eval_batches > 0:
     model.eval()  # the trained weights themselves, not the EMA copy: the cost is the same
     with torch.no_grad():
-        t0 = time.perf_counter()
-        out = model.predict(eval_data[0], n_eval_steps)  # untimed: compiles the evaluation graph on XLA
-        if kind == 'xla':
-            torch_xla.sync()
-        wait()
-        eval_warm_s = time.perf_counter() - t0
-        compiles_eval_warm = compiles()
+        if kind != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU: no need)
+            t0 = time.perf_counter()
+            out = predict(eval_data[0], n_eval_steps)
+            dev.sync()
+            dev.wait()
+            eval_warm_s = time.perf_counter() - t0
+            compiles_eval_warm = dev.xla_report()[0]
         t0 = time.perf_counter()
         for i in range(eval_batches):
-            out = model.predict(eval_data[i % len(eval_data)], n_eval_steps)  # kept: XLA skips what nothing uses
-            if kind == 'xla':
-                torch_xla.sync()
-        wait()
+            out = predict(eval_data[i % len(eval_data)], n_eval_steps)  # kept: XLA skips what nothing uses
+            dev.sync()
+        dev.wait()
         eval_ps = eval_B * eval_batches / (time.perf_counter() - t0)
-        compiles_eval_end = compiles()
-    eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in xla_fallbacks().items() if c > fallbacks.get(n, 0)}
+        compiles_eval_end, after = dev.xla_report()
+    eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in after.items() if c > fallbacks.get(n, 0)}
     model.train()
     eval_tflops = model.flops_per_example(train=False) * n_eval_steps * eval_ps / 1e12
     eval_mfu = eval_tflops / peak if peak else None
-    print(f"eval: {eval_ps:.1f} puzzles/s ({n_eval_steps} steps, batch {eval_B}) | {eval_tflops:.3f} TFLOP/s | "
-          f"MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'} | warm-up {eval_warm_s:.1f} s")
+    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}) | {eval_tflops:.3f} TFLOP/s | "
+          f"MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
+          + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None else ''))
 
 if kind == 'xla':
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
@@ -261,7 +290,8 @@ if profile:
         xp.start_trace(profile_dir)
         run_steps(profile_steps)
         xp.stop_trace()
-        print(f"profile: XLA trace of {profile_steps} steps under {profile_dir} (TensorBoard's profile plugin / XProf)")
+        print(f"profile: XLA trace of {profile_steps} steps in {profile_dir}/plugins/profile/<time>/ "
+              f"(*.trace.json.gz opens in https://ui.perfetto.dev, *.xplane.pb in TensorBoard's profile plugin)")
     else:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == 'cuda' else [])
@@ -269,13 +299,13 @@ if profile:
             run_steps(profile_steps)
         path = os.path.join(profile_dir, f'trace_{kind}.json')
         prof.export_chrome_trace(path)
-        print(prof.key_averages().table(sort_by='self_cuda_time_total' if kind == 'cuda' else 'self_cpu_time_total',
+        print(prof.key_averages().table(sort_by='self_device_time_total' if kind == 'cuda' else 'self_cpu_time_total',
                                         row_limit=15))
         print(f"profile: chrome trace of {profile_steps} steps in {path} (open in https://ui.perfetto.dev)")
 
-fmt = lambda x, spec: 'n/a' if x is None else format(x, spec)
-print(f"bench: device={kind} batch={global_batch_size} dtype={forward_dtype} ms_per_step={dt * 1e3:.2f} "
+print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} dtype={forward_dtype} "
+      f"compiled={int(compiled)} seq_align={seq_align} ms_per_step={dt * 1e3:.2f} first_step_s={first_step_s:.2f} "
       f"examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} flops_per_example={flops} tflops={tflops:.4f} "
       f"mfu={fmt(mfu, '.4f')} warmup_s={warmup_s:.2f} peak_mem_gib={mem / 2 ** 30:.3f} "
       f"eval_puzzles_per_s={fmt(eval_ps, '.2f')} eval_mfu={fmt(eval_mfu, '.4f')} "
-      f"compiles_warm={compiles_warm} compiles_end={compiles_end} fallbacks={len(fallbacks)}")
+      f"compiles_warm={compiles_warm} compiles_end={compiles_end} fallbacks={len(set(fallbacks) | set(eval_fallbacks))}")

@@ -1,24 +1,98 @@
 """
 Poor man's configurator, after nanoGPT. Run from a script as
     exec(open('configurator.py').read())
-after the script has set its config globals. It reads sys.argv: plain-Python config files
-(`config/baseline.py`) are executed in order, then `--key=value` overrides are applied. Every key must
-already exist as a global of the script; values are parsed as Python literals and must keep the
-default's type (an int where a float is expected is fine).
+after the script has set its config globals (its "config block": the lines from `# config` to the next
+`# -----` line, one `key = default  # meaning` a line). It reads sys.argv: plain-Python config files
+(`config/baseline.py`) are executed in order, then `--key=value` overrides are applied; `--help` lists
+every key with its default and meaning and exits. Every key must be one of the script's config keys;
+values are parsed as Python literals and must keep the default's type (an int where a float is expected
+is fine). A config file may name the recipe it changes in `_base = 'config/baseline.py'` (a path from the
+repository root): that file is applied first, so each file holds only what it changes. Names starting with
+'_' are not keys. `read_config_block(path)` gives another script's keys (bench.py takes train.py's), and
+`config_files(path)` what a config file sets (study.py reads the experiments with it).
 """
 import ast
 import builtins
 import difflib
+import io
+import os
 import sys
+import tokenize
+
+
+def read_config_block(path):
+    """{key: (default, meaning)} of the config block of the script at `path`, in order. The block is
+    plain Python, so it is executed as such; an error names the file and line."""
+    with open(path) as f:
+        lines = f.read().split('\n')
+    start = next((i for i, l in enumerate(lines) if l.startswith('# config')), None)
+    if start is None:
+        raise SystemExit(f"config error: {path} has no '# config' block")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith('# -----'))
+    src = '\n' * start + '\n'.join(lines[start:end])  # keeps line numbers for errors
+    scope = {}
+    try:
+        exec(builtins.compile(src, path, 'exec'), {}, scope)
+    except Exception as e:
+        raise SystemExit(f"config error: cannot read the config block of {path}: {type(e).__name__}: {e}")
+    meanings = {}
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT and tok.start[1] > 0:  # a comment after code: the meaning of that line's key
+            line = tok.line.split('=', 1)[0].strip()
+            if line.isidentifier():
+                meanings[line] = tok.string.lstrip('# ').strip()
+    return {k: (v, meanings.get(k, '')) for k, v in scope.items() if not k.startswith('_')}
+
+
+def config_files(path):
+    """[(file, {key: value})] that a config file applies, in order: its `_base` chain first, then itself."""
+    chain = []
+    while path:
+        if any(path == p for p, _ in chain):
+            raise SystemExit(f"config error: {chain[0][0]} names itself as _base (through {path})")
+        if not os.path.exists(path) and not os.path.isabs(path):  # a _base is a path from the repository root
+            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+        try:
+            with open(path) as f:
+                src = f.read()
+        except OSError as e:
+            raise SystemExit(f"config error: cannot read config file {path}: {e.strerror}")
+        scope = {}
+        exec(builtins.compile(src, path, 'exec'), {}, scope)  # errors carry the file and line; (train.py has its own 'compile')
+        chain.append((path, scope))
+        path = scope.get('_base')
+    return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and not callable(v)
+                 and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
+
+
+def _help(g, keys):
+    script = g.get('__file__')
+    doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now ours)
+    if doc:
+        print(doc + '\n')
+    meanings = {}
+    here = os.path.dirname(os.path.abspath(script or 'train.py'))
+    for path in (os.path.join(here, 'train.py'), script):  # the trainer's meanings, then the script's own
+        if path and os.path.exists(path):
+            meanings.update({k: m for k, (_, m) in read_config_block(path).items() if m})
+    print("config keys (set in a config file or as --key=value):")
+    width = max(len(f"--{k}={g[k]!r}") for k in keys)
+    for k in keys:
+        print(f"  {f'--{k}={g[k]!r}':<{width}}  {meanings.get(k, '')}")
+    raise SystemExit(0)
 
 
 def _configure(g, argv):
-    known = {k for k, v in g.items() if not k.startswith('_') and isinstance(v, (int, float, bool, str, tuple, list, type(None)))}
+    keys = list(g.get('config_keys') or [k for k, v in g.items() if not k.startswith('_')
+                                          and isinstance(v, (int, float, bool, str))])
+    known = set(keys)
+    if any(a in ('-h', '--help', 'help') for a in argv):
+        _help(g, keys)
 
     def check_key(key, where):
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; see the config section at the top of the script"
+            hint = f"; did you mean {', '.join(close)}?" if close else "; --help lists every key"
             raise SystemExit(f"config error: unknown key '{key}' in {where}{hint}")
 
     def check_type(key, value, where):
@@ -32,23 +106,15 @@ def _configure(g, argv):
 
     for arg in argv:
         if not arg.startswith('--'):
-            # a config file: plain Python that assigns globals
-            try:
-                with open(arg) as f:
-                    src = f.read()
-            except OSError as e:
-                raise SystemExit(f"config error: cannot read config file {arg}: {e.strerror}")
-            scope = {}
-            exec(builtins.compile(src, arg, 'exec'), {}, scope)  # errors carry the file and line; (train.py has its own 'compile')
-            for key, value in scope.items():
-                if key.startswith('_') or callable(value) or type(value).__name__ == 'module':
-                    continue
-                check_key(key, arg)
-                g[key] = check_type(key, value, arg)
-            print(f"config: {arg}")
+            # a config file: plain Python that assigns globals (after its _base file's)
+            for path, keys in config_files(arg):
+                for key, value in keys.items():
+                    check_key(key, path)
+                    g[key] = check_type(key, value, path)
+                print(f"config: {os.path.relpath(path) if os.path.isabs(path) else path}")
         else:
             if '=' not in arg:
-                raise SystemExit(f"config error: {arg} should look like --key=value")
+                raise SystemExit(f"config error: {arg} should look like --key=value (--help lists the keys)")
             key, text = arg[2:].split('=', 1)  # the value may itself contain '='
             check_key(key, arg)
             try:
@@ -61,4 +127,5 @@ def _configure(g, argv):
             print(f"config: {key} = {g[key]!r}")
 
 
-_configure(globals(), sys.argv[1:])
+if __name__ != 'configurator':  # exec'd by a script (imported as a module, it only lends read_config_block)
+    _configure(globals(), sys.argv[1:])

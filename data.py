@@ -1,23 +1,36 @@
 """
-Datasets on disk and the loaders that feed train.py.
+Datasets on disk, the loaders that feed train.py, and what a puzzle is (tokens, verifiers, rendering,
+the download helper), shared by the trainer, solve.py and the prepare_*.py builders.
 
-Layout (TRM_SPEC section 5, shared with the reference implementation, so either side reads the
-other's datasets):
+Layout (the reference implementation's, so either side reads the other's datasets):
     <root>/<split>/dataset.json
     <root>/<split>/all__{inputs,labels,puzzle_identifiers,puzzle_indices,group_indices}.npy
     <root>/identifiers.json
 puzzle_indices are example offsets per puzzle, group_indices puzzle offsets per group (a puzzle and
 its augmentations form one group).
 """
+import functools
 import json
+import math
 import os
+import re
+import sys
+import time
 
 import numpy as np
+import requests
 
 IGNORE_LABEL_ID = -100  # what the loss ignores; the dataset's own ignore_label_id is mapped to it
 METADATA_FIELDS = ('pad_id', 'ignore_label_id', 'blank_identifier_id', 'vocab_size', 'seq_len',
                    'num_puzzle_identifiers', 'total_groups', 'mean_puzzle_examples', 'total_puzzles', 'sets')
 ARRAY_NAMES = ('inputs', 'labels', 'puzzle_identifiers', 'puzzle_indices', 'group_indices')
+
+# Sudoku tokens: PAD 0, blank 1, digit d -> d + 1 (vocab n + 2, seq_len n * n)
+BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}  # grid size n -> (rows, cols) of one box
+# Maze tokens: PAD 0, then '#' wall, ' ' open, 'S' start, 'G' goal, 'o' path cell (only in answers)
+CHARSET = '# SGo'  # token id = index + 1
+PAD, WALL, OPEN, START, GOAL, PATH = range(6)
+MAZE_VOCAB_SIZE = 6
 
 # -----------------------------------------------------------------------------
 # writing (used by prepare_sudoku.py and prepare_maze.py)
@@ -29,6 +42,8 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     examples; group_indices: [G+1] offsets into puzzles. `extra` adds fields to dataset.json (readers
     of the reference format ignore them)."""
     inputs, labels = np.asarray(inputs), np.asarray(labels)
+    if len(inputs) == 0:
+        raise ValueError(f"the {split} split of {root} would hold no examples: a run could not use it")
     puzzle_indices = np.asarray(puzzle_indices, dtype=np.int32)
     group_indices = np.asarray(group_indices, dtype=np.int32)
     assert inputs.shape == labels.shape and inputs.ndim == 2, (inputs.shape, labels.shape)
@@ -63,8 +78,13 @@ def load_metadata(root, split):
     if not os.path.exists(path):
         raise FileNotFoundError(f"no dataset at {path}: build one with prepare_sudoku.py or prepare_maze.py "
                                 f"(see README), or point data_path at an existing dataset")
-    with open(path) as f:
-        meta = json.load(f)
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read {path}: {e}") from e
+    if not isinstance(meta, dict):
+        raise ValueError(f"{path} is not a JSON object of dataset metadata")
     missing = [k for k in METADATA_FIELDS if k not in meta]
     if missing:
         raise ValueError(f"{path} lacks the field(s) {missing}")
@@ -81,6 +101,47 @@ def load_arrays(root, split, set_name='all'):
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot read {path}: {e}") from e
     return arrays
+
+
+def check_split(root, split, chunk=1 << 20):
+    """Problems that would stop a run hours in, found now: [] when the split opens, is not empty, its arrays
+    agree with dataset.json and each other, and every token, label and identifier is inside its range.
+    Vectorised over the memory-mapped arrays, a chunk of rows at a time (Sudoku-Extreme's 1M+ rows: ~1 s)."""
+    try:
+        meta, a = load_metadata(root, split), load_arrays(root, split)
+    except (OSError, ValueError) as e:
+        return [str(e)]
+    where = os.path.join(root, split)
+    n, L, V = len(a['inputs']), meta['seq_len'], meta['vocab_size']
+    if n == 0:
+        return [f"{where} holds no examples (an empty split): rebuild it with more puzzles"]
+    problems = []
+    for name in ('inputs', 'labels'):
+        if a[name].shape != (n, L):
+            problems.append(f"{where}/all__{name}.npy has shape {a[name].shape}; dataset.json says [{n}, {L}]")
+    pi, gi = np.asarray(a['puzzle_indices']), np.asarray(a['group_indices'])
+    if pi[0] != 0 or pi[-1] != n or (np.diff(pi) < 1).any() or len(a['puzzle_identifiers']) != len(pi) - 1:
+        problems.append(f"{where}/all__puzzle_indices.npy does not split the {n} examples into puzzles")
+    if gi[0] != 0 or gi[-1] != len(pi) - 1 or (np.diff(gi) < 1).any():
+        problems.append(f"{where}/all__group_indices.npy does not split the {len(pi) - 1} puzzles into groups")
+    ids = np.asarray(a['puzzle_identifiers'])
+    if len(ids) and (ids.min() < 0 or ids.max() >= meta['num_puzzle_identifiers']):
+        problems.append(f"{where}/all__puzzle_identifiers.npy holds ids outside [0, {meta['num_puzzle_identifiers']})")
+    if problems:
+        return problems
+    for name, extra in (('inputs', None), ('labels', meta['ignore_label_id'])):
+        for r0 in range(0, n, chunk):
+            x = np.asarray(a[name][r0:r0 + chunk])
+            if x.min() >= 0 and x.max() < V:  # the common case: two reductions, no mask
+                continue
+            bad = (x < 0) | (x >= V)
+            if extra is not None:
+                bad &= x != extra
+            if bad.any():
+                r, c = np.argwhere(bad)[0]
+                return [f"{where}/all__{name}.npy row {r0 + r}, position {c}: token {x[r, c]} is outside the "
+                        f"vocabulary [0, {V})"]
+    return []
 
 
 def _to_batch(arrays, meta, example_idx, puzzle_idx):
@@ -209,19 +270,264 @@ class EvalLoader:
             sl = slice(self.rank * self.local_B, (self.rank + 1) * self.local_B)
             yield {k: v[sl] for k, v in batch.items()}
 
+# -----------------------------------------------------------------------------
+# what a puzzle is: its type from a dataset's metadata, verifiers that accept any valid answer, rendering
+
+def puzzle_type(meta):
+    """'sudoku', 'maze' or None (unknown: exact match to the label is then the only check). Datasets
+    built here say so in dataset.json; the reference's are recognised by their vocabulary and length."""
+    if meta.get('puzzle_type'):
+        return meta['puzzle_type']
+    n = math.isqrt(meta['seq_len'])
+    if n * n == meta['seq_len'] and n in BOXES and meta['vocab_size'] == n + 2:
+        return 'sudoku'
+    if n * n == meta['seq_len'] and meta['vocab_size'] == MAZE_VOCAB_SIZE:
+        return 'maze'
+    return None
+
+
+def verifier_for(meta):
+    """A checker of whole answers, (inputs, preds) -> bool [B], or None for an unknown puzzle type."""
+    return {'sudoku': sudoku_correct, 'maze': maze_correct}.get(puzzle_type(meta))
+
+
+@functools.lru_cache(maxsize=None)
+def _bit_lut(n):
+    lut = np.zeros(256, np.uint16)
+    lut[1:n + 1] = 1 << np.arange(n)
+    return lut
+
+
+def units_ok(digits, n):
+    """[B, n*n] digits (anything outside 1..n counts as wrong) -> bool [B]: every row, column and box
+    holds each digit once. A unit's sum of 2**(d-1) equals 2**n - 1 exactly when its n digits are
+    distinct (n powers of two have n set bits in their sum only if no two are equal)."""
+    br, bc = BOXES[n]
+    d = np.asarray(digits)
+    if d.dtype != np.uint8:
+        d = np.clip(d, 0, 255).astype(np.uint8)
+    B = len(d)
+    bits = _bit_lut(n)[d].reshape(B, n, n)
+    rows, cols = bits[:, :, 0].copy(), bits[:, 0].copy()  # summed by slices: faster than .sum(axis)
+    for j in range(1, n):
+        rows += bits[:, :, j]
+        cols += bits[:, j]
+    b5 = bits.reshape(B, n // br, br, n // bc, bc)
+    boxes = np.zeros((B, n // br, n // bc), np.uint16)
+    for i in range(br):
+        for j in range(bc):
+            boxes += b5[:, :, i, :, j]
+    full = (1 << n) - 1
+    return (rows == full).all(1) & (cols == full).all(1) & (boxes == full).all((1, 2))
+
+
+def sudoku_correct(inputs, preds, n=None):
+    """inputs, preds: integer token arrays [B, n*n] (blank 1, digit d -> d+1). True where the
+    prediction keeps every given and every row, column and box holds each digit once."""
+    inputs, preds = np.asarray(inputs), np.asarray(preds)
+    L = preds.shape[-1]
+    n = n or math.isqrt(L)
+    assert n * n == L and n in BOXES, f"no Sudoku layout for seq_len {L} (n={n})"
+    keeps = ((preds == inputs) | (inputs < 2)).all(1)
+    digits = np.clip(preds, 0, n + 2).astype(np.uint8) - np.uint8(1)  # PAD wraps to 255: no digit
+    return keeps & units_ok(digits, n)
+
+
+def _grid_size(L):
+    n = math.isqrt(L)
+    assert n * n == L, f"sequence length {L} is not a perfect square"
+    return n
+
+
+def _pack_rows(mask):
+    """[B, n, n] bool -> [B, n] bitsets: bit j of word i is cell (i, j). uint64 up to n = 64 (so a BFS
+    step is a few shifts on B*n words instead of B*n*n bools), Python ints (object) beyond."""
+    n = mask.shape[-1]
+    dt = np.uint64 if n <= 64 else object
+    return np.bitwise_or.reduce(mask.astype(dt) << np.arange(n).astype(dt), axis=-1)
+
+
+def shortest_path_length(grids):
+    """BFS steps from S to G through non-wall cells, for each row of [B, n*n] tokens; -1 when G is
+    unreachable or the row lacks a unique S and G. All rows expand their frontier together, as
+    bitsets, and leave the batch once they reach G or their frontier stops growing."""
+    x = np.asarray(grids)
+    B, L = x.shape
+    n = _grid_size(L)
+    dist = np.full(B, -1, np.int64)
+    is_s, is_g = x == START, x == GOAL
+    rows = np.flatnonzero((is_s.sum(1) == 1) & (is_g.sum(1) == 1))
+    passable = _pack_rows(np.isin(x[rows], (OPEN, START, GOAL, PATH)).reshape(-1, n, n))
+    reach = _pack_rows(is_s[rows].reshape(-1, n, n))
+    goal = _pack_rows(is_g[rows].reshape(-1, n, n))
+    step = 0
+    while len(rows):
+        step += 1
+        new = reach | (reach << 1) | (reach >> 1)  # left/right neighbours (bit n is cut by passable)
+        new[:, 1:] |= reach[:, :-1]  # the cell above
+        new[:, :-1] |= reach[:, 1:]  # the cell below
+        new &= passable
+        hit = (new & goal).any(1)
+        dist[rows[hit]] = step
+        keep = ~hit & (new != reach).any(1)  # a frontier that stopped growing: no path
+        reach = new
+        if not keep.all():
+            rows, reach, passable, goal = rows[keep], reach[keep], passable[keep], goal[keep]
+    return dist
+
+
+def maze_correct(inputs, preds):
+    """bool [B]: the prediction keeps every wall, S and G of the input maze (and adds none), and its 'o'
+    cells form a 4-connected simple S->G path through open cells whose length equals the input's
+    shortest path length. Any optimal path is accepted.
+    Why degree checks suffice: if S and G have exactly one marked neighbour (S, G or 'o') and every
+    'o' exactly two, the marked cells are one S..G path plus disjoint cycles. That path has at least
+    d(S,G) steps, i.e. uses >= d-1 'o' cells; so with exactly d-1 'o' cells there are no cycles and the
+    path is a shortest one. Conversely a shortest path has no chords (one would be a shortcut)."""
+    x, p = np.asarray(inputs), np.asarray(preds)
+    assert x.shape == p.shape and x.ndim == 2, (x.shape, p.shape)
+    B, L = x.shape
+    n = _grid_size(L)
+    valid_question = np.isin(x, (WALL, OPEN, START, GOAL)).all(1)
+    keeps_maze = np.where(x != OPEN, p == x, (p == OPEN) | (p == PATH)).all(1)
+    on = np.isin(p, (START, GOAL, PATH)).reshape(B, n, n)
+    deg = np.zeros((B, n, n), np.int8)  # marked 4-neighbours of each cell
+    deg[:, 1:] += on[:, :-1]
+    deg[:, :-1] += on[:, 1:]
+    deg[:, :, 1:] += on[:, :, :-1]
+    deg[:, :, :-1] += on[:, :, 1:]
+    deg = deg.reshape(B, L)
+    is_path = p == PATH
+    is_end = (p == START) | (p == GOAL)
+    degrees_ok = (~is_path | (deg == 2)).all(1) & (~is_end | (deg == 1)).all(1)
+    ok = np.zeros(B, bool)
+    cand = np.flatnonzero(valid_question & keeps_maze & degrees_ok)  # only these need a BFS
+    if len(cand):
+        ok[cand] = shortest_path_length(x[cand]) == is_path[cand].sum(1) + 1
+    return ok
+
 
 def render_example(meta, inputs, preds, correct):
     """A held-out puzzle and the model's answer, side by side, as text."""
-    kind, n = meta.get('puzzle_type'), int(round(meta['seq_len'] ** 0.5))
-    if kind == 'maze' or (kind is None and meta['vocab_size'] == 6 and meta['seq_len'] == 900):
-        chars = '?# SGo'
-        cell = lambda t: chars[t] if 0 <= t < len(chars) else '?'
-    elif kind == 'sudoku' or (kind is None and meta['vocab_size'] == 11):
+    kind, n = puzzle_type(meta), math.isqrt(meta['seq_len'])
+    if kind == 'maze':
+        cell = lambda t: ('?' + CHARSET)[t] if 0 <= t <= len(CHARSET) else '?'
+    elif kind == 'sudoku':
         cell = lambda t: '.' if t <= 1 else str(t - 1)
     else:
         cell = lambda t: format(int(t), 'x')[-1]
     if n * n != meta['seq_len']:
         return f"puzzle: {list(inputs)}\nanswer: {list(preds)} ({'correct' if correct else 'wrong'})"
-    rows = [' '.join(cell(int(t)) for t in inputs[r * n:(r + 1) * n]) + '   |   ' +
-            ' '.join(cell(int(t)) for t in preds[r * n:(r + 1) * n]) for r in range(n)]
+    sep = '' if kind == 'maze' else ' '
+    rows = [sep.join(cell(int(t)) for t in inputs[r * n:(r + 1) * n]) + '   |   ' +
+            sep.join(cell(int(t)) for t in preds[r * n:(r + 1) * n]) for r in range(n)]
     return ('held-out puzzle   ->   model answer (' + ('correct' if correct else 'WRONG') + ')\n' + '\n'.join(rows))
+
+# -----------------------------------------------------------------------------
+# download: streamed, resumable (.part + HTTP Range), cached, row count checked (used by the builders)
+
+class DownloadError(RuntimeError):
+    """A download that failed for good; the message names the URL and what went wrong."""
+
+
+class _Retryable(Exception):
+    """A failure worth another try (5xx, dropped connection)."""
+
+
+def count_rows(path):
+    """Data rows in a CSV file (lines minus the header; a last line without '\\n' counts)."""
+    lines, last = 0, b'\n'
+    with open(path, 'rb') as f:
+        while chunk := f.read(1 << 24):
+            lines += chunk.count(b'\n')
+            last = chunk[-1:]
+    return max(0, lines + (last != b'\n') - 1)
+
+
+def _check_rows(path, expected_rows, what):
+    found = count_rows(path)
+    if found != expected_rows:
+        raise DownloadError(f"{what}: {found:,} data rows, expected {expected_rows:,} (file kept at {path}; "
+                            f"delete it to download again)")
+
+
+def _fetch(session, url, part):
+    """One attempt: continue `part` from its current size to the end of the file."""
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    # identity encoding: a Range must count bytes of the file itself, not of a gzip stream
+    headers = {'Accept-Encoding': 'identity', **({'Range': f'bytes={have}-'} if have else {})}
+    try:
+        r = session.get(url, headers=headers, stream=True, timeout=(15, 60))
+    except requests.RequestException as e:  # refused, DNS, timeout: maybe transient
+        raise _Retryable(f"{type(e).__name__}: {e}") from e
+    with r:
+        if r.status_code == 416 and have:  # nothing left to send: the .part may already be complete
+            total = r.headers.get('Content-Range', '').rpartition('/')[2]
+            if total.isdigit() and int(total) == have:
+                return
+            os.remove(part)
+            raise _Retryable(f"HTTP 416 for a {have}-byte partial file; starting over")
+        if r.status_code >= 500 or r.status_code == 429:
+            raise _Retryable(f"HTTP {r.status_code} {r.reason}")
+        if r.status_code not in (200, 206):
+            raise DownloadError(f"GET {url} failed: HTTP {r.status_code} {r.reason}")
+        total = None
+        if r.status_code == 206:
+            m = re.fullmatch(r'bytes (\d+)-(\d+)/(\d+|\*)', r.headers.get('Content-Range', '').strip())
+            if not m or int(m.group(1)) != have:
+                os.remove(part)
+                raise _Retryable(f"server resumed at the wrong place ({r.headers.get('Content-Range')!r}); "
+                                 f"starting over")
+            total = int(m.group(3)) if m.group(3) != '*' else None
+            mode = 'ab'
+        else:  # 200: the server ignored the Range (or there was none): write from the start
+            have, mode = 0, 'wb'
+            if 'Content-Length' in r.headers:
+                total = int(r.headers['Content-Length'])
+        done, shown, t0 = have, 0.0, time.time()
+        name = os.path.basename(part)[:-len('.part')]
+        try:
+            with open(part, mode) as f:
+                for block in r.iter_content(1 << 16):  # small blocks: a dropped connection loses little
+                    f.write(block)
+                    done += len(block)
+                    if time.time() - shown > 0.5:
+                        shown = time.time()
+                        pct = f" {100 * done / total:5.1f}%" if total else ''
+                        rate = (done - have) / max(1e-9, shown - t0) / 1e6
+                        print(f"\r{name}: {done / 1e6:,.1f}{f' / {total / 1e6:,.1f}' if total else ''} MB"
+                              f"{pct} {rate:.1f} MB/s", end='', file=sys.stderr, flush=True)
+        except (requests.RequestException, ConnectionError) as e:  # dropped mid-stream: resume next try
+            raise _Retryable(f"{type(e).__name__} after {done:,} bytes: {e}") from e
+        finally:
+            if shown:
+                print(file=sys.stderr)
+        if total is not None and done != total:
+            raise _Retryable(f"connection closed at {done:,} of {total:,} bytes")
+
+
+def download(url, dest_path, expected_rows=None, session=None, *, retries=5, backoff=2.0):
+    """Download `url` to `dest_path` and return dest_path. A finished file is reused (no request);
+    a partial one (`dest_path + '.part'`) is resumed with a Range request; 5xx answers and dropped
+    connections are retried with exponential backoff; `expected_rows` checks the CSV's data rows."""
+    if os.path.exists(dest_path):
+        if expected_rows is not None:
+            _check_rows(dest_path, expected_rows, dest_path)
+        return dest_path
+    os.makedirs(os.path.dirname(os.path.abspath(dest_path)), exist_ok=True)
+    part = dest_path + '.part'
+    session = session or requests.Session()
+    for attempt in range(retries + 1):
+        try:
+            _fetch(session, url, part)
+            break
+        except _Retryable as e:
+            if attempt == retries:
+                raise DownloadError(f"GET {url} failed: {e} (gave up after {retries + 1} attempts)") from None
+            wait = backoff * 2 ** attempt
+            print(f"GET {url}: {e}; retrying in {wait:.1f} s", file=sys.stderr)
+            time.sleep(wait)
+    if expected_rows is not None:
+        _check_rows(part, expected_rows, url)
+    os.replace(part, dest_path)  # only a complete, checked file gets the final name
+    return dest_path

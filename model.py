@@ -7,17 +7,19 @@ repeated H_cycles times per supervision step, gradients only through the last re
 head (q_head) learns when to stop; training runs one supervision step per optimizer step, carrying
 y and z across steps (deep supervision).
 
-Everything in a step follows the XLA rules of TRM_SPEC section 9: static shapes, torch.where instead of
-boolean indexing, no host reads of tensor values.
+Everything in a step follows the rules that keep XLA (TPU) from recompiling: static shapes, torch.where
+instead of boolean indexing, no host reads of tensor values, fixed loop counts.
 """
+import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-IGNORE_LABEL_ID = -100
+from data import IGNORE_LABEL_ID
 
 
 @dataclass
@@ -33,8 +35,8 @@ class TRMConfig:
     L_cycles: int = 6
     halt_max_steps: int = 16
     halt_exploration_prob: float = 0.1
-    pos_encodings: str = 'rope'      # 'rope' | 'learned' | 'none'
-    mlp_t: bool = False              # MLP-mixer over the sequence instead of attention (Sudoku)
+    pos_encodings: str = 'none'      # 'rope' | 'learned' | 'none'
+    mlp_t: bool = True               # MLP-mixer over the sequence instead of attention (Sudoku)
     puzzle_emb_ndim: int = 512       # 0 disables the puzzle embedding
     puzzle_emb_len: int = 16         # prefix tokens reserved for it
     forward_dtype: str = 'bfloat16'
@@ -84,12 +86,17 @@ def round_up(x, multiple):
     return -(-x // multiple) * multiple
 
 
+# mlp_t pads the sequence axis of its matmuls to a multiple of this (exactly; see Block). 1: no padding.
+# Not a TRMConfig field: it changes no result and no parameter, only the speed (bench.py --seq_align=).
+SEQ_ALIGN = 8
+
+
 def swiglu_inter(d, expansion):
     return round_up(round(expansion * d * 2 / 3), 256)
 
 
 def rms_norm(x, eps):
-    """RMSNorm without weight over the last axis, computed in fp32 (TRM_SPEC section 1)."""
+    """RMSNorm without weight over the last axis, computed in fp32 as the reference does."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
@@ -97,15 +104,23 @@ def rms_norm(x, eps):
 
 
 class CastedLinear(nn.Module):
-    """Weights kept fp32 (optimizer and EMA see fp32), cast to the activation dtype in forward."""
+    """Weights kept fp32 (optimizer and EMA see fp32), cast to the activation dtype in forward. The net runs
+    H_cycles * (L_cycles + 1) times a step; compiled (CUDA), inductor keeps one cast per weight per step
+    (its graph CSE merges the repeated ones; checked in the post-grad graph), so no cast cache is kept here."""
     def __init__(self, d_in, d_out, bias=False):
         super().__init__()
         self.weight = nn.Parameter(trunc_normal_(torch.empty(d_out, d_in), std=1.0 / math.sqrt(d_in)))
         self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
 
-    def forward(self, x):
+    def forward(self, x, pad_in=0, pad_out=0):
+        """pad_in / pad_out: zero columns / zero rows appended to the weight at use (the parameter keeps its
+        shape), for an input padded with pad_in extra features and an output with pad_out extra ones."""
+        w = self.weight.to(x.dtype)
         bias = self.bias.to(x.dtype) if self.bias is not None else None
-        return F.linear(x, self.weight.to(x.dtype), bias)
+        if pad_in or pad_out:
+            w = F.pad(w, (0, pad_in, 0, pad_out))
+            bias = F.pad(bias, (0, pad_out)) if bias is not None else None
+        return F.linear(x, w, bias)
 
 
 class CastedEmbedding(nn.Module):
@@ -124,9 +139,13 @@ class SwiGLU(nn.Module):
         self.gate_up_proj = CastedLinear(d, 2 * inter)  # rows: [gate, up]
         self.down_proj = CastedLinear(inter, d)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, pad=0):
+        """pad > 0: x's last axis carries `pad` padding features past the real d. The weights get zero
+        columns (gate_up) and zero rows (down) at use, so whatever the padding holds is multiplied by 0,
+        and the output's padded features (all 0) are cut off: the result is that of the real d features."""
+        gate, up = self.gate_up_proj(x, pad_in=pad).chunk(2, dim=-1)
+        out = self.down_proj(F.silu(gate) * up, pad_out=pad)
+        return out[..., :out.shape[-1] - pad] if pad else out
 
 
 def rotate_half(x):
@@ -156,20 +175,30 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    """Post-norm block: attention (or a SwiGLU over the sequence axis, mlp_t) then a channel SwiGLU."""
-    def __init__(self, cfg: TRMConfig):
+    """Post-norm block: attention (or a SwiGLU over the sequence axis, mlp_t) then a channel SwiGLU.
+    mlp_t's matmuls run on the sequence axis padded to a multiple of seq_align (97 -> 104 for Sudoku):
+    GPU matmul kernels want that axis, the leading dimension of both of its matrices, a multiple of 8
+    (16 bytes in bf16). Exact: the padding meets zero weight columns and its outputs are cut off before the
+    residual and the RMSNorm, which therefore still normalise over the true length. Parameters unchanged."""
+    def __init__(self, cfg: TRMConfig, seq_align=None):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         if cfg.mlp_t:
             self.mlp_t = SwiGLU(cfg.total_len, cfg.expansion)
+            self.seq_pad = round_up(cfg.total_len, seq_align or SEQ_ALIGN) - cfg.total_len
         else:
             self.self_attn = Attention(cfg.hidden_size, cfg.num_heads)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.expansion)
 
+    def mix_sequence(self, h):
+        """mlp_t: [B, L, D] -> [B, L, D], a SwiGLU across positions, then RMSNorm over the sequence axis."""
+        h = h.transpose(1, 2)  # [B, D, L]
+        x = F.pad(h, (0, self.seq_pad)) if self.seq_pad else h  # one copy, as the transpose needed one anyway
+        return rms_norm(h + self.mlp_t(x, pad=self.seq_pad), self.eps).transpose(1, 2)
+
     def forward(self, h, rope):
         if hasattr(self, 'mlp_t'):
-            h = h.transpose(1, 2)  # [B, D, L]: mix across positions, normalise over the sequence axis
-            h = rms_norm(h + self.mlp_t(h), self.eps).transpose(1, 2)
+            h = self.mix_sequence(h)
         else:
             h = rms_norm(h + self.self_attn(h, rope), self.eps)
         return rms_norm(h + self.mlp(h), self.eps)
@@ -177,9 +206,9 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     """The one network used for both updates: net(h, injection) = blocks(h + injection)."""
-    def __init__(self, cfg: TRMConfig):
+    def __init__(self, cfg: TRMConfig, seq_align=None):
         super().__init__()
-        self.layers = nn.ModuleList([Block(cfg) for _ in range(cfg.L_layers)])
+        self.layers = nn.ModuleList([Block(cfg, seq_align) for _ in range(cfg.L_layers)])
 
     def forward(self, h, injection, rope):
         h = h + injection
@@ -192,7 +221,8 @@ class Net(nn.Module):
 # the model
 
 class TRM(nn.Module):
-    def __init__(self, cfg: TRMConfig):
+    def __init__(self, cfg: TRMConfig, seq_align=None):
+        """seq_align: mlp_t's padding of the sequence axis (default SEQ_ALIGN; 1 turns it off)."""
         super().__init__()
         self.config = cfg
         D = cfg.hidden_size
@@ -213,8 +243,8 @@ class TRM(nn.Module):
             emb = torch.cat((freqs, freqs), dim=-1)
             self.register_buffer('rope_cos', emb.cos(), persistent=False)
             self.register_buffer('rope_sin', emb.sin(), persistent=False)
-        self.net = Net(cfg)
-        # Not parameters: the main optimizer and the EMA must not touch them (TRM_SPEC section 1).
+        self.net = Net(cfg, seq_align)
+        # Not parameters: the main optimizer and the EMA must not touch them (as in the reference).
         # The puzzle embedding is trained by sign-SGD in train.py; H_init/L_init stay fixed.
         self.register_buffer('puzzle_emb', torch.zeros(cfg.num_puzzle_identifiers, max(cfg.puzzle_emb_ndim, 1)))
         self.register_buffer('H_init', trunc_normal_(torch.empty(D), std=1.0))
@@ -260,8 +290,9 @@ class TRM(nn.Module):
 
     def init_latents(self, B, device):
         shape = (B, self.config.total_len, self.config.hidden_size)
-        y = self.H_init.to(self.forward_dtype).expand(shape).to(device)
-        z = self.L_init.to(self.forward_dtype).expand(shape).to(device)
+        # contiguous, like every later carry: a compiled step then sees one layout from its first call on
+        y = self.H_init.to(self.forward_dtype).expand(shape).contiguous().to(device)
+        z = self.L_init.to(self.forward_dtype).expand(shape).contiguous().to(device)
         return y, z
 
     # --- ACT: one call = one supervision step -----------------------------------------------------
@@ -320,19 +351,41 @@ class TRM(nn.Module):
 
     # --- evaluation: a fixed number of steps from fresh latents, no halting -----------------------
 
+    def predict_step(self, y, z, x):
+        """One evaluation supervision step: the next latents, the predictions [B, seq_len] and q_halt [B]."""
+        y, z = self.recursion(y, z, x)
+        logits, q_halt, _ = self.heads(y)
+        return y, z, logits.argmax(-1).to(torch.int32), q_halt
+
     @torch.no_grad()
-    def predict(self, batch, n_steps):
+    def predict(self, batch, n_steps, step=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
-        needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B]."""
+        needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B].
+        step: what runs one step (default self.predict_step; compiled_predict passes a compiled one)."""
+        step = step or self.predict_step
         y, z = self.init_latents(batch['inputs'].shape[0], batch['inputs'].device)
         x = self.input_embeddings(batch['inputs'], self.puzzle_rows(batch['puzzle_identifiers']))
         preds, q_halts = [], []
         for _ in range(n_steps):
-            y, z = self.recursion(y, z, x)
-            logits, q_halt, _ = self.heads(y)
-            preds.append(logits.argmax(-1).to(torch.int32))
+            y, z, pred, q_halt = step(y, z, x)
+            preds.append(pred)
             q_halts.append(q_halt)
         return torch.stack(preds), torch.stack(q_halts)
+
+    # --- torch.compile (CUDA): the helpers train.py and bench.py share ----------------------------
+
+    def compiled_step(self, mode='default'):
+        """The training step's compiled parts, to pass as train_step's `fwd` (see compile_step)."""
+        return compile_step(mode)
+
+    def compiled_predict(self, mode='default'):
+        """self.predict with each supervision step compiled (one graph for all n_steps: the loop stays in
+        Python, so the compile time is that of one step). Built once per model and mode, then reused."""
+        cache = self.__dict__.setdefault('_compiled_predict', {})
+        if mode not in cache:
+            cache[mode] = functools.partial(self.predict, step=torch.compile(self.predict_step, dynamic=False,
+                                                                             mode=mode))
+        return cache[mode]
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -362,7 +415,7 @@ class TRM(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# loss (TRM_SPEC section 3)
+# loss: stablemax cross-entropy (the paper's default) or softmax, plus the ACT halting losses
 
 def log_stablemax(x, dim=-1):
     s = torch.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
@@ -413,7 +466,7 @@ def act_loss(carry, out, cfg: TRMConfig):
 
 
 # -----------------------------------------------------------------------------
-# reference checkpoints (TRM_SPEC section 7)
+# reference checkpoints: its state_dict keys are '_orig_mod.model.inner.*' (torch.compile + loss wrapper)
 
 def from_reference_state_dict(sd):
     """Map a state_dict saved by the reference implementation (keys '_orig_mod.model.inner.*', with or
@@ -444,7 +497,7 @@ def to_reference_state_dict(sd):
 
 
 # -----------------------------------------------------------------------------
-# optimisation (TRM_SPEC section 4)
+# optimisation: AdamATan2 for the weights, sign-SGD for the puzzle embedding, warmup + cosine LR
 
 class AdamATan2(torch.optim.Optimizer):
     """Adam with atan2 in place of m / (sqrt(v) + eps): no epsilon, bounded updates. Pure PyTorch
@@ -454,7 +507,20 @@ class AdamATan2(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 
     @torch.no_grad()
+    def init_state(self):
+        """Create the state of every parameter that has a gradient (step() does it too; a compiled step
+        calls this first, eagerly, so that its graph never changes when the state appears)."""
+        for group in self.param_groups:
+            for p in group['params']:
+                st = self.state[p]
+                if p.grad is not None and not st:  # ('t', not 'step': load_state_dict would move a 'step' to the CPU)
+                    st['t'] = torch.zeros((), dtype=torch.float32, device=p.device)
+                    st['exp_avg'] = torch.zeros_like(p)
+                    st['exp_avg_sq'] = torch.zeros_like(p)
+
+    @torch.no_grad()
     def step(self, lr=None):
+        self.init_state()
         for group in self.param_groups:
             params = [p for p in group['params'] if p.grad is not None]
             if not params:
@@ -462,12 +528,6 @@ class AdamATan2(torch.optim.Optimizer):
             grads = [p.grad for p in params]
             b1, b2 = group['betas']
             lr_ = group['lr'] if lr is None else lr
-            for p in params:
-                st = self.state[p]
-                if not st:  # ('t', not 'step': load_state_dict would move a 'step' to the CPU)
-                    st['t'] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st['exp_avg'] = torch.zeros_like(p)
-                    st['exp_avg_sq'] = torch.zeros_like(p)
             m = [self.state[p]['exp_avg'] for p in params]
             v = [self.state[p]['exp_avg_sq'] for p in params]
             t = self.state[params[0]]['t']
@@ -491,7 +551,7 @@ class AdamATan2(torch.optim.Optimizer):
 def sign_sgd_update_(table, ids, grads, lr, weight_decay):
     """Sign-SGD on the puzzle embedding rows a batch touched: w = w*(1 - lr*wd) - lr*sign(sum of grads
     per id). ids [N] and grads [N, dim] are the GLOBAL batch's. Static shapes: a dense scatter-add
-    instead of the reference's unique() (TRM_SPEC section 8)."""
+    instead of the reference's unique(), whose output shape depends on the data."""
     grad_sum = torch.zeros_like(table).index_add_(0, ids.long(), grads.to(table.dtype))
     touched = torch.zeros(table.shape[0], dtype=table.dtype, device=table.device).index_add_(
         0, ids.long(), torch.ones_like(ids, dtype=table.dtype)) > 0
@@ -520,29 +580,153 @@ def forward_loss(model, carry, batch, puzzle_rows):
     return new_carry, loss, metrics
 
 
+@torch.no_grad()
+def apply_update(model, opt, ema_params, ids, row_grads, step_t, hp):
+    """Everything after the (all-reduced) gradients: AdamATan2, sign-SGD on the puzzle embedding rows of the
+    global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count."""
+    opt.step(lr=lr_at(step_t, hp['lr'], hp['warmup'], hp['total'], hp['min_ratio']))
+    if row_grads is not None:
+        sign_sgd_update_(model.puzzle_emb, ids, row_grads,
+                         lr_at(step_t, hp['puzzle_emb_lr'], hp['warmup'], hp['total'], hp['min_ratio']),
+                         hp['puzzle_emb_weight_decay'])
+    if hp.get('ema_rate') is not None:
+        # warm-up: an average over the steps so far early on, so short runs evaluate trained weights
+        decay = torch.clamp((1 + step_t) / (10 + step_t), max=hp['ema_rate'])
+        params = list(model.parameters())
+        torch._foreach_mul_(ema_params, decay)
+        torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
+    step_t.add_(1)
+
+
+class CompiledStep:
+    """train_step's `fwd` on CUDA: forward_loss (the forward and, through AOTAutograd, its backward) and
+    apply_update (optimizer, sign-SGD, EMA: a few fused kernels instead of dozens of small ones), each
+    compiled once with static shapes. The backward call and the gradient all-reduce stay between them."""
+    def __init__(self, mode='default'):
+        self.mode = mode
+        self.forward = torch.compile(forward_loss, dynamic=False, mode=mode)
+        self._update = torch.compile(apply_update, dynamic=False, mode=mode)
+
+    def __call__(self, model, carry, batch, puzzle_rows):
+        return self.forward(model, carry, batch, puzzle_rows)
+
+    def update(self, model, opt, ema_params, ids, row_grads, step_t, hp):
+        opt.init_state()  # eagerly: the compiled graph never sees the state appear
+        self._update(model, opt, ema_params, ids, row_grads, step_t, hp)
+
+
+def compile_step(mode='default'):
+    """The compiled training step that train.py (compile=True on CUDA) and bench.py both use."""
+    return CompiledStep(mode)
+
+
 def train_step(model, opt, ema_params, carry, batch, step_t, hp, fwd=forward_loss,
                all_reduce_sum_=None, all_gather=None):
     """One optimizer step = one supervision step: forward, loss, backward, gradient all-reduce, AdamATan2,
-    sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (XLA rules, TRM_SPEC section 9).
-    hp: lr, puzzle_emb_lr, puzzle_emb_weight_decay, warmup, total, min_ratio, global_batch_size, ema_rate."""
+    sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
+    hp: lr, puzzle_emb_lr, puzzle_emb_weight_decay, warmup, total, min_ratio, global_batch_size, ema_rate
+    (the EMA's decay rises to ema_rate: min(ema_rate, (1 + step) / (10 + step))).
+    fwd: forward_loss, or compile_step()'s compiled step, whose .update then replaces apply_update."""
     cfg = model.config
     # puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
     ids = torch.where(carry['halted'], batch['puzzle_identifiers'], carry['puzzle_identifiers'])
     rows = model.puzzle_rows(ids).detach().requires_grad_(True) if cfg.puzzle_emb_ndim > 0 else None
     new_carry, loss, metrics = fwd(model, carry, batch, rows)
     (loss / hp['global_batch_size']).backward()  # summed over all ranks' rows: a global mean
-    params = [p for p in model.parameters()]
     if all_reduce_sum_ is not None:
-        all_reduce_sum_([p.grad for p in params])
-    opt.step(lr=lr_at(step_t, hp['lr'], hp['warmup'], hp['total'], hp['min_ratio']))
+        all_reduce_sum_([p.grad for p in model.parameters()])
+    ids_all = row_grads = None
     if rows is not None:
         gather = all_gather or (lambda t: t)
-        sign_sgd_update_(model.puzzle_emb, gather(ids), gather(rows.grad),
-                         lr_at(step_t, hp['puzzle_emb_lr'], hp['warmup'], hp['total'], hp['min_ratio']),
-                         hp['puzzle_emb_weight_decay'])
+        ids_all, row_grads = gather(ids), gather(rows.grad)
+    getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, row_grads, step_t, hp)
     opt.zero_grad(set_to_none=True)
-    if hp.get('ema_rate') is not None:
-        with torch.no_grad():
-            torch._foreach_lerp_(ema_params, params, 1 - hp['ema_rate'])
-    step_t.add_(1)
     return new_carry, loss.detach(), metrics
+
+
+# -----------------------------------------------------------------------------
+# evaluation: fresh latents, a fixed number of supervision steps, metrics summed over all ranks
+
+def wilson_interval(k, n, z=1.96):
+    """95% confidence interval of an accuracy k/n (Wilson: sane at 0 and 1 and for small n)."""
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)  # at k = 0 or n the bound is 0 or 1 up to rounding
+
+
+@torch.no_grad()
+def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None):
+    """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
+    at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
+    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical."""
+    predict = predict or model.predict
+    was_training = model.training
+    model.eval()
+    h = min(halt_max_steps, n_steps) - 1
+    sums, example, verified = None, None, 0
+    for batch in loader:
+        b = dev.to_device(batch)
+        preds, q_halt = predict(b, n_steps)  # [S, B, L], [S, B]
+        labels = b['labels']
+        valid_tok = labels != IGNORE_LABEL_ID
+        n_valid = valid_tok.sum(-1)
+        rows = (b['valid'] & (n_valid > 0)).float()
+        tok_ok = (preds == labels) & valid_tok
+        seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
+        halt = torch.cat([q_halt[:-1] > 0, torch.ones_like(q_halt[-1:], dtype=torch.bool)])  # the last step always stops
+        first = halt.int().argmax(0)  # the first step whose q_halt says stop
+        part = dict(
+            count=rows.sum(),
+            exact_per_step=(seq_ok.float() * rows).sum(-1),
+            token_accuracy=((tok_ok.sum(-1)[h].float() / n_valid.clamp_min(1)) * rows).sum(),
+            q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
+            exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
+            steps_q_halt=((first + 1).float() * rows).sum(),
+        )
+        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+        if verifier is not None:
+            p = dev.read([preds[h]])[0]  # one graph per batch, then a plain transfer
+            inp, v = batch['inputs'], batch['valid']
+            ok = np.asarray(verifier(inp, p)) & v
+            verified += int(ok.sum())
+            if show_example and example is None and v.any():
+                i = int(np.argmax(v))
+                example = (inp[i], p[i], bool(ok[i]))
+        else:
+            dev.sync()
+    # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
+    # examples would run another graph than one verifying more (tests/test_pod.py)
+    sums['verified'] = torch.tensor([float(verified)], device=dev.device)
+    keys = sorted(sums)
+    flat = torch.cat([sums[k].reshape(-1).float() for k in keys])  # one reduction, one transfer
+    dev.all_reduce_sum_([flat])
+    host = np.split(dev.read([flat])[0], np.cumsum([sums[k].numel() for k in keys])[:-1])
+    s = dict(zip(keys, host))
+    n = float(s['count'][0])
+    exact_k = float(s['exact_per_step'][h])  # plain floats: results go into checkpoints and JSON
+    lo, hi = wilson_interval(exact_k, n)
+    res = dict(count=n, exact_accuracy=exact_k / max(n, 1), exact_ci_low=lo, exact_ci_high=hi,
+               token_accuracy=float(s['token_accuracy'][0]) / max(n, 1),
+               q_halt_accuracy=float(s['q_halt_accuracy'][0]) / max(n, 1), steps=float(h + 1),
+               exact_accuracy_q_halt=float(s['exact_q_halt'][0]) / max(n, 1),
+               steps_q_halt=float(s['steps_q_halt'][0]) / max(n, 1),
+               exact_by_steps=[float(x) / max(n, 1) for x in s['exact_per_step']])
+    if verifier is not None:
+        res['verified_accuracy'] = float(s['verified'][0]) / max(n, 1)
+    model.train(was_training)
+    return res, example
+
+
+def format_eval(r):
+    line = (f"eval on {int(r['count'])}: exact {r['exact_accuracy']:.4f} (95% CI {r['exact_ci_low']:.4f}-"
+            f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f} | q_halt acc {r['q_halt_accuracy']:.4f}"
+            f" | steps {r['steps']:.0f}")
+    if 'verified_accuracy' in r:
+        line += f" | verified {r['verified_accuracy']:.4f}"
+    line += f" | with q_halt stop: exact {r['exact_accuracy_q_halt']:.4f} in {r['steps_q_halt']:.2f} steps"
+    if len(r['exact_by_steps']) > r['steps']:
+        line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}" for i, a in enumerate(r['exact_by_steps']))
+    return line

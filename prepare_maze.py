@@ -1,5 +1,5 @@
 """
-Prepare the Maze-Hard dataset (TRM_SPEC section 5): 30x30 mazes, 1000 train + 1000 test.
+Prepare the Maze-Hard dataset (the reference's layout, see data.py): 30x30 mazes, 1000 train + 1000 test.
 
 Three sources, one code path (CSV -> validated token arrays -> data.write_split):
     python prepare_maze.py                                   # download sapientinc/maze-30x30-hard-1k
@@ -18,16 +18,16 @@ import csv
 import math
 import os
 import random
+import sys
 import time
 from collections import Counter, deque
 
 import numpy as np
 
-from data import write_split
+import gcs
+from data import CHARSET, GOAL, MAZE_VOCAB_SIZE as VOCAB_SIZE, OPEN, PAD, PATH, START, WALL
+from data import DownloadError, download, maze_correct, shortest_path_length, write_split
 
-CHARSET = '# SGo'  # token id = index + 1; 0 is PAD
-PAD, WALL, OPEN, START, GOAL, PATH = range(6)
-VOCAB_SIZE = 6
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
 HARD_ROWS = 1000  # rows per split of the hard-1k set, checked when downloading from BASE_URL
 HARD_MIN_PATH_LEN = 110  # the hard set keeps 30x30 mazes whose shortest path is longer than this
@@ -61,79 +61,6 @@ def dihedral(grids, k):
 
 # -----------------------------------------------------------------------------
 # verifier (also used to validate the labels we read or generate)
-
-def _grid_size(L):
-    n = math.isqrt(L)
-    assert n * n == L, f"sequence length {L} is not a perfect square"
-    return n
-
-
-def _pack_rows(mask):
-    """[B, n, n] bool -> [B, n] bitsets: bit j of word i is cell (i, j). uint64 up to n = 64 (so a BFS
-    step is a few shifts on B*n words instead of B*n*n bools), Python ints (object) beyond."""
-    n = mask.shape[-1]
-    dt = np.uint64 if n <= 64 else object
-    return np.bitwise_or.reduce(mask.astype(dt) << np.arange(n).astype(dt), axis=-1)
-
-
-def shortest_path_length(grids):
-    """BFS steps from S to G through non-wall cells, for each row of [B, n*n] tokens; -1 when G is
-    unreachable or the row lacks a unique S and G. All rows expand their frontier together, as
-    bitsets, and leave the batch once they reach G or their frontier stops growing."""
-    x = np.asarray(grids)
-    B, L = x.shape
-    n = _grid_size(L)
-    dist = np.full(B, -1, np.int64)
-    is_s, is_g = x == START, x == GOAL
-    rows = np.flatnonzero((is_s.sum(1) == 1) & (is_g.sum(1) == 1))
-    passable = _pack_rows(np.isin(x[rows], (OPEN, START, GOAL, PATH)).reshape(-1, n, n))
-    reach = _pack_rows(is_s[rows].reshape(-1, n, n))
-    goal = _pack_rows(is_g[rows].reshape(-1, n, n))
-    step = 0
-    while len(rows):
-        step += 1
-        new = reach | (reach << 1) | (reach >> 1)  # left/right neighbours (bit n is cut by passable)
-        new[:, 1:] |= reach[:, :-1]  # the cell above
-        new[:, :-1] |= reach[:, 1:]  # the cell below
-        new &= passable
-        hit = (new & goal).any(1)
-        dist[rows[hit]] = step
-        keep = ~hit & (new != reach).any(1)  # a frontier that stopped growing: no path
-        reach = new
-        if not keep.all():
-            rows, reach, passable, goal = rows[keep], reach[keep], passable[keep], goal[keep]
-    return dist
-
-
-def maze_correct(inputs, preds):
-    """bool [B]: the prediction keeps every wall, S and G of the input maze (and adds none), and its 'o'
-    cells form a 4-connected simple S->G path through open cells whose length equals the input's
-    shortest path length. Any optimal path is accepted.
-    Why degree checks suffice: if S and G have exactly one marked neighbour (S, G or 'o') and every
-    'o' exactly two, the marked cells are one S..G path plus disjoint cycles. That path has at least
-    d(S,G) steps, i.e. uses >= d-1 'o' cells; so with exactly d-1 'o' cells there are no cycles and the
-    path is a shortest one. Conversely a shortest path has no chords (one would be a shortcut)."""
-    x, p = np.asarray(inputs), np.asarray(preds)
-    assert x.shape == p.shape and x.ndim == 2, (x.shape, p.shape)
-    B, L = x.shape
-    n = _grid_size(L)
-    valid_question = np.isin(x, (WALL, OPEN, START, GOAL)).all(1)
-    keeps_maze = np.where(x != OPEN, p == x, (p == OPEN) | (p == PATH)).all(1)
-    on = np.isin(p, (START, GOAL, PATH)).reshape(B, n, n)
-    deg = np.zeros((B, n, n), np.int8)  # marked 4-neighbours of each cell
-    deg[:, 1:] += on[:, :-1]
-    deg[:, :-1] += on[:, 1:]
-    deg[:, :, 1:] += on[:, :, :-1]
-    deg[:, :, :-1] += on[:, :, 1:]
-    deg = deg.reshape(B, L)
-    is_path = p == PATH
-    is_end = (p == START) | (p == GOAL)
-    degrees_ok = (~is_path | (deg == 2)).all(1) & (~is_end | (deg == 1)).all(1)
-    ok = np.zeros(B, bool)
-    cand = np.flatnonzero(valid_question & keeps_maze & degrees_ok)  # only these need a BFS
-    if len(cand):
-        ok[cand] = shortest_path_length(x[cand]) == is_path[cand].sum(1) + 1
-    return ok
 
 # -----------------------------------------------------------------------------
 # CSV -> validated token arrays
@@ -207,7 +134,7 @@ def augment(questions, answers, rng):
     """Each maze -> its 8 dihedral images: the identity first, the other 7 in a seeded random order.
     Returns [8N, L] arrays; rows 8i..8i+7 are the images of maze i (one group)."""
     N, L = questions.shape
-    n = _grid_size(L)
+    n = math.isqrt(L)
     order = np.concatenate([np.zeros((N, 1), np.int64), 1 + np.argsort(rng.random((N, 7)), axis=1)], 1)
 
     def images(x):
@@ -252,7 +179,6 @@ def build_dataset(csv_dir, output_dir, aug=False, subsample_size=None, seed=0, s
 
 def download_csvs(dest_dir, base_url=BASE_URL):
     """Fetch train.csv and test.csv from base_url into dest_dir (cached and resumed by download)."""
-    from prepare_sudoku import download  # lazy: only this path needs requests and the shared downloader
     expected = HARD_ROWS if base_url == BASE_URL else None  # another base_url (a mirror, a test) may differ
     for split in ('train', 'test'):
         download(f"{base_url.rstrip('/')}/{split}.csv", os.path.join(dest_dir, f'{split}.csv'),
@@ -398,18 +324,32 @@ def main(argv=None):
 
     out = args.output_dir or (f'data/maze-gen-{args.size}x{args.size}' if args.generate
                               else 'data/maze-30x30-hard-1k')
-    if args.generate:
-        csv_dir = os.path.join(out, 'csv')
-        generate_csvs(csv_dir, args.generate, args.num_test, args.size, args.min_path_len, args.seed,
-                      args.loop_frac)
-    elif args.csv_dir:
-        csv_dir = args.csv_dir
-    else:
-        csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
-    build_dataset(csv_dir, out, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
-                  skip_bad=args.skip_bad)
+    bucket_uri = out if gcs.is_gcs(out) else ''
+    if bucket_uri:
+        out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
+    try:
+        if args.generate:
+            csv_dir = os.path.join(out, 'csv')
+            generate_csvs(csv_dir, args.generate, args.num_test, args.size, args.min_path_len, args.seed,
+                          args.loop_frac)
+        elif args.csv_dir:
+            csv_dir = args.csv_dir
+        else:
+            csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
+        build_dataset(csv_dir, out, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
+                      skip_bad=args.skip_bad)
+    except (ValueError, DownloadError, OSError) as e:  # bad rows, an empty split, a failed download: no traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
+        try:
+            print(f"uploaded {gcs.upload_tree(out, bucket_uri)} files to {bucket_uri}")
+        except Exception as e:
+            print(f"error: the dataset was built in {out} but its upload to {bucket_uri} failed: {e}", file=sys.stderr)
+            return 1
+        out = bucket_uri
     print(f"wrote {out}")
-
+    return 0
 
 if __name__ == '__main__':
-    main()
+    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """
-Build the Sudoku datasets of TRM_SPEC section 5 (Sudoku-Extreme, or generated 4x4 / 6x6 / 9x9 puzzles).
+Build Sudoku datasets in the reference's layout (see data.py): Sudoku-Extreme, or generated 4x4 / 6x6 / 9x9 puzzles.
 
     python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
     python prepare_sudoku.py --csv_dir /path/with/train_and_test_csv --output_dir data/sudoku-extreme-full
@@ -25,127 +25,18 @@ import sys
 import time
 
 import numpy as np
-import requests
 
-from data import write_split
+import gcs
+from data import BOXES, DownloadError, download, units_ok, write_split
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
 EXPECTED_ROWS = {'train': 3_831_994, 'test': 422_786}  # data rows, header excluded
 HEADER = 'source,question,answer,rating'
-BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}  # grid size n -> (rows, cols) of one box
 
 
 class CSVFormatError(ValueError):
     """A malformed source CSV; the message names the file and the 1-based line."""
 
-
-class DownloadError(RuntimeError):
-    """A download that failed for good; the message names the URL and what went wrong."""
-
-
-class _Retryable(Exception):
-    """A failure worth another try (5xx, dropped connection)."""
-
-# -----------------------------------------------------------------------------
-# download: streamed, resumable (.part + HTTP Range), cached, row count checked
-
-def count_rows(path):
-    """Data rows in a CSV file (lines minus the header; a last line without '\\n' counts)."""
-    lines, last = 0, b'\n'
-    with open(path, 'rb') as f:
-        while chunk := f.read(1 << 24):
-            lines += chunk.count(b'\n')
-            last = chunk[-1:]
-    return max(0, lines + (last != b'\n') - 1)
-
-
-def _check_rows(path, expected_rows, what):
-    found = count_rows(path)
-    if found != expected_rows:
-        raise DownloadError(f"{what}: {found:,} data rows, expected {expected_rows:,} (file kept at {path}; "
-                            f"delete it to download again)")
-
-
-def _fetch(session, url, part):
-    """One attempt: continue `part` from its current size to the end of the file."""
-    have = os.path.getsize(part) if os.path.exists(part) else 0
-    # identity encoding: a Range must count bytes of the file itself, not of a gzip stream
-    headers = {'Accept-Encoding': 'identity', **({'Range': f'bytes={have}-'} if have else {})}
-    try:
-        r = session.get(url, headers=headers, stream=True, timeout=(15, 60))
-    except requests.RequestException as e:  # refused, DNS, timeout: maybe transient
-        raise _Retryable(f"{type(e).__name__}: {e}") from e
-    with r:
-        if r.status_code == 416 and have:  # nothing left to send: the .part may already be complete
-            total = r.headers.get('Content-Range', '').rpartition('/')[2]
-            if total.isdigit() and int(total) == have:
-                return
-            os.remove(part)
-            raise _Retryable(f"HTTP 416 for a {have}-byte partial file; starting over")
-        if r.status_code >= 500 or r.status_code == 429:
-            raise _Retryable(f"HTTP {r.status_code} {r.reason}")
-        if r.status_code not in (200, 206):
-            raise DownloadError(f"GET {url} failed: HTTP {r.status_code} {r.reason}")
-        total = None
-        if r.status_code == 206:
-            m = re.fullmatch(r'bytes (\d+)-(\d+)/(\d+|\*)', r.headers.get('Content-Range', '').strip())
-            if not m or int(m.group(1)) != have:
-                os.remove(part)
-                raise _Retryable(f"server resumed at the wrong place ({r.headers.get('Content-Range')!r}); "
-                                 f"starting over")
-            total = int(m.group(3)) if m.group(3) != '*' else None
-            mode = 'ab'
-        else:  # 200: the server ignored the Range (or there was none): write from the start
-            have, mode = 0, 'wb'
-            if 'Content-Length' in r.headers:
-                total = int(r.headers['Content-Length'])
-        done, shown, t0 = have, 0.0, time.time()
-        name = os.path.basename(part)[:-len('.part')]
-        try:
-            with open(part, mode) as f:
-                for block in r.iter_content(1 << 16):  # small blocks: a dropped connection loses little
-                    f.write(block)
-                    done += len(block)
-                    if time.time() - shown > 0.5:
-                        shown = time.time()
-                        pct = f" {100 * done / total:5.1f}%" if total else ''
-                        rate = (done - have) / max(1e-9, shown - t0) / 1e6
-                        print(f"\r{name}: {done / 1e6:,.1f}{f' / {total / 1e6:,.1f}' if total else ''} MB"
-                              f"{pct} {rate:.1f} MB/s", end='', file=sys.stderr, flush=True)
-        except (requests.RequestException, ConnectionError) as e:  # dropped mid-stream: resume next try
-            raise _Retryable(f"{type(e).__name__} after {done:,} bytes: {e}") from e
-        finally:
-            if shown:
-                print(file=sys.stderr)
-        if total is not None and done != total:
-            raise _Retryable(f"connection closed at {done:,} of {total:,} bytes")
-
-
-def download(url, dest_path, expected_rows=None, session=None, *, retries=5, backoff=2.0):
-    """Download `url` to `dest_path` and return dest_path. A finished file is reused (no request);
-    a partial one (`dest_path + '.part'`) is resumed with a Range request; 5xx answers and dropped
-    connections are retried with exponential backoff; `expected_rows` checks the CSV's data rows."""
-    if os.path.exists(dest_path):
-        if expected_rows is not None:
-            _check_rows(dest_path, expected_rows, dest_path)
-        return dest_path
-    os.makedirs(os.path.dirname(os.path.abspath(dest_path)), exist_ok=True)
-    part = dest_path + '.part'
-    session = session or requests.Session()
-    for attempt in range(retries + 1):
-        try:
-            _fetch(session, url, part)
-            break
-        except _Retryable as e:
-            if attempt == retries:
-                raise DownloadError(f"GET {url} failed: {e} (gave up after {retries + 1} attempts)") from None
-            wait = backoff * 2 ** attempt
-            print(f"GET {url}: {e}; retrying in {wait:.1f} s", file=sys.stderr)
-            time.sleep(wait)
-    if expected_rows is not None:
-        _check_rows(part, expected_rows, url)
-    os.replace(part, dest_path)  # only a complete, checked file gets the final name
-    return dest_path
 
 # -----------------------------------------------------------------------------
 # reading the CSV. Pass 1 (scan_csv) reads every row's structure and rating, vectorised a chunk at a
@@ -164,36 +55,6 @@ def _windows(arr, width):
     indexing it with field offsets copies fixed-width fields out of a variable-width file."""
     return np.lib.stride_tricks.as_strided(arr, shape=(len(arr) - width + 1, width), strides=(1, 1),
                                            writeable=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _bit_lut(n):
-    lut = np.zeros(256, np.uint16)
-    lut[1:n + 1] = 1 << np.arange(n)
-    return lut
-
-
-def units_ok(digits, n):
-    """[B, n*n] digits (anything outside 1..n counts as wrong) -> bool [B]: every row, column and box
-    holds each digit once. A unit's sum of 2**(d-1) equals 2**n - 1 exactly when its n digits are
-    distinct (n powers of two have n set bits in their sum only if no two are equal)."""
-    br, bc = BOXES[n]
-    d = np.asarray(digits)
-    if d.dtype != np.uint8:
-        d = np.clip(d, 0, 255).astype(np.uint8)
-    B = len(d)
-    bits = _bit_lut(n)[d].reshape(B, n, n)
-    rows, cols = bits[:, :, 0].copy(), bits[:, 0].copy()  # summed by slices: faster than .sum(axis)
-    for j in range(1, n):
-        rows += bits[:, :, j]
-        cols += bits[:, j]
-    b5 = bits.reshape(B, n // br, br, n // bc, bc)
-    boxes = np.zeros((B, n // br, n // bc), np.uint16)
-    for i in range(br):
-        for j in range(bc):
-            boxes += b5[:, :, i, :, j]
-    full = (1 << n) - 1
-    return (rows == full).all(1) & (cols == full).all(1) & (boxes == full).all((1, 2))
 
 
 def _check_structure(buf, end, n):
@@ -483,18 +344,6 @@ def augment(inputs, labels, n, num_aug, rng, chunk=1 << 14):
 # -----------------------------------------------------------------------------
 # verifier (evaluation)
 
-def sudoku_correct(inputs, preds, n=None):
-    """inputs, preds: integer token arrays [B, n*n] (blank 1, digit d -> d+1). True where the
-    prediction keeps every given and every row, column and box holds each digit once."""
-    inputs, preds = np.asarray(inputs), np.asarray(preds)
-    L = preds.shape[-1]
-    n = n or math.isqrt(L)
-    assert n * n == L and n in BOXES, f"no Sudoku layout for seq_len {L} (n={n})"
-    keeps = ((preds == inputs) | (inputs < 2)).all(1)
-    digits = np.clip(preds, 0, n + 2).astype(np.uint8) - np.uint8(1)  # PAD wraps to 255: no digit
-    return keeps & units_ok(digits, n)
-
-
 def tokens_to_strings(tokens):
     """[B, n*n] tokens -> list of CSV strings ('.' blank; PAD shows as '?')."""
     lut = np.frombuffer(b'?.123456789', np.uint8)
@@ -715,6 +564,9 @@ def main(argv=None):
     b.add_argument('--seed', type=int, default=0, help='subsample and augmentation seed (default: 0)')
     b.add_argument('--skip_bad', action='store_true', help='skip malformed rows (counted) instead of failing')
     args = p.parse_args(argv)
+    bucket_uri = args.output_dir if gcs.is_gcs(args.output_dir) else ''
+    if bucket_uri:
+        args.output_dir = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
     if args.generate is not None and args.csv_dir is not None:
         p.error('--generate and --csv_dir exclude each other')
     for name in ('generate', 'num_test', 'subsample_size', 'num_aug'):
@@ -735,15 +587,21 @@ def main(argv=None):
         else:
             csv_dir = args.download_dir
             official = args.base_url.rstrip('/') == BASE_URL  # row counts known for the official files only
-            session = requests.Session()
             for split in ('train', 'test'):
                 download(f"{args.base_url.rstrip('/')}/{split}.csv", os.path.join(csv_dir, f'{split}.csv'),
-                         EXPECTED_ROWS[split] if official else None, session)
+                         EXPECTED_ROWS[split] if official else None)
         build(csv_dir, args.output_dir, args.size, args.subsample_size, args.min_difficulty, args.num_aug,
               args.seed, args.skip_bad)
-    except (CSVFormatError, DownloadError, RuntimeError, FileNotFoundError) as e:
+    except (ValueError, DownloadError, RuntimeError, FileNotFoundError) as e:  # CSVFormatError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
+        try:
+            print(f"uploaded {gcs.upload_tree(args.output_dir, bucket_uri)} files to {bucket_uri}")
+        except Exception as e:
+            print(f"error: the dataset was built in {args.output_dir} but its upload to {bucket_uri} failed: {e}", file=sys.stderr)
+            return 1
+        args.output_dir = bucket_uri
     print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")
     return 0
 

@@ -4,15 +4,6 @@
 data_path = 'data/maze-30x30-hard-1k'
 out_dir = 'out/maze'
 wandb_run_name = 'maze'
-epochs = 50000
-eval_interval = 5000
-global_batch_size = 768
-lr = 1e-4
-puzzle_emb_lr = 1e-4
-weight_decay = 1.0
-puzzle_emb_weight_decay = 1.0
-hidden_size = 512
-num_heads = 8
 L_cycles = 4
 mlp_t = False
 pos_encodings = 'rope'

@@ -1,0 +1,9 @@
+# size_L2: the paper's Sudoku-Extreme MLP recipe (config/baseline.py) itself (L_layers = 2): this family's base point.
+# Family size_* -- model size: width hidden_size (size_d*) and depth L_layers (size_L*).
+# It shares out_dir 'out/study/base' with the other families' base points: the study trains it once.
+#   one run:      python train.py config/study/size_L2.py
+#   its dataset:  python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
+#   the family:   python study.py --pattern='size_*' [--scale=gpu|cpu] [--dry_run=True | --report=True]
+_base = 'config/baseline.py'  # the recipe this run changes: applied first, then the lines below
+out_dir = 'out/study/base'
+wandb_run_name = 'study-base'

@@ -1,0 +1,9 @@
+# tn_T4n6: the paper's Sudoku-Extreme MLP recipe (config/baseline.py) with H_cycles = 4, L_cycles = 6.
+# Family tn_* -- recursion grid: T = H_cycles rounds of n = L_cycles z-updates (the paper's T/n study).
+#   one run:      python train.py config/study/tn_T4n6.py
+#   its dataset:  python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
+#   the family:   python study.py --pattern='tn_*' [--scale=gpu|cpu] [--dry_run=True | --report=True]
+_base = 'config/baseline.py'  # the recipe this run changes: applied first, then the lines below
+out_dir = 'out/study/tn_T4n6'
+wandb_run_name = 'study-tn_T4n6'
+H_cycles = 4                    # <- studied (baseline.py: 3)

@@ -1,0 +1,295 @@
+"""
+Everything that depends on the device: which one to use, ranks and collectives (torchrun on GPUs or CPU
+processes, torch_xla on TPUs), the number format the hardware runs fast, batch transfer, RNG state, and
+what bench.py measures (waiting for the device, peak memory, XLA compilations and CPU fallbacks).
+train.py, bench.py and solve.py share it, so the training step itself has no device-specific line.
+
+The rule that keeps a TPU pod from hanging: every rank executes the same graphs with the same collectives
+in the same order. So a device value is only ever read through `Device.read`, which every rank calls at
+the same point (it syncs, then transfers); rank-0-only code does host work alone (files, prints, W&B).
+"""
+import os
+import resource
+
+import numpy as np
+import torch
+
+
+def resolve_device(name):
+    """'auto' -> 'xla' when PJRT_DEVICE is set (TPU), else 'cuda' when a GPU is visible, else 'cpu'."""
+    if name == 'auto':
+        return 'xla' if os.environ.get('PJRT_DEVICE') else ('cuda' if torch.cuda.is_available() else 'cpu')
+    if name not in ('cpu', 'cuda', 'xla'):
+        raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla'")
+    return name
+
+
+# -----------------------------------------------------------------------------
+# the number format: bfloat16 only where the hardware runs it natively
+
+def cpu_features():
+    """(CPU model, the vector extensions that matter for training speed) from /proc/cpuinfo (Linux)."""
+    model, flags = 'unknown CPU', set()
+    try:
+        with open('/proc/cpuinfo') as f:
+            for line in f:
+                if line.startswith('model name') and model == 'unknown CPU':
+                    model = line.split(':', 1)[1].strip()
+                elif line.startswith(('flags', 'Features')) and not flags:
+                    flags = set(line.split(':', 1)[1].split())
+    except OSError:
+        import platform
+        model = platform.processor() or platform.machine()
+    names = [('avx2', 'AVX2'), ('avx512f', 'AVX-512'), ('avx512_bf16', 'AVX512_BF16'), ('amx_bf16', 'AMX-BF16'),
+             ('asimd', 'NEON'), ('bf16', 'ARM-BF16'), ('sve', 'SVE')]
+    return model, [label for flag, label in names if flag in flags]
+
+
+def cpu_has_native_bf16():
+    """True where the CPU computes bfloat16 matmuls in hardware (AVX512_BF16, AMX, Arm BF16); elsewhere
+    torch emulates bf16 and a step runs many times slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and any(
+            x in cpu_features()[1] for x in ('AVX512_BF16', 'AMX-BF16', 'ARM-BF16'))
+    except Exception:
+        return False
+
+
+def resolve_loss_dtype(requested, kind):
+    """'auto': float64 stablemax as the reference, float32 on XLA (TPUs have no fast float64)."""
+    return ('float32' if kind == 'xla' else 'float64') if requested == 'auto' else requested
+
+
+def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
+    """(forward dtype, why). 'auto': bfloat16 on TPU and on GPUs of compute capability 8.0 or newer, and
+    on CPUs with native bf16; float32 elsewhere. An explicit choice is obeyed; where it is bf16 on hardware
+    that emulates it, `why` starts with 'warning:'."""
+    if kind == 'xla' and os.environ.get('PJRT_DEVICE', 'TPU') != 'CPU':
+        native, hw = True, 'TPU'
+    elif kind == 'cuda':
+        cap = cuda_capability or torch.cuda.get_device_capability()
+        native, hw = tuple(cap) >= (8, 0), f"GPU of compute capability {cap[0]}.{cap[1]}"
+    else:
+        native = cpu_has_native_bf16() if native_cpu_bf16 is None else native_cpu_bf16
+        hw = 'CPU ' + ('with' if native else 'without') + ' native bf16'
+    if requested == 'auto':
+        return ('bfloat16', f"auto: bfloat16 ({hw})") if native else ('float32', f"auto: float32 ({hw})")
+    if requested == 'bfloat16' and not native:
+        return requested, (f"warning: forward_dtype=bfloat16 on a {hw}: it is emulated and runs many times "
+                           f"slower than float32 (--forward_dtype=auto picks float32 here)")
+    return requested, f"{requested} (as configured)"
+
+
+# -----------------------------------------------------------------------------
+# one process's device, rank and collectives
+
+class Device:
+    def __init__(self, kind, xla_cache_dir=''):
+        self.kind = kind
+        self.rank, self.world_size, self.local_rank, self.hosts = 0, 1, 0, 1
+        if kind == 'xla':
+            import torch_xla
+            import torch_xla.runtime as xr
+            if xla_cache_dir and os.environ.get('PJRT_DEVICE') != 'CPU':  # the CPU client cannot reload executables
+                # one writable cache per local process: every host of a pod fills its own
+                xr.initialize_cache(os.path.join(os.path.expanduser(xla_cache_dir), str(xr.local_ordinal())),
+                                    readonly=False)
+            self.device = torch_xla.device()
+            self.rank, self.world_size = xr.global_ordinal(), xr.world_size()
+            self.local_rank = xr.local_ordinal()
+            self.hosts = max(1, self.world_size // max(1, xr.local_device_count()))
+        else:
+            if int(os.environ.get('WORLD_SIZE', 1)) > 1:  # torchrun
+                import torch.distributed as dist
+                self.rank, self.world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+                self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
+                self.hosts = self.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
+                dist.init_process_group(backend='nccl' if kind == 'cuda' else 'gloo')
+            if kind == 'cuda':
+                torch.cuda.set_device(self.local_rank)
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
+            self.device = torch.device(kind, self.local_rank) if kind == 'cuda' else torch.device('cpu')
+        self.master = self.rank == 0
+
+    # --- collectives (every rank calls them at the same point) ---------------------------------------
+
+    def all_reduce_(self, tensors, op='sum'):
+        """In place over all ranks: 'sum', 'max' or 'min'."""
+        if self.world_size == 1:
+            return
+        if self.kind == 'xla':
+            import torch_xla.core.xla_model as xm
+            xm.all_reduce({'sum': xm.REDUCE_SUM, 'max': xm.REDUCE_MAX, 'min': xm.REDUCE_MIN}[op], tensors)
+        else:
+            import torch.distributed as dist
+            flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective, not one per tensor
+            dist.all_reduce(flat, op={'sum': dist.ReduceOp.SUM, 'max': dist.ReduceOp.MAX, 'min': dist.ReduceOp.MIN}[op])
+            torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+
+    def all_reduce_sum_(self, tensors):
+        self.all_reduce_(tensors, 'sum')
+
+    def all_gather(self, t):
+        if self.world_size == 1:
+            return t
+        if t.dtype == torch.bool:  # not every backend gathers bools
+            return self.all_gather(t.to(torch.int32)).bool()
+        if self.kind == 'xla':
+            import torch_xla.core.xla_model as xm
+            return xm.all_gather(t, dim=0)
+        import torch.distributed as dist
+        out = torch.empty((self.world_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        dist.all_gather_into_tensor(out, t.contiguous())
+        return out
+
+    def read(self, tensors):
+        """Device tensors -> numpy arrays, on every rank. XLA: the pending graph (collectives included) is
+        cut and run first, so each rank executes it once and in the same order; then plain transfers."""
+        self.sync()
+        return [t.detach().cpu().numpy() for t in tensors]
+
+    def agree(self, values, op='sum'):
+        """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every rank."""
+        t = torch.tensor(np.asarray(values, dtype=np.float64).reshape(-1), dtype=torch.float32 if self.kind == 'xla'
+                         else torch.float64, device=self.device)
+        self.all_reduce_([t], op)
+        return self.read([t])[0].astype(np.float64)
+
+    def sync(self):
+        """End of a step: XLA cuts and dispatches the graph here; elsewhere a no-op."""
+        if self.kind == 'xla':
+            import torch_xla
+            torch_xla.sync()
+
+    def barrier(self):
+        if self.world_size == 1:
+            return
+        if self.kind == 'xla':
+            import torch_xla.core.xla_model as xm
+            self.sync()
+            xm.rendezvous('barrier')
+        else:
+            import torch.distributed as dist
+            dist.barrier()
+
+    def shutdown(self):
+        if self.kind != 'xla' and self.world_size > 1:
+            import torch.distributed as dist
+            dist.destroy_process_group()
+
+    # --- data and RNG ------------------------------------------------------------------------------
+
+    def to_device(self, batch):
+        pin = self.kind == 'cuda'
+        return {k: (torch.from_numpy(v).pin_memory() if pin else torch.from_numpy(v)).to(self.device, non_blocking=pin)
+                for k, v in batch.items()}
+
+    def manual_seed(self, s):
+        torch.manual_seed(s)
+        if self.kind == 'xla':  # the device draws ACT exploration from its own generator
+            import torch_xla.core.xla_model as xm
+            xm.set_rng_state(s)
+
+    def rng_state(self):
+        state = dict(cpu=torch.get_rng_state())
+        if self.kind == 'cuda':
+            state['cuda'] = torch.cuda.get_rng_state(self.device)
+        if self.kind == 'xla':
+            import torch_xla.core.xla_model as xm
+            state['xla'] = str(xm.get_rng_state())  # an unsigned 64-bit seed
+        return state
+
+    def set_rng_state(self, state):
+        torch.set_rng_state(state['cpu'])
+        if self.kind == 'cuda' and 'cuda' in state:
+            torch.cuda.set_rng_state(state['cuda'], self.device)
+        if self.kind == 'xla' and 'xla' in state:
+            import torch_xla.core.xla_model as xm
+            xm.set_rng_state(int(state['xla']))
+
+    # --- measuring (bench.py, logs) ----------------------------------------------------------------
+
+    def wait(self):
+        """Block until the device has finished everything queued, so the clock can be read."""
+        if self.kind == 'cuda':
+            torch.cuda.synchronize(self.device)
+        elif self.kind == 'xla':
+            import torch_xla.core.xla_model as xm
+            xm.wait_device_ops()
+
+    def xla_report(self):
+        """(graph compilations so far, {aten op: count} that fell back to the CPU); (0, {}) off XLA. With
+        static shapes the compilations stop growing after warm-up and nothing falls back."""
+        if self.kind != 'xla':
+            return 0, {}
+        import torch_xla.debug.metrics as met
+        compiles = met.metric_data('CompileTime')
+        return (compiles[0] if compiles else 0), {n: met.counter_value(n) for n in sorted(met.counter_names())
+                                                  if n.startswith('aten::')}
+
+    def peak_memory(self):
+        """(bytes, what was measured)."""
+        if self.kind == 'cuda':
+            return torch.cuda.max_memory_allocated(self.device), 'peak allocated'
+        if self.kind == 'xla':
+            try:
+                import torch_xla.core.xla_model as xm
+                info = xm.get_memory_info(self.device)
+                return int(info.get('peak_bytes_used', info['bytes_used'])), 'device peak'
+            except Exception:
+                pass  # the XLA CPU client has no allocator statistics
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'  # Linux: KiB
+
+    def name(self):
+        """What a reported figure was measured on: GPU name and compute capability, TPU type, or the CPU
+        model with its vector extensions and thread count."""
+        if self.kind == 'cuda':
+            cap = torch.cuda.get_device_capability(self.device)
+            return f"{torch.cuda.get_device_name(self.device)} (compute capability {cap[0]}.{cap[1]})"
+        if self.kind == 'xla':
+            import torch_xla
+            import torch_xla.core.xla_model as xm
+            name = xm.xla_device_kind(self.device)  # e.g. 'TPU v4', 'TPU v5 lite', 'cpu'
+            accel = os.environ.get('TPU_ACCELERATOR_TYPE', '')  # e.g. 'v5litepod-8'
+            if not accel and xm.xla_device_hw(self.device) == 'TPU':
+                try:
+                    accel = torch_xla.tpu.get_tpu_type()  # asks the TPU VM's metadata server
+                except Exception:
+                    pass
+            if name.lower() == 'cpu':
+                return f"XLA on the CPU: {self._cpu_name()}"
+            return f"XLA {name} {accel}".strip()
+        return self._cpu_name()
+
+    @staticmethod
+    def _cpu_name():
+        model, ext = cpu_features()
+        return f"{model} [{' '.join(ext) or 'no AVX2'}], {torch.get_num_threads()} threads"
+
+
+def to_cpu(obj):
+    """A host copy of nested dicts / lists / tuples of tensors (what a checkpoint holds)."""
+    if torch.is_tensor(obj):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+class Prefetcher:
+    """Keeps the next batch on its way to the device while the current step runs, and remembers the
+    loader position of the batches actually consumed (what a checkpoint must store)."""
+    def __init__(self, loader, dev):
+        self.loader, self.dev = loader, dev
+        self.consumed_state = loader.state_dict()
+        self.upcoming = dev.to_device(loader.next_batch())
+
+    def next(self):
+        batch = self.upcoming
+        self.consumed_state = self.loader.state_dict()
+        self.upcoming = self.dev.to_device(self.loader.next_batch())
+        return batch
+

@@ -1,0 +1,687 @@
+"""
+Solve puzzles with a trained TRM and watch it reason, one supervision step at a time:
+    python solve.py --init_from=out/quickstart/ckpt_00000703.pt --puzzle=.....1..43.....62..3........6.2.14..
+    python solve.py --init_from=CKPT --file=puzzles.txt --quiet=True     # one Sudoku a line, batched
+    python solve.py --init_from=CKPT --count=20                          # held-out examples of the dataset
+    python solve.py --init_from=CKPT --index=3 --all_steps=True --steps=32 --png=steps.png
+    python solve.py --init_from=reference.pt --data_path=data/sudoku-extreme-1k-aug-1000 --hidden_size=512
+Sudokus are n*n characters ('.' or '0' blank); mazes are their rows ('#' wall, ' ' open, 'S', 'G') joined
+by '/' or newlines, or one n*n-character line. Every step prints the current answer (cells changed since
+the step before marked with '*'), the halting head's probability sigmoid(q_halt) and whether the answer is
+already correct (the verifier: any valid solution counts, the givens must be kept). Solving stops where
+the model halts (q_halt > 0) unless --all_steps=True; --steps above the model's halt_max_steps is
+test-time scaling. A checkpoint of train.py carries its model keys; a state dict of the reference
+implementation ('_orig_mod.model.inner.*' keys) needs --data_path and the model keys of its training run.
+"""
+import math
+import os
+import re
+import time
+
+# -----------------------------------------------------------------------------
+# config
+init_from = ''                  # checkpoint: one of train.py (ckpt_*.pt; its EMA weights) or a reference state dict
+data_path = ''                  # dataset root the checkpoint was trained on ('': the checkpoint's own data_path)
+puzzle = ''                     # one puzzle: Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank; maze rows joined by '/'; or a file
+file = ''                       # file of puzzles: one Sudoku a line; mazes as blocks of rows (blank-line-separated) or lines
+index = -1                      # solve example N (from 0) of the dataset's test split
+count = 0                       # solve the first K examples of the dataset's test split
+steps = 0                       # supervision steps at most (0: the model's halt_max_steps); more is test-time scaling
+all_steps = False               # run every step instead of stopping at the model's halt (the first q_halt > 0)
+quiet = False                   # only one summary line per puzzle (no boards)
+png = ''                        # also draw the steps as small boards into this PNG file (needs matplotlib)
+png_puzzles = 4                 # puzzles drawn in the PNG at most
+batch_size = 64                 # puzzles per forward pass
+device = 'auto'                 # 'auto' (xla when PJRT_DEVICE is set, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
+threads = 0                     # CPU threads (0: the cores other processes leave idle, by the 1-minute load average; >= 1)
+forward_dtype = 'checkpoint'    # 'checkpoint' (the training run's; 'auto' resolved here) | 'auto' | 'bfloat16' | 'float16' | 'float32'
+# model keys: read for a reference state dict only (train.py's checkpoints carry theirs); they must be the training run's
+hidden_size = 512               # D, the width (reference state dict only)
+num_heads = 8                   # attention heads (reference state dict only)
+expansion = 4.0                 # SwiGLU width factor (reference state dict only)
+L_layers = 2                    # blocks in `net` (reference state dict only)
+H_cycles = 3                    # T: rounds per supervision step (reference state dict only; the weights do not tell)
+L_cycles = 6                    # n: z-updates per round (reference state dict only; the weights do not tell)
+halt_max_steps = 16             # supervision steps of training (reference state dict only)
+pos_encodings = 'none'          # 'rope' | 'learned' | 'none' (reference state dict only)
+mlp_t = True                    # MLP-mixer over the sequence instead of attention (reference state dict only)
+puzzle_emb_ndim = 512           # puzzle embedding width, 0: none (reference state dict only)
+puzzle_emb_len = 16             # prefix tokens of the puzzle embedding (reference state dict only)
+rms_norm_eps = 1e-5             # RMSNorm epsilon (reference state dict only)
+rope_theta = 10000.0            # RoPE base (reference state dict only)
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
+config = {k: globals()[k] for k in config_keys}
+_one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
+RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0, 'a number >= 0'),
+             index=(lambda v: v >= -1, '-1 (none) or an example number >= 0'),
+             png_puzzles=(lambda v: v > 0, 'a number > 0'), batch_size=(lambda v: v > 0, 'a number > 0'),
+             threads=(lambda v: v >= 0, 'a number >= 0'),
+             device=_one_of('auto', 'cpu', 'cuda', 'xla'),
+             forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'),
+             pos_encodings=_one_of('rope', 'learned', 'none'))
+bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
+if bad:
+    raise SystemExit("config error: " + '; '.join(bad))
+# -----------------------------------------------------------------------------
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import gcs  # noqa: E402
+from data import BOXES, CHARSET, GOAL, START, load_arrays, load_metadata, puzzle_type  # noqa: E402
+from data import shortest_path_length, verifier_for  # noqa: E402
+from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
+from model import TRM, TRMConfig, from_reference_state_dict, swiglu_inter  # noqa: E402
+
+MODEL_KEYS = [f for f in TRMConfig.__dataclass_fields__ if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
+MAZE_INPUT = CHARSET.replace('o', '')  # what a maze question holds: '# SG'
+
+
+def cpu_threads():
+    """Threads for the CPU: `threads`, or the cores left idle by other processes. An intra-op thread that must
+    wait for a busy core stalls every small op of the recursion (measured: 2 threads on 2 cores, both busy
+    with other work, ran a 9x9 solve 3-4x slower than 1 thread)."""
+    if threads:
+        return threads
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    return max(1, min(torch.get_num_threads(), cores - int(busy + 0.5)))
+
+
+def fail(message):
+    """A user error: one line, no traceback."""
+    raise SystemExit(' '.join(str(message).split()))
+
+
+def a(name):
+    """'a 4x4 Sudoku', 'an 8x8 maze'."""
+    return ('an ' if name[:1] == '8' or name[:2] in ('11', '18') else 'a ') + name
+
+
+def short(e, limit=200):
+    text = ' '.join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + '...'
+
+
+# -----------------------------------------------------------------------------
+# the checkpoint: ours ({'model', 'ema', 'config', ...}) or a reference state dict
+
+def numpy_scalar_types():
+    core = getattr(np, '_core', None) or np.core
+    return [core.multiarray.scalar, np.dtype] + [type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32',
+                                                                               'int64', 'uint8', 'bool')]
+
+
+def read_checkpoint(path):
+    """(state dict in our names, the training config or None, a few words on where the weights came from)."""
+    if not path:
+        fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
+    if not os.path.isfile(path):
+        fail(f"init_from={path}: no such file")
+    try:
+        ckpt = gcs.load_checkpoint(path)
+    except gcs.CheckpointError as e:
+        try:  # checkpoints of earlier train.py versions hold numpy scalars in their results: allow those only
+            with torch.serialization.safe_globals(numpy_scalar_types()):
+                ckpt = gcs.load_checkpoint(path)
+        except gcs.CheckpointError:
+            text = str(e.__cause__ or e)
+            m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(Check the documentation|$)', text, re.S)
+            detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
+            fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or truncated one, or "
+                 f"one holding more than weights and plain values): {short(detail, 160)}")
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+        saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
+        ema = ckpt.get('ema')
+        step = f" of step {ckpt['step']}" if 'step' in ckpt else ''
+        what = f"train.py checkpoint{step}, " + ('EMA weights' if ema else 'model weights (it holds no EMA)')
+        return dict(ema or ckpt['model']), saved, what
+    if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
+        return from_reference_state_dict(ckpt), None, 'state dict (reference format)'
+    fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference implementation")
+
+
+def shapes_in(sd):
+    """What the weights' shapes say about the model and the dataset: {key: value} (only what they tell)."""
+    found = {}
+    if 'embed_tokens.embedding_weight' in sd:
+        found['vocab_size'], found['hidden_size'] = map(int, sd['embed_tokens.embedding_weight'].shape)
+    layers = {int(k.split('.')[2]) for k in sd if k.startswith('net.layers.') and k.split('.')[2].isdigit()}
+    if layers:
+        found['L_layers'] = max(layers) + 1
+    if any('.mlp_t.' in k for k in sd):
+        found['mlp_t'] = True
+        found['total_len'] = int(sd['net.layers.0.mlp_t.gate_up_proj.weight'].shape[1]) \
+            if 'net.layers.0.mlp_t.gate_up_proj.weight' in sd else None
+    elif any('.self_attn.' in k for k in sd):
+        found['mlp_t'] = False
+    if 'embed_pos.embedding_weight' in sd:
+        found['pos_encodings'] = 'learned'
+        found['total_len'] = int(sd['embed_pos.embedding_weight'].shape[0])
+    if 'puzzle_emb' in sd and sd['puzzle_emb'].dim() == 2:
+        found['num_puzzle_identifiers'] = int(sd['puzzle_emb'].shape[0])
+        width = int(sd['puzzle_emb'].shape[1])  # a model without puzzle embedding keeps width 1
+        found['puzzle_emb_ndim'] = width if width > 1 else 0
+    if found.get('total_len') is None:
+        found.pop('total_len', None)
+    return found
+
+
+def meta_from_weights(sd, cfg):
+    """Dataset metadata inferred from the weights, for a checkpoint whose dataset is not on this machine:
+    None unless the shapes say unambiguously which puzzle it is."""
+    s = shapes_in(sd)
+    V = s.get('vocab_size')
+    if V is None:
+        return None
+    if 'total_len' in s:
+        prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
+        seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim', TRMConfig.puzzle_emb_ndim) > 0 else 0)
+    elif V - 2 in BOXES and V != 6:  # a Sudoku's vocabulary: n + 2 (6 is also a maze's)
+        seq_len = (V - 2) ** 2
+    else:
+        return None
+    meta = dict(vocab_size=V, seq_len=seq_len, num_puzzle_identifiers=s.get('num_puzzle_identifiers', 1),
+                pad_id=0, ignore_label_id=0, blank_identifier_id=0)
+    return meta if puzzle_type(meta) else None
+
+
+def mismatch_message(sd, model, cfg, given, where, ours):
+    """The weights do not fit the model built from the config and the dataset: which keys to check."""
+    want = model.state_dict()
+    missing = [k for k in want if k not in sd]
+    unexpected = [k for k in sd if k not in want]
+    reshaped = [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)]
+    parts = []
+    for what, keys in (('missing', missing), ('unexpected', unexpected), ('of another shape', reshaped)):
+        if keys:
+            parts.append(f"{len(keys)} {what} (e.g. {keys[0]}"
+                         + (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here" if what ==
+                            'of another shape' else '') + ")")
+    found, mine = shapes_in(sd), dict(vars(cfg), total_len=cfg.total_len)
+    differ = [k for k in found if k in mine and found[k] != mine[k]]
+    if 'expansion' not in differ and 'hidden_size' in found and 'net.layers.0.mlp.down_proj.weight' in sd and \
+            sd['net.layers.0.mlp.down_proj.weight'].shape[1] != swiglu_inter(found['hidden_size'], cfg.expansion):
+        differ.append('expansion')
+    data_keys = {'vocab_size', 'num_puzzle_identifiers', 'total_len'}
+    names = {'total_len': 'positions (seq_len + puzzle_emb_len)'}
+    says = ', '.join(f"{names.get(k, k)}={found[k]}" + (f" (here {mine[k]})" if k in differ and k in mine else '')
+                     for k in found)
+    check = [k for k in differ if k not in data_keys]
+    if any(k in data_keys for k in differ):
+        check += (['puzzle_emb_len', 'puzzle_emb_ndim'] if 'total_len' in differ else []) + ['data_path']
+    if not check:
+        check = ['expansion', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len', 'data_path']
+    if ours:  # the model keys came from the checkpoint: only the dataset can be wrong
+        check = ['data_path']
+    return (f"init_from={given}: the weights do not fit the model built from {where}: {'; '.join(parts)}. "
+            f"The weights say {says}. Check {', '.join('--' + k for k in dict.fromkeys(check))}")
+
+
+# -----------------------------------------------------------------------------
+# what the model solves, and the puzzles given as text
+
+class Kind:
+    def __init__(self, meta):
+        self.type = puzzle_type(meta)
+        self.L = meta['seq_len']
+        self.n = int(meta.get('grid_size') or math.isqrt(self.L))
+        if self.type == 'sudoku':
+            self.alphabet = '.0' + '123456789'[:self.n]
+            self.name = f"{self.n}x{self.n} Sudoku"
+            self.shape = f"{self.L} characters from '{self.alphabet}'"
+        elif self.type == 'maze':
+            self.alphabet = MAZE_INPUT
+            self.name = f"{self.n}x{self.n} maze"
+            self.shape = (f"{self.n} rows of {self.n} characters from '{MAZE_INPUT}' (wall, open, start, goal), "
+                          f"joined by '/' or newlines, or one line of {self.L}")
+
+    def cell(self, t):
+        t = int(t)
+        if self.type == 'sudoku':
+            return str(t - 1) if 2 <= t <= self.n + 1 else '.'
+        return CHARSET[t - 1] if 1 <= t <= len(CHARSET) else '?'
+
+    def encode(self, text):
+        if self.type == 'sudoku':
+            return np.array([0 if c in '.0' else int(c) for c in text], np.int32) + 1  # blank 1, digit d -> d + 1
+        return np.array([MAZE_INPUT.index(c) + 1 for c in text], np.int32)
+
+
+def looks_like(text):
+    """A guess at what a puzzle string is, for a clear error when it is not what the checkpoint solves."""
+    chars = set(text) - set(' \t/\r\n')
+    if chars and chars <= set('.0123456789'):
+        k = len(''.join(text.split()).replace('/', ''))
+        n = math.isqrt(k)
+        return f"{n}x{n} Sudoku" if n * n == k and n in BOXES else 'Sudoku'
+    if chars & set('#SG') and chars <= set('# SGo'):
+        rows = [r for r in text.replace('\r', '').replace('/', '\n').split('\n') if r]
+        return f"{len(rows)}x{len(rows)} maze" if len(rows) > 1 else 'maze'
+    return None
+
+
+def parse_puzzle(text, kind, where, rows_given=False):
+    """text -> tokens [L], or a one-line error naming the expected length and alphabet."""
+    guess = looks_like(text)
+    if guess and guess.split()[-1] != kind.name.split()[-1]:  # 'maze' vs 'Sudoku'
+        fail(f"{where} looks like {a(guess)}, but the checkpoint solves {kind.name}s ({kind.shape}): use "
+             f"{a(guess.split()[-1])} checkpoint (and its --data_path), or give {a(kind.name)}")
+    if kind.type == 'sudoku':
+        s = ''.join(text.split()).replace('/', '')
+        if len(s) != kind.L:
+            also = f" ({a(guess)})" if guess and guess != kind.name and guess != 'Sudoku' else ''
+            fail(f"{where}: {len(s)} characters{also}; {a(kind.name)} has {kind.shape}")
+        for i, c in enumerate(s):
+            if c not in kind.alphabet:
+                fail(f"{where}: character {c!r} at position {i + 1}; {a(kind.name)} has {kind.shape}")
+        return kind.encode(s)
+    rows = text.replace('\r', '').replace('/', '\n').split('\n')
+    while rows and rows[-1] == '':
+        rows.pop()
+    if len(rows) == 1 and len(rows[0]) == kind.L:
+        rows = [rows[0][i:i + kind.n] for i in range(0, kind.L, kind.n)]
+    if len(rows) != kind.n:
+        fail(f"{where}: {plural(len(rows), 'row')}"
+             f"{' of ' + str(len(rows[0])) + ' characters' if len(rows) == 1 else ''}; {a(kind.name)} has {kind.shape}")
+    for r, row in enumerate(rows):
+        if len(row) != kind.n:
+            fail(f"{where}: row {r + 1} has {len(row)} characters; {a(kind.name)} has {kind.shape}")
+        for c, ch in enumerate(row):
+            if ch not in MAZE_INPUT:
+                hint = " ('o' marks a path, which is the model's to find: give the maze without it)" if ch == 'o' \
+                    else ''
+                fail(f"{where}: character {ch!r} in row {r + 1}, column {c + 1}{hint}; {a(kind.name)} has "
+                     f"{kind.shape}")
+    return kind.encode(''.join(rows))
+
+
+def read_puzzle_file(path, kind):
+    """[(text, where)] from a file: one Sudoku a line; mazes as blank-line-separated blocks of rows, or one
+    line each."""
+    try:
+        with open(path, newline='') as f:
+            lines = f.read().replace('\r\n', '\n').split('\n')
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"file={path}: cannot read it ({short(e)})")
+    name = os.path.basename(path)
+    out = []
+    if kind.type == 'sudoku':
+        for i, line in enumerate(lines):
+            if line.strip():
+                out.append((line, f"puzzle {len(out) + 1} (line {i + 1} of {name})"))
+    else:
+        blocks, cur = [], []
+        for i, line in enumerate(lines + ['']):
+            if line == '':
+                if cur:
+                    blocks.append(cur)
+                cur = []
+            else:
+                cur.append((i + 1, line))
+        for block in blocks:
+            if len(block) > 1 and all(len(l) == kind.L for _, l in block):  # several one-line mazes
+                for i, l in block:
+                    out.append((l, f"puzzle {len(out) + 1} (line {i} of {name})"))
+            else:
+                first, last = block[0][0], block[-1][0]
+                span = f"line {first}" if first == last else f"lines {first}-{last}"
+                out.append(('\n'.join(l for _, l in block), f"puzzle {len(out) + 1} ({span} of {name})"))
+    if not out:
+        fail(f"file={path} holds no puzzles")
+    return out
+
+
+def contradictions(tokens, kind, where):
+    """Givens that cannot all hold: a message, or None."""
+    if kind.type == 'sudoku':
+        n, (br, bc) = kind.n, BOXES[kind.n]
+        g = tokens.reshape(n, n) - 1  # 0 blank, else the digit
+        units = [(f"row {r + 1}", [(r, c) for c in range(n)]) for r in range(n)]
+        units += [(f"column {c + 1}", [(r, c) for r in range(n)]) for c in range(n)]
+        units += [(f"box {b + 1} (rows {r0 + 1}-{r0 + br}, columns {c0 + 1}-{c0 + bc})",
+                   [(r0 + i, c0 + j) for i in range(br) for j in range(bc)])
+                  for b, (r0, c0) in enumerate((r, c) for r in range(0, n, br) for c in range(0, n, bc))]
+        for name, cells in units:
+            seen = {}
+            for r, c in cells:
+                d = int(g[r, c])
+                if d and d in seen:
+                    (r1, c1) = seen[d]
+                    return (f"{where}: the givens contradict each other: {d} twice in {name} "
+                            f"(row {r1 + 1} column {c1 + 1} and row {r + 1} column {c + 1})")
+                seen[d] = (r, c)
+        return None
+    s, g = int((tokens == START).sum()), int((tokens == GOAL).sum())
+    if s != 1 or g != 1:
+        return f"{where}: {s} S (start) and {g} G (goal) cells; a maze needs exactly one of each"
+    if shortest_path_length(tokens[None])[0] < 0:
+        return f"{where}: no open path leads from S to G"
+    return None
+
+
+# -----------------------------------------------------------------------------
+# the reasoning, one supervision step at a time
+
+@torch.no_grad()  # (not inference_mode: XLA tensors cannot be inference tensors)
+def reason(model, dev, inputs, ids, n_steps, every_step):
+    """model.predict's recursion from fresh latents, read after every step: predictions [S, B, L], q_halt
+    [S, B] and the seconds since the start at the end of each step [S]. Stops once every row has halted
+    (q_halt > 0) unless every_step."""
+    batch = dev.to_device(dict(inputs=inputs, puzzle_identifiers=ids))
+    t0 = time.perf_counter()
+    y, z = model.init_latents(len(inputs), dev.device)
+    x = model.input_embeddings(batch['inputs'], model.puzzle_rows(batch['puzzle_identifiers']))
+    preds, qs, times = [], [], []
+    halted = np.zeros(len(inputs), bool)
+    for _ in range(n_steps):
+        y, z = model.recursion(y, z, x)
+        logits, q_halt, _ = model.heads(y)
+        p, q = dev.read([logits.argmax(-1).to(torch.int32), q_halt.float()])  # the step's only sync
+        preds.append(p)
+        qs.append(q)
+        times.append(time.perf_counter() - t0)
+        halted |= q > 0
+        if halted.all() and not every_step:
+            break
+    return np.stack(preds), np.stack(qs), np.array(times)
+
+
+def board(kind, tokens, before=None):
+    """Text of a board; cells that differ from `before` get a trailing '*'."""
+    n = kind.n
+    t = np.asarray(tokens).reshape(n, n)
+    b = None if before is None else np.asarray(before).reshape(n, n)
+    mark = lambda r, c: '*' if b is not None and t[r, c] != b[r, c] else ' '
+    if kind.type == 'maze':
+        return '\n'.join(''.join(kind.cell(t[r, c]) + mark(r, c) for c in range(n)).rstrip() for r in range(n))
+    br, bc = BOXES[n]
+    lines = []
+    for r in range(n):
+        if r and r % br == 0:
+            lines.append('-+-'.join('-' * (3 * bc - 1) for _ in range(n // bc)))
+        cells = [kind.cell(t[r, c]) + mark(r, c) for c in range(n)]
+        lines.append(' | '.join(' '.join(cells[c:c + bc]) for c in range(0, n, bc)).rstrip())
+    return '\n'.join(lines)
+
+
+def sigmoid(q):
+    return 1.0 / (1.0 + np.exp(-np.clip(q, -60, 60)))
+
+
+def plural(k, word):
+    return f"{k} {word}{'s' * (k != 1)}"
+
+
+def clashes(grid, n):
+    """bool [n, n]: Sudoku cells whose digit appears again in their row, column or box."""
+    br, bc = BOXES[n]
+    out = np.zeros((n, n), bool)
+    for r in range(n):
+        for c in range(n):
+            d = grid[r, c]
+            if d > 1:
+                box = grid[r - r % br:r - r % br + br, c - c % bc:c - c % bc + bc]
+                out[r, c] = (grid[r] == d).sum() > 1 or (grid[:, c] == d).sum() > 1 or (box == d).sum() > 1
+    return out
+
+
+def draw_png(path, plt, kind, items, title):
+    """One row of small boards per puzzle (wrapped every 6): the puzzle, then each step, changed cells
+    highlighted, titled with the step, the halt probability and correct / not. Sudoku: givens bold on grey,
+    the model's digits blue; red where a digit clashes with another of its row, column or box, or a given
+    was overwritten."""
+    from matplotlib.patches import Rectangle
+    per_row = 6
+    layout = []  # (puzzle item, first panel, panels)
+    for it in items:
+        panels = 1 + it['shown']
+        for start in range(0, panels, per_row):
+            layout.append((it, start, min(per_row, panels - start)))
+    ncols = min(per_row, max(p for _, _, p in layout))
+    fig, axes = plt.subplots(len(layout), ncols, figsize=(2.3 * ncols, 2.55 * len(layout) + 0.4), squeeze=False)
+    colors = {'#': (0.22, 0.22, 0.25), ' ': (1, 1, 1), 'S': (0.15, 0.65, 0.25), 'G': (0.85, 0.2, 0.2),
+              'o': (0.25, 0.45, 0.95), '?': (0.9, 0.3, 0.9)}
+    n = kind.n
+    for row, (it, start, count) in enumerate(layout):
+        for col in range(ncols):
+            ax = axes[row, col]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if col >= count:
+                ax.axis('off')
+                continue
+            k = start + col  # 0: the puzzle, k: step k
+            cur = it['inputs'] if k == 0 else it['preds'][k - 1]
+            prev = None if k == 0 else (it['inputs'] if k == 1 else it['preds'][k - 2])
+            grid = np.asarray(cur).reshape(n, n)
+            changed = np.zeros((n, n), bool) if prev is None else grid != np.asarray(prev).reshape(n, n)
+            given = np.asarray(it['inputs']).reshape(n, n)
+            if kind.type == 'maze':
+                img = np.array([[colors.get(kind.cell(v), colors['?']) for v in r] for r in grid])
+                ax.imshow(img, interpolation='nearest', extent=(0, n, n, 0))
+                for r, c in zip(*np.nonzero(changed)):
+                    ax.add_patch(Rectangle((c + 0.08, r + 0.08), 0.84, 0.84, fill=False, edgecolor=(1, 0.6, 0),
+                                           linewidth=1.2))
+            else:
+                br, bc = BOXES[n]
+                bad = clashes(grid, n)
+                ax.set_xlim(0, n)
+                ax.set_ylim(n, 0)
+                ax.set_aspect('equal')
+                for r in range(n):
+                    for c in range(n):
+                        face = (1, 0.85, 0.3) if changed[r, c] else (0.9, 0.9, 0.9) if given[r, c] > 1 else (1, 1, 1)
+                        ax.add_patch(Rectangle((c, r), 1, 1, facecolor=face, edgecolor='none'))
+                        ch, is_given = kind.cell(grid[r, c]), given[r, c] > 1
+                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given overwritten
+                        if ch != '.':
+                            ax.text(c + 0.5, r + 0.54, ch, ha='center', va='center', fontsize=max(6, 60 // n),
+                                    color=(0.85, 0.1, 0.1) if red else 'black' if is_given else (0.1, 0.3, 0.8),
+                                    fontweight='bold' if is_given else 'normal')
+                for i in range(n + 1):
+                    ax.axhline(i, color='black', linewidth=1.6 if i % br == 0 else 0.4)
+                    ax.axvline(i, color='black', linewidth=1.6 if i % bc == 0 else 0.4)
+            if k == 0:
+                ax.set_title(f"{it['label']}\n(given)", fontsize=8)
+            else:
+                ok = it['correct'][k - 1]
+                halt = ' (halt)' if k - 1 == it['halt'] else ''
+                ax.set_title(f"step {k}{halt}\nhalt p {it['prob'][k - 1]:.2f} | "
+                             f"{'correct' if ok else 'not correct'}", fontsize=8,
+                             color=(0.05, 0.5, 0.15) if ok else (0.75, 0.1, 0.1))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(it, kind):
+    """A puzzle's steps (unless quiet) and its summary line."""
+    k = it['shown']
+    final, ok = it['preds'][-1], bool(it['correct'][-1])
+    if not quiet:
+        extra = ''
+        if kind.type == 'sudoku':
+            extra = f", {plural(int((it['inputs'] <= 1).sum()), 'blank')}"
+        elif kind.type == 'maze':
+            extra = f", shortest path {plural(int(shortest_path_length(it['inputs'][None])[0]), 'step')}"
+        print(f"\n{it['where']}: {kind.name}{extra}")
+        print(board(kind, it['inputs']))
+        for s in range(k):
+            prev = it['inputs'] if s == 0 else it['preds'][s - 1]
+            changed = int((it['preds'][s] != prev).sum())
+            head = (f"step {s + 1} | halt prob {it['prob'][s]:.3f}" + (' (halts)' if s == it['halt'] else '')
+                    + f" | correct {'yes' if it['correct'][s] else 'no'} | ")
+            if changed:
+                print(f"{head}{plural(changed, 'cell')} changed" + (' (marked *)' if s == 0 else ''))
+                print(board(kind, it['preds'][s], prev))
+            else:
+                print(f"{head}unchanged")
+    first_ok = np.flatnonzero(it['correct'])
+    verdict = 'solved (verified)' if ok else 'NOT solved (the verifier rejects the answer)'
+    if all_steps:
+        how = f"after all {plural(k, 'step')}"
+        notes = [f"correct from step {first_ok[0] + 1}" if len(first_ok) else 'never correct',
+                 f"the model halts at step {it['halt'] + 1}" if it['halt'] is not None else
+                 'the model never halts (q_halt <= 0 at every step)']
+    elif it['halt'] is not None:
+        how, notes = f"in {plural(k, 'step')}", ['the model halted (q_halt > 0)']
+    else:
+        how, notes = f"after {plural(k, 'step')}", ['the model did not halt (q_halt <= 0 at every step)']
+    if it['target'] is not None:
+        same = bool(np.array_equal(np.where(it['target'] < 0, final, it['target']), final))
+        notes.append("identical to the dataset's label" if same else "differs from the dataset's label")
+    timing = f"{it['time']:.2f} s" + (f" (in a batch of {it['batch']})" if it['batch'] > 1 else '')
+    answer = f" | answer {''.join(kind.cell(v) for v in final)}" if kind.type == 'sudoku' else ''
+    print(f"{it['label']}: {verdict} {how}; {'; '.join(notes)} | {timing}{answer}", flush=True)
+
+
+# -----------------------------------------------------------------------------
+
+def main():
+    sources = [name for name, on in (('puzzle', puzzle), ('file', file), ('index', index >= 0), ('count', count > 0))
+               if on]
+    if not sources:
+        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N or --count=K (--help lists the keys)")
+    if len(sources) > 1:
+        fail(f"give one source of puzzles, not {' and '.join('--' + s for s in sources)}")
+    plt = None
+    if png:  # checked before anything slow runs
+        try:
+            import matplotlib
+            matplotlib.use('Agg')
+            import matplotlib.pyplot as plt
+        except ImportError as e:
+            fail(f"png={png} needs matplotlib, which cannot be imported ({short(e, 100)}): pip install matplotlib")
+        folder = os.path.dirname(os.path.abspath(png))
+        if not os.path.isdir(folder):
+            fail(f"png={png}: the folder {folder} does not exist")
+
+    # --- the checkpoint, the dataset it was trained on, the model --------------------------------------
+    sd, saved, what = read_checkpoint(init_from)
+    ours = saved is not None
+    dp = data_path or (saved or {}).get('data_path', '')
+    if not dp and not ours:
+        fail(f"init_from={init_from} is a reference state dict: give --data_path (the dataset it was trained on) "
+             f"and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
+    kind_name = resolve_device(device)
+    dev = Device(kind_name)
+    if dev.kind == 'cpu':
+        torch.set_num_threads(cpu_threads())
+    if ours:
+        model_cfg = {k: saved[k] for k in MODEL_KEYS if k in saved}
+    else:
+        model_cfg = {k: config[k] for k in MODEL_KEYS if k in config and k != 'forward_dtype'}
+    requested = forward_dtype if forward_dtype != 'checkpoint' else model_cfg.get('forward_dtype', 'auto')
+    dtype, dtype_why = choose_dtype(requested, dev.kind)
+    model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.kind))
+    try:
+        meta, meta_from = load_metadata(dp, 'train'), f"dataset {dp}"
+    except (OSError, ValueError) as e:
+        meta = meta_from_weights(sd, model_cfg) if not (index >= 0 or count > 0) and not data_path else None
+        if meta is None:
+            trained = f" (the checkpoint was trained on data_path={saved.get('data_path')!r})" if ours else ''
+            fail(f"data_path={dp!r}: {short(e)}{trained}; give --data_path=DATASET_ROOT")
+        meta_from = f"the weights (no dataset at {dp})"
+    kind = Kind(meta)
+    if kind.type is None:
+        fail(f"{meta_from} holds neither Sudokus nor mazes (vocab_size {meta['vocab_size']}, seq_len "
+             f"{meta['seq_len']}): solve.py knows only those")
+    try:
+        cfg = TRMConfig(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
+                        num_puzzle_identifiers=meta['num_puzzle_identifiers'], **model_cfg)
+    except (TypeError, ValueError) as e:
+        fail(f"model config error: {short(e)}")
+    model = TRM(cfg)
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError:
+        where = f"the checkpoint's config and {meta_from}" if ours else \
+            f"the model keys (--hidden_size etc.) and {meta_from}"
+        fail(mismatch_message(sd, model, cfg, init_from, where, ours))
+    model = model.to(dev.device).eval()
+    verifier = verifier_for(meta)
+    n_steps = steps or cfg.halt_max_steps
+
+    # --- the puzzles ----------------------------------------------------------------------------------
+    labels = None
+    if puzzle or file:
+        if puzzle and os.path.isfile(puzzle):
+            texts = read_puzzle_file(puzzle, kind)
+        elif puzzle:
+            texts = [(puzzle, 'puzzle 1 (--puzzle)')]
+        else:
+            if not os.path.isfile(file):
+                fail(f"file={file}: no such file")
+            texts = read_puzzle_file(file, kind)
+        inputs = np.stack([parse_puzzle(t, kind, w) for t, w in texts])
+        wheres = [w for _, w in texts]
+        problems = [p for p in (contradictions(x, kind, w) for x, w in zip(inputs, wheres)) if p]
+        if problems:
+            fail(problems[0] + (f" (and {len(problems) - 1} more puzzle(s) like it)" if len(problems) > 1 else ''))
+        ids = np.full(len(inputs), meta.get('blank_identifier_id', 0), np.int32)
+    else:
+        try:
+            arrays = load_arrays(dp, 'test')
+            test_meta = load_metadata(dp, 'test')
+        except (OSError, ValueError) as e:
+            fail(f"--{sources[0]} reads the test split of data_path={dp!r}: {short(e)}")
+        total = len(arrays['inputs'])
+        if index >= total:
+            fail(f"index={index}: the test split of {dp} has {total} examples (0..{total - 1})")
+        rows = np.array([index]) if index >= 0 else np.arange(min(count, total))
+        if count > total:
+            print(f"count={count}: the test split of {dp} has {total} examples; solving all of them")
+        inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
+        labels = np.asarray(arrays['labels'][rows]).astype(np.int32)
+        labels = np.where(labels == test_meta['ignore_label_id'], -1, labels)
+        pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
+        ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
+        wheres = [f"puzzle {i + 1} (test example {r})" for i, r in enumerate(rows)]
+
+    print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
+          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {kind.name}s ({meta_from})")
+    print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
+          + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
+          + f" | {plural(len(inputs), 'puzzle')} in batches of {min(batch_size, len(inputs))}")
+
+    # --- solve, a batch at a time; each batch is reported when it is done --------------------------------
+    drawn, n_done, n_solved, n_steps_sum, t_all = [], 0, 0, 0, time.perf_counter()
+    for b0 in range(0, len(inputs), batch_size):
+        x, i_ = inputs[b0:b0 + batch_size], ids[b0:b0 + batch_size]
+        preds, qs, times = reason(model, dev, x, i_, n_steps, all_steps)
+        correct = np.stack([np.asarray(verifier(x, p)) for p in preds])  # [S, B]
+        probs = sigmoid(qs)
+        for j in range(len(x)):
+            halts = np.flatnonzero(qs[:, j] > 0)
+            halt = int(halts[0]) if len(halts) else None
+            last = len(preds) - 1 if (all_steps or halt is None) else halt
+            it = dict(inputs=x[j], preds=preds[:last + 1, j], prob=probs[:last + 1, j], correct=correct[:last + 1, j],
+                      halt=halt, shown=last + 1, time=float(times[last]), batch=len(x), where=wheres[b0 + j],
+                      label=f"puzzle {b0 + j + 1}", target=None if labels is None else labels[b0 + j])
+            report(it, kind)
+            n_done, n_solved, n_steps_sum = n_done + 1, n_solved + bool(it['correct'][-1]), n_steps_sum + it['shown']
+            if len(drawn) < png_puzzles:
+                drawn.append(it)
+    t_all = time.perf_counter() - t_all
+    if n_done > 1:
+        print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | {t_all:.2f} s "
+              f"for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
+    if png:
+        title = (f"{os.path.basename(init_from)}: {kind.name}, cells changed since the step before highlighted"
+                 + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
+        try:
+            draw_png(png, plt, kind, drawn, title)
+        except OSError as e:
+            fail(f"png={png}: cannot write it ({short(e)})")
+        print(f"wrote {png}")
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,873 @@
+"""
+Scaling studies: families of train.py runs that differ from the paper's recipe in one or two keys, run in
+sequence (resumable), costed before they run, and compared afterwards in one table and a few plots.
+
+    python study.py                                            # the families and their experiments
+    python study.py --pattern='rec_*' --dry_run=True           # each run's command, parameters, FLOPs, time
+    python study.py --pattern='rec_*'                          # build missing datasets, then run them in turn
+    python study.py --pattern='rec_*,tn_*' --scale=cpu         # the CPU smoke twin of the same families
+    python study.py --pattern='*' --scale=gpu --examples_per_s=2500 --dry_run=True
+    python study.py --pattern='rec_*,tn_*' --scale=cpu --report=True   # table (md, csv) and PNGs
+    torchrun users: --nproc=4;  TPU pods: PJRT_DEVICE=TPU python study.py ... --out_root=gs://BUCKET/study
+
+The experiments are files, one per run: config/study/<family>_<point>.py, plain Python that train.py runs
+by itself (`python train.py config/study/rec_L2.py`). Each names its base recipe in `_base` (config/baseline.py
+for Sudoku-Extreme, config/maze.py for Maze-Hard; configurator.py applies it first) and holds only what the run
+changes: its out_dir and W&B name, and the studied key(s), marked. Why files and not one file per family
+with an override syntax: a run is then one file a researcher can open, diff, run alone, copy to start a new
+point, and cite in a paper; a glob over file names selects a family (`size_*`, `size_d*`, `maze_rec_*`);
+and nothing new sits between the file and train.py: the runner passes only --key=value flags, the same
+configurator reads them. The family is the name up to its last '_' (so points carry no '_').
+
+Grid points equal to the base recipe (size_d512, size_L2, rec_L6, tn_T3n6, data_1000, aug_1000, abl_halt16;
+maze_size_d512, maze_size_L2, maze_rec_L4, maze_tn_T3n4) are one run: their files share out_dir
+out/study/base (maze: out/study/maze_base), so it is trained once and shows up in every family.
+
+Runs go to <out_root>/<last part of the file's out_dir>. A run whose results.json exists is skipped; every
+other run gets --init_from=resume, which continues its newest checkpoint or starts from scratch when there
+is none. A failed run is reported and the next one starts; the exit code is 1 if any run failed. SIGINT or
+SIGTERM to study.py: the running train.py gets one SIGTERM (it saves a checkpoint and exits), the study
+stops; if study.py is killed outright, train.py gets a SIGTERM from the kernel (Linux) and does the same.
+Rerun the same command to continue. Missing datasets are built first with the command the dataset's name
+implies (data/sudoku-extreme-<K>-aug-<A>: prepare_sudoku.py --subsample_size K --num_aug A; K may be
+written 1k; data/maze-30x30-hard-1k: prepare_maze.py), or the file's `_prepare` string.
+On a TPU pod every host runs the same command: the order is fixed (names, naturally sorted), out_root
+must be gs:// (every host then sees the same results.json and checkpoints), each host builds its own copy
+of a missing dataset (the builds are seeded, so the copies are identical).
+
+Scales (--scale), applied as --key=value flags after the file, so each twin is the same family:
+  full  the files as they are (the paper's sizes; out/study)
+  gpu   one GPU (out/study-gpu): epochs, eval_interval and lr_warmup_steps x 0.1 (Sudoku-Extreme 1k:
+        6,510 steps at batch 768); Maze global_batch_size 128 (config/maze.py's one-GPU advice). The
+        datasets are the real ones.
+  cpu   smoke (out/study-cpu): generated datasets instead of the real ones, built offline in seconds:
+        Sudoku-Extreme K puzzles x A augmentations -> 4x4 Sudoku, K/5 puzzles x A/100 augmentations drawn
+        from one seeded pool of 1,000 (same 200 held-out puzzles for every point), in data_root;
+        Maze-Hard -> 200 generated 8x8 mazes (100 held out). hidden_size / 16, num_heads 2,
+        halt_max_steps / 4 (evaluated at twice that: eval_steps), puzzle_emb_ndim 0, epochs x 0.0008 (base: 40 epochs, 250 steps at batch 32),
+        eval_interval = epochs / 2, checkpoint_interval 50, log_interval 25, lr 2e-3 (warm-up 30 steps),
+        weight_decay 0.1, ema_rate 0.99, float32, device cpu, one thread (OMP_NUM_THREADS=1 unless set).
+        Measured: the rec_* + tn_* twin (9 runs) in SMOKE_TIME on this project's 2-core machine.
+--extra='--key=value ...' is added to every run after the scale's flags (e.g. --extra='--seed=1' with
+another --out_root for a second seed).
+
+Costs (--dry_run): parameters and FLOPs per example-step from model.TRM built on the meta device; steps as
+train.py computes them (epochs x groups x mean examples per puzzle / global_batch_size) from the dataset's
+dataset.json, or before it is built from the known sizes (Sudoku-Extreme: K groups of 1 + A puzzles of one
+example each; 422,786 held-out puzzles; Maze-Hard: 1,000 + 1,000); training FLOPs = FLOPs per example-step
+x steps x global_batch_size (as train.py's results.json); evaluation FLOPs (forward passes over the
+held-out sets at every evaluation) are shown apart. Times need a measured speed: --examples_per_s (what
+`python bench.py config/baseline.py` plus the scale's flags prints; turned into a FLOP rate with that
+model's FLOPs, so each run's time follows its own FLOPs) or --bench_file (a file with bench.py's output).
+
+--report=True (and every run of a study, at its end) writes <report_dir>/report.md, report.csv and PNGs: held-out exact accuracy (95% Wilson
+interval) against parameters, training FLOPs, recursion (n = L_cycles; T x (n + 1) network calls per
+supervision step), training puzzles and augmentations, per ablation, and accuracy against supervision steps.
+"""
+import ast
+import csv
+import fnmatch
+import json
+import math
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+
+from configurator import config_files, read_config_block
+
+# -----------------------------------------------------------------------------
+# config
+pattern = ''                    # experiments: comma-separated globs over names ('rec_*', 'size_d*,tn_*', '*'); '': list the families
+scale = 'full'                  # 'full' (the files as they are) | 'gpu' (one GPU) | 'cpu' (smoke); see the docstring
+dry_run = False                 # print each selected run's command, parameters, FLOPs and time estimate; run nothing
+list_only = False               # print each selected experiment's varied keys, out_dir and state; run nothing
+report = False                  # collect the selected runs' results into report.md, report.csv and PNGs; run nothing
+nproc = 1                       # processes per run: >1 runs torchrun --standalone --nproc_per_node=nproc (TPU: keep 1)
+out_root = ''                   # runs go to out_root/<name of the file's out_dir> ('': out/study, out/study-gpu, out/study-cpu by scale; gs:// allowed)
+data_root = 'data/study-cpu'    # where the cpu scale's generated datasets go
+config_dir = 'config/study'     # the experiment files
+extra = ''                      # more train.py flags for every run, after the scale's (e.g. '--seed=1 --wandb_log=True')
+examples_per_s = 0.0            # bench.py's training examples/s for config/baseline.py at this scale (0: none, no time estimate)
+bench_file = ''                 # or a file with bench.py's output: its last 'bench:' line gives the measured FLOP rate
+build_data = True               # build missing datasets before the runs (False: a run without its dataset fails)
+report_dir = ''                 # where --report writes ('': the local folder of out_root)
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
+# -----------------------------------------------------------------------------
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'train.py')).items()}
+SCALE_ROOTS = dict(full='out/study', gpu='out/study-gpu', cpu='out/study-cpu')
+GPU_FRACTION = 0.1              # of epochs, eval_interval and lr_warmup_steps at the gpu scale
+CPU_FRACTION = 0.0008           # of epochs at the cpu scale (50,000 -> 40)
+CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xla_cache_dir='', global_batch_size=32,
+                 lr=2e-3, lr_warmup_steps=30, weight_decay=0.1, puzzle_emb_ndim=0, ema_rate=0.99, eval_subset=0,
+                 log_interval=25, checkpoint_interval=50, num_heads=2)
+CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
+CPU_MAZE = dict(size=8, train=200, num_test=100)
+# the real datasets' sizes, for costs before they are built
+SUDOKU_EXTREME = dict(vocab_size=11, seq_len=81, num_puzzle_identifiers=1, test=422_786)
+MAZE_HARD = dict(vocab_size=6, seq_len=900, num_puzzle_identifiers=1, groups=1000, test=1000)
+NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is trained
+STOP = dict(requested=False, child=None)
+
+if scale not in SCALE_ROOTS:
+    raise SystemExit(f"config error: scale={scale!r} (allowed: {' | '.join(map(repr, SCALE_ROOTS))})")
+if nproc < 1:
+    raise SystemExit(f"config error: nproc={nproc} (allowed: >= 1)")
+if sum([dry_run, list_only, report]) > 1:
+    raise SystemExit("config error: choose one of dry_run, list_only and report")
+if os.environ.get('PJRT_DEVICE') and nproc > 1:
+    raise SystemExit("config error: with PJRT_DEVICE set train.py starts one process per chip itself: use --nproc=1")
+ROOT = (out_root or SCALE_ROOTS[scale]).rstrip('/')
+
+
+def is_gcs(path):
+    return path.startswith('gs://')
+
+
+LOCAL_ROOT = os.path.join('out', ROOT.split('/')[-1]) if is_gcs(ROOT) else ROOT
+
+
+def natural_key(s):
+    return [int(t) if t.isdigit() else t for t in re.split(r'(\d+)', s)]
+
+
+def fmt_value(v):
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def parse_flags(text, where):
+    """'--a=1 --b=x' -> {a: 1, b: 'x'} with configurator's rules (Python literals, strings kept as text)."""
+    out = {}
+    for tok in shlex.split(text):
+        if not tok.startswith('--') or '=' not in tok:
+            raise SystemExit(f"config error: {where}: {tok!r} should look like --key=value")
+        k, t = tok[2:].split('=', 1)
+        if k not in TRAIN_DEFAULTS:
+            raise SystemExit(f"config error: {where}: unknown train.py key {k!r}")
+        try:
+            v = ast.literal_eval(t)
+        except (SyntaxError, ValueError):
+            v = t
+        out[k] = t if isinstance(TRAIN_DEFAULTS[k], str) else v
+    return out
+
+
+EXTRA = parse_flags(extra, '--extra')
+
+
+def read_meta(path):
+    """The '_' names of a config file (_base, _prepare): study.py's, not train.py's."""
+    scope = {}
+    exec(compile(open(path).read(), path, 'exec'), {}, scope)
+    return {k: v for k, v in scope.items() if k.startswith('_') and not k.startswith('__')}
+
+
+def effective(path):
+    """(train.py's config for this file, as configurator.py applies it: defaults, _base chain, the file; its '_' names)."""
+    cfg = dict(TRAIN_DEFAULTS)
+    for p, keys in config_files(path):
+        unknown = [k for k in keys if k not in TRAIN_DEFAULTS]
+        if unknown:
+            raise SystemExit(f"config error: {p} sets unknown key(s) {unknown}")
+        cfg.update(keys)
+    return cfg, read_meta(path)
+
+
+# -----------------------------------------------------------------------------
+# datasets: what a data_path is, at each scale, and the command that builds it
+
+def dataset_for(cfg, meta):
+    """The dataset a run uses at this scale: path, build command (None: unknown), kind, training puzzles
+    (groups) and augmentations, sizes for the cost. Read from dataset.json once it is built."""
+    path = cfg['data_path']
+    name = path.rstrip('/').split('/')[-1]
+    d = dict(path=path, build=shlex.split(meta['_prepare']) if meta.get('_prepare') else None, kind=None,
+             puzzles=None, aug=None, groups=None, mean=1.0, test=None)
+    m = re.fullmatch(r'sudoku-extreme-(\d+)(k?)-aug-(\d+)', name)
+    if m:
+        K, A = int(m[1]) * (1000 if m[2] else 1), int(m[3])
+        d.update(kind='sudoku', puzzles=K, aug=A, groups=K, **SUDOKU_EXTREME)
+        if d['build'] is None:
+            d['build'] = ['prepare_sudoku.py', '--output_dir', path, '--subsample_size', str(K), '--num_aug', str(A)]
+        if scale == 'cpu':
+            c = CPU_SUDOKU
+            k, a = max(1, K // c['puzzles_div']), A // c['aug_div']
+            d.update(path=f"{data_root}/sudoku{c['size']}-{k}-aug-{a}", puzzles=k, aug=a, groups=k,
+                     vocab_size=c['size'] + 2, seq_len=c['size'] ** 2, test=c['num_test'],
+                     build=['prepare_sudoku.py', '--generate', str(c['pool']), '--size', str(c['size']),
+                            '--num_test', str(c['num_test']), '--subsample_size', str(k), '--num_aug', str(a),
+                            '--seed', '0', '--output_dir', f"{data_root}/sudoku{c['size']}-{k}-aug-{a}"])
+    elif re.fullmatch(r'maze-30x30-hard-1k', name):
+        d.update(kind='maze', puzzles=1000, aug=0, **MAZE_HARD)
+        if d['build'] is None:
+            d['build'] = ['prepare_maze.py', '--output_dir', path]
+        if scale == 'cpu':
+            c = CPU_MAZE
+            p = f"{data_root}/maze{c['size']}"
+            d.update(path=p, puzzles=c['train'], groups=c['train'], seq_len=c['size'] ** 2, test=c['num_test'],
+                     build=['prepare_maze.py', '--generate', str(c['train']), '--size', str(c['size']),
+                            '--num_test', str(c['num_test']), '--output_dir', p])
+    metas = [os.path.join(d['path'], s, 'dataset.json') for s in ('train', 'test')]
+    d['exists'] = all(os.path.exists(p) for p in metas)
+    if d['exists']:  # the real sizes
+        with open(metas[0]) as f:
+            tr = json.load(f)
+        with open(metas[1]) as f:
+            te = json.load(f)
+        d.update(groups=tr['total_groups'], mean=tr['mean_puzzle_examples'], vocab_size=tr['vocab_size'],
+                 seq_len=tr['seq_len'], num_puzzle_identifiers=tr['num_puzzle_identifiers'],
+                 test=int(te['total_puzzles'] * te['mean_puzzle_examples']), kind=d['kind'] or tr.get('puzzle_type'))
+        if d['puzzles'] is None:
+            d.update(puzzles=tr['total_groups'], aug=round(tr['total_puzzles'] / tr['total_groups']) - 1)
+    return d
+
+
+def build_display(cmd):
+    return ' '.join(shlex.quote(x) for x in ['python'] + cmd)
+
+
+# -----------------------------------------------------------------------------
+# experiments
+
+class Experiment:
+    """One config file at this scale: its family, varied keys, out_dir, dataset, train.py flags and command."""
+
+    def __init__(self, path, name=None):
+        self.path, self.name = path, name or os.path.basename(path)[:-3]
+        self.family = self.name.rsplit('_', 1)[0] if '_' in self.name else self.name
+        self.cfg, self.meta = effective(path)
+        base = self.meta.get('_base')
+        self.base_cfg = effective(base)[0] if base else dict(TRAIN_DEFAULTS)
+        self.varied = {k: v for k, v in self.cfg.items() if v != self.base_cfg.get(k) and k not in NOT_VARIED}
+        self.data = dataset_for(self.cfg, self.meta)
+        leaf = self.cfg['out_dir'].rstrip('/').split('/')[-1]
+        self.out_dir, self.local = f"{ROOT}/{leaf}", os.path.join(LOCAL_ROOT, leaf)
+        self.flags = self.scale_flags()
+        self.flags['out_dir'] = self.out_dir
+        if is_gcs(ROOT):
+            self.flags['local_dir'] = self.local
+        self.run_cfg = {**self.cfg, **self.flags, **EXTRA}
+        launcher = ['train.py'] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone',
+                                                     f'--nproc_per_node={nproc}', 'train.py']
+        self.cmd = launcher + [path] + [f"--{k}={fmt_value(v)}" for k, v in self.flags.items()] + \
+            shlex.split(extra) + ['--init_from=resume']
+        shown = (['torchrun'] + self.cmd[2:]) if nproc > 1 else (['python'] + self.cmd)
+        # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside other
+        # jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2 threads, 77-150
+        # with 1). A value set by the user is kept.
+        self.env = {'OMP_NUM_THREADS': '1'} if scale == 'cpu' and 'OMP_NUM_THREADS' not in os.environ else {}
+        self.display = ' '.join([f"{k}={v}" for k, v in self.env.items()] + [shlex.quote(x) for x in shown])
+        self.same_as = None  # the experiment whose run (out_dir) this one shares
+        self.family_keys = []  # set by load_experiments: the keys any member of the family changes
+
+    def scale_flags(self):
+        c, o = self.cfg, {}
+        if scale == 'gpu':
+            o['epochs'] = max(1, round(c['epochs'] * GPU_FRACTION))
+            o['eval_interval'] = max(1, round(c['eval_interval'] * GPU_FRACTION))
+            o['lr_warmup_steps'] = round(c['lr_warmup_steps'] * GPU_FRACTION)
+            if self.data['kind'] == 'maze':
+                o['global_batch_size'] = min(c['global_batch_size'], 128)
+        elif scale == 'cpu':
+            o.update(CPU_FIXED)
+            o['hidden_size'] = max(8, c['hidden_size'] // 16)
+            o['halt_max_steps'] = max(1, c['halt_max_steps'] // 4)
+            o['eval_steps'] = 2 * o['halt_max_steps']  # test-time scaling: twice the trained steps
+            o['epochs'] = max(1, round(c['epochs'] * CPU_FRACTION))
+            o['eval_interval'] = max(1, o['epochs'] // 2)
+        if self.data['path'] != c['data_path']:
+            o['data_path'] = self.data['path']
+        return {k: v for k, v in o.items() if v != c[k]}
+
+    def varied_text(self):
+        """The keys its family studies (those any member changes), with this run's values."""
+        keys = self.family_keys or list(self.varied)
+        text = ', '.join(f"{k}={self.cfg[k]!r}" for k in keys)
+        return (text + ' (base)' if text else 'base recipe') if not self.varied else text
+
+    def point(self):
+        return self.name[len(self.family) + 1:] or self.name
+
+
+def load_experiments(patterns):
+    files = sorted((f for f in os.listdir(config_dir) if f.endswith('.py')), key=natural_key) \
+        if os.path.isdir(config_dir) else []
+    if not files:
+        raise SystemExit(f"no experiment files in {config_dir}")
+    names = [f[:-3] for f in files]
+    if not patterns:
+        return names, []
+    chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))  # patterns' order
+    if not chosen:
+        fams = sorted({n.rsplit('_', 1)[0] for n in names}, key=natural_key)
+        raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: {', '.join(f + '_*' for f in fams)}")
+    exps = [Experiment(os.path.join(config_dir, n + '.py')) for n in chosen]
+    for e in exps:
+        e.family_keys = list(dict.fromkeys(k for x in exps if x.family == e.family for k in x.varied))
+    by_dir = {}
+    for e in exps:
+        first = by_dir.setdefault(e.out_dir, e)
+        if first is not e:
+            if first.run_cfg | {'wandb_run_name': 0} != e.run_cfg | {'wandb_run_name': 0}:
+                raise SystemExit(f"config error: {first.path} and {e.path} share out_dir {e.out_dir} but differ in "
+                                 f"{sorted(k for k in e.run_cfg if e.run_cfg[k] != first.run_cfg[k])}")
+            e.same_as = first.name
+    return names, exps
+
+
+# -----------------------------------------------------------------------------
+# state of a run: finished (results.json), started (checkpoints), nothing
+
+def gcs():
+    import gcs as g
+    return g
+
+
+def has_results(e):
+    if is_gcs(e.out_dir):
+        return gcs().object_exists(f"{e.out_dir}/results.json")
+    return os.path.exists(os.path.join(e.out_dir, 'results.json'))
+
+
+def checkpoint_steps(e):
+    found = set()
+    for folder in [e.local] + ([e.out_dir] if is_gcs(e.out_dir) else []):
+        try:
+            if is_gcs(folder):
+                found |= set(gcs().list_checkpoints(folder))
+            elif os.path.isdir(folder):
+                found |= {int(m[1]) for f in os.listdir(folder) if (m := re.fullmatch(r'ckpt_(\d{8})\.pt', f))}
+        except Exception as ex:  # an unreachable bucket: train.py will say more
+            print(f"warning: cannot list {folder}: {ex}")
+    return sorted(found)
+
+
+def state(e):
+    if has_results(e):
+        return 'done'
+    steps = checkpoint_steps(e)
+    return f"started (checkpoint at step {steps[-1]})" if steps else 'not started'
+
+
+def fetch(e, name):
+    """Local path of a run's file (downloaded from the bucket for gs:// runs), or None."""
+    local = os.path.join(e.local, name)
+    if is_gcs(e.out_dir):
+        uri = f"{e.out_dir}/{name}"
+        try:
+            if gcs().object_exists(uri):
+                os.makedirs(e.local, exist_ok=True)
+                gcs().download_file(uri, local)
+        except Exception as ex:
+            print(f"warning: cannot read {uri}: {ex}")
+    return local if os.path.exists(local) else None
+
+
+# -----------------------------------------------------------------------------
+# costs
+
+_models = {}
+
+
+def model_cost(run_cfg, data):
+    """(parameters, training FLOPs per example-step, forward FLOPs per example-step) of the run's TRM, built
+    on the meta device (no memory, no time)."""
+    import torch
+    from model import TRM, TRMConfig
+    kw = {f: run_cfg[f] for f in TRMConfig.__dataclass_fields__ if f in run_cfg}
+    kw.update(vocab_size=data['vocab_size'], seq_len=data['seq_len'],
+              num_puzzle_identifiers=data['num_puzzle_identifiers'], forward_dtype='float32', loss_dtype='float32')
+    key = json.dumps(kw, sort_keys=True)
+    if key not in _models:
+        with torch.device('meta'):
+            m = TRM(TRMConfig(**kw))
+        _models[key] = (m.num_params(), m.flops_per_example(), m.flops_per_example(train=False))
+    return _models[key]
+
+
+def cost(e):
+    """Parameters, FLOPs and steps of a run, as train.py will count them."""
+    c, d = e.run_cfg, e.data
+    if d['groups'] is None or d.get('vocab_size') is None:
+        return None
+    try:
+        params, fpe, fwd = model_cost(c, d)
+    except ValueError as ex:
+        return dict(error=str(ex))
+    B = c['global_batch_size']
+    total = int(c['epochs'] * d['groups'] * d['mean'] // B)
+    steps = min(total, c['max_steps']) if c['max_steps'] > 0 else total
+    every = max(1, int(c['eval_interval'] * d['groups'] * d['mean'] // B))
+    middle = sum(1 for s in range(every, steps, every) if steps - s >= every // 2)
+    sub = min(c['eval_subset'] or d['test'], d['test'])
+    eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
+    return dict(params=params, fpe=fpe, steps=steps, batch=B, train_flops=fpe * steps * B, eval_flops=eval_flops,
+                evals=middle + 1)
+
+
+def flop_rate():
+    """(FLOP/s, where it comes from) of the device, from bench.py's figure; (None, why not) without one."""
+    if bench_file:
+        lines = [l for l in open(bench_file).read().splitlines() if l.startswith('bench:')]
+        if not lines:
+            raise SystemExit(f"config error: bench_file={bench_file!r} has no 'bench:' line (bench.py's last line)")
+        kv = dict(t.split('=', 1) for t in lines[-1].split()[1:] if '=' in t)
+        rate = float(kv['examples_per_s']) * float(kv['flops_per_example'])
+        return rate, (f"{bench_file}: {float(kv['examples_per_s']):.1f} examples/s x "
+                      f"{float(kv['flops_per_example']) / 1e9:.2f} GFLOPs = {rate / 1e12:.3g} TFLOP/s")
+    if examples_per_s > 0:
+        ref = Experiment(os.path.join(HERE, 'config', 'baseline.py'), 'baseline')
+        rc = cost(ref)
+        if not rc or 'error' in rc:
+            raise SystemExit("cannot cost config/baseline.py at this scale for --examples_per_s")
+        rate = examples_per_s * rc['fpe']
+        return rate, (f"--examples_per_s={examples_per_s:g} for config/baseline.py at scale {scale} "
+                      f"({rc['fpe'] / 1e9:.3g} GFLOPs per example-step) = {rate / 1e12:.3g} TFLOP/s")
+    return None, ("no speed figure given, so no time estimate: run `python bench.py config/baseline.py` with this "
+                  "scale's flags on the target device and pass --examples_per_s=<its examples/s> (or "
+                  "--bench_file=<a file with its output>)")
+
+
+def duration(s):
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.1f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+# -----------------------------------------------------------------------------
+# listing and dry run
+
+def print_families(names):
+    fams = {}
+    for n in names:
+        fams.setdefault(n.rsplit('_', 1)[0], []).append(n.rsplit('_', 1)[1])
+    print(f"{len(names)} experiments in {config_dir}, by family (select with --pattern='<family>_*'):")
+    for f, pts in fams.items():
+        print(f"  {f + '_*':<14} {' '.join(pts)}")
+    print("\npython study.py --pattern='rec_*' --dry_run=True     commands and costs\n"
+          "python study.py --pattern='rec_*,tn_*' --scale=cpu  run (a CPU smoke twin), then --report=True\n"
+          "python study.py --help                            every key, the scales, the design")
+
+
+def print_list(exps):
+    for e in exps:
+        where = f"same run as {e.same_as}" if e.same_as else state(e)
+        print(f"{e.name:<16} {e.family:<10} {e.varied_text():<52} {e.out_dir}  [{where}]")
+
+
+def print_dry_run(exps):
+    rate, why = flop_rate()
+    print(f"scale {scale}: {len(exps)} experiment(s), {sum(not e.same_as for e in exps)} run(s) | {why}\n")
+    total = dict(train=0.0, eval=0.0, time=0.0, runs=0)
+    for e in exps:
+        head = f"{e.name}  [{e.family}: {e.varied_text()}]  -> {e.out_dir}"
+        if e.same_as:
+            print(f"{head}\n  same run as {e.same_as} (shared out_dir): counted once\n")
+            continue
+        print(head)
+        print(f"  {e.display}")
+        d = e.data
+        built = 'built' if d['exists'] else ('missing; built first by: ' + build_display(d['build']) if d['build']
+                                             else 'MISSING, and no rule builds it')
+        print(f"  data {d['path']}: {built}")
+        c = cost(e)
+        if c is None:
+            print("  cost: unknown until the dataset is built (its size is not known before)\n")
+            continue
+        if 'error' in c:
+            print(f"  cost: the model cannot be built: {c['error']}\n")
+            continue
+        t = (c['train_flops'] + c['eval_flops']) / rate / nproc if rate else None
+        print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} steps "
+              f"x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training {c['train_flops']:.3g} FLOPs"
+              f" | {c['evals']} evaluation(s) {c['eval_flops']:.3g} FLOPs"
+              + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '') if t else ''))
+        print()
+        total['train'] += c['train_flops']
+        total['eval'] += c['eval_flops']
+        total['time'] += t or 0
+        total['runs'] += 1
+    print(f"total: {total['runs']} costed run(s), training {total['train']:.3g} FLOPs, evaluation "
+          f"{total['eval']:.3g} FLOPs" + (f", about {duration(total['time'])}" if rate else " (no time estimate)"))
+
+
+# -----------------------------------------------------------------------------
+# running
+
+def on_signal(signum, frame):
+    STOP['requested'] = True
+    child = STOP['child']
+    print(f"\nstudy: got signal {signum}; "
+          + ("asking the running process to save and stop" if child else "stopping"), flush=True)
+    if child is not None and child.poll() is None:
+        try:
+            child.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second one stops it at once
+        except ProcessLookupError:
+            pass
+
+
+def _child_setup(parent):
+    """In the child before exec: die with study.py (the kernel sends SIGTERM when it goes, even on SIGKILL),
+    so an orphaned train.py saves and stops instead of running on beside a rerun."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def run_process(cmd, log_path, env_extra=None):
+    """Runs `python cmd...`, its output streamed here and appended to log_path; (exit code, last lines)."""
+    os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED='1', **(env_extra or {}))
+    tail = deque(maxlen=30)
+    parent = os.getpid()
+    sys.stdout.flush()
+    with open(log_path, 'ab') as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {build_display(cmd)}\n".encode())
+        p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True, preexec_fn=lambda: _child_setup(parent))
+        STOP['child'] = p
+        try:
+            for line in iter(p.stdout.readline, b''):
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+                log.write(line)
+                log.flush()
+                tail.append(line.decode(errors='replace').rstrip())
+            rc = p.wait()
+        finally:
+            STOP['child'] = None
+    return rc, [l for l in tail if l.strip()]
+
+
+def run_study(exps):
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    if os.environ.get('PJRT_DEVICE') == 'TPU' and not is_gcs(ROOT):
+        print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use --out_root=gs://BUCKET/...")
+    runs = [e for e in exps if not e.same_as]
+    status, t_study = {}, time.time()
+    todo = []
+    for e in runs:
+        if has_results(e):
+            status[e.name] = ('done before', None)
+        else:
+            todo.append(e)
+    print(f"study: scale {scale}, {len(exps)} experiment(s), {len(runs)} run(s): {len(runs) - len(todo)} finished "
+          f"before, {len(todo)} to run, in {ROOT}")
+    # datasets first
+    failed_data = {}
+    if build_data:
+        wanted = []
+        for e in todo:
+            if not e.data['exists'] and e.data['path'] not in wanted:
+                wanted.append(e.data['path'])
+        for path in wanted:
+            if STOP['requested']:
+                break
+            d = next(e.data for e in todo if e.data['path'] == path)
+            if d['build'] is None:
+                failed_data[path] = f"dataset {path} is missing and no rule builds it (set _prepare in the file)"
+                continue
+            print(f"\nstudy: building {path}: {build_display(d['build'])}", flush=True)
+            rc, tail = run_process(d['build'], os.path.join(LOCAL_ROOT, 'datasets.log'))
+            if not all(os.path.exists(os.path.join(path, s, 'dataset.json')) for s in ('train', 'test')):
+                failed_data[path] = f"building dataset {path} failed (exit code {rc}): {tail[-1] if tail else ''}"
+                print(f"study: {failed_data[path]}")
+    for e in todo:
+        if STOP['requested']:
+            status.setdefault(e.name, ('not run (stopped)', None))
+            continue
+        # a missing dataset does not skip the run: train.py then fails at start-up on every rank together, so
+        # on a pod every host goes through the same sequence even if only one host's build failed
+        steps = checkpoint_steps(e)
+        print(f"\nstudy: {e.name} [{e.varied_text()}]: "
+              + (f"resuming from its checkpoint at step {steps[-1]}" if steps else "starting") + f"\n  {e.display}",
+              flush=True)
+        t0 = time.time()
+        rc, tail = run_process(e.cmd, os.path.join(e.local, 'train.log'), e.env)
+        took = time.time() - t0
+        if has_results(e):
+            status[e.name] = ('done', f"in {duration(took)}")
+        elif STOP['requested']:
+            status[e.name] = ('stopped', f"checkpoint saved; rerun to continue ({duration(took)})")
+        else:
+            why = next((l for l in reversed(tail) if 'error' in l.lower()), tail[-1] if tail else '')
+            why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data else f"exit code {rc}: {why[:300]} "
+            status[e.name] = ('FAILED', f"{why}(log: {os.path.join(e.local, 'train.log')})")
+        print(f"study: {e.name}: {status[e.name][0]}" + (f" {status[e.name][1]}" if status[e.name][1] else ''),
+              flush=True)
+    print(f"\nstudy: summary ({duration(time.time() - t_study)}):")
+    for e in exps:
+        s, why = status.get(e.same_as or e.name, ('?', None))
+        if e.same_as:
+            s, why = s, f"same run as {e.same_as}"
+        print(f"  {e.name:<16} {s:<18} {why or ''}")
+    bad = [n for n, (s, _) in status.items() if s not in ('done', 'done before')]
+    if STOP['requested']:
+        print("study: stopped; rerun the same command to continue (finished runs are skipped, started ones resume)")
+    elif bad:
+        print(f"study: {len(bad)} run(s) did not finish: {', '.join(bad)}")
+    return 1 if bad or STOP['requested'] else 0
+
+
+# -----------------------------------------------------------------------------
+# report
+
+def timed_minutes(metrics_path, batch):
+    """Minutes of training and evaluation recorded in metrics.jsonl: each train line covers (step - previous
+    step) x batch / examples_per_s seconds since the previous one (evaluations in between included), plus the
+    final evaluation; start-up time is not in it. None when there is nothing to add."""
+    try:
+        with open(metrics_path) as f:
+            lines = [json.loads(l) for l in f if l.strip()]
+    except (OSError, ValueError):
+        return None
+    total, prev, last_train = 0.0, 0, None
+    for l in lines:
+        if l.get('kind') == 'train' and l.get('examples_per_s'):
+            total += (l['step'] - prev) * batch / l['examples_per_s']
+            prev, last_train = l['step'], l
+    if last_train is None:
+        return None
+    final = [l for l in lines if l.get('kind') == 'eval' and l['step'] == last_train['step']]
+    if final:
+        total += max(0.0, final[-1]['time'] - last_train['time'])
+    return total / 60
+
+
+def collect(exps):
+    rows = []
+    for e in exps:
+        r = dict(name=e.name, family=e.family, point=e.point(), varied=e.varied_text(), out_dir=e.out_dir,
+                 H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
+                 hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
+                 puzzles=e.data['puzzles'], aug=e.data['aug'], status='not started')
+        path = fetch(e, 'results.json')
+        if path:
+            with open(path) as f:
+                res = json.load(f)
+            fe, be = res['final_eval'], res.get('best_eval') or {}
+            cfg = res.get('config', {})
+            r.update(status='done', params=res['parameters'], train_flops=res['train_flops'],
+                     flops_per_example_step=res['flops_per_example_step'], steps=res.get('step'),
+                     examples=res.get('examples_seen'), exact=fe['exact_accuracy'], exact_ci_low=fe['exact_ci_low'],
+                     exact_ci_high=fe['exact_ci_high'], verified=fe.get('verified_accuracy'),
+                     token=fe['token_accuracy'], q_halt=fe['q_halt_accuracy'], test_count=fe.get('count'),
+                     best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
+                     exact_by_steps=fe.get('exact_by_steps') or [], halt_max_steps=cfg.get('halt_max_steps'),
+                     H_cycles=cfg.get('H_cycles', r['H_cycles']), L_cycles=cfg.get('L_cycles', r['L_cycles']))
+            m = fetch(e, 'metrics.jsonl')
+            r['minutes'] = timed_minutes(m, cfg.get('global_batch_size', e.run_cfg['global_batch_size'])) if m else None
+        else:
+            steps = checkpoint_steps(e)
+            if steps:
+                r['status'] = f"started (step {steps[-1]})"
+            c = cost(e)
+            if c and 'error' not in c:
+                r.update(params=c['params'], train_flops=c['train_flops'], steps=c['steps'])
+        rows.append(r)
+    return rows
+
+
+def pct(x):
+    return '' if x is None else f"{100 * x:.1f}"
+
+
+def write_tables(rows, folder):
+    os.makedirs(folder, exist_ok=True)
+    head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)', 'verified %',
+            'token %', 'best exact % (step)', 'minutes', 'status']
+    md = [f"# Study report: scale {scale}, {ROOT}\n",
+          "Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test puzzle. "
+          "minutes: training and evaluations, from metrics.jsonl (start-up excluded).\n",
+          '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+    for r in rows:
+        done = r['status'] == 'done'
+        md.append('| ' + ' | '.join([
+            r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
+            f"{r['train_flops']:.3g}" if r.get('train_flops') else '', f"{r['steps']:,}" if r.get('steps') else '',
+            f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
+            pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
+            f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None else '',
+            f"{r['minutes']:.1f}" if r.get('minutes') is not None else '', r['status']]) + ' |')
+    with open(os.path.join(folder, 'report.md'), 'w') as f:
+        f.write('\n'.join(md) + '\n')
+    cols = ['name', 'family', 'point', 'varied', 'status', 'out_dir', 'params', 'flops_per_example_step', 'train_flops',
+            'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token', 'q_halt',
+            'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers', 'H_cycles', 'L_cycles',
+            'puzzles', 'aug', 'device']
+    with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow(['' if r.get(c) is None else r.get(c) for c in cols])
+    return '\n'.join(md)
+
+
+def plot(rows, folder):
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        print("report: matplotlib is not installed, so no plots (pip install matplotlib); the tables are written")
+        return []
+    done = [r for r in rows if r['status'] == 'done']
+    fams = list(dict.fromkeys(r['family'] for r in done))
+    colors = {f: plt.get_cmap('tab10')(i % 10) for i, f in enumerate(fams)}
+    title = f"scale {scale}"
+    written = []
+
+    def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
+        if not logx:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        used = 0
+        for f in fams:
+            pts = sorted((r for r in done if r['family'] == f and r.get(xkey) is not None), key=lambda r: r[xkey])
+            if fam_filter and not fam_filter(f) or len({r[xkey] for r in pts}) < 2:
+                continue
+            xs = [r[xkey] for r in pts]
+            ys = [100 * r['exact'] for r in pts]
+            err = [[100 * (r['exact'] - r['exact_ci_low']) for r in pts], [100 * (r['exact_ci_high'] - r['exact'])
+                                                                            for r in pts]]
+            ax.errorbar(xs, ys, yerr=err, marker='o', capsize=3, color=colors[f], label=f"{f}_*")
+            if annotate:
+                for r, x, y in zip(pts, xs, ys):
+                    ax.annotate(r['point'], (x, y), textcoords='offset points', xytext=(4, 4), fontsize=7,
+                                color=colors[f])
+            used += 1
+        if logx:
+            ax.set_xscale('log')
+        ax.set_xlabel(label_x)
+        ax.set_ylabel('held-out exact accuracy (%), 95% CI')
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+        if used:
+            ax.legend(fontsize=8)
+        return used
+
+    def save(fig, name):
+        path = os.path.join(folder, name)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+
+    for r in done:
+        r['calls'] = r['H_cycles'] * (r['L_cycles'] + 1)
+        r['per_puzzle'] = None if r.get('aug') is None else 1 + r['aug']
+    for xkey, label, name, logx in (('params', 'parameters (count, log scale)', 'acc_vs_params.png', True),
+                                    ('train_flops', 'training compute (FLOPs, log scale)', 'acc_vs_flops.png', True)):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        if series(ax, xkey, label, logx=logx):
+            ax.set_title(f"Exact accuracy vs {'model size' if xkey == 'params' else 'training compute'} ({title})")
+            save(fig, name)
+        else:
+            plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    a = series(axes[0], 'L_cycles', 'n = L_cycles (z-updates per round)', lambda f: f.endswith('rec'))
+    b = series(axes[1], 'calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)',
+               lambda f: f.endswith(('rec', 'tn')))
+    if a or b:
+        axes[0].set_title(f"Recursion depth n at T = 3 ({title})")
+        axes[1].set_title(f"Recursion T x (n + 1) ({title})")
+        save(fig, 'acc_vs_recursion.png')
+    else:
+        plt.close(fig)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    a = series(axes[0], 'puzzles', 'training puzzles (log scale)', lambda f: f.endswith('data'), logx=True)
+    b = series(axes[1], 'per_puzzle', 'examples per training puzzle = 1 + augmentations (log scale)',
+               lambda f: f.endswith('aug'), logx=True)
+    if a or b:
+        axes[0].set_title(f"Training puzzles ({title})")
+        axes[1].set_title(f"Augmentations ({title})")
+        save(fig, 'acc_vs_data.png')
+    else:
+        plt.close(fig)
+    abl = [r for r in done if r['family'].endswith('abl')]
+    if abl:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        ys = [100 * r['exact'] for r in abl]
+        err = [[100 * (r['exact'] - r['exact_ci_low']) for r in abl], [100 * (r['exact_ci_high'] - r['exact'])
+                                                                        for r in abl]]
+        ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
+        ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
+        ax.set_ylabel('held-out exact accuracy (%), 95% CI')
+        ax.set_ylim(0, 103)
+        ax.set_title(f"Ablations ({title})")
+        save(fig, 'acc_ablations.png')
+    with_steps = [r for r in done if len(r.get('exact_by_steps') or []) > 0]
+    if with_steps:
+        sfams = list(dict.fromkeys(r['family'] for r in with_steps))
+        cols = min(3, len(sfams))
+        nrow = math.ceil(len(sfams) / cols)
+        fig, axes = plt.subplots(nrow, cols, figsize=(5.2 * cols, 4 * nrow), squeeze=False)
+        for ax, f in zip(axes.flat, sfams):
+            runs = [r for r in with_steps if r['family'] == f]
+            cmap = plt.get_cmap('viridis')
+            for i, r in enumerate(runs):
+                ys = [100 * v for v in r['exact_by_steps']]
+                ax.plot(range(1, len(ys) + 1), ys, marker='.', color=cmap(i / max(1, len(runs) - 1)),
+                        label=f"{r['point']}")
+                if r.get('halt_max_steps') and r['halt_max_steps'] < len(ys):
+                    ax.axvline(r['halt_max_steps'], color='grey', ls=':', lw=1)
+            ax.set_title(f"{f}_* ({title})")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel('supervision steps at test time (dotted: halt_max_steps, the most in training)')
+            ax.set_ylabel('held-out exact accuracy (%)')
+            ax.set_ylim(-3, 103)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        for ax in list(axes.flat)[len(sfams):]:
+            ax.axis('off')
+        save(fig, 'acc_vs_supervision_steps.png')
+    return written
+
+
+def make_report(exps):
+    rows = collect(exps)
+    folder = report_dir or LOCAL_ROOT
+    print(write_tables(rows, folder))
+    pngs = plot(rows, folder)
+    print(f"\nreport: {os.path.join(folder, 'report.md')}, {os.path.join(folder, 'report.csv')}"
+          + ''.join(f", {p}" for p in pngs))
+    missing = [r['name'] for r in rows if r['status'] != 'done']
+    if missing:
+        print(f"report: not finished yet: {', '.join(missing)}")
+
+
+# -----------------------------------------------------------------------------
+
+if __name__ == '__main__':
+    patterns = [p.strip() for p in pattern.split(',') if p.strip()]
+    names, exps = load_experiments(patterns)
+    if not exps:
+        print_families(names)
+    elif list_only:
+        print_list(exps)
+    elif dry_run:
+        print_dry_run(exps)
+    elif report:
+        make_report(exps)
+    else:
+        rc = run_study(exps)
+        print()
+        make_report(exps)  # what is finished so far, compared
+        sys.exit(rc)

@@ -1,0 +1,185 @@
+"""
+Several ranks fail together and never hang: torchrun with gloo on the CPU runs the same loop as a TPU pod
+(the XLA path's graph symmetry is tests/test_pod.py). A wrapper stands in for what differs between the hosts
+of a pod (a file present on one host only, a rank whose disk is full, another config on one host).
+    python -m pytest -q tests/test_dist.py
+"""
+import os
+import re
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, TOY_ARGS, free_port, run
+from data import write_split
+
+FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4', '--global_batch_size=48']
+
+
+def torchrun(n, script_args, env=None, wrapper=None, timeout=300):
+    """`torchrun --nproc_per_node=n train.py ...`; with `wrapper` (Python run first in each rank, it sees RANK)
+    the ranks run train.py through runpy after it."""
+    args = ['-m', 'torch.distributed.run', '--standalone', f'--nproc_per_node={n}']
+    if wrapper:
+        path = os.path.join(os.environ.get('TMPDIR', '/tmp'), f'wrap_{os.getpid()}_{abs(hash(wrapper))}.py')
+        with open(path, 'w') as f:
+            f.write(f"import os, runpy, sys\nsys.path.insert(0, {ROOT!r})\n" + wrapper +
+                    f"\nsys.argv = ['train.py'] + sys.argv[1:]\nrunpy.run_path({os.path.join(ROOT, 'train.py')!r}, "
+                    f"run_name='__main__')\n")
+        args.append(path)
+    else:
+        args.append('train.py')
+    return run(args + script_args, env=env, check=False, timeout=timeout)
+
+
+def assert_all_ranks_stopped_with(p, *words, ranks=2):
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    # torchrun prints a traceback of its own when a rank exits non-zero; ours must print none
+    assert not re.search(r'File "[^"]*(train|model|data|device|gcs)\.py", line', out), out[-3000:]
+    for w in words:
+        assert w in out, (w, out[-3000:])
+
+
+def test_a_file_only_one_host_has_stops_every_rank_at_start(toy, tmp_path):
+    ck = tmp_path / 'w.pt'
+    run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/a', '--max_steps=4', '--checkpoint_interval=4']
+        + FAST)
+    os.replace(tmp_path / 'a' / 'ckpt_00000004.pt', ck)
+    other = tmp_path / 'elsewhere'
+    other.mkdir()
+    # init_from is relative: rank 1 runs from a folder that lacks it, as a host without the file would
+    wrapper = f"os.chdir({str(other)!r} if os.environ['RANK'] == '1' else {str(tmp_path)!r})"
+    p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/b', '--init_from=w.pt', '--max_steps=8'] + FAST,
+                 wrapper=wrapper)
+    assert_all_ranks_stopped_with(p, 'start-up checks failed on rank(s) [1]', "init_from='w.pt'")
+    assert p.stdout.count('start-up checks failed on rank(s) [1]') + p.stderr.count('start-up checks failed on rank(s) [1]') == 2
+
+
+def test_a_failed_save_on_rank_0_stops_every_rank_with_its_message(toy, tmp_path):
+    wrapper = ("import resource, signal\nif os.environ['RANK'] == '0':\n"
+               "    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+               "    resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000))\n")
+    p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=8', '--checkpoint_interval=4']
+                 + FAST, wrapper=wrapper)
+    assert_all_ranks_stopped_with(p, 'checkpoint at step 4 failed on rank(s) [0]', 'File too large')
+
+
+def test_hosts_with_different_configs_are_refused_at_start(toy, tmp_path):
+    wrapper = "if os.environ['RANK'] == '1':\n    sys.argv.append('--lr=0.001')\n"
+    p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST, wrapper=wrapper)
+    assert_all_ranks_stopped_with(p, 'the hosts differ in their config')
+
+
+def test_eval_batch_size_not_divisible_by_the_world_is_refused_before_the_first_step(toy, tmp_path):
+    p = torchrun(3, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4', '--eval_batch_size=32']
+                 + FAST)
+    assert_all_ranks_stopped_with(p, 'eval_batch_size=32 is not divisible by the world size 3')
+    assert 'step 1/' not in p.stdout
+
+
+def test_evaluation_is_the_same_at_world_sizes_1_2_and_3(tmp_path):
+    rng = np.random.default_rng(0)
+    root = str(tmp_path / 'd')
+    for split, n in (('train', 600), ('test', 37)):  # 37: no world size of 2 or 3 divides it, nor the batch of 6
+        x = rng.integers(2, 6, (n, 8))
+        write_split(root, split, x, x[:, ::-1], np.zeros(n), np.arange(n + 1), np.arange(n + 1), vocab_size=6)
+    run(['train.py', f'--data_path={root}', f'--out_dir={tmp_path}/a'] + FAST)  # 25 steps
+    ck = f'{tmp_path}/a/ckpt_00000025.pt'
+    lines = []
+    for n in (1, 2, 3):
+        p = torchrun(n, [f'--data_path={root}', f'--out_dir={tmp_path}/e{n}', f'--init_from={ck}', '--eval_only=True',
+                         '--eval_batch_size=6'] + FAST)
+        assert p.returncode == 0, p.stderr[-3000:]
+        lines.append(next(l for l in p.stdout.splitlines() if l.startswith('eval on')))
+    assert lines[0].startswith('eval on 37:') and lines[0] == lines[1] == lines[2], lines
+
+
+# (the W&B code runs on rank 0 alone, the same at any world size: three of the four pairs keep the suite short,
+# since wandb's own service takes a core for tens of seconds on this 2-core machine)
+@pytest.mark.parametrize('how,ranks', [('not logged in', 1), ('not logged in', 2), ('server unreachable', 1)])
+def test_wandb_trouble_never_stops_a_run(toy, tmp_path, ranks, how):
+    home = tmp_path / 'home'
+    home.mkdir()
+    env = dict(HOME=str(home), WANDB_MODE='', WANDB_CONFIG_DIR=str(home / '.config'), WANDB_SILENT='true')
+    if how == 'server unreachable':
+        env.update(WANDB_API_KEY='0' * 40, WANDB_BASE_URL=f'http://127.0.0.1:{free_port()}')  # a closed port
+    args = [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=8', '--wandb_log=True'] + FAST
+    p = torchrun(ranks, args, env=env) if ranks > 1 else run(['train.py'] + args, env=env, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    assert 'W&B unavailable' in out and 'wandb sync' in out
+    assert 'step 8/8' in out and os.path.exists(tmp_path / 'o' / 'ckpt_00000008.pt')
+    assert [d for d in os.listdir(tmp_path / 'o' / 'wandb') if d.startswith('offline-run-')]
+
+
+# -----------------------------------------------------------------------------
+# a dataset in a bucket: built once, fetched by one process per host, never half used
+
+def test_dataset_in_a_bucket_is_built_uploaded_fetched_and_trained_on(emu, tmp_path):
+    import gcs
+    from conftest import BUCKET
+    uri = f'gs://{BUCKET}/datasets/s4'
+    run(['prepare_sudoku.py', '--generate', '200', '--size', '4', '--num_test', '20', '--num_aug', '1',
+         '--output_dir', uri], env=dict(STORAGE_EMULATOR_HOST=os.environ['STORAGE_EMULATOR_HOST']))
+    names = sorted(os.path.basename(u) for u, _ in gcs.list_objects(uri + '/'))
+    assert 'all__inputs.npy' in names and 'dataset.json' in names
+    cache = tmp_path / 'cache'
+    p = torchrun(2, [f'--data_path={uri}', f'--data_cache_dir={cache}', f'--out_dir={tmp_path}/o', '--max_steps=4']
+                 + FAST, env=dict(STORAGE_EMULATOR_HOST=os.environ['STORAGE_EMULATOR_HOST']))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'step 4/4' in p.stdout
+    local = cache / BUCKET / 'datasets' / 's4'
+    assert (local / '.complete').exists() and (local / 'train' / 'all__inputs.npy').exists()
+
+
+def test_an_interrupted_fetch_is_redone_and_never_leaves_a_dataset_that_loads(emu, tmp_path, toy, monkeypatch):
+    import gcs
+    from conftest import BUCKET
+    from data import load_metadata
+    uri = f'gs://{BUCKET}/datasets/toy'
+    gcs.upload_tree(toy, uri)
+    cache = str(tmp_path / 'cache')
+    dest = os.path.join(cache, BUCKET, 'datasets', 'toy')
+    real, calls = gcs.download_file, []
+
+    def dies_on_the_third(*a):  # the process dies half way (a preemption, a lost host)
+        calls.append(a)
+        if len(calls) == 3:
+            raise KeyboardInterrupt('killed mid-fetch')
+        return real(*a)
+    monkeypatch.setattr(gcs, 'download_file', dies_on_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        gcs.fetch_tree(uri, cache)
+    assert not os.path.exists(dest)  # nothing under the final name
+    with pytest.raises(FileNotFoundError):
+        load_metadata(dest, 'train')
+    monkeypatch.setattr(gcs, 'download_file', real)
+    assert gcs.fetch_tree(uri, cache) == dest
+    assert load_metadata(dest, 'train')['vocab_size'] == 6
+
+
+# -----------------------------------------------------------------------------
+# resume that is the same on every rank or refuses
+
+def test_a_local_out_dir_is_refused_when_the_world_spans_hosts(toy, tmp_path):
+    wrapper = "os.environ['LOCAL_WORLD_SIZE'] = '1'  # as on 2 hosts of 1 process each\n"
+    p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST, wrapper=wrapper)
+    assert_all_ranks_stopped_with(p, 'spans 2 hosts', 'gs://')
+
+
+def test_resume_refuses_an_unlistable_bucket_and_a_bucket_of_corrupt_checkpoints(emu, toy, tmp_path):
+    import gcs
+    from conftest import BUCKET, free_port
+    args = [f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/runs/bad', f'--local_dir={tmp_path}/local',
+            '--init_from=resume', '--max_steps=4', '--gcs_retries=1'] + FAST
+    p = run(['train.py'] + args, env=dict(STORAGE_EMULATOR_HOST=f'127.0.0.1:{free_port()}'), check=False)
+    assert p.returncode != 0 and 'cannot list the checkpoints' in p.stdout + p.stderr
+    junk = tmp_path / 'junk.pt'
+    junk.write_bytes(os.urandom(1000))
+    gcs.upload_file(str(junk), f'gs://{BUCKET}/runs/bad/ckpt_00000004.pt')
+    p = run(['train.py'] + args, env=dict(STORAGE_EMULATOR_HOST=os.environ['STORAGE_EMULATOR_HOST']), check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode != 0 and 'none could be loaded' in out and 'ckpt_00000004.pt' in out
+    assert gcs.object_exists(f'gs://{BUCKET}/runs/bad/ckpt_00000004.pt')  # kept, not overwritten

@@ -1,0 +1,294 @@
+"""
+gcs.py against a real GCS emulator server (gcp-storage-emulator, on 127.0.0.1 only): paths, round trips,
+pagination and a lost upload reply (through a proxy), md5 checks, delete, errors, the background uploader,
+and training to a bucket then resuming from it on a "new machine".
+    python -m pytest -q tests/test_gcs.py
+"""
+import json
+import os
+import shutil
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+import pytest
+import requests
+
+import gcs
+from conftest import BUCKET, TOY_ARGS, run
+
+
+class Proxy:
+    """A real HTTP proxy in front of the emulator adding what the emulator lacks: list pagination
+    (it ignores maxResults) and, on request, losing the reply to one resumable upload chunk."""
+
+    def __init__(self, upstream):
+        self.upstream = upstream
+        self.list_pages = 0
+        self.drop_reply_at = None  # byte offset of the chunk whose reply is replaced by a 503
+        self.corrupt_uploads = False  # flip the first byte of every upload chunk in transit
+        self.dropped = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                proxy.handle(self)
+            do_PUT = do_POST = do_DELETE = do_GET
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def handle(self, h):
+        body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        # Host is passed on so the emulator's upload session URLs point back at the proxy
+        headers = {k: v for k, v in h.headers.items() if k.lower() not in ("connection", "content-length")}
+        url = urlsplit(h.path)
+        query = parse_qs(url.query)
+        if self.corrupt_uploads and h.command == "PUT" and body:
+            body = bytes([body[0] ^ 0xFF]) + body[1:]
+        if h.command == "GET" and url.path.endswith("/o") and "maxResults" in query:
+            status, resp_headers, content = self.paginate(url.path, query)
+        else:
+            r = requests.request(h.command, self.upstream + h.path, data=body, headers=headers,
+                                 allow_redirects=False, timeout=10)
+            status, resp_headers, content = r.status_code, r.headers, r.content
+            if h.command == "PUT" and self.drop_reply_at is not None and \
+                    h.headers.get("Content-Range", "").startswith(f"bytes {self.drop_reply_at}-"):
+                # the emulator stored the chunk, but the client sees a failure: it must ask
+                # where to resume instead of resending or skipping bytes
+                self.drop_reply_at = None
+                self.dropped += 1
+                status, resp_headers, content = 503, {}, b""
+        h.send_response(status)
+        for k, v in resp_headers.items():
+            if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
+                h.send_header(k, v)
+        h.send_header("Content-Length", str(len(content)))
+        h.end_headers()
+        h.wfile.write(content)
+
+    def paginate(self, path, query):
+        params = {k: v[0] for k, v in query.items() if k not in ("maxResults", "pageToken")}
+        items = requests.get(self.upstream + path, params=params, timeout=10).json().get("items") or []
+        n, start = int(query["maxResults"][0]), int(query.get("pageToken", ["0"])[0])
+        page = {"items": items[start:start + n]}
+        if start + n < len(items):
+            page["nextPageToken"] = str(start + n)
+        self.list_pages += 1
+        return 200, {"Content-Type": "application/json"}, json.dumps(page).encode()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def proxy(emulator):
+    p = Proxy(emulator)
+    yield p
+    p.close()
+
+
+def _write(path, data):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+def _read(path):
+    with open(path, "rb") as f:
+        return f.read()
+
+# -----------------------------------------------------------------------------
+# the client
+
+def test_paths():
+    assert gcs.is_gcs("gs://b/x") and not gcs.is_gcs("/tmp/x") and not gcs.is_gcs(None)
+    assert gcs.split_gcs("gs://b/run 1/ckpt.pt") == ("b", "run 1/ckpt.pt")
+    assert gcs.split_gcs("gs://b") == ("b", "")
+    assert gcs.split_gcs("gs://b/") == ("b", "")
+    for bad in ("gs://", "/local/path", "s3://b/x"):
+        with pytest.raises(ValueError):
+            gcs.split_gcs(bad)
+    # the JSON API needs '/' inside an object name escaped (the emulator accepts it raw, so check the URL)
+    url = gcs.GCS(endpoint="http://127.0.0.1:1")._object_url("b", "run 1/ckpt #1?.pt", alt="media")
+    assert url == "http://127.0.0.1:1/storage/v1/b/b/o/run%201%2Fckpt%20%231%3F.pt?alt=media"
+
+
+def test_no_token_with_emulator(emu):
+    assert gcs.get_token() is None
+
+
+def test_roundtrip(emu, tmp_path):
+    # 256 KiB chunks so the 3 MB file takes the multi-chunk resumable path
+    client = gcs.GCS(chunk_size=256 * 1024)
+    files = {
+        "rt/run 1/sub dir/ckpt #1+x?&=%.pt": os.urandom(3 * 1024 * 1024 + 123),
+        "rt/run 1/état.json": "{\"step\": 1}".encode(),
+        "rt/empty.bin": b"",
+    }
+    for name, data in files.items():
+        client.upload(_write(tmp_path / "up" / "f", data), f"gs://{BUCKET}/{name}")
+    # the module-level helper works too, and re-uploading replaces the object
+    gcs.upload_file(_write(tmp_path / "up" / "g", b"v2"), f"gs://{BUCKET}/rt/empty.bin")
+    files["rt/empty.bin"] = b"v2"
+
+    listed = gcs.list_objects(f"gs://{BUCKET}/rt/")
+    assert sorted(listed) == sorted((f"gs://{BUCKET}/{n}", len(d)) for n, d in files.items())
+    odd = "rt/run 1/sub dir/ckpt #1+x?&=%.pt"
+    assert gcs.list_objects(f"gs://{BUCKET}/rt/run 1/sub") == [(f"gs://{BUCKET}/{odd}", len(files[odd]))]
+    for i, (uri, _) in enumerate(listed):
+        dst = tmp_path / "down" / f"{i}" / "file.pt"  # parent dirs are created
+        assert gcs.download_file(uri, str(dst)) == str(dst)
+        assert _read(dst) == files[gcs.split_gcs(uri)[1]]
+        assert gcs.object_exists(uri)
+    assert not [p for p in (tmp_path / "down").rglob("*.part")]  # temp files renamed away
+
+
+def test_list_pagination(emu, proxy, tmp_path):
+    src = _write(tmp_path / "f", b"x")
+    names = [f"page/obj {i:02d}" for i in range(7)]
+    for n in names:
+        gcs.upload_file(src, f"gs://{BUCKET}/{n}")
+    want = [(f"gs://{BUCKET}/{n}", 1) for n in names]
+    assert gcs.GCS(endpoint=proxy.url).list(f"gs://{BUCKET}/page/", max_results=3) == want
+    assert proxy.list_pages == 3  # 3 + 3 + 1, following nextPageToken
+    assert gcs.GCS().list(f"gs://{BUCKET}/page/", max_results=3) == want  # straight to the emulator
+
+
+def test_upload_resumes_after_lost_reply(emu, proxy, tmp_path):
+    data = os.urandom(1024 * 1024 + 7)
+    proxy.drop_reply_at = 256 * 1024  # the second chunk
+    client = gcs.GCS(endpoint=proxy.url, chunk_size=256 * 1024, backoff=0.01)
+    client.upload(_write(tmp_path / "f", data), f"gs://{BUCKET}/resume/ckpt.pt")
+    assert proxy.dropped == 1
+    client.download(f"gs://{BUCKET}/resume/ckpt.pt", str(tmp_path / "back"))
+    assert _read(tmp_path / "back") == data
+
+
+def test_corrupted_upload_is_rejected(emu, proxy, tmp_path):
+    # gcs.py sends the file's md5 up front, so GCS refuses to create an object from bad bytes
+    proxy.corrupt_uploads = True
+    uri = f"gs://{BUCKET}/corrupt/ckpt.pt"
+    with pytest.raises(gcs.GCSError, match="corrupt/ckpt.pt.*400"):
+        gcs.GCS(endpoint=proxy.url).upload(_write(tmp_path / "f", os.urandom(1000)), uri)
+    assert not gcs.object_exists(uri)
+
+
+def test_delete(emu, tmp_path):
+    uri = f"gs://{BUCKET}/del/ckpt.pt"
+    gcs.upload_file(_write(tmp_path / "f", b"abc"), uri)
+    assert gcs.object_exists(uri)
+    assert gcs.delete_object(uri) is True
+    assert not gcs.object_exists(uri)
+    assert gcs.list_objects(f"gs://{BUCKET}/del/") == []
+    assert gcs.delete_object(uri) is False  # already gone is not an error (idempotent retries)
+    with pytest.raises(gcs.NotFoundError):
+        gcs.GCS().delete(uri, missing_ok=False)
+
+
+def test_download_missing_names_object(emu, tmp_path):
+    uri = f"gs://{BUCKET}/nope/missing ckpt.pt"
+    with pytest.raises(gcs.NotFoundError, match="missing ckpt.pt.*404") as exc:
+        gcs.download_file(uri, str(tmp_path / "out.pt"))
+    assert isinstance(exc.value, FileNotFoundError) and exc.value.status == 404
+    assert os.listdir(tmp_path) == []  # neither the target nor a temp file left behind
+
+
+def test_client_error_fails_fast(emu, tmp_path):
+    client = gcs.GCS(retries=5, backoff=10.0)  # a retry would take >= 5 s
+    t0 = time.time()
+    with pytest.raises(gcs.GCSError, match="gs://no-such-bucket/x.pt.*404"):
+        client.upload(_write(tmp_path / "f", b"x"), "gs://no-such-bucket/x.pt")
+    assert time.time() - t0 < 3
+
+
+def test_uploader_background(emu, tmp_path):
+    done = []
+    up = gcs.Uploader(on_success=lambda local, uri: done.append(uri))
+    uris = [f"gs://{BUCKET}/bg/ckpt_{i}.pt" for i in range(3)]
+    for i, uri in enumerate(uris):
+        up.submit(_write(tmp_path / f"c{i}", os.urandom(200_000)), uri)
+    assert up.wait(timeout=30)
+    assert up.failures == 0 and done == uris  # one thread: uploads finish in submit order
+    assert [u for u, _ in gcs.list_objects(f"gs://{BUCKET}/bg/")] == uris
+    assert up.wait(timeout=0)  # nothing pending: returns at once
+
+
+def test_uploader_unreachable_logs_and_counts(tmp_path, capfd):
+    # autouse fixture: STORAGE_EMULATOR_HOST is a closed 127.0.0.1 port -> connection refused
+    done = []
+    up = gcs.Uploader(client=gcs.GCS(retries=2, backoff=0.01), on_success=lambda *a: done.append(a))
+    t0 = time.time()
+    up.submit(_write(tmp_path / "f", b"x"), f"gs://{BUCKET}/unreachable/ckpt.pt")
+    assert time.time() - t0 < 0.5  # submit doesn't block on the network
+    assert up.wait(timeout=30)
+    assert up.failures == 1 and done == []
+    err = capfd.readouterr().err
+    assert "gs://test-bucket/unreachable/ckpt.pt" in err and "failed" in err
+
+
+# -----------------------------------------------------------------------------
+# checkpoint files, local and in a bucket
+
+def test_checkpoint_files_locally_and_in_a_bucket(emu, tmp_path):
+    import torch
+    local = str(tmp_path / 'run')
+    os.makedirs(local)
+    for step in (2, 4, 6):
+        gcs.save_atomic({'step': step, 'w': torch.full((3,), float(step))}, os.path.join(local, f'ckpt_{step:08d}.pt'))
+    assert sorted(os.listdir(local)) == [f'ckpt_{s:08d}.pt' for s in (2, 4, 6)]  # no .tmp left behind
+    _write(os.path.join(local, 'ckpt_00000008.pt.tmp'), b'half')  # an interrupted save: never listed
+    _write(os.path.join(local, 'notes.pt'), b'x')
+    ck = gcs.load_checkpoint(os.path.join(local, 'ckpt_00000004.pt'))
+    assert ck['step'] == 4 and torch.equal(ck['w'], torch.full((3,), 4.0))
+    assert gcs.list_checkpoints(local) == {s: os.path.join(local, f'ckpt_{s:08d}.pt') for s in (2, 4, 6)}
+    remote = f'gs://{BUCKET}/ckpts/r1'
+    for step, path in gcs.list_checkpoints(local).items():
+        gcs.upload_file(path, f'{remote}/ckpt_{step:08d}.pt')
+    gcs.upload_file(os.path.join(local, 'notes.pt'), f'{remote}/notes.pt')
+    gcs.upload_file(os.path.join(local, 'notes.pt'), f'gs://{BUCKET}/ckpts/r10/ckpt_00000099.pt')  # another run
+    assert gcs.list_checkpoints(remote) == {s: f'{remote}/ckpt_{s:08d}.pt' for s in (2, 4, 6)}
+    # keep the newest keep_last_n plus the best, in both places
+    for folder in (local, remote):
+        gcs.prune_checkpoints(folder, keep_last_n=1, best_step=2)
+        assert sorted(gcs.list_checkpoints(folder)) == [2, 6]
+    assert gcs.object_exists(f'{remote}/notes.pt') and os.path.exists(os.path.join(local, 'notes.pt'))
+    with open(os.path.join(local, 'bad.pt'), 'wb') as f:
+        f.write(b'not a checkpoint')
+    with pytest.raises(gcs.CheckpointError, match='bad.pt is corrupt or truncated'):
+        gcs.load_checkpoint(os.path.join(local, 'bad.pt'))
+
+
+# -----------------------------------------------------------------------------
+# training to a bucket
+
+def test_training_to_a_bucket_resumes_from_it(emu, toy, tmp_path):
+    args = ['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/runs/r1', f'--local_dir={tmp_path}/local',
+            '--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2', '--keep_last_n=2'] + TOY_ARGS
+    env = dict(STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
+    run(args + ['--max_steps=6'], env=env)
+    names = sorted(u for u, _ in gcs.list_objects(f'gs://{BUCKET}/runs/r1/ckpt_'))  # the run's records are there too
+    assert names == [f'gs://{BUCKET}/runs/r1/ckpt_0000000{i}.pt' for i in (4, 6)]  # pruned to keep_last_n (+ best)
+    # a new VM: nothing local; resume finds the newest complete checkpoint in the bucket
+    shutil.rmtree(f'{tmp_path}/local')
+    p = run(args + ['--max_steps=8', '--init_from=resume'], env=env)
+    assert f'resuming from gs://{BUCKET}/runs/r1/ckpt_00000006.pt (step 6)' in p.stdout  # the bucket's copy
+    assert 'step 8/' in p.stdout
+    assert f'gs://{BUCKET}/runs/r1/ckpt_00000008.pt' in [u for u, _ in gcs.list_objects(f'gs://{BUCKET}/runs/r1/')]
+
+
+def test_failed_uploads_do_not_stop_training(toy, tmp_path):
+    # the autouse fixture points STORAGE_EMULATOR_HOST at a closed port: every upload fails
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/down', f'--local_dir={tmp_path}/local',
+             '--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2', '--max_steps=4',
+             '--gcs_retries=2'] + TOY_ARGS)
+    assert 'step 4/' in p.stdout and 'upload(s) to gs://test-bucket/down failed' in p.stdout
+    assert 'ckpt_00000002.pt' in p.stderr  # each failure is logged with the object
+    assert sorted(os.listdir(f'{tmp_path}/local')) == ['ckpt_00000002.pt', 'ckpt_00000004.pt']

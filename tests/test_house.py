@@ -1,0 +1,149 @@
+"""
+The house rules a forker relies on: one source of defaults (train.py's config block, TRMConfig, the README
+table agree), --help for every script, scripts above libraries in the import graph, no pointer to a file
+outside the repository, and the number format chosen by the hardware.
+    python -m pytest -q tests/test_house.py
+"""
+import ast
+import dataclasses
+import os
+import re
+
+import pytest
+
+from conftest import ROOT, run
+from configurator import config_files, read_config_block
+from device import choose_dtype
+from model import TRMConfig
+
+SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py']
+LIBRARIES = ['model.py', 'data.py', 'device.py', 'gcs.py', 'configurator.py']
+
+
+def train_defaults():
+    return {k: v for k, (v, _) in read_config_block(os.path.join(ROOT, 'train.py')).items()}
+
+
+def test_trmconfig_defaults_are_the_trainers():
+    d = train_defaults()
+    for f in dataclasses.fields(TRMConfig):
+        if f.name in ('vocab_size', 'seq_len', 'num_puzzle_identifiers'):
+            continue  # from the dataset
+        if f.name in ('forward_dtype', 'loss_dtype') and d[f.name] == 'auto':
+            continue  # the trainer resolves 'auto' for the hardware (tested below)
+        assert f.default == d[f.name], (f.name, f.default, d[f.name])
+
+
+def test_config_files_hold_only_what_they_change_and_their_base_comes_first(tmp_path):
+    d = train_defaults()
+    for name in ('baseline', 'maze', 'sudoku_att', 'quickstart', 'sudoku_tta'):
+        for path, keys in config_files(os.path.join(ROOT, 'config', name + '.py')):
+            repeated = [k for k in keys if keys[k] == d[k] and k not in ('data_path', 'out_dir')]
+            assert not repeated, (path, repeated)  # a default written again is a second source of it
+    assert [os.path.basename(p) for p, _ in config_files(os.path.join(ROOT, 'config/sudoku_att.py'))] == \
+        ['baseline.py', 'sudoku_att.py']
+    base, cfg = tmp_path / 'base.py', tmp_path / 'run.py'
+    base.write_text("hidden_size = 128\nL_cycles = 2\n")
+    cfg.write_text(f"_base = {str(base)!r}\nL_cycles = 4\n")
+    assert config_files(str(cfg)) == [(str(base), dict(hidden_size=128, L_cycles=2)), (str(cfg), dict(L_cycles=4))]
+    base.write_text("hidden_sise = 128\n")  # a typo in the base is named with the base's path
+    p = run(['train.py', str(cfg)], check=False)
+    assert p.returncode == 1 and f"unknown key 'hidden_sise' in {base}; did you mean hidden_size" in p.stderr, p.stderr
+    base.write_text(f"_base = {str(cfg)!r}\n")
+    p = run(['train.py', str(cfg)], check=False)
+    assert p.returncode == 1 and 'names itself as _base' in p.stderr and 'Traceback' not in p.stderr, p.stderr
+    cfg.write_text("_base = 'config/no_such_recipe.py'\n")
+    p = run(['train.py', str(cfg)], check=False)
+    assert p.returncode == 1 and 'cannot read config file' in p.stderr and 'no_such_recipe.py' in p.stderr, p.stderr
+
+
+def test_every_config_key_has_a_meaning_and_help_lists_it_with_its_default():
+    block = read_config_block(os.path.join(ROOT, 'train.py'))
+    assert [k for k, (_, m) in block.items() if not m] == []
+    for args in (['train.py', '--help'], ['train.py', '-h'], ['bench.py', '--help']):
+        p = run(args)
+        assert p.returncode == 0
+        for k, (v, meaning) in block.items():  # bench.py lists train.py's keys too, some with its own defaults
+            assert (f"--{k}={v!r}" if args[0] == 'train.py' else f"--{k}=") in p.stdout, (args, k)
+    p = run(['train.py', '--help'])
+    assert "--L_cycles=6  " in p.stdout and "n: z-updates per round" in p.stdout
+
+
+def readme_config_table():
+    text = open(os.path.join(ROOT, 'README.md')).read()
+    table = text.split('## Config keys', 1)[1].split('\n## ', 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip('|').split('|')]
+        if len(cells) < 3 or not cells[0].startswith('`'):
+            continue
+        keys = re.findall(r'`([A-Za-z_0-9]+)`', cells[0])
+        values = [v.strip() for v in re.findall(r'`([^`]*)`', cells[1])]
+        assert len(keys) == len(values), line
+        rows.update(zip(keys, values))
+    return rows
+
+
+def test_readme_config_table_agrees_with_the_code():
+    table, d = readme_config_table(), train_defaults()
+    assert set(table) == set(d), (set(table) ^ set(d))
+    for k, v in d.items():
+        assert ast.literal_eval(table[k]) == v, (k, table[k], v)
+
+
+def imports_of(path):
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split('.')[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split('.')[0])
+    return names
+
+
+def test_scripts_sit_above_libraries_and_import_no_script():
+    scripts = {s[:-3] for s in SCRIPTS}
+    for f in SCRIPTS + LIBRARIES:
+        if os.path.exists(os.path.join(ROOT, f)):
+            assert not imports_of(f) & scripts, (f, imports_of(f) & scripts)
+    # tests may import the builders' functions (they run only under __main__), never a script that runs on import
+    for f in ['test_smoke.py'] + ['tests/' + t for t in os.listdir(os.path.join(ROOT, 'tests')) if t.endswith('.py')]:
+        assert not imports_of(f) & {'train', 'bench', 'solve', 'study'}, f
+
+
+def test_no_comment_points_outside_the_repository():
+    for f in SCRIPTS + LIBRARIES + ['README.md', 'tpu.md']:
+        if os.path.exists(os.path.join(ROOT, f)):
+            assert 'TRM_SPEC' not in open(os.path.join(ROOT, f)).read(), f
+
+
+@pytest.mark.parametrize('requested,kind,cap,native,want,why', [
+    ('auto', 'cuda', (9, 0), None, 'bfloat16', 'compute capability 9.0'),   # H100
+    ('auto', 'cuda', (7, 5), None, 'float32', 'compute capability 7.5'),    # T4: no native bf16
+    ('auto', 'cpu', None, True, 'bfloat16', 'with native bf16'),
+    ('auto', 'cpu', None, False, 'float32', 'without native bf16'),
+    ('bfloat16', 'cpu', None, False, 'bfloat16', 'warning: forward_dtype=bfloat16'),  # obeyed, with a warning
+    ('bfloat16', 'cuda', (7, 0), None, 'bfloat16', 'warning'),
+    ('float32', 'cuda', (9, 0), None, 'float32', 'as configured'),
+])
+def test_the_number_format_is_chosen_by_the_hardware(requested, kind, cap, native, want, why):
+    dtype, text = choose_dtype(requested, kind, cuda_capability=cap, native_cpu_bf16=native)
+    assert dtype == want and why in text, (dtype, text)
+
+
+def test_the_number_format_on_a_tpu_is_bfloat16(monkeypatch):
+    monkeypatch.setenv('PJRT_DEVICE', 'TPU')
+    assert choose_dtype('auto', 'xla')[0] == 'bfloat16'
+    monkeypatch.setenv('PJRT_DEVICE', 'CPU')  # XLA on the CPU: the CPU's rule
+    assert choose_dtype('auto', 'xla', native_cpu_bf16=False)[0] == 'float32'
+
+
+def test_train_says_which_format_it_chose_on_this_cpu(toy, tmp_path):
+    from device import cpu_has_native_bf16
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--device=cpu', '--max_steps=1',
+             '--hidden_size=32', '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1',
+             '--halt_max_steps=2', '--global_batch_size=10', '--xla_cache_dir='])
+    first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
+    want = 'bfloat16' if cpu_has_native_bf16() else 'float32'
+    assert f'forward dtype auto: {want} (CPU with' in first, first

@@ -1,0 +1,343 @@
+"""
+solve.py, as a user runs it: a tiny TRM trained here on 4x4 Sudokus solves puzzles given as strings, in a
+file and from the dataset, step by step; a reference-format state dict of the same weights solves the same
+way; every user error is one line on stderr with a non-zero exit code and no traceback; --png; --help.
+Self-contained: run from the repository root with  python -m pytest -q tests/test_solve.py
+"""
+import csv
+import glob
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+HAS_MPL = importlib.util.find_spec('matplotlib') is not None
+# training in one thread: where other processes keep the cores busy (tests running beside these), two threads
+# waiting on each other at every small op made the 375 steps take over 10 minutes instead of 2 on 2 cores
+ONE_THREAD = dict(OMP_NUM_THREADS='1')
+# the tiny model's keys, for the reference-format state dict (which carries no config)
+TINY_KEYS = ['--hidden_size=32', '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=2', '--L_cycles=2',
+             '--halt_max_steps=3']
+
+
+def run(script, *args, env=None, check=True, timeout=600):
+    """A script of the repository in a new process, cwd = the repository root."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    e.pop('PJRT_DEVICE', None)
+    e.update(env or {})
+    p = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=e, capture_output=True, text=True,
+                       timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{script} {args} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
+                             f"stderr:\n{p.stderr[-4000:]}")
+    return p
+
+
+def solve(*args, **kw):
+    return run('solve.py', *args, **kw)
+
+
+def summaries(out):
+    """{puzzle number: its summary line}."""
+    return {int(m.group(1)): l for l in out.splitlines() if (m := re.match(r'puzzle (\d+): ', l))}
+
+
+def blocks(out):
+    """The verbose output of each puzzle: [lines from its header to its summary]."""
+    result, cur = [], None
+    for line in out.splitlines():
+        if re.match(r'puzzle \d+ \(', line):
+            cur = [line]
+        elif cur is not None:
+            cur.append(line)
+            if re.match(r'puzzle \d+: ', line):
+                result.append(cur)
+                cur = None
+    return result
+
+
+def user_error(p, *expected):
+    """A user error: non-zero exit, one line on stderr, no traceback, the expected words in it."""
+    assert p.returncode != 0, p.stdout
+    assert 'Traceback' not in p.stderr, p.stderr
+    msg = p.stderr.strip()
+    assert len(msg.splitlines()) == 1, msg
+    for text in expected:
+        assert text in msg, (text, msg)
+    return msg
+
+
+@pytest.fixture(scope='module')
+def sudoku4(tmp_path_factory):
+    """A tiny TRM trained on 4x4 Sudokus (375 steps; ~99% of the held-out puzzles at the end) and the
+    held-out puzzles with their solutions."""
+    tmp = tmp_path_factory.mktemp('solve')
+    data, out = tmp / 's4', tmp / 'o4'
+    run('prepare_sudoku.py', '--generate', 400, '--size', 4, '--num_test', 100, '--num_aug', 1, '--output_dir', data)
+    run('train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32', '--num_heads=2',
+        '--puzzle_emb_ndim=0', '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=3', '--global_batch_size=64',
+        '--epochs=60', '--eval_interval=30', '--log_interval=50', '--lr=2e-3', '--lr_warmup_steps=10',
+        '--forward_dtype=float32', '--xla_cache_dir=', env=ONE_THREAD)
+    ckpts = sorted(glob.glob(str(out / 'ckpt_*.pt')))
+    with open(data / 'csv' / 'test.csv') as f:
+        rows = list(csv.DictReader(f))
+    puzzles = [r['question'] for r in rows]
+    solutions = [r['answer'] for r in rows]
+    pfile = tmp / 'puzzles.txt'
+    pfile.write_text('\n'.join(puzzles) + '\n')
+    p = solve(f'--init_from={ckpts[-1]}', f'--file={pfile}', '--quiet=True')  # which ones the model solves
+    solved = [i - 1 for i, l in summaries(p.stdout).items() if 'solved (verified)' in l]
+    return SimpleNamespace(tmp=tmp, data=data, ckpt=ckpts[-1], early_ckpt=ckpts[0], puzzles=puzzles,
+                           solutions=solutions, file=pfile, file_out=p.stdout, solved=solved)
+
+
+@pytest.fixture(scope='module')
+def maze8(tmp_path_factory):
+    """A checkpoint of another puzzle kind: 8x8 mazes, one training step (its answers do not matter)."""
+    tmp = tmp_path_factory.mktemp('maze')
+    data, out = tmp / 'm8', tmp / 'om8'
+    run('prepare_maze.py', '--generate', 20, '--num_test', 5, '--size', 8, '--min_path_len', 4, '--output_dir', data)
+    run('train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32', '--num_heads=2',
+        '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2', '--global_batch_size=16',
+        '--epochs=1', '--eval_interval=1', '--forward_dtype=float32', '--xla_cache_dir=', env=ONE_THREAD)
+    with open(data / 'csv' / 'test.csv') as f:
+        questions = [r['question'] for r in csv.DictReader(f)]
+    return SimpleNamespace(tmp=tmp, data=data, ckpt=sorted(glob.glob(str(out / 'ckpt_*.pt')))[-1], questions=questions)
+
+
+def rows_of(maze, n=8):
+    return [maze[i:i + n] for i in range(0, n * n, n)]
+
+
+# -----------------------------------------------------------------------------
+# solving
+
+def test_file_is_solved_in_one_batch(sudoku4):
+    out = sudoku4.file_out
+    assert '100 puzzles in batches of 64' in out
+    assert len(summaries(out)) == 100
+    m = re.search(r'solved (\d+)/100 \(verified\)', out)
+    assert m and int(m.group(1)) >= 80, out[-3000:]
+    assert len(sudoku4.solved) == int(m.group(1))
+    # the answers printed are valid solutions (the generated puzzles have unique ones)
+    for i in sudoku4.solved:
+        assert summaries(out)[i + 1].endswith('answer ' + sudoku4.solutions[i])
+
+
+def test_string_step_by_step(sudoku4):
+    i = sudoku4.solved[0]
+    q = sudoku4.puzzles[i]
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={q}')
+    out = p.stdout
+    assert 'forward dtype float32' in out and '4x4 Sudokus' in out
+    [b] = blocks(out)
+    assert b[0] == f"puzzle 1 (--puzzle): 4x4 Sudoku, {q.count('.')} blanks"
+    steps = [l for l in b if l.startswith('step ')]
+    assert steps and all(re.match(r'step \d \| halt prob [01]\.\d{3}( \(halts\))? \| correct (yes|no) \| ', l)
+                          for l in steps)
+    # step 1 fills the blanks: every filled cell is marked as changed
+    assert f"| {q.count('.')} cells changed (marked *)" in steps[0]
+    board1 = b[b.index(steps[0]) + 1:b.index(steps[0]) + 6]
+    assert sum(l.count('*') for l in board1) == q.count('.')
+    assert 'correct yes' in steps[-1]
+    assert b[-1].startswith('puzzle 1: solved (verified) in ')
+    assert b[-1].endswith('answer ' + sudoku4.solutions[i])
+    # '0' blanks and rows joined by '/' are the same puzzle
+    q0 = '/'.join(q.replace('.', '0')[r:r + 4] for r in range(0, 16, 4))
+    p0 = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={q0}', '--quiet=True')
+    assert summaries(p0.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
+
+
+def test_all_steps_show_the_answer_changing(sudoku4):
+    """With the checkpoint from mid-training some puzzles are wrong after step 1 and fixed later: the
+    output shows the changed cells of that step, and the puzzle ends verified."""
+    p = solve(f'--init_from={sudoku4.early_ckpt}', '--count=100', '--all_steps=True')
+    found = 0
+    for b in blocks(p.stdout):
+        steps = [l for l in b if l.startswith('step ')]
+        assert len(steps) == 3 and b[-1].startswith(f"puzzle {b[0].split()[1]}: ")  # every step, all_steps
+        assert 'after all 3 steps' in b[-1]
+        for k in (1, 2):
+            if 'correct no' in steps[k - 1] and 'correct yes' in steps[k] and 'cells changed' in steps[k] \
+                    and 'solved (verified)' in b[-1]:
+                board = b[b.index(steps[k]) + 1:b.index(steps[k]) + 6]
+                assert any('*' in l for l in board)
+                assert f'correct from step {k + 1}' in b[-1]
+                found += 1
+    if not found:
+        pytest.skip("this training run's mid checkpoint fixed no puzzle after step 1")
+
+
+def test_test_split_examples(sudoku4):
+    p = solve(f'--init_from={sudoku4.ckpt}', '--count=5', '--quiet=True')
+    s = summaries(p.stdout)
+    assert sorted(s) == [1, 2, 3, 4, 5]
+    assert "identical to the dataset's label" in ' '.join(s.values())
+    p = solve(f'--init_from={sudoku4.ckpt}', '--index=7', '--steps=6', '--all_steps=True')
+    [b] = blocks(p.stdout)
+    assert b[0].startswith('puzzle 1 (test example 7): 4x4 Sudoku')
+    assert len([l for l in b if l.startswith('step ')]) == 6  # test-time scaling beyond halt_max_steps=3
+    assert 'after all 6 steps' in b[-1]
+
+
+def test_reference_state_dict(sudoku4):
+    import torch
+    from model import to_reference_state_dict
+    ckpt = torch.load(sudoku4.ckpt, map_location='cpu', weights_only=False)
+    ref = sudoku4.tmp / 'reference.pt'
+    torch.save(to_reference_state_dict(ckpt['ema']), ref)
+    assert all(k.startswith('_orig_mod.model.inner.') for k in torch.load(ref, weights_only=True))
+    some = sudoku4.tmp / 'some.txt'
+    some.write_text('\n'.join(sudoku4.puzzles[:20]) + '\n')
+    ours = solve(f'--init_from={sudoku4.ckpt}', f'--file={some}', '--quiet=True')
+    theirs = solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, f'--file={some}', '--quiet=True')
+    assert 'state dict (reference format)' in theirs.stdout
+    strip = lambda s: {k: re.sub(r' \| [\d.]+ s( \(in a batch of \d+\))?', '', v) for k, v in summaries(s).items()}
+    assert strip(theirs.stdout) == strip(ours.stdout) and len(strip(ours.stdout)) == 20
+    # a reference state dict needs the dataset; wrong model keys are named
+    user_error(solve(f'--init_from={ref}', f'--puzzle={sudoku4.puzzles[0]}', check=False), '--data_path')
+    msg = user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--hidden_size=64',
+                           f'--puzzle={sudoku4.puzzles[0]}', check=False), 'do not fit', 'hidden_size=32 (here 64)')
+    assert msg.endswith('Check --hidden_size')
+    user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--mlp_t=False',
+                     f'--puzzle={sudoku4.puzzles[0]}', check=False), 'Check --mlp_t')
+
+
+def test_checkpoint_without_its_dataset(sudoku4):
+    """A checkpoint copied to a machine without its dataset: the puzzle kind comes from the weights."""
+    import torch
+    ckpt = torch.load(sudoku4.ckpt, map_location='cpu', weights_only=False)
+    ckpt['config']['data_path'] = str(sudoku4.tmp / 'elsewhere')
+    moved = sudoku4.tmp / 'moved.pt'
+    torch.save(ckpt, moved)
+    i = sudoku4.solved[0]
+    p = solve(f'--init_from={moved}', f'--puzzle={sudoku4.puzzles[i]}', '--quiet=True')
+    assert '4x4 Sudokus (the weights (no dataset at' in p.stdout
+    assert summaries(p.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
+    user_error(solve(f'--init_from={moved}', '--index=0', check=False), 'elsewhere', '--data_path')
+
+
+def test_maze(maze8):
+    """Mazes in every input form reach the model (an untrained one: only the plumbing is checked)."""
+    q = maze8.questions[0]
+    mazes = maze8.tmp / 'mazes.txt'
+    mazes.write_text('\n'.join(rows_of(q)) + '\n\n' + q + '\n' + maze8.questions[1] + '\n\n' +
+                     '\n'.join(rows_of(maze8.questions[2])) + '\n')
+    p = solve(f'--init_from={maze8.ckpt}', f'--file={mazes}', '--steps=2', '--all_steps=True')
+    assert '8x8 mazes' in p.stdout and '4 puzzles in batches of 4' in p.stdout
+    bs = blocks(p.stdout)
+    assert [b[0].split(':')[0] for b in bs] == ['puzzle 1 (lines 1-8 of mazes.txt)', 'puzzle 2 (line 10 of mazes.txt)',
+                                                'puzzle 3 (line 11 of mazes.txt)', 'puzzle 4 (lines 13-20 of mazes.txt)']
+    assert bs[0][1:9] == [r.replace('', ' ')[1:].rstrip() for r in rows_of(q)]  # the maze as given, cell by cell
+    for args in (['--puzzle=' + '/'.join(rows_of(q))], ['--index=1']):
+        one = solve(f'--init_from={maze8.ckpt}', *args, '--quiet=True')
+        assert list(summaries(one.stdout)) == [1] and 'solved' in one.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec('torch_xla') is None, reason='torch_xla is not installed')
+def test_xla_on_the_cpu(sudoku4):
+    """device=auto picks XLA when PJRT_DEVICE is set; the same steps as eager, no torch_xla.launch."""
+    i = sudoku4.solved[0]
+    args = (f'--init_from={sudoku4.ckpt}', f'--puzzle={sudoku4.puzzles[i]}', '--all_steps=True')
+    xla = solve(*args, env=dict(PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1'))
+    eager = solve(*args)
+    assert 'device xla' in xla.stdout and 'device cpu' in eager.stdout
+    steps = lambda out: [l for l in out.splitlines() if l.startswith('step ')]
+    assert [l.split('|')[2:] for l in steps(xla.stdout)] == [l.split('|')[2:] for l in steps(eager.stdout)]
+    assert summaries(xla.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
+
+
+# -----------------------------------------------------------------------------
+# user errors: one line, exit code != 0, no traceback
+
+def test_puzzle_errors(sudoku4, tmp_path):
+    ck = f'--init_from={sudoku4.ckpt}'
+    q = sudoku4.puzzles[0]
+    user_error(solve(ck, f'--puzzle={q[:-1]}', check=False),
+               "puzzle 1 (--puzzle): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'")
+    user_error(solve(ck, f'--puzzle={q[:-1]}x', check=False), "character 'x' at position 16", "'.01234'")
+    user_error(solve(ck, f'--puzzle={q[:-1]}5', check=False), "character '5' at position 16")
+    user_error(solve(ck, '--puzzle=' + '.' * 81, check=False), '81 characters (a 9x9 Sudoku); a 4x4 Sudoku has 16')
+    # contradicting givens: row, column, box
+    user_error(solve(ck, '--puzzle=1..1............', check=False), 'the givens contradict each other: 1 twice in row 1')
+    user_error(solve(ck, '--puzzle=2.......2.......', check=False), '2 twice in column 1')
+    user_error(solve(ck, '--puzzle=3....3..........', check=False), '3 twice in box 1 (rows 1-2, columns 1-2)')
+    f = tmp_path / 'f.txt'
+    f.write_text(f"{q}\n\n{q[:-1]}\n")
+    user_error(solve(ck, f'--file={f}', check=False),
+               "puzzle 2 (line 3 of f.txt): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'")
+    user_error(solve(ck, f'--file={tmp_path / "none.txt"}', check=False), 'no such file')
+
+
+def test_other_kind_errors(sudoku4, maze8):
+    maze = '/'.join(rows_of(maze8.questions[0]))
+    user_error(solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={maze}', check=False),
+               'looks like an 8x8 maze, but the checkpoint solves 4x4 Sudokus', 'maze checkpoint')
+    user_error(solve(f'--init_from={maze8.ckpt}', f'--puzzle={sudoku4.puzzles[0]}', check=False),
+               'looks like a 4x4 Sudoku, but the checkpoint solves 8x8 mazes')
+    # a maze checkpoint with a Sudoku checkpoint's dataset: the weights do not fit
+    user_error(solve(f'--init_from={maze8.ckpt}', f'--data_path={sudoku4.data}', f'--puzzle={sudoku4.puzzles[0]}',
+                     check=False), 'do not fit', 'Check --data_path')
+    # mazes that cannot be solved or are malformed
+    two_s = maze.replace('G', 'S')
+    user_error(solve(f'--init_from={maze8.ckpt}', f'--puzzle={two_s}', check=False),
+               '2 S (start) and 0 G (goal) cells; a maze needs exactly one of each')
+    user_error(solve(f'--init_from={maze8.ckpt}', f'--puzzle={maze[:-1]}', check=False),
+               'row 8 has 7 characters; an 8x8 maze has 8 rows of 8 characters')
+    user_error(solve(f'--init_from={maze8.ckpt}', '--puzzle=' + maze.replace(' ', 'o', 1), check=False),
+               "character 'o'")
+
+
+def test_setup_errors(sudoku4, tmp_path):
+    q = f'--puzzle={sudoku4.puzzles[0]}'
+    user_error(solve(q, check=False), '--init_from')
+    user_error(solve(f'--init_from={tmp_path / "none.pt"}', q, check=False), 'no such file')
+    user_error(solve(f'--init_from={sudoku4.data / "train" / "dataset.json"}', q, check=False),
+               'does not load as a checkpoint')
+    user_error(solve(f'--init_from={sudoku4.ckpt}', check=False), 'nothing to solve')
+    user_error(solve(f'--init_from={sudoku4.ckpt}', q, '--count=3', check=False), 'give one source of puzzles')
+    user_error(solve(f'--init_from={sudoku4.ckpt}', '--index=100', check=False), 'index=100', '100 examples')
+    user_error(solve(f'--init_from={sudoku4.ckpt}', q, f'--data_path={tmp_path}', check=False), 'no dataset at')
+    user_error(solve(f'--init_from={sudoku4.ckpt}', q, f'--png={tmp_path / "no" / "x.png"}', check=False),
+               'does not exist')
+    user_error(solve(f'--init_from={sudoku4.ckpt}', q, '--stpes=3', check=False), "unknown key 'stpes'")
+    # matplotlib missing: a hint, before the model runs
+    fake = tmp_path / 'fake'
+    (fake / 'matplotlib').mkdir(parents=True)
+    (fake / 'matplotlib' / '__init__.py').write_text("raise ImportError('No module named matplotlib')\n")
+    user_error(solve(f'--init_from={sudoku4.ckpt}', q, f'--png={tmp_path / "x.png"}', check=False,
+                     env=dict(PYTHONPATH=str(fake))), 'pip install matplotlib')
+    assert not (tmp_path / 'x.png').exists()
+
+
+# -----------------------------------------------------------------------------
+# --png and --help
+
+@pytest.mark.skipif(not HAS_MPL, reason='matplotlib is not installed')
+def test_png(sudoku4, maze8, tmp_path):
+    for ckpt, args in ((sudoku4.early_ckpt, ['--count=3', '--all_steps=True']), (maze8.ckpt, ['--index=0'])):
+        png = tmp_path / f'{os.path.basename(os.path.dirname(ckpt))}.png'
+        p = solve(f'--init_from={ckpt}', *args, f'--png={png}', '--quiet=True')
+        assert f'wrote {png}' in p.stdout
+        data = png.read_bytes()
+        assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 10_000
+
+
+def test_help_lists_every_key():
+    from configurator import read_config_block
+    p = solve('--help')
+    assert p.returncode == 0
+    keys = read_config_block(os.path.join(ROOT, 'solve.py'))
+    assert len(keys) >= 20
+    for k, (default, meaning) in keys.items():
+        line = next((l for l in p.stdout.splitlines() if l.strip().startswith(f'--{k}=')), None)
+        assert line is not None, k
+        assert meaning and meaning in line, (k, line)
