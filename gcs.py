@@ -585,6 +585,14 @@ def upload_tree(local_dir, uri):
     return n
 
 
+def upload_dataset(local_dir, uri):
+    """upload_tree for a dataset a builder just wrote; any failure is a GCSError that says where the data is."""
+    try:
+        return upload_tree(local_dir, uri)
+    except Exception as e:
+        raise GCSError(f"the dataset was built in {local_dir}, but its upload to {uri} failed: {e}") from e
+
+
 def fetch_tree(uri, cache_dir):
     """A local copy of the folder under gs:// uri, made once: every object is downloaded into a temporary
     folder, its size checked against the listing, and only a complete copy is renamed to its final name,

@@ -338,16 +338,12 @@ def main(argv=None):
             csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
         build_dataset(csv_dir, out, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
                       skip_bad=args.skip_bad)
-    except (ValueError, DownloadError, OSError) as e:  # bad rows, an empty split, a failed download: no traceback
+        if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
+            print(f"uploaded {gcs.upload_dataset(out, bucket_uri)} files to {bucket_uri}")
+            out = bucket_uri
+    except (ValueError, DownloadError, OSError, gcs.GCSError) as e:  # bad rows, an empty split, a failed download or upload
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
-        try:
-            print(f"uploaded {gcs.upload_tree(out, bucket_uri)} files to {bucket_uri}")
-        except Exception as e:
-            print(f"error: the dataset was built in {out} but its upload to {bucket_uri} failed: {e}", file=sys.stderr)
-            return 1
-        out = bucket_uri
     print(f"wrote {out}")
     return 0
 

@@ -592,16 +592,12 @@ def main(argv=None):
                          EXPECTED_ROWS[split] if official else None)
         build(csv_dir, args.output_dir, args.size, args.subsample_size, args.min_difficulty, args.num_aug,
               args.seed, args.skip_bad)
-    except (ValueError, DownloadError, RuntimeError, FileNotFoundError) as e:  # CSVFormatError is a ValueError
+        if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
+            print(f"uploaded {gcs.upload_dataset(args.output_dir, bucket_uri)} files to {bucket_uri}")
+            args.output_dir = bucket_uri
+    except (ValueError, DownloadError, RuntimeError, FileNotFoundError, gcs.GCSError) as e:  # CSVFormatError: a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
-        try:
-            print(f"uploaded {gcs.upload_tree(args.output_dir, bucket_uri)} files to {bucket_uri}")
-        except Exception as e:
-            print(f"error: the dataset was built in {args.output_dir} but its upload to {bucket_uri} failed: {e}", file=sys.stderr)
-            return 1
-        args.output_dir = bucket_uri
     print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")
     return 0
 

@@ -781,26 +781,25 @@ def plot(rows, folder):
             save(fig, name)
         else:
             plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    a = series(axes[0], 'L_cycles', 'n = L_cycles (z-updates per round)', lambda f: f.endswith('rec'))
-    b = series(axes[1], 'calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)',
-               lambda f: f.endswith(('rec', 'tn')))
-    if a or b:
-        axes[0].set_title(f"Recursion depth n at T = 3 ({title})")
-        axes[1].set_title(f"Recursion T x (n + 1) ({title})")
-        save(fig, 'acc_vs_recursion.png')
-    else:
-        plt.close(fig)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    a = series(axes[0], 'puzzles', 'training puzzles (log scale)', lambda f: f.endswith('data'), logx=True)
-    b = series(axes[1], 'per_puzzle', 'examples per training puzzle = 1 + augmentations (log scale)',
-               lambda f: f.endswith('aug'), logx=True)
-    if a or b:
-        axes[0].set_title(f"Training puzzles ({title})")
-        axes[1].set_title(f"Augmentations ({title})")
-        save(fig, 'acc_vs_data.png')
-    else:
-        plt.close(fig)
+    # two panels a figure: (x key, x label, families, log x, panel title)
+    for name, panels in (
+            ('acc_vs_recursion.png',
+             [('L_cycles', 'n = L_cycles (z-updates per round)', ('rec',), False, 'Recursion depth n at T = 3'),
+              ('calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)', ('rec', 'tn'),
+               False, 'Recursion T x (n + 1)')]),
+            ('acc_vs_data.png',
+             [('puzzles', 'training puzzles (log scale)', ('data',), True, 'Training puzzles'),
+              ('per_puzzle', 'examples per training puzzle = 1 + augmentations (log scale)', ('aug',), True,
+               'Augmentations')])):
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+        drawn = [series(ax, xkey, label, lambda f, ends=ends: f.endswith(ends), logx=logx)
+                 for ax, (xkey, label, ends, logx, _) in zip(axes, panels)]
+        if any(drawn):
+            for ax, panel in zip(axes, panels):
+                ax.set_title(f"{panel[4]} ({title})")
+            save(fig, name)
+        else:
+            plt.close(fig)
     abl = [r for r in done if r['family'].endswith('abl')]
     if abl:
         fig, ax = plt.subplots(figsize=(7, 4.5))
