@@ -396,16 +396,16 @@ def main(index=None):
         """Every rank calls it: the carry gather and the finiteness check are collectives, read on every rank;
         then rank 0 writes and uploads, and every rank learns whether that worked."""
         keys = sorted(carry)
-        host = dev.read(checkpoint_tensors())
+        sane, *gathered = dev.read(checkpoint_tensors())  # the carry, in the order of `keys`
         problems = []
-        if host[0][0] == 0:
+        if sane[0] == 0:
             problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing saved. The last "
                         f"good checkpoint is {last_good or 'none'}; continue from it with --init_from=resume and "
                         f"a lower --lr (now {lr})"]
         elif master:
             state = dict(model=model.state_dict(), ema=ema_model.state_dict() if ema else None,
                          optimizer=opt.state_dict(), step=step, loader=prefetch.consumed_state,
-                         carry=dict(zip(keys, map(torch.from_numpy, host[1:]))), rng=dev.rng_state(), config=config,
+                         carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(), config=config,
                          best=best, run_id=run_id)
             path = os.path.join(local, f'ckpt_{step:08d}.pt')
             try:
