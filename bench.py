@@ -199,9 +199,11 @@ if checkpoint_dir:
     path = os.path.join(folder, 'ckpt_bench.pt')
     t0 = time.perf_counter()
     dev.wait()
-    state = to_cpu(dict(model=model.state_dict(), ema=model.state_dict(), optimizer=opt.state_dict(), carry=carry))
+    ema_copy = {k: v.clone() for k, v in model.state_dict().items()}  # its own bytes, as train.py's EMA model's
+    state = to_cpu(dict(model=model.state_dict(), ema=ema_copy, optimizer=opt.state_dict(), carry=carry))
     gcs.save_atomic(state, path)
     save_s = time.perf_counter() - t0
+    size_mb = os.path.getsize(path) / 1e6
     carry_mb = sum(t.numel() * t.element_size() for t in state['carry'].values()) / 1e6
     upload_s = None
     if remote:
@@ -209,9 +211,7 @@ if checkpoint_dir:
         gcs.upload_file(path, f"{remote.rstrip('/')}/ckpt_bench.pt")
         upload_s = time.perf_counter() - t0
         os.remove(path)
-    size_mb = sum(v.numel() * v.element_size() for v in [*state['model'].values(), *state['ema'].values(),
-                  *state['carry'].values()] + [t for st in state['optimizer']['state'].values() for t in st.values()]) / 1e6
-    print(f"checkpoint: {size_mb:.1f} MB of tensors ({carry_mb:.1f} MB of them the ACT carry of {global_batch_size} rows in "
+    print(f"checkpoint: {size_mb:.1f} MB ({carry_mb:.1f} MB of it the ACT carry of {global_batch_size} rows in "
           f"{forward_dtype}) | device to host + write {save_s:.2f} s ({path if not remote else 'local temporary file'})"
           + (f" | upload to {remote} {upload_s:.2f} s | save + upload {save_s + upload_s:.2f} s" if remote else ''))
     if steps == 0:

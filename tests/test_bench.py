@@ -37,3 +37,27 @@ def test_bench_on_xla_stops_compiling():
     assert s['device'] == 'xla'
     assert int(s['compiles_warm']) > 0 and s['compiles_warm'] == s['compiles_end']  # timed steps reused the graphs
     assert s['fallbacks'] == '0' and 'CPU fallbacks in training: none; in evaluation: none' in out
+
+
+def test_bench_writes_and_uploads_a_checkpoint_as_train_writes_one(emu, tmp_path):
+    """--checkpoint_dir: the file holds what train.py's does (weights, an EMA copy with its own bytes, AdamATan2
+    moments, the carry of the whole batch), written into a folder, or uploaded to the bucket (the emulator)."""
+    import torch
+    from conftest import BUCKET
+    from gcs import GCS
+    tiny = [a for a in BENCH_TINY if not a.startswith(('--steps=', '--eval_batches='))]
+    p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir={tmp_path}/ck'] + tiny)
+    line = [l for l in p.stdout.splitlines() if l.startswith('bench: checkpoint_mb=')][-1]
+    s = dict(kv.split('=', 1) for kv in line.split()[1:])
+    assert s['upload_s'] == 'n/a' and float(s['save_s']) >= 0 and 'train:' not in p.stdout  # steps=0: only the save
+    ck = torch.load(f'{tmp_path}/ck/ckpt_bench.pt', weights_only=True)
+    assert ck['carry']['y'].shape[0] == 8 and len(ck['optimizer']['state']) == len(ck['model']) - 3  # 3 buffers
+    assert ck['ema'].keys() == ck['model'].keys()
+    assert ck['ema']['lm_head.weight'].untyped_storage().data_ptr() != ck['model']['lm_head.weight'].untyped_storage().data_ptr()
+    size_mb = (tmp_path / 'ck' / 'ckpt_bench.pt').stat().st_size / 1e6
+    assert abs(float(s['checkpoint_mb']) - size_mb) < 0.05  # what is reported is the file's size
+    params = sum(v.numel() * v.element_size() for k, v in ck['model'].items() if k not in ('puzzle_emb', 'H_init', 'L_init'))
+    assert size_mb * 1e6 > 4 * params  # weights, EMA and two moments: each stored once, none shared
+    p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir=gs://{BUCKET}/bench'] + tiny)
+    assert 'upload to gs://test-bucket/bench' in p.stdout
+    assert [u for u, _ in GCS().list(f'gs://{BUCKET}/bench/')] == [f'gs://{BUCKET}/bench/ckpt_bench.pt']
