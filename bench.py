@@ -11,6 +11,8 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --seq_align=1                                 # mlp_t without the sequence-axis padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     python bench.py --profile=True                                # also a trace of profile_steps steps
+    python bench.py config/baseline.py --global_batch_size=768 --steps=0 --eval_batches=0 --checkpoint_dir=gs://BUCKET/x
+                                                                  # only a checkpoint's save + upload time
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81 tokens,
 vocab 11); --seq_len / --vocab_size override it. On CUDA the step and the evaluation are compiled (train.py's
