@@ -197,22 +197,28 @@ if checkpoint_dir:
     opt.zero_grad(set_to_none=True)
     remote = checkpoint_dir if gcs.is_gcs(checkpoint_dir) else ''
     folder = tempfile.mkdtemp(prefix='bench_ckpt_') if remote else checkpoint_dir
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, 'ckpt_bench.pt')
-    t0 = time.perf_counter()
-    dev.wait()
-    ema_copy = {k: v.clone() for k, v in model.state_dict().items()}  # its own bytes, as train.py's EMA model's
-    state = to_cpu(dict(model=model.state_dict(), ema=ema_copy, optimizer=opt.state_dict(), carry=carry))
-    gcs.save_atomic(state, path)
-    save_s = time.perf_counter() - t0
-    size_mb = os.path.getsize(path) / 1e6
-    carry_mb = sum(t.numel() * t.element_size() for t in state['carry'].values()) / 1e6
     upload_s = None
-    if remote:
+    try:
+        os.makedirs(folder, exist_ok=True)
         t0 = time.perf_counter()
-        gcs.upload_file(path, f"{remote.rstrip('/')}/ckpt_bench.pt")
-        upload_s = time.perf_counter() - t0
-        os.remove(path)
+        dev.wait()
+        ema_copy = {k: v.clone() for k, v in model.state_dict().items()}  # its own bytes, as train.py's EMA model's
+        state = to_cpu(dict(model=model.state_dict(), ema=ema_copy, optimizer=opt.state_dict(), carry=carry))
+        gcs.save_atomic(state, path)
+        save_s = time.perf_counter() - t0
+        size_mb = os.path.getsize(path) / 1e6
+        if remote:
+            t0 = time.perf_counter()
+            gcs.upload_file(path, f"{remote.rstrip('/')}/ckpt_bench.pt")
+            upload_s = time.perf_counter() - t0
+    except (OSError, gcs.CheckpointError, gcs.GCSError) as e:
+        raise SystemExit(f"checkpoint_dir={checkpoint_dir!r}: {e}")
+    finally:
+        if remote:  # the local copy was only the upload's source
+            import shutil
+            shutil.rmtree(folder, ignore_errors=True)
+    carry_mb = sum(t.numel() * t.element_size() for t in state['carry'].values()) / 1e6
     print(f"checkpoint: {size_mb:.1f} MB ({carry_mb:.1f} MB of it the ACT carry of {global_batch_size} rows in "
           f"{forward_dtype}) | device to host + write {save_s:.2f} s ({path if not remote else 'local temporary file'})"
           + (f" | upload to {remote} {upload_s:.2f} s | save + upload {save_s + upload_s:.2f} s" if remote else ''))

@@ -61,3 +61,7 @@ def test_bench_writes_and_uploads_a_checkpoint_as_train_writes_one(emu, tmp_path
     p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir=gs://{BUCKET}/bench'] + tiny)
     assert 'upload to gs://test-bucket/bench' in p.stdout
     assert [u for u, _ in GCS().list(f'gs://{BUCKET}/bench/')] == [f'gs://{BUCKET}/bench/ckpt_bench.pt']
+    (tmp_path / 'a_file').write_text('')  # a checkpoint_dir that cannot be a folder: a message, no traceback
+    p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir={tmp_path}/a_file/ck'] + tiny,
+            check=False)
+    assert p.returncode == 1 and f"checkpoint_dir='{tmp_path}/a_file/ck'" in p.stderr and 'Traceback' not in p.stderr, p.stderr
