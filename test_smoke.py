@@ -4,7 +4,7 @@ builder, train a tiny TRM on it with train.py, check that it solves held-out puz
 checkpoint with --eval_only, and check that a run stopped at --max_steps and resumed ends in exactly the
 state of an uninterrupted run. Everything runs as a user runs it, in new processes from the repository root.
     python -m pytest -q test_smoke.py              # this file
-    python -m pytest -q test_smoke.py tests/       # everything (tests/ holds the tests by area)
+    python -m pytest -q -n auto --dist loadfile test_smoke.py tests/   # everything, one worker per core
 """
 import glob
 import json
