@@ -194,7 +194,7 @@ if checkpoint_dir:
     for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in the file
         p.grad = torch.zeros_like(p)
     opt.init_state()
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     remote = checkpoint_dir if gcs.is_gcs(checkpoint_dir) else ''
     folder = tempfile.mkdtemp(prefix='bench_ckpt_') if remote else checkpoint_dir
     path = os.path.join(folder, 'ckpt_bench.pt')

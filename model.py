@@ -499,52 +499,81 @@ def to_reference_state_dict(sd):
 # -----------------------------------------------------------------------------
 # optimisation: AdamATan2 for the weights, sign-SGD for the puzzle embedding, warmup + cosine LR
 
-class AdamATan2(torch.optim.Optimizer):
+class AdamATan2:
     """Adam with atan2 in place of m / (sqrt(v) + eps): no epsilon, bounded updates. Pure PyTorch
     (foreach), so it runs on CPU, CUDA and XLA. The learning rate may be a device tensor, and the step
-    count lives on the device, so a changing LR or bias correction never recompiles an XLA graph."""
+    count lives on the device, so a changing LR or bias correction never recompiles an XLA graph.
+    A plain class rather than a torch.optim.Optimizer: that base class imports torch._dynamo on its first call,
+    2 s of CPU at the start of every run that never compiles. Its state_dict has torch.optim's layout."""
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+        self.params = list(params)
+        self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
+        # per parameter, made at its first gradient: {'t', 'exp_avg', 'exp_avg_sq'}. A list, not a dict keyed by
+        # the parameters: torch.compile would guard on those keys' gradients, which change every step
+        self.state = [None] * len(self.params)
 
     @torch.no_grad()
     def init_state(self):
         """Create the state of every parameter that has a gradient (step() does it too; a compiled step
         calls this first, eagerly, so that its graph never changes when the state appears)."""
-        for group in self.param_groups:
-            for p in group['params']:
-                st = self.state[p]
-                if p.grad is not None and not st:  # ('t', not 'step': load_state_dict would move a 'step' to the CPU)
-                    st['t'] = torch.zeros((), dtype=torch.float32, device=p.device)
-                    st['exp_avg'] = torch.zeros_like(p)
-                    st['exp_avg_sq'] = torch.zeros_like(p)
+        for i, p in enumerate(self.params):
+            if p.grad is not None and self.state[i] is None:
+                self.state[i] = dict(t=torch.zeros((), dtype=torch.float32, device=p.device),
+                                     exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     @torch.no_grad()
     def step(self, lr=None):
         self.init_state()
-        for group in self.param_groups:
-            params = [p for p in group['params'] if p.grad is not None]
-            if not params:
-                continue
-            grads = [p.grad for p in params]
-            b1, b2 = group['betas']
-            lr_ = group['lr'] if lr is None else lr
-            m = [self.state[p]['exp_avg'] for p in params]
-            v = [self.state[p]['exp_avg_sq'] for p in params]
-            t = self.state[params[0]]['t']
-            t.add_(1)
-            for p in params[1:]:
-                self.state[p]['t'].copy_(t)
-            torch._foreach_mul_(params, 1 - lr_ * group['weight_decay'])
-            torch._foreach_lerp_(m, grads, 1 - b1)
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-            bc1 = 1 - b1 ** t
-            bc2_sqrt = torch.sqrt(1 - b2 ** t)
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, bc2_sqrt)
-            upd = [torch.atan2(mi, di) for mi, di in zip(m, denom)]
-            torch._foreach_mul_(upd, lr_ / bc1)
-            torch._foreach_sub_(params, upd)
+        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not live:
+            return
+        params = [self.params[i] for i in live]
+        grads = [p.grad for p in params]
+        b1, b2 = self.betas
+        lr = self.lr if lr is None else lr
+        m = [self.state[i]['exp_avg'] for i in live]
+        v = [self.state[i]['exp_avg_sq'] for i in live]
+        t = self.state[live[0]]['t']
+        t.add_(1)
+        for i in live[1:]:
+            self.state[i]['t'].copy_(t)
+        torch._foreach_mul_(params, 1 - lr * self.weight_decay)
+        torch._foreach_lerp_(m, grads, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+        bc1 = 1 - b1 ** t
+        bc2_sqrt = torch.sqrt(1 - b2 ** t)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, bc2_sqrt)
+        upd = [torch.atan2(mi, di) for mi, di in zip(m, denom)]
+        torch._foreach_mul_(upd, lr / bc1)
+        torch._foreach_sub_(params, upd)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def state_dict(self):
+        """torch.optim's layout: the state by parameter index, one parameter group."""
+        return dict(state={i: dict(st) for i, st in enumerate(self.state) if st is not None},
+                    param_groups=[dict(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
+                                       params=list(range(len(self.params))))])
+
+    def load_state_dict(self, sd):
+        """The moments and step counts of a state_dict() (this class's or torch.optim's layout of one group).
+        The hyperparameters stay this run's: a resume that changes weight_decay or the betas uses the new ones."""
+        sizes = [len(g['params']) for g in sd['param_groups']]
+        if sizes != [len(self.params)]:
+            raise ValueError(f"optimizer state for parameter groups of {sizes} parameters; this model has "
+                             f"one group of {len(self.params)}")
+        state = [None] * len(self.params)
+        for i, st in sd['state'].items():
+            p = self.params[int(i)]
+            if st['exp_avg'].shape != p.shape:
+                raise ValueError(f"optimizer state of parameter {i} has shape {tuple(st['exp_avg'].shape)}; "
+                                 f"the parameter {tuple(p.shape)}")
+            state[int(i)] = {k: v.to(p.device) if k == 't' else v.to(p.device, p.dtype) for k, v in st.items()}
+        self.state = state
 
 
 @torch.no_grad()
@@ -640,7 +669,7 @@ def train_step(model, opt, ema_params, carry, batch, step_t, hp, fwd=forward_los
         gather = all_gather or (lambda t: t)
         ids_all, row_grads = gather(ids), gather(rows.grad)
     getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, row_grads, step_t, hp)
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad()
     return new_carry, loss.detach(), metrics
 
 

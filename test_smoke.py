@@ -18,7 +18,7 @@ import torch
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STEPS = 200  # 25 epochs of 400 puzzles at batch 50; the final evaluation is at the last step
 TRAIN_ARGS = ['--device=cpu', '--epochs=25', '--eval_interval=25', '--log_interval=25', '--global_batch_size=50',
-              '--hidden_size=64', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0',
+              '--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0',
               '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=4', '--lr=2e-3', '--lr_warmup_steps=20',
               '--weight_decay=0.1', '--ema_rate=0.95', '--forward_dtype=float32', '--loss_dtype=float32',
               '--xla_cache_dir=', '--seed=0']

@@ -41,7 +41,7 @@ TINY = dict(vocab_size=6, seq_len=8, num_puzzle_identifiers=3, hidden_size=32, n
             H_cycles=2, L_cycles=2, halt_max_steps=4, puzzle_emb_ndim=32, puzzle_emb_len=2,
             forward_dtype='float32', loss_dtype='float32')
 
-TOY_ARGS = ['--hidden_size=64', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0',
+TOY_ARGS = ['--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0',
             '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=4', '--global_batch_size=50', '--lr=2e-3',
             '--lr_warmup_steps=10', '--weight_decay=0.1', '--forward_dtype=float32', '--loss_dtype=float32',
             '--device=cpu', '--ema_rate=0.95', '--xla_cache_dir=']

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import TINY
+from conftest import ROOT, TINY
 from model import (TRM, AdamATan2, TRMConfig, act_loss, from_reference_state_dict, lr_at, sign_sgd_update_,
                    to_reference_state_dict, token_losses)
 
@@ -246,6 +246,51 @@ def test_adam_atan2_step_matches_the_formula():
         v = b2 * v + (1 - b2) * g * g
         want = want - lr / (1 - b1 ** t) * torch.atan2(m, v.sqrt() / math.sqrt(1 - b2 ** t))
         torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=1e-7)
+
+
+def test_adam_atan2_state_dict_resumes_exactly_in_torch_optim_layout_without_importing_dynamo(tmp_path):
+    """state_dict() has torch.optim's layout (checkpoints of the torch.optim-based version load); a new optimizer
+    loaded from it continues exactly; a wrong model is named; and using it never imports torch._dynamo (the
+    torch.optim base class does, 2 s of CPU start-up in every run)."""
+    import subprocess
+    import sys
+    code = r"""
+import sys, torch
+from model import AdamATan2
+torch.manual_seed(0)
+ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
+nograd = torch.nn.Parameter(torch.randn(2))  # never gets a gradient: no state
+grads = [[torch.randn_like(p) for p in ps] for _ in range(4)]
+def run(opt, params, steps):
+    for g in steps:
+        for p, gi in zip(params, g):
+            p.grad = gi.clone()
+        opt.step(lr=torch.tensor(0.01))
+        opt.zero_grad()
+a = AdamATan2(ps + [nograd], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+run(a, ps, grads[:2])
+sd = a.state_dict()
+assert sorted(sd) == ['param_groups', 'state'] and sorted(sd['state']) == [0, 1], sd['state'].keys()
+assert sd['param_groups'] == [dict(lr=0.1, betas=(0.9, 0.95), weight_decay=0.1, params=[0, 1, 2])]
+assert sorted(sd['state'][0]) == ['exp_avg', 'exp_avg_sq', 't'] and sd['state'][0]['t'].item() == 2
+torch.save(dict(optimizer=sd), sys.argv[1])
+copies = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+b = AdamATan2(copies + [torch.nn.Parameter(nograd.detach().clone())], lr=0.1, betas=(0.9, 0.95), weight_decay=0.1)
+b.load_state_dict(torch.load(sys.argv[1], weights_only=True)['optimizer'])
+run(a, ps, grads[2:])
+run(b, copies, grads[2:])
+assert all(torch.equal(p, q) for p, q in zip(ps, copies))
+try:
+    AdamATan2(ps).load_state_dict(sd)
+    raise AssertionError('loaded into a model with other parameters')
+except ValueError as e:
+    assert 'groups of [3] parameters; this model has one group of 2' in str(e), e
+print('dynamo imported:', 'torch._dynamo' in sys.modules)
+"""
+    p = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'opt.pt')], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert 'dynamo imported: False' in p.stdout, p.stdout
 
 
 def test_sign_sgd_touches_only_the_batch_rows():

@@ -34,7 +34,7 @@ def test_a_tiny_trm_learns_and_its_ema_evaluates_at_least_as_well_as_its_raw_wei
     ema_line = eval_lines(p.stdout)[0]
     raw_line = [l for l in p.stdout.splitlines() if l.startswith('eval of the raw weights (not the EMA) on')]
     assert len(raw_line) == 1  # intermediate evaluations only: the final one is the EMA's
-    assert exact(raw_line[0]) > 0.3, raw_line  # the raw weights have learned something by step 160
+    assert exact(raw_line[0]) > 0.15, raw_line  # the raw weights have learned something by step 160 (chance 4^-8)
     assert exact(ema_line) >= exact(raw_line[0]) - 0.1, (ema_line, raw_line)  # 200 examples: +-0.07 is noise
     with open(f'{tmp_path}/out/metrics.jsonl') as f:
         evals = [json.loads(l) for l in f if '"kind": "eval"' in l]
