@@ -115,8 +115,8 @@ def test_resume_refuses_another_model_shape_or_batch_size_and_allows_a_lower_lr(
     train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
     p = train(toy, out, '--init_from=resume', '--global_batch_size=20', check=False)
     assert_user_error(p, 'global_batch_size=50', 'global_batch_size=20')
-    p = train(toy, out, '--init_from=resume', '--hidden_size=32', check=False)
-    assert_user_error(p, 'hidden_size=64', 'hidden_size=32')
+    p = train(toy, out, '--init_from=resume', '--hidden_size=64', check=False)
+    assert_user_error(p, 'hidden_size=32', 'hidden_size=64')
     p = train(toy, out, '--init_from=resume', '--lr=1e-4', '--max_steps=12')
     assert 'lr: 0.002 -> 0.0001' in p.stdout and 'saved' in p.stdout
 
@@ -169,7 +169,7 @@ def test_init_from_files_that_are_not_checkpoints_of_this_model(toy, tmp_path):
     assert_user_error(p, 'neither a checkpoint of this trainer nor a state dict')
     train(toy, tmp_path / 'c', '--max_steps=4', '--checkpoint_interval=4')
     other = ckpts(tmp_path / 'c')[0]
-    p = train(toy, tmp_path / 'd', f'--init_from={other}', '--hidden_size=32', '--max_steps=2', check=False)
+    p = train(toy, tmp_path / 'd', f'--init_from={other}', '--hidden_size=64', '--max_steps=2', check=False)
     assert_user_error(p, 'not weights of this model', 'hidden_size')
     p = train(toy, tmp_path / 'e', f'--init_from={tmp_path}/missing.pt', '--max_steps=2', check=False)
     assert_user_error(p, 'missing.pt')
