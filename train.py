@@ -304,12 +304,18 @@ def main(index=None):
                 other = {k: (saved[k], config[k]) for k in config if k in saved and saved[k] != config[k]}
                 print(f"resuming from {resumed_from} (step {ckpt['step']})"
                       + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
-            model.load_state_dict(ckpt['model'])
-            if ema:
-                ema_model.load_state_dict(ckpt['ema'] or ckpt['model'])
-            opt.load_state_dict(ckpt['optimizer'])
+            try:  # a file that loads but whose parts do not fit this model (edited, or another trainer's): named
+                model.load_state_dict(ckpt['model'])
+                if ema:
+                    ema_model.load_state_dict(ckpt['ema'] or ckpt['model'])
+                opt.load_state_dict(ckpt['optimizer'])
+                loader.load_state_dict(ckpt['loader'])
+                problems = []
+            except (RuntimeError, ValueError, KeyError) as e:
+                problems = [f"{resumed_from} does not fit this run ({' '.join(str(e).split())[:300]}); the file is kept. "
+                            f"Move it aside to resume from the one before"]
+            fail_together(dev, problems, 'resume')
             step, best, run_id = ckpt['step'], ckpt['best'], ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
-            loader.load_state_dict(ckpt['loader'])
             lb = global_batch_size // dev.world_size  # the carry is saved for the global batch: each rank its rows
             carry_state = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
             if dev.rank == 0:

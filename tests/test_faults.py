@@ -82,6 +82,20 @@ def test_resume_with_only_corrupt_checkpoints_is_an_error_that_keeps_them(toy, t
     assert {c: open(c, 'rb').read() for c in ckpts(out)} == before  # nothing overwritten
 
 
+def test_resume_from_a_checkpoint_whose_optimizer_state_does_not_fit_is_one_line_that_keeps_it(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4', '--checkpoint_interval=4')
+    [c] = ckpts(out)
+    ck = torch.load(c, weights_only=True)
+    ck['optimizer']['state'][0]['exp_avg'] = torch.zeros(3)  # loads as a file, does not fit the model
+    torch.save(ck, c)
+    before = open(c, 'rb').read()
+    p = train(toy, out, '--init_from=resume', '--max_steps=6', check=False)
+    assert_user_error(p, 'resume failed', os.path.basename(c), 'does not fit this run',
+                      'optimizer state of parameter 0 has shape (3,)', 'the file is kept')
+    assert open(c, 'rb').read() == before and ckpts(out) == [c]
+
+
 def test_a_known_corrupt_checkpoint_holds_no_slot_when_pruning(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--max_steps=20')
