@@ -111,6 +111,7 @@ class Device:
                 torch.backends.cudnn.allow_tf32 = True
             self.device = torch.device(kind, self.local_rank) if kind == 'cuda' else torch.device('cpu')
         self.master = self.rank == 0
+        self.left = False  # set by shutdown()
 
     # --- collectives (every rank calls them at the same point) ---------------------------------------
 
@@ -174,9 +175,15 @@ class Device:
             dist.barrier()
 
     def shutdown(self):
-        if self.kind != 'xla' and self.world_size > 1:
+        """Every rank leaves together, at a point all of them reach: rank 0 hosts torchrun's rendezvous store,
+        and a rank still holding the process group when rank 0 exits can abort at exit (SIGABRT)."""
+        if self.world_size == 1 or self.left:
+            return
+        self.barrier()
+        if self.kind != 'xla':
             import torch.distributed as dist
             dist.destroy_process_group()
+        self.left = True
 
     # --- data and RNG ------------------------------------------------------------------------------
 

@@ -180,6 +180,7 @@ def fail_together(dev, problems, what):
     if ranks:
         where = f" on rank(s) {ranks}" if dev.world_size > 1 else ''
         mine = '; '.join(problems) if problems else f"see rank {ranks[0]}'s output"
+        dev.shutdown()
         raise SystemExit(f"{what} failed{where}: {mine}")
 
 
@@ -363,11 +364,13 @@ def main(index=None):
             print(format_eval(res))
             if example:
                 print(render_example(meta, *example))
+        dev.shutdown()
         return
     if step >= run_steps:
         if master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
                   f"(raise --max_steps or --epochs to train on)")
+        dev.shutdown()
         return
 
     # --- records: metrics.jsonl (a line per log step and evaluation), results.json at the end; W&B ------
@@ -524,7 +527,6 @@ def main(index=None):
     if dev.kind == 'xla' and master:
         compiles, fallbacks = dev.xla_report()
         print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")
-    dev.barrier()
     dev.shutdown()
     if interrupted and master:
         print("stopped cleanly; rerun with --init_from=resume to continue")
