@@ -187,6 +187,7 @@ print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'atten
 
 # --- a checkpoint: the same parts as train.py's (weights, EMA, AdamATan2 moments, the ACT carry of the batch) ---
 if checkpoint_dir:
+    import shutil
     import tempfile
 
     import gcs
@@ -216,7 +217,6 @@ if checkpoint_dir:
         raise SystemExit(f"checkpoint_dir={checkpoint_dir!r}: {e}")
     finally:
         if remote:  # the local copy was only the upload's source
-            import shutil
             shutil.rmtree(folder, ignore_errors=True)
     carry_mb = sum(t.numel() * t.element_size() for t in state['carry'].values()) / 1e6
     print(f"checkpoint: {size_mb:.1f} MB ({carry_mb:.1f} MB of it the ACT carry of {global_batch_size} rows in "

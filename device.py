@@ -111,7 +111,6 @@ class Device:
                 torch.backends.cudnn.allow_tf32 = True
             self.device = torch.device(kind, self.local_rank) if kind == 'cuda' else torch.device('cpu')
         self.master = self.rank == 0
-        self.left = False  # set by shutdown()
 
     # --- collectives (every rank calls them at the same point) ---------------------------------------
 
@@ -177,13 +176,12 @@ class Device:
     def shutdown(self):
         """Every rank leaves together, at a point all of them reach: rank 0 hosts torchrun's rendezvous store,
         and a rank still holding the process group when rank 0 exits can abort at exit (SIGABRT)."""
-        if self.world_size == 1 or self.left:
+        if self.world_size == 1:
             return
         self.barrier()
         if self.kind != 'xla':
             import torch.distributed as dist
             dist.destroy_process_group()
-        self.left = True
 
     # --- data and RNG ------------------------------------------------------------------------------
 
