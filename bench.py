@@ -1,6 +1,6 @@
 """
 Speed of TRM training and evaluation on the current device (CPU, CUDA GPU or XLA/TPU), with exactly the
-model and training step of train.py (model.train_step: forward_loss, backward, AdamATan2, sign-SGD on the
+model and training step of train.py (step.train_step: forward_loss, backward, AdamATan2, sign-SGD on the
 puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py                                               # the paper's Sudoku MLP model
     python bench.py config/baseline.py --global_batch_size=384    # any train.py config; the batch is global_batch_size
@@ -16,7 +16,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81 tokens,
 vocab 11); --seq_len / --vocab_size override it. On CUDA the step and the evaluation are compiled (train.py's
-compile=True: model.compiled_step and model.compiled_predict, the ones train.py uses).
+compile=True: step.CompiledStep and step.compiled_predict, the ones train.py uses).
 It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time to
 the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the graph
 compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
@@ -55,9 +55,10 @@ config_keys = [k for k, v in globals().items() if not k.startswith('_') and isin
 exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
-from data import BOXES, MAZE_VOCAB_SIZE, load_metadata, puzzle_type  # noqa: E402
+from data import load_metadata, puzzle_type, shape_from_name  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
-from model import TRM, AdamATan2, TRMConfig, forward_loss, train_step  # noqa: E402
+from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
+from step import AdamATan2, CompiledStep, StepConfig, compiled_predict, forward_loss, train_step  # noqa: E402
 
 # peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name found in the device's wins
 PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312), ('L40S', 362),
@@ -91,24 +92,6 @@ def peak_tflops(name):
     if kind == 'cpu' or name.startswith('XLA on the CPU'):
         return None  # no meaningful peak figure for a CPU
     return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
-
-
-def shape_from_name(path):
-    """(seq_len, vocab_size, why) of the task a dataset folder's name says: 'maze' (30x30 unless the name
-    says RxC), 'sudoku<N>' (N = 4, 6 or 9), anything else the paper's 9x9 Sudoku."""
-    name = os.path.basename(os.path.normpath(path)).lower() if path else ''
-    if 'maze' in name:
-        m = re.search(r'(\d+)x(\d+)', name)
-        r, c = (int(m.group(1)), int(m.group(2))) if m else (30, 30)
-        return r * c, MAZE_VOCAB_SIZE, f"maze {r}x{c}, from data_path's name {path!r}"
-    m = re.search(r'sudoku[-_]?(\d+)', name)
-    if m and int(m.group(1)) in BOXES:
-        n = int(m.group(1))
-        return n * n, n + 2, f"sudoku {n}x{n}, from data_path's name {path!r}"
-    if 'sudoku' in name:
-        return 81, 11, f"sudoku 9x9, from data_path's name {path!r}"
-    return 81, 11, (f"sudoku 9x9, the default: data_path's name {path!r} names no known puzzle" if path
-                    else "sudoku 9x9, the default: no data_path")
 
 
 # --- the task's shape, then a few batches staged on the device up front (loading is not what is measured) ---
@@ -157,18 +140,18 @@ else:
 batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) for b in host_eval]
 
 # --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------------------------
-model_keys = [f for f in TRMConfig.__dataclass_fields__ if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
-                **{k: globals()[k] for k in model_keys})
+                **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device)
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA model's
 # train.py's step: compiled on CUDA with the same helper (forward + loss + its backward; optimizer, sign-SGD, EMA)
-fwd = model.compiled_step(compile_mode) if compiled else forward_loss
-predict = model.compiled_predict(compile_mode) if compiled else model.predict
-hp = dict(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay, warmup=lr_warmup_steps,
-          total=10 ** 6, min_ratio=lr_min_ratio, global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None)
+fwd = CompiledStep(compile_mode) if compiled else forward_loss
+predict = compiled_predict(model, compile_mode) if compiled else model.predict
+sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
+                warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
+                global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None)
 step_t = torch.zeros((), device=dev.device)  # the step count lives on the device (the LR schedule runs there)
 carry = model.initial_carry(batches[0])
 loss = None
@@ -192,6 +175,7 @@ if checkpoint_dir:
 
     import gcs
     from device import to_cpu
+    from safety import CheckpointError, save_atomic
     for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in the file
         p.grad = torch.zeros_like(p)
     opt.init_state()
@@ -206,14 +190,14 @@ if checkpoint_dir:
         dev.wait()
         ema_copy = {k: v.clone() for k, v in model.state_dict().items()}  # its own bytes, as train.py's EMA model's
         state = to_cpu(dict(model=model.state_dict(), ema=ema_copy, optimizer=opt.state_dict(), carry=carry))
-        gcs.save_atomic(state, path)
+        save_atomic(state, path)
         save_s = time.perf_counter() - t0
         size_mb = os.path.getsize(path) / 1e6
         if remote:
             t0 = time.perf_counter()
             gcs.upload_file(path, f"{remote.rstrip('/')}/ckpt_bench.pt")
             upload_s = time.perf_counter() - t0
-    except (OSError, gcs.CheckpointError, gcs.GCSError) as e:
+    except (OSError, CheckpointError, gcs.GCSError) as e:
         raise SystemExit(f"checkpoint_dir={checkpoint_dir!r}: {e}")
     finally:
         if remote:  # the local copy was only the upload's source
@@ -233,7 +217,7 @@ def run_steps(n):
     global carry, loss
     t0 = time.perf_counter()
     for i in range(n):
-        carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, hp, fwd)
+        carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, fwd)
         dev.sync()  # one graph per step on XLA, cut where train.py cuts it
     dev.wait()
     return time.perf_counter() - t0
@@ -254,7 +238,7 @@ print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.2f} examples/s | {ex_s * seq_len:
       f"({warmup_steps} step{'s' if warmup_steps > 1 else ''}, the first included) | "
       f"memory {mem / 2 ** 30:.2f} GiB ({mem_what}) | loss {float(loss.cpu()) / global_batch_size:.4f}")
 
-# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (model.evaluate's work) --
+# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (step.evaluate's work) --
 eval_ps = eval_mfu = eval_warm_s = None
 eval_fallbacks = {}
 compiles_eval_warm = compiles_eval_end = compiles_end

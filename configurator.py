@@ -16,13 +16,15 @@ import builtins
 import difflib
 import io
 import os
+import shlex
 import sys
 import tokenize
 
 
-def read_config_block(path):
+def read_config_block(path, section=None):
     """{key: (default, meaning)} of the config block of the script at `path`, in order. The block is
-    plain Python, so it is executed as such; an error names the file and line."""
+    plain Python, so it is executed as such; an error names the file and line. section: only the keys under
+    the block's `# <section>` heading (solve.py takes train.py's `# model` keys)."""
     with open(path) as f:
         lines = f.read().split('\n')
     start = next((i for i, l in enumerate(lines) if l.startswith('# config')), None)
@@ -41,7 +43,14 @@ def read_config_block(path):
             line = tok.line.split('=', 1)[0].strip()
             if line.isidentifier():
                 meanings[line] = tok.string.lstrip('# ').strip()
-    return {k: (v, meanings.get(k, '')) for k, v in scope.items() if not k.startswith('_')}
+    keys = [k for k in scope if not k.startswith('_')]
+    if section:
+        head = next((i for i in range(start, end) if lines[i].split('(')[0].strip() == f'# {section}'), None)
+        if head is None:
+            raise SystemExit(f"config error: {path} has no '# {section}' heading in its config block")
+        stop = next((i for i in range(head + 1, end) if lines[i].startswith('# ')), end)
+        keys = [l.split('=', 1)[0].strip() for l in lines[head + 1:stop] if '=' in l]
+    return {k: (scope[k], meanings.get(k, '')) for k in keys}
 
 
 def config_files(path):
@@ -63,6 +72,29 @@ def config_files(path):
         path = scope.get('_base')
     return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and not callable(v)
                  and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
+
+
+def parse_value(text, default):
+    """The value of --key=text: a Python literal, else the text itself (a bare string such as out/run1); a
+    string key keeps its text (--wandb_run_name=2025 stays '2025')."""
+    try:
+        value = ast.literal_eval(text)
+    except (SyntaxError, ValueError):
+        value = text
+    return text if isinstance(default, str) and not isinstance(value, str) else value
+
+
+def parse_flags(text, defaults, where):
+    """'--a=1 --b=x' -> {a: 1, b: 'x'} for a script whose keys and defaults are `defaults` (study.py's --extra)."""
+    out = {}
+    for tok in shlex.split(text):
+        if not tok.startswith('--') or '=' not in tok:
+            raise SystemExit(f"config error: {where}: {tok!r} should look like --key=value")
+        k, t = tok[2:].split('=', 1)
+        if k not in defaults:
+            raise SystemExit(f"config error: {where}: unknown key {k!r}")
+        out[k] = parse_value(t, defaults[k])
+    return out
 
 
 def _help(g, keys):
@@ -117,13 +149,7 @@ def _configure(g, argv):
                 raise SystemExit(f"config error: {arg} should look like --key=value (--help lists the keys)")
             key, text = arg[2:].split('=', 1)  # the value may itself contain '='
             check_key(key, arg)
-            try:
-                value = ast.literal_eval(text)
-            except (SyntaxError, ValueError):
-                value = text  # a bare string such as --out_dir=out/run1
-            if isinstance(g[key], str) and not isinstance(value, str):
-                value = text  # --wandb_run_name=2025 stays a string
-            g[key] = check_type(key, value, arg)
+            g[key] = check_type(key, parse_value(text, g[key]), arg)
             print(f"config: {key} = {g[key]!r}")
 
 

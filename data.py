@@ -274,6 +274,24 @@ class EvalLoader:
 # -----------------------------------------------------------------------------
 # what a puzzle is: its type from a dataset's metadata, verifiers that accept any valid answer, rendering
 
+def shape_from_name(path):
+    """(seq_len, vocab_size, why) of the task a dataset folder's name says: 'maze' (30x30 unless the name
+    says RxC), 'sudoku<N>' (N = 4, 6 or 9), anything else the paper's 9x9 Sudoku."""
+    name = os.path.basename(os.path.normpath(path)).lower() if path else ''
+    if 'maze' in name:
+        m = re.search(r'(\d+)x(\d+)', name)
+        r, c = (int(m.group(1)), int(m.group(2))) if m else (30, 30)
+        return r * c, MAZE_VOCAB_SIZE, f"maze {r}x{c}, from data_path's name {path!r}"
+    m = re.search(r'sudoku[-_]?(\d+)', name)
+    if m and int(m.group(1)) in BOXES:
+        n = int(m.group(1))
+        return n * n, n + 2, f"sudoku {n}x{n}, from data_path's name {path!r}"
+    if 'sudoku' in name:
+        return 81, 11, f"sudoku 9x9, from data_path's name {path!r}"
+    return 81, 11, (f"sudoku 9x9, the default: data_path's name {path!r} names no known puzzle" if path
+                    else "sudoku 9x9, the default: no data_path")
+
+
 def puzzle_type(meta):
     """'sudoku', 'maze' or None (unknown: exact match to the label is then the only check). Datasets
     built here say so in dataset.json; the reference's are recognised by their vocabulary and length."""
@@ -408,15 +426,20 @@ def maze_correct(inputs, preds):
     return ok
 
 
+def token_char(kind, t):
+    """One token as a character: a Sudoku's digit ('.' blank), a maze's cell from CHARSET, else a hex digit."""
+    t = int(t)
+    if kind == 'sudoku':
+        return '.' if t <= 1 else str(t - 1)
+    if kind == 'maze':
+        return CHARSET[t - 1] if 1 <= t <= len(CHARSET) else '?'
+    return format(t, 'x')[-1]
+
+
 def render_example(meta, inputs, preds, correct):
     """A held-out puzzle and the model's answer, side by side, as text."""
     kind, n = puzzle_type(meta), math.isqrt(meta['seq_len'])
-    if kind == 'maze':
-        cell = lambda t: ('?' + CHARSET)[t] if 0 <= t <= len(CHARSET) else '?'
-    elif kind == 'sudoku':
-        cell = lambda t: '.' if t <= 1 else str(t - 1)
-    else:
-        cell = lambda t: format(int(t), 'x')[-1]
+    cell = functools.partial(token_char, kind)
     if n * n != meta['seq_len']:
         return f"puzzle: {list(inputs)}\nanswer: {list(preds)} ({'correct' if correct else 'wrong'})"
     sep = '' if kind == 'maze' else ' '

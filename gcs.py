@@ -1,5 +1,6 @@
 """
-Minimal Google Cloud Storage client for checkpoints (standard library + requests only).
+Minimal Google Cloud Storage client for checkpoints and datasets (standard library + requests only).
+The checkpoint files themselves (atomic saves, listing, pruning) are in safety.py.
 
 Spot TPU VMs can be preempted at any time, so checkpoints go to a GCS bucket:
     upload_file("out/ckpt_1000.pt", "gs://my-bucket/run1/ckpt_1000.pt")
@@ -618,66 +619,3 @@ def fetch_tree(uri, cache_dir):
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     os.replace(tmp, dest)
     return dest
-
-# -----------------------------------------------------------------------------
-# checkpoint files, in a local folder or under a gs:// prefix
-
-CKPT_RE = re.compile(r'ckpt_(\d{8})\.pt$')
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-def save_atomic(obj, path):
-    """torch.save to path.tmp, then rename: readers see the old file or the whole new one, never half. A
-    failure (a full disk) removes the .tmp and raises CheckpointError naming the path and the OS error."""
-    import torch
-    tmp = path + '.tmp'
-    try:
-        with open(tmp, 'wb') as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except Exception as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        cause = e.__cause__ or e.__context__ or e
-        why = os.strerror(cause.errno) if getattr(cause, 'errno', None) else str(e)
-        raise CheckpointError(f"could not write {path}: {why}") from e
-
-
-def load_checkpoint(path):
-    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code."""
-    import torch
-    try:
-        return torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and was not loaded: {e}") from e
-
-
-def list_checkpoints(folder):
-    """{step: path} of the complete checkpoints in a local folder or gs:// prefix (temporary files and
-    half-done uploads never match: local writes are renamed when whole, GCS objects appear when whole)."""
-    if is_gcs(folder):
-        names = [uri for uri, _ in list_objects(folder.rstrip('/') + '/ckpt_')]
-    else:
-        import glob
-        names = glob.glob(os.path.join(folder, 'ckpt_*.pt'))
-    return {int(m.group(1)): n for n in names if (m := CKPT_RE.search(n))}
-
-
-def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, delete_all=False):
-    """Keep the newest keep_last_n checkpoints that are not known to be corrupt (0: keep all), the best, and
-    `protect` (the newest one known to train on); a known-corrupt file holds no slot. delete_all: remove every
-    checkpoint (a run started over)."""
-    found = list_checkpoints(folder)
-    good = sorted(s for s, p in found.items() if p not in corrupt)
-    keep = set() if delete_all else set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, protect}
-    for step, path in found.items():
-        if step not in keep:
-            try:
-                delete_object(path) if is_gcs(path) else os.remove(path)
-            except Exception as e:
-                print(f"warning: could not delete old checkpoint {path}: {e}")

@@ -5,16 +5,14 @@ One 2-layer network `net` is applied recursively to a latent answer y and a late
     n times: z = net(z, y + x);   then: y = net(y, z)
 repeated H_cycles times per supervision step, gradients only through the last repetition. An ACT
 head (q_head) learns when to stop; training runs one supervision step per optimizer step, carrying
-y and z across steps (deep supervision).
+y and z across steps (deep supervision). The optimizers, the training step and evaluation are in step.py.
 
 Everything in a step follows the rules that keep XLA (TPU) from recompiling: static shapes, torch.where
 instead of boolean indexing, no host reads of tensor values, fixed loop counts.
 """
-import functools
 import math
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -67,6 +65,10 @@ class TRMConfig:
     @property
     def prefix_len(self):
         return self.total_len - self.seq_len
+
+
+# the TRMConfig fields a run chooses (train.py's keys); the others come from the dataset
+MODEL_KEYS = [f for f in TRMConfig.__dataclass_fields__ if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
 
 
 # -----------------------------------------------------------------------------
@@ -372,21 +374,6 @@ class TRM(nn.Module):
             q_halts.append(q_halt)
         return torch.stack(preds), torch.stack(q_halts)
 
-    # --- torch.compile (CUDA): the helpers train.py and bench.py share ----------------------------
-
-    def compiled_step(self, mode='default'):
-        """The training step's compiled parts, to pass as train_step's `fwd` (see compile_step)."""
-        return compile_step(mode)
-
-    def compiled_predict(self, mode='default'):
-        """self.predict with each supervision step compiled (one graph for all n_steps: the loop stays in
-        Python, so the compile time is that of one step). Built once per model and mode, then reused."""
-        cache = self.__dict__.setdefault('_compiled_predict', {})
-        if mode not in cache:
-            cache[mode] = functools.partial(self.predict, step=torch.compile(self.predict_step, dynamic=False,
-                                                                             mode=mode))
-        return cache[mode]
-
     # --- bookkeeping ------------------------------------------------------------------------------
 
     def num_params(self):
@@ -494,268 +481,3 @@ def to_reference_state_dict(sd):
             k = 'puzzle_emb.weights'
         out['_orig_mod.model.inner.' + k] = v
     return out
-
-
-# -----------------------------------------------------------------------------
-# optimisation: AdamATan2 for the weights, sign-SGD for the puzzle embedding, warmup + cosine LR
-
-class AdamATan2:
-    """Adam with atan2 in place of m / (sqrt(v) + eps): no epsilon, bounded updates. Pure PyTorch
-    (foreach), so it runs on CPU, CUDA and XLA. The learning rate may be a device tensor, and the step
-    count lives on the device, so a changing LR or bias correction never recompiles an XLA graph.
-    A plain class rather than a torch.optim.Optimizer: that base class imports torch._dynamo on its first call,
-    2 s of CPU at the start of every run that never compiles. Its state_dict has torch.optim's layout."""
-    def __init__(self, params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0):
-        self.params = list(params)
-        self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
-        # per parameter, made at its first gradient: {'t', 'exp_avg', 'exp_avg_sq'}. A list, not a dict keyed by
-        # the parameters: torch.compile would guard on those keys' gradients, which change every step
-        self.state = [None] * len(self.params)
-
-    @torch.no_grad()
-    def init_state(self):
-        """Create the state of every parameter that has a gradient (step() does it too; a compiled step
-        calls this first, eagerly, so that its graph never changes when the state appears)."""
-        for i, p in enumerate(self.params):
-            if p.grad is not None and self.state[i] is None:
-                self.state[i] = dict(t=torch.zeros((), dtype=torch.float32, device=p.device),
-                                     exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-
-    @torch.no_grad()
-    def step(self, lr=None):
-        self.init_state()
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
-        if not live:
-            return
-        params = [self.params[i] for i in live]
-        grads = [p.grad for p in params]
-        b1, b2 = self.betas
-        lr = self.lr if lr is None else lr
-        m = [self.state[i]['exp_avg'] for i in live]
-        v = [self.state[i]['exp_avg_sq'] for i in live]
-        t = self.state[live[0]]['t']
-        t.add_(1)
-        for i in live[1:]:
-            self.state[i]['t'].copy_(t)
-        torch._foreach_mul_(params, 1 - lr * self.weight_decay)
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        bc1 = 1 - b1 ** t
-        bc2_sqrt = torch.sqrt(1 - b2 ** t)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bc2_sqrt)
-        upd = [torch.atan2(mi, di) for mi, di in zip(m, denom)]
-        torch._foreach_mul_(upd, lr / bc1)
-        torch._foreach_sub_(params, upd)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def state_dict(self):
-        """torch.optim's layout: the state by parameter index, one parameter group."""
-        return dict(state={i: dict(st) for i, st in enumerate(self.state) if st is not None},
-                    param_groups=[dict(lr=self.lr, betas=self.betas, weight_decay=self.weight_decay,
-                                       params=list(range(len(self.params))))])
-
-    def load_state_dict(self, sd):
-        """The moments and step counts of a state_dict() (this class's or torch.optim's layout of one group).
-        The hyperparameters stay this run's: a resume that changes weight_decay or the betas uses the new ones."""
-        sizes = [len(g['params']) for g in sd['param_groups']]
-        if sizes != [len(self.params)]:
-            raise ValueError(f"optimizer state for parameter groups of {sizes} parameters; this model has "
-                             f"one group of {len(self.params)}")
-        state = [None] * len(self.params)
-        for i, st in sd['state'].items():
-            p = self.params[int(i)]
-            if st['exp_avg'].shape != p.shape:
-                raise ValueError(f"optimizer state of parameter {i} has shape {tuple(st['exp_avg'].shape)}; "
-                                 f"the parameter {tuple(p.shape)}")
-            state[int(i)] = {k: v.to(p.device) if k == 't' else v.to(p.device, p.dtype) for k, v in st.items()}
-        self.state = state
-
-
-@torch.no_grad()
-def sign_sgd_update_(table, ids, grads, lr, weight_decay):
-    """Sign-SGD on the puzzle embedding rows a batch touched: w = w*(1 - lr*wd) - lr*sign(sum of grads
-    per id). ids [N] and grads [N, dim] are the GLOBAL batch's. Static shapes: a dense scatter-add
-    instead of the reference's unique(), whose output shape depends on the data."""
-    grad_sum = torch.zeros_like(table).index_add_(0, ids.long(), grads.to(table.dtype))
-    touched = torch.zeros(table.shape[0], dtype=table.dtype, device=table.device).index_add_(
-        0, ids.long(), torch.ones_like(ids, dtype=table.dtype)) > 0
-    new = table * (1 - lr * weight_decay) - lr * torch.sign(grad_sum)
-    table.copy_(torch.where(touched[:, None], new, table))
-
-
-def lr_at(step, base_lr, warmup_steps, total_steps, min_ratio):
-    """Linear warmup, then cosine to min_ratio * base_lr. `step` (0-based, the step about to run) may be
-    a tensor, so the schedule runs on the device. Never exactly 0: an XLA graph specialises on 0."""
-    step = torch.as_tensor(step, dtype=torch.float32)
-    warm = base_lr * (step + 1) / max(1, warmup_steps)
-    progress = ((step + 1 - warmup_steps) / max(1, total_steps - warmup_steps)).clamp(0, 1)
-    cos = base_lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + torch.cos(math.pi * progress)))
-    return torch.where(step + 1 < warmup_steps, warm, cos)
-
-
-# -----------------------------------------------------------------------------
-# the training step, shared by train.py and bench.py on every device
-
-def forward_loss(model, carry, batch, puzzle_rows):
-    """Refill halted rows, run one supervision step, compute the loss. The part worth torch.compile."""
-    carry = model.refill(carry, batch)
-    new_carry, out = model(carry, puzzle_rows)
-    loss, metrics = act_loss(new_carry, out, model.config)
-    return new_carry, loss, metrics
-
-
-@torch.no_grad()
-def apply_update(model, opt, ema_params, ids, row_grads, step_t, hp):
-    """Everything after the (all-reduced) gradients: AdamATan2, sign-SGD on the puzzle embedding rows of the
-    global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count."""
-    opt.step(lr=lr_at(step_t, hp['lr'], hp['warmup'], hp['total'], hp['min_ratio']))
-    if row_grads is not None:
-        sign_sgd_update_(model.puzzle_emb, ids, row_grads,
-                         lr_at(step_t, hp['puzzle_emb_lr'], hp['warmup'], hp['total'], hp['min_ratio']),
-                         hp['puzzle_emb_weight_decay'])
-    if hp.get('ema_rate') is not None:
-        # warm-up: an average over the steps so far early on, so short runs evaluate trained weights
-        decay = torch.clamp((1 + step_t) / (10 + step_t), max=hp['ema_rate'])
-        params = list(model.parameters())
-        torch._foreach_mul_(ema_params, decay)
-        torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
-    step_t.add_(1)
-
-
-class CompiledStep:
-    """train_step's `fwd` on CUDA: forward_loss (the forward and, through AOTAutograd, its backward) and
-    apply_update (optimizer, sign-SGD, EMA: a few fused kernels instead of dozens of small ones), each
-    compiled once with static shapes. The backward call and the gradient all-reduce stay between them."""
-    def __init__(self, mode='default'):
-        self.mode = mode
-        self.forward = torch.compile(forward_loss, dynamic=False, mode=mode)
-        self._update = torch.compile(apply_update, dynamic=False, mode=mode)
-
-    def __call__(self, model, carry, batch, puzzle_rows):
-        return self.forward(model, carry, batch, puzzle_rows)
-
-    def update(self, model, opt, ema_params, ids, row_grads, step_t, hp):
-        opt.init_state()  # eagerly: the compiled graph never sees the state appear
-        self._update(model, opt, ema_params, ids, row_grads, step_t, hp)
-
-
-def compile_step(mode='default'):
-    """The compiled training step that train.py (compile=True on CUDA) and bench.py both use."""
-    return CompiledStep(mode)
-
-
-def train_step(model, opt, ema_params, carry, batch, step_t, hp, fwd=forward_loss,
-               all_reduce_sum_=None, all_gather=None):
-    """One optimizer step = one supervision step: forward, loss, backward, gradient all-reduce, AdamATan2,
-    sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
-    hp: lr, puzzle_emb_lr, puzzle_emb_weight_decay, warmup, total, min_ratio, global_batch_size, ema_rate
-    (the EMA's decay rises to ema_rate: min(ema_rate, (1 + step) / (10 + step))).
-    fwd: forward_loss, or compile_step()'s compiled step, whose .update then replaces apply_update."""
-    cfg = model.config
-    # puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
-    ids = torch.where(carry['halted'], batch['puzzle_identifiers'], carry['puzzle_identifiers'])
-    rows = model.puzzle_rows(ids).detach().requires_grad_(True) if cfg.puzzle_emb_ndim > 0 else None
-    new_carry, loss, metrics = fwd(model, carry, batch, rows)
-    (loss / hp['global_batch_size']).backward()  # summed over all ranks' rows: a global mean
-    if all_reduce_sum_ is not None:
-        all_reduce_sum_([p.grad for p in model.parameters()])
-    ids_all = row_grads = None
-    if rows is not None:
-        gather = all_gather or (lambda t: t)
-        ids_all, row_grads = gather(ids), gather(rows.grad)
-    getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, row_grads, step_t, hp)
-    opt.zero_grad()
-    return new_carry, loss.detach(), metrics
-
-
-# -----------------------------------------------------------------------------
-# evaluation: fresh latents, a fixed number of supervision steps, metrics summed over all ranks
-
-def wilson_interval(k, n, z=1.96):
-    """95% confidence interval of an accuracy k/n (Wilson: sane at 0 and 1 and for small n)."""
-    if n == 0:
-        return 0.0, 0.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)  # at k = 0 or n the bound is 0 or 1 up to rounding
-
-
-@torch.no_grad()
-def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None):
-    """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
-    at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
-    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical."""
-    predict = predict or model.predict
-    was_training = model.training
-    model.eval()
-    h = min(halt_max_steps, n_steps) - 1
-    sums, example, verified = None, None, 0
-    for batch in loader:
-        b = dev.to_device(batch)
-        preds, q_halt = predict(b, n_steps)  # [S, B, L], [S, B]
-        labels = b['labels']
-        valid_tok = labels != IGNORE_LABEL_ID
-        n_valid = valid_tok.sum(-1)
-        rows = (b['valid'] & (n_valid > 0)).float()
-        tok_ok = (preds == labels) & valid_tok
-        seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
-        halt = torch.cat([q_halt[:-1] > 0, torch.ones_like(q_halt[-1:], dtype=torch.bool)])  # the last step always stops
-        first = halt.int().argmax(0)  # the first step whose q_halt says stop
-        part = dict(
-            count=rows.sum(),
-            exact_per_step=(seq_ok.float() * rows).sum(-1),
-            token_accuracy=((tok_ok.sum(-1)[h].float() / n_valid.clamp_min(1)) * rows).sum(),
-            q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
-            exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
-            steps_q_halt=((first + 1).float() * rows).sum(),
-        )
-        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
-        if verifier is not None:
-            p = dev.read([preds[h]])[0]  # one graph per batch, then a plain transfer
-            inp, v = batch['inputs'], batch['valid']
-            ok = np.asarray(verifier(inp, p)) & v
-            verified += int(ok.sum())
-            if show_example and example is None and v.any():
-                i = int(np.argmax(v))
-                example = (inp[i], p[i], bool(ok[i]))
-        else:
-            dev.sync()
-    # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
-    # examples would run another graph than one verifying more (tests/test_pod.py)
-    sums['verified'] = torch.tensor([float(verified)], device=dev.device)
-    keys = sorted(sums)
-    flat = torch.cat([sums[k].reshape(-1).float() for k in keys])  # one reduction, one transfer
-    dev.all_reduce_sum_([flat])
-    host = np.split(dev.read([flat])[0], np.cumsum([sums[k].numel() for k in keys])[:-1])
-    s = dict(zip(keys, host))
-    n = float(s['count'][0])
-    exact_k = float(s['exact_per_step'][h])  # plain floats: results go into checkpoints and JSON
-    lo, hi = wilson_interval(exact_k, n)
-    res = dict(count=n, exact_accuracy=exact_k / max(n, 1), exact_ci_low=lo, exact_ci_high=hi,
-               token_accuracy=float(s['token_accuracy'][0]) / max(n, 1),
-               q_halt_accuracy=float(s['q_halt_accuracy'][0]) / max(n, 1), steps=float(h + 1),
-               exact_accuracy_q_halt=float(s['exact_q_halt'][0]) / max(n, 1),
-               steps_q_halt=float(s['steps_q_halt'][0]) / max(n, 1),
-               exact_by_steps=[float(x) / max(n, 1) for x in s['exact_per_step']])
-    if verifier is not None:
-        res['verified_accuracy'] = float(s['verified'][0]) / max(n, 1)
-    model.train(was_training)
-    return res, example
-
-
-def format_eval(r):
-    line = (f"eval on {int(r['count'])}: exact {r['exact_accuracy']:.4f} (95% CI {r['exact_ci_low']:.4f}-"
-            f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f} | q_halt acc {r['q_halt_accuracy']:.4f}"
-            f" | steps {r['steps']:.0f}")
-    if 'verified_accuracy' in r:
-        line += f" | verified {r['verified_accuracy']:.4f}"
-    line += f" | with q_halt stop: exact {r['exact_accuracy_q_halt']:.4f} in {r['steps_q_halt']:.2f} steps"
-    if len(r['exact_by_steps']) > r['steps']:
-        line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}" for i, a in enumerate(r['exact_by_steps']))
-    return line

@@ -18,12 +18,19 @@ import os
 import re
 import time
 
+from configurator import read_config_block  # noqa: E402
+
+# train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint carries its
+# own); for such a state dict they must be those of its training run (the weights do not tell H_cycles or L_cycles)
+_here = os.path.dirname(os.path.abspath(__file__))
+globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py'), 'model').items()})
 # -----------------------------------------------------------------------------
 # config
 init_from = ''                  # checkpoint: one of train.py (ckpt_*.pt; its EMA weights) or a reference state dict
 data_path = ''                  # dataset root the checkpoint was trained on ('': the checkpoint's own data_path)
-puzzle = ''                     # one puzzle: Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank; maze rows joined by '/'; or a file
-file = ''                       # file of puzzles: one Sudoku a line; mazes as blocks of rows (blank-line-separated) or lines
+puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank; maze
+                                # rows joined by '/'; or a file
+file = ''                       # file of puzzles: one Sudoku a line; mazes as blank-line-separated blocks or lines
 index = -1                      # solve example N (from 0) of the dataset's test split
 count = 0                       # solve the first K examples of the dataset's test split
 steps = 0                       # supervision steps at most (0: the model's halt_max_steps); more is test-time scaling
@@ -32,26 +39,12 @@ quiet = False                   # only one summary line per puzzle (no boards)
 png = ''                        # also draw the steps as small boards into this PNG file (needs matplotlib)
 png_puzzles = 4                 # puzzles drawn in the PNG at most
 batch_size = 64                 # puzzles per forward pass
-device = 'auto'                 # 'auto' (xla when PJRT_DEVICE is set, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
-threads = 0                     # CPU threads (0: the cores other processes leave idle, by the 1-minute load average; >= 1)
-forward_dtype = 'checkpoint'    # 'checkpoint' (the training run's; 'auto' resolved here) | 'auto' | 'bfloat16' | 'float16' | 'float32'
-# model keys: read for a reference state dict only (train.py's checkpoints carry theirs); they must be the training run's
-hidden_size = 512               # D, the width (reference state dict only)
-num_heads = 8                   # attention heads (reference state dict only)
-expansion = 4.0                 # SwiGLU width factor (reference state dict only)
-L_layers = 2                    # blocks in `net` (reference state dict only)
-H_cycles = 3                    # T: rounds per supervision step (reference state dict only; the weights do not tell)
-L_cycles = 6                    # n: z-updates per round (reference state dict only; the weights do not tell)
-halt_max_steps = 16             # supervision steps of training (reference state dict only)
-pos_encodings = 'none'          # 'rope' | 'learned' | 'none' (reference state dict only)
-mlp_t = True                    # MLP-mixer over the sequence instead of attention (reference state dict only)
-puzzle_emb_ndim = 512           # puzzle embedding width, 0: none (reference state dict only)
-puzzle_emb_len = 16             # prefix tokens of the puzzle embedding (reference state dict only)
-rms_norm_eps = 1e-5             # RMSNorm epsilon (reference state dict only)
-rope_theta = 10000.0            # RoPE base (reference state dict only)
+device = 'auto'                 # 'auto' (xla if PJRT_DEVICE, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
+threads = 0                     # CPU threads (0: the cores other processes leave idle, by the 1-minute load average)
+forward_dtype = 'checkpoint'    # 'checkpoint' (the training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
+exec(open(os.path.join(_here, 'configurator.py')).read())
 config = {k: globals()[k] for k in config_keys}
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0, 'a number >= 0'),
@@ -69,13 +62,12 @@ if bad:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import gcs  # noqa: E402
 from data import BOXES, CHARSET, GOAL, START, load_arrays, load_metadata, puzzle_type  # noqa: E402
-from data import shortest_path_length, verifier_for  # noqa: E402
+from data import shortest_path_length, token_char, verifier_for  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
-from model import TRM, TRMConfig, from_reference_state_dict, swiglu_inter  # noqa: E402
+from model import MODEL_KEYS, TRM, TRMConfig, from_reference_state_dict, swiglu_inter  # noqa: E402
+from safety import CheckpointError, load_checkpoint  # noqa: E402
 
-MODEL_KEYS = [f for f in TRMConfig.__dataclass_fields__ if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
 MAZE_INPUT = CHARSET.replace('o', '')  # what a maze question holds: '# SG'
 
 
@@ -124,12 +116,12 @@ def read_checkpoint(path):
     if not os.path.isfile(path):
         fail(f"init_from={path}: no such file")
     try:
-        ckpt = gcs.load_checkpoint(path)
-    except gcs.CheckpointError as e:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
         try:  # checkpoints of earlier train.py versions hold numpy scalars in their results: allow those only
             with torch.serialization.safe_globals(numpy_scalar_types()):
-                ckpt = gcs.load_checkpoint(path)
-        except gcs.CheckpointError:
+                ckpt = load_checkpoint(path)
+        except CheckpointError:
             text = str(e.__cause__ or e)
             m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(Check the documentation|$)', text, re.S)
             detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
@@ -242,10 +234,7 @@ class Kind:
                           f"joined by '/' or newlines, or one line of {self.L}")
 
     def cell(self, t):
-        t = int(t)
-        if self.type == 'sudoku':
-            return str(t - 1) if 2 <= t <= self.n + 1 else '.'
-        return CHARSET[t - 1] if 1 <= t <= len(CHARSET) else '?'
+        return token_char(self.type, t)
 
     def encode(self, text):
         if self.type == 'sudoku':
@@ -544,40 +533,34 @@ def report(it, kind):
 
 # -----------------------------------------------------------------------------
 
-def main():
-    sources = [name for name, on in (('puzzle', puzzle), ('file', file), ('index', index >= 0), ('count', count > 0))
-               if on]
-    if not sources:
-        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N or --count=K (--help lists the keys)")
-    if len(sources) > 1:
-        fail(f"give one source of puzzles, not {' and '.join('--' + s for s in sources)}")
-    plt = None
-    if png:  # checked before anything slow runs
-        try:
-            import matplotlib
-            matplotlib.use('Agg')
-            import matplotlib.pyplot as plt
-        except ImportError as e:
-            fail(f"png={png} needs matplotlib, which cannot be imported ({short(e, 100)}): pip install matplotlib")
-        folder = os.path.dirname(os.path.abspath(png))
-        if not os.path.isdir(folder):
-            fail(f"png={png}: the folder {folder} does not exist")
+def open_png():
+    """matplotlib's pyplot for --png (checked before anything slow runs), or None without --png."""
+    if not png:
+        return None
+    try:
+        import matplotlib
+        matplotlib.use('Agg')
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        fail(f"png={png} needs matplotlib, which cannot be imported ({short(e, 100)}): pip install matplotlib")
+    folder = os.path.dirname(os.path.abspath(png))
+    if not os.path.isdir(folder):
+        fail(f"png={png}: the folder {folder} does not exist")
+    return plt
 
-    # --- the checkpoint, the dataset it was trained on, the model --------------------------------------
+
+def load_model(dev):
+    """(model, its TRMConfig, the dataset's metadata, where that came from, the dataset root, the dtype's why)."""
     sd, saved, what = read_checkpoint(init_from)
     ours = saved is not None
     dp = data_path or (saved or {}).get('data_path', '')
     if not dp and not ours:
         fail(f"init_from={init_from} is a reference state dict: give --data_path (the dataset it was trained on) "
              f"and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
-    kind_name = resolve_device(device)
-    dev = Device(kind_name)
-    if dev.kind == 'cpu':
-        torch.set_num_threads(cpu_threads())
     if ours:
         model_cfg = {k: saved[k] for k in MODEL_KEYS if k in saved}
     else:
-        model_cfg = {k: config[k] for k in MODEL_KEYS if k in config and k != 'forward_dtype'}
+        model_cfg = {k: config[k] for k in MODEL_KEYS if k != 'forward_dtype'}
     requested = forward_dtype if forward_dtype != 'checkpoint' else model_cfg.get('forward_dtype', 'auto')
     dtype, dtype_why = choose_dtype(requested, dev.kind)
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.kind))
@@ -589,8 +572,7 @@ def main():
             trained = f" (the checkpoint was trained on data_path={saved.get('data_path')!r})" if ours else ''
             fail(f"data_path={dp!r}: {short(e)}{trained}; give --data_path=DATASET_ROOT")
         meta_from = f"the weights (no dataset at {dp})"
-    kind = Kind(meta)
-    if kind.type is None:
+    if puzzle_type(meta) is None:
         fail(f"{meta_from} holds neither Sudokus nor mazes (vocab_size {meta['vocab_size']}, seq_len "
              f"{meta['seq_len']}): solve.py knows only those")
     try:
@@ -605,12 +587,14 @@ def main():
         where = f"the checkpoint's config and {meta_from}" if ours else \
             f"the model keys (--hidden_size etc.) and {meta_from}"
         fail(mismatch_message(sd, model, cfg, init_from, where, ours))
-    model = model.to(dev.device).eval()
-    verifier = verifier_for(meta)
-    n_steps = steps or cfg.halt_max_steps
+    print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
+          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {Kind(meta).name}s ({meta_from})")
+    return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
 
-    # --- the puzzles ----------------------------------------------------------------------------------
-    labels = None
+
+def puzzles(kind, meta, dp, source):
+    """(inputs [N, L], puzzle identifiers [N], where each comes from, labels or None) from --puzzle, --file,
+    or the dataset's test split (--index, --count)."""
     if puzzle or file:
         if puzzle and os.path.isfile(puzzle):
             texts = read_puzzle_file(puzzle, kind)
@@ -625,28 +609,40 @@ def main():
         problems = [p for p in (contradictions(x, kind, w) for x, w in zip(inputs, wheres)) if p]
         if problems:
             fail(problems[0] + (f" (and {len(problems) - 1} more puzzle(s) like it)" if len(problems) > 1 else ''))
-        ids = np.full(len(inputs), meta.get('blank_identifier_id', 0), np.int32)
-    else:
-        try:
-            arrays = load_arrays(dp, 'test')
-            test_meta = load_metadata(dp, 'test')
-        except (OSError, ValueError) as e:
-            fail(f"--{sources[0]} reads the test split of data_path={dp!r}: {short(e)}")
-        total = len(arrays['inputs'])
-        if index >= total:
-            fail(f"index={index}: the test split of {dp} has {total} examples (0..{total - 1})")
-        rows = np.array([index]) if index >= 0 else np.arange(min(count, total))
-        if count > total:
-            print(f"count={count}: the test split of {dp} has {total} examples; solving all of them")
-        inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
-        labels = np.asarray(arrays['labels'][rows]).astype(np.int32)
-        labels = np.where(labels == test_meta['ignore_label_id'], -1, labels)
-        pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
-        ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
-        wheres = [f"puzzle {i + 1} (test example {r})" for i, r in enumerate(rows)]
+        return inputs, np.full(len(inputs), meta.get('blank_identifier_id', 0), np.int32), wheres, None
+    try:
+        arrays = load_arrays(dp, 'test')
+        test_meta = load_metadata(dp, 'test')
+    except (OSError, ValueError) as e:
+        fail(f"--{source} reads the test split of data_path={dp!r}: {short(e)}")
+    total = len(arrays['inputs'])
+    if index >= total:
+        fail(f"index={index}: the test split of {dp} has {total} examples (0..{total - 1})")
+    rows = np.array([index]) if index >= 0 else np.arange(min(count, total))
+    if count > total:
+        print(f"count={count}: the test split of {dp} has {total} examples; solving all of them")
+    inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
+    labels = np.asarray(arrays['labels'][rows]).astype(np.int32)
+    labels = np.where(labels == test_meta['ignore_label_id'], -1, labels)
+    pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
+    ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
+    return inputs, ids, [f"puzzle {i + 1} (test example {r})" for i, r in enumerate(rows)], labels
 
-    print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
-          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {kind.name}s ({meta_from})")
+
+def main():
+    sources = [name for name, on in (('puzzle', puzzle), ('file', file), ('index', index >= 0), ('count', count > 0))
+               if on]
+    if not sources:
+        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N or --count=K (--help lists the keys)")
+    if len(sources) > 1:
+        fail(f"give one source of puzzles, not {' and '.join('--' + s for s in sources)}")
+    plt = open_png()
+    dev = Device(resolve_device(device))
+    if dev.kind == 'cpu':
+        torch.set_num_threads(cpu_threads())
+    model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
+    kind, verifier, n_steps = Kind(meta), verifier_for(meta), steps or cfg.halt_max_steps
+    inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
           + f" | {plural(len(inputs), 'puzzle')} in batches of {min(batch_size, len(inputs))}")
@@ -673,7 +669,7 @@ def main():
     if n_done > 1:
         print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | {t_all:.2f} s "
               f"for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
-    if png:
+    if plt:
         title = (f"{os.path.basename(init_from)}: {kind.name}, cells changed since the step before highlighted"
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
         try:

@@ -48,8 +48,7 @@ Scales (--scale), applied as --key=value flags after the file, so each twin is t
         halt_max_steps / 4 (evaluated at twice that: eval_steps), puzzle_emb_ndim 0, epochs x 0.0008 (base: 40 epochs, 250 steps at batch 32),
         eval_interval = epochs / 2, checkpoint_interval 50, log_interval 25, lr 2e-3 (warm-up 30 steps),
         weight_decay 0.1, ema_rate 0.99, float32, device cpu, one thread (OMP_NUM_THREADS=1 unless set).
-        Measured: the rec_* + tn_* twin in 9 min 4 s from a fresh clone on this project's 2-core machine (AMD EPYC,
-        AVX2), when it was 9 runs; tn_T3n4 now shares rec_L4's run, so it is 8.
+        The rec_* + tn_* twin is 8 runs (tn_T3n4 shares rec_L4's run); README gives its measured time.
 --extra='--key=value ...' is added to every run after the scale's flags (e.g. --extra='--seed=1' with
 another --out_root for a second seed).
 
@@ -66,7 +65,6 @@ model's FLOPs, so each run's time follows its own FLOPs) or --bench_file (a file
 interval) against parameters, training FLOPs, recursion (n = L_cycles; T x (n + 1) network calls per
 supervision step), training puzzles and augmentations, per ablation, and accuracy against supervision steps.
 """
-import ast
 import csv
 import fnmatch
 import json
@@ -80,7 +78,10 @@ import sys
 import time
 from collections import deque
 
-from configurator import config_files, read_config_block
+import gcs
+from configurator import config_files, parse_flags, read_config_block
+from data import shape_from_name
+from safety import list_checkpoints
 
 # -----------------------------------------------------------------------------
 # config
@@ -114,8 +115,9 @@ CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xl
 CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
 CPU_MAZE = dict(size=8, train=200, num_test=100)
 # the real datasets' sizes, for costs before they are built
-SUDOKU_EXTREME = dict(vocab_size=11, seq_len=81, num_puzzle_identifiers=1, test=422_786)
-MAZE_HARD = dict(vocab_size=6, seq_len=900, num_puzzle_identifiers=1, groups=1000, test=1000)
+# (shapes from the folder's name: data.shape_from_name)
+SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
+MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is trained
 STOP = dict(requested=False, child=None)
 
@@ -130,11 +132,7 @@ if os.environ.get('PJRT_DEVICE') and nproc > 1:
 ROOT = (out_root or SCALE_ROOTS[scale]).rstrip('/')
 
 
-def is_gcs(path):
-    return path.startswith('gs://')
-
-
-LOCAL_ROOT = os.path.join('out', ROOT.split('/')[-1]) if is_gcs(ROOT) else ROOT
+LOCAL_ROOT = os.path.join('out', ROOT.split('/')[-1]) if gcs.is_gcs(ROOT) else ROOT
 
 
 def natural_key(s):
@@ -145,24 +143,7 @@ def fmt_value(v):
     return repr(v) if isinstance(v, float) else str(v)
 
 
-def parse_flags(text, where):
-    """'--a=1 --b=x' -> {a: 1, b: 'x'} with configurator's rules (Python literals, strings kept as text)."""
-    out = {}
-    for tok in shlex.split(text):
-        if not tok.startswith('--') or '=' not in tok:
-            raise SystemExit(f"config error: {where}: {tok!r} should look like --key=value")
-        k, t = tok[2:].split('=', 1)
-        if k not in TRAIN_DEFAULTS:
-            raise SystemExit(f"config error: {where}: unknown train.py key {k!r}")
-        try:
-            v = ast.literal_eval(t)
-        except (SyntaxError, ValueError):
-            v = t
-        out[k] = t if isinstance(TRAIN_DEFAULTS[k], str) else v
-    return out
-
-
-EXTRA = parse_flags(extra, '--extra')
+EXTRA = parse_flags(extra, TRAIN_DEFAULTS, '--extra')
 
 
 def read_meta(path):
@@ -193,6 +174,7 @@ def dataset_for(cfg, meta):
     name = path.rstrip('/').split('/')[-1]
     d = dict(path=path, build=shlex.split(meta['_prepare']) if meta.get('_prepare') else None, kind=None,
              puzzles=None, aug=None, groups=None, mean=1.0, test=None)
+    d['seq_len'], d['vocab_size'], _ = shape_from_name(path)
     m = re.fullmatch(r'sudoku-extreme-(\d+)(k?)-aug-(\d+)', name)
     if m:
         K, A = int(m[1]) * (1000 if m[2] else 1), int(m[3])
@@ -254,7 +236,7 @@ class Experiment:
         self.out_dir, self.local = f"{ROOT}/{leaf}", os.path.join(LOCAL_ROOT, leaf)
         self.flags = self.scale_flags()
         self.flags['out_dir'] = self.out_dir
-        if is_gcs(ROOT):
+        if gcs.is_gcs(ROOT):
             self.flags['local_dir'] = self.local
         self.run_cfg = {**self.cfg, **self.flags, **EXTRA}
         launcher = ['train.py'] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone',
@@ -328,25 +310,17 @@ def load_experiments(patterns):
 # -----------------------------------------------------------------------------
 # state of a run: finished (results.json), started (checkpoints), nothing
 
-def gcs():
-    import gcs as g
-    return g
-
-
 def has_results(e):
-    if is_gcs(e.out_dir):
-        return gcs().object_exists(f"{e.out_dir}/results.json")
+    if gcs.is_gcs(e.out_dir):
+        return gcs.object_exists(f"{e.out_dir}/results.json")
     return os.path.exists(os.path.join(e.out_dir, 'results.json'))
 
 
 def checkpoint_steps(e):
     found = set()
-    for folder in [e.local] + ([e.out_dir] if is_gcs(e.out_dir) else []):
+    for folder in [e.local] + ([e.out_dir] if gcs.is_gcs(e.out_dir) else []):
         try:
-            if is_gcs(folder):
-                found |= set(gcs().list_checkpoints(folder))
-            elif os.path.isdir(folder):
-                found |= {int(m[1]) for f in os.listdir(folder) if (m := re.fullmatch(r'ckpt_(\d{8})\.pt', f))}
+            found |= set(list_checkpoints(folder))
         except Exception as ex:  # an unreachable bucket: train.py will say more
             print(f"warning: cannot list {folder}: {ex}")
     return sorted(found)
@@ -362,12 +336,12 @@ def state(e):
 def fetch(e, name):
     """Local path of a run's file (downloaded from the bucket for gs:// runs), or None."""
     local = os.path.join(e.local, name)
-    if is_gcs(e.out_dir):
+    if gcs.is_gcs(e.out_dir):
         uri = f"{e.out_dir}/{name}"
         try:
-            if gcs().object_exists(uri):
+            if gcs.object_exists(uri):
                 os.makedirs(e.local, exist_ok=True)
-                gcs().download_file(uri, local)
+                gcs.download_file(uri, local)
         except Exception as ex:
             print(f"warning: cannot read {uri}: {ex}")
     return local if os.path.exists(local) else None
@@ -397,6 +371,7 @@ def model_cost(run_cfg, data):
 
 def cost(e):
     """Parameters, FLOPs and steps of a run, as train.py will count them."""
+    from step import evaluation_steps
     c, d = e.run_cfg, e.data
     if d['groups'] is None or d.get('vocab_size') is None:
         return None
@@ -408,7 +383,7 @@ def cost(e):
     total = int(c['epochs'] * d['groups'] * d['mean'] // B)
     steps = min(total, c['max_steps']) if c['max_steps'] > 0 else total
     every = max(1, int(c['eval_interval'] * d['groups'] * d['mean'] // B))
-    middle = sum(1 for s in range(every, steps, every) if steps - s >= every // 2)
+    middle = len(evaluation_steps(steps, every)) - 1  # and the final one
     sub = min(c['eval_subset'] or d['test'], d['test'])
     eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
     return dict(params=params, fpe=fpe, steps=steps, batch=B, train_flops=fpe * steps * B, eval_flops=eval_flops,
@@ -560,7 +535,7 @@ def run_process(cmd, log_path, env_extra=None):
 def run_study(exps):
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    if os.environ.get('PJRT_DEVICE') == 'TPU' and not is_gcs(ROOT):
+    if os.environ.get('PJRT_DEVICE') == 'TPU' and not gcs.is_gcs(ROOT):
         print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use --out_root=gs://BUCKET/...")
     runs = [e for e in exps if not e.same_as]
     status, t_study = {}, time.time()
@@ -814,32 +789,41 @@ def plot(rows, folder):
         ax.set_ylim(0, 103)
         ax.set_title(f"Ablations ({title})")
         save(fig, 'acc_ablations.png')
-    with_steps = [r for r in done if len(r.get('exact_by_steps') or []) > 0]
-    if with_steps:
-        sfams = list(dict.fromkeys(r['family'] for r in with_steps))
-        cols = min(3, len(sfams))
-        nrow = math.ceil(len(sfams) / cols)
-        fig, axes = plt.subplots(nrow, cols, figsize=(5.2 * cols, 4 * nrow), squeeze=False)
-        for ax, f in zip(axes.flat, sfams):
-            runs = [r for r in with_steps if r['family'] == f]
-            cmap = plt.get_cmap('viridis')
-            for i, r in enumerate(runs):
-                ys = [100 * v for v in r['exact_by_steps']]
-                ax.plot(range(1, len(ys) + 1), ys, marker='.', color=cmap(i / max(1, len(runs) - 1)),
-                        label=f"{r['point']}")
-                if r.get('halt_max_steps') and r['halt_max_steps'] < len(ys):
-                    ax.axvline(r['halt_max_steps'], color='grey', ls=':', lw=1)
-            ax.set_title(f"{f}_* ({title})")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            ax.set_xlabel('supervision steps at test time (dotted: halt_max_steps)')
-            ax.set_ylabel('held-out exact accuracy (%)')
-            ax.set_ylim(-3, 103)
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(sfams):]:
-            ax.axis('off')
+    fig = plot_supervision_steps(plt, done, title)
+    if fig:
         save(fig, 'acc_vs_supervision_steps.png')
     return written
+
+
+def plot_supervision_steps(plt, done, title):
+    """One panel per family: held-out exact accuracy against the supervision steps run at test time."""
+    from matplotlib.ticker import MaxNLocator
+    with_steps = [r for r in done if len(r.get('exact_by_steps') or []) > 0]
+    if not with_steps:
+        return None
+    sfams = list(dict.fromkeys(r['family'] for r in with_steps))
+    cols = min(3, len(sfams))
+    nrow = math.ceil(len(sfams) / cols)
+    fig, axes = plt.subplots(nrow, cols, figsize=(5.2 * cols, 4 * nrow), squeeze=False)
+    for ax, f in zip(axes.flat, sfams):
+        runs = [r for r in with_steps if r['family'] == f]
+        cmap = plt.get_cmap('viridis')
+        for i, r in enumerate(runs):
+            ys = [100 * v for v in r['exact_by_steps']]
+            ax.plot(range(1, len(ys) + 1), ys, marker='.', color=cmap(i / max(1, len(runs) - 1)),
+                    label=f"{r['point']}")
+            if r.get('halt_max_steps') and r['halt_max_steps'] < len(ys):
+                ax.axvline(r['halt_max_steps'], color='grey', ls=':', lw=1)
+        ax.set_title(f"{f}_* ({title})")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel('supervision steps at test time (dotted: halt_max_steps)')
+        ax.set_ylabel('held-out exact accuracy (%)')
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(sfams):]:
+        ax.axis('off')
+    return fig
 
 
 def make_report(exps):

@@ -1,6 +1,6 @@
 """
 The data layer: the seeded, resumable, rank-sliced train loader, the padded evaluation loader, evaluation
-counting only real rows (model.evaluate), the Wilson interval, puzzle types and verifiers by metadata.
+counting only real rows (step.evaluate), the Wilson interval, puzzle types and verifiers by metadata.
     python -m pytest -q tests/test_data.py
 """
 import numpy as np
@@ -10,7 +10,8 @@ from conftest import TINY, make_reverse_dataset
 from data import (EvalLoader, TrainLoader, load_arrays, maze_correct, puzzle_type, render_example, sudoku_correct,
                   verifier_for, write_split)
 from device import Device
-from model import TRM, TRMConfig, evaluate, format_eval, wilson_interval
+from model import TRM, TRMConfig
+from step import evaluate, format_eval, wilson_interval
 
 
 # data

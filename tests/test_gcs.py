@@ -16,6 +16,7 @@ import pytest
 import requests
 
 import gcs
+import safety
 from conftest import BUCKET, TOY_ARGS, run
 
 
@@ -242,28 +243,28 @@ def test_checkpoint_files_locally_and_in_a_bucket(emu, tmp_path):
     local = str(tmp_path / 'run')
     os.makedirs(local)
     for step in (2, 4, 6):
-        gcs.save_atomic({'step': step, 'w': torch.full((3,), float(step))}, os.path.join(local, f'ckpt_{step:08d}.pt'))
+        safety.save_atomic({'step': step, 'w': torch.full((3,), float(step))}, os.path.join(local, f'ckpt_{step:08d}.pt'))
     assert sorted(os.listdir(local)) == [f'ckpt_{s:08d}.pt' for s in (2, 4, 6)]  # no .tmp left behind
     _write(os.path.join(local, 'ckpt_00000008.pt.tmp'), b'half')  # an interrupted save: never listed
     _write(os.path.join(local, 'notes.pt'), b'x')
-    ck = gcs.load_checkpoint(os.path.join(local, 'ckpt_00000004.pt'))
+    ck = safety.load_checkpoint(os.path.join(local, 'ckpt_00000004.pt'))
     assert ck['step'] == 4 and torch.equal(ck['w'], torch.full((3,), 4.0))
-    assert gcs.list_checkpoints(local) == {s: os.path.join(local, f'ckpt_{s:08d}.pt') for s in (2, 4, 6)}
+    assert safety.list_checkpoints(local) == {s: os.path.join(local, f'ckpt_{s:08d}.pt') for s in (2, 4, 6)}
     remote = f'gs://{BUCKET}/ckpts/r1'
-    for step, path in gcs.list_checkpoints(local).items():
+    for step, path in safety.list_checkpoints(local).items():
         gcs.upload_file(path, f'{remote}/ckpt_{step:08d}.pt')
     gcs.upload_file(os.path.join(local, 'notes.pt'), f'{remote}/notes.pt')
     gcs.upload_file(os.path.join(local, 'notes.pt'), f'gs://{BUCKET}/ckpts/r10/ckpt_00000099.pt')  # another run
-    assert gcs.list_checkpoints(remote) == {s: f'{remote}/ckpt_{s:08d}.pt' for s in (2, 4, 6)}
+    assert safety.list_checkpoints(remote) == {s: f'{remote}/ckpt_{s:08d}.pt' for s in (2, 4, 6)}
     # keep the newest keep_last_n plus the best, in both places
     for folder in (local, remote):
-        gcs.prune_checkpoints(folder, keep_last_n=1, best_step=2)
-        assert sorted(gcs.list_checkpoints(folder)) == [2, 6]
+        safety.prune_checkpoints(folder, keep_last_n=1, best_step=2)
+        assert sorted(safety.list_checkpoints(folder)) == [2, 6]
     assert gcs.object_exists(f'{remote}/notes.pt') and os.path.exists(os.path.join(local, 'notes.pt'))
     with open(os.path.join(local, 'bad.pt'), 'wb') as f:
         f.write(b'not a checkpoint')
-    with pytest.raises(gcs.CheckpointError, match='bad.pt is corrupt or truncated'):
-        gcs.load_checkpoint(os.path.join(local, 'bad.pt'))
+    with pytest.raises(safety.CheckpointError, match='bad.pt is corrupt or truncated'):
+        safety.load_checkpoint(os.path.join(local, 'bad.pt'))
 
 
 # -----------------------------------------------------------------------------

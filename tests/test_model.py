@@ -10,18 +10,18 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ROOT, TINY
-from model import (TRM, AdamATan2, TRMConfig, act_loss, from_reference_state_dict, lr_at, sign_sgd_update_,
-                   to_reference_state_dict, token_losses)
+from model import TRM, TRMConfig, act_loss, from_reference_state_dict, to_reference_state_dict, token_losses
+from step import AdamATan2, lr_at, sign_sgd_update_
 
 
 def test_parameter_counts_match_the_reference():
     assert TRM(TRMConfig(mlp_t=True, pos_encodings='none')).num_params() == 5_028_866
     att = TRM(TRMConfig(mlp_t=False, pos_encodings='rope')).num_params()
-    assert att == 6_828_034  # ~6.83M (TRM_SPEC section 1)
+    assert att == 6_828_034  # ~6.83M, the paper's 7M
 
 
 def reference_forward(sd, cfg, inputs, puzzle_ids, n_steps):
-    """TRM written straight from TRM_SPEC sections 1-2 as plain functions over the REFERENCE's key names,
+    """TRM written straight from the paper's description as plain functions over the REFERENCE's key names,
     independent of model.py: what the reference computes with these weights."""
     p = lambda k: sd['_orig_mod.model.inner.' + k].double()
     D, P, eps = cfg.hidden_size, cfg.puzzle_emb_len, cfg.rms_norm_eps
@@ -192,7 +192,7 @@ def test_exploration_sets_a_minimum_number_of_steps():
 
 
 def test_bootstrapped_q_continue_and_softmax_loss_work():
-    """Both paths crash in the reference (TRM_SPEC section 8)."""
+    """Both paths crash in the reference implementation."""
     torch.manual_seed(0)
     for extra in (dict(no_ACT_continue=False), dict(loss_type='softmax'), dict(loss_dtype='float64')):
         cfg = TRMConfig(**dict(TINY, **extra))
@@ -256,7 +256,7 @@ def test_adam_atan2_state_dict_resumes_exactly_in_torch_optim_layout_without_imp
     import sys
     code = r"""
 import sys, torch
-from model import AdamATan2
+from step import AdamATan2
 torch.manual_seed(0)
 ps = [torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(5))]
 nograd = torch.nn.Parameter(torch.randn(2))  # never gets a gradient: no state

@@ -59,15 +59,13 @@ if os.environ.get('TRM_POD_ROLE') and 'resource_tracker' not in ' '.join(sys.ori
 
     sigterm_at = int(os.environ.get('TRM_POD_SIGTERM_AT', '0'))
     if sigterm_at:
-        import model
-        real_train_step, calls = model.train_step, [0]
+        import step
+        real_train_step, calls = step.train_step, [0]
 
         def train_step(*args, **kwargs):
             calls[0] += 1
             if calls[0] == sigterm_at:  # a real signal to this process; its handler runs in the main thread
-                stop = None
-                for name in ('__mp_main__', '__main__'):
-                    stop = stop or getattr(sys.modules.get(name), 'STOP', None)
+                stop = sys.modules['safety'].STOP
                 print(f"pod harness: rank {RANK} sends itself SIGTERM in training step {calls[0]}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
                 deadline = time.time() + 60
@@ -76,7 +74,7 @@ if os.environ.get('TRM_POD_ROLE') and 'resource_tracker' not in ' '.join(sys.ori
                         raise RuntimeError("pod harness: the SIGTERM handler did not raise STOP")
                     time.sleep(0.005)
             return real_train_step(*args, **kwargs)
-        model.train_step = train_step  # train.py imports it after this
+        step.train_step = train_step  # train.py imports it after this
 
     exchange = os.environ.get('TRM_POD_EXCHANGE')
     try:
@@ -322,7 +320,8 @@ import os, sys
 import numpy as np
 from data import EvalLoader
 from device import Device
-from model import TRM, TRMConfig, evaluate
+from model import TRM, TRMConfig
+from step import evaluate
 dev = Device('xla')
 model = TRM(TRMConfig(vocab_size=6, seq_len=8, hidden_size=32, num_heads=2, H_cycles=1, L_cycles=1, halt_max_steps=2,
                       puzzle_emb_ndim=0, forward_dtype='float32', loss_dtype='float32')).to(dev.device)

@@ -20,8 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from model import (TRM, AdamATan2, TRMConfig, forward_loss, rms_norm, round_up, train_step,  # noqa: E402
-                   swiglu_inter)
+from model import TRM, TRMConfig, rms_norm, round_up, swiglu_inter  # noqa: E402
+from step import AdamATan2, CompiledStep, StepConfig, compiled_predict, forward_loss, train_step  # noqa: E402
 
 # Sudoku's shape (81 tokens + 16 puzzle-embedding positions = 97, padded to 104) at a small width
 SUDOKU_SMALL = dict(vocab_size=11, seq_len=81, num_puzzle_identifiers=3, hidden_size=32, num_heads=2, H_cycles=2,
@@ -150,8 +150,8 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
     cfg = TRMConfig(vocab_size=6, seq_len=9, num_puzzle_identifiers=3, hidden_size=16, num_heads=2, expansion=2.0,
                     H_cycles=2, L_cycles=1, halt_max_steps=2, puzzle_emb_ndim=16, puzzle_emb_len=2,
                     forward_dtype='float32', loss_dtype='float32')
-    hp = dict(lr=1e-3, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.1, warmup=2, total=100, min_ratio=0.1,
-              global_batch_size=8, ema_rate=0.99)
+    sc = StepConfig(lr=1e-3, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.1, warmup_steps=2, total_steps=100,
+                    min_ratio=0.1, global_batch_size=8, ema_rate=0.99)
     batches = [random_batch(8, cfg.seq_len, cfg.vocab_size, cfg.num_puzzle_identifiers, seed=s) for s in range(4)]
     torch.manual_seed(0)
     base = TRM(cfg)
@@ -159,13 +159,13 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 
     def run(model, fwd, check_graphs=None):
         torch.manual_seed(1)
-        opt = AdamATan2(model.parameters(), lr=hp['lr'], weight_decay=0.1)
+        opt = AdamATan2(model.parameters(), lr=sc.lr, weight_decay=0.1)
         ema = [p.detach().clone() for p in model.parameters()]
         step_t = torch.zeros(())
         carry = model.initial_carry(batches[0])
         trace = []
         for i, b in enumerate(batches):
-            carry, loss, metrics = train_step(model, opt, ema, carry, b, step_t, hp, fwd)
+            carry, loss, metrics = train_step(model, opt, ema, carry, b, step_t, sc, fwd)
             trace.append((loss.detach().clone(), carry['y'].clone(), carry['halted'].clone(),
                           {k: v.detach().clone() for k, v in metrics.items()}))
             if check_graphs is not None:
@@ -186,7 +186,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 
     with inductor_config.patch(fallback_random=True):  # compiled random draws (ACT exploration) = eager ones
         try:
-            got = run(compiled_model, compiled_model.compiled_step(), check_graphs)
+            got = run(compiled_model, CompiledStep(), check_graphs)
         finally:
             torch._dynamo.config.error_on_recompile = False
     assert graphs == {0: 2, 1: 2, 2: 2, 3: 2}, graphs  # forward+loss, update: once, at the first step
@@ -207,8 +207,8 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 
     # evaluation: each supervision step one compiled graph, reused for every step and every batch
     compiled_model.eval()
-    predict = compiled_model.compiled_predict()
-    assert compiled_model.compiled_predict() is predict  # built once per model
+    predict = compiled_predict(compiled_model)
+    assert compiled_predict(compiled_model) is predict  # built once per model
     before = counters['stats']['unique_graphs']
     for b in batches[:2]:
         p_want, q_want = compiled_model.predict(b, 3)
@@ -223,7 +223,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 def test_train_and_bench_use_the_same_compiled_step():
     for name in ('train.py', 'bench.py'):
         src = open(os.path.join(ROOT, name)).read()
-        assert 'compiled_step(' in src and 'compiled_predict(' in src, name
+        assert 'CompiledStep(' in src and 'compiled_predict(' in src, name
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,555 @@
+"""
+The run's safety net: what keeps a training run's work when a spot VM is preempted, a bucket is down, a host
+has other files, a checkpoint is corrupt or the loss diverges. train.py tells the learning story and calls
+this for the rest:
+    run = Run(config, dev)                  start-up checks on every rank, host agreement, the run's folders
+    step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
+    run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
+    run.log_train(line) / run.log_eval()    metrics.jsonl (+ the bucket's copy) and W&B, never fatal
+    run.close()                             bounded waits for uploads and W&B at exit
+It also holds the checkpoint files themselves (save_atomic, load_checkpoint, list_checkpoints,
+prune_checkpoints) for a local folder or a gs:// prefix; gcs.py is the storage client underneath.
+
+Every method that more than rank 0 needs is called by every rank at the same point: verdicts are agreed
+through Device.agree (a reduction every rank runs), so all ranks stop together with one message, and a
+device value is read on every rank before rank 0 alone writes files (a TPU pod's ranks must run the same
+graphs).
+"""
+import glob
+import hashlib
+import json
+import os
+import re
+import secrets
+import signal
+import threading
+import time
+
+import torch
+
+import gcs
+from data import check_split
+
+# a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at most),
+# and float32 activations overflow within a few blocks of weights this large
+MAX_WEIGHT = 1e4
+# the code whose copies every host must share (a pod runs one command on every host)
+CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'device.py')
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# -----------------------------------------------------------------------------
+# checkpoint files, in a local folder or under a gs:// prefix
+
+CKPT_RE = re.compile(r'ckpt_(\d{8})\.pt$')
+
+
+def checkpoint_name(step):
+    return f'ckpt_{step:08d}.pt'
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_atomic(obj, path):
+    """torch.save to path.tmp, then rename: readers see the old file or the whole new one, never half. A
+    failure (a full disk) removes the .tmp and raises CheckpointError naming the path and the OS error."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        cause = e.__cause__ or e.__context__ or e
+        why = os.strerror(cause.errno) if getattr(cause, 'errno', None) else str(e)
+        raise CheckpointError(f"could not write {path}: {why}") from e
+
+
+def load_checkpoint(path):
+    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and was not loaded: {e}") from e
+
+
+def list_checkpoints(folder):
+    """{step: path} of the complete checkpoints in a local folder or gs:// prefix (temporary files and
+    half-done uploads never match: local writes are renamed when whole, GCS objects appear when whole)."""
+    if gcs.is_gcs(folder):
+        names = [uri for uri, _ in gcs.list_objects(folder.rstrip('/') + '/ckpt_')]
+    else:
+        names = glob.glob(os.path.join(folder, 'ckpt_*.pt'))
+    return {int(m.group(1)): n for n in names if (m := CKPT_RE.search(n))}
+
+
+def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, delete_all=False):
+    """Keep the newest keep_last_n checkpoints that are not known to be corrupt (0: keep all), the best, and
+    `protect` (the newest one known to train on); a known-corrupt file holds no slot. delete_all: remove every
+    checkpoint (a run started over)."""
+    found = list_checkpoints(folder)
+    good = sorted(s for s, p in found.items() if p not in corrupt)
+    keep = set() if delete_all else set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, protect}
+    for step, path in found.items():
+        if step not in keep:
+            try:
+                gcs.delete_object(path) if gcs.is_gcs(path) else os.remove(path)
+            except Exception as e:
+                print(f"warning: could not delete old checkpoint {path}: {e}")
+
+
+# -----------------------------------------------------------------------------
+# stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same step
+
+STOP = dict(requested=False)
+
+
+def on_signal(signum, frame):
+    STOP['requested'] = True
+    signal.signal(signum, signal.SIG_DFL)  # a second one stops at once
+    print(f"pid {os.getpid()}: got signal {signum}; will save a checkpoint and exit", flush=True)
+
+
+def install_signal_handlers():
+    """In a process's main thread (torch_xla.launch runs the training in a worker thread)."""
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+# -----------------------------------------------------------------------------
+# verdicts shared by every rank
+
+def fingerprint(text):
+    """A 24-bit hash of text: exact in float32, so ranks can compare it with a min/max reduction."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], 'big')
+
+
+def fail_together(dev, problems, what):
+    """Every rank learns whether any rank has a problem, and then all exit with one message."""
+    failed = dev.agree([float(r == dev.rank and bool(problems)) for r in range(dev.world_size)])
+    ranks = [r for r in range(dev.world_size) if failed[r] > 0]
+    if ranks:
+        where = f" on rank(s) {ranks}" if dev.world_size > 1 else ''
+        mine = '; '.join(problems) if problems else f"see rank {ranks[0]}'s output"
+        dev.shutdown()
+        raise SystemExit(f"{what} failed{where}: {mine}")
+
+
+def fail_if_ranks_differ(dev, values, problem):
+    """fail_together when the ranks hold different values (fingerprints of what they loaded or read)."""
+    differ = [i for i, (lo, hi) in enumerate(zip(dev.agree(values, 'min'), dev.agree(values, 'max'))) if lo != hi]
+    fail_together(dev, [problem(differ)] if differ and dev.master else [], 'host agreement')
+
+
+def startup_problems(cfg, dev, local):
+    """Everything a run needs, checked before the first step on every rank: [message]. Each rank sees its own
+    files (a pod's hosts each have their own disk), so each checks them."""
+    problems = []
+    for split in ('train', 'test'):
+        problems += check_split(cfg['data_path'], split)
+    init_from = cfg['init_from']
+    if init_from not in ('scratch', 'resume') and not os.path.isfile(init_from):
+        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume' or a checkpoint file on this host")
+    for what in ('global_batch_size', 'eval_batch_size'):
+        B = cfg[what] or cfg['global_batch_size']
+        if B % dev.world_size:
+            problems.append(f"{what}={B} is not divisible by the world size {dev.world_size}")
+    out_dir = cfg['out_dir']
+    if dev.hosts > 1 and not gcs.is_gcs(out_dir):
+        problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would hold "
+                        f"the checkpoints; use --out_dir=gs://BUCKET/...")
+    if init_from == 'scratch' and not cfg['eval_only'] and not cfg['overwrite'] and dev.master:
+        for folder in [local] + ([out_dir] if gcs.is_gcs(out_dir) else []):
+            try:
+                held = sorted(list_checkpoints(folder))
+            except gcs.GCSError as e:  # an unreachable bucket: training goes on, its uploads are retried
+                print(f"warning: cannot list {folder} ({e}); not checked for an earlier run's checkpoints")
+                continue
+            if held:
+                problems.append(f"{folder} already holds checkpoints {held}: continue them with --init_from=resume, "
+                                f"pick another --out_dir, or replace them with --overwrite=True")
+    return problems
+
+
+# -----------------------------------------------------------------------------
+# the run
+
+class Run:
+    """One training run's folders, records and verdicts. cfg: train.py's config (a dict of its keys)."""
+
+    def __init__(self, cfg, dev):
+        self.cfg, self.dev, self.master = cfg, dev, dev.master
+        gcs.default_client().retries = cfg['gcs_retries']  # every bucket request of this run, uploads included
+        out_dir = cfg['out_dir']
+        self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
+        self.local = (cfg['local_dir'] or os.path.join('out', out_dir.rstrip('/').split('/')[-1])) \
+            if self.gs_out else out_dir
+        self.best = dict(step=-1, exact_accuracy=-1.0)
+        self.resumed_from = self.last_good = self.run_id = None
+        self.corrupt = []        # checkpoints found unreadable: kept, but they hold no place among the kept ones
+        self.verified = -1       # newest checkpoint step whose next step's loss was seen finite
+        self.records = self.wandb = self.uploader = None
+        self.stop_every, self.t_calibrate = 1, None
+        self.data_path = self.fetch_data()
+        self.check_start()
+
+    def fetch_data(self):
+        """The local copy of a gs:// data_path (one process per host fetches it, the others wait)."""
+        path, dev = self.cfg['data_path'], self.dev
+        if not gcs.is_gcs(path):
+            return path
+        problems = []
+        if dev.local_rank == 0:
+            try:
+                gcs.fetch_tree(path, self.cfg['data_cache_dir'])
+            except Exception as e:
+                problems = [f"cannot fetch {path}: {e}"]
+        fail_together(dev, problems, f'fetching {path}')
+        dev.barrier()
+        return gcs.fetch_tree(path, self.cfg['data_cache_dir'])  # complete now: returns the local copy
+
+    def check_start(self):
+        """All start-up checks before the first step, then every host's config, data and code compared."""
+        cfg, dev = dict(self.cfg, data_path=self.data_path), self.dev
+        fail_together(dev, startup_problems(cfg, dev, self.local), 'start-up checks')
+        code = ''.join(open(os.path.join(HERE, f)).read() for f in CODE_FILES)
+        meta = ''.join(open(os.path.join(self.data_path, s, 'dataset.json')).read() for s in ('train', 'test'))
+        names = ('config', 'dataset metadata', 'code')
+        fail_if_ranks_differ(dev, [fingerprint(json.dumps(self.cfg, sort_keys=True)), fingerprint(meta),
+                                   fingerprint(code)],
+                             lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: copy the same "
+                                       f"files to every host")
+        if self.master:
+            os.makedirs(self.local, exist_ok=True)
+            for name in os.listdir(self.local):  # temporary files of saves that never finished
+                if name.endswith('.tmp'):
+                    os.remove(os.path.join(self.local, name))
+            if cfg['overwrite'] and cfg['init_from'] == 'scratch' and not cfg['eval_only']:  # the old run's files go
+                for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
+                    prune_checkpoints(folder, 0, -1, delete_all=True)
+
+    # --- the starting point ----------------------------------------------------------------------------
+
+    def resume(self, model, ema_model, opt, loader, resume_fixed):
+        """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the newest
+        checkpoint every rank can read, refusing one saved with other `resume_fixed` keys; a file loads its
+        weights (ours, or a state dict of the reference implementation)."""
+        cfg, dev, step, carry = self.cfg, self.dev, 0, None
+        if cfg['init_from'] == 'resume':
+            ckpt = self.find_resume_checkpoint()
+            if ckpt is None and self.master:
+                print(f"init_from=resume: no checkpoint in {cfg['out_dir']} yet, starting from scratch")
+            if ckpt is not None:
+                self.check_resume_config(ckpt['config'], resume_fixed, ckpt['step'])
+                self.load_state(ckpt, model, ema_model, opt, loader)
+                step, self.best = ckpt['step'], ckpt['best']
+                self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
+                lb = cfg['global_batch_size'] // dev.world_size  # the carry is saved for the global batch
+                carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
+                if dev.rank == 0:
+                    dev.set_rng_state(ckpt['rng'])
+                else:  # other ranks' exploration streams: reseeded deterministically from the step
+                    dev.manual_seed(cfg['seed'] + dev.rank + 1000003 * step)
+                weights = float(sum(p.double().nan_to_num().sum() for p in ckpt['model'].values()
+                                    if p.is_floating_point()))  # a fingerprint of the loaded bytes, on the host
+                fail_if_ranks_differ(dev, [weights], lambda _: "the ranks loaded different weights")
+                self.verified = step
+        elif cfg['init_from'] != 'scratch':
+            load_weights(cfg['init_from'], model, ema_model)
+            if self.master:
+                print(f"loaded weights from {cfg['init_from']}")
+        self.run_id = self.run_id or secrets.token_hex(4)
+        self.last_good = self.resumed_from
+        return step, carry
+
+    def find_resume_checkpoint(self):
+        """The newest checkpoint that every rank can load; rank 0 picks the step. Non-zero ranks read the bucket
+        copy (the same bytes as rank 0's). Checkpoints found but none loadable, or a bucket that cannot be listed,
+        is an error: never a fresh start that would overwrite them."""
+        dev, local, remote = self.dev, self.local, self.gs_out
+        found, problems = {}, []
+        if os.path.isdir(local):
+            found.update(list_checkpoints(local))
+        if remote:
+            try:
+                for step, uri in list_checkpoints(remote).items():
+                    if not dev.master or step not in found:
+                        found[step] = uri
+            except Exception as e:
+                problems.append(f"cannot list the checkpoints in {remote} ({e}); retry when the bucket is reachable")
+        fail_together(dev, problems, 'init_from=resume')
+        candidates = sorted(found, reverse=True) if dev.master else []
+        for i in range(len(candidates) + 1 if dev.master else 10 ** 9):
+            step = int(dev.agree([candidates[i] if i < len(candidates) else -1.0 if dev.master else 0.0])[0])
+            if step < 0:
+                break
+            path = found.get(step) or f"{remote.rstrip('/')}/{checkpoint_name(step)}"
+            ckpt = self.load_training_checkpoint(path, step)
+            if dev.agree([float(ckpt is None)])[0] == 0:
+                self.resumed_from = path
+                return ckpt
+        if found:
+            fail_together(dev, [f"checkpoints found ({', '.join(found[s] for s in sorted(found))}) but none could "
+                                f"be loaded; nothing was overwritten"] if dev.master else [], 'init_from=resume')
+        return None
+
+    def load_training_checkpoint(self, path, step):
+        """The checkpoint at path (downloaded first from a bucket), or None with a warning when it cannot be used."""
+        try:
+            if gcs.is_gcs(path):
+                dest = os.path.join(self.local, f'.rank{self.dev.rank}_{checkpoint_name(step)}')
+                os.makedirs(self.local, exist_ok=True)
+                gcs.download_file(path, dest)
+                ckpt = load_checkpoint(dest)
+                os.remove(dest)
+            else:
+                ckpt = load_checkpoint(path)
+            for k in ('model', 'step', 'carry', 'config', 'optimizer'):
+                if k not in ckpt:
+                    raise CheckpointError(f"{path} is not a training checkpoint of this trainer (no '{k}')")
+            return ckpt
+        except Exception as e:
+            print(f"warning: rank {self.dev.rank}: {e}; trying an older checkpoint")
+            self.corrupt.append(path)
+            return None
+
+    def check_resume_config(self, saved, resume_fixed, step):
+        cfg = self.cfg
+        changed = [k for k in resume_fixed if k in saved and saved[k] != cfg[k]]
+        fail_together(self.dev, [f"{self.resumed_from} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}"
+                                 f"; this run has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep "
+                                 f"them: start a new run (another out_dir) to change them"] if changed else [], 'resume')
+        if self.master:
+            other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
+            print(f"resuming from {self.resumed_from} (step {step})"
+                  + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
+
+    def load_state(self, ckpt, model, ema_model, opt, loader):
+        """A file that loads but whose parts do not fit this model (edited, or another trainer's): named."""
+        try:
+            model.load_state_dict(ckpt['model'])
+            if ema_model is not model:
+                ema_model.load_state_dict(ckpt['ema'] or ckpt['model'])
+            opt.load_state_dict(ckpt['optimizer'])
+            loader.load_state_dict(ckpt['loader'])
+            problems = []
+        except (RuntimeError, ValueError, KeyError) as e:
+            problems = [f"{self.resumed_from} does not fit this run ({' '.join(str(e).split())[:300]}); the file is "
+                        f"kept. Move it aside to resume from the one before"]
+        fail_together(self.dev, problems, 'resume')
+
+    # --- checkpoints -----------------------------------------------------------------------------------
+
+    def save(self, step, model, ema_model, opt, carry, loader_state, tag=''):
+        """Every rank calls it: the carry gather and the sanity check are collectives, read on every rank; then
+        rank 0 writes and uploads, and every rank learns whether that worked. Returns the checkpoint's path."""
+        dev, keys = self.dev, sorted(carry)
+        sane, *gathered = dev.read(self.checkpoint_tensors(model, ema_model, carry))  # the carry in `keys` order
+        path, problems = os.path.join(self.local, checkpoint_name(step)), []
+        if sane[0] == 0:
+            problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing saved. "
+                        f"The last good checkpoint is {self.last_good or 'none'}; continue from it with "
+                        f"--init_from=resume and a lower --lr (now {self.cfg['lr']})"]
+        elif self.master:
+            state = dict(model=model.state_dict(), ema=ema_model.state_dict() if ema_model is not model else None,
+                         optimizer=opt.state_dict(), step=step, loader=loader_state,
+                         carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
+                         config=self.cfg, best=self.best, run_id=self.run_id)
+            try:
+                self.write(state, path, tag)
+            except Exception as e:
+                problems = [f"saving {path} failed: {e}"]
+        fail_together(dev, problems, f'checkpoint at step {step}')
+        self.last_good = path
+        return path
+
+    def checkpoint_tensors(self, model, ema_model, carry):
+        """[are the weights sane, the carry of the global batch...]: one reduction, collectives on every rank.
+        Sane: finite and below MAX_WEIGHT (NaN fails the comparison too)."""
+        params = list(model.parameters()) + (list(ema_model.parameters()) if ema_model is not model else [])
+        largest = torch.stack([p.detach().abs().max().float() for p in params]).max()
+        return [(largest <= MAX_WEIGHT).float().reshape(1)] + [self.dev.all_gather(carry[k]) for k in sorted(carry)]
+
+    def write(self, state, path, tag):
+        """Rank 0: the file, the pruning of older ones, the upload."""
+        from device import to_cpu
+        t_save = time.time()
+        save_atomic(to_cpu(state), path)
+        print(f"saved {path}{tag} ({os.path.getsize(path) / 1e6:.1f} MB in {time.time() - t_save:.1f} s)")
+        if path in self.corrupt:  # a new, whole file under the name of a corrupt one
+            self.corrupt.remove(path)
+        prune_checkpoints(self.local, self.cfg['keep_last_n'], self.best['step'], self.corrupt, protect=self.verified)
+        if self.uploader:
+            self.uploader.submit(path, f"{self.gs_out.rstrip('/')}/{os.path.basename(path)}")
+
+    def new_best(self, step, res):
+        if res['exact_accuracy'] > self.best['exact_accuracy']:
+            self.best = dict(step=step, exact_accuracy=float(res['exact_accuracy']), eval=res)
+
+    # --- stop requests and divergence -----------------------------------------------------------------
+
+    def stop_requested(self, step, start_step):
+        """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps (the
+        pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable."""
+        dev = self.dev
+        stop = dev.agree([float(STOP['requested'])], 'max')[0] > 0 if step % self.stop_every == 0 else False
+        if step == start_step + 5:
+            self.t_calibrate = time.time()
+        if step == start_step + 10:
+            self.stop_every = max(1, int(2.0 / dev.agree([(time.time() - self.t_calibrate) / 5], 'max')[0]))
+        return stop
+
+    def check_divergence(self, bad_at):
+        """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the weights
+        after step k-1 gave a non-finite loss at step k, so checkpoints from k-1 on are set aside."""
+        if bad_at < 0:
+            return
+        k = int(bad_at)
+        if self.master:
+            self.last_good = set_aside_diverged(self.local, self.gs_out, self.uploader, k - 1)
+        raise SystemExit(f"loss became NaN or inf at step {k}; stopping. Checkpoints from step {k - 1} on were "
+                         f"set aside (*.diverged). Last good checkpoint: {self.last_good or 'none'}; continue "
+                         f"from it with --init_from=resume and a lower --lr (now {self.cfg['lr']})")
+
+    # --- records: metrics.jsonl, results.json, W&B; uploads ------------------------------------------
+
+    def open_records(self, step):
+        """Rank 0: metrics.jsonl from `step` on, W&B, and the uploader (after each upload the bucket is pruned
+        like the local folder)."""
+        if not self.master:
+            return
+        self.records = Records(self.local, self.gs_out, step)
+        if self.cfg['wandb_log']:
+            self.wandb = start_wandb(self.cfg, self.local, self.run_id)
+        if self.gs_out:
+            self.uploader = gcs.Uploader(on_success=lambda *_: prune_checkpoints(
+                self.gs_out, self.cfg['keep_last_n'], self.best['step']))
+
+    def log(self, kind, values, step, wandb_values):
+        """Rank 0: a line of metrics.jsonl and the W&B values (each {prefix: dict})."""
+        if not self.master:
+            return
+        self.records.log(kind, values)
+        for prefix, vals in wandb_values.items():
+            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in vals.items() if k != 'exact_by_steps'}, step)
+
+    def finish(self, results):
+        if self.master:
+            self.records.finish(results)
+
+    def close(self, interrupted):
+        """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most of
+        it) and for W&B (what did not reach it stays for `wandb sync`)."""
+        if self.uploader:
+            if self.records:
+                self.records.upload(self.uploader)
+            if not self.uploader.wait(timeout=20 if interrupted else None):
+                print(f"warning: uploads to {self.gs_out} still running at exit; the local copies are in {self.local}")
+            if self.uploader.failures:
+                print(f"warning: {self.uploader.failures} upload(s) to {self.gs_out} failed; the local copies are "
+                      f"in {self.local}")
+        if self.wandb:
+            finish = threading.Thread(target=self.wandb.finish, daemon=True)
+            finish.start()
+            finish.join(timeout=5 if interrupted else 60)
+
+
+def load_weights(path, model, ema_model):
+    """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state dict."""
+    from model import from_reference_state_dict
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        raise SystemExit(f"init_from: {e}")
+    if isinstance(ckpt, dict) and 'model' in ckpt:
+        sd = ckpt.get('ema') or ckpt['model']
+    elif isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
+        sd = from_reference_state_dict(ckpt)  # a bare state dict, the reference's keys or ours
+    else:
+        raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
+                         f"reference implementation")
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        raise SystemExit(f"init_from={path}: not weights of this model ({' '.join(str(e).split())[:300]}); "
+                         f"check hidden_size, mlp_t, pos_encodings, L_layers against the run that saved it")
+    ema_model.load_state_dict(sd)
+
+
+def set_aside_diverged(local, remote, uploader, first_bad):
+    """Rename local checkpoints of step >= first_bad to *.diverged (and drop their bucket copies), so a resume
+    never picks weights that diverge. Returns the newest checkpoint left."""
+    if uploader:
+        uploader.wait()
+    for folder in [local] + ([remote] if remote else []):
+        for step, path in list_checkpoints(folder).items():
+            if step >= first_bad:
+                gcs.delete_object(path) if gcs.is_gcs(path) else os.replace(path, path + '.diverged')
+    left = list_checkpoints(local)
+    return left[max(left)] if left else None
+
+
+class Records:
+    """metrics.jsonl (one JSON line per log step and per evaluation) and results.json (written once, at the
+    end), in the run's folder and mirrored to the bucket. A resumed run drops the lines past its checkpoint's
+    step, so it appends without duplicates."""
+    def __init__(self, local, remote, step):
+        self.path, self.remote = os.path.join(local, 'metrics.jsonl'), remote
+        lines = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:  # a torn last line goes
+                lines = [l for l in f if l.endswith('\n') and json.loads(l).get('step', 0) <= step]
+        with open(self.path + '.tmp', 'w') as f:
+            f.writelines(lines)
+        os.replace(self.path + '.tmp', self.path)
+        self.results = os.path.join(local, 'results.json')
+
+    def log(self, kind, values):
+        with open(self.path, 'a') as f:
+            f.write(json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n')
+
+    def finish(self, results):
+        with open(self.results + '.tmp', 'w') as f:
+            json.dump(results, f, indent=1, default=float)
+        os.replace(self.results + '.tmp', self.results)
+
+    def upload(self, uploader):
+        for path in (self.path, self.results):
+            if os.path.exists(path):
+                uploader.submit(path, f"{self.remote.rstrip('/')}/{os.path.basename(path)}")
+
+
+def start_wandb(cfg, local, run_id):
+    """A W&B run; where W&B cannot be reached or is not logged in, an offline one in the run's folder (one
+    warning line, `wandb sync` later). W&B is never a reason to lose a run."""
+    import wandb
+    kw = dict(project=cfg['wandb_project'], name=cfg['wandb_run_name'] or None, id=run_id, resume='allow',
+              config=cfg, dir=local)
+    mode = os.environ.get('WANDB_MODE', 'online')
+    try:
+        if mode not in ('offline', 'disabled'):
+            if not wandb.api.api_key:
+                raise RuntimeError("not logged in (wandb login, or WANDB_API_KEY)")
+            import requests  # a quick look first: wandb.init itself waits long for a server that is not there
+            requests.head(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai'), timeout=5)
+        return wandb.init(settings=wandb.Settings(init_timeout=30), **kw)
+    except Exception as e:
+        print(f"warning: W&B unavailable ({str(e).splitlines()[0][:200]}); logging offline in {local}/wandb: "
+              f"`wandb sync {local}/wandb/offline-run-*` uploads it later")
+        try:
+            return wandb.init(mode='offline', **kw)
+        except Exception as e2:
+            print(f"warning: W&B offline failed too ({e2}); training goes on without W&B")
+            return None
+
+
+def wandb_log_safe(run, values, step):
+    if run is not None and values:
+        try:
+            run.log(values, step=step)
+        except Exception as e:
+            print(f"warning: W&B log failed at step {step}: {e}")
