@@ -151,7 +151,8 @@ fwd = CompiledStep(compile_mode) if compiled else forward_loss
 predict = compiled_predict(model, compile_mode) if compiled else model.predict
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
-                global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None)
+                global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
+                gradient_accumulation_steps=gradient_accumulation_steps)
 step_t = torch.zeros((), device=dev.device)  # the step count lives on the device (the LR schedule runs there)
 carry = model.initial_carry(batches[0])
 loss = None

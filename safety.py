@@ -158,6 +158,10 @@ def startup_problems(cfg, dev, local):
         B = cfg[what] or cfg['global_batch_size']
         if B % dev.world_size:
             problems.append(f"{what}={B} is not divisible by the world size {dev.world_size}")
+    k = cfg['gradient_accumulation_steps']
+    if cfg['global_batch_size'] % (dev.world_size * k):
+        problems.append(f"global_batch_size={cfg['global_batch_size']} is not divisible by the world size "
+                        f"{dev.world_size} x gradient_accumulation_steps={k}")
     out_dir = cfg['out_dir']
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would hold "

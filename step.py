@@ -141,6 +141,8 @@ class StepConfig:
     min_ratio: float
     global_batch_size: int           # the loss is summed over the global batch, then divided by this
     ema_rate: float = None           # None: no EMA
+    grad_clip: float = 0.0           # clip the global gradient norm to this (0: never, as the reference)
+    gradient_accumulation_steps: int = 1  # micro-batches per step: the same update, less activation memory
 
     def lr_at(self, step, base):
         return lr_at(step, base, self.warmup_steps, self.total_steps, self.min_ratio)
@@ -156,19 +158,25 @@ def forward_loss(model, carry, batch, puzzle_rows):
 
 @torch.no_grad()
 def apply_update(model, opt, ema_params, ids, row_grads, step_t, sc):
-    """Everything after the (all-reduced) gradients: AdamATan2, sign-SGD on the puzzle embedding rows of the
-    global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count."""
+    """Everything after the (all-reduced) gradients: clipping, AdamATan2, sign-SGD on the puzzle embedding rows
+    of the global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count. Returns the
+    gradient's global norm before clipping (a device tensor)."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if sc.grad_clip > 0:  # a factor of 1 below the limit: no branch on a device value
+        torch._foreach_mul_(grads, torch.clamp(sc.grad_clip / (norm + 1e-6), max=1.0))
     opt.step(lr=sc.lr_at(step_t, sc.lr))
-    if row_grads is not None:
-        sign_sgd_update_(model.puzzle_emb, ids, row_grads,
-                         sc.lr_at(step_t, sc.puzzle_emb_lr), sc.puzzle_emb_weight_decay)
+    if row_grads is not None:  # sign-SGD: the sign of the summed gradient, so clipping would not change it
+        sign_sgd_update_(model.puzzle_emb, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
+                         sc.puzzle_emb_weight_decay)
     if sc.ema_rate is not None:
         # warm-up: an average over the steps so far early on, so short runs evaluate trained weights
         decay = torch.clamp((1 + step_t) / (10 + step_t), max=sc.ema_rate)
-        params = list(model.parameters())
         torch._foreach_mul_(ema_params, decay)
         torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
     step_t.add_(1)
+    return norm
 
 
 class CompiledStep:
@@ -185,7 +193,7 @@ class CompiledStep:
 
     def update(self, model, opt, ema_params, ids, row_grads, step_t, sc):
         opt.init_state()  # eagerly: the compiled graph never sees the state appear
-        self._update(model, opt, ema_params, ids, row_grads, step_t, sc)
+        return self._update(model, opt, ema_params, ids, row_grads, step_t, sc)
 
 
 def compiled_predict(model, mode='default'):
@@ -200,25 +208,40 @@ def compiled_predict(model, mode='default'):
 
 def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_loss,
                all_reduce_sum_=None, all_gather=None):
-    """One optimizer step = one supervision step: forward, loss, backward, gradient all-reduce, AdamATan2,
-    sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
+    """One optimizer step = one supervision step: forward, loss, backward (in sc.gradient_accumulation_steps
+    micro-batches, each with its own rows of the ACT carry), gradient all-reduce, clipping, AdamATan2, sign-SGD
+    on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
     sc: the StepConfig (the EMA's decay rises to its ema_rate: min(ema_rate, (1 + step) / (10 + step))).
-    fwd: forward_loss, or a CompiledStep, whose .update then replaces apply_update."""
-    cfg = model.config
-    # puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
-    ids = torch.where(carry['halted'], batch['puzzle_identifiers'], carry['puzzle_identifiers'])
-    rows = model.puzzle_rows(ids).detach().requires_grad_(True) if cfg.puzzle_emb_ndim > 0 else None
-    new_carry, loss, metrics = fwd(model, carry, batch, rows)
-    (loss / sc.global_batch_size).backward()  # summed over all ranks' rows: a global mean
+    fwd: forward_loss, or a CompiledStep, whose .update then replaces apply_update.
+    Returns the new carry, the loss summed over this rank's rows, and the metric sums (grad_norm included)."""
+    k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
+    parts = [(carry, batch)] if k == 1 else [({n: v[i * B // k:(i + 1) * B // k] for n, v in carry.items()},
+                                              {n: v[i * B // k:(i + 1) * B // k] for n, v in batch.items()})
+                                             for i in range(k)]
+    carries, losses, sums, ids, row_grads = [], [], None, [], []
+    for c, b in parts:
+        # the puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
+        i = torch.where(c['halted'], b['puzzle_identifiers'], c['puzzle_identifiers'])
+        rows = model.puzzle_rows(i).detach().requires_grad_(True) if model.config.puzzle_emb_ndim > 0 else None
+        new_c, loss, metrics = fwd(model, c, b, rows)
+        (loss / sc.global_batch_size).backward()  # summed over all ranks' rows: a global mean; grads add up
+        carries.append(new_c)
+        losses.append(loss.detach())
+        sums = metrics if sums is None else {n: sums[n] + metrics[n] for n in sums}
+        if rows is not None:
+            ids.append(i)
+            row_grads.append(rows.grad)
     if all_reduce_sum_ is not None:
         all_reduce_sum_([p.grad for p in model.parameters()])
-    ids_all = row_grads = None
-    if rows is not None:
+    ids_all = grads_all = None
+    if row_grads:
         gather = all_gather or (lambda t: t)
-        ids_all, row_grads = gather(ids), gather(rows.grad)
-    getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, row_grads, step_t, sc)
+        ids_all, grads_all = gather(torch.cat(ids)), gather(torch.cat(row_grads))  # (k = 1: a cat of one)
+    sums['grad_norm'] = getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, grads_all, step_t, sc)
     opt.zero_grad()
-    return new_carry, loss.detach(), metrics
+    if k == 1:
+        return carries[0], losses[0], sums
+    return {n: torch.cat([c[n] for c in carries]) for n in carries[0]}, torch.stack(losses).sum(), sums
 
 
 # -----------------------------------------------------------------------------

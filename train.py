@@ -66,6 +66,8 @@ puzzle_emb_lr = 1e-4            # sign-SGD learning rate of the puzzle embedding
 puzzle_emb_weight_decay = 1.0   # its weight decay
 ema = True                      # evaluate and keep an EMA of the weights
 ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_rate, (1 + step) / (10 + step))
+grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
+gradient_accumulation_steps = 1 # micro-batches per step (each with its rows of the ACT carry): the same update
 # system
 device = 'auto'                 # 'auto' (xla if PJRT_DEVICE, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
 compile = True                  # torch.compile the training step and evaluation on CUDA (ignored on CPU and XLA)
@@ -86,7 +88,8 @@ RULES = dict(eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_b
              loss_dtype=_one_of('auto', 'float64', 'float32'), lr=_pos,
              lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg, beta1=_unit, beta2=_unit,
              weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg, ema_rate=_unit,
-             device=_one_of('auto', 'cpu', 'cuda', 'xla'), gcs_retries=_pos)
+             grad_clip=_nonneg, gradient_accumulation_steps=_pos, device=_one_of('auto', 'cpu', 'cuda', 'xla'),
+             gcs_retries=_pos)
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 config = {k: globals()[k] for k in config_keys}
@@ -177,7 +180,8 @@ def main(index=None):
     fwd = CompiledStep() if (compile and dev.kind == 'cuda') else forward_loss  # the same as bench.py's
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
-                    global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None)
+                    global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
+                    gradient_accumulation_steps=gradient_accumulation_steps)
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
@@ -213,12 +217,13 @@ def main(index=None):
             line = dict(step=step, epoch=loader.epochs_done, loss=m['loss'] / (global_batch_size * n_steps),
                         accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
                         q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
+                        grad_norm=m['grad_norm'] / n_steps,
                         lr=float(lr_at(step - 1, lr, lr_warmup_steps, total_steps, lr_min_ratio)),
                         examples_per_s=global_batch_size * n_steps / max(time.time() - t0, 1e-9))
             if master:
                 print(f"step {step}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
                       f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f}"
-                      f" | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s"
+                      f" | grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s"
                       + (f" | compiles {dev.xla_report()[0]}" if dev.kind == 'xla' else ''))
             run.log('train', line, step, dict(train=line))
             acc, t0, last_step = None, time.time(), step
