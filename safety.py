@@ -162,17 +162,39 @@ def startup_problems(cfg, dev, local):
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would hold "
                         f"the checkpoints; use --out_dir=gs://BUCKET/...")
-    if init_from == 'scratch' and not cfg['eval_only'] and not cfg['overwrite'] and dev.master:
-        for folder in [local] + ([out_dir] if gcs.is_gcs(out_dir) else []):
-            try:
-                held = sorted(list_checkpoints(folder))
-            except gcs.GCSError as e:  # an unreachable bucket: training goes on, its uploads are retried
-                print(f"warning: cannot list {folder} ({e}); not checked for an earlier run's checkpoints")
-                continue
-            if held:
-                problems.append(f"{folder} already holds checkpoints {held}: continue them with --init_from=resume, "
-                                f"pick another --out_dir, or replace them with --overwrite=True")
+    new_run = init_from == 'scratch' and not cfg['eval_only'] and not cfg['overwrite'] and dev.master
+    held = {local: list_checkpoints(local)} if new_run else {}
+    if gcs.is_gcs(out_dir) and dev.master:
+        found, why = bucket_checkpoints(out_dir, init_from == 'resume')
+        problems += why
+        if new_run and found:
+            held[out_dir] = found
+    for folder, steps in held.items():
+        if steps:
+            problems.append(f"{folder} already holds checkpoints {sorted(steps)}: continue them with "
+                            f"--init_from=resume, pick another --out_dir, or replace them with --overwrite=True")
     return problems
+
+
+def bucket_checkpoints(out_dir, resume):
+    """Rank 0 at start: ({step: uri} of out_dir's checkpoints or None, [problem]). The listing is also the check
+    that the bucket lets this run in: a bucket that answers no (it does not exist, no permission: HTTP 4xx) stops
+    the run at start, as does one that cannot be reached when resuming (no checkpoint could be picked); a new run
+    goes on without it (its uploads are retried)."""
+    bucket = gcs.split_gcs(out_dir)[0]
+    try:
+        return list_checkpoints(out_dir), []
+    except gcs.Stopped as e:
+        return None, [f"{e}; nothing was started"]
+    except gcs.GCSError as e:
+        if e.refused:
+            return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check that the "
+                          f"bucket exists and that this identity may read and write it"]
+        if resume:
+            return None, [f"cannot list the checkpoints in {out_dir} ({e}); retry when the bucket is reachable"]
+        print(f"warning: cannot list {out_dir} ({e}); not checked for an earlier run's checkpoints; training goes "
+              f"on, its uploads are retried")
+        return None, []
 
 
 # -----------------------------------------------------------------------------
@@ -188,6 +210,7 @@ class Run:
         self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
         self.local = (cfg['local_dir'] or os.path.join('out', out_dir.rstrip('/').split('/')[-1])) \
             if self.gs_out else out_dir
+        gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits at start
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
         self.corrupt = []        # checkpoints found unreadable: kept, but they hold no place among the kept ones
@@ -264,6 +287,7 @@ class Run:
                 print(f"loaded weights from {cfg['init_from']}")
         self.run_id = self.run_id or secrets.token_hex(4)
         self.last_good = self.resumed_from
+        gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
         return step, carry
 
     def find_resume_checkpoint(self):
@@ -312,6 +336,8 @@ class Run:
                 if k not in ckpt:
                     raise CheckpointError(f"{path} is not a training checkpoint of this trainer (no '{k}')")
             return ckpt
+        except gcs.Stopped as e:
+            raise SystemExit(f"{e}; nothing was changed")
         except Exception as e:
             print(f"warning: rank {self.dev.rank}: {e}; trying an older checkpoint")
             self.corrupt.append(path)
