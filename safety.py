@@ -200,6 +200,13 @@ def bucket_checkpoints(out_dir, resume):
 # -----------------------------------------------------------------------------
 # the run
 
+def local_folder(out_dir):
+    """The default local copy of a gs:// out_dir: out/BUCKET/PREFIX, one folder per out_dir (two runs ending in
+    the same name never share one)."""
+    bucket, prefix = gcs.split_gcs(out_dir)
+    return os.path.join('out', bucket, *[p for p in prefix.split('/') if p not in ('', '.', '..')])
+
+
 class Run:
     """One training run's folders, records and verdicts. cfg: train.py's config (a dict of its keys)."""
 
@@ -208,8 +215,7 @@ class Run:
         gcs.default_client().retries = cfg['gcs_retries']  # every bucket request of this run, uploads included
         out_dir = cfg['out_dir']
         self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
-        self.local = (cfg['local_dir'] or os.path.join('out', out_dir.rstrip('/').split('/')[-1])) \
-            if self.gs_out else out_dir
+        self.local = (cfg['local_dir'] or local_folder(out_dir)) if self.gs_out else out_dir
         gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits at start
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
