@@ -69,12 +69,13 @@ def save_atomic(obj, path):
         raise CheckpointError(f"could not write {path}: {why}") from e
 
 
-def load_checkpoint(path):
-    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code."""
+def load_checkpoint(path, name=None):
+    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code. name: what
+    errors call the file (the bucket URI of a downloaded copy)."""
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and was not loaded: {e}") from e
+        raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: {e}") from e
 
 
 def list_checkpoints(folder):
@@ -254,8 +255,8 @@ class Run:
                                        f"files to every host")
         if self.master:
             os.makedirs(self.local, exist_ok=True)
-            for name in os.listdir(self.local):  # temporary files of saves that never finished
-                if name.endswith('.tmp'):
+            for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
+                if name.endswith('.tmp') or name.startswith('.rank'):
                     os.remove(os.path.join(self.local, name))
             if cfg['overwrite'] and cfg['init_from'] == 'scratch' and not cfg['eval_only']:  # the old run's files go
                 for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
@@ -328,14 +329,14 @@ class Run:
         return None
 
     def load_training_checkpoint(self, path, step):
-        """The checkpoint at path (downloaded first from a bucket), or None with a warning when it cannot be used."""
+        """The checkpoint at path (downloaded first from a bucket, to a temporary file removed on every path), or
+        None with a warning when it cannot be used."""
+        dest = os.path.join(self.local, f'.rank{self.dev.rank}_{checkpoint_name(step)}')
         try:
             if gcs.is_gcs(path):
-                dest = os.path.join(self.local, f'.rank{self.dev.rank}_{checkpoint_name(step)}')
                 os.makedirs(self.local, exist_ok=True)
                 gcs.download_file(path, dest)
-                ckpt = load_checkpoint(dest)
-                os.remove(dest)
+                ckpt = load_checkpoint(dest, name=path)
             else:
                 ckpt = load_checkpoint(path)
             for k in ('model', 'step', 'carry', 'config', 'optimizer'):
@@ -348,6 +349,9 @@ class Run:
             print(f"warning: rank {self.dev.rank}: {e}; trying an older checkpoint")
             self.corrupt.append(path)
             return None
+        finally:
+            if os.path.exists(dest):
+                os.remove(dest)
 
     def check_resume_config(self, saved, resume_fixed, step):
         cfg = self.cfg
