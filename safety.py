@@ -481,17 +481,28 @@ class Run:
         """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most of
         it) and for W&B (what did not reach it stays for `wandb sync`)."""
         if self.uploader:
-            if self.records:
-                self.records.upload(self.uploader)
-            if not self.uploader.wait(timeout=20 if interrupted else None):
-                print(f"warning: uploads to {self.gs_out} still running at exit; the local copies are in {self.local}")
-            if self.uploader.failures:
-                print(f"warning: {self.uploader.failures} upload(s) to {self.gs_out} failed; the local copies are "
-                      f"in {self.local}")
+            self.finish_uploads(interrupted)
         if self.wandb:
             finish = threading.Thread(target=self.wandb.finish, daemon=True)
             finish.start()
             finish.join(timeout=5 if interrupted else 60)
+
+    def finish_uploads(self, interrupted):
+        """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20 MB to
+        send, announced after 3 s; then the files that did not reach the bucket are named."""
+        up = self.uploader
+        if self.records:
+            self.records.upload(up)
+        size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
+        limit = 20 if interrupted else 30 + size / 20e6
+        if not up.wait(timeout=3):
+            print(f"waiting up to {limit - 3:.0f} s for {len(up.pending)} upload(s) to {self.gs_out}", flush=True)
+            up.wait(timeout=limit - 3)
+        for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
+            left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer one
+            if left:
+                print(f"warning: {len(left)} upload(s) to {self.gs_out} {what}; only in {self.local}: "
+                      f"{', '.join(os.path.basename(p) for p in left)}")
 
 
 def load_weights(path, model, ema_model):
