@@ -547,13 +547,31 @@ class Records:
     def __init__(self, local, remote, step):
         self.path, self.remote = os.path.join(local, 'metrics.jsonl'), remote
         lines = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:  # a torn last line goes
-                lines = [l for l in f if l.endswith('\n') and json.loads(l).get('step', 0) <= step]
+        try:
+            for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
+                if path and os.path.exists(path):
+                    with open(path) as f:  # a torn last line goes
+                        kept = [l for l in f if l.endswith('\n') and json.loads(l).get('step', 0) <= step]
+                    lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the bucket's
+        finally:
+            if os.path.exists(self.path + '.bucket'):
+                os.remove(self.path + '.bucket')
         with open(self.path + '.tmp', 'w') as f:
             f.writelines(lines)
         os.replace(self.path + '.tmp', self.path)
         self.results = os.path.join(local, 'results.json')
+
+    def fetch(self, step):
+        """The bucket's metrics.jsonl in a file beside the local one, or None (none there, or unreachable)."""
+        uri = f"{self.remote.rstrip('/')}/metrics.jsonl"
+        try:
+            return gcs.download_file(uri, self.path + '.bucket')
+        except gcs.NotFoundError:
+            return None
+        except Exception as e:
+            print(f"warning: cannot read {uri} ({e}); metrics.jsonl up to step {step} is rebuilt from {self.path} "
+                  f"alone")
+            return None
 
     def log(self, kind, values):
         with open(self.path, 'a') as f:
