@@ -14,6 +14,11 @@ the tests), else the service-account key file named by GOOGLE_APPLICATION_CREDEN
 (any machine, e.g. a GPU cloud: a signed JWT is exchanged for a token, RS256 in pure
 Python), else the VM metadata server (TPU/GCE service account), else `gcloud auth
 print-access-token` (a workstation).
+
+Every request has bounded waits: 10 s to connect, then 30 s without a byte from the server (60 s for the bytes
+of an upload or a download; GCS_READ_TIMEOUT=SECONDS sets the 30, the 60 is twice it). A request still not done
+after ANNOUNCE_S says on stderr what it waits for, once per attempt, and GCS.stop (a callable) ends a wait at
+once when it returns True (a stop request while a run starts).
 """
 import base64
 import hashlib
@@ -35,6 +40,7 @@ GCS_ENDPOINT = "https://storage.googleapis.com"
 METADATA_HOST = os.environ.get("GCE_METADATA_HOST", "metadata.google.internal")
 METADATA_TOKEN_URL = f"http://{METADATA_HOST}/computeMetadata/v1/instance/service-accounts/default/token"
 MiB = 1 << 20
+ANNOUNCE_S = 5.0  # a request not done after this long says what it waits for
 
 # -----------------------------------------------------------------------------
 # paths
@@ -71,8 +77,16 @@ class GCSError(Exception):
         super().__init__(msg)
         self.status = status  # HTTP status, or None for network / credential errors
 
+    @property
+    def refused(self):
+        """The server answered, and no retry changes the answer (a 4xx: no such bucket, no permission)."""
+        return self.status is not None and not _is_transient(self.status)
+
 class NotFoundError(GCSError, FileNotFoundError):
     pass  # also a FileNotFoundError so callers can treat a missing object like a missing file
+
+class Stopped(GCSError):
+    pass  # GCS.stop() said to stop while a request waited
 
 _token_lock = threading.Lock()
 _token = None
@@ -305,11 +319,16 @@ class GCS:
     """GCS JSON API client. Every call retries transient failures with exponential backoff and jitter."""
 
     def __init__(self, endpoint=None, retries=8, backoff=1.0, max_backoff=32.0,
-                 timeout=(10, 120), chunk_size=32 * MiB):
+                 timeout=None, chunk_size=32 * MiB):
         assert chunk_size % (256 * 1024) == 0, "GCS requires resumable chunks to be multiples of 256 KiB"
         self.endpoint = endpoint  # None: STORAGE_EMULATOR_HOST if set (read per call), else real GCS
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
-        self.timeout, self.chunk_size = timeout, chunk_size
+        # (connect, read) seconds; requests applies the read timeout to each wait for bytes, not to a whole
+        # transfer, so a large file needs no larger one. Transfers get twice the read timeout.
+        self.timeout = timeout or (10.0, float(os.environ.get("GCS_READ_TIMEOUT") or 30))
+        self.transfer_timeout = (self.timeout[0], 2 * self.timeout[1])
+        self.chunk_size = chunk_size
+        self.stop = None  # a callable: True ends every wait of this client with Stopped
         self._local = threading.local()  # requests.Session isn't guaranteed thread-safe: one per thread
 
     def _session(self):
@@ -326,14 +345,16 @@ class GCS:
     def _object_url(self, bucket, name, **params):
         return self._url(f"/storage/v1/b/{_quote(bucket)}/o/{_quote(name)}", **params)
 
-    def _with_retries(self, what, attempt):
+    def _with_retries(self, what, attempt, watch=True):
         """Call attempt(auth_headers) until it returns; retry connection errors, 408/429/5xx and
-        _Transient; refresh the token once on 401; fail at once on other statuses."""
-        refreshed, err = False, None
+        _Transient; refresh the token once on 401; fail at once on other statuses. watch: a long attempt is
+        a wait worth announcing (not so for a transfer, whose attempts take long when all is well)."""
+        refreshed, err, t0 = False, None, time.time()
         for i in range(self.retries + 1):
             try:
                 token = get_token()
-                return attempt({"Authorization": f"Bearer {token}"} if token else {})
+                return self._attempt(what, attempt, {"Authorization": f"Bearer {token}"} if token else {},
+                                     watch or i > 0, f"attempt {i + 1} of {self.retries + 1}", err, t0)
             except _BadStatus as e:
                 if e.status == 401 and not refreshed and not _emulator_host():
                     get_token(force_refresh=True)  # token revoked or expired early
@@ -347,8 +368,49 @@ class GCS:
                 err = e
             if i < self.retries:
                 delay = min(self.max_backoff, self.backoff * 2 ** i)
-                time.sleep(delay * random.uniform(0.5, 1.0))  # jitter: don't retry in lockstep with other hosts
+                self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other hosts
         raise GCSError(f"GCS {what} failed after {self.retries + 1} attempts: {err}", getattr(err, "status", None))
+
+    def _attempt(self, what, attempt, auth, watch, which, last, t0):
+        """attempt(auth). Watched (or while a stop hook is set), it runs on a helper thread that this one
+        polls: past ANNOUNCE_S since the request began a line says what it waits for, and a stop ends the
+        wait at once (the helper thread is left to its timeout, and the session it holds is dropped)."""
+        def announce():
+            why = last if isinstance(last, (_BadStatus, _Transient)) else type(last).__name__
+            why = f", after {why}" if last else ""
+            print(f"gcs: waiting for GCS {what} ({which}{why}; {time.time() - t0:.0f} s so far)",
+                  file=sys.stderr, flush=True)
+        if self.stop is None and not watch:
+            return attempt(auth)
+        box, session, said = {}, self._session(), False
+
+        def call():
+            self._local.s = session  # the caller's connection pool, idle while the caller polls
+            try:
+                box["value"] = attempt(auth)
+            except BaseException as e:  # handed to the caller
+                box["error"] = e
+        helper = threading.Thread(target=call, name="gcs-request", daemon=True)
+        helper.start()
+        while helper.is_alive():
+            if watch and not said and time.time() - t0 >= ANNOUNCE_S:
+                announce()
+                said = True
+            helper.join(0.1)
+            if self.stop is not None and self.stop():
+                del self._local.s  # the helper may still be using it
+                raise Stopped(f"a stop was requested while waiting for GCS {what}")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def _sleep(self, what, seconds):
+        """time.sleep(seconds), ended by a stop request."""
+        end = time.time() + seconds
+        while time.time() < end:
+            if self.stop is not None and self.stop():
+                raise Stopped(f"a stop was requested while waiting for GCS {what}")
+            time.sleep(max(0.0, min(0.1, end - time.time())))
 
     def upload(self, local_path, uri):
         """Upload a file with the resumable protocol; returns the object's metadata dict.
@@ -383,7 +445,7 @@ class GCS:
                 offset = 0
                 if resume:  # an earlier attempt failed: ask GCS how many bytes it kept
                     r = self._session().put(session_url, headers={**auth, "Content-Range": f"bytes */{size}"},
-                                            timeout=self.timeout, allow_redirects=False)
+                                            timeout=self.transfer_timeout, allow_redirects=False)
                     if r.status_code in (200, 201):
                         return r.json()  # it had everything; only the final reply was lost
                     offset = _persisted(_check(r, (308,)))
@@ -393,7 +455,7 @@ class GCS:
                     crange = f"bytes {offset}-{offset + len(chunk) - 1}/{size}" if chunk else f"bytes */{size}"
                     # allow_redirects=False: requests would treat GCS's 308 "Resume Incomplete" as a redirect
                     r = self._session().put(session_url, data=chunk, headers={**auth, "Content-Range": crange},
-                                            timeout=self.timeout, allow_redirects=False)
+                                            timeout=self.transfer_timeout, allow_redirects=False)
                     if r.status_code in (200, 201):
                         return r.json()
                     new_offset = _persisted(_check(r, (308,)))  # 308: stored so far, send the rest
@@ -411,7 +473,7 @@ class GCS:
                     attempts += 1
                     return send(auth, session_url, resume=attempts > 1)
                 try:
-                    return self._with_retries(what, attempt)
+                    return self._with_retries(what, attempt, watch=False)
                 except GCSError as e:
                     if e.status not in (404, 410) or session_try == 1:
                         raise
@@ -426,7 +488,7 @@ class GCS:
 
         def attempt(auth):
             with self._session().get(self._object_url(bucket, name, alt="media"), headers=auth,
-                                     stream=True, timeout=self.timeout) as r:
+                                     stream=True, timeout=self.transfer_timeout) as r:
                 _check(r)
                 md5 = hashlib.md5()
                 with open(tmp, "wb") as f:  # "wb": a retry starts the file over
@@ -439,7 +501,7 @@ class GCS:
                 if want and not r.headers.get("Content-Encoding") and want != base64.b64encode(md5.digest()).decode():
                     raise _Transient(f"md5 mismatch downloading {uri}")
         try:
-            self._with_retries(f"download {uri}", attempt)
+            self._with_retries(f"download {uri}", attempt, watch=False)
             os.replace(tmp, local_path)
         finally:
             if os.path.exists(tmp):
@@ -502,49 +564,56 @@ def _goog_hash(header, kind):
 
 class Uploader:
     """Uploads on a daemon thread. submit() returns at once; errors are logged to stderr and
-    counted in .failures, never raised into the training loop. Call wait() before exiting
+    kept in .failed, never raised into the training loop. Call wait() before exiting
     (and on SIGTERM: spot VMs get ~30 s) so queued checkpoints make it to the bucket.
-    on_success(local_path, uri) runs on the upload thread after each upload (e.g. pruning old checkpoints)."""
+    on_success(local_path, uri) runs on the upload thread after each upload (e.g. pruning old checkpoints).
+    A file deleted before its turn (pruned: a newer one replaces it) is skipped, not a failure."""
 
     def __init__(self, client=None, on_success=None):
         self.client = client  # None: the module's default client
         self.on_success = on_success
-        self.failures = 0
+        self.pending = []  # [(local_path, uri)] submitted and not finished, in submit order
+        self.failed = []   # [(local_path, uri)] whose last upload failed
         self._queue = queue.Queue()
-        self._pending = 0
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="gcs-uploader", daemon=True).start()
+
+    @property
+    def failures(self):
+        return len(self.failed)
 
     def submit(self, local_path, uri):
         """Queue an upload. Don't modify local_path in place until wait() (os.replace of a new file is fine)."""
         with self._cv:
-            self._pending += 1
+            self.pending.append((local_path, uri))
         self._queue.put((local_path, uri))
 
     def _run(self):
         while True:
-            local_path, uri = self._queue.get()
+            job = local_path, uri = self._queue.get()
+            ok = False
             try:
-                (self.client or default_client()).upload(local_path, uri)
-                if self.on_success is not None:
-                    try:
-                        self.on_success(local_path, uri)
-                    except Exception as e:
-                        print(f"gcs: on_success callback after uploading {uri} failed: {e!r}",
-                              file=sys.stderr, flush=True)
+                if os.path.exists(local_path):
+                    (self.client or default_client()).upload(local_path, uri)
+                    if self.on_success is not None:
+                        try:
+                            self.on_success(local_path, uri)
+                        except Exception as e:
+                            print(f"gcs: on_success callback after uploading {uri} failed: {e!r}",
+                                  file=sys.stderr, flush=True)
+                ok = True
             except Exception as e:
-                with self._cv:
-                    self.failures += 1
                 print(f"gcs: upload of {local_path} to {uri} failed: {e}", file=sys.stderr, flush=True)
             finally:
                 with self._cv:
-                    self._pending -= 1
+                    self.pending.remove(job)
+                    self.failed = [j for j in self.failed if j != job] + ([] if ok else [job])
                     self._cv.notify_all()
 
     def wait(self, timeout=None):
         """Block until every submitted upload finished (ok or failed). Returns False on timeout."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._pending == 0, timeout)
+            return self._cv.wait_for(lambda: not self.pending, timeout)
 
 # -----------------------------------------------------------------------------
 # module-level helpers over one shared client, so train.py needn't manage clients

@@ -69,12 +69,13 @@ def save_atomic(obj, path):
         raise CheckpointError(f"could not write {path}: {why}") from e
 
 
-def load_checkpoint(path):
-    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code."""
+def load_checkpoint(path, name=None):
+    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code. name: what
+    errors call the file (the bucket URI of a downloaded copy)."""
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {path} is corrupt or truncated and was not loaded: {e}") from e
+        raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: {e}") from e
 
 
 def list_checkpoints(folder):
@@ -166,21 +167,50 @@ def startup_problems(cfg, dev, local):
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would hold "
                         f"the checkpoints; use --out_dir=gs://BUCKET/...")
-    if init_from == 'scratch' and not cfg['eval_only'] and not cfg['overwrite'] and dev.master:
-        for folder in [local] + ([out_dir] if gcs.is_gcs(out_dir) else []):
-            try:
-                held = sorted(list_checkpoints(folder))
-            except gcs.GCSError as e:  # an unreachable bucket: training goes on, its uploads are retried
-                print(f"warning: cannot list {folder} ({e}); not checked for an earlier run's checkpoints")
-                continue
-            if held:
-                problems.append(f"{folder} already holds checkpoints {held}: continue them with --init_from=resume, "
-                                f"pick another --out_dir, or replace them with --overwrite=True")
+    new_run = init_from == 'scratch' and not cfg['eval_only'] and not cfg['overwrite'] and dev.master
+    held = {local: list_checkpoints(local)} if new_run else {}
+    if gcs.is_gcs(out_dir) and dev.master:
+        found, why = bucket_checkpoints(out_dir, init_from == 'resume')
+        problems += why
+        if new_run and found:
+            held[out_dir] = found
+    for folder, steps in held.items():
+        if steps:
+            problems.append(f"{folder} already holds checkpoints {sorted(steps)}: continue them with "
+                            f"--init_from=resume, pick another --out_dir, or replace them with --overwrite=True")
     return problems
+
+
+def bucket_checkpoints(out_dir, resume):
+    """Rank 0 at start: ({step: uri} of out_dir's checkpoints or None, [problem]). The listing is also the check
+    that the bucket lets this run in: a bucket that answers no (it does not exist, no permission: HTTP 4xx) stops
+    the run at start, as does one that cannot be reached when resuming (no checkpoint could be picked); a new run
+    goes on without it (its uploads are retried)."""
+    bucket = gcs.split_gcs(out_dir)[0]
+    try:
+        return list_checkpoints(out_dir), []
+    except gcs.Stopped as e:
+        return None, [f"{e}; nothing was started"]
+    except gcs.GCSError as e:
+        if e.refused:
+            return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check that the "
+                          f"bucket exists and that this identity may read and write it"]
+        if resume:
+            return None, [f"cannot list the checkpoints in {out_dir} ({e}); retry when the bucket is reachable"]
+        print(f"warning: cannot list {out_dir} ({e}); not checked for an earlier run's checkpoints; training goes "
+              f"on, its uploads are retried")
+        return None, []
 
 
 # -----------------------------------------------------------------------------
 # the run
+
+def local_folder(out_dir):
+    """The default local copy of a gs:// out_dir: out/BUCKET/PREFIX, one folder per out_dir (two runs ending in
+    the same name never share one)."""
+    bucket, prefix = gcs.split_gcs(out_dir)
+    return os.path.join('out', bucket, *[p for p in prefix.split('/') if p not in ('', '.', '..')])
+
 
 class Run:
     """One training run's folders, records and verdicts. cfg: train.py's config (a dict of its keys)."""
@@ -190,8 +220,8 @@ class Run:
         gcs.default_client().retries = cfg['gcs_retries']  # every bucket request of this run, uploads included
         out_dir = cfg['out_dir']
         self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
-        self.local = (cfg['local_dir'] or os.path.join('out', out_dir.rstrip('/').split('/')[-1])) \
-            if self.gs_out else out_dir
+        self.local = (cfg['local_dir'] or local_folder(out_dir)) if self.gs_out else out_dir
+        gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits at start
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
         self.corrupt = []        # checkpoints found unreadable: kept, but they hold no place among the kept ones
@@ -229,8 +259,8 @@ class Run:
                                        f"files to every host")
         if self.master:
             os.makedirs(self.local, exist_ok=True)
-            for name in os.listdir(self.local):  # temporary files of saves that never finished
-                if name.endswith('.tmp'):
+            for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
+                if name.endswith('.tmp') or name.startswith('.rank'):
                     os.remove(os.path.join(self.local, name))
             if cfg['overwrite'] and cfg['init_from'] == 'scratch' and not cfg['eval_only']:  # the old run's files go
                 for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
@@ -268,6 +298,7 @@ class Run:
                 print(f"loaded weights from {cfg['init_from']}")
         self.run_id = self.run_id or secrets.token_hex(4)
         self.last_good = self.resumed_from
+        gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
         return step, carry
 
     def find_resume_checkpoint(self):
@@ -302,24 +333,29 @@ class Run:
         return None
 
     def load_training_checkpoint(self, path, step):
-        """The checkpoint at path (downloaded first from a bucket), or None with a warning when it cannot be used."""
+        """The checkpoint at path (downloaded first from a bucket, to a temporary file removed on every path), or
+        None with a warning when it cannot be used."""
+        dest = os.path.join(self.local, f'.rank{self.dev.rank}_{checkpoint_name(step)}')
         try:
             if gcs.is_gcs(path):
-                dest = os.path.join(self.local, f'.rank{self.dev.rank}_{checkpoint_name(step)}')
                 os.makedirs(self.local, exist_ok=True)
                 gcs.download_file(path, dest)
-                ckpt = load_checkpoint(dest)
-                os.remove(dest)
+                ckpt = load_checkpoint(dest, name=path)
             else:
                 ckpt = load_checkpoint(path)
             for k in ('model', 'step', 'carry', 'config', 'optimizer'):
                 if k not in ckpt:
                     raise CheckpointError(f"{path} is not a training checkpoint of this trainer (no '{k}')")
             return ckpt
+        except gcs.Stopped as e:
+            raise SystemExit(f"{e}; nothing was changed")
         except Exception as e:
             print(f"warning: rank {self.dev.rank}: {e}; trying an older checkpoint")
             self.corrupt.append(path)
             return None
+        finally:
+            if os.path.exists(dest):
+                os.remove(dest)
 
     def check_resume_config(self, saved, resume_fixed, step):
         cfg = self.cfg
@@ -449,17 +485,28 @@ class Run:
         """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most of
         it) and for W&B (what did not reach it stays for `wandb sync`)."""
         if self.uploader:
-            if self.records:
-                self.records.upload(self.uploader)
-            if not self.uploader.wait(timeout=20 if interrupted else None):
-                print(f"warning: uploads to {self.gs_out} still running at exit; the local copies are in {self.local}")
-            if self.uploader.failures:
-                print(f"warning: {self.uploader.failures} upload(s) to {self.gs_out} failed; the local copies are "
-                      f"in {self.local}")
+            self.finish_uploads(interrupted)
         if self.wandb:
             finish = threading.Thread(target=self.wandb.finish, daemon=True)
             finish.start()
             finish.join(timeout=5 if interrupted else 60)
+
+    def finish_uploads(self, interrupted):
+        """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20 MB to
+        send, announced after 3 s; then the files that did not reach the bucket are named."""
+        up = self.uploader
+        if self.records:
+            self.records.upload(up)
+        size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
+        limit = 20 if interrupted else 30 + size / 20e6
+        if not up.wait(timeout=3):
+            print(f"waiting up to {limit - 3:.0f} s for {len(up.pending)} upload(s) to {self.gs_out}", flush=True)
+            up.wait(timeout=limit - 3)
+        for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
+            left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer one
+            if left:
+                print(f"warning: {len(left)} upload(s) to {self.gs_out} {what}; only in {self.local}: "
+                      f"{', '.join(os.path.basename(p) for p in left)}")
 
 
 def load_weights(path, model, ema_model):
@@ -504,13 +551,31 @@ class Records:
     def __init__(self, local, remote, step):
         self.path, self.remote = os.path.join(local, 'metrics.jsonl'), remote
         lines = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:  # a torn last line goes
-                lines = [l for l in f if l.endswith('\n') and json.loads(l).get('step', 0) <= step]
+        try:
+            for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
+                if path and os.path.exists(path):
+                    with open(path) as f:  # a torn last line goes
+                        kept = [l for l in f if l.endswith('\n') and json.loads(l).get('step', 0) <= step]
+                    lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the bucket's
+        finally:
+            if os.path.exists(self.path + '.bucket'):
+                os.remove(self.path + '.bucket')
         with open(self.path + '.tmp', 'w') as f:
             f.writelines(lines)
         os.replace(self.path + '.tmp', self.path)
         self.results = os.path.join(local, 'results.json')
+
+    def fetch(self, step):
+        """The bucket's metrics.jsonl in a file beside the local one, or None (none there, or unreachable)."""
+        uri = f"{self.remote.rstrip('/')}/metrics.jsonl"
+        try:
+            return gcs.download_file(uri, self.path + '.bucket')
+        except gcs.NotFoundError:
+            return None
+        except Exception as e:
+            print(f"warning: cannot read {uri} ({e}); metrics.jsonl up to step {step} is rebuilt from {self.path} "
+                  f"alone")
+            return None
 
     def log(self, kind, values):
         with open(self.path, 'a') as f:

@@ -81,7 +81,7 @@ from collections import deque
 import gcs
 from configurator import config_files, parse_flags, read_config_block
 from data import shape_from_name
-from safety import list_checkpoints
+from safety import list_checkpoints, local_folder
 
 # -----------------------------------------------------------------------------
 # config
@@ -132,7 +132,7 @@ if os.environ.get('PJRT_DEVICE') and nproc > 1:
 ROOT = (out_root or SCALE_ROOTS[scale]).rstrip('/')
 
 
-LOCAL_ROOT = os.path.join('out', ROOT.split('/')[-1]) if gcs.is_gcs(ROOT) else ROOT
+LOCAL_ROOT = local_folder(ROOT) if gcs.is_gcs(ROOT) else ROOT  # a run's local_dir: train.py's default for it
 
 
 def natural_key(s):

@@ -15,7 +15,7 @@ import time
 # config. Defaults: the paper's Sudoku-Extreme MLP recipe (87.4% exact in the paper), on one device.
 # I/O
 out_dir = 'out/sudoku'          # checkpoints and results: a local folder, or gs://bucket/prefix
-local_dir = ''                  # local copy of a gs:// out_dir ('': out/<last part of out_dir>)
+local_dir = ''                  # local copy of a gs:// out_dir ('': out/<bucket>/<prefix>, one per out_dir)
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
 init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file to start from (ours or the reference's)

@@ -1,0 +1,268 @@
+"""
+Nothing lost, on the bucket side: the records of a run resumed on a new machine, the local folder of a gs://
+out_dir, a bucket that does not exist or refuses, one that never answers, one gone at the end of a run, a
+truncated checkpoint in the bucket and the uploads counted at exit. Real processes, the GCS emulator and small
+servers on 127.0.0.1 written here.
+    python -m pytest -q tests/test_lost_gcs.py
+"""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+import gcs
+from conftest import BUCKET, ROOT, TOY_ARGS, run
+
+FAST = TOY_ARGS + ['--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2']
+
+
+def train_args(toy, out, local, *extra):
+    return ['train.py', f'--data_path={toy}', f'--out_dir={out}', f'--local_dir={local}'] + FAST + list(extra)
+
+
+def host(url):
+    return url.replace('http://', '')
+
+
+def assert_stopped_with(p, *words):
+    """Exit code != 0, the words in the output, no traceback."""
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
+    for w in words:
+        assert w in out, (w, out[-3000:])
+
+
+@pytest.fixture(scope='module')
+def trained(emulator, toy, tmp_path_factory):
+    """A gs:// run trained to step 4 (checkpoints 2 and 4, metrics.jsonl, results.json in the bucket); each test
+    copies it to a prefix of its own."""
+    out = f'gs://{BUCKET}/lost/base'
+    run(train_args(toy, out, tmp_path_factory.mktemp('base'), '--max_steps=4'),
+        env=dict(STORAGE_EMULATOR_HOST=host(emulator)))
+    return out
+
+
+def copy_prefix(emulator, src, dst, tmp_path):
+    client = gcs.GCS(endpoint=emulator)
+    for uri, _ in client.list(src + '/'):
+        path = str(tmp_path / 'copy' / uri.rsplit('/', 1)[1])
+        client.download(uri, path)
+        client.upload(path, dst + uri[len(src):])
+    return dst
+
+
+# -----------------------------------------------------------------------------
+# 5: the records of a resume on a new machine
+
+def test_a_resume_on_a_new_machine_keeps_the_bucket_s_metrics_history(emulator, trained, toy, tmp_path):
+    out = copy_prefix(emulator, trained, f'gs://{BUCKET}/lost/r5', tmp_path)
+    run(train_args(toy, out, tmp_path / 'new', '--max_steps=6', '--init_from=resume'),
+        env=dict(STORAGE_EMULATOR_HOST=host(emulator)))
+    gcs.GCS(endpoint=emulator).download(f'{out}/metrics.jsonl', str(tmp_path / 'm.jsonl'))
+    lines = [json.loads(l) for l in open(tmp_path / 'm.jsonl')]
+    assert [l['step'] for l in lines if l['kind'] == 'train'] == [2, 4, 6]  # the history before the resume too
+    assert [l['step'] for l in lines if l['kind'] == 'eval'] == [4, 6]
+
+
+# -----------------------------------------------------------------------------
+# 6: two gs:// runs whose out_dirs end in the same name
+
+def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
+    def train_here(out, *extra):  # the default local_dir is relative: the processes run in tmp_path
+        e = dict(os.environ, WANDB_MODE='disabled', STORAGE_EMULATOR_HOST=host(emulator))
+        p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), f'--data_path={toy}',
+                            f'--out_dir={out}'] + FAST + list(extra), cwd=tmp_path, env=e, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+        return p
+    train_here(f'gs://{BUCKET}/lost6/expA/run1', '--max_steps=2')
+    p = train_here(f'gs://{BUCKET}/lost6/expB/run1', '--max_steps=2', '--init_from=resume')
+    assert 'no checkpoint in' in p.stdout and 'starting from scratch' in p.stdout  # not expA's weights
+    assert 'step 2/' in p.stdout
+    for exp in ('expA', 'expB'):
+        assert os.path.exists(tmp_path / 'out' / BUCKET / 'lost6' / exp / 'run1' / 'ckpt_00000002.pt')
+
+
+# -----------------------------------------------------------------------------
+# 7: a bucket that does not exist, or refuses this identity
+
+class Refuser(BaseHTTPRequestHandler):
+    """Answers every request 403, as GCS does to an identity without access to the bucket."""
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = json.dumps(dict(error=dict(code=403, message='the caller may not list this bucket'))).encode()
+        self.send_response(403)
+        self.send_header('Content-Type', 'application/json')
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_POST = do_PUT = do_DELETE = do_GET
+
+
+def serve(handler):
+    srv = ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    threading.Thread(target=srv.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
+    return srv, f'127.0.0.1:{srv.server_address[1]}'
+
+
+def test_a_bucket_that_does_not_exist_or_refuses_stops_the_run_at_start(emulator, toy, tmp_path):
+    p = run(train_args(toy, 'gs://no-such-bucket-7/run', tmp_path / 'a', '--max_steps=2'), check=False,
+            env=dict(STORAGE_EMULATOR_HOST=host(emulator)))
+    assert_stopped_with(p, 'no-such-bucket-7', 'HTTP 404')
+    assert 'step 1/' not in p.stdout
+    srv, addr = serve(Refuser)
+    try:
+        p = run(train_args(toy, f'gs://{BUCKET}/r7', tmp_path / 'b', '--max_steps=2'), check=False,
+                env=dict(STORAGE_EMULATOR_HOST=addr))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert_stopped_with(p, BUCKET, 'HTTP 403')
+    assert 'step 1/' not in p.stdout
+
+
+# -----------------------------------------------------------------------------
+# 10: an endpoint that accepts connections and never answers
+
+class Stall:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers them; it closes everything at
+    close() or after `lifetime` seconds, whichever comes first."""
+
+    def __init__(self, lifetime=180):
+        self.sock = socket.socket()
+        self.sock.bind(('127.0.0.1', 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.2)
+        self.addr = f'127.0.0.1:{self.sock.getsockname()[1]}'
+        self.end, self.held = time.time() + lifetime, []
+        self.thread = threading.Thread(target=self.hold, daemon=True)
+        self.thread.start()
+
+    def hold(self):
+        while time.time() < self.end:
+            try:
+                self.held.append(self.sock.accept()[0])
+            except OSError:  # the 0.2 s accept timeout, or the socket closed by close()
+                continue
+        for c in self.held:
+            c.close()
+        self.sock.close()
+
+    def close(self):
+        self.end = 0
+        self.thread.join(5)
+
+
+@pytest.fixture
+def stall():
+    s = Stall()
+    yield s
+    s.close()
+
+
+def test_a_bucket_that_never_answers_is_a_bounded_wait_that_says_what_it_waits_for(stall, toy, tmp_path):
+    out = f'gs://{BUCKET}/r10'
+    t0 = time.time()
+    p = run(train_args(toy, out, tmp_path / 'l', '--init_from=resume', '--gcs_retries=1'), check=False,
+            timeout=120, env=dict(STORAGE_EMULATOR_HOST=stall.addr, GCS_READ_TIMEOUT='4'))
+    assert time.time() - t0 < 100
+    assert_stopped_with(p, f'waiting for GCS list {out}', 'attempt 2 of 2', 'retry when the bucket is reachable')
+
+
+def test_sigterm_ends_a_wait_for_the_bucket_at_start_within_seconds(stall, toy, tmp_path):
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', STORAGE_EMULATOR_HOST=stall.addr)
+    p = subprocess.Popen([sys.executable] + train_args(toy, f'gs://{BUCKET}/r10b', tmp_path / 'l'), cwd=ROOT, env=e,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True)  # until the pipe closes
+    reader.start()
+    try:
+        deadline = time.time() + 90
+        while not any('waiting for' in l for l in lines) and p.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert any('waiting for' in l for l in lines), ''.join(lines)[-3000:]
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    reader.join(5)
+    out = ''.join(lines)
+    assert took < 10, out[-3000:]
+    assert 'stop was requested while waiting for GCS list' in out and 'Traceback' not in out, out[-3000:]
+    assert 'step 1/' not in out
+
+
+# -----------------------------------------------------------------------------
+# 11: a bucket gone at the end of a run
+
+class ListsButFailsUploads(BaseHTTPRequestHandler):
+    """Lists an empty bucket; every other request (uploads) answers 503, the way an outage does."""
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        body = b'{}' if self.command == 'GET' and self.path.split('?')[0].endswith('/o') else b''
+        self.send_response(200 if body else 503)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    do_POST = do_PUT = do_DELETE = do_GET
+
+
+def test_uploads_at_exit_get_an_announced_bounded_wait_then_the_local_copies_are_named(toy, tmp_path):
+    srv, addr = serve(ListsButFailsUploads)
+    out, local = f'gs://{BUCKET}/r11', tmp_path / 'l'
+    try:
+        p = run(train_args(toy, out, local, '--max_steps=2'), timeout=180, env=dict(STORAGE_EMULATOR_HOST=addr))
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    m = re.search(rf'waiting up to (\d+) s for 3 upload\(s\) to {out}', p.stdout)
+    assert m and int(m.group(1)) <= 60, p.stdout[-3000:]
+    assert f'3 upload(s) to {out} still running at exit; only in {local}: ckpt_00000002.pt, metrics.jsonl, ' \
+           f'results.json' in p.stdout, p.stdout[-3000:]
+    assert 'waiting for GCS upload' in p.stderr  # the retries say what they wait for
+
+
+# -----------------------------------------------------------------------------
+# 13: a truncated checkpoint in the bucket; failed uploads of files pruning deleted
+
+def test_a_truncated_checkpoint_in_the_bucket_is_named_by_its_uri_and_leaves_no_file(emulator, trained, toy,
+                                                                                       tmp_path):
+    out = copy_prefix(emulator, trained, f'gs://{BUCKET}/lost/r13', tmp_path)
+    client = gcs.GCS(endpoint=emulator)
+    half = tmp_path / 'half.pt'
+    client.download(f'{out}/ckpt_00000004.pt', str(half))
+    half.write_bytes(half.read_bytes()[:half.stat().st_size // 2])
+    client.upload(str(half), f'{out}/ckpt_00000004.pt')
+    local = tmp_path / 'new'
+    p = run(train_args(toy, out, local, '--max_steps=2', '--init_from=resume'),
+            env=dict(STORAGE_EMULATOR_HOST=host(emulator)))
+    assert f'checkpoint {out}/ckpt_00000004.pt is corrupt or truncated' in p.stdout, p.stdout[-3000:]
+    assert f'resuming from {out}/ckpt_00000002.pt' in p.stdout
+    assert os.listdir(local) == []  # no temporary download left behind
+
+
+def test_failed_uploads_counted_at_exit_are_the_files_still_only_local(toy, tmp_path):
+    # the autouse fixture points STORAGE_EMULATOR_HOST at a closed port: every upload fails
+    out, local = f'gs://{BUCKET}/r13b', tmp_path / 'l'
+    p = run(train_args(toy, out, local, '--max_steps=8', '--keep_last_n=1', '--gcs_retries=1'))
+    m = re.search(rf'(\d+) upload\(s\) to {out} failed; only in {local}: (.*)', p.stdout)
+    assert m, p.stdout[-3000:]
+    named = m.group(2).split(', ')
+    assert sorted(named) == sorted(os.listdir(local)) and int(m.group(1)) == len(named), (named, os.listdir(local))
