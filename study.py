@@ -971,7 +971,8 @@ def timed_minutes(metrics_path, batch):
 def collect(exps):
     rows = []
     for e in exps:
-        r = dict(name=e.name, family=e.family, point=e.point(), varied=e.varied_text(), out_dir=e.out_dir,
+        r = dict(name=e.name, run=e.run, seed=e.seed, family=e.family, point=e.point(), varied=e.varied_text(),
+                 out_dir=e.out_dir, lr=e.run_cfg['lr'], global_batch_size=e.run_cfg['global_batch_size'],
                  H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
                  hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
                  puzzles=e.data['puzzles'], aug=e.data['aug'], status='not started')
@@ -989,6 +990,9 @@ def collect(exps):
                      best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
                      exact_by_steps=fe.get('exact_by_steps') or [], halt_max_steps=cfg.get('halt_max_steps'),
                      H_cycles=cfg.get('H_cycles', r['H_cycles']), L_cycles=cfg.get('L_cycles', r['L_cycles']))
+            wall = res.get('wall_s') or {}  # results.json of runs before it was recorded: none
+            r.update(device_hours=res.get('device_hours'), world_size=res.get('world_size'),
+                     **{f'wall_s_{k}': wall.get(k) for k in ('total', 'startup', 'train', 'eval')})
             m = fetch(e, 'metrics.jsonl')
             r['minutes'] = timed_minutes(m, cfg.get('global_batch_size', e.run_cfg['global_batch_size'])) if m else None
         else:
@@ -1006,35 +1010,181 @@ def pct(x):
     return '' if x is None else f"{100 * x:.1f}"
 
 
+def points(rows):
+    """One row per experiment: with one seed its run's row, bars its 95% Wilson interval; with more, the mean
+    of its finished seeds (exact, device-hours), bars their min-max, std and the per-seed values beside."""
+    out = []
+    for name in dict.fromkeys(r['name'] for r in rows):
+        group = [r for r in rows if r['name'] == name]
+        done = [r for r in group if r['status'] == 'done']
+        p = dict(done[0] if done else group[0])
+        if seeds == 1:
+            if done:
+                p.update(bar_lo=p['exact_ci_low'], bar_hi=p['exact_ci_high'])
+            out.append(p)
+            continue
+        vals = [r['exact'] for r in done]
+        p.update(seeds_done=len(done), per_seed=vals,
+                 status='done' if done else group[0]['status'])
+        if done:
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            hours = [r['device_hours'] for r in done if r.get('device_hours') is not None]
+            p.update(exact=mean, exact_std=std, bar_lo=min(vals), bar_hi=max(vals),
+                     device_hours=sum(hours) / len(hours) if hours else None)
+        out.append(p)
+    return out
+
+
+def seed_stats(rows):
+    """{name: (mean, std, min, max, finished seeds)} of the exact accuracy over each experiment's seeds."""
+    stats = {}
+    for p in points(rows) if seeds > 1 else []:
+        if p.get('seeds_done'):
+            stats[p['name']] = (p['exact'], p['exact_std'], p['bar_lo'], p['bar_hi'], p['seeds_done'])
+    for r in rows if seeds == 1 else []:
+        if r['status'] == 'done':
+            stats[r['name']] = (r['exact'], 0.0, r['exact'], r['exact'], 1)
+    return stats
+
+
 def write_tables(rows, folder):
     os.makedirs(folder, exist_ok=True)
-    head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)', 'verified %',
-            'token %', 'best exact % (step)', 'minutes', 'status']
-    md = [f"# Study report: scale {scale}, {ROOT}\n",
-          "Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test puzzle. "
-          "minutes: training and evaluations, from metrics.jsonl (start-up excluded).\n",
-          '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-    for r in rows:
-        done = r['status'] == 'done'
-        md.append('| ' + ' | '.join([
-            r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
-            f"{r['train_flops']:.3g}" if r.get('train_flops') else '', f"{r['steps']:,}" if r.get('steps') else '',
-            f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
-            pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
-            f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None else '',
-            f"{r['minutes']:.1f}" if r.get('minutes') is not None else '', r['status']]) + ' |')
+    md = [f"# Study report: scale {scale}, {ROOT}\n"]
+    if seeds == 1:
+        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)', 'verified %',
+                'token %', 'best exact % (step)', 'minutes', 'device-h', 'status']
+        md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test puzzle. "
+               "minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: the run's "
+               "wall time (start-up, training, evaluations) x its devices, from results.json.\n",
+               '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+        for r in rows:
+            done = r['status'] == 'done'
+            md.append('| ' + ' | '.join([
+                r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
+                f"{r['train_flops']:.3g}" if r.get('train_flops') else '', f"{r['steps']:,}" if r.get('steps') else '',
+                f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
+                pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
+                f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None else '',
+                f"{r['minutes']:.1f}" if r.get('minutes') is not None else '',
+                f"{r['device_hours']:.3g}" if r.get('device_hours') is not None else '', r['status']]) + ' |')
+    else:
+        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact %: mean ± std (min-max)',
+                'seeds done', 'exact % per seed (0, 1, ...)', 'device-h (mean)', 'status']
+        md += [f"Held-out exact accuracy after the final evaluation, over {seeds} seeds per experiment (seed s > 0 "
+               f"in <out_dir>-s<s>): mean, sample standard deviation and min-max of the finished seeds. "
+               f"report.csv has one row per seed run.\n", '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+        for p in points(rows):
+            done = bool(p.get('seeds_done'))
+            md.append('| ' + ' | '.join([
+                p['name'], p['family'], p['varied'], f"{p['params']:,}" if p.get('params') else '',
+                f"{p['train_flops']:.3g}" if p.get('train_flops') else '', f"{p['steps']:,}" if p.get('steps') else '',
+                f"{pct(p['exact'])} ± {pct(p['exact_std'])} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})" if done else '',
+                f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) for v in p['per_seed']),
+                f"{p['device_hours']:.3g}" if p.get('device_hours') is not None else '', p['status']]) + ' |')
+    md += fits_section(rows)
     with open(os.path.join(folder, 'report.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
-    cols = ['name', 'family', 'point', 'varied', 'status', 'out_dir', 'params', 'flops_per_example_step', 'train_flops',
-            'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token', 'q_halt',
-            'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers', 'H_cycles', 'L_cycles',
-            'puzzles', 'aug', 'device']
+    write_csv(rows, folder)
+    return '\n'.join(md)
+
+
+def write_csv(rows, folder):
+    """report.csv: one row per run (one per seed), its experiment's statistics over seeds repeated on each."""
+    cols = ['name', 'seed', 'run', 'family', 'point', 'varied', 'status', 'out_dir', 'params', 'flops_per_example_step',
+            'train_flops', 'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token',
+            'q_halt', 'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers', 'H_cycles',
+            'L_cycles', 'puzzles', 'aug', 'lr', 'global_batch_size', 'device', 'world_size', 'wall_s_total',
+            'wall_s_startup', 'wall_s_train', 'wall_s_eval', 'device_hours', 'exact_mean', 'exact_std', 'exact_min',
+            'exact_max', 'seeds_done']
+    stats = seed_stats(rows)
     with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
         w = csv.writer(f)
         w.writerow(cols)
         for r in rows:
+            r = dict(r, **dict(zip(cols[-5:], stats.get(r['name'], [None] * 5))))
             w.writerow(['' if r.get(c) is None else r.get(c) for c in cols])
-    return '\n'.join(md)
+
+
+# -----------------------------------------------------------------------------
+# fits: error = a * X^-b + c per family
+
+FIT_AXES = (('params', 'parameters'), ('train_flops', 'training FLOPs'), ('puzzles', 'training puzzles'))
+
+
+def fit_power_law(xs, errs):
+    """Least-squares fit of err = a * x^-b + c with a >= 0, b in (0, 4], 0 <= c < min(err): a grid over b and
+    c, a in closed form for each, then two finer grids around the best. With its R^2 and whether it means
+    anything: >= 4 distinct x (3 parameters fit 3 points exactly), an error spread of at least 1 percentage
+    point, and a fit better than the mean (R^2 > 0)."""
+    import numpy as np
+    x, y = np.asarray(xs, float), np.asarray(errs, float)
+    n = len(set(xs))
+    out = dict(n=n, a=None, b=None, c=None, r2=None, meaningful=False)
+    if n < 4:
+        out['why'] = (f"{n} distinct points: a, b and c fit them exactly, so the fit says nothing" if n == 3
+                      else f"{n} distinct point(s): too few for a fit (4 needed)")
+        return out
+    u = x / x.min()  # x / x0: a * x^-b = (a * x0^-b) * u^-b, better conditioned
+    tss = float(((y - y.mean()) ** 2).sum())
+    lo_b, hi_b, lo_c, hi_c, best = 1e-3, 4.0, 0.0, float(y.min()), None
+    for _ in range(3):
+        bs = np.linspace(lo_b, hi_b, 200)
+        cs = np.linspace(lo_c, hi_c, 80, endpoint=hi_c == lo_c or best is not None)
+        cs = cs[(cs >= 0) & (cs < max(float(y.min()), 1e-12))] if float(y.min()) > 0 else np.zeros(1)
+        f = u[None, :] ** -bs[:, None]                                    # [b, point]
+        t = y[None, :] - cs[:, None]                                      # [c, point]
+        a = np.clip((t @ f.T) / (f * f).sum(1)[None, :], 0, None)         # [c, b]
+        rss = ((a[:, :, None] * f[None] - t[:, None, :]) ** 2).sum(-1)    # [c, b]
+        i, j = np.unravel_index(int(rss.argmin()), rss.shape)
+        best = (float(a[i, j]), float(bs[j]), float(cs[i]), float(rss[i, j]))
+        db, dc = (hi_b - lo_b) / 20, (hi_c - lo_c) / 20
+        lo_b, hi_b = max(1e-3, best[1] - db), min(4.0, best[1] + db)
+        lo_c, hi_c = max(0.0, best[2] - dc), min(float(y.min()), best[2] + dc)
+    a, b, c, rss = best
+    out.update(a=a * float(x.min()) ** b, b=b, c=c, r2=1 - rss / tss if tss > 0 else 0.0)
+    if float(y.max() - y.min()) < 0.01:
+        out['why'] = "flat: the error varies by less than 1 percentage point"
+    elif out['r2'] <= 0:
+        out['why'] = "the fit is no better than the mean error"
+    else:
+        out.update(meaningful=True, why='')
+    return out
+
+
+def family_fits(done):
+    """(family, x key, x label, xs, errors, fit) for every family with at least two distinct x on an axis."""
+    fits = []
+    for f in dict.fromkeys(r['family'] for r in done):
+        for key, label in FIT_AXES:
+            pts = [r for r in done if r['family'] == f and r.get(key) is not None]
+            if len({r[key] for r in pts}) < 2:
+                continue
+            xs, errs = [r[key] for r in pts], [1 - r['exact'] for r in pts]
+            fits.append((f, key, label, xs, errs, fit_power_law(xs, errs)))
+    return fits
+
+
+def fit_text(fit):
+    return f"{fit['a']:.3g}·X^-{fit['b']:.3f} + {fit['c']:.4f}"
+
+
+def fits_section(rows):
+    done = [p for p in points(rows) if p['status'] == 'done' and p.get('exact') is not None]
+    fits = family_fits(done)
+    if not fits:
+        return []
+    lines = ["\n## Fits: error = a · X^-b + c\n",
+             "Error = 1 - held-out exact accuracy" + (f" (mean of {seeds} seeds)" if seeds > 1 else '')
+             + ", per family against its parameters, training FLOPs and training puzzles (where the family has "
+               "two or more distinct values). Least squares with b > 0 and 0 <= c < the smallest error; a fit is "
+               "meaningful with 4 or more distinct points, an error spread of 1 percentage point or more, and "
+               "R² > 0.\n", "| family | X | points | fit | R² | meaningful |", "|---|---|---|---|---|---|"]
+    for f, key, label, xs, errs, fit in fits:
+        r2 = '' if fit['r2'] is None else f"{fit['r2']:.3f}"
+        lines.append(f"| {f}_* | {label} | {fit['n']} | {fit_text(fit) if fit['a'] is not None else ''} | {r2} | "
+                     f"{'yes' if fit['meaningful'] else 'no: ' + fit['why']} |")
+    return lines
 
 
 def plot(rows, folder):
@@ -1046,10 +1196,12 @@ def plot(rows, folder):
     except ImportError:
         print("report: matplotlib is not installed, so no plots (pip install matplotlib); the tables are written")
         return []
-    done = [r for r in rows if r['status'] == 'done']
+    done = [p for p in points(rows) if p['status'] == 'done' and p.get('exact') is not None]
     fams = list(dict.fromkeys(r['family'] for r in done))
     colors = {f: plt.get_cmap('tab10')(i % 10) for i, f in enumerate(fams)}
     title = f"scale {scale}"
+    ylabel = ('held-out exact accuracy (%)\nbars: 95% Wilson interval' if seeds == 1 else
+              f'held-out exact accuracy (%)\nmean of {seeds} seeds, bars: min-max')
     written = []
 
     def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
@@ -1062,8 +1214,7 @@ def plot(rows, folder):
                 continue
             xs = [r[xkey] for r in pts]
             ys = [100 * r['exact'] for r in pts]
-            err = [[100 * (r['exact'] - r['exact_ci_low']) for r in pts], [100 * (r['exact_ci_high'] - r['exact'])
-                                                                            for r in pts]]
+            err = [[100 * (r['exact'] - r['bar_lo']) for r in pts], [100 * (r['bar_hi'] - r['exact']) for r in pts]]
             ax.errorbar(xs, ys, yerr=err, marker='o', capsize=3, color=colors[f], label=f"{f}_*")
             if annotate:
                 for r, x, y in zip(pts, xs, ys):
@@ -1073,7 +1224,7 @@ def plot(rows, folder):
         if logx:
             ax.set_xscale('log')
         ax.set_xlabel(label_x)
-        ax.set_ylabel('held-out exact accuracy (%), 95% CI')
+        ax.set_ylabel(ylabel)
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
         if used:
@@ -1090,11 +1241,14 @@ def plot(rows, folder):
     for r in done:
         r['calls'] = r['H_cycles'] * (r['L_cycles'] + 1)
         r['per_puzzle'] = None if r.get('aug') is None else 1 + r['aug']
-    for xkey, label, name, logx in (('params', 'parameters (count, log scale)', 'acc_vs_params.png', True),
-                                    ('train_flops', 'training compute (FLOPs, log scale)', 'acc_vs_flops.png', True)):
+    for xkey, label, name, what in (
+            ('params', 'parameters (count, log scale)', 'acc_vs_params.png', 'model size'),
+            ('train_flops', 'training compute (FLOPs, log scale)', 'acc_vs_flops.png', 'training compute'),
+            ('device_hours', 'cost: device-hours (wall time x devices, log scale)', 'acc_vs_device_hours.png',
+             'cost')):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        if series(ax, xkey, label, logx=logx):
-            ax.set_title(f"Exact accuracy vs {'model size' if xkey == 'params' else 'training compute'} ({title})")
+        if series(ax, xkey, label, logx=True):
+            ax.set_title(f"Exact accuracy vs {what} ({title})")
             save(fig, name)
         else:
             plt.close(fig)
@@ -1104,6 +1258,10 @@ def plot(rows, folder):
              [('L_cycles', 'n = L_cycles (z-updates per round)', ('rec',), False, 'Recursion depth n at T = 3'),
               ('calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)', ('rec', 'tn'),
                False, 'Recursion T x (n + 1)')]),
+            ('acc_vs_optimizer.png',
+             [('lr', 'learning rate (log scale)', ('lr',), True, 'Learning rate'),
+              ('global_batch_size', 'global batch size (log scale; lr = 1e-4 x sqrt(B / 768))', ('bs',), True,
+               'Batch size')]),
             ('acc_vs_data.png',
              [('puzzles', 'training puzzles (log scale)', ('data',), True, 'Training puzzles'),
               ('per_puzzle', 'examples per training puzzle = 1 + augmentations (log scale)', ('aug',), True,
@@ -1121,18 +1279,49 @@ def plot(rows, folder):
     if abl:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ys = [100 * r['exact'] for r in abl]
-        err = [[100 * (r['exact'] - r['exact_ci_low']) for r in abl], [100 * (r['exact_ci_high'] - r['exact'])
-                                                                        for r in abl]]
+        err = [[100 * (r['exact'] - r['bar_lo']) for r in abl], [100 * (r['bar_hi'] - r['exact']) for r in abl]]
         ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
         ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
-        ax.set_ylabel('held-out exact accuracy (%), 95% CI')
+        ax.set_ylabel(ylabel)
         ax.set_ylim(0, 103)
         ax.set_title(f"Ablations ({title})")
         save(fig, 'acc_ablations.png')
     fig = plot_supervision_steps(plt, done, title)
     if fig:
         save(fig, 'acc_vs_supervision_steps.png')
+    fig = plot_fits(plt, done, title, colors)
+    if fig:
+        save(fig, 'error_fits.png')
     return written
+
+
+def plot_fits(plt, done, title, colors):
+    """One panel per axis (parameters, training FLOPs, training puzzles): each family's error against it, log-log,
+    with its fit a * X^-b + c drawn where the fit is meaningful (report.md says why where it is not)."""
+    import numpy as np
+    fits = family_fits(done)
+    axes_used = [a for a in FIT_AXES if any(f[1] == a[0] for f in fits)]
+    if not axes_used:
+        return None
+    fig, axes = plt.subplots(1, len(axes_used), figsize=(6 * len(axes_used), 4.5), squeeze=False)
+    for ax, (key, label) in zip(axes.flat, axes_used):
+        for f, k, _, xs, errs, fit in fits:
+            if k != key:
+                continue
+            what = f"fit {fit_text(fit)}, R² {fit['r2']:.2f}" if fit['meaningful'] else 'no meaningful fit'
+            ax.plot(xs, [100 * e for e in errs], 'o', color=colors[f], label=f"{f}_*: {what}")
+            if fit['meaningful']:
+                grid = np.geomspace(min(xs), max(xs), 100)
+                ax.plot(grid, 100 * (fit['a'] * grid ** -fit['b'] + fit['c']), '-', color=colors[f], lw=1)
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        ax.set_xlabel(f"{label} (log scale)")
+        ax.set_ylabel('error = 100% - exact accuracy (%, log scale)' + (f'\nmean of {seeds} seeds' if seeds > 1
+                                                                         else ''))
+        ax.set_title(f"Error vs {label}: a·X^-b + c ({title})", fontsize=10)
+        ax.grid(alpha=0.3, which='both')
+        ax.legend(fontsize=7)
+    return fig
 
 
 def plot_supervision_steps(plt, done, title):
