@@ -1,6 +1,6 @@
 """
 Scaling studies: families of train.py runs that differ from the paper's recipe in one or two keys, run in
-sequence (resumable), costed before they run, and compared afterwards in one table and a few plots.
+sequence or N at once (resumable), costed before they run, and compared afterwards in one table and a few plots.
 
     python study.py                                            # the families and their experiments
     python study.py --pattern='rec_*' --dry_run=True           # each run's command, parameters, FLOPs, time
@@ -61,9 +61,40 @@ held-out sets at every evaluation) are shown apart. Times need a measured speed:
 `python bench.py config/baseline.py` plus the scale's flags prints; turned into a FLOP rate with that
 model's FLOPs, so each run's time follows its own FLOPs) or --bench_file (a file with bench.py's output).
 
+Parallel runs (--slots=N): N train.py processes at once on this host, each with the same flags as alone (so
+the same results) and its own devices: GPUs: nproc each, by CUDA_VISIBLE_DEVICES (from the environment, or
+`nvidia-smi -L`; CUDA is never initialized in study.py); TPU (PJRT_DEVICE=TPU, chips counted on the PCI bus as
+torch_xla does): N = the host's chips, one chip a run, by libtpu's per-process variables TPU_VISIBLE_CHIPS=i,
+TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1, TPU_PROCESS_BOUNDS=1,1,1, TPU_PROCESS_PORT=8476+i,
+TPU_PROCESS_ADDRESSES=localhost:8476+i, CLOUD_TPU_TASK_ID=0 (torch_xla's launcher then starts one process);
+2 .. chips-1 chips a run are refused (the launcher starts one process per visible chip and gives each chip i
+of 0..k-1, so two runs cannot be told apart); CPU: the cores are split between slots (sched_setaffinity in the
+child, OMP_NUM_THREADS = its cores unless set; the cpu scale keeps 1 thread a run). Runs start longest first;
+each keeps its train.log; the console shows a line when one starts or ends and, every status_every seconds,
+one status line per running run. SIGINT/SIGTERM: every running train.py gets one SIGTERM (saves, exits).
+Pods (--hosts_mode=share): each host runs its own share of the runs on its own chips, no collective across
+hosts: a fixed partition of the runs (longest first onto the least-loaded host, costs from the configs and
+the datasets' known sizes only), so every host knows its share alone; host index from --host_index,
+TPU_WORKER_ID, CLOUD_TPU_TASK_ID or the TPU metadata; host count from --num_hosts, TPU_WORKER_HOSTNAMES or
+the metadata. With --slots=1 a host's chips act as a TPU VM of their own: TPU_SKIP_MDS_QUERY=1,
+TPU_ACCELERATOR_TYPE (from the metadata), TPU_WORKER_ID=0, TPU_WORKER_HOSTNAMES=localhost,
+TPU_HOST_BOUNDS=1,1,1, TPU_CHIPS_PER_HOST_BOUNDS (the host's chips, from the metadata). Use out_root=gs://...
+so the report sees every host's results. The default, hosts_mode=all, runs each run over the whole pod.
+The dry run prints which host and slot runs what and the study's wall time under each mode.
+Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>, --seed=s).
+New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with square-root
+scaling lr = 1e-4 * sqrt(B / 768); puzzle_emb_lr and warm-up steps stay), abl_halt1/2 and abl_noemb. At the
+cpu scale lr and batch keep their ratio to the base's (2e-3 x lr / 1e-4, 32 x B / 768); halt_max_steps < 4
+is kept (abl_halt2 and abl_halt8 then both train 2 steps); the cpu base has no puzzle embedding, so
+abl_noemb's cpu twin turns it ON (width 32): the same contrast against the cpu base, reversed.
+
 --report=True (and every run of a study, at its end) writes <report_dir>/report.md, report.csv and PNGs: held-out exact accuracy (95% Wilson
-interval) against parameters, training FLOPs, recursion (n = L_cycles; T x (n + 1) network calls per
-supervision step), training puzzles and augmentations, per ablation, and accuracy against supervision steps.
+interval; with --seeds: the mean, bars min-max) against parameters, training FLOPs, device-hours (results.json's
+wall time x devices), recursion (n = L_cycles; T x (n + 1) network calls per supervision step), lr and batch,
+training puzzles and augmentations, per ablation, and accuracy against supervision steps; and error_fits.png:
+error = 1 - exact fitted per family as a * X^-b + c against parameters, FLOPs and puzzles (report.md: the
+parameters, R^2, and why a fit is not meaningful: under 4 distinct points, a spread under 1 point, R^2 <= 0).
+report.csv has one row per run (seed column) and each experiment's exact_mean/std/min/max over its seeds.
 """
 import csv
 import fnmatch
@@ -516,8 +547,9 @@ def slot_plans(kind, ids, n, hosts):
                              f"{len(ids)}: one chip per run)")
         for i, p in enumerate(plans if n > 1 else []):
             port = TPU_PORT + i
-            p['env'] = dict(TPU_VISIBLE_CHIPS=str(i), TPU_CHIPS_PER_PROCESS_BOUNDS='1,1,1', TPU_PROCESS_BOUNDS='1,1,1',
-                            TPU_PROCESS_PORT=str(port), TPU_PROCESS_ADDRESSES=f'localhost:{port}', CLOUD_TPU_TASK_ID='0')
+            p['env'] = dict(TPU_VISIBLE_CHIPS=str(i), TPU_CHIPS_PER_PROCESS_BOUNDS='1,1,1',
+                            TPU_PROCESS_BOUNDS='1,1,1', TPU_PROCESS_PORT=str(port),
+                            TPU_PROCESS_ADDRESSES=f'localhost:{port}', CLOUD_TPU_TASK_ID='0')
             p['label'] = f'TPU chip {i}'
         if n == 1 and hosts > 1:
             plans[0]['env'], plans[0]['label'] = tpu_host_alone_env(), f'all {len(ids)} TPU chips of this host'
@@ -1308,7 +1340,8 @@ def plot_fits(plt, done, title, colors):
         for f, k, _, xs, errs, fit in fits:
             if k != key:
                 continue
-            what = f"fit {fit_text(fit)}, R² {fit['r2']:.2f}" if fit['meaningful'] else 'no meaningful fit'
+            what = f"error {fit_text(fit)} (as a fraction), R² {fit['r2']:.2f}" if fit['meaningful'] else \
+                'no meaningful fit (report.md says why)'
             ax.plot(xs, [100 * e for e in errs], 'o', color=colors[f], label=f"{f}_*: {what}")
             if fit['meaningful']:
                 grid = np.geomspace(min(xs), max(xs), 100)
