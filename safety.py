@@ -228,6 +228,8 @@ class Run:
         self.verified = -1       # newest checkpoint step whose next step's loss was seen finite
         self.records = self.wandb = self.uploader = None
         self.stop_every, self.t_calibrate = 1, None
+        self.timing = {}         # wall seconds by phase of this run's earlier processes (from the checkpoint)
+        self.clock = None        # train.py's: this process's wall seconds by phase so far (a dict)
         self.data_path = self.fetch_data()
         self.check_start()
 
@@ -281,6 +283,7 @@ class Run:
                 self.check_resume_config(ckpt['config'], resume_fixed, ckpt['step'])
                 self.load_state(ckpt, model, ema_model, opt, loader)
                 step, self.best = ckpt['step'], ckpt['best']
+                self.timing = dict(ckpt.get('timing') or {})
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 lb = cfg['global_batch_size'] // dev.world_size  # the carry is saved for the global batch
                 carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
@@ -398,7 +401,7 @@ class Run:
             state = dict(model=model.state_dict(), ema=ema_model.state_dict() if ema_model is not model else None,
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
-                         config=self.cfg, best=self.best, run_id=self.run_id)
+                         config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total())
             try:
                 self.write(state, path, tag)
             except Exception as e:
@@ -406,6 +409,11 @@ class Run:
         fail_together(dev, problems, f'checkpoint at step {step}')
         self.last_good = path
         return path
+
+    def timing_total(self):
+        """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this process's."""
+        now = self.clock() if self.clock else {}
+        return {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
 
     def checkpoint_tensors(self, model, ema_model, carry):
         """[are the weights sane, the carry of the global batch...]: one reduction, collectives on every rank.

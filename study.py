@@ -1,6 +1,6 @@
 """
 Scaling studies: families of train.py runs that differ from the paper's recipe in one or two keys, run in
-sequence (resumable), costed before they run, and compared afterwards in one table and a few plots.
+sequence or N at once (resumable), costed before they run, and compared afterwards in one table and a few plots.
 
     python study.py                                            # the families and their experiments
     python study.py --pattern='rec_*' --dry_run=True           # each run's command, parameters, FLOPs, time
@@ -61,9 +61,40 @@ held-out sets at every evaluation) are shown apart. Times need a measured speed:
 `python bench.py config/baseline.py` plus the scale's flags prints; turned into a FLOP rate with that
 model's FLOPs, so each run's time follows its own FLOPs) or --bench_file (a file with bench.py's output).
 
+Parallel runs (--slots=N): N train.py processes at once on this host, each with the same flags as alone (so
+the same results) and its own devices: GPUs: nproc each, by CUDA_VISIBLE_DEVICES (from the environment, or
+`nvidia-smi -L`; CUDA is never initialized in study.py); TPU (PJRT_DEVICE=TPU, chips counted on the PCI bus as
+torch_xla does): N = the host's chips, one chip a run, by libtpu's per-process variables TPU_VISIBLE_CHIPS=i,
+TPU_CHIPS_PER_PROCESS_BOUNDS=1,1,1, TPU_PROCESS_BOUNDS=1,1,1, TPU_PROCESS_PORT=8476+i,
+TPU_PROCESS_ADDRESSES=localhost:8476+i, CLOUD_TPU_TASK_ID=0 (torch_xla's launcher then starts one process);
+2 .. chips-1 chips a run are refused (the launcher starts one process per visible chip and gives each chip i
+of 0..k-1, so two runs cannot be told apart); CPU: the cores are split between slots (sched_setaffinity in the
+child, OMP_NUM_THREADS = its cores unless set; the cpu scale keeps 1 thread a run). Runs start longest first;
+each keeps its train.log; the console shows a line when one starts or ends and, every status_every seconds,
+one status line per running run. SIGINT/SIGTERM: every running train.py gets one SIGTERM (saves, exits).
+Pods (--hosts_mode=share): each host runs its own share of the runs on its own chips, no collective across
+hosts: a fixed partition of the runs (longest first onto the least-loaded host, costs from the configs and
+the datasets' known sizes only), so every host knows its share alone; host index from --host_index,
+TPU_WORKER_ID, CLOUD_TPU_TASK_ID or the TPU metadata; host count from --num_hosts, TPU_WORKER_HOSTNAMES or
+the metadata. With --slots=1 a host's chips act as a TPU VM of their own: TPU_SKIP_MDS_QUERY=1,
+TPU_ACCELERATOR_TYPE (from the metadata), TPU_WORKER_ID=0, TPU_WORKER_HOSTNAMES=localhost,
+TPU_HOST_BOUNDS=1,1,1, TPU_CHIPS_PER_HOST_BOUNDS (the host's chips, from the metadata). Use out_root=gs://...
+so the report sees every host's results. The default, hosts_mode=all, runs each run over the whole pod.
+The dry run prints which host and slot runs what and the study's wall time under each mode.
+Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>, --seed=s).
+New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with square-root
+scaling lr = 1e-4 * sqrt(B / 768); puzzle_emb_lr and warm-up steps stay), abl_halt1/2 and abl_noemb. At the
+cpu scale lr and batch keep their ratio to the base's (2e-3 x lr / 1e-4, 32 x B / 768); halt_max_steps < 4
+is kept (abl_halt2 and abl_halt8 then both train 2 steps); the cpu base has no puzzle embedding, so
+abl_noemb's cpu twin turns it ON (width 32): the same contrast against the cpu base, reversed.
+
 --report=True (and every run of a study, at its end) writes <report_dir>/report.md, report.csv and PNGs: held-out exact accuracy (95% Wilson
-interval) against parameters, training FLOPs, recursion (n = L_cycles; T x (n + 1) network calls per
-supervision step), training puzzles and augmentations, per ablation, and accuracy against supervision steps.
+interval; with --seeds: the mean, bars min-max) against parameters, training FLOPs, device-hours (results.json's
+wall time x devices), recursion (n = L_cycles; T x (n + 1) network calls per supervision step), lr and batch,
+training puzzles and augmentations, per ablation, and accuracy against supervision steps; and error_fits.png:
+error = 1 - exact fitted per family as a * X^-b + c against parameters, FLOPs and puzzles (report.md: the
+parameters, R^2, and why a fit is not meaningful: under 4 distinct points, a spread under 1 point, R^2 <= 0).
+report.csv has one row per run (seed column) and each experiment's exact_mean/std/min/max over its seeds.
 """
 import csv
 import fnmatch
@@ -99,6 +130,12 @@ examples_per_s = 0.0            # bench.py's training examples/s for config/base
 bench_file = ''                 # or a file with bench.py's output: its last 'bench:' line gives the measured FLOP rate
 build_data = True               # build missing datasets before the runs (False: a run without its dataset fails)
 report_dir = ''                 # where --report writes ('': the local folder of out_root)
+slots = 1                       # runs at once on this host, each on its own GPUs, TPU chip or CPU cores (docstring)
+hosts_mode = 'all'              # 'all': each run over every host of a TPU pod, in turn | 'share': each host its share
+host_index = -1                 # this host for hosts_mode='share' (-1: TPU_WORKER_ID, CLOUD_TPU_TASK_ID, TPU metadata, 0)
+num_hosts = 0                   # hosts for hosts_mode='share' (0: TPU_WORKER_HOSTNAMES, the TPU metadata, else 1)
+seeds = 1                       # runs per experiment: seeds 0 .. seeds-1 (seed s > 0 in <out_dir>-s<s>)
+status_every = 60.0             # with slots > 1: seconds between status lines (one line per running run)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
@@ -119,7 +156,7 @@ CPU_MAZE = dict(size=8, train=200, num_test=100)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
 MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is trained
-STOP = dict(requested=False, child=None)
+STOP = dict(requested=False, children=set())
 
 if scale not in SCALE_ROOTS:
     raise SystemExit(f"config error: scale={scale!r} (allowed: {' | '.join(map(repr, SCALE_ROOTS))})")
@@ -127,6 +164,10 @@ if nproc < 1:
     raise SystemExit(f"config error: nproc={nproc} (allowed: >= 1)")
 if sum([dry_run, list_only, report]) > 1:
     raise SystemExit("config error: choose one of dry_run, list_only and report")
+if slots < 1 or seeds < 1:
+    raise SystemExit(f"config error: slots={slots}, seeds={seeds} (allowed: >= 1)")
+if hosts_mode not in ('all', 'share'):
+    raise SystemExit(f"config error: hosts_mode={hosts_mode!r} (allowed: 'all' | 'share')")
 if os.environ.get('PJRT_DEVICE') and nproc > 1:
     raise SystemExit("config error: with PJRT_DEVICE set train.py starts one process per chip itself: use --nproc=1")
 ROOT = (out_root or SCALE_ROOTS[scale]).rstrip('/')
@@ -144,6 +185,8 @@ def fmt_value(v):
 
 
 EXTRA = parse_flags(extra, TRAIN_DEFAULTS, '--extra')
+if seeds > 1 and 'seed' in EXTRA:
+    raise SystemExit("config error: --seeds and --extra='--seed=...' together (allowed: one of them)")
 
 
 def read_meta(path):
@@ -167,9 +210,9 @@ def effective(path):
 # -----------------------------------------------------------------------------
 # datasets: what a data_path is, at each scale, and the command that builds it
 
-def dataset_for(cfg, meta):
+def dataset_for(cfg, meta, read_built=True):
     """The dataset a run uses at this scale: path, build command (None: unknown), kind, training puzzles
-    (groups) and augmentations, sizes for the cost. Read from dataset.json once it is built."""
+    (groups) and augmentations, sizes for the cost. Read from dataset.json once it is built (read_built)."""
     path = cfg['data_path']
     name = path.rstrip('/').split('/')[-1]
     d = dict(path=path, build=shlex.split(meta['_prepare']) if meta.get('_prepare') else None, kind=None,
@@ -201,7 +244,7 @@ def dataset_for(cfg, meta):
                             '--num_test', str(c['num_test']), '--output_dir', p])
     metas = [os.path.join(d['path'], s, 'dataset.json') for s in ('train', 'test')]
     d['exists'] = all(os.path.exists(p) for p in metas)
-    if d['exists']:  # the real sizes
+    if d['exists'] and read_built:  # the real sizes
         with open(metas[0]) as f:
             tr = json.load(f)
         with open(metas[1]) as f:
@@ -224,18 +267,24 @@ def build_display(cmd):
 class Experiment:
     """One config file at this scale: its family, varied keys, out_dir, dataset, train.py flags and command."""
 
-    def __init__(self, path, name=None):
-        self.path, self.name = path, name or os.path.basename(path)[:-3]
+    def __init__(self, path, name=None, seed=0):
+        self.path, self.name, self.seed = path, name or os.path.basename(path)[:-3], seed
+        self.run = self.name + (f"-s{seed}" if seed else '')  # the run's label: one per seed
         self.family = self.name.rsplit('_', 1)[0] if '_' in self.name else self.name
         self.cfg, self.meta = effective(path)
         base = self.meta.get('_base')
         self.base_cfg = effective(base)[0] if base else dict(TRAIN_DEFAULTS)
         self.varied = {k: v for k, v in self.cfg.items() if v != self.base_cfg.get(k) and k not in NOT_VARIED}
         self.data = dataset_for(self.cfg, self.meta)
-        leaf = self.cfg['out_dir'].rstrip('/').split('/')[-1]
+        leaf = self.cfg['out_dir'].rstrip('/').split('/')[-1] + (f"-s{seed}" if seed else '')
         self.out_dir, self.local = f"{ROOT}/{leaf}", os.path.join(LOCAL_ROOT, leaf)
+        self.twin_note = ''  # what the cpu twin trains where it differs in kind from the file
         self.flags = self.scale_flags()
         self.flags['out_dir'] = self.out_dir
+        if seed:  # seed 0 is the file's own (train.py's default): its folder and flags stay as without --seeds
+            self.flags['seed'] = seed
+            if self.cfg['wandb_run_name']:
+                self.flags['wandb_run_name'] = f"{self.cfg['wandb_run_name']}-s{seed}"
         if gcs.is_gcs(ROOT):
             self.flags['local_dir'] = self.local
         self.run_cfg = {**self.cfg, **self.flags, **EXTRA}
@@ -262,8 +311,21 @@ class Experiment:
                 o['global_batch_size'] = min(c['global_batch_size'], 128)
         elif scale == 'cpu':
             o.update(CPU_FIXED)
+            b = self.base_cfg
+            # the lr and batch the file sets relative to its base recipe's carry over (lr_*, bs_* families)
+            o['lr'] = float(f"{CPU_FIXED['lr'] * c['lr'] / b['lr']:.3g}")
+            o['global_batch_size'] = max(1, round(CPU_FIXED['global_batch_size'] * c['global_batch_size']
+                                                  / b['global_batch_size']))
             o['hidden_size'] = max(8, c['hidden_size'] // 16)
-            o['halt_max_steps'] = max(1, c['halt_max_steps'] // 4)
+            # halt_max_steps / 4 (16 -> 4); below 4 kept (abl_halt1, abl_halt2), so abl_halt2 and abl_halt8 both
+            # train 2 steps at this scale
+            o['halt_max_steps'] = c['halt_max_steps'] if c['halt_max_steps'] < 4 else c['halt_max_steps'] // 4
+            if not c['puzzle_emb_ndim'] and b['puzzle_emb_ndim']:
+                # every cpu twin runs without the embedding, the base too: so the twin of a file that turns it off
+                # turns it on (at the width / 16), and the pair (cpu base, twin) shows the same contrast reversed
+                o['puzzle_emb_ndim'] = max(8, b['puzzle_emb_ndim'] // 16)
+                self.twin_note = (f"cpu twin: puzzle_emb_ndim={o['puzzle_emb_ndim']}, the embedding ON against the "
+                                  f"cpu base's 0")
             o['eval_steps'] = 2 * o['halt_max_steps']  # test-time scaling: twice the trained steps
             o['epochs'] = max(1, round(c['epochs'] * CPU_FRACTION))
             o['eval_interval'] = max(1, o['epochs'] // 2)
@@ -275,7 +337,8 @@ class Experiment:
         """The keys its family studies (those any member changes), with this run's values."""
         keys = self.family_keys or list(self.varied)
         text = ', '.join(f"{k}={self.cfg[k]!r}" for k in keys)
-        return (text + ' (base)' if text else 'base recipe') if not self.varied else text
+        text = (text + ' (base)' if text else 'base recipe') if not self.varied else text
+        return text + (f" ({self.twin_note})" if self.twin_note else '')
 
     def point(self):
         return self.name[len(self.family) + 1:] or self.name
@@ -293,7 +356,7 @@ def load_experiments(patterns):
     if not chosen:
         fams = sorted({n.rsplit('_', 1)[0] for n in names}, key=natural_key)
         raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: {', '.join(f + '_*' for f in fams)}")
-    exps = [Experiment(os.path.join(config_dir, n + '.py')) for n in chosen]
+    exps = [Experiment(os.path.join(config_dir, n + '.py'), seed=s) for n in chosen for s in range(seeds)]
     for e in exps:
         e.family_keys = list(dict.fromkeys(k for x in exps if x.family == e.family for k in x.varied))
     by_dir = {}
@@ -303,7 +366,7 @@ def load_experiments(patterns):
             if first.run_cfg | {'wandb_run_name': 0} != e.run_cfg | {'wandb_run_name': 0}:
                 raise SystemExit(f"config error: {first.path} and {e.path} share out_dir {e.out_dir} but differ in "
                                  f"{sorted(k for k in e.run_cfg if e.run_cfg[k] != first.run_cfg[k])}")
-            e.same_as = first.name
+            e.same_as = first.run
     return names, exps
 
 
@@ -369,10 +432,10 @@ def model_cost(run_cfg, data):
     return _models[key]
 
 
-def cost(e):
-    """Parameters, FLOPs and steps of a run, as train.py will count them."""
+def cost(e, data=None):
+    """Parameters, FLOPs and steps of a run, as train.py will count them (data: other sizes than e.data's)."""
     from step import evaluation_steps
-    c, d = e.run_cfg, e.data
+    c, d = e.run_cfg, data or e.data
     if d['groups'] is None or d.get('vocab_size') is None:
         return None
     try:
@@ -424,6 +487,152 @@ def duration(s):
 
 
 # -----------------------------------------------------------------------------
+# hosts, slots and devices: where each run goes
+
+TPU_PORT = 8476                 # libtpu's first process port (torch_xla's default); slot i uses TPU_PORT + i
+
+
+def host_devices(exps):
+    """(kind, ids) of what this host's runs train on, found without initializing a device in study.py: 'tpu'
+    (PJRT_DEVICE=TPU) and its chips (on the PCI bus, as torch_xla counts them), 'cuda' and
+    CUDA_VISIBLE_DEVICES or the GPUs `nvidia-smi -L` lists, else 'cpu' and the cores study.py may run on."""
+    wanted = {e.run_cfg['device'] for e in exps} or {'auto'}
+    if os.environ.get('PJRT_DEVICE') == 'TPU' and wanted <= {'auto', 'xla'}:
+        from torch_xla._internal import tpu  # counts the chips on the PCI bus; no device is touched
+        chips = tpu.num_available_chips()
+        return 'tpu', [str(i) for i in range(chips)]
+    if wanted <= {'auto', 'cuda'}:
+        gpus = [g for g in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if g.strip()]
+        if 'CUDA_VISIBLE_DEVICES' not in os.environ:
+            try:
+                out = subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True, timeout=30).stdout
+                gpus = [str(i) for i, l in enumerate(l for l in out.splitlines() if l.startswith('GPU '))]
+            except (OSError, subprocess.SubprocessError):
+                gpus = []
+        if gpus:
+            return 'cuda', gpus
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else list(range(os.cpu_count() or 1))
+    return 'cpu', [str(c) for c in cores]
+
+
+def this_host():
+    """(index, count) of this host among the pod's for hosts_mode='share': the flags, else the environment
+    (TPU_WORKER_ID or CLOUD_TPU_TASK_ID, TPU_WORKER_HOSTNAMES), else the TPU VM's metadata, else (0, 1)."""
+    index, count = host_index, num_hosts
+    if index < 0:
+        env = os.environ.get('TPU_WORKER_ID') or os.environ.get('CLOUD_TPU_TASK_ID')
+        index = int(env) if env else -1
+    if count < 1 and os.environ.get('TPU_WORKER_HOSTNAMES'):
+        count = len(os.environ['TPU_WORKER_HOSTNAMES'].split(','))
+    if (index < 0 or count < 1) and os.environ.get('PJRT_DEVICE') == 'TPU':
+        from torch_xla._internal import tpu  # the metadata server, as torch_xla asks it; no device is touched
+        index = tpu.worker_id() if index < 0 else index
+        count = tpu.num_tpu_workers() if count < 1 else count
+    index, count = max(index, 0), max(count, 1)
+    if index >= count:
+        raise SystemExit(f"config error: host_index={index} with num_hosts={count} (allowed: 0 .. {count - 1})")
+    return index, count
+
+
+def slot_plans(kind, ids, n, hosts):
+    """One dict per slot: label, environment (None: unset) and CPU cores (None: as study.py's). GPUs: nproc
+    each (CUDA_VISIBLE_DEVICES). TPU: slots=1 every chip (with hosts_mode='share' on a pod, as a host of its
+    own), or one chip per slot (libtpu's per-process variables); torch_xla starts one process per chip and
+    cannot be told which chips each of one run's processes takes, so 2 .. chips-1 chips a run is refused.
+    Cores are split between slots (affinity, and OMP_NUM_THREADS for runs that set no thread count)."""
+    plans = [dict(label='', env={}, cores=None) for _ in range(n)]
+    if kind == 'tpu':
+        if n > 1 and n != len(ids):
+            raise SystemExit(f"config error: slots={n} on a TPU host of {len(ids)} chip(s) (allowed: 1 or "
+                             f"{len(ids)}: one chip per run)")
+        for i, p in enumerate(plans if n > 1 else []):
+            port = TPU_PORT + i
+            p['env'] = dict(TPU_VISIBLE_CHIPS=str(i), TPU_CHIPS_PER_PROCESS_BOUNDS='1,1,1',
+                            TPU_PROCESS_BOUNDS='1,1,1', TPU_PROCESS_PORT=str(port),
+                            TPU_PROCESS_ADDRESSES=f'localhost:{port}', CLOUD_TPU_TASK_ID='0')
+            p['label'] = f'TPU chip {i}'
+        if n == 1 and hosts > 1:
+            plans[0]['env'], plans[0]['label'] = tpu_host_alone_env(), f'all {len(ids)} TPU chips of this host'
+    elif kind == 'cuda' and n > 1:
+        if n * nproc > len(ids):
+            raise SystemExit(f"config error: slots={n} x nproc={nproc} GPUs, this host has {len(ids)} (allowed: "
+                             f"slots x nproc <= {len(ids)})")
+        for i, p in enumerate(plans):
+            gpus = ids[i * nproc:(i + 1) * nproc]
+            p['env'], p['label'] = dict(CUDA_VISIBLE_DEVICES=','.join(gpus)), f"GPU {','.join(gpus)}"
+    if n > 1:
+        cores = (sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
+                 else list(range(os.cpu_count() or 1)))
+        per = len(cores) // n
+        for i, p in enumerate(plans):
+            p['cores'] = cores[i * per:(i + 1) * per] if per else [cores[i % len(cores)]]
+            if 'OMP_NUM_THREADS' not in os.environ:
+                p['env']['OMP_NUM_THREADS'] = str(len(p['cores']))
+            cpu = f"cpu {p['cores'][0]}" + (f"-{p['cores'][-1]}" if len(p['cores']) > 1 else '')
+            p['label'] = f"{p['label']}, {cpu}" if p['label'] else cpu
+    return plans
+
+
+def tpu_host_alone_env():
+    """A pod host's chips as a TPU VM of their own (no process on another host is waited for): torch_xla's
+    topology from variables instead of the metadata server, one host of the host's chip bounds."""
+    from torch_xla._internal import tpu
+    meta = tpu.get_tpu_env()
+    bounds = meta.get('TPU_CHIPS_PER_PROCESS_BOUNDS') or meta.get('CHIPS_PER_HOST_BOUNDS')
+    return dict(TPU_SKIP_MDS_QUERY='1', TPU_ACCELERATOR_TYPE=meta['ACCELERATOR_TYPE'], TPU_WORKER_ID='0',
+                TPU_WORKER_HOSTNAMES='localhost', TPU_HOST_BOUNDS='1,1,1', TPU_CHIPS_PER_HOST_BOUNDS=bounds,
+                CLOUD_TPU_TASK_ID=None, TPU_PROCESS_BOUNDS=None)
+
+
+def share_cost(e):
+    """A run's FLOPs (training and evaluation) from its config and the datasets' known sizes only, never a
+    local dataset.json: every host of a pod computes the same numbers, so the same partition."""
+    c = cost(e, dataset_for(e.cfg, e.meta, read_built=False))
+    return c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None
+
+
+def partition(names, costs, n):
+    """Host of each run: longest first onto the least-loaded host (ties: the lower index, then the name), a
+    fixed function of the list, so every host knows its share without talking to the others. Runs of unknown
+    cost count as the mean of the known ones."""
+    known = [c for c in costs if c is not None]
+    costs = [c if c is not None else (sum(known) / len(known) if known else 1.0) for c in costs]
+    load, host = [0.0] * n, [0] * len(names)
+    for i in sorted(range(len(names)), key=lambda i: (-costs[i], natural_key(names[i]))):
+        host[i] = min(range(n), key=lambda h: (load[h], h))
+        load[host[i]] += costs[i]
+    return host, load
+
+
+def schedule(seconds, n):
+    """List scheduling in the given order onto n slots (each run on the slot free first): (slot, start) of
+    each, and the makespan."""
+    free, out = [0.0] * n, []
+    for t in seconds:
+        s = min(range(n), key=lambda i: (free[i], i))
+        out.append((s, free[s]))
+        free[s] += t
+    return out, max(free) if seconds else 0.0
+
+
+def order_runs(runs, costs):
+    """The order runs start in: the list's (names, naturally sorted) with one slot; longest first with more,
+    which shortens the study (the results do not depend on the order)."""
+    if slots == 1:
+        return list(runs)
+    return [r for _, r in sorted(zip(costs, runs), key=lambda x: (-(x[0] or 0), natural_key(x[1].run)))]
+
+
+def my_runs(runs):
+    """(the runs this host runs, this host's index, host count, host of every run)."""
+    if hosts_mode == 'all':
+        return runs, 0, 1, [0] * len(runs)
+    index, count = this_host()
+    host, _ = partition([e.run for e in runs], [share_cost(e) for e in runs], count)
+    return [e for e, h in zip(runs, host) if h == index], index, count, host
+
+
+# -----------------------------------------------------------------------------
 # listing and dry run
 
 def print_families(names):
@@ -441,15 +650,16 @@ def print_families(names):
 def print_list(exps):
     for e in exps:
         where = f"same run as {e.same_as}" if e.same_as else state(e)
-        print(f"{e.name:<16} {e.family:<10} {e.varied_text():<52} {e.out_dir}  [{where}]")
+        print(f"{e.run:<16} {e.family:<10} {e.varied_text():<52} {e.out_dir}  [{where}]")
 
 
 def print_dry_run(exps):
     rate, why = flop_rate()
     print(f"scale {scale}: {len(exps)} experiment(s), {sum(not e.same_as for e in exps)} run(s) | {why}\n")
     total = dict(train=0.0, eval=0.0, time=0.0, runs=0)
+    flops = {}
     for e in exps:
-        head = f"{e.name}  [{e.family}: {e.varied_text()}]  -> {e.out_dir}"
+        head = f"{e.run}  [{e.family}: {e.varied_text()}]  -> {e.out_dir}"
         if e.same_as:
             print(f"{head}\n  same run as {e.same_as} (shared out_dir): counted once\n")
             continue
@@ -466,7 +676,8 @@ def print_dry_run(exps):
         if 'error' in c:
             print(f"  cost: the model cannot be built: {c['error']}\n")
             continue
-        t = (c['train_flops'] + c['eval_flops']) / rate / nproc if rate else None
+        flops[e.run] = c['train_flops'] + c['eval_flops']
+        t = flops[e.run] / rate / nproc if rate else None
         print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} steps "
               f"x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training {c['train_flops']:.3g} FLOPs"
               f" | {c['evals']} evaluation(s) {c['eval_flops']:.3g} FLOPs"
@@ -478,6 +689,47 @@ def print_dry_run(exps):
         total['runs'] += 1
     print(f"total: {total['runs']} costed run(s), training {total['train']:.3g} FLOPs, evaluation "
           f"{total['eval']:.3g} FLOPs" + (f", about {duration(total['time'])}" if rate else " (no time estimate)"))
+    print_plan([e for e in exps if not e.same_as], flops, rate)
+
+
+def print_plan(runs, flops, rate):
+    """Which host and slot runs what, and the study's wall time under each mode, from the runs' FLOPs at the
+    device's rate (a run on d devices takes FLOPs / (d x rate): perfect scaling, so a lower bound)."""
+    kind, ids = host_devices(runs)
+    index, hosts = this_host()
+    share = hosts_mode == 'share'
+    plans = slot_plans(kind, ids, slots, hosts if share else 1)
+    per_host = len(ids) if kind in ('tpu', 'cuda') else nproc  # devices one host gives a run
+    per_slot = max(1, per_host // slots) if kind == 'tpu' else nproc
+    mean = sum(flops.values()) / len(flops) if flops else 1.0
+    secs = lambda e, d: flops.get(e.run, mean) / (rate * d) if rate else 0.0
+
+    def on_host(host_of, h):  # (its runs in starting order, (slot, start) of each, its wall time)
+        mine = [e for e, x in zip(runs, host_of) if x == h]
+        mine = order_runs(mine, [flops.get(e.run) for e in mine])
+        return (mine, *schedule([secs(e, per_slot) for e in mine], slots))
+
+    by_share = partition([e.run for e in runs], [share_cost(e) for e in runs], hosts)[0]
+    shown = by_share if share else [0] * len(runs)
+    print(f"\nplan: {len(runs)} run(s), hosts_mode={hosts_mode}, {hosts} host(s)"
+          + (f" (this is host {index})" if share else '') + f", {slots} slot(s) a host; this host's devices: "
+          f"{len(ids)} {dict(tpu='TPU chip(s)', cuda='GPU(s)', cpu='CPU core(s)')[kind]}")
+    for h in range(hosts if share else 1):
+        mine, placed, _ = on_host(shown, h)
+        for e, (s, start) in zip(mine, placed):
+            when = f"  starts about {duration(start)}, ends about {duration(start + secs(e, per_slot))}" if rate else ''
+            label = f" ({plans[s]['label']})" if plans[s]['label'] else ''
+            print(f"  host {h} slot {s}{label}: {e.run}{when}")
+    if not rate:
+        print("wall time: no estimate without a speed figure (--examples_per_s or --bench_file)")
+        return
+    pod = per_host * hosts if kind == 'tpu' else nproc
+    print(f"wall time of the study (estimates; a run on d devices: its FLOPs / (d x {rate / 1e12:.3g} TFLOP/s)):\n"
+          f"  sequential, each run on {pod} device(s) (hosts_mode=all, slots=1): "
+          f"{duration(sum(secs(e, pod) for e in runs))}\n"
+          f"  slots={slots} on one host, {per_slot} device(s) a run: {duration(on_host([0] * len(runs), 0)[2])}\n"
+          f"  hosts_mode=share, {hosts} host(s) x {slots} slot(s): "
+          f"{duration(max(on_host(by_share, h)[2] for h in range(hosts)))}")
 
 
 # -----------------------------------------------------------------------------
@@ -485,40 +737,61 @@ def print_dry_run(exps):
 
 def on_signal(signum, frame):
     STOP['requested'] = True
-    child = STOP['child']
-    print(f"\nstudy: got signal {signum}; "
-          + ("asking the running process to save and stop" if child else "stopping"), flush=True)
-    if child is not None and child.poll() is None:
+    children = [p for p in STOP['children'] if p.poll() is None]
+    print(f"\nstudy: got signal {signum}; " + (f"asking the {len(children)} running process(es) to save and stop"
+                                               if children else "stopping"), flush=True)
+    for p in children:
         try:
-            child.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second one stops it at once
+            p.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second one stops it at once
         except ProcessLookupError:
             pass
 
 
-def _child_setup(parent):
+def _child_setup(parent, cores=None):
     """In the child before exec: die with study.py (the kernel sends SIGTERM when it goes, even on SIGKILL),
-    so an orphaned train.py saves and stops instead of running on beside a rerun."""
+    so an orphaned train.py saves and stops instead of running on beside a rerun; then its slot's cores."""
     try:
-        import ctypes
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:
         pass
     if os.getppid() != parent:
         os.kill(os.getpid(), signal.SIGTERM)
+    if cores:
+        os.sched_setaffinity(0, cores)
+
+
+def _libc():
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True)
+    except Exception:
+        return None
+
+
+_LIBC = _libc()  # looked up once, here: a child between fork and exec only calls it
+
+
+def child_env(extra):
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    for k, v in (extra or {}).items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
 
 
 def run_process(cmd, log_path, env_extra=None):
     """Runs `python cmd...`, its output streamed here and appended to log_path; (exit code, last lines)."""
     os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED='1', **(env_extra or {}))
     tail = deque(maxlen=30)
     parent = os.getpid()
     sys.stdout.flush()
     with open(log_path, 'ab') as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {build_display(cmd)}\n".encode())
-        p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                             start_new_session=True, preexec_fn=lambda: _child_setup(parent))
-        STOP['child'] = p
+        p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             env=child_env(env_extra), start_new_session=True, preexec_fn=lambda: _child_setup(parent))
+        STOP['children'].add(p)
         try:
             for line in iter(p.stdout.readline, b''):
                 sys.stdout.buffer.write(line)
@@ -528,79 +801,178 @@ def run_process(cmd, log_path, env_extra=None):
                 tail.append(line.decode(errors='replace').rstrip())
             rc = p.wait()
         finally:
-            STOP['child'] = None
+            STOP['children'].discard(p)
     return rc, [l for l in tail if l.strip()]
+
+
+class Running:
+    """One train.py of the study: its process, log, slot, last lines and its latest progress line."""
+
+    def __init__(self, e, slot, plan):
+        self.e, self.slot, self.t0, self.buf = e, slot, time.time(), b''
+        self.tail, self.progress, self.last_eval = deque(maxlen=30), '', ''
+        os.makedirs(e.local, exist_ok=True)
+        self.log = open(os.path.join(e.local, 'train.log'), 'ab')
+        self.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {e.display}\n".encode())
+        parent, cores = os.getpid(), plan['cores']
+        self.p = subprocess.Popen([sys.executable] + e.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=child_env({**plan['env'], **e.env}), start_new_session=True,
+                                  preexec_fn=lambda: _child_setup(parent, cores))
+        os.set_blocking(self.p.stdout.fileno(), False)
+        STOP['children'].add(self.p)
+
+    def pump(self, echo):
+        """Takes what the process wrote: into its log, and here when echo. 'eof' at the end of its output, ''
+        when nothing is waiting, else 'more'."""
+        try:
+            chunk = os.read(self.p.stdout.fileno(), 1 << 16)
+        except BlockingIOError:
+            return ''
+        if echo and chunk:
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.flush()
+        self.log.write(chunk)
+        self.log.flush()
+        *lines, self.buf = (self.buf + chunk).split(b'\n') if chunk else (self.buf.split(b'\n') + [b''])
+        for raw in lines:
+            line = raw.decode(errors='replace').rstrip()
+            if line.strip():
+                self.tail.append(line)
+            if line.startswith('step '):
+                self.progress = line
+            elif line.startswith('eval on'):
+                self.last_eval = line
+        return 'more' if chunk else 'eof'
+
+    def close(self):
+        rc = self.p.wait()
+        STOP['children'].discard(self.p)
+        self.p.stdout.close()
+        self.log.close()
+        return rc, list(self.tail)
 
 
 def run_study(exps):
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    if os.environ.get('PJRT_DEVICE') == 'TPU' and not gcs.is_gcs(ROOT):
-        print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use --out_root=gs://BUCKET/...")
     runs = [e for e in exps if not e.same_as]
+    mine, index, hosts, host_of = my_runs(runs)
+    if os.environ.get('PJRT_DEVICE') == 'TPU' and not gcs.is_gcs(ROOT) and hosts_mode == 'all':
+        print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use --out_root=gs://BUCKET/...")
+    if hosts_mode == 'share' and hosts > 1 and not gcs.is_gcs(ROOT):
+        print(f"warning: out_root {ROOT} is local: each host's results stay on it (--out_root=gs://... shows all)")
+    kind, ids = host_devices(mine)
+    plans = slot_plans(kind, ids, slots, hosts if hosts_mode == 'share' else 1)
     status, t_study = {}, time.time()
+    for e, h in zip(runs, host_of):
+        if h != index:
+            status[e.run] = (f"on host {h}", None)
     todo = []
-    for e in runs:
+    for e in mine:
         if has_results(e):
-            status[e.name] = ('done before', None)
+            status[e.run] = ('done before', None)
         else:
             todo.append(e)
-    print(f"study: scale {scale}, {len(exps)} experiment(s), {len(runs)} run(s): {len(runs) - len(todo)} finished "
-          f"before, {len(todo)} to run, in {ROOT}")
-    # datasets first
-    failed_data = {}
-    if build_data:
-        wanted = []
-        for e in todo:
-            if not e.data['exists'] and e.data['path'] not in wanted:
-                wanted.append(e.data['path'])
-        for path in wanted:
-            if STOP['requested']:
-                break
-            d = next(e.data for e in todo if e.data['path'] == path)
-            if d['build'] is None:
-                failed_data[path] = f"dataset {path} is missing and no rule builds it (set _prepare in the file)"
-                continue
-            print(f"\nstudy: building {path}: {build_display(d['build'])}", flush=True)
-            rc, tail = run_process(d['build'], os.path.join(LOCAL_ROOT, 'datasets.log'))
-            if not all(os.path.exists(os.path.join(path, s, 'dataset.json')) for s in ('train', 'test')):
-                failed_data[path] = f"building dataset {path} failed (exit code {rc}): {tail[-1] if tail else ''}"
-                print(f"study: {failed_data[path]}")
-    for e in todo:
-        if STOP['requested']:
-            status.setdefault(e.name, ('not run (stopped)', None))
-            continue
-        # a missing dataset does not skip the run: train.py then fails at start-up on every rank together, so
-        # on a pod every host goes through the same sequence even if only one host's build failed
-        steps = checkpoint_steps(e)
-        print(f"\nstudy: {e.name} [{e.varied_text()}]: "
-              + (f"resuming from its checkpoint at step {steps[-1]}" if steps else "starting") + f"\n  {e.display}",
-              flush=True)
-        t0 = time.time()
-        rc, tail = run_process(e.cmd, os.path.join(e.local, 'train.log'), e.env)
-        took = time.time() - t0
-        if has_results(e):
-            status[e.name] = ('done', f"in {duration(took)}")
-        elif STOP['requested']:
-            status[e.name] = ('stopped', f"checkpoint saved; rerun to continue ({duration(took)})")
-        else:
-            why = next((l for l in reversed(tail) if 'error' in l.lower()), tail[-1] if tail else '')
-            why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data else f"exit code {rc}: {why[:300]} "
-            status[e.name] = ('FAILED', f"{why}(log: {os.path.join(e.local, 'train.log')})")
-        print(f"study: {e.name}: {status[e.name][0]}" + (f" {status[e.name][1]}" if status[e.name][1] else ''),
-              flush=True)
+    where = f"host {index} of {hosts}: {len(mine)} of the " if hosts_mode == 'share' else ''
+    print(f"study: scale {scale}, {len(exps)} experiment(s), {where}{len(runs)} run(s): {len(mine) - len(todo)} "
+          f"finished before, {len(todo)} to run, in {ROOT}" + (f"; {slots} at once on {kind} "
+                                                               f"({', '.join(p['label'] for p in plans)})"
+                                                               if slots > 1 else ''))
+    failed_data = build_datasets(todo)
+    todo = order_runs(todo, [(lambda c: c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None)(
+        cost(e)) for e in todo])
+    run_slots(todo, plans, status, failed_data)
     print(f"\nstudy: summary ({duration(time.time() - t_study)}):")
     for e in exps:
-        s, why = status.get(e.same_as or e.name, ('?', None))
+        s, why = status.get(e.same_as or e.run, ('?', None))
         if e.same_as:
             s, why = s, f"same run as {e.same_as}"
-        print(f"  {e.name:<16} {s:<18} {why or ''}")
-    bad = [n for n, (s, _) in status.items() if s not in ('done', 'done before')]
+        print(f"  {e.run:<16} {s:<18} {why or ''}")
+    bad = [n for n, (s, _) in status.items() if s not in ('done', 'done before') and not s.startswith('on host')]
     if STOP['requested']:
         print("study: stopped; rerun the same command to continue (finished runs are skipped, started ones resume)")
     elif bad:
         print(f"study: {len(bad)} run(s) did not finish: {', '.join(bad)}")
     return 1 if bad or STOP['requested'] else 0
+
+
+def build_datasets(todo):
+    """Builds the missing datasets of the runs to do, in turn; {path: why it failed}."""
+    failed_data = {}
+    if not build_data:
+        return failed_data
+    wanted = []
+    for e in todo:
+        if not e.data['exists'] and e.data['path'] not in wanted:
+            wanted.append(e.data['path'])
+    for path in wanted:
+        if STOP['requested']:
+            break
+        d = next(e.data for e in todo if e.data['path'] == path)
+        if d['build'] is None:
+            failed_data[path] = f"dataset {path} is missing and no rule builds it (set _prepare in the file)"
+            continue
+        print(f"\nstudy: building {path}: {build_display(d['build'])}", flush=True)
+        rc, tail = run_process(d['build'], os.path.join(LOCAL_ROOT, 'datasets.log'))
+        if not all(os.path.exists(os.path.join(path, s, 'dataset.json')) for s in ('train', 'test')):
+            failed_data[path] = f"building dataset {path} failed (exit code {rc}): {tail[-1] if tail else ''}"
+            print(f"study: {failed_data[path]}")
+    return failed_data
+
+
+def run_slots(todo, plans, status, failed_data):
+    """Runs `todo` in order, len(plans) at once, each on the first free slot. One slot: the run's output
+    streams here as it comes; more: a status line per running run every status_every seconds, and a line when
+    one starts or ends (each run's whole output is in its train.log)."""
+    queue, running, free = list(todo), [], list(range(len(plans)))
+    echo, last_status = len(plans) == 1, time.time()
+    while queue or running:
+        while queue and free and not STOP['requested']:
+            # a missing dataset does not skip the run: train.py then fails at start-up on every rank together, so
+            # on a pod every host goes through the same sequence even if only one host's build failed
+            e, slot = queue.pop(0), free.pop(0)
+            steps = checkpoint_steps(e)
+            on = f" on slot {slot} ({plans[slot]['label']})" if not echo else ''
+            print(f"\nstudy: {e.run} [{e.varied_text()}]: "
+                  + (f"resuming from its checkpoint at step {steps[-1]}" if steps else "starting") + on
+                  + f"\n  {e.display}", flush=True)
+            running.append(Running(e, slot, plans[slot]))
+        if STOP['requested']:
+            for e in queue:
+                status.setdefault(e.run, ('not run (stopped)', None))
+            queue = []
+        for r in list(running):
+            got = r.pump(echo)
+            while got == 'more':
+                got = r.pump(echo)
+            if got == 'eof':
+                running.remove(r)
+                free = sorted(free + [r.slot])
+                finished(r, status, failed_data)
+        if not echo and running and time.time() - last_status >= status_every:
+            last_status = time.time()
+            print(f"study: {time.strftime('%H:%M:%S')}, {len(running)} running, {len(queue)} waiting:", flush=True)
+            for r in sorted(running, key=lambda r: r.slot):
+                print(f"  {r.e.run:<16} slot {r.slot} {duration(time.time() - r.t0):>8}  "
+                      f"{(r.progress or 'starting')[:90]}" + (f" | last {r.last_eval[:40]}" if r.last_eval else ''),
+                      flush=True)
+        time.sleep(0.05 if echo else 0.2)
+
+
+def finished(r, status, failed_data):
+    e = r.e
+    rc, tail = r.close()
+    took = time.time() - r.t0
+    tail = [l for l in tail if l.strip()]
+    if has_results(e):
+        status[e.run] = ('done', f"in {duration(took)}")
+    elif STOP['requested']:
+        status[e.run] = ('stopped', f"checkpoint saved; rerun to continue ({duration(took)})")
+    else:
+        why = next((l for l in reversed(tail) if 'error' in l.lower()), tail[-1] if tail else '')
+        why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data else f"exit code {rc}: {why[:300]} "
+        status[e.run] = ('FAILED', f"{why}(log: {os.path.join(e.local, 'train.log')})")
+    print(f"study: {e.run}: {status[e.run][0]}" + (f" {status[e.run][1]}" if status[e.run][1] else ''), flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -631,7 +1003,8 @@ def timed_minutes(metrics_path, batch):
 def collect(exps):
     rows = []
     for e in exps:
-        r = dict(name=e.name, family=e.family, point=e.point(), varied=e.varied_text(), out_dir=e.out_dir,
+        r = dict(name=e.name, run=e.run, seed=e.seed, family=e.family, point=e.point(), varied=e.varied_text(),
+                 out_dir=e.out_dir, lr=e.run_cfg['lr'], global_batch_size=e.run_cfg['global_batch_size'],
                  H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
                  hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
                  puzzles=e.data['puzzles'], aug=e.data['aug'], status='not started')
@@ -649,6 +1022,9 @@ def collect(exps):
                      best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
                      exact_by_steps=fe.get('exact_by_steps') or [], halt_max_steps=cfg.get('halt_max_steps'),
                      H_cycles=cfg.get('H_cycles', r['H_cycles']), L_cycles=cfg.get('L_cycles', r['L_cycles']))
+            wall = res.get('wall_s') or {}  # results.json of runs before it was recorded: none
+            r.update(device_hours=res.get('device_hours'), world_size=res.get('world_size'),
+                     **{f'wall_s_{k}': wall.get(k) for k in ('total', 'startup', 'train', 'eval')})
             m = fetch(e, 'metrics.jsonl')
             r['minutes'] = timed_minutes(m, cfg.get('global_batch_size', e.run_cfg['global_batch_size'])) if m else None
         else:
@@ -666,35 +1042,181 @@ def pct(x):
     return '' if x is None else f"{100 * x:.1f}"
 
 
+def points(rows):
+    """One row per experiment: with one seed its run's row, bars its 95% Wilson interval; with more, the mean
+    of its finished seeds (exact, device-hours), bars their min-max, std and the per-seed values beside."""
+    out = []
+    for name in dict.fromkeys(r['name'] for r in rows):
+        group = [r for r in rows if r['name'] == name]
+        done = [r for r in group if r['status'] == 'done']
+        p = dict(done[0] if done else group[0])
+        if seeds == 1:
+            if done:
+                p.update(bar_lo=p['exact_ci_low'], bar_hi=p['exact_ci_high'])
+            out.append(p)
+            continue
+        vals = [r['exact'] for r in done]
+        p.update(seeds_done=len(done), per_seed=vals,
+                 status='done' if done else group[0]['status'])
+        if done:
+            mean = sum(vals) / len(vals)
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            hours = [r['device_hours'] for r in done if r.get('device_hours') is not None]
+            p.update(exact=mean, exact_std=std, bar_lo=min(vals), bar_hi=max(vals),
+                     device_hours=sum(hours) / len(hours) if hours else None)
+        out.append(p)
+    return out
+
+
+def seed_stats(rows):
+    """{name: (mean, std, min, max, finished seeds)} of the exact accuracy over each experiment's seeds."""
+    stats = {}
+    for p in points(rows) if seeds > 1 else []:
+        if p.get('seeds_done'):
+            stats[p['name']] = (p['exact'], p['exact_std'], p['bar_lo'], p['bar_hi'], p['seeds_done'])
+    for r in rows if seeds == 1 else []:
+        if r['status'] == 'done':
+            stats[r['name']] = (r['exact'], 0.0, r['exact'], r['exact'], 1)
+    return stats
+
+
 def write_tables(rows, folder):
     os.makedirs(folder, exist_ok=True)
-    head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)', 'verified %',
-            'token %', 'best exact % (step)', 'minutes', 'status']
-    md = [f"# Study report: scale {scale}, {ROOT}\n",
-          "Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test puzzle. "
-          "minutes: training and evaluations, from metrics.jsonl (start-up excluded).\n",
-          '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
-    for r in rows:
-        done = r['status'] == 'done'
-        md.append('| ' + ' | '.join([
-            r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
-            f"{r['train_flops']:.3g}" if r.get('train_flops') else '', f"{r['steps']:,}" if r.get('steps') else '',
-            f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
-            pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
-            f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None else '',
-            f"{r['minutes']:.1f}" if r.get('minutes') is not None else '', r['status']]) + ' |')
+    md = [f"# Study report: scale {scale}, {ROOT}\n"]
+    if seeds == 1:
+        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)', 'verified %',
+                'token %', 'best exact % (step)', 'minutes', 'device-h', 'status']
+        md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test puzzle. "
+               "minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: the run's "
+               "wall time (start-up, training, evaluations) x its devices, from results.json.\n",
+               '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+        for r in rows:
+            done = r['status'] == 'done'
+            md.append('| ' + ' | '.join([
+                r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
+                f"{r['train_flops']:.3g}" if r.get('train_flops') else '', f"{r['steps']:,}" if r.get('steps') else '',
+                f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
+                pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
+                f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None else '',
+                f"{r['minutes']:.1f}" if r.get('minutes') is not None else '',
+                f"{r['device_hours']:.3g}" if r.get('device_hours') is not None else '', r['status']]) + ' |')
+    else:
+        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact %: mean ± std (min-max)',
+                'seeds done', 'exact % per seed (0, 1, ...)', 'device-h (mean)', 'status']
+        md += [f"Held-out exact accuracy after the final evaluation, over {seeds} seeds per experiment (seed s > 0 "
+               f"in <out_dir>-s<s>): mean, sample standard deviation and min-max of the finished seeds. "
+               f"report.csv has one row per seed run.\n", '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+        for p in points(rows):
+            done = bool(p.get('seeds_done'))
+            md.append('| ' + ' | '.join([
+                p['name'], p['family'], p['varied'], f"{p['params']:,}" if p.get('params') else '',
+                f"{p['train_flops']:.3g}" if p.get('train_flops') else '', f"{p['steps']:,}" if p.get('steps') else '',
+                f"{pct(p['exact'])} ± {pct(p['exact_std'])} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})" if done else '',
+                f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) for v in p['per_seed']),
+                f"{p['device_hours']:.3g}" if p.get('device_hours') is not None else '', p['status']]) + ' |')
+    md += fits_section(rows)
     with open(os.path.join(folder, 'report.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
-    cols = ['name', 'family', 'point', 'varied', 'status', 'out_dir', 'params', 'flops_per_example_step', 'train_flops',
-            'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token', 'q_halt',
-            'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers', 'H_cycles', 'L_cycles',
-            'puzzles', 'aug', 'device']
+    write_csv(rows, folder)
+    return '\n'.join(md)
+
+
+def write_csv(rows, folder):
+    """report.csv: one row per run (one per seed), its experiment's statistics over seeds repeated on each."""
+    cols = ['name', 'seed', 'run', 'family', 'point', 'varied', 'status', 'out_dir', 'params', 'flops_per_example_step',
+            'train_flops', 'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token',
+            'q_halt', 'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers', 'H_cycles',
+            'L_cycles', 'puzzles', 'aug', 'lr', 'global_batch_size', 'device', 'world_size', 'wall_s_total',
+            'wall_s_startup', 'wall_s_train', 'wall_s_eval', 'device_hours', 'exact_mean', 'exact_std', 'exact_min',
+            'exact_max', 'seeds_done']
+    stats = seed_stats(rows)
     with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
         w = csv.writer(f)
         w.writerow(cols)
         for r in rows:
+            r = dict(r, **dict(zip(cols[-5:], stats.get(r['name'], [None] * 5))))
             w.writerow(['' if r.get(c) is None else r.get(c) for c in cols])
-    return '\n'.join(md)
+
+
+# -----------------------------------------------------------------------------
+# fits: error = a * X^-b + c per family
+
+FIT_AXES = (('params', 'parameters'), ('train_flops', 'training FLOPs'), ('puzzles', 'training puzzles'))
+
+
+def fit_power_law(xs, errs):
+    """Least-squares fit of err = a * x^-b + c with a >= 0, b in (0, 4], 0 <= c < min(err): a grid over b and
+    c, a in closed form for each, then two finer grids around the best. With its R^2 and whether it means
+    anything: >= 4 distinct x (3 parameters fit 3 points exactly), an error spread of at least 1 percentage
+    point, and a fit better than the mean (R^2 > 0)."""
+    import numpy as np
+    x, y = np.asarray(xs, float), np.asarray(errs, float)
+    n = len(set(xs))
+    out = dict(n=n, a=None, b=None, c=None, r2=None, meaningful=False)
+    if n < 4:
+        out['why'] = (f"{n} distinct points: a, b and c fit them exactly, so the fit says nothing" if n == 3
+                      else f"{n} distinct point(s): too few for a fit (4 needed)")
+        return out
+    u = x / x.min()  # x / x0: a * x^-b = (a * x0^-b) * u^-b, better conditioned
+    tss = float(((y - y.mean()) ** 2).sum())
+    lo_b, hi_b, lo_c, hi_c, best = 1e-3, 4.0, 0.0, float(y.min()), None
+    for _ in range(3):
+        bs = np.linspace(lo_b, hi_b, 200)
+        cs = np.linspace(lo_c, hi_c, 80, endpoint=hi_c == lo_c or best is not None)
+        cs = cs[(cs >= 0) & (cs < max(float(y.min()), 1e-12))] if float(y.min()) > 0 else np.zeros(1)
+        f = u[None, :] ** -bs[:, None]                                    # [b, point]
+        t = y[None, :] - cs[:, None]                                      # [c, point]
+        a = np.clip((t @ f.T) / (f * f).sum(1)[None, :], 0, None)         # [c, b]
+        rss = ((a[:, :, None] * f[None] - t[:, None, :]) ** 2).sum(-1)    # [c, b]
+        i, j = np.unravel_index(int(rss.argmin()), rss.shape)
+        best = (float(a[i, j]), float(bs[j]), float(cs[i]), float(rss[i, j]))
+        db, dc = (hi_b - lo_b) / 20, (hi_c - lo_c) / 20
+        lo_b, hi_b = max(1e-3, best[1] - db), min(4.0, best[1] + db)
+        lo_c, hi_c = max(0.0, best[2] - dc), min(float(y.min()), best[2] + dc)
+    a, b, c, rss = best
+    out.update(a=a * float(x.min()) ** b, b=b, c=c, r2=1 - rss / tss if tss > 0 else 0.0)
+    if float(y.max() - y.min()) < 0.01:
+        out['why'] = "flat: the error varies by less than 1 percentage point"
+    elif out['r2'] <= 0:
+        out['why'] = "the fit is no better than the mean error"
+    else:
+        out.update(meaningful=True, why='')
+    return out
+
+
+def family_fits(done):
+    """(family, x key, x label, xs, errors, fit) for every family with at least two distinct x on an axis."""
+    fits = []
+    for f in dict.fromkeys(r['family'] for r in done):
+        for key, label in FIT_AXES:
+            pts = [r for r in done if r['family'] == f and r.get(key) is not None]
+            if len({r[key] for r in pts}) < 2:
+                continue
+            xs, errs = [r[key] for r in pts], [1 - r['exact'] for r in pts]
+            fits.append((f, key, label, xs, errs, fit_power_law(xs, errs)))
+    return fits
+
+
+def fit_text(fit):
+    return f"{fit['a']:.3g}·X^-{fit['b']:.3f} + {fit['c']:.4f}"
+
+
+def fits_section(rows):
+    done = [p for p in points(rows) if p['status'] == 'done' and p.get('exact') is not None]
+    fits = family_fits(done)
+    if not fits:
+        return []
+    lines = ["\n## Fits: error = a · X^-b + c\n",
+             "Error = 1 - held-out exact accuracy" + (f" (mean of {seeds} seeds)" if seeds > 1 else '')
+             + ", per family against its parameters, training FLOPs and training puzzles (where the family has "
+               "two or more distinct values). Least squares with b > 0 and 0 <= c < the smallest error; a fit is "
+               "meaningful with 4 or more distinct points, an error spread of 1 percentage point or more, and "
+               "R² > 0.\n", "| family | X | points | fit | R² | meaningful |", "|---|---|---|---|---|---|"]
+    for f, key, label, xs, errs, fit in fits:
+        r2 = '' if fit['r2'] is None else f"{fit['r2']:.3f}"
+        lines.append(f"| {f}_* | {label} | {fit['n']} | {fit_text(fit) if fit['a'] is not None else ''} | {r2} | "
+                     f"{'yes' if fit['meaningful'] else 'no: ' + fit['why']} |")
+    return lines
 
 
 def plot(rows, folder):
@@ -706,10 +1228,12 @@ def plot(rows, folder):
     except ImportError:
         print("report: matplotlib is not installed, so no plots (pip install matplotlib); the tables are written")
         return []
-    done = [r for r in rows if r['status'] == 'done']
+    done = [p for p in points(rows) if p['status'] == 'done' and p.get('exact') is not None]
     fams = list(dict.fromkeys(r['family'] for r in done))
     colors = {f: plt.get_cmap('tab10')(i % 10) for i, f in enumerate(fams)}
     title = f"scale {scale}"
+    ylabel = ('held-out exact accuracy (%)\nbars: 95% Wilson interval' if seeds == 1 else
+              f'held-out exact accuracy (%)\nmean of {seeds} seeds, bars: min-max')
     written = []
 
     def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
@@ -722,8 +1246,7 @@ def plot(rows, folder):
                 continue
             xs = [r[xkey] for r in pts]
             ys = [100 * r['exact'] for r in pts]
-            err = [[100 * (r['exact'] - r['exact_ci_low']) for r in pts], [100 * (r['exact_ci_high'] - r['exact'])
-                                                                            for r in pts]]
+            err = [[100 * (r['exact'] - r['bar_lo']) for r in pts], [100 * (r['bar_hi'] - r['exact']) for r in pts]]
             ax.errorbar(xs, ys, yerr=err, marker='o', capsize=3, color=colors[f], label=f"{f}_*")
             if annotate:
                 for r, x, y in zip(pts, xs, ys):
@@ -733,7 +1256,7 @@ def plot(rows, folder):
         if logx:
             ax.set_xscale('log')
         ax.set_xlabel(label_x)
-        ax.set_ylabel('held-out exact accuracy (%), 95% CI')
+        ax.set_ylabel(ylabel)
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
         if used:
@@ -750,11 +1273,14 @@ def plot(rows, folder):
     for r in done:
         r['calls'] = r['H_cycles'] * (r['L_cycles'] + 1)
         r['per_puzzle'] = None if r.get('aug') is None else 1 + r['aug']
-    for xkey, label, name, logx in (('params', 'parameters (count, log scale)', 'acc_vs_params.png', True),
-                                    ('train_flops', 'training compute (FLOPs, log scale)', 'acc_vs_flops.png', True)):
+    for xkey, label, name, what in (
+            ('params', 'parameters (count, log scale)', 'acc_vs_params.png', 'model size'),
+            ('train_flops', 'training compute (FLOPs, log scale)', 'acc_vs_flops.png', 'training compute'),
+            ('device_hours', 'cost: device-hours (wall time x devices, log scale)', 'acc_vs_device_hours.png',
+             'cost')):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        if series(ax, xkey, label, logx=logx):
-            ax.set_title(f"Exact accuracy vs {'model size' if xkey == 'params' else 'training compute'} ({title})")
+        if series(ax, xkey, label, logx=True):
+            ax.set_title(f"Exact accuracy vs {what} ({title})")
             save(fig, name)
         else:
             plt.close(fig)
@@ -764,6 +1290,10 @@ def plot(rows, folder):
              [('L_cycles', 'n = L_cycles (z-updates per round)', ('rec',), False, 'Recursion depth n at T = 3'),
               ('calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)', ('rec', 'tn'),
                False, 'Recursion T x (n + 1)')]),
+            ('acc_vs_optimizer.png',
+             [('lr', 'learning rate (log scale)', ('lr',), True, 'Learning rate'),
+              ('global_batch_size', 'global batch size (log scale; lr = 1e-4 x sqrt(B / 768))', ('bs',), True,
+               'Batch size')]),
             ('acc_vs_data.png',
              [('puzzles', 'training puzzles (log scale)', ('data',), True, 'Training puzzles'),
               ('per_puzzle', 'examples per training puzzle = 1 + augmentations (log scale)', ('aug',), True,
@@ -781,18 +1311,50 @@ def plot(rows, folder):
     if abl:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ys = [100 * r['exact'] for r in abl]
-        err = [[100 * (r['exact'] - r['exact_ci_low']) for r in abl], [100 * (r['exact_ci_high'] - r['exact'])
-                                                                        for r in abl]]
+        err = [[100 * (r['exact'] - r['bar_lo']) for r in abl], [100 * (r['bar_hi'] - r['exact']) for r in abl]]
         ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
         ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
-        ax.set_ylabel('held-out exact accuracy (%), 95% CI')
+        ax.set_ylabel(ylabel)
         ax.set_ylim(0, 103)
         ax.set_title(f"Ablations ({title})")
         save(fig, 'acc_ablations.png')
     fig = plot_supervision_steps(plt, done, title)
     if fig:
         save(fig, 'acc_vs_supervision_steps.png')
+    fig = plot_fits(plt, done, title, colors)
+    if fig:
+        save(fig, 'error_fits.png')
     return written
+
+
+def plot_fits(plt, done, title, colors):
+    """One panel per axis (parameters, training FLOPs, training puzzles): each family's error against it, log-log,
+    with its fit a * X^-b + c drawn where the fit is meaningful (report.md says why where it is not)."""
+    import numpy as np
+    fits = family_fits(done)
+    axes_used = [a for a in FIT_AXES if any(f[1] == a[0] for f in fits)]
+    if not axes_used:
+        return None
+    fig, axes = plt.subplots(1, len(axes_used), figsize=(6 * len(axes_used), 4.5), squeeze=False)
+    for ax, (key, label) in zip(axes.flat, axes_used):
+        for f, k, _, xs, errs, fit in fits:
+            if k != key:
+                continue
+            what = f"error {fit_text(fit)} (as a fraction), R² {fit['r2']:.2f}" if fit['meaningful'] else \
+                'no meaningful fit (report.md says why)'
+            ax.plot(xs, [100 * e for e in errs], 'o', color=colors[f], label=f"{f}_*: {what}")
+            if fit['meaningful']:
+                grid = np.geomspace(min(xs), max(xs), 100)
+                ax.plot(grid, 100 * (fit['a'] * grid ** -fit['b'] + fit['c']), '-', color=colors[f], lw=1)
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        ax.set_xlabel(f"{label} (log scale)")
+        ax.set_ylabel('error = 100% - exact accuracy (%, log scale)' + (f'\nmean of {seeds} seeds' if seeds > 1
+                                                                         else ''))
+        ax.set_title(f"Error vs {label}: a·X^-b + c ({title})", fontsize=10)
+        ax.grid(alpha=0.3, which='both')
+        ax.legend(fontsize=7)
+    return fig
 
 
 def plot_supervision_steps(plt, done, title):

@@ -11,6 +11,8 @@ import copy
 import os
 import time
 
+T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
+
 # -----------------------------------------------------------------------------
 # config. Defaults: the paper's Sudoku-Extreme MLP recipe (87.4% exact in the paper), on one device.
 # I/O
@@ -111,6 +113,20 @@ from step import format_eval, forward_loss, lr_at, train_step  # noqa: E402
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')] + \
     ['global_batch_size', 'seed']
 
+
+class Clock:
+    """This process's wall seconds by phase: start-up (to the first step), training (the loop, evaluations
+    apart, checkpoint saves included) and evaluation."""
+
+    def __init__(self):
+        self.loop_start, self.eval = None, 0.0
+
+    def __call__(self):
+        now = time.time()
+        start = self.loop_start or now
+        return dict(startup=start - T_START, train=now - start - self.eval, eval=self.eval)
+
+
 if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
     safety.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
 
@@ -120,6 +136,7 @@ def main(index=None):
     dev = Device(resolve_device(device), xla_cache_dir)
     master = dev.master
     run = safety.Run(config, dev)
+    clock = run.clock = Clock()
     loader = TrainLoader(run.data_path, global_batch_size, dev.rank, dev.world_size, seed)
     meta = loader.meta
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
@@ -150,13 +167,16 @@ def main(index=None):
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
 
     def run_eval(subset, show_example=False, weights=None):
+        t = time.time()
         weights = weights or ema_model  # the EMA's, or the raw model's
         ev = EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
                         subset=subset, seed=seed)
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind == 'cuda') else None
-        return evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
-                        predict=predict)
+        out = evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
+                       predict=predict)
+        clock.eval += time.time() - t
+        return out
 
     if eval_only:
         if init_from == 'scratch':
@@ -189,6 +209,7 @@ def main(index=None):
     if carry_state is not None:
         carry = {k: v.to(dev.device) for k, v in carry_state.items()}
     start_step, t0, last_step, interrupted = step, time.time(), step, False
+    clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
     while step < run_steps:
@@ -248,11 +269,14 @@ def main(index=None):
             if final and master and example:
                 print(render_example(meta, *example))
             if final:
+                wall = run.timing_total()  # seconds over every process of this run (resumes add theirs)
+                wall['total'] = sum(wall.values())
                 run.finish(dict(config=config, parameters=model.num_params(), run_id=run.run_id,
                                 flops_per_example_step=model.flops_per_example(), device=dev.name(),
                                 world_size=dev.world_size, final_eval=res, best_eval=run.best, step=step,
                                 examples_seen=step * global_batch_size,
-                                train_flops=model.flops_per_example() * step * global_batch_size))
+                                train_flops=model.flops_per_example() * step * global_batch_size,
+                                wall_s=wall, device_hours=wall['total'] * dev.world_size / 3600))
         elif at_ckpt:
             save()
         if step == start_step + 1 and dev.kind == 'xla':

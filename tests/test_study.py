@@ -37,7 +37,12 @@ GRID = {
     'aug': {str(a): ({'data_path': f'data/sudoku-extreme-1k-aug-{a}'} if a != 1000 else {})
             for a in (10, 100, 500, 1000, 2000)},
     'abl': {'noema': {'ema': False}, 'halt8': {'halt_max_steps': 8}, 'halt16': {}, 'halt32': {'halt_max_steps': 32},
-            'attn': {'mlp_t': False, 'pos_encodings': 'rope'}, 'actcont': {'no_ACT_continue': False}},
+            'attn': {'mlp_t': False, 'pos_encodings': 'rope'}, 'actcont': {'no_ACT_continue': False},
+            'halt1': {'halt_max_steps': 1}, 'halt2': {'halt_max_steps': 2}, 'noemb': {'puzzle_emb_ndim': 0}},
+    'lr': {'3e-5': {'lr': 3e-5}, '1e-4': {}, '3e-4': {'lr': 3e-4}, '1e-3': {'lr': 1e-3}},
+    # square-root lr scaling with the batch, rounded to 3 digits in the files
+    'bs': {str(b): ({'global_batch_size': b, 'lr': float(f"{1e-4 * (b / 768) ** 0.5:.3g}")} if b != 768 else {})
+           for b in (256, 512, 768, 1536)},
     'maze_size': SUDOKU_SIZE,
     'maze_rec': {f'L{n}': ({'L_cycles': n} if n != 4 else {}) for n in (2, 4, 6, 8, 10)},
     'maze_tn': {f'T{t}n{n}': {k: v for k, v in (('H_cycles', t), ('L_cycles', n)) if v != {'H_cycles': 3, 'L_cycles': 4}[k]}
@@ -78,7 +83,8 @@ def test_the_grid_is_one_file_per_experiment_each_its_base_plus_the_studied_keys
         out_dirs.setdefault(cfg['out_dir'], []).append(name)
     # one out_dir per distinct run: only the base points share one
     assert {d: n for d, n in out_dirs.items() if len(n) > 1} == {
-        'out/study/base': ['size_d512', 'size_L2', 'rec_L6', 'tn_T3n6', 'data_1000', 'aug_1000', 'abl_halt16'],
+        'out/study/base': ['size_d512', 'size_L2', 'rec_L6', 'tn_T3n6', 'data_1000', 'aug_1000', 'abl_halt16',
+                           'lr_1e-4', 'bs_768'],
         'out/study/maze_base': ['maze_size_d512', 'maze_size_L2', 'maze_rec_L4', 'maze_tn_T3n4'],
         'out/study/rec_L4': ['rec_L4', 'tn_T3n4'], 'out/study/maze_rec_L6': ['maze_rec_L6', 'maze_tn_T3n6']}
     # and no configuration is trained twice under two out_dirs
@@ -107,7 +113,7 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
     blocks = {b.split()[0]: b for b in re.split(r'\n(?=\S)', out) if b.strip() and not b.startswith('config:')}
     # four groups of experiments that are one configuration: each group's first name (in order) runs, the others
     # say 'same run as'
-    groups = [{'size_L2', 'rec_L6', 'tn_T3n6', 'data_1000', 'aug_1000', 'abl_halt16', 'size_d512'},
+    groups = [{'size_L2', 'rec_L6', 'tn_T3n6', 'data_1000', 'aug_1000', 'abl_halt16', 'size_d512', 'lr_1e-4', 'bs_768'},
               {'maze_size_L2', 'maze_rec_L4', 'maze_tn_T3n4', 'maze_size_d512'}, {'rec_L4', 'tn_T3n4'},
               {'maze_rec_L6', 'maze_tn_T3n6'}]
     shared = set().union(*groups)
@@ -122,14 +128,15 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
     assert sum('same run as' in blocks[n] for n in NAMES) == len(shared) - len(groups)  # one of each group runs
     assert 'same run as rec_L4' in blocks['tn_T3n4'] and 'same run as maze_rec_L6' in blocks['maze_tn_T3n6']
     # the paper's figures: 5,028,866 parameters, 65,104 steps (50,000 epochs x 1,000 puzzles / 768)
-    base = next(blocks[n] for n in ('abl_halt16', 'size_d512') if 'same run' not in blocks[n])
+    base = next(blocks[n] for n in ('abl_halt16', 'size_d512', 'bs_768', 'lr_1e-4') if 'same run' not in blocks[n])
     assert '5,028,866 parameters' in base and '42.7 GFLOPs' in base and '65,104 steps' in base
     assert '325,520 steps' in blocks['data_5000']  # 5,000 puzzles: 5x the steps at the same epochs
     assert 'prepare_sudoku.py --output_dir data/sudoku-extreme-5000-aug-1000 --subsample_size 5000 --num_aug 1000' \
         in blocks['data_5000']
     assert 'prepare_maze.py --output_dir data/maze-30x30-hard-1k' in blocks['maze_rec_L2']
     assert '6,828,034 parameters' in blocks['abl_attn']
-    assert re.search(r'total: 42 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 53 files, 42 runs
+    assert re.search(r'total: 51 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 64 files, 51 runs
+    assert '195,312 steps x batch 256' in blocks['bs_256'] and '--lr=5.77e-05' not in blocks['bs_256']  # in the file
     # without a speed figure it says so; the other scales print their flags
     p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', '--scale=gpu'])
     assert 'no speed figure given' in p.stdout and '--epochs=5000' in p.stdout
@@ -256,3 +263,142 @@ def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_
     assert not os.path.exists(f'{out}/rec_L2/results.json') or 'rec_L2           done' in text
     p = run(study_args(tmp, 'rec_L2'))
     assert json.load(open(f'{out}/rec_L2/results.json'))['step'] == 40
+
+
+def results_of(out, names):
+    """What must not depend on how the runs were scheduled: steps, accuracies, parameters, FLOPs."""
+    got = {}
+    for n in names:
+        res = json.load(open(f'{out}/{n}/results.json'))
+        fe = res['final_eval']
+        got[n] = (res['step'], res['parameters'], res['train_flops'], fe['exact_accuracy'], fe['token_accuracy'],
+                  fe['q_halt_accuracy'], fe['count'])
+        # the run's wall time by phase and its device-hours (wall time x devices) are recorded
+        w = res['wall_s']
+        assert w['total'] > 0 and abs(w['total'] - w['startup'] - w['train'] - w['eval']) < 1e-6, w
+        assert res['device_hours'] == pytest.approx(w['total'] * res['world_size'] / 3600)
+    return got
+
+
+def test_parallel_slots_give_the_sequential_results_and_a_killed_study_resumes(tiny_grid):
+    tmp = tiny_grid
+    names = ['rec_L2', 'rec_L4']
+    one = study_args(tmp, 'rec_*')
+    p = run(one)
+    assert '2 to run' in p.stdout
+    sequential = results_of(f'{tmp}/out', names)
+    # two at once, each on its own core; study.py killed outright (SIGKILL) once both have saved a checkpoint: the
+    # kernel's SIGTERM makes each train.py save and stop; the same command then finishes only what is missing
+    two = [a.replace(f'{tmp}/out', f'{tmp}/out2') for a in one] + ['--slots=2', '--status_every=1']
+    p = start(two)
+    wait_for(lambda: all(os.path.exists(f'{tmp}/out2/{n}/ckpt_00000010.pt') for n in names) or p.poll() is not None)
+    kids = children(p.pid)
+    assert len(kids) == 2, kids  # both runs at once
+    p.kill()
+    p.communicate(timeout=60)
+    wait_for(lambda: not any(os.path.exists(f'/proc/{k}') and open(f'/proc/{k}/stat').read().split()[2] != 'Z'
+                             for k in kids), timeout=120)
+    p = run(two)
+    assert '0 finished before, 2 to run' in p.stdout or '1 finished before, 1 to run' in p.stdout, p.stdout
+    assert 'resuming from its checkpoint' in p.stdout
+    assert re.search(r'study: \d\d:\d\d:\d\d, 2 running, 0 waiting:\n  rec_L\d +slot \d', p.stdout), p.stdout
+    assert re.search(r'rec_L2 +done', p.stdout.split('study: summary')[1])
+    # the same flags, so the same results; a run killed and resumed included
+    assert results_of(f'{tmp}/out2', names) == sequential
+
+
+def test_seeds_run_each_point_in_its_own_folder_and_the_report_gives_mean_and_spread(tiny_grid):
+    tmp = tiny_grid
+    out = f'{tmp}/out'
+    p = run(study_args(tmp, 'rec_L2', '--seeds=2', '--slots=2'))
+    assert re.search(r'rec_L2 +done', p.stdout) and re.search(r'rec_L2-s1 +done', p.stdout)
+    assert json.load(open(f'{out}/rec_L2/results.json'))['config']['seed'] == 0  # seed 0: today's folder
+    assert json.load(open(f'{out}/rec_L2-s1/results.json'))['config']['seed'] == 1
+    rows = list(csv.DictReader(open(f'{out}/report.csv')))
+    assert [(r['name'], r['seed']) for r in rows] == [('rec_L2', '0'), ('rec_L2', '1')]
+    vals = [json.load(open(f'{out}/{d}/results.json'))['final_eval']['exact_accuracy'] for d in ('rec_L2', 'rec_L2-s1')]
+    mean = sum(vals) / 2
+    for r in rows:
+        assert float(r['exact_mean']) == pytest.approx(mean) and r['seeds_done'] == '2'
+        assert float(r['exact_min']) == min(vals) and float(r['exact_max']) == max(vals)
+        assert float(r['exact_std']) == pytest.approx(abs(vals[0] - vals[1]) / 2 ** 0.5)
+    md = open(f'{out}/report.md').read()
+    assert 'mean ± std (min-max)' in md and '| 2/2 |' in md
+    p = run(study_args(tmp, 'rec_L2', '--seeds=2', "--extra=--seed=3"), check=False)
+    assert p.returncode != 0 and '--seeds' in p.stderr + p.stdout
+
+
+def fake_run(out, name, params, exact):
+    """A finished run's results.json, as train.py writes it (the keys the report reads)."""
+    os.makedirs(f'{out}/{name}', exist_ok=True)
+    fe = dict(exact_accuracy=exact, exact_ci_low=max(0, exact - 0.02), exact_ci_high=min(1, exact + 0.02),
+              token_accuracy=exact, q_halt_accuracy=1.0, count=1000)
+    json.dump(dict(parameters=params, train_flops=params * 1e6, flops_per_example_step=params, step=100,
+                   final_eval=fe, best_eval=None, config={}, wall_s=dict(total=params / 1e4), device_hours=params / 1e7,
+                   world_size=1), open(f'{out}/{name}/results.json', 'w'))
+
+
+def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    law = lambda x: 0.5 * x ** -0.3 + 0.05  # error = a X^-b + c
+    xs = [10 ** k for k in (5, 5.5, 6, 6.5, 7, 7.5)]
+    families = dict(law=xs, few=xs[:3], flat=xs[:5])
+    for fam, pts in families.items():
+        for i, x in enumerate(pts):
+            name = f'{fam}_p{i}'
+            (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n"
+                                            f"hidden_size = {64 * (i + 1)}\n")
+            fake_run(out, name, int(x), 1 - (law(x) if fam != 'flat' else 0.5 + 0.001 * i))
+    p = run(['study.py', '--pattern=*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
+    md = open(f'{out}/report.md').read()
+    line = next(l for l in md.splitlines() if l.startswith('| law_* | parameters |'))
+    a, b, c = map(float, re.search(r'\| ([\d.e+-]+)·X\^-([\d.]+) \+ ([\d.]+) \|', line).groups())
+    assert a == pytest.approx(0.5, rel=0.05) and b == pytest.approx(0.3, rel=0.02) and c == pytest.approx(0.05, abs=2e-3)
+    assert line.endswith('| yes |'), line
+    assert re.search(r'\| few_\* \| parameters \| 3 \|.*no: 3 distinct points: a, b and c fit them exactly', md), md
+    assert re.search(r'\| flat_\* \| parameters \| 5 \|.*no: flat', md), md
+    assert os.path.getsize(f'{out}/error_fits.png') > 5000 and os.path.getsize(f'{out}/acc_vs_device_hours.png') > 5000
+
+
+def test_hosts_share_a_fixed_partition_balanced_by_cost():
+    shares = []
+    for h in range(3):
+        p = run(['study.py', '--pattern=*', '--dry_run=True', '--examples_per_s=1000', '--hosts_mode=share',
+                 '--num_hosts=3', f'--host_index={h}', '--slots=1'])
+        plan = p.stdout.split('\nplan: ')[1]
+        assert f'(this is host {h})' in plan
+        shares.append(re.findall(r'^  host (\d) slot 0: (\S+)', plan, re.M))
+    assert shares[0] == shares[1] == shares[2]  # every host computes the same partition
+    hosts = {name: int(h) for h, name in shares[0]}
+    assert len(hosts) == 51 and set(hosts.values()) == {0, 1, 2}
+    # balanced: the greedy longest-first puts the hosts' loads within one run's time of each other
+    ends, longest = {}, 0
+    for h, start, end in re.findall(r'^  host (\d) slot 0: \S+  starts about (.+), ends about (.+)$', plan, re.M):
+        ends[int(h)] = max(ends.get(int(h), 0), seconds(end))
+        longest = max(longest, seconds(end) - seconds(start))
+    times = wall_times(plan)
+    assert max(ends.values()) - min(ends.values()) <= longest * 1.05  # rounding of the printed times
+    assert times['share'] < times['sequential'] and times['share'] == pytest.approx(max(ends.values()), rel=0.05)
+
+
+def seconds(text):
+    v, unit = text.split()
+    return float(v) * dict(s=1, min=60, h=3600, days=86400)[unit]
+
+
+def wall_times(plan):
+    m = re.search(r'\(hosts_mode=all, slots=1\): ([\d.]+ \w+)\n.*\n  hosts_mode=share, \d host\(s\) x \d slot\(s\): '
+                  r'([\d.]+ \w+)', plan)
+    return dict(sequential=seconds(m[1]), share=seconds(m[2]))
+
+
+def test_new_families_keep_their_variation_at_the_cpu_scale():
+    p = run(['study.py', "--pattern=lr_*,bs_*,abl_halt1,abl_halt2,abl_noemb", '--scale=cpu', '--dry_run=True'])
+    blocks = {b.split()[0]: b for b in re.split(r'\n(?=\S)', p.stdout) if b.strip()}
+    flag = lambda name, key: re.search(rf'--{key}=(\S+)', blocks[name])[1]
+    assert [flag(n, 'lr') for n in ('lr_3e-5', 'lr_1e-4', 'lr_3e-4', 'lr_1e-3')] == ['0.0006', '0.002', '0.006', '0.02']
+    assert [flag(n, 'global_batch_size') for n in ('bs_256', 'bs_512', 'bs_1536')] == ['11', '21', '64']
+    assert flag('bs_256', 'lr') == '0.00115' and 'same run as lr_1e-4' in blocks['bs_768']
+    assert '--halt_max_steps' not in blocks['abl_halt1'] and '--eval_steps=2 ' in blocks['abl_halt1']
+    assert flag('abl_noemb', 'puzzle_emb_ndim') == '32' and 'embedding ON against the cpu base' in blocks['abl_noemb']

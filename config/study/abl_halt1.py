@@ -1,0 +1,9 @@
+# abl_halt1: the paper's Sudoku-Extreme MLP recipe (config/baseline.py) with halt_max_steps = 1 (no deep supervision: one step per batch).
+# Family abl_* -- ablations of the recipe: EMA off, halt_max_steps, attention instead of the MLP mixer, ACT continue loss, no puzzle embedding.
+#   one run:      python train.py config/study/abl_halt1.py
+#   its dataset:  python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
+#   the family:   python study.py --pattern='abl_*' [--scale=gpu|cpu] [--dry_run=True | --report=True]
+_base = 'config/baseline.py'  # the recipe this run changes: applied first, then the lines below
+out_dir = 'out/study/abl_halt1'
+wandb_run_name = 'study-abl_halt1'
+halt_max_steps = 1              # <- studied (train.py default: 16)

@@ -1,0 +1,9 @@
+# lr_1e-3: the paper's Sudoku-Extreme MLP recipe (config/baseline.py) with lr = 1e-3.
+# Family lr_* -- learning rate of AdamATan2 around the recipe's 1e-4 (puzzle_emb_lr stays 1e-4; warm-up and epochs fixed).
+#   one run:      python train.py config/study/lr_1e-3.py
+#   its dataset:  python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
+#   the family:   python study.py --pattern='lr_*' [--scale=gpu|cpu] [--dry_run=True | --report=True]
+_base = 'config/baseline.py'  # the recipe this run changes: applied first, then the lines below
+out_dir = 'out/study/lr_1e-3'
+wandb_run_name = 'study-lr_1e-3'
+lr = 0.001                      # <- studied (train.py default: 0.0001)
