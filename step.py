@@ -235,16 +235,22 @@ def wilson_interval(k, n, z=1.96):
 
 
 @torch.no_grad()
-def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None):
+def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
+             should_stop=None):
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
     at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
-    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical."""
+    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
+    should_stop: asked before every batch on every rank (a verdict the ranks agree on, so all stop at the
+    same batch); when it says stop, the evaluation is abandoned and (None, None) returned."""
     predict = predict or model.predict
     was_training = model.training
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
     sums, example, verified = None, None, 0
     for batch in loader:
+        if should_stop is not None and should_stop():
+            model.train(was_training)
+            return None, None
         b = dev.to_device(batch)
         preds, q_halt = predict(b, n_steps)  # [S, B, L], [S, B]
         labels = b['labels']

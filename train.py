@@ -19,7 +19,7 @@ local_dir = ''                  # local copy of a gs:// out_dir ('': out/<last p
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
 init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file to start from (ours or the reference's)
-overwrite = False               # a scratch run may replace the checkpoints already in out_dir
+overwrite = False               # a new run (scratch, or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)
 eval_subset = 0                 # intermediate evaluations on this many seeded test examples (0: all; the final: all)
@@ -75,7 +75,8 @@ gcs_retries = 8                 # attempts per GCS request (exponential backoff)
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg, _unit = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0'), (lambda v: 0 <= v < 1, 'in [0, 1)')
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
-RULES = dict(eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
+RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
+             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
              log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg, global_batch_size=_pos,
              epochs=_pos, max_steps=_nonneg, hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos,
              H_cycles=_pos, L_cycles=_pos, halt_max_steps=_pos,
@@ -153,25 +154,62 @@ def main(index=None):
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind == 'cuda') else None
         return evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
-                        predict=predict)
+                        predict=predict, should_stop=run.stop_agreed)  # a stop request abandons it: (None, None)
+
+    def evaluate_and_save(step, save, log=True):
+        """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False when
+        a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
+        final = step == run_steps
+        res, example = run_eval(0 if final else eval_subset, show_example=final)
+        # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
+        raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
+        if res is None or (ema and not final and raw is None):
+            save(' (stop requested)')
+            return False
+        if master:
+            print(format_eval(res))
+            if raw:
+                print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
+        if log:
+            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {})), step,
+                    dict(eval=res, eval_raw=raw or {}))
+        run.new_best(step, res)
+        save()
+        if final and master and example:
+            print(render_example(meta, *example))
+        if final:
+            run.finish(dict(config=config, parameters=model.num_params(), run_id=run.run_id,
+                            flops_per_example_step=model.flops_per_example(), device=dev.name(),
+                            world_size=dev.world_size, final_eval=res, best_eval=run.best, step=step,
+                            examples_seen=step * global_batch_size,
+                            train_flops=model.flops_per_example() * step * global_batch_size))
+        return True
 
     if eval_only:
         if init_from == 'scratch':
             raise SystemExit("config error: eval_only=True needs --init_from=resume or a checkpoint file")
         res, example = run_eval(0, show_example=True)
         if master:
-            print(format_eval(res))
+            print(format_eval(res) if res else "stopped during the evaluation")
             if example:
                 print(render_example(meta, *example))
         dev.shutdown()
         return
-    if step >= run_steps:
+    if step >= run_steps and not run.results_missing():
         if master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
                   f"(raise --max_steps or --epochs to train on)")
+        run.close(False)
         dev.shutdown()
         return
     run.open_records(step)
+    if step >= run_steps:  # the run ended without results.json: a stop during its final evaluation, a failed write
+        if master:
+            print(f"the checkpoint is at the last step {step}, but results.json is missing: the final evaluation")
+        done = evaluate_and_save(step, save=lambda tag='': None, log=not (master and run.logged('eval', step)))
+        run.close(not done)
+        dev.shutdown()
+        return
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---------
     fwd = CompiledStep() if (compile and dev.kind == 'cuda') else forward_loss  # the same as bench.py's
@@ -228,26 +266,9 @@ def main(index=None):
             interrupted = True
             break
         if at_eval:
-            final = step == run_steps
-            res, example = run_eval(0 if final else eval_subset, show_example=final)
-            # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
-            raw = run_eval(eval_subset, weights=model)[0] if (ema and not final) else None
-            if master:
-                print(format_eval(res))
-                if raw:
-                    print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
-            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {})), step,
-                    dict(eval=res, eval_raw=raw or {}))
-            run.new_best(step, res)
-            save()
-            if final and master and example:
-                print(render_example(meta, *example))
-            if final:
-                run.finish(dict(config=config, parameters=model.num_params(), run_id=run.run_id,
-                                flops_per_example_step=model.flops_per_example(), device=dev.name(),
-                                world_size=dev.world_size, final_eval=res, best_eval=run.best, step=step,
-                                examples_seen=step * global_batch_size,
-                                train_flops=model.flops_per_example() * step * global_batch_size))
+            if not evaluate_and_save(step, save):  # a stop request during the evaluation: its step was saved
+                interrupted = True
+                break
         elif at_ckpt:
             save()
         if step == start_step + 1 and dev.kind == 'xla':
