@@ -421,7 +421,8 @@ class Run:
         return gcs.fetch_tree(path, self.cfg['data_cache_dir'])  # complete now: returns the local copy
 
     def check_start(self):
-        """All start-up checks before the first step, then every host's config, data and code compared."""
+        """All start-up checks before the first step, then every host's config, data and code compared; then rank 0
+        takes the out_dir's lock (before it touches any file there) and logs the output to train.log."""
         cfg, dev = dict(self.cfg, data_path=self.data_path), self.dev
         fail_together(dev, startup_problems(cfg, dev, self.local), 'start-up checks')
         code = ''.join(open(os.path.join(HERE, f)).read() for f in CODE_FILES)
