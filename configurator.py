@@ -19,6 +19,7 @@ import os
 import shlex
 import sys
 import tokenize
+import traceback
 
 
 def read_config_block(path, section=None):
@@ -67,7 +68,13 @@ def config_files(path):
         except OSError as e:
             raise SystemExit(f"config error: cannot read config file {path}: {e.strerror}")
         scope = {}
-        exec(builtins.compile(src, path, 'exec'), {}, scope)  # errors carry the file and line; (train.py has its own 'compile')
+        try:  # (builtins.compile: train.py has its own 'compile')
+            exec(builtins.compile(src, path, 'exec'), {}, scope)
+        except SyntaxError as e:
+            raise SystemExit(f"config error: {path}, line {e.lineno}: {e.msg}")
+        except Exception as e:  # the line of the file where it was raised
+            line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), '?')
+            raise SystemExit(f"config error: {path}, line {line}: {type(e).__name__}: {e}")
         chain.append((path, scope))
         path = scope.get('_base')
     return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and not callable(v)

@@ -9,11 +9,13 @@ Layout (the reference implementation's, so either side reads the other's dataset
 puzzle_indices are example offsets per puzzle, group_indices puzzle offsets per group (a puzzle and
 its augmentations form one group).
 """
+import contextlib
 import functools
 import json
 import math
 import os
 import re
+import shutil
 import sys
 import time
 
@@ -68,6 +70,32 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     with open(os.path.join(root, 'identifiers.json'), 'w') as f:
         json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
     return meta
+
+
+@contextlib.contextmanager
+def building(root):
+    """with building(root) as tmp: write the splits into tmp (a folder inside root). When the block ends
+    without an error they replace the dataset in root (the rest of root, its CSVs, stays); after an error the
+    previous dataset is untouched and tmp is removed. A build that fails halfway never leaves half a dataset."""
+    tmp = os.path.join(root, '.building')
+    shutil.rmtree(tmp, ignore_errors=True)  # a build that was killed
+    os.makedirs(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = os.path.join(root, '.previous')
+    shutil.rmtree(old, ignore_errors=True)
+    os.makedirs(old)
+    names = [n for n in ('train', 'test', 'identifiers.json') if os.path.exists(os.path.join(tmp, n))]
+    for n in names:  # renames only: the old dataset goes aside, then the new one comes in
+        if os.path.exists(os.path.join(root, n)):
+            os.replace(os.path.join(root, n), os.path.join(old, n))
+    for n in names:
+        os.replace(os.path.join(tmp, n), os.path.join(root, n))
+    shutil.rmtree(old)
+    os.rmdir(tmp)
 
 
 # -----------------------------------------------------------------------------

@@ -535,6 +535,18 @@ class GCS:
                 return False
             raise
 
+    def create_if_absent(self, uri, data):
+        """Create the object with `data` (bytes) only if it does not exist (the precondition ifGenerationMatch=0,
+        checked by GCS itself): True when created, False when one was there (HTTP 412). For lock objects."""
+        bucket, name = split_gcs(uri)
+
+        def attempt(auth):
+            r = self._session().post(self._url(f"/upload/storage/v1/b/{_quote(bucket)}/o", uploadType="media",
+                                               name=name, ifGenerationMatch=0), data=data, timeout=self.timeout,
+                                     headers={**auth, "Content-Type": "application/octet-stream"})
+            return r.status_code != 412 and bool(_check(r))
+        return self._with_retries(f"create {uri}", attempt)
+
     def exists(self, uri):
         bucket, name = split_gcs(uri)
         try:
@@ -637,6 +649,9 @@ def list_objects(uri_prefix):
 
 def delete_object(uri):
     return default_client().delete(uri)
+
+def create_if_absent(uri, data):
+    return default_client().create_if_absent(uri, data)
 
 def object_exists(uri):
     return default_client().exists(uri)

@@ -26,7 +26,7 @@ import numpy as np
 
 import gcs
 from data import CHARSET, GOAL, MAZE_VOCAB_SIZE as VOCAB_SIZE, OPEN, PAD, PATH, START, WALL
-from data import DownloadError, download, maze_correct, shortest_path_length, write_split
+from data import DownloadError, building, download, maze_correct, shortest_path_length, write_split
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
 HARD_ROWS = 1000  # rows per split of the hard-1k set, checked when downloading from BASE_URL
@@ -336,8 +336,9 @@ def main(argv=None):
             csv_dir = args.csv_dir
         else:
             csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
-        build_dataset(csv_dir, out, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
-                      skip_bad=args.skip_bad)
+        with building(out) as tmp:  # the previous dataset stays whole until this one is
+            build_dataset(csv_dir, tmp, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
+                          skip_bad=args.skip_bad)
         if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
             print(f"uploaded {gcs.upload_dataset(out, bucket_uri)} files to {bucket_uri}")
             out = bucket_uri

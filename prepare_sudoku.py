@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import gcs
-from data import BOXES, DownloadError, download, units_ok, write_split
+from data import BOXES, DownloadError, building, download, units_ok, write_split
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
 EXPECTED_ROWS = {'train': 3_831_994, 'test': 422_786}  # data rows, header excluded
@@ -590,8 +590,9 @@ def main(argv=None):
             for split in ('train', 'test'):
                 download(f"{args.base_url.rstrip('/')}/{split}.csv", os.path.join(csv_dir, f'{split}.csv'),
                          EXPECTED_ROWS[split] if official else None)
-        build(csv_dir, args.output_dir, args.size, args.subsample_size, args.min_difficulty, args.num_aug,
-              args.seed, args.skip_bad)
+        with building(args.output_dir) as tmp:  # the previous dataset stays whole until this one is
+            build(csv_dir, tmp, args.size, args.subsample_size, args.min_difficulty, args.num_aug, args.seed,
+                  args.skip_bad)
         if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
             print(f"uploaded {gcs.upload_dataset(args.output_dir, bucket_uri)} files to {bucket_uri}")
             args.output_dir = bucket_uri

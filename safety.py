@@ -6,7 +6,7 @@ this for the rest:
     step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
     run.log_train(line) / run.log_eval()    metrics.jsonl (+ the bucket's copy) and W&B, never fatal
-    run.close()                             bounded waits for uploads and W&B at exit
+    run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock removed
 It also holds the checkpoint files themselves (save_atomic, load_checkpoint, list_checkpoints,
 prune_checkpoints) for a local folder or a gs:// prefix; gcs.py is the storage client underneath.
 
@@ -15,6 +15,8 @@ through Device.agree (a reduction every rank runs), so all ranks stop together w
 device value is read on every rank before rank 0 alone writes files (a TPU pod's ranks must run the same
 graphs).
 """
+import atexit
+import contextlib
 import glob
 import hashlib
 import json
@@ -22,13 +24,15 @@ import os
 import re
 import secrets
 import signal
+import socket
+import sys
 import threading
 import time
 
 import torch
 
 import gcs
-from data import check_split
+from data import check_split, load_metadata, puzzle_type
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at most),
 # and float32 activations overflow within a few blocks of weights this large
@@ -106,19 +110,198 @@ def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, de
 # -----------------------------------------------------------------------------
 # stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same step
 
-STOP = dict(requested=False)
+STOP = dict(requested=False, signal=None, told=False)
 
 
 def on_signal(signum, frame):
-    STOP['requested'] = True
+    """Sets the flag only: any I/O here (a print to a closed stdout) would raise inside whatever the run was
+    doing. The loop acknowledges it (Run.stop_agreed)."""
+    STOP.update(requested=True, signal=signum)
     signal.signal(signum, signal.SIG_DFL)  # a second one stops at once
-    print(f"pid {os.getpid()}: got signal {signum}; will save a checkpoint and exit", flush=True)
 
 
 def install_signal_handlers():
     """In a process's main thread (torch_xla.launch runs the training in a worker thread)."""
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+
+# -----------------------------------------------------------------------------
+# an out_dir belongs to one run: a lock file in the local folder (and a lock object beside a gs:// out_dir's
+# checkpoints), taken by rank 0 at the start and removed at every exit: the loop's end, a stop request, a
+# failed check (fail_together), any other exit of the process (atexit)
+
+LOCK_NAME = 'run.lock'
+HELD = []  # the locks this process holds: local paths or gs:// URIs
+
+
+def boot_id():
+    """This boot of this host ('' off Linux): a lock from before a restart is stale whatever its pid."""
+    try:
+        with open('/proc/sys/kernel/random/boot_id') as f:
+            return f.read().strip()
+    except OSError:
+        return ''
+
+
+def lock_record():
+    return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
+                boot=boot_id())
+
+
+def holder_gone(rec):
+    """Whether the run holding a lock ran on this host and is gone (ended, killed, or the host restarted)."""
+    if not isinstance(rec, dict) or rec.get('host') != socket.gethostname():
+        return False  # another host's run: this host cannot tell
+    if rec.get('boot') and rec['boot'] != boot_id():
+        return True
+    try:
+        os.kill(int(rec['pid']), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, KeyError, TypeError, ValueError):  # PermissionError: alive, another user's
+        pass
+    return False
+
+
+def in_use(where, rec, remove):
+    who = f"the run on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" if isinstance(rec, dict) \
+        else 'a run whose lock cannot be read'
+    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --out_dir, or remove the "
+            f"lock if that run is gone")
+
+
+def lock_local(folder):
+    """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
+    path = os.path.join(folder, LOCK_NAME)
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except OSError as e:
+            if not isinstance(e, FileExistsError):
+                return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can write"]
+            try:
+                with open(path) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                rec = None
+            if attempt == 0 and holder_gone(rec):
+                print(f"{path}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
+                      f"since {rec['since']})")
+                os.remove(path)
+                continue
+            return [in_use(folder, rec, path)]
+        HELD.append(path)
+        with os.fdopen(fd, 'w') as f:
+            json.dump(lock_record(), f)
+        return []
+
+
+def lock_bucket(prefix, local):
+    """Rank 0: the lock object beside a gs:// out_dir's checkpoints, created only if absent (a generation
+    precondition); [] or [the problem]. A bucket that cannot be reached: a warning (its uploads are retried)."""
+    uri, mine = f"{prefix.rstrip('/')}/{LOCK_NAME}", lock_record()
+    try:
+        for attempt in range(2):
+            if gcs.create_if_absent(uri, json.dumps(mine).encode()):
+                HELD.append(uri)
+                return []
+            copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
+            gcs.download_file(uri, copy)
+            with open(copy) as f:
+                text = f.read()
+            os.remove(copy)
+            try:
+                rec = json.loads(text)
+            except ValueError:
+                rec = None
+            if rec == mine:  # our own create, whose reply was lost and retried
+                HELD.append(uri)
+                return []
+            if attempt == 0 and holder_gone(rec):
+                print(f"{uri}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
+                      f"since {rec['since']})")
+                gcs.delete_object(uri)
+                continue
+            return [in_use(prefix, rec, uri)]
+    except gcs.NotFoundError:  # removed between the create and the read: its run just ended
+        return lock_bucket(prefix, local)
+    except gcs.GCSError as e:
+        print(f"warning: cannot lock {prefix} ({e}); a second run into it would not be stopped")
+        return []
+
+
+def release_locks():
+    """Remove the locks this process holds (a bounded wait for a lock object: the exit of a stopped spot VM
+    is short)."""
+    while HELD:
+        where = HELD.pop()
+        try:
+            gcs.GCS(retries=2, timeout=(5, 10)).delete(where) if gcs.is_gcs(where) else os.remove(where)
+        except Exception as e:
+            print(f"warning: could not remove the lock {where} ({e}); the next run on this host takes it over")
+
+
+atexit.register(release_locks)
+
+
+# -----------------------------------------------------------------------------
+# the run's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed SSH
+# session) never stops a run, and rank 0 copies every line to train.log in the run's folder
+
+class Output:
+    log = None  # train.log, shared by stdout and stderr
+
+    def __init__(self, stream):
+        self.stream, self.closed_seen = stream, False
+
+    @classmethod
+    def install(cls):
+        if not isinstance(sys.stdout, cls):
+            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
+
+    @classmethod
+    def log_to(cls, path):
+        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
+        try:
+            cls.log = open(path, 'a')
+            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: "
+                          f"{' '.join(sys.argv)}\n")
+        except OSError as e:
+            print(f"warning: cannot write {path} ({e}); the output is not logged there")
+
+    def write(self, text):
+        if Output.log is not None:
+            try:
+                Output.log.write(text)
+                Output.log.flush()
+            except (OSError, ValueError):  # a full disk: the terminal still has it
+                pass
+        if not self.closed_seen:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self.lost()
+        return len(text)
+
+    def flush(self):
+        if not self.closed_seen:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.lost()
+
+    def lost(self):
+        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
+        /dev/null, so the interpreter's flush at exit cannot fail either."""
+        self.closed_seen = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 
 # -----------------------------------------------------------------------------
@@ -130,12 +313,14 @@ def fingerprint(text):
 
 
 def fail_together(dev, problems, what):
-    """Every rank learns whether any rank has a problem, and then all exit with one message."""
+    """Every rank learns whether any rank has a problem, and then all exit with one message (the out_dir's
+    lock removed first: a torch_xla worker process ends without running atexit)."""
     failed = dev.agree([float(r == dev.rank and bool(problems)) for r in range(dev.world_size)])
     ranks = [r for r in range(dev.world_size) if failed[r] > 0]
     if ranks:
         where = f" on rank(s) {ranks}" if dev.world_size > 1 else ''
         mine = '; '.join(problems) if problems else f"see rank {ranks[0]}'s output"
+        release_locks()
         dev.shutdown()
         raise SystemExit(f"{what} failed{where}: {mine}")
 
@@ -146,12 +331,30 @@ def fail_if_ranks_differ(dev, values, problem):
     fail_together(dev, [problem(differ)] if differ and dev.master else [], 'host agreement')
 
 
+def data_shape(meta):
+    """What a model trained on a dataset is bound to: its puzzle kind, sequence length and vocabulary."""
+    return dict(puzzle_type=puzzle_type(meta), seq_len=int(meta['seq_len']), vocab_size=int(meta['vocab_size']))
+
+
+def describe_data(shape):
+    kind = f"{shape['puzzle_type']} puzzles" if shape.get('puzzle_type') else 'puzzles'
+    return f"{kind} of seq_len {shape['seq_len']}" + (f", vocab_size {shape['vocab_size']}" if 'vocab_size' in shape
+                                                        else '')
+
+
 def startup_problems(cfg, dev, local):
     """Everything a run needs, checked before the first step on every rank: [message]. Each rank sees its own
     files (a pod's hosts each have their own disk), so each checks them."""
-    problems = []
+    problems, shapes, root = [], {}, cfg['data_path']
     for split in ('train', 'test'):
-        problems += check_split(cfg['data_path'], split)
+        found = check_split(root, split)
+        problems += found
+        if not found:
+            shapes[split] = data_shape(load_metadata(root, split))
+    if len(shapes) == 2 and shapes['train'] != shapes['test']:  # a half-done rebuild, or splits of two datasets
+        problems.append(f"{root}: the train split holds {describe_data(shapes['train'])}, the test split "
+                        f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
+                        f"prepare_maze.py) or point data_path at one whose splits agree")
     init_from = cfg['init_from']
     if init_from not in ('scratch', 'resume') and not os.path.isfile(init_from):
         problems.append(f"init_from={init_from!r} is not 'scratch', 'resume' or a checkpoint file on this host")
@@ -167,7 +370,12 @@ def startup_problems(cfg, dev, local):
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would hold "
                         f"the checkpoints; use --out_dir=gs://BUCKET/...")
-    new_run = init_from == 'scratch' and not cfg['eval_only'] and not cfg['overwrite'] and dev.master
+    fresh = init_from != 'resume' and not cfg['eval_only']  # a new run's files: scratch, or a file's weights
+    if fresh and cfg['overwrite'] and dev.master and os.path.isfile(init_from) and CKPT_RE.search(init_from) \
+            and os.path.isdir(local) and os.path.samefile(os.path.dirname(os.path.abspath(init_from)), local):
+        problems.append(f"init_from={init_from} lies in {local}, whose checkpoints --overwrite=True deletes: copy it "
+                        f"elsewhere first and start from the copy")
+    new_run = fresh and not cfg['overwrite'] and dev.master
     held = {local: list_checkpoints(local)} if new_run else {}
     if gcs.is_gcs(out_dir) and dev.master:
         found, why = bucket_checkpoints(out_dir, init_from == 'resume')
@@ -205,6 +413,27 @@ def bucket_checkpoints(out_dir, resume):
 # -----------------------------------------------------------------------------
 # the run
 
+class Clock:
+    """This process's wall seconds by phase: start-up (to the first step), training (the loop, evaluations
+    apart, checkpoint saves included) and evaluation."""
+
+    def __init__(self, started):
+        self.started, self.loop_start, self.eval = started, None, 0.0
+
+    def __call__(self):
+        now = time.time()
+        start = self.loop_start or now
+        return dict(startup=start - self.started, train=now - start - self.eval, eval=self.eval)
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.eval += time.time() - t
+
+
 def local_folder(out_dir):
     """The default local copy of a gs:// out_dir: out/BUCKET/PREFIX, one folder per out_dir (two runs ending in
     the same name never share one)."""
@@ -215,8 +444,10 @@ def local_folder(out_dir):
 class Run:
     """One training run's folders, records and verdicts. cfg: train.py's config (a dict of its keys)."""
 
-    def __init__(self, cfg, dev):
+    def __init__(self, cfg, dev, started=None):
+        """started: the process's start time (time.time()), for the start-up time in results.json."""
         self.cfg, self.dev, self.master = cfg, dev, dev.master
+        Output.install()
         gcs.default_client().retries = cfg['gcs_retries']  # every bucket request of this run, uploads included
         out_dir = cfg['out_dir']
         self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
@@ -229,7 +460,7 @@ class Run:
         self.records = self.wandb = self.uploader = None
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}         # wall seconds by phase of this run's earlier processes (from the checkpoint)
-        self.clock = None        # train.py's: this process's wall seconds by phase so far (a dict)
+        self.clock = Clock(started or time.time())  # this process's wall seconds by phase
         self.data_path = self.fetch_data()
         self.check_start()
 
@@ -249,7 +480,8 @@ class Run:
         return gcs.fetch_tree(path, self.cfg['data_cache_dir'])  # complete now: returns the local copy
 
     def check_start(self):
-        """All start-up checks before the first step, then every host's config, data and code compared."""
+        """All start-up checks before the first step, then every host's config, data and code compared; then rank 0
+        takes the out_dir's lock (before it touches any file there) and logs the output to train.log."""
         cfg, dev = dict(self.cfg, data_path=self.data_path), self.dev
         fail_together(dev, startup_problems(cfg, dev, self.local), 'start-up checks')
         code = ''.join(open(os.path.join(HERE, f)).read() for f in CODE_FILES)
@@ -259,12 +491,20 @@ class Run:
                                    fingerprint(code)],
                              lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: copy the same "
                                        f"files to every host")
+        self.meta = load_metadata(self.data_path, 'train')
+        if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
+            return
+        problems = []
         if self.master:
             os.makedirs(self.local, exist_ok=True)
+            problems = lock_local(self.local) or (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
+        fail_together(dev, problems, 'out_dir lock')
+        if self.master:
+            Output.log_to(os.path.join(self.local, 'train.log'))
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
-                if name.endswith('.tmp') or name.startswith('.rank'):
+                if (name.endswith('.tmp') or name.startswith('.rank')) and os.path.isfile(os.path.join(self.local, name)):
                     os.remove(os.path.join(self.local, name))
-            if cfg['overwrite'] and cfg['init_from'] == 'scratch' and not cfg['eval_only']:  # the old run's files go
+            if cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
                 for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
                     prune_checkpoints(folder, 0, -1, delete_all=True)
 
@@ -281,6 +521,7 @@ class Run:
                 print(f"init_from=resume: no checkpoint in {cfg['out_dir']} yet, starting from scratch")
             if ckpt is not None:
                 self.check_resume_config(ckpt['config'], resume_fixed, ckpt['step'])
+                self.check_resume_data(ckpt)
                 self.load_state(ckpt, model, ema_model, opt, loader)
                 step, self.best = ckpt['step'], ckpt['best']
                 self.timing = dict(ckpt.get('timing') or {})
@@ -371,6 +612,16 @@ class Run:
             print(f"resuming from {self.resumed_from} (step {step})"
                   + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
 
+    def check_resume_data(self, ckpt):
+        """The dataset's shape must be the checkpoint's: its model and carry are bound to it. (Checkpoints from
+        before `data` was saved: the carry's width is the sequence length.)"""
+        saved = ckpt.get('data') or dict(seq_len=int(ckpt['carry']['inputs'].shape[-1]))
+        now = {k: v for k, v in data_shape(self.meta).items() if k in saved}
+        fail_together(self.dev, [f"{self.resumed_from} was trained on {describe_data(saved)} (data_path="
+                                 f"{ckpt['config'].get('data_path')!r}); {self.data_path} holds {describe_data(now)}. "
+                                 f"A resume keeps the data's shape: point --data_path at that dataset, or start a "
+                                 f"new run (another out_dir)"] if saved != now else [], 'resume')
+
     def load_state(self, ckpt, model, ema_model, opt, loader):
         """A file that loads but whose parts do not fit this model (edited, or another trainer's): named."""
         try:
@@ -401,7 +652,8 @@ class Run:
             state = dict(model=model.state_dict(), ema=ema_model.state_dict() if ema_model is not model else None,
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
-                         config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total())
+                         config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
+                         data=data_shape(self.meta))
             try:
                 self.write(state, path, tag)
             except Exception as e:
@@ -412,7 +664,7 @@ class Run:
 
     def timing_total(self):
         """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this process's."""
-        now = self.clock() if self.clock else {}
+        now = self.clock()
         return {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
 
     def checkpoint_tensors(self, model, ema_model, carry):
@@ -444,11 +696,20 @@ class Run:
         """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps (the
         pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable."""
         dev = self.dev
-        stop = dev.agree([float(STOP['requested'])], 'max')[0] > 0 if step % self.stop_every == 0 else False
+        stop = self.stop_agreed() if step % self.stop_every == 0 else False
         if step == start_step + 5:
             self.t_calibrate = time.time()
         if step == start_step + 10:
             self.stop_every = max(1, int(2.0 / dev.agree([(time.time() - self.t_calibrate) / 5], 'max')[0]))
+        return stop
+
+    def stop_agreed(self):
+        """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point (between
+        steps, between evaluation batches). The rank that got the signal says so (the handler prints nothing)."""
+        stop = self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
+        if stop and STOP['requested'] and not STOP['told']:
+            STOP['told'] = True
+            print(f"pid {os.getpid()}: got signal {STOP['signal']}; saving a checkpoint, then exiting", flush=True)
         return stop
 
     def check_divergence(self, bad_at):
@@ -485,9 +746,34 @@ class Run:
         for prefix, vals in wandb_values.items():
             wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in vals.items() if k != 'exact_by_steps'}, step)
 
-    def finish(self, results):
-        if self.master:
-            self.records.finish(results)
+    def finish(self, step, final_eval, parameters, flops_per_example):
+        """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by phase
+        over every process of the run, resumes adding theirs, and device-hours)."""
+        if not self.master:
+            return
+        cfg, wall = self.cfg, self.timing_total()
+        wall['total'] = sum(wall.values())
+        self.records.finish(dict(
+            config=cfg, parameters=parameters, run_id=self.run_id, flops_per_example_step=flops_per_example,
+            device=self.dev.name(), world_size=self.dev.world_size, final_eval=final_eval, best_eval=self.best,
+            step=step, examples_seen=step * cfg['global_batch_size'],
+            train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
+            device_hours=wall['total'] * self.dev.world_size / 3600))
+
+    def results_missing(self):
+        """Whether results.json is in neither the run's folder nor its bucket (rank 0 looks; every rank learns it):
+        a run that reached its last step without it (a stop during the final evaluation, a failed write)."""
+        missing = self.master and not os.path.exists(os.path.join(self.local, 'results.json'))
+        if missing and self.gs_out:
+            try:
+                missing = not gcs.object_exists(f"{self.gs_out.rstrip('/')}/results.json")
+            except gcs.GCSError as e:
+                print(f"warning: cannot look for results.json in {self.gs_out} ({e}); evaluating again")
+        return self.dev.agree([float(missing)], 'max')[0] > 0
+
+    def logged(self, kind, step):
+        """Rank 0: whether metrics.jsonl holds a `kind` line of this step."""
+        return bool(self.records) and self.records.logged(kind, step)
 
     def close(self, interrupted):
         """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most of
@@ -498,6 +784,7 @@ class Run:
             finish = threading.Thread(target=self.wandb.finish, daemon=True)
             finish.start()
             finish.join(timeout=5 if interrupted else 60)
+        release_locks()
 
     def finish_uploads(self, interrupted):
         """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20 MB to
@@ -563,7 +850,8 @@ class Records:
             for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
                 if path and os.path.exists(path):
                     with open(path) as f:  # a torn last line goes
-                        kept = [l for l in f if l.endswith('\n') and json.loads(l).get('step', 0) <= step]
+                        kept = [l for i, l in enumerate(f, 1) if l.endswith('\n') and self.readable(l, i, path)
+                                and json.loads(l).get('step', 0) <= step]
                     lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the bucket's
         finally:
             if os.path.exists(self.path + '.bucket'):
@@ -585,14 +873,43 @@ class Records:
                   f"alone")
             return None
 
+    @staticmethod
+    def readable(line, number, path):
+        """A line that is JSON; another (torn by a crash, then appended to) is dropped with a warning."""
+        try:
+            return isinstance(json.loads(line), dict)
+        except ValueError:
+            print(f"warning: {path} line {number} is not a JSON record (torn by a crash?): dropped: "
+                  f"{line.strip()[:80]}")
+            return False
+
     def log(self, kind, values):
-        with open(self.path, 'a') as f:
-            f.write(json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n')
+        """A line of metrics.jsonl; a failed write (a full disk) is a warning and the run goes on."""
+        try:
+            with open(self.path, 'a') as f:
+                f.write(json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n')
+        except OSError as e:
+            print(f"warning: could not append to {self.path} ({e.strerror or e}): this {kind} line is not "
+                  f"recorded there")
+
+    def logged(self, kind, step):
+        try:
+            with open(self.path) as f:
+                return any((r := json.loads(l)).get('kind') == kind and r.get('step') == step for l in f)
+        except (OSError, ValueError, AttributeError):
+            return False
 
     def finish(self, results):
-        with open(self.results + '.tmp', 'w') as f:
-            json.dump(results, f, indent=1, default=float)
-        os.replace(self.results + '.tmp', self.results)
+        """results.json; a failed write is a warning: the next --init_from=resume writes it."""
+        try:
+            with open(self.results + '.tmp', 'w') as f:
+                json.dump(results, f, indent=1, default=float)
+            os.replace(self.results + '.tmp', self.results)
+        except OSError as e:
+            if os.path.isfile(self.results + '.tmp'):
+                os.remove(self.results + '.tmp')
+            print(f"warning: could not write {self.results} ({e.strerror or e}); rerun with --init_from=resume "
+                  f"once the disk has room, and it is written")
 
     def upload(self, uploader):
         for path in (self.path, self.results):

@@ -110,7 +110,8 @@ def numpy_scalar_types():
 
 
 def read_checkpoint(path):
-    """(state dict in our names, the training config or None, a few words on where the weights came from)."""
+    """(state dict in our names, the training config or None, a few words on where the weights came from, the
+    shape of the data it was trained on or None)."""
     if not path:
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
     if not os.path.isfile(path):
@@ -132,9 +133,9 @@ def read_checkpoint(path):
         ema = ckpt.get('ema')
         step = f" of step {ckpt['step']}" if 'step' in ckpt else ''
         what = f"train.py checkpoint{step}, " + ('EMA weights' if ema else 'model weights (it holds no EMA)')
-        return dict(ema or ckpt['model']), saved, what
+        return dict(ema or ckpt['model']), saved, what, ckpt.get('data')
     if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-        return from_reference_state_dict(ckpt), None, 'state dict (reference format)'
+        return from_reference_state_dict(ckpt), None, 'state dict (reference format)', None
     fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference implementation")
 
 
@@ -543,15 +544,22 @@ def open_png():
         import matplotlib.pyplot as plt
     except ImportError as e:
         fail(f"png={png} needs matplotlib, which cannot be imported ({short(e, 100)}): pip install matplotlib")
+    if os.path.isdir(png):
+        fail(f"png={png} is a folder: name a file in it, such as --png={os.path.join(png, 'steps.png')}")
     folder = os.path.dirname(os.path.abspath(png))
     if not os.path.isdir(folder):
         fail(f"png={png}: the folder {folder} does not exist")
     return plt
 
 
+def png_file():
+    """The file --png names: matplotlib adds '.png' to a name without an extension."""
+    return png if os.path.splitext(png)[1] else png + '.png'
+
+
 def load_model(dev):
     """(model, its TRMConfig, the dataset's metadata, where that came from, the dataset root, the dtype's why)."""
-    sd, saved, what = read_checkpoint(init_from)
+    sd, saved, what, trained_on = read_checkpoint(init_from)
     ours = saved is not None
     dp = data_path or (saved or {}).get('data_path', '')
     if not dp and not ours:
@@ -589,7 +597,26 @@ def load_model(dev):
         fail(mismatch_message(sd, model, cfg, init_from, where, ours))
     print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
           f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {Kind(meta).name}s ({meta_from})")
+    warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)
     return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
+
+
+def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
+    """A checkpoint's weights can fit puzzles it never learned (attention weights fit any length): say so. What it
+    learned: the checkpoint's `data`, else its data_path's dataset.json when that is still there."""
+    if saved is None or not saved.get('data_path') or saved['data_path'] == dp:
+        return
+    if trained_on is None:
+        try:
+            theirs = load_metadata(saved['data_path'], 'train')
+        except (OSError, ValueError):
+            return
+        trained_on = dict(puzzle_type=puzzle_type(theirs), seq_len=theirs['seq_len'])
+    if trained_on.get('puzzle_type') and (trained_on['puzzle_type'], trained_on['seq_len']) != \
+            (puzzle_type(meta), meta['seq_len']):
+        learned = Kind(dict(puzzle_type=trained_on['puzzle_type'], seq_len=trained_on['seq_len'])).name
+        print(f"warning: {init_from} was trained on {learned}s (data_path={saved['data_path']!r}), not on "
+              f"{Kind(meta).name}s: expect answers of a model that never learned them")
 
 
 def puzzles(kind, meta, dp, source):
@@ -676,7 +703,7 @@ def main():
             draw_png(png, plt, kind, drawn, title)
         except OSError as e:
             fail(f"png={png}: cannot write it ({short(e)})")
-        print(f"wrote {png}")
+        print(f"wrote {png_file()}")
 
 
 if __name__ == '__main__':

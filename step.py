@@ -258,16 +258,22 @@ def wilson_interval(k, n, z=1.96):
 
 
 @torch.no_grad()
-def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None):
+def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
+             should_stop=None):
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
     at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
-    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical."""
+    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
+    should_stop: asked before every batch on every rank (a verdict the ranks agree on, so all stop at the
+    same batch); when it says stop, the evaluation is abandoned and (None, None) returned."""
     predict = predict or model.predict
     was_training = model.training
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
     sums, example, verified = None, None, 0
     for batch in loader:
+        if should_stop is not None and should_stop():
+            model.train(was_training)
+            return None, None
         b = dev.to_device(batch)
         preds, q_halt = predict(b, n_steps)  # [S, B, L], [S, B]
         labels = b['labels']
@@ -318,6 +324,12 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         res['verified_accuracy'] = float(s['verified'][0]) / max(n, 1)
     model.train(was_training)
     return res, example
+
+
+def format_train(line, run_steps):
+    return (f"step {line['step']}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
+            f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f} | "
+            f"grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s")
 
 
 def format_eval(r):

@@ -21,7 +21,7 @@ local_dir = ''                  # local copy of a gs:// out_dir ('': out/<bucket
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
 init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file to start from (ours or the reference's)
-overwrite = False               # a scratch run may replace the checkpoints already in out_dir
+overwrite = False               # a new run (scratch, or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)
 eval_subset = 0                 # intermediate evaluations on this many seeded test examples (0: all; the final: all)
@@ -79,7 +79,8 @@ gcs_retries = 8                 # attempts per GCS request (exponential backoff)
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg, _unit = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0'), (lambda v: 0 <= v < 1, 'in [0, 1)')
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
-RULES = dict(eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
+RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
+             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
              log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg, global_batch_size=_pos,
              epochs=_pos, max_steps=_nonneg, hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos,
              H_cycles=_pos, L_cycles=_pos, halt_max_steps=_pos,
@@ -107,36 +108,32 @@ from data import EvalLoader, TrainLoader, render_example, verifier_for  # noqa: 
 from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, CompiledStep, StepConfig, compiled_predict, evaluate, evaluation_steps  # noqa: E402
-from step import format_eval, forward_loss, lr_at, train_step  # noqa: E402
+from step import format_eval, format_train, forward_loss, lr_at, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')] + \
     ['global_batch_size', 'seed']
 
 
-class Clock:
-    """This process's wall seconds by phase: start-up (to the first step), training (the loop, evaluations
-    apart, checkpoint saves included) and evaluation."""
-
-    def __init__(self):
-        self.loop_start, self.eval = None, 0.0
-
-    def __call__(self):
-        now = time.time()
-        start = self.loop_start or now
-        return dict(startup=start - T_START, train=now - start - self.eval, eval=self.eval)
-
-
 if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
     safety.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
+
+
+def read_sums(dev, sums, bad_step):
+    """The metric sums since the last log line, summed over ranks, and the first step whose loss was not finite
+    (< 0: none): one reduction, read on every rank."""
+    reduced = torch.cat([v.float().reshape(1) for v in sums.values()])
+    dev.all_reduce_sum_([reduced])
+    dev.all_reduce_([bad_step], 'max')
+    host, bad_at = dev.read([reduced, bad_step])
+    return dict(zip(sums, host)), bad_at[0]
 
 
 def main(index=None):
     # --- set-up: the device, the start-up checks every rank agrees on, data, model, optimizers --------------
     dev = Device(resolve_device(device), xla_cache_dir)
     master = dev.master
-    run = safety.Run(config, dev)
-    clock = run.clock = Clock()
+    run = safety.Run(config, dev, started=T_START)
     loader = TrainLoader(run.data_path, global_batch_size, dev.rank, dev.world_size, seed)
     meta = loader.meta
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
@@ -167,31 +164,61 @@ def main(index=None):
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
 
     def run_eval(subset, show_example=False, weights=None):
-        t = time.time()
         weights = weights or ema_model  # the EMA's, or the raw model's
         ev = EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
                         subset=subset, seed=seed)
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind == 'cuda') else None
-        out = evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
-                       predict=predict)
-        clock.eval += time.time() - t
-        return out
+        with run.clock.evaluating():
+            return evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
+                            predict=predict, should_stop=run.stop_agreed)  # a stop abandons it: (None, None)
+
+    def evaluate_and_save(step, save, log=True):
+        """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False when
+        a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
+        final = step == run_steps
+        res, example = run_eval(0 if final else eval_subset, show_example=final)
+        # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
+        raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
+        if res is None or (ema and not final and raw is None):
+            save(' (stop requested)')
+            return False
+        if master:
+            print(format_eval(res))
+            if raw:
+                print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
+        if log:
+            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {})), step,
+                    dict(eval=res, eval_raw=raw or {}))
+        run.new_best(step, res)
+        save()
+        if final and master and example:
+            print(render_example(meta, *example))
+        if final:
+            run.finish(step, res, model.num_params(), model.flops_per_example())
+        return True
 
     if eval_only:
         if init_from == 'scratch':
             raise SystemExit("config error: eval_only=True needs --init_from=resume or a checkpoint file")
         res, example = run_eval(0, show_example=True)
         if master:
-            print(format_eval(res))
+            print(format_eval(res) if res else "stopped during the evaluation")
             if example:
                 print(render_example(meta, *example))
         dev.shutdown()
         return
-    if step >= run_steps:
-        if master:
+    if step >= run_steps:  # nothing to train; a run that ended without results.json evaluates again and writes it
+        done = True
+        if run.results_missing():
+            run.open_records(step)
+            if master:
+                print(f"the checkpoint is at the last step {step}, but results.json is missing: the final evaluation")
+            done = evaluate_and_save(step, save=lambda tag='': None, log=not (master and run.logged('eval', step)))
+        elif master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
                   f"(raise --max_steps or --epochs to train on)")
+        run.close(not done)
         dev.shutdown()
         return
     run.open_records(step)
@@ -208,8 +235,8 @@ def main(index=None):
     carry = model.initial_carry(prefetch.upcoming)
     if carry_state is not None:
         carry = {k: v.to(dev.device) for k, v in carry_state.items()}
-    start_step, t0, last_step, interrupted = step, time.time(), step, False
-    clock.loop_start = t0
+    start_step, t0, last_step, stop_now = step, time.time(), step, False
+    run.clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
     while step < run_steps:
@@ -227,14 +254,10 @@ def main(index=None):
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
         stop_now = run.stop_requested(step, start_step)
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
-            reduced = torch.cat([v.float().reshape(1) for v in acc.values()])
-            dev.all_reduce_sum_([reduced])
-            dev.all_reduce_([bad_step], 'max')
-            host, bad_at = dev.read([reduced, bad_step])  # every rank reads: the same graphs on every rank
-            run.check_divergence(bad_at[0])
+            m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
+            run.check_divergence(bad_at)
             run.verified = step - 1
-            m, n_steps = dict(zip(acc.keys(), host)), step - last_step
-            cnt = max(m['count'], 1)
+            n_steps, cnt = step - last_step, max(m['count'], 1)
             line = dict(step=step, epoch=loader.epochs_done, loss=m['loss'] / (global_batch_size * n_steps),
                         accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
                         q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
@@ -242,53 +265,28 @@ def main(index=None):
                         lr=float(lr_at(step - 1, lr, lr_warmup_steps, total_steps, lr_min_ratio)),
                         examples_per_s=global_batch_size * n_steps / max(time.time() - t0, 1e-9))
             if master:
-                print(f"step {step}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
-                      f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f}"
-                      f" | grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s"
-                      + (f" | compiles {dev.xla_report()[0]}" if dev.kind == 'xla' else ''))
+                print(format_train(line, run_steps) + (f" | compiles {dev.xla_report()[0]}" if dev.kind == 'xla' else ''))
             run.log('train', line, step, dict(train=line))
             acc, t0, last_step = None, time.time(), step
 
-        if stop_now:
+        if stop_now:  # SIGTERM or Ctrl-C on any rank
             save(' (stop requested)')
-            interrupted = True
-            break
-        if at_eval:
-            final = step == run_steps
-            res, example = run_eval(0 if final else eval_subset, show_example=final)
-            # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
-            raw = run_eval(eval_subset, weights=model)[0] if (ema and not final) else None
-            if master:
-                print(format_eval(res))
-                if raw:
-                    print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
-            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {})), step,
-                    dict(eval=res, eval_raw=raw or {}))
-            run.new_best(step, res)
-            save()
-            if final and master and example:
-                print(render_example(meta, *example))
-            if final:
-                wall = run.timing_total()  # seconds over every process of this run (resumes add theirs)
-                wall['total'] = sum(wall.values())
-                run.finish(dict(config=config, parameters=model.num_params(), run_id=run.run_id,
-                                flops_per_example_step=model.flops_per_example(), device=dev.name(),
-                                world_size=dev.world_size, final_eval=res, best_eval=run.best, step=step,
-                                examples_seen=step * global_batch_size,
-                                train_flops=model.flops_per_example() * step * global_batch_size,
-                                wall_s=wall, device_hours=wall['total'] * dev.world_size / 3600))
+        elif at_eval:
+            stop_now = not evaluate_and_save(step, save)  # a stop request during it: its step was saved
         elif at_ckpt:
             save()
+        if stop_now:
+            break
         if step == start_step + 1 and dev.kind == 'xla':
             dev.read(run.checkpoint_tensors(model, ema_model, carry))  # compile the save's graph now, not at SIGTERM
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---------------------------
-    run.close(interrupted)
+    run.close(stop_now)
     if dev.kind == 'xla' and master:
         compiles, fallbacks = dev.xla_report()
         print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")
     dev.shutdown()
-    if interrupted and master:
+    if stop_now and master:
         print("stopped cleanly; rerun with --init_from=resume to continue")
 
 
