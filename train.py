@@ -11,7 +11,7 @@ import copy
 import os
 import time
 
-T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
+_T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
 # -----------------------------------------------------------------------------
 # config. Defaults: the paper's Sudoku-Extreme MLP recipe (87.4% exact in the paper), on one device.
@@ -133,7 +133,7 @@ def main(index=None):
     # --- set-up: the device, the start-up checks every rank agrees on, data, model, optimizers --------------
     dev = Device(resolve_device(device), xla_cache_dir)
     master = dev.master
-    run = safety.Run(config, dev, started=T_START)
+    run = safety.Run(config, dev, started=_T_START)
     loader = TrainLoader(run.data_path, global_batch_size, dev.rank, dev.world_size, seed)
     meta = loader.meta
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
