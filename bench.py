@@ -6,7 +6,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py config/baseline.py --global_batch_size=384    # any train.py config; the batch is global_batch_size
     python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
     python bench.py config/maze.py                                # the task's shape from the config: 30x30 maze, 900 tokens
-    python bench.py --compile=False                               # CUDA: eager (compiled is the default there, as in train.py)
+    python bench.py --compile=False                               # CUDA, XLA: eager (compiled is the default, as in train.py)
     python bench.py --compile_mode=max-autotune-no-cudagraphs     # CUDA
     python bench.py --seq_align=1                                 # mlp_t without the sequence-axis padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
@@ -15,14 +15,15 @@ puzzle embedding, EMA), on random batches or on a dataset:
                                                                   # only a checkpoint's save + upload time
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81 tokens,
-vocab 11); --seq_len / --vocab_size override it. On CUDA the step and the evaluation are compiled (train.py's
-compile=True: step.CompiledStep and step.compiled_predict, the ones train.py uses).
+vocab 11); --seq_len / --vocab_size override it. On CUDA and XLA the step and the evaluation are compiled (train.py's
+compile=True: step.compiled_step and step.compiled_predict, the ones train.py uses). On XLA it also splits a step's
+time into the host's (tracing, hashing, dispatch; each step waited for, so the two do not overlap) and the device's
+execution (torch_xla's ExecuteTime), and says which one bounds the step.
 It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time to
 the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the graph
 compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
 """
 import os
-import re
 import time
 
 import numpy as np
@@ -58,7 +59,7 @@ exec(open(os.path.join(_here, 'configurator.py')).read())
 from data import load_metadata, puzzle_type, shape_from_name  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, CompiledStep, StepConfig, compiled_predict, forward_loss, train_step  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss, train_step  # noqa: E402
 
 # peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name found in the device's wins
 PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312), ('L40S', 362),
@@ -71,9 +72,9 @@ if kind == 'xla':
     if warmup_steps < 2:  # step 1 also creates the optimizer state: a graph of its own
         print(f"note: warmup_steps={warmup_steps} -> 2 on XLA (the first two steps compile different graphs)")
         warmup_steps = 2
-compiled = bool(compile) and kind == 'cuda'
-if compile and kind != 'cuda':
-    print(f"note: compile=True applies to CUDA only (the train.py key); not on {kind}")
+compiled = bool(compile) and kind in ('cuda', 'xla')
+if compile and kind == 'cpu':
+    print("note: compile=True applies to CUDA and XLA (the train.py key); the CPU runs the step eagerly")
 global_batch_size = global_batch_size or (64 if kind == 'cpu' else 768)
 if steps < 0 or (steps == 0 and not checkpoint_dir):
     raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
@@ -146,8 +147,8 @@ model = TRM(cfg, seq_align=seq_align).to(dev.device)
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA model's
-# train.py's step: compiled on CUDA with the same helper (forward + loss + its backward; optimizer, sign-SGD, EMA)
-fwd = CompiledStep(compile_mode) if compiled else forward_loss
+# train.py's step: compiled on CUDA and XLA with the same helper (forward + loss + its backward; the update)
+fwd = compiled_step(kind, compile_mode) if compiled else forward_loss
 predict = compiled_predict(model, compile_mode) if compiled else model.predict
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
@@ -213,15 +214,68 @@ if checkpoint_dir:
         raise SystemExit(0)
 
 
+def one_step(i):
+    global carry, loss
+    carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, fwd)
+    dev.sync()  # one graph per step on XLA, cut where train.py cuts it
+
+
+def finish():
+    """Wait for the device. XLA's wait_device_ops does not wait for compiled (dynamo) graphs: reading one of
+    their outputs (the step count, updated last) does."""
+    dev.wait()
+    step_t.cpu()
+
+
 def run_steps(n):
     """n training steps; returns their wall time, read once the device has finished them."""
-    global carry, loss
     t0 = time.perf_counter()
     for i in range(n):
-        carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, fwd)
-        dev.sync()  # one graph per step on XLA, cut where train.py cuts it
-    dev.wait()
+        one_step(i)
+    finish()
     return time.perf_counter() - t0
+
+
+def host_and_device(n):
+    """XLA: the medians over n steps of the host's time per step (the step's Python and its sync: tracing,
+    hashing, dispatch) and the device's (its executions: torch_xla's ExecuteTime). Each compiled graph is run
+    alone and waited for, and the waits are taken off the host's time, as is an execution that XLA on the CPU
+    runs inside the sync itself: what is left is the host's work, as on a TPU, whose executions take no host CPU."""
+    import torch_xla
+    run_graph, waited = torch_xla._XLAC._run_cached_graph, [0.0]
+
+    def run_alone(*args):
+        t0 = time.perf_counter()
+        dev.wait()
+        t1 = time.perf_counter()
+        out = run_graph(*args)
+        t2 = time.perf_counter()
+        tensors = [t for t in out if torch.is_tensor(t)]
+        if tensors:
+            min(tensors, key=torch.numel).cpu()  # reading an output waits for this execution
+        waited[0] += (t1 - t0) + (time.perf_counter() - t2)
+        return out
+    torch_xla._XLAC._run_cached_graph = run_alone
+    host, device = [], []
+    try:
+        for i in range(n):
+            finish()
+            e0, w0, t0 = dev.execute_seconds(), waited[0], time.perf_counter()
+            carry_loss = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, fwd)
+            t1 = time.perf_counter()
+            dev.wait()
+            t2 = time.perf_counter()
+            dev.sync()
+            t3 = time.perf_counter()
+            finish()
+            e = dev.execute_seconds() - e0
+            in_sync = max(0.0, e - (time.perf_counter() - t3)) if t2 - t1 < 1e-3 else 0.0  # ran inside sync
+            host.append((t1 - t0) - (waited[0] - w0) + max(0.0, (t3 - t2) - in_sync))
+            device.append(e)
+            globals().update(carry=carry_loss[0], loss=carry_loss[1])
+    finally:
+        torch_xla._XLAC._run_cached_graph = run_graph
+    return float(np.median(host)), float(np.median(device))
 
 
 # --- training ---------------------------------------------------------------------------------------------
@@ -229,6 +283,7 @@ first_step_s = run_steps(1)  # the time to the first step: compilation (CUDA, XL
 warmup_s = first_step_s + run_steps(warmup_steps - 1)
 compiles_warm = dev.xla_report()[0]
 dt = run_steps(steps) / steps
+host_s, device_s = host_and_device(steps) if kind == 'xla' else (None, None)
 compiles_end, fallbacks = dev.xla_report()  # read before anything below moves a value to the host
 ex_s = global_batch_size / dt
 tflops = flops * ex_s / 1e12
@@ -251,6 +306,7 @@ if eval_batches > 0:
             out = predict(eval_data[0], n_eval_steps)
             dev.sync()
             dev.wait()
+            out[1].cpu()  # compiled graphs are waited for by reading an output
             eval_warm_s = time.perf_counter() - t0
             compiles_eval_warm = dev.xla_report()[0]
         t0 = time.perf_counter()
@@ -258,6 +314,7 @@ if eval_batches > 0:
             out = predict(eval_data[i % len(eval_data)], n_eval_steps)  # kept: XLA skips what nothing uses
             dev.sync()
         dev.wait()
+        out[1].cpu()
         eval_ps = eval_B * eval_batches / (time.perf_counter() - t0)
         compiles_eval_end, after = dev.xla_report()
     eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in after.items() if c > fallbacks.get(n, 0)}
@@ -269,6 +326,10 @@ if eval_batches > 0:
           + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None else ''))
 
 if kind == 'xla':
+    bound = 'host' if host_s > device_s else 'device'
+    print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch) | device {device_s * 1e3:.1f} ms/step "
+          f"(execution) | the step is {bound}-bound | first training step {first_step_s:.1f} s, first evaluation "
+          f"batch {fmt(eval_warm_s, '.1f')} s (both with compilation)")
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
           f"{' (no recompilation)' if compiles_end == compiles_warm else ' -- RECOMPILED: run with PT_XLA_DEBUG_LEVEL=2'}"
           f"; evaluation {compiles_eval_warm} -> {compiles_eval_end}")
@@ -301,4 +362,6 @@ print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_s
       f"examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} flops_per_example={flops} tflops={tflops:.4f} "
       f"mfu={fmt(mfu, '.4f')} warmup_s={warmup_s:.2f} peak_mem_gib={mem / 2 ** 30:.3f} "
       f"eval_puzzles_per_s={fmt(eval_ps, '.2f')} eval_mfu={fmt(eval_mfu, '.4f')} "
-      f"compiles_warm={compiles_warm} compiles_end={compiles_end} fallbacks={len(set(fallbacks) | set(eval_fallbacks))}")
+      f"compiles_warm={compiles_warm} compiles_end={compiles_end} fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
+      f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
+      f"eval_first_batch_s={fmt(eval_warm_s, '.2f')}")

@@ -233,6 +233,15 @@ class Device:
         return (compiles[0] if compiles else 0), {n: met.counter_value(n) for n in sorted(met.counter_names())
                                                   if n.startswith('aten::')}
 
+    def execute_seconds(self):
+        """XLA: seconds the device has spent executing graphs so far (torch_xla's ExecuteTime metric, which counts
+        lazy and compiled graphs alike); 0.0 elsewhere. Its growth per step is the device's share of a step."""
+        if self.kind != 'xla':
+            return 0.0
+        import torch_xla.debug.metrics as met
+        data = met.metric_data('ExecuteTime')
+        return data[1] / 1e9 if data else 0.0
+
     def peak_memory(self):
         """(bytes, what was measured)."""
         if self.kind == 'cuda':

@@ -171,6 +171,15 @@ def in_use(where, rec, remove):
             f"lock if that run is gone")
 
 
+def taken_over(rec, where):
+    """Whether the lock at `where`, holding rec, belongs to a run that is gone (and may be taken over: said so)."""
+    if not holder_gone(rec):
+        return False
+    print(f"{where}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
+          f"since {rec['since']})")
+    return True
+
+
 def lock_local(folder):
     """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
     path = os.path.join(folder, LOCK_NAME)
@@ -185,9 +194,7 @@ def lock_local(folder):
                     rec = json.load(f)
             except (OSError, ValueError):
                 rec = None
-            if attempt == 0 and holder_gone(rec):
-                print(f"{path}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
-                      f"since {rec['since']})")
+            if attempt == 0 and taken_over(rec, path):
                 os.remove(path)
                 continue
             return [in_use(folder, rec, path)]
@@ -218,9 +225,7 @@ def lock_bucket(prefix, local):
             if rec == mine:  # our own create, whose reply was lost and retried
                 HELD.append(uri)
                 return []
-            if attempt == 0 and holder_gone(rec):
-                print(f"{uri}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
-                      f"since {rec['since']})")
+            if attempt == 0 and taken_over(rec, uri):
                 gcs.delete_object(uri)
                 continue
             return [in_use(prefix, rec, uri)]

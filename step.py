@@ -50,26 +50,14 @@ class AdamATan2:
         if not live:
             return
         params = [self.params[i] for i in live]
-        grads = [p.grad for p in params]
-        b1, b2 = self.betas
-        lr = self.lr if lr is None else lr
         m = [self.state[i]['exp_avg'] for i in live]
         v = [self.state[i]['exp_avg_sq'] for i in live]
         t = self.state[live[0]]['t']
-        t.add_(1)
+        adam_atan2_(params, [p.grad for p in params], m, v, t, self.lr if lr is None else lr, self.betas,
+                    self.weight_decay)
         for i in live[1:]:
-            self.state[i]['t'].copy_(t)
-        torch._foreach_mul_(params, 1 - lr * self.weight_decay)
-        torch._foreach_lerp_(m, grads, 1 - b1)
-        torch._foreach_mul_(v, b2)
-        torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
-        bc1 = 1 - b1 ** t
-        bc2_sqrt = torch.sqrt(1 - b2 ** t)
-        denom = torch._foreach_sqrt(v)
-        torch._foreach_div_(denom, bc2_sqrt)
-        upd = [torch.atan2(mi, di) for mi, di in zip(m, denom)]
-        torch._foreach_mul_(upd, lr / bc1)
-        torch._foreach_sub_(params, upd)
+            if self.state[i]['t'] is not t:  # XLACompiledStep makes them one tensor
+                self.state[i]['t'].copy_(t)
 
     def zero_grad(self):
         for p in self.params:
@@ -96,6 +84,24 @@ class AdamATan2:
                                  f"the parameter {tuple(p.shape)}")
             state[int(i)] = {k: v.to(p.device) if k == 't' else v.to(p.device, p.dtype) for k, v in st.items()}
         self.state = state
+
+
+@torch.no_grad()
+def adam_atan2_(params, grads, m, v, t, lr, betas, weight_decay):
+    """AdamATan2's update of params, their moments m and v and the step count t (one 0-d tensor), in place."""
+    b1, b2 = betas
+    t.add_(1)
+    torch._foreach_mul_(params, 1 - lr * weight_decay)
+    torch._foreach_lerp_(m, grads, 1 - b1)
+    torch._foreach_mul_(v, b2)
+    torch._foreach_addcmul_(v, grads, grads, value=1 - b2)
+    bc1 = 1 - b1 ** t
+    bc2_sqrt = torch.sqrt(1 - b2 ** t)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    upd = [torch.atan2(mi, di) for mi, di in zip(m, denom)]
+    torch._foreach_mul_(upd, lr / bc1)
+    torch._foreach_sub_(params, upd)
 
 
 @torch.no_grad()
@@ -157,15 +163,22 @@ def forward_loss(model, carry, batch, puzzle_rows):
 
 
 @torch.no_grad()
+def clip_grads_(grads, max_norm):
+    """The gradients' global norm (a device tensor); with max_norm > 0 they are scaled down to it, by a factor of
+    1 below the limit, so nothing branches on a device value."""
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    if max_norm > 0:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
+
+
+@torch.no_grad()
 def apply_update(model, opt, ema_params, ids, row_grads, step_t, sc):
     """Everything after the (all-reduced) gradients: clipping, AdamATan2, sign-SGD on the puzzle embedding rows
     of the global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count. Returns the
     gradient's global norm before clipping (a device tensor)."""
     params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    if sc.grad_clip > 0:  # a factor of 1 below the limit: no branch on a device value
-        torch._foreach_mul_(grads, torch.clamp(sc.grad_clip / (norm + 1e-6), max=1.0))
+    norm = clip_grads_([p.grad for p in params if p.grad is not None], sc.grad_clip)
     opt.step(lr=sc.lr_at(step_t, sc.lr))
     if row_grads is not None:  # sign-SGD: the sign of the summed gradient, so clipping would not change it
         sign_sgd_update_(model.puzzle_emb, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
@@ -198,12 +211,125 @@ class CompiledStep:
 
 def compiled_predict(model, mode='default'):
     """model.predict with each supervision step compiled (one graph for all n_steps: the loop stays in Python,
-    so the compile time is that of one step). Built once per model and mode, then reused."""
+    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA: the openxla
+    backend. Built once per model and mode, then reused."""
     cache = model.__dict__.setdefault('_compiled_predict', {})
-    if mode not in cache:
-        step = torch.compile(model.predict_step, dynamic=False, mode=mode)
-        cache[mode] = functools.partial(model.predict, step=step)
-    return cache[mode]
+    xla = model.H_init.device.type == 'xla'
+    key = 'openxla' if xla else mode
+    if key not in cache:
+        kw = dict(backend='openxla') if xla else dict(mode=mode)
+        cache[key] = functools.partial(model.predict, step=torch.compile(model.predict_step, dynamic=False, **kw))
+    return cache[key]
+
+
+# --- XLA: the step traced once ----------------------------------------------------------------------------
+# torch_xla traces a lazy step in Python at every step; TRM's has H_cycles x (L_cycles + 1) network calls, so the
+# host, not the chip, would bound a TPU's step. Compiled with the openxla dynamo backend, each part becomes a cached
+# executable after its first call: no Python tracing, no graph hashing per step.
+
+def _xla_forward(model, carry, batch, delta, inv_batch, rows_of):
+    """XLACompiledStep's forward: the puzzle-row lookup, forward_loss on the rows [rows_of] of the carry and the
+    batch (the micro-batch), the loss scaled for backward, and the whole carry with those rows replaced.
+    delta: a zero leaf added to the puzzle rows, so its gradient is theirs (no pending input is passed in)."""
+    a, b = rows_of
+    whole = a == 0 and b == batch['inputs'].shape[0]
+    c = carry if whole else {k: v[a:b] for k, v in carry.items()}
+    x = batch if whole else {k: v[a:b] for k, v in batch.items()}
+    rows = None
+    if delta is not None:
+        ids = torch.where(c['halted'], x['puzzle_identifiers'], c['puzzle_identifiers'])
+        rows = model.puzzle_rows(ids) + delta
+    new_c, loss, metrics = forward_loss(model, c, x, rows)
+    if not whole:
+        new_c = {k: torch.cat([carry[k][:a], v, carry[k][b:]]) for k, v in new_c.items()}
+    return new_c, loss.detach(), loss * inv_batch, metrics
+
+
+@torch.no_grad()
+def _xla_update(params, grads, m, v, t, betas, weight_decay, ema_params, table, ids, row_grads, step_t, sc):
+    """apply_update on flat lists: the optimizer's tensors passed in, one step count t for all parameters."""
+    norm = clip_grads_(grads, sc.grad_clip)
+    adam_atan2_(params, grads, m, v, t, sc.lr_at(step_t, sc.lr), betas, weight_decay)
+    if row_grads is not None:
+        sign_sgd_update_(table, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr), sc.puzzle_emb_weight_decay)
+    if ema_params is not None:
+        decay = torch.clamp((1 + step_t) / (10 + step_t), max=sc.ema_rate)
+        torch._foreach_mul_(ema_params, decay)
+        torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
+    step_t.add_(1)
+    return norm
+
+
+def _openxla_recompute():
+    """The openxla backend whose AOTAutograd partition saves as few activations as it can (min-cut at an
+    activation memory budget of 0): the backward recomputes the forward's grad part. Each saved activation is an
+    output of the forward executable and an input of the backward's, and every such tensor costs host time; the
+    default partition saves ~20 per network call with grad, so the host time would grow with L_cycles again."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.torchxla import openxla_eval_boxed
+
+    def partition(joint, joint_inputs, **kw):
+        with torch._functorch.config.patch(activation_memory_budget=0.0):  # scoped: CUDA compiles keep theirs
+            return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
+    return aot_autograd(fw_compiler=openxla_eval_boxed, partition_fn=partition)
+
+
+class XLACompiledStep:
+    """train_step on XLA traced once: the forward + loss (and, through AOTAutograd, its backward) and the update
+    (clipping, AdamATan2, sign-SGD, EMA) are torch.compile'd with the openxla backend; the gradient all-reduce
+    and gather stay between them. The same computation as train_step with forward_loss, up to float rounding.
+    What the openxla bridge of torch_xla 2.9 needs, and gets here:
+      - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own, blocking):
+        the puzzle rows are looked up inside, and backward gets a device-data seed gradient;
+      - no two mutated inputs that end with the same value (the bridge then writes outputs into the wrong
+        inputs): AdamATan2's per-parameter step counts become one tensor, updated once."""
+
+    def __init__(self):
+        self.forward = torch.compile(_xla_forward, backend=_openxla_recompute(), dynamic=False)
+        self.update = torch.compile(_xla_update, backend='openxla', dynamic=False)
+        self.deltas = self.seed = None
+
+    def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None, all_gather=None):
+        k, B, dev = sc.gradient_accumulation_steps, batch['inputs'].shape[0], step_t.device
+        if self.seed is None:  # host copies: device data from the start, never pending IR
+            self.seed = torch.tensor(1.0).to(dev)
+            self.deltas = [torch.zeros(B // k, model.puzzle_emb.shape[1]).to(dev).requires_grad_(True)
+                           for _ in range(k)] if model.config.puzzle_emb_ndim > 0 else None
+        losses, sums = [], None
+        for i in range(k):
+            delta = self.deltas[i] if self.deltas else None
+            carry, loss, scaled, metrics = self.forward(model, carry, batch, delta, 1.0 / sc.global_batch_size,
+                                                        (i * B // k, (i + 1) * B // k))
+            scaled.backward(self.seed)
+            losses.append(loss)
+            sums = metrics if sums is None else {n: sums[n] + metrics[n] for n in sums}
+        grads = [p.grad for p in opt.params]
+        if all_reduce_sum_ is not None:
+            all_reduce_sum_(grads)
+        ids_all = row_grads = None
+        if self.deltas:
+            gather = all_gather or (lambda x: x)
+            row_grads = gather(self.deltas[0].grad if k == 1 else torch.cat([d.grad for d in self.deltas]))
+            ids_all = gather(carry['puzzle_identifiers'])
+            for d in self.deltas:
+                d.grad = None
+        opt.init_state()
+        t = opt.state[0]['t']
+        for st in opt.state[1:]:
+            st['t'] = t  # one step count (equal values in any case)
+        sums['grad_norm'] = self.update(opt.params, grads, [st['exp_avg'] for st in opt.state],
+                                        [st['exp_avg_sq'] for st in opt.state], t, opt.betas, opt.weight_decay,
+                                        ema_params if sc.ema_rate is not None else None, model.puzzle_emb, ids_all,
+                                        row_grads, step_t, sc)
+        opt.zero_grad()
+        return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
+
+
+def compiled_step(kind, mode='default'):
+    """The training step's `fwd` for train_step with compile=True: CUDA's CompiledStep (inductor, in `mode`),
+    XLA's XLACompiledStep; the CPU runs forward_loss eagerly (compiling would not pay for itself there)."""
+    return CompiledStep(mode) if kind == 'cuda' else XLACompiledStep() if kind == 'xla' else forward_loss
 
 
 def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_loss,
@@ -212,8 +338,11 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_los
     micro-batches, each with its own rows of the ACT carry), gradient all-reduce, clipping, AdamATan2, sign-SGD
     on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
     sc: the StepConfig (the EMA's decay rises to its ema_rate: min(ema_rate, (1 + step) / (10 + step))).
-    fwd: forward_loss, or a CompiledStep, whose .update then replaces apply_update.
-    Returns the new carry, the loss summed over this rank's rows, and the metric sums (grad_norm included)."""
+    fwd: forward_loss, a CompiledStep, whose .update then replaces apply_update, or an XLACompiledStep, which
+    runs the whole step. Returns the new carry, the loss summed over this rank's rows, and the metric sums
+    (grad_norm included)."""
+    if hasattr(fwd, 'train_step'):
+        return fwd.train_step(model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_, all_gather)
     k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
     parts = [(carry, batch)] if k == 1 else [({n: v[i * B // k:(i + 1) * B // k] for n, v in carry.items()},
                                               {n: v[i * B // k:(i + 1) * B // k] for n, v in batch.items()})
@@ -327,9 +456,12 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
 
 
 def format_train(line, run_steps):
-    return (f"step {line['step']}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
+    text = (f"step {line['step']}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
             f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f} | "
             f"grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s")
+    if 'host_ms' in line:  # XLA: the host's tracing and dispatch, and the device's execution, per step
+        text += f" | host_ms {line['host_ms']:.1f} | device_ms {line['device_ms']:.1f}"
+    return text
 
 
 def format_eval(r):

@@ -107,7 +107,7 @@ import safety  # noqa: E402
 from data import EvalLoader, TrainLoader, render_example, verifier_for  # noqa: E402
 from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, CompiledStep, StepConfig, compiled_predict, evaluate, evaluation_steps  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate, evaluation_steps  # noqa: E402
 from step import format_eval, format_train, forward_loss, lr_at, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
@@ -127,6 +127,16 @@ def read_sums(dev, sums, bad_step):
     dev.all_reduce_([bad_step], 'max')
     host, bad_at = dev.read([reduced, bad_step])
     return dict(zip(sums, host)), bad_at[0]
+
+
+def log_line(m, step, n_steps, seconds, epoch, total_steps):
+    """A log line's values from the metric sums m of the last n_steps steps (over the rows that halted in them)."""
+    cnt = max(m['count'], 1)
+    return dict(step=step, epoch=epoch, loss=m['loss'] / (global_batch_size * n_steps),
+                accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
+                q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt, grad_norm=m['grad_norm'] / n_steps,
+                lr=float(lr_at(step - 1, lr, lr_warmup_steps, total_steps, lr_min_ratio)),
+                examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9))
 
 
 def main(index=None):
@@ -168,7 +178,7 @@ def main(index=None):
         ev = EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
                         subset=subset, seed=seed)
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
-        predict = compiled_predict(weights) if (compile and dev.kind == 'cuda') else None
+        predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
         with run.clock.evaluating():
             return evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
                             predict=predict, should_stop=run.stop_agreed)  # a stop abandons it: (None, None)
@@ -224,7 +234,7 @@ def main(index=None):
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---------
-    fwd = CompiledStep() if (compile and dev.kind == 'cuda') else forward_loss  # the same as bench.py's
+    fwd = compiled_step(dev.kind) if compile else forward_loss  # CUDA and XLA compile it, as bench.py does
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
                     global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
@@ -235,17 +245,19 @@ def main(index=None):
     carry = model.initial_carry(prefetch.upcoming)
     if carry_state is not None:
         carry = {k: v.to(dev.device) for k, v in carry_state.items()}
-    start_step, t0, last_step, stop_now = step, time.time(), step, False
+    start_step, t0, last_step, stop_now, host_s, exec_s = step, time.time(), step, False, 0.0, dev.execute_seconds()
     run.clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
     while step < run_steps:
+        t_step = time.time()
         carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, fwd,
                                           dev.all_reduce_sum_, dev.all_gather)
         metrics['loss'] = loss
         bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # step_t: this step's
         acc = metrics if acc is None else {k: acc[k] + metrics[k] for k in metrics}
         dev.sync()
+        host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
         step += 1
         save = lambda tag='': run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, tag)
 
@@ -257,17 +269,14 @@ def main(index=None):
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)
             run.verified = step - 1
-            n_steps, cnt = step - last_step, max(m['count'], 1)
-            line = dict(step=step, epoch=loader.epochs_done, loss=m['loss'] / (global_batch_size * n_steps),
-                        accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
-                        q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
-                        grad_norm=m['grad_norm'] / n_steps,
-                        lr=float(lr_at(step - 1, lr, lr_warmup_steps, total_steps, lr_min_ratio)),
-                        examples_per_s=global_batch_size * n_steps / max(time.time() - t0, 1e-9))
+            line = log_line(m, step, step - last_step, time.time() - t0, loader.epochs_done, total_steps)
+            if dev.kind == 'xla':  # which one bounds a step: the host's tracing or the device's execution
+                line.update(host_ms=1e3 * host_s / (step - last_step),
+                            device_ms=1e3 * (dev.execute_seconds() - exec_s) / (step - last_step))
             if master:
                 print(format_train(line, run_steps) + (f" | compiles {dev.xla_report()[0]}" if dev.kind == 'xla' else ''))
             run.log('train', line, step, dict(train=line))
-            acc, t0, last_step = None, time.time(), step
+            acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
 
         if stop_now:  # SIGTERM or Ctrl-C on any rank
             save(' (stop requested)')

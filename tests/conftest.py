@@ -62,6 +62,15 @@ def run(args, timeout=600, env=None, check=True):
     return p
 
 
+def assert_user_error(p, *words):
+    """Exit code != 0, a message naming the problem (the words), no traceback."""
+    out = p.stdout + p.stderr
+    assert p.returncode != 0, out[-3000:]
+    assert 'Traceback' not in out, out[-3000:]
+    for w in words:
+        assert w in out, (w, out[-3000:])
+
+
 def make_reverse_dataset(root, n_train=1000, n_test=200, L=8, seed=0):
     """A toy task a tiny TRM learns in a minute: write the input sequence backwards."""
     rng = np.random.default_rng(seed)

@@ -6,7 +6,6 @@ of a pod (a file present on one host only, a rank whose disk is full, another co
 """
 import os
 import re
-import sys
 
 import numpy as np
 import pytest

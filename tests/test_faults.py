@@ -8,13 +8,12 @@ import glob
 import json
 import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TOY_ARGS, make_reverse_dataset, run
+from conftest import TOY_ARGS, assert_user_error, run
 from data import write_split
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']  # 40 steps of batch 50 on the toy task
@@ -26,15 +25,6 @@ def train(toy, out, *extra, check=True, env=None):
 
 def ckpts(folder):
     return sorted(glob.glob(os.path.join(folder, 'ckpt_*.pt')))
-
-
-def assert_user_error(p, *words):
-    """Exit code != 0, a message naming the problem, no traceback."""
-    out = p.stdout + p.stderr
-    assert p.returncode != 0, out[-2000:]
-    assert 'Traceback' not in out, out[-3000:]
-    for w in words:
-        assert w in out, (w, out[-2000:])
 
 
 # -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TOY_ARGS, run
+from conftest import ROOT, TOY_ARGS, assert_user_error, run
 from data import check_split, write_split
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']  # 40 steps of batch 50 on the toy task
@@ -69,15 +69,6 @@ def ckpts(folder):
 def files(folder):
     return {n: open(os.path.join(folder, n), 'rb').read() for n in sorted(os.listdir(folder))
             if os.path.isfile(os.path.join(folder, n))}
-
-
-def assert_user_error(p, *words):
-    """Exit code != 0, a message naming the problem, no traceback."""
-    out = p.stdout + p.stderr
-    assert p.returncode != 0, out[-3000:]
-    assert 'Traceback' not in out, out[-3000:]
-    for w in words:
-        assert w in out, (w, out[-3000:])
 
 
 def assert_unlocked(out):

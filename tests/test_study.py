@@ -350,7 +350,7 @@ def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
             (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n"
                                             f"hidden_size = {64 * (i + 1)}\n")
             fake_run(out, name, int(x), 1 - (law(x) if fam != 'flat' else 0.5 + 0.001 * i))
-    p = run(['study.py', '--pattern=*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
+    run(['study.py', '--pattern=*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
     md = open(f'{out}/report.md').read()
     line = next(l for l in md.splitlines() if l.startswith('| law_* | parameters |'))
     a, b, c = map(float, re.search(r'\| ([\d.e+-]+)·X\^-([\d.]+) \+ ([\d.]+) \|', line).groups())

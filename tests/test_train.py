@@ -223,7 +223,7 @@ def test_gradient_accumulation_gives_the_update_of_one_batch(toy, tmp_path):
     and ACT's discrete halting let that rounding grow, so the learning curves are compared (within 5%)."""
     common = [f'--data_path={toy}', '--max_steps=40', '--log_interval=2', '--eval_interval=1000',
               '--halt_exploration_prob=0.0', '--checkpoint_interval=4', '--keep_last_n=0'] + TOY_ARGS
-    one = run(['train.py', f'--out_dir={tmp_path}/one'] + common)
+    run(['train.py', f'--out_dir={tmp_path}/one'] + common)
     two = run(['train.py', f'--out_dir={tmp_path}/two', '--gradient_accumulation_steps=2'] + common)
     a, b = ([json.loads(l) for l in open(f'{tmp_path}/{d}/metrics.jsonl')] for d in ('one', 'two'))
     a, b = ([l for l in x if l['kind'] == 'train'] for x in (a, b))
