@@ -72,7 +72,7 @@ grad_clip = 0.0                 # clip the global gradient norm to this (0: neve
 gradient_accumulation_steps = 1 # micro-batches per step (each with its rows of the ACT carry): the same update
 # system
 device = 'auto'                 # 'auto' (xla if PJRT_DEVICE, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
-compile = True                  # torch.compile the training step and evaluation on CUDA (ignored on CPU and XLA)
+compile = True                  # torch.compile the step and evaluation: CUDA (inductor), XLA (openxla); not CPU
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 # -----------------------------------------------------------------------------

@@ -223,7 +223,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 def test_train_and_bench_use_the_same_compiled_step():
     for name in ('train.py', 'bench.py'):
         src = open(os.path.join(ROOT, name)).read()
-        assert 'CompiledStep(' in src and 'compiled_predict(' in src, name
+        assert 'compiled_step(' in src and 'compiled_predict(' in src, name
 
 
 # -----------------------------------------------------------------------------
