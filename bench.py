@@ -3,25 +3,29 @@ Speed of TRM training and evaluation on the current device (CPU, CUDA GPU or XLA
 model and training step of train.py (step.train_step: forward_loss, backward, AdamATan2, sign-SGD on the
 puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py                                               # the paper's Sudoku MLP model
-    python bench.py config/baseline.py --global_batch_size=384    # any train.py config; the batch is global_batch_size
+    python bench.py config/baseline.py --global_batch_size=384    # any train.py config; the batch is
+                                                                  # global_batch_size
     python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
-    python bench.py config/maze.py                                # the task's shape from the config: 30x30 maze, 900 tokens
-    python bench.py --compile=False                               # CUDA, XLA: eager (compiled is the default, as in train.py)
+    python bench.py config/maze.py                                # the task's shape from the config: 30x30
+                                                                  # maze, 900 tokens
+    python bench.py --compile=False                               # CUDA, XLA: eager (compiled is the
+                                                                  # default, as in train.py)
     python bench.py --compile_mode=max-autotune-no-cudagraphs     # CUDA
-    python bench.py --seq_align=1                                 # mlp_t without the sequence-axis padding (A/B)
+    python bench.py --seq_align=1                                 # mlp_t without the sequence-axis
+                                                                  # padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     python bench.py --profile=True                                # also a trace of profile_steps steps
     python bench.py config/baseline.py --global_batch_size=768 --steps=0 --eval_batches=0 --checkpoint_dir=gs://BUCKET/x
                                                                   # only a checkpoint's save + upload time
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
-from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81 tokens,
-vocab 11); --seq_len / --vocab_size override it. On CUDA and XLA the step and the evaluation are compiled (train.py's
-compile=True: step.compiled_step and step.compiled_predict, the ones train.py uses). On XLA it also splits a step's
-time into the host's (tracing, hashing, dispatch; each step waited for, so the two do not overlap) and the device's
-execution (torch_xla's ExecuteTime), and says which one bounds the step.
-It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time to
-the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the graph
-compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
+from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81
+tokens, vocab 11); --seq_len / --vocab_size override it. On CUDA and XLA the step and the evaluation are
+compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones train.py uses). On
+XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
+do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step.
+It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time
+to the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the
+graph compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
 """
 import os
 import time
@@ -37,32 +41,36 @@ globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 't
 # -----------------------------------------------------------------------------
 # config: bench's own keys (train.py's are above)
 # then bench's own keys and defaults
-global_batch_size = 0           # the batch size; 0: 768 on a GPU or TPU, 64 on the CPU (config files may set it)
-data_path = ''                  # a dataset folder (shape and batches from it); one that does not exist: its name says the shape
-seq_len = 0                     # tokens per example; 0: from the dataset or data_path's name (default 81, Sudoku 9x9)
+global_batch_size = 0           # batch size; 0: 768 on a GPU or TPU, 64 on the CPU (config files may set it)
+data_path = ''                  # dataset folder (shape, batches); if absent, its name says the shape
+seq_len = 0                     # tokens/example; 0: from the dataset or data_path's name (default 81, 9x9)
 vocab_size = 0                  # 0: likewise (Sudoku 9x9: 11, maze: 6)
 num_puzzle_identifiers = 1
-seq_align = 8                   # mlp_t pads the sequence axis of its matmuls to a multiple of this (exact); 1: off
-steps = 20                      # timed training steps (0: none; with checkpoint_dir, only the checkpoint is timed)
-warmup_steps = 3                # untimed steps first, the first one timed alone: compilation, autotuning, allocator (XLA: 2 at least)
-eval_batches = 3                # timed evaluation batches (model.predict for eval_steps or halt_max_steps steps); 0 skips
-compile_mode = 'default'        # torch.compile mode on CUDA (compile=True); 'max-autotune-no-cudagraphs' compiles for minutes
+seq_align = 8                   # mlp_t pads its matmuls' sequence axis to a multiple of this (exact); 1: off
+steps = 20                      # timed train steps (0: none; with checkpoint_dir, only the checkpoint's)
+warmup_steps = 3                # untimed steps, the first timed alone: compile, autotune, allocator (XLA: 2+)
+eval_batches = 3                # timed eval batches (model.predict, eval_steps or halt_max_steps); 0 skips
+compile_mode = 'default'        # torch.compile mode (CUDA); 'max-autotune-no-cudagraphs' compiles for minutes
 profile = False                 # afterwards, trace profile_steps more steps into profile_dir
 profile_steps = 3
 profile_dir = 'out/profile'     # where the trace goes
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
 from data import load_metadata, puzzle_type, shape_from_name  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss, train_step  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss, train_step  # noqa:
+                                                                                                   # E402
 
-# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name found in the device's wins
-PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312), ('L40S', 362),
+# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name found in the device's
+# wins
+PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312),
+               ('L40S', 362),
                ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),
                ('v5p', 459), ('TPU v5', 459), ('v4', 275)]
 
@@ -110,8 +118,8 @@ if seq_len or vocab_size:
     why = ', '.join(f"--{k}={v}" for k, v in (('seq_len', seq_len), ('vocab_size', vocab_size)) if v)
     shape = (seq_len or shape[0], vocab_size or shape[1], f"{why} as given; otherwise {shape[2]}")
     if have_data and (shape[0], shape[1]) != (meta['seq_len'], meta['vocab_size']):
-        print(f"note: the dataset's shape is {meta['seq_len']} tokens, vocab {meta['vocab_size']}; random batches "
-              f"of the given shape instead")
+        print(f"note: the dataset's shape is {meta['seq_len']} tokens, vocab {meta['vocab_size']}; random "
+              "batches of the given shape instead")
         have_data = False
 seq_len, vocab_size = shape[0], shape[1]
 print(f"shape: {seq_len} tokens, vocab {vocab_size} ({shape[2]})")
@@ -122,7 +130,8 @@ n_eval_steps = eval_steps or halt_max_steps
 if data_path:
     from data import EvalLoader, TrainLoader
     loader = TrainLoader(data_path, global_batch_size, seed=seed)
-    vocab_size, seq_len, num_puzzle_identifiers = (loader.meta[k] for k in ('vocab_size', 'seq_len', 'num_puzzle_identifiers'))
+    vocab_size, seq_len, num_puzzle_identifiers = (loader.meta[k] for k in
+                                                   ('vocab_size', 'seq_len', 'num_puzzle_identifiers'))
     host_train = [loader.next_batch() for _ in range(2)]
     host_eval = []
     for b in EvalLoader(data_path, eval_B, split='test'):
@@ -140,13 +149,14 @@ else:
     host_eval = [random_batch(eval_B) for _ in range(2)]
 batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) for b in host_eval]
 
-# --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------------------------
+# --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device)
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
-ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA model's
+ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA
+                                                                                # model's
 # train.py's step: compiled on CUDA and XLA with the same helper (forward + loss + its backward; the update)
 fwd = compiled_step(kind, compile_mode) if compiled else forward_loss
 predict = compiled_predict(model, compile_mode) if compiled else model.predict
@@ -160,17 +170,19 @@ loss = None
 
 name = dev.name()
 peak = peak_tflops(name)
-flops = model.flops_per_example()  # one supervision step: every net call, the no-grad recursion passes included
-print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype {dtype_why}")
+flops = model.flops_per_example()  # one supervision step: every net call, the no-grad recursion passes
+                                   # included
+print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype "
+      f"{dtype_why}")
 print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'attention'}, pos {pos_encodings}, "
-      f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} tokens | "
-      f"{forward_dtype}, loss {loss_type} {loss_dtype} | {flops / 1e9:.2f} GFLOPs per example-step | "
-      f"data {data_path or 'random'} | {f'compiled ({compile_mode})' if compiled else 'eager'}"
-      + (f" | mlp_t sequence axis {cfg.total_len} -> {cfg.total_len + model.net.layers[0].seq_pad} (seq_align "
-         f"{seq_align})" if mlp_t else ''))
+      f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} "
+      f"tokens | {forward_dtype}, loss {loss_type} {loss_dtype} | {flops / 1e9:.2f} GFLOPs per example-step "
+      f"| data {data_path or 'random'} | {f'compiled ({compile_mode})' if compiled else 'eager'}"
+      + (f" | mlp_t sequence axis {cfg.total_len} -> {cfg.total_len + model.net.layers[0].seq_pad} "
+         f"(seq_align {seq_align})" if mlp_t else ''))
 
 
-# --- a checkpoint: the same parts as train.py's (weights, EMA, AdamATan2 moments, the ACT carry of the batch) ---
+# --- a checkpoint: the same parts as train.py's (weights, EMA, AdamATan2 moments, the ACT carry of the batch)
 if checkpoint_dir:
     import shutil
     import tempfile
@@ -178,7 +190,8 @@ if checkpoint_dir:
     import gcs
     from device import to_cpu
     from safety import CheckpointError, save_atomic
-    for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in the file
+    for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in
+                                  # the file
         p.grad = torch.zeros_like(p)
     opt.init_state()
     opt.zero_grad()
@@ -190,7 +203,8 @@ if checkpoint_dir:
         os.makedirs(folder, exist_ok=True)
         t0 = time.perf_counter()
         dev.wait()
-        ema_copy = {k: v.clone() for k, v in model.state_dict().items()}  # its own bytes, as train.py's EMA model's
+        ema_copy = {k: v.clone() for k, v in model.state_dict().items()}  # its own bytes, as train.py's EMA
+                                                                          # model's
         state = to_cpu(dict(model=model.state_dict(), ema=ema_copy, optimizer=opt.state_dict(), carry=carry))
         save_atomic(state, path)
         save_s = time.perf_counter() - t0
@@ -205,9 +219,11 @@ if checkpoint_dir:
         if remote:  # the local copy was only the upload's source
             shutil.rmtree(folder, ignore_errors=True)
     carry_mb = sum(t.numel() * t.element_size() for t in state['carry'].values()) / 1e6
-    print(f"checkpoint: {size_mb:.1f} MB ({carry_mb:.1f} MB of it the ACT carry of {global_batch_size} rows in "
-          f"{forward_dtype}) | device to host + write {save_s:.2f} s ({path if not remote else 'local temporary file'})"
-          + (f" | upload to {remote} {upload_s:.2f} s | save + upload {save_s + upload_s:.2f} s" if remote else ''))
+    print(f"checkpoint: {size_mb:.1f} MB ({carry_mb:.1f} MB of it the ACT carry of {global_batch_size} rows "
+          f"in {forward_dtype}) | device to host + write {save_s:.2f} s "
+          f"({path if not remote else 'local temporary file'})"
+          + (f" | upload to {remote} {upload_s:.2f} s | save + upload {save_s + upload_s:.2f} s" if remote
+             else ''))
     if steps == 0:
         print(f"bench: checkpoint_mb={size_mb:.1f} carry_mb={carry_mb:.1f} save_s={save_s:.2f} "
               f"upload_s={fmt(upload_s, '.2f') if remote else 'n/a'}")
@@ -240,7 +256,8 @@ def host_and_device(n):
     """XLA: the medians over n steps of the host's time per step (the step's Python and its sync: tracing,
     hashing, dispatch) and the device's (its executions: torch_xla's ExecuteTime). Each compiled graph is run
     alone and waited for, and the waits are taken off the host's time, as is an execution that XLA on the CPU
-    runs inside the sync itself: what is left is the host's work, as on a TPU, whose executions take no host CPU."""
+    runs inside the sync itself: what is left is the host's work, as on a TPU, whose executions take no host
+    CPU."""
     import torch_xla
     run_graph, waited = torch_xla._XLAC._run_cached_graph, [0.0]
 
@@ -289,9 +306,9 @@ ex_s = global_batch_size / dt
 tflops = flops * ex_s / 1e12
 mfu = tflops / peak if peak else None
 mem, mem_what = dev.peak_memory()
-print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.2f} examples/s | {ex_s * seq_len:.0f} tokens/s | {tflops:.3f} TFLOP/s | "
-      f"MFU {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | first step {first_step_s:.1f} s | warm-up {warmup_s:.1f} s "
-      f"({warmup_steps} step{'s' if warmup_steps > 1 else ''}, the first included) | "
+print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.2f} examples/s | {ex_s * seq_len:.0f} tokens/s | {tflops:.3f} "
+      f"TFLOP/s | MFU {f'{100 * mfu:.1f}%' if mfu else 'n/a'} | first step {first_step_s:.1f} s | warm-up "
+      f"{warmup_s:.1f} s ({warmup_steps} step{'s' if warmup_steps > 1 else ''}, the first included) | "
       f"memory {mem / 2 ** 30:.2f} GiB ({mem_what}) | loss {float(loss.cpu()) / global_batch_size:.4f}")
 
 # --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (step.evaluate's work) --
@@ -301,7 +318,8 @@ compiles_eval_warm = compiles_eval_end = compiles_end
 if eval_batches > 0:
     model.eval()  # the trained weights themselves, not the EMA copy: the cost is the same
     with torch.no_grad():
-        if kind != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU: no need)
+        if kind != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU:
+                           # no need)
             t0 = time.perf_counter()
             out = predict(eval_data[0], n_eval_steps)
             dev.sync()
@@ -321,19 +339,21 @@ if eval_batches > 0:
     model.train()
     eval_tflops = model.flops_per_example(train=False) * n_eval_steps * eval_ps / 1e12
     eval_mfu = eval_tflops / peak if peak else None
-    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}) | {eval_tflops:.3f} TFLOP/s | "
-          f"MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
-          + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None else ''))
+    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}) | {eval_tflops:.3f} TFLOP/s "
+          f"| MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
+          + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None
+             else ''))
 
 if kind == 'xla':
     bound = 'host' if host_s > device_s else 'device'
-    print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch) | device {device_s * 1e3:.1f} ms/step "
-          f"(execution) | the step is {bound}-bound | first training step {first_step_s:.1f} s, first evaluation "
-          f"batch {fmt(eval_warm_s, '.1f')} s (both with compilation)")
+    print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch) | device {device_s * 1e3:.1f} "
+          f"ms/step (execution) | the step is {bound}-bound | first training step {first_step_s:.1f} s, "
+          f"first evaluation batch {fmt(eval_warm_s, '.1f')} s (both with compilation)")
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
           f"{' (no recompilation)' if compiles_end == compiles_warm else ' -- RECOMPILED: run with PT_XLA_DEBUG_LEVEL=2'}"
           f"; evaluation {compiles_eval_warm} -> {compiles_eval_end}")
-    print("xla: CPU fallbacks in training: " + (', '.join(f'{n} x{c}' for n, c in fallbacks.items()) or 'none')
+    print("xla: CPU fallbacks in training: "
+          + (', '.join(f'{n} x{c}' for n, c in fallbacks.items()) or 'none')
           + '; in evaluation: ' + (', '.join(f'{n} x{c}' for n, c in eval_fallbacks.items()) or 'none'))
 
 # --- profile: a few more steps under the profiler, after the timing --------------------------------------
@@ -345,7 +365,8 @@ if profile:
         run_steps(profile_steps)
         xp.stop_trace()
         print(f"profile: XLA trace of {profile_steps} steps in {profile_dir}/plugins/profile/<time>/ "
-              f"(*.trace.json.gz opens in https://ui.perfetto.dev, *.xplane.pb in TensorBoard's profile plugin)")
+              "(*.trace.json.gz opens in https://ui.perfetto.dev, *.xplane.pb in TensorBoard's profile "
+              "plugin)")
     else:
         from torch.profiler import ProfilerActivity, profile as torch_profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == 'cuda' else [])
@@ -353,15 +374,18 @@ if profile:
             run_steps(profile_steps)
         path = os.path.join(profile_dir, f'trace_{kind}.json')
         prof.export_chrome_trace(path)
-        print(prof.key_averages().table(sort_by='self_device_time_total' if kind == 'cuda' else 'self_cpu_time_total',
+        print(prof.key_averages().table(sort_by='self_device_time_total' if kind == 'cuda'
+                                        else 'self_cpu_time_total',
                                         row_limit=15))
         print(f"profile: chrome trace of {profile_steps} steps in {path} (open in https://ui.perfetto.dev)")
 
-print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} dtype={forward_dtype} "
-      f"compiled={int(compiled)} seq_align={seq_align} ms_per_step={dt * 1e3:.2f} first_step_s={first_step_s:.2f} "
-      f"examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} flops_per_example={flops} tflops={tflops:.4f} "
-      f"mfu={fmt(mfu, '.4f')} warmup_s={warmup_s:.2f} peak_mem_gib={mem / 2 ** 30:.3f} "
-      f"eval_puzzles_per_s={fmt(eval_ps, '.2f')} eval_mfu={fmt(eval_mfu, '.4f')} "
-      f"compiles_warm={compiles_warm} compiles_end={compiles_end} fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
-      f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
+print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
+      f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} ms_per_step={dt * 1e3:.2f} "
+      f"first_step_s={first_step_s:.2f} examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} "
+      f"flops_per_example={flops} tflops={tflops:.4f} mfu={fmt(mfu, '.4f')} warmup_s={warmup_s:.2f} "
+      f"peak_mem_gib={mem / 2 ** 30:.3f} eval_puzzles_per_s={fmt(eval_ps, '.2f')} "
+      f"eval_mfu={fmt(eval_mfu, '.4f')} compiles_warm={compiles_warm} compiles_end={compiles_end} "
+      f"fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
+      f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} "
+      f"device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
       f"eval_first_batch_s={fmt(eval_warm_s, '.2f')}")

@@ -40,7 +40,8 @@ def read_config_block(path, section=None):
         raise SystemExit(f"config error: cannot read the config block of {path}: {type(e).__name__}: {e}")
     meanings = {}
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT and tok.start[1] > 0:  # a comment after code: the meaning of that line's key
+        if tok.type == tokenize.COMMENT and tok.start[1] > 0:  # a comment after code: the meaning of that
+                                                               # line's key
             line = tok.line.split('=', 1)[0].strip()
             if line.isidentifier():
                 meanings[line] = tok.string.lstrip('# ').strip()
@@ -73,7 +74,8 @@ def config_files(path):
         except SyntaxError as e:
             raise SystemExit(f"config error: {path}, line {e.lineno}: {e.msg}")
         except Exception as e:  # the line of the file where it was raised
-            line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), '?')
+            line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__))
+                         if f.filename == path), '?')
             raise SystemExit(f"config error: {path}, line {line}: {type(e).__name__}: {e}")
         chain.append((path, scope))
         path = scope.get('_base')
@@ -92,7 +94,8 @@ def parse_value(text, default):
 
 
 def parse_flags(text, defaults, where):
-    """'--a=1 --b=x' -> {a: 1, b: 'x'} for a script whose keys and defaults are `defaults` (study.py's --extra)."""
+    """'--a=1 --b=x' -> {a: 1, b: 'x'} for a script whose keys and defaults are `defaults` (study.py's
+    --extra)."""
     out = {}
     for tok in shlex.split(text):
         if not tok.startswith('--') or '=' not in tok:
@@ -106,7 +109,8 @@ def parse_flags(text, defaults, where):
 
 def _help(g, keys):
     script = g.get('__file__')
-    doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now ours)
+    doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now
+                                                                                       # ours)
     if doc:
         print(doc + '\n')
     meanings = {}

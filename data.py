@@ -57,7 +57,8 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     arrays = dict(inputs=inputs, labels=labels, puzzle_identifiers=np.asarray(puzzle_identifiers),
                   puzzle_indices=puzzle_indices, group_indices=group_indices)
     assert len(arrays['puzzle_identifiers']) == n_puzzles
-    for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build stays small
+    for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build stays
+                                      # small
         np.save(os.path.join(d, f'all__{name}.npy'), arr.astype(np.int32, copy=False))
     meta = dict(pad_id=int(pad_id), ignore_label_id=int(ignore_label_id),
                 blank_identifier_id=int(blank_identifier_id), vocab_size=int(vocab_size),
@@ -76,7 +77,8 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
 def building(root):
     """with building(root) as tmp: write the splits into tmp (a folder inside root). When the block ends
     without an error they replace the dataset in root (the rest of root, its CSVs, stays); after an error the
-    previous dataset is untouched and tmp is removed. A build that fails halfway never leaves half a dataset."""
+    previous dataset is untouched and tmp is removed. A build that fails halfway never leaves half a
+    dataset."""
     tmp = os.path.join(root, '.building')
     shutil.rmtree(tmp, ignore_errors=True)  # a build that was killed
     os.makedirs(tmp)
@@ -134,8 +136,8 @@ def load_arrays(root, split, set_name='all'):
 def check_split(root, split, chunk=1 << 20):
     """Problems that would stop a run hours in, found now: [] when the split opens, is not empty, its arrays
     agree with dataset.json and each other, and every token, label and identifier is inside its range.
-    Vectorised over the memory-mapped arrays, a chunk of rows at a time (1M rows of 81 tokens: 0.09 s measured,
-    the files in the page cache)."""
+    Vectorised over the memory-mapped arrays, a chunk of rows at a time (1M rows of 81 tokens: 0.09 s
+    measured, the files in the page cache)."""
     try:
         meta, a = load_metadata(root, split), load_arrays(root, split)
     except (OSError, ValueError) as e:
@@ -147,15 +149,18 @@ def check_split(root, split, chunk=1 << 20):
     problems = []
     for name in ('inputs', 'labels'):
         if a[name].shape != (n, L):
-            problems.append(f"{where}/all__{name}.npy has shape {a[name].shape}; dataset.json says [{n}, {L}]")
+            problems.append(f"{where}/all__{name}.npy has shape {a[name].shape}; dataset.json says "
+                            f"[{n}, {L}]")
     pi, gi = np.asarray(a['puzzle_indices']), np.asarray(a['group_indices'])
     if pi[0] != 0 or pi[-1] != n or (np.diff(pi) < 1).any() or len(a['puzzle_identifiers']) != len(pi) - 1:
         problems.append(f"{where}/all__puzzle_indices.npy does not split the {n} examples into puzzles")
     if gi[0] != 0 or gi[-1] != len(pi) - 1 or (np.diff(gi) < 1).any():
-        problems.append(f"{where}/all__group_indices.npy does not split the {len(pi) - 1} puzzles into groups")
+        problems.append(f"{where}/all__group_indices.npy does not split the {len(pi) - 1} puzzles into "
+                        "groups")
     ids = np.asarray(a['puzzle_identifiers'])
     if len(ids) and (ids.min() < 0 or ids.max() >= meta['num_puzzle_identifiers']):
-        problems.append(f"{where}/all__puzzle_identifiers.npy holds ids outside [0, {meta['num_puzzle_identifiers']})")
+        problems.append(f"{where}/all__puzzle_identifiers.npy holds ids outside [0, "
+                        f"{meta['num_puzzle_identifiers']})")
     if problems:
         return problems
     for name, extra in (('inputs', None), ('labels', meta['ignore_label_id'])):
@@ -196,7 +201,8 @@ class TrainLoader:
 
     def __init__(self, root, global_batch_size, rank=0, world_size=1, seed=0, split='train'):
         if global_batch_size % world_size:
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by world_size={world_size}")
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by "
+                             f"world_size={world_size}")
         self.meta = load_metadata(root, split)
         self.arrays = load_arrays(root, split)
         self.group_indices = np.asarray(self.arrays['group_indices'], dtype=np.int64)
@@ -215,11 +221,13 @@ class TrainLoader:
         return dict(epoch=self.epoch, cursor=self.cursor, batch_index=self.batch_index)
 
     def load_state_dict(self, state):
-        self.epoch, self.cursor, self.batch_index = int(state['epoch']), int(state['cursor']), int(state['batch_index'])
+        self.epoch, self.cursor, self.batch_index = \
+            int(state['epoch']), int(state['cursor']), int(state['batch_index'])
 
     def _group_order(self, epoch):
         if self._order_epoch != epoch:
-            self._order_epoch, self._order = epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_groups)
+            self._order_epoch, self._order = \
+                epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n_groups)
         return self._order
 
     def next_global_indices(self):
@@ -231,7 +239,8 @@ class TrainLoader:
             groups = order[self.cursor:self.cursor + (self.B - filled)]  # each group gives >= 1 example
             g0, g1 = self.group_indices[groups], self.group_indices[groups + 1]
             puzzle = g0 + (rng.random(len(groups)) * (g1 - g0)).astype(np.int64)
-            start, size = self.puzzle_indices[puzzle], self.puzzle_indices[puzzle + 1] - self.puzzle_indices[puzzle]
+            start, size = \
+                self.puzzle_indices[puzzle], self.puzzle_indices[puzzle + 1] - self.puzzle_indices[puzzle]
             take = np.minimum(size, self.B - filled - np.concatenate(([0], np.cumsum(size)[:-1])))
             used = int(np.searchsorted(np.cumsum(size), self.B - filled, side='left')) + 1
             used = min(used, len(groups))
@@ -267,7 +276,8 @@ class EvalLoader:
 
     def __init__(self, root, global_batch_size, rank=0, world_size=1, split='test', subset=0, seed=0):
         if global_batch_size % world_size:
-            raise ValueError(f"eval batch size {global_batch_size} is not divisible by world_size={world_size}")
+            raise ValueError(f"eval batch size {global_batch_size} is not divisible by "
+                             f"world_size={world_size}")
         self.meta = load_metadata(root, split)
         self.arrays = load_arrays(root, split)
         self.B, self.rank, self.local_B = global_batch_size, rank, global_batch_size // world_size
@@ -277,7 +287,8 @@ class EvalLoader:
             idx = np.sort(np.random.default_rng([seed, 7]).choice(n, subset, replace=False))
         self.example_idx = idx
         # example -> puzzle, for the puzzle identifiers
-        self.example_puzzle = np.searchsorted(np.asarray(self.arrays['puzzle_indices']), idx, side='right') - 1
+        self.example_puzzle = np.searchsorted(np.asarray(self.arrays['puzzle_indices']), idx,
+                                              side='right') - 1
 
     def __len__(self):
         return -(-len(self.example_idx) // self.B)
@@ -455,7 +466,8 @@ def maze_correct(inputs, preds):
 
 
 def token_char(kind, t):
-    """One token as a character: a Sudoku's digit ('.' blank), a maze's cell from CHARSET, else a hex digit."""
+    """One token as a character: a Sudoku's digit ('.' blank), a maze's cell from CHARSET, else a hex
+    digit."""
     t = int(t)
     if kind == 'sudoku':
         return '.' if t <= 1 else str(t - 1)
@@ -473,7 +485,8 @@ def render_example(meta, inputs, preds, correct):
     sep = '' if kind == 'maze' else ' '
     rows = [sep.join(cell(int(t)) for t in inputs[r * n:(r + 1) * n]) + '   |   ' +
             sep.join(cell(int(t)) for t in preds[r * n:(r + 1) * n]) for r in range(n)]
-    return ('held-out puzzle   ->   model answer (' + ('correct' if correct else 'WRONG') + ')\n' + '\n'.join(rows))
+    return ('held-out puzzle   ->   model answer (' + ('correct' if correct else 'WRONG') + ')\n'
+            + '\n'.join(rows))
 
 # -----------------------------------------------------------------------------
 # download: streamed, resumable (.part + HTTP Range), cached, row count checked (used by the builders)

@@ -40,7 +40,8 @@ def cpu_features():
     except OSError:
         import platform
         model = platform.processor() or platform.machine()
-    names = [('avx2', 'AVX2'), ('avx512f', 'AVX-512'), ('avx512_bf16', 'AVX512_BF16'), ('amx_bf16', 'AMX-BF16'),
+    names = [('avx2', 'AVX2'), ('avx512f', 'AVX-512'), ('avx512_bf16', 'AVX512_BF16'),
+             ('amx_bf16', 'AMX-BF16'),
              ('asimd', 'NEON'), ('bf16', 'ARM-BF16'), ('sve', 'SVE')]
     return model, [label for flag, label in names if flag in flags]
 
@@ -90,7 +91,8 @@ class Device:
         if kind == 'xla':
             import torch_xla
             import torch_xla.runtime as xr
-            if xla_cache_dir and os.environ.get('PJRT_DEVICE') != 'CPU':  # the CPU client cannot reload executables
+            if xla_cache_dir and os.environ.get('PJRT_DEVICE') != 'CPU':  # the CPU client cannot reload
+                                                                          # executables
                 # one writable cache per local process: every host of a pod fills its own
                 xr.initialize_cache(os.path.join(os.path.expanduser(xla_cache_dir), str(xr.local_ordinal())),
                                     readonly=False)
@@ -124,8 +126,10 @@ class Device:
         else:
             import torch.distributed as dist
             flat = torch.cat([t.reshape(-1) for t in tensors])  # one collective, not one per tensor
-            dist.all_reduce(flat, op={'sum': dist.ReduceOp.SUM, 'max': dist.ReduceOp.MAX, 'min': dist.ReduceOp.MIN}[op])
-            torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
+            dist.all_reduce(flat, op={'sum': dist.ReduceOp.SUM, 'max': dist.ReduceOp.MAX,
+                                      'min': dist.ReduceOp.MIN}[op])
+            torch._foreach_copy_(tensors, [f.view_as(t) for f, t in
+                                           zip(flat.split([t.numel() for t in tensors]), tensors)])
 
     def all_reduce_sum_(self, tensors):
         self.all_reduce_(tensors, 'sum')
@@ -139,7 +143,8 @@ class Device:
             import torch_xla.core.xla_model as xm
             return xm.all_gather(t, dim=0)
         import torch.distributed as dist
-        out = torch.empty((self.world_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype, device=t.device)
+        out = torch.empty((self.world_size * t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype,
+                          device=t.device)
         dist.all_gather_into_tensor(out, t.contiguous())
         return out
 
@@ -150,8 +155,10 @@ class Device:
         return [t.detach().cpu().numpy() for t in tensors]
 
     def agree(self, values, op='sum'):
-        """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every rank."""
-        t = torch.tensor(np.asarray(values, dtype=np.float64).reshape(-1), dtype=torch.float32 if self.kind == 'xla'
+        """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every
+        rank."""
+        t = torch.tensor(np.asarray(values, dtype=np.float64).reshape(-1),
+                         dtype=torch.float32 if self.kind == 'xla'
                          else torch.float64, device=self.device)
         self.all_reduce_([t], op)
         return self.read([t])[0].astype(np.float64)
@@ -187,7 +194,8 @@ class Device:
 
     def to_device(self, batch):
         pin = self.kind == 'cuda'
-        return {k: (torch.from_numpy(v).pin_memory() if pin else torch.from_numpy(v)).to(self.device, non_blocking=pin)
+        return {k: (torch.from_numpy(v).pin_memory() if pin else torch.from_numpy(v)).to(
+                    self.device, non_blocking=pin)
                 for k, v in batch.items()}
 
     def manual_seed(self, s):
@@ -234,8 +242,9 @@ class Device:
                                                   if n.startswith('aten::')}
 
     def execute_seconds(self):
-        """XLA: seconds the device has spent executing graphs so far (torch_xla's ExecuteTime metric, which counts
-        lazy and compiled graphs alike); 0.0 elsewhere. Its growth per step is the device's share of a step."""
+        """XLA: seconds the device has spent executing graphs so far (torch_xla's ExecuteTime metric, which
+        counts lazy and compiled graphs alike); 0.0 elsewhere. Its growth per step is the device's share of a
+        step."""
         if self.kind != 'xla':
             return 0.0
         import torch_xla.debug.metrics as met

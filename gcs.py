@@ -16,9 +16,9 @@ Python), else the VM metadata server (TPU/GCE service account), else `gcloud aut
 print-access-token` (a workstation).
 
 Every request has bounded waits: 10 s to connect, then 30 s without a byte from the server (60 s for the bytes
-of an upload or a download; GCS_READ_TIMEOUT=SECONDS sets the 30, the 60 is twice it). A request still not done
-after ANNOUNCE_S says on stderr what it waits for, once per attempt, and GCS.stop (a callable) ends a wait at
-once when it returns True (a stop request while a run starts).
+of an upload or a download; GCS_READ_TIMEOUT=SECONDS sets the 30, the 60 is twice it). A request still not
+done after ANNOUNCE_S says on stderr what it waits for, once per attempt, and GCS.stop (a callable) ends a
+wait at once when it returns True (a stop request while a run starts).
 """
 import base64
 import hashlib
@@ -105,7 +105,8 @@ def _token_from_metadata():
 
 def _token_from_gcloud():
     try:
-        p = subprocess.run(["gcloud", "auth", "print-access-token"], capture_output=True, text=True, timeout=60)
+        p = subprocess.run(["gcloud", "auth", "print-access-token"], capture_output=True, text=True,
+                           timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if p.returncode != 0 or not p.stdout.strip():
@@ -159,7 +160,8 @@ def _rsa_key_from_pem(pem):
     if not m:
         kind = re.search(r"-----BEGIN ([A-Z ]+)-----", pem)
         raise ValueError(f"expected a PEM 'PRIVATE KEY' or 'RSA PRIVATE KEY' block, found "
-                         f"{repr(kind.group(1)) if kind else 'no PEM block'} (encrypted keys are not supported)")
+                         f"{repr(kind.group(1)) if kind else 'no PEM block'} (encrypted keys are not "
+                         "supported)")
     der = base64.b64decode("".join(m.group(2).split()), validate=True)
     if not m.group(1):
         # PKCS#8: SEQUENCE { version, AlgorithmIdentifier { OID, params }, OCTET STRING { PKCS#1 key } }
@@ -238,7 +240,8 @@ def _token_from_service_account(path):
         raise GCSError(f"{where}: private_key is not a usable RSA private key: {e}") from None
     now = int(time.time())
     header = {"alg": "RS256", "typ": "JWT", "kid": info["private_key_id"]}
-    claims = {"iss": info["client_email"], "scope": GCS_SCOPE, "aud": token_uri, "iat": now, "exp": now + 3600}
+    claims = {"iss": info["client_email"], "scope": GCS_SCOPE, "aud": token_uri, "iat": now,
+              "exp": now + 3600}
     signing_input = _b64url(json.dumps(header).encode()) + "." + _b64url(json.dumps(claims).encode())
     jwt = signing_input + "." + _b64url(_rsa_sign_sha256(key, signing_input.encode()))
     form = {"grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer", "assertion": jwt}
@@ -262,7 +265,8 @@ def _token_from_service_account(path):
             detail = ": ".join(str(d[k]) for k in ("error", "error_description") if d.get(k)) or r.text
         except ValueError:
             detail = r.text
-        problem = f"{token_uri} refused the token request: HTTP {r.status_code} {detail.strip()[:300]}".rstrip()
+        problem = (f"{token_uri} refused the token request: HTTP {r.status_code} "
+                   f"{detail.strip()[:300]}").rstrip()
         if not _is_transient(r.status_code):
             raise GCSError(f"{where}: {problem}", r.status_code)  # e.g. a revoked key or clock skew
     raise GCSError(f"{where}: {problem} (after {len(_TOKEN_RETRY_DELAYS) + 1} tries)")
@@ -281,10 +285,11 @@ def get_token(force_refresh=False):
             else:
                 got = _token_from_metadata() or _token_from_gcloud()
             if got is None:
-                raise GCSError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM metadata "
-                               "server is unreachable (not on a GCE/TPU VM?) and `gcloud auth print-access-token` "
-                               "failed; set GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, run "
-                               "`gcloud auth login`, or set STORAGE_EMULATOR_HOST to use a local emulator")
+                raise GCSError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM "
+                               "metadata server is unreachable (not on a GCE/TPU VM?) and `gcloud auth "
+                               "print-access-token` failed; set GOOGLE_APPLICATION_CREDENTIALS to a "
+                               "service-account key file, run `gcloud auth login`, or set "
+                               "STORAGE_EMULATOR_HOST to use a local emulator")
             _token, ttl = got
             _token_expiry, _token_source = time.time() + ttl, key_file
         return _token
@@ -339,7 +344,8 @@ class GCS:
     def _url(self, path, **params):
         base = (self.endpoint or _emulator_host() or GCS_ENDPOINT).rstrip("/")
         # quote_via=quote writes spaces as %20, which no server can misread (unlike '+')
-        query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None}, quote_via=urllib.parse.quote)
+        query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None},
+                                       quote_via=urllib.parse.quote)
         return base + path + ("?" + query if query else "")
 
     def _object_url(self, bucket, name, **params):
@@ -368,8 +374,10 @@ class GCS:
                 err = e
             if i < self.retries:
                 delay = min(self.max_backoff, self.backoff * 2 ** i)
-                self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other hosts
-        raise GCSError(f"GCS {what} failed after {self.retries + 1} attempts: {err}", getattr(err, "status", None))
+                self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other
+                                                                     # hosts
+        raise GCSError(f"GCS {what} failed after {self.retries + 1} attempts: {err}",
+                       getattr(err, "status", None))
 
     def _attempt(self, what, attempt, auth, watch, which, last, t0):
         """attempt(auth). Watched (or while a stop hook is set), it runs on a helper thread that this one
@@ -438,7 +446,8 @@ class GCS:
                     self._url(f"/upload/storage/v1/b/{_quote(bucket)}/o", uploadType="resumable"),
                     data=json.dumps(meta), timeout=self.timeout,
                     headers={**auth, "Content-Type": "application/json; charset=UTF-8",
-                             "X-Upload-Content-Type": "application/octet-stream", "X-Upload-Content-Length": str(size)})
+                             "X-Upload-Content-Type": "application/octet-stream",
+                             "X-Upload-Content-Length": str(size)})
                 return _check(r).headers["Location"]
 
             def send(auth, session_url, resume):
@@ -452,9 +461,11 @@ class GCS:
                 while True:
                     f.seek(offset)
                     chunk = f.read(self.chunk_size)
-                    crange = f"bytes {offset}-{offset + len(chunk) - 1}/{size}" if chunk else f"bytes */{size}"
+                    crange = f"bytes {offset}-{offset + len(chunk) - 1}/{size}" if chunk \
+                        else f"bytes */{size}"
                     # allow_redirects=False: requests would treat GCS's 308 "Resume Incomplete" as a redirect
-                    r = self._session().put(session_url, data=chunk, headers={**auth, "Content-Range": crange},
+                    r = self._session().put(session_url, data=chunk,
+                                            headers={**auth, "Content-Range": crange},
                                             timeout=self.transfer_timeout, allow_redirects=False)
                     if r.status_code in (200, 201):
                         return r.json()
@@ -498,7 +509,8 @@ class GCS:
                 # x-goog-hash carries the stored object's md5 (absent for composite objects; it
                 # describes the compressed bytes if GCS sent Content-Encoding, so skip then)
                 want = _goog_hash(r.headers.get("x-goog-hash", ""), "md5")
-                if want and not r.headers.get("Content-Encoding") and want != base64.b64encode(md5.digest()).decode():
+                if want and not r.headers.get("Content-Encoding") and \
+                        want != base64.b64encode(md5.digest()).decode():
                     raise _Transient(f"md5 mismatch downloading {uri}")
         try:
             self._with_retries(f"download {uri}", attempt, watch=False)
@@ -514,7 +526,8 @@ class GCS:
         bucket, prefix = split_gcs(uri_prefix)
         out, page_token = [], None
         while True:  # GCS returns at most max_results per page plus a nextPageToken
-            url = self._url(f"/storage/v1/b/{_quote(bucket)}/o", prefix=prefix or None, maxResults=max_results,
+            url = self._url(f"/storage/v1/b/{_quote(bucket)}/o", prefix=prefix or None,
+                            maxResults=max_results,
                             pageToken=page_token, fields="items(name,size),nextPageToken")
             get = lambda auth: _check(self._session().get(url, headers=auth, timeout=self.timeout)).json()
             page = self._with_retries(f"list {uri_prefix}", get)
@@ -524,11 +537,13 @@ class GCS:
                 return out
 
     def delete(self, uri, missing_ok=True):
-        """Delete one object. Returns False if it didn't exist (also what a retried, already-applied delete sees)."""
+        """Delete one object. Returns False if it didn't exist (also what a retried, already-applied delete
+        sees)."""
         bucket, name = split_gcs(uri)
         try:
             self._with_retries(f"delete {uri}", lambda auth: _check(
-                self._session().delete(self._object_url(bucket, name), headers=auth, timeout=self.timeout), (200, 204)))
+                self._session().delete(self._object_url(bucket, name), headers=auth, timeout=self.timeout),
+                (200, 204)))
             return True
         except NotFoundError:
             if missing_ok:
@@ -536,13 +551,15 @@ class GCS:
             raise
 
     def create_if_absent(self, uri, data):
-        """Create the object with `data` (bytes) only if it does not exist (the precondition ifGenerationMatch=0,
-        checked by GCS itself): True when created, False when one was there (HTTP 412). For lock objects."""
+        """Create the object with `data` (bytes) only if it does not exist (the precondition
+        ifGenerationMatch=0, checked by GCS itself): True when created, False when one was there (HTTP 412).
+        For lock objects."""
         bucket, name = split_gcs(uri)
 
         def attempt(auth):
             r = self._session().post(self._url(f"/upload/storage/v1/b/{_quote(bucket)}/o", uploadType="media",
-                                               name=name, ifGenerationMatch=0), data=data, timeout=self.timeout,
+                                               name=name, ifGenerationMatch=0), data=data,
+                                     timeout=self.timeout,
                                      headers={**auth, "Content-Type": "application/octet-stream"})
             return r.status_code != 412 and bool(_check(r))
         return self._with_retries(f"create {uri}", attempt)
@@ -551,7 +568,8 @@ class GCS:
         bucket, name = split_gcs(uri)
         try:
             self._with_retries(f"stat {uri}", lambda auth: _check(
-                self._session().get(self._object_url(bucket, name, fields="name"), headers=auth, timeout=self.timeout)))
+                self._session().get(self._object_url(bucket, name, fields="name"), headers=auth,
+                                    timeout=self.timeout)))
             return True
         except NotFoundError:
             return False
@@ -595,7 +613,8 @@ class Uploader:
         return len(self.failed)
 
     def submit(self, local_path, uri):
-        """Queue an upload. Don't modify local_path in place until wait() (os.replace of a new file is fine)."""
+        """Queue an upload. Don't modify local_path in place until wait() (os.replace of a new file is
+        fine)."""
         with self._cv:
             self.pending.append((local_path, uri))
         self._queue.put((local_path, uri))
@@ -671,7 +690,8 @@ def upload_tree(local_dir, uri):
 
 
 def upload_dataset(local_dir, uri):
-    """upload_tree for a dataset a builder just wrote; any failure is a GCSError that says where the data is."""
+    """upload_tree for a dataset a builder just wrote; any failure is a GCSError that says where the data
+    is."""
     try:
         return upload_tree(local_dir, uri)
     except Exception as e:

@@ -165,8 +165,10 @@ def build_dataset(csv_dir, output_dir, aug=False, subsample_size=None, seed=0, s
             per_group = 8
         P = len(q)
         metas[split] = write_split(output_dir, split, q, a, puzzle_identifiers=np.zeros(P, np.int32),
-                                   puzzle_indices=np.arange(P + 1), group_indices=np.arange(0, P + 1, per_group),
-                                   vocab_size=VOCAB_SIZE, pad_id=PAD, ignore_label_id=0, blank_identifier_id=0,
+                                   puzzle_indices=np.arange(P + 1),
+                                   group_indices=np.arange(0, P + 1, per_group),
+                                   vocab_size=VOCAB_SIZE, pad_id=PAD, ignore_label_id=0,
+                                   blank_identifier_id=0,
                                    num_puzzle_identifiers=1, extra=dict(puzzle_type='maze', grid_size=n))
         steps = shortest_path_length(q)
         print(f"{split}: {P // per_group} mazes {n}x{n} -> {P} examples, {P // per_group} groups"
@@ -279,7 +281,8 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
                     misses += 1
                     if misses >= 1000:  # e.g. a threshold that this size (or loop_frac) cannot reach
                         raise RuntimeError(f"1000 mazes in a row without a new one whose path is longer "
-                                           f"than {thr} steps at size {size}: lower --min_path_len or --loop_frac")
+                                           f"than {thr} steps at size {size}: lower --min_path_len or "
+                                           "--loop_frac")
                     continue
                 seen.add(bytes(question))
                 answer = bytearray(question)
@@ -308,7 +311,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])
     p.add_argument('--output_dir', default=None, help="default data/maze-30x30-hard-1k, or "
                    "data/maze-gen-{size}x{size} with --generate")
-    p.add_argument('--csv_dir', default=None, help="use DIR/train.csv and DIR/test.csv instead of downloading")
+    p.add_argument('--csv_dir', default=None,
+                   help="use DIR/train.csv and DIR/test.csv instead of downloading")
     p.add_argument('--base_url', default=BASE_URL, help="where {train,test}.csv are downloaded from")
     p.add_argument('--generate', type=int, default=0, metavar='N', help="generate N train mazes offline")
     p.add_argument('--num_test', type=int, default=1000, help="test mazes to generate")
@@ -342,7 +346,8 @@ def main(argv=None):
         if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
             print(f"uploaded {gcs.upload_dataset(out, bucket_uri)} files to {bucket_uri}")
             out = bucket_uri
-    except (ValueError, DownloadError, OSError, gcs.GCSError) as e:  # bad rows, an empty split, a failed download or upload
+    except (ValueError, DownloadError, OSError, gcs.GCSError) as e:  # bad rows, an empty split, a failed
+                                                                     # download or upload
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -1,5 +1,6 @@
 """
-Build Sudoku datasets in the reference's layout (see data.py): Sudoku-Extreme, or generated 4x4 / 6x6 / 9x9 puzzles.
+Build Sudoku datasets in the reference's layout (see data.py): Sudoku-Extreme, or generated 4x4 / 6x6 / 9x9
+puzzles.
 
     python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
     python prepare_sudoku.py --csv_dir /path/with/train_and_test_csv --output_dir data/sudoku-extreme-full
@@ -83,7 +84,8 @@ def _check_structure(buf, end, n):
         rating = np.where(active, rating * 10 + d, rating)
     rating = np.where(neg, -rating, rating)
     err = np.zeros(len(nl), np.uint8)
-    for code, bad in ((4, ~rating_ok), (3, c3 - c2 - 1 != L), (2, c2 - c1 - 1 != L), (1, upto_end - first != 3)):
+    for code, bad in ((4, ~rating_ok), (3, c3 - c2 - 1 != L), (2, c2 - c1 - 1 != L),
+                      (1, upto_end - first != 3)):
         err[bad] = code  # last assignment wins: the first problem of a row is reported
     return err, c1 + 1, np.where(err == 0, rating, 0), starts
 
@@ -311,8 +313,10 @@ def random_transforms(rng, k, n):
     token_map = np.zeros((k, 16), np.uint8)
     token_map[:, 1] = 1
     token_map[:, 2:n + 2] = _random_perms(rng, n, k) + 2
-    rows = (_random_perms(rng, n // br, k)[:, :, None] * br + _random_perms(rng, br, (k, n // br))).reshape(k, n)
-    cols = (_random_perms(rng, n // bc, k)[:, :, None] * bc + _random_perms(rng, bc, (k, n // bc))).reshape(k, n)
+    rows = (_random_perms(rng, n // br, k)[:, :, None] * br
+            + _random_perms(rng, br, (k, n // br))).reshape(k, n)
+    cols = (_random_perms(rng, n // bc, k)[:, :, None] * bc
+            + _random_perms(rng, bc, (k, n // bc))).reshape(k, n)
     row_part, col_part = rows * n, cols  # out[i, j] = in[rows[i], cols[j]]
     if br == bc:  # transposed first: out[i, j] = in.T[rows[i], cols[j]] = in[cols[j], rows[i]]
         flip = (rng.random(k) < 0.5)[:, None]
@@ -476,7 +480,8 @@ def generate_puzzles(count, n, seed=0, min_rating=0):
         tries += 1
         if tries > 1000 and tries > 100 * (len(out) + 1):
             raise RuntimeError(f"found only {len(out)} of {count} distinct {n}x{n} puzzles with rating >= "
-                               f"{min_rating} in {tries - 1} tries (too few exist, or the rating is too high)")
+                               f"{min_rating} in {tries - 1} tries (too few exist, or the rating is too "
+                               "high)")
         q, a, rating = make_puzzle(n, rng)
         qs = ''.join('.' if v == 0 else str(v) for v in q)
         if rating >= min_rating and qs not in seen:
@@ -555,7 +560,8 @@ def main(argv=None):
     src.add_argument('--generate', type=int, metavar='N', help='generate N train puzzles offline instead')
     src.add_argument('--num_test', type=int, help='test puzzles to generate (default: max(1, N // 10))')
     src.add_argument('--min_rating', type=int, default=0,
-                     help='generated puzzles need at least this many solver guesses, their rating (default: 0)')
+                     help='generated puzzles need at least this many solver guesses, their rating (default: '
+                     '0)')
     src.add_argument('--size', type=int, choices=sorted(BOXES), help='grid size (CSV: inferred; generate: 9)')
     b = p.add_argument_group('build')
     b.add_argument('--subsample_size', type=int, help='train: keep this many puzzles (seeded draw)')
@@ -596,7 +602,8 @@ def main(argv=None):
         if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
             print(f"uploaded {gcs.upload_dataset(args.output_dir, bucket_uri)} files to {bucket_uri}")
             args.output_dir = bucket_uri
-    except (ValueError, DownloadError, RuntimeError, FileNotFoundError, gcs.GCSError) as e:  # CSVFormatError: a ValueError
+    except (ValueError, DownloadError, RuntimeError, FileNotFoundError, gcs.GCSError) as e:  # CSVFormatError:
+                                                                                             # a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")

@@ -6,7 +6,8 @@ this for the rest:
     step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
     run.log_train(line) / run.log_eval()    metrics.jsonl (+ the bucket's copy) and W&B, never fatal
-    run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock removed
+    run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock
+                                            removed
 It also holds the checkpoint files themselves (save_atomic, load_checkpoint, list_checkpoints,
 prune_checkpoints) for a local folder or a gs:// prefix; gcs.py is the storage client underneath.
 
@@ -34,8 +35,8 @@ import torch
 import gcs
 from data import check_split, load_metadata, puzzle_type
 
-# a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at most),
-# and float32 activations overflow within a few blocks of weights this large
+# a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
+# most), and float32 activations overflow within a few blocks of weights this large
 MAX_WEIGHT = 1e4
 # the code whose copies every host must share (a pod runs one command on every host)
 CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'device.py')
@@ -79,7 +80,8 @@ def load_checkpoint(path, name=None):
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
-        raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: {e}") from e
+        raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: "
+                              f"{e}") from e
 
 
 def list_checkpoints(folder):
@@ -98,7 +100,8 @@ def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, de
     checkpoint (a run started over)."""
     found = list_checkpoints(folder)
     good = sorted(s for s, p in found.items() if p not in corrupt)
-    keep = set() if delete_all else set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, protect}
+    keep = set() if delete_all else \
+        set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, protect}
     for step, path in found.items():
         if step not in keep:
             try:
@@ -108,7 +111,8 @@ def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, de
 
 
 # -----------------------------------------------------------------------------
-# stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same step
+# stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
+# step
 
 STOP = dict(requested=False, signal=None, told=False)
 
@@ -165,14 +169,15 @@ def holder_gone(rec):
 
 
 def in_use(where, rec, remove):
-    who = f"the run on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" if isinstance(rec, dict) \
-        else 'a run whose lock cannot be read'
-    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --out_dir, or remove the "
-            f"lock if that run is gone")
+    who = f"the run on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
+        if isinstance(rec, dict) else 'a run whose lock cannot be read'
+    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --out_dir, or "
+            "remove the lock if that run is gone")
 
 
 def taken_over(rec, where):
-    """Whether the lock at `where`, holding rec, belongs to a run that is gone (and may be taken over: said so)."""
+    """Whether the lock at `where`, holding rec, belongs to a run that is gone (and may be taken over: said
+    so)."""
     if not holder_gone(rec):
         return False
     print(f"{where}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
@@ -188,7 +193,8 @@ def lock_local(folder):
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except OSError as e:
             if not isinstance(e, FileExistsError):
-                return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can write"]
+                return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can "
+                        "write"]
             try:
                 with open(path) as f:
                     rec = json.load(f)
@@ -206,7 +212,8 @@ def lock_local(folder):
 
 def lock_bucket(prefix, local):
     """Rank 0: the lock object beside a gs:// out_dir's checkpoints, created only if absent (a generation
-    precondition); [] or [the problem]. A bucket that cannot be reached: a warning (its uploads are retried)."""
+    precondition); [] or [the problem]. A bucket that cannot be reached: a warning (its uploads are
+    retried)."""
     uri, mine = f"{prefix.rstrip('/')}/{LOCK_NAME}", lock_record()
     try:
         for attempt in range(2):
@@ -244,7 +251,8 @@ def release_locks():
         try:
             gcs.GCS(retries=2, timeout=(5, 10)).delete(where) if gcs.is_gcs(where) else os.remove(where)
         except Exception as e:
-            print(f"warning: could not remove the lock {where} ({e}); the next run on this host takes it over")
+            print(f"warning: could not remove the lock {where} ({e}); the next run on this host takes it "
+                  "over")
 
 
 atexit.register(release_locks)
@@ -270,8 +278,8 @@ class Output:
         """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
         try:
             cls.log = open(path, 'a')
-            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: "
-                          f"{' '.join(sys.argv)}\n")
+            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
+                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
         except OSError as e:
             print(f"warning: cannot write {path} ({e}); the output is not logged there")
 
@@ -332,18 +340,21 @@ def fail_together(dev, problems, what):
 
 def fail_if_ranks_differ(dev, values, problem):
     """fail_together when the ranks hold different values (fingerprints of what they loaded or read)."""
-    differ = [i for i, (lo, hi) in enumerate(zip(dev.agree(values, 'min'), dev.agree(values, 'max'))) if lo != hi]
+    differ = [i for i, (lo,
+                        hi) in enumerate(zip(dev.agree(values, 'min'), dev.agree(values, 'max'))) if lo != hi]
     fail_together(dev, [problem(differ)] if differ and dev.master else [], 'host agreement')
 
 
 def data_shape(meta):
     """What a model trained on a dataset is bound to: its puzzle kind, sequence length and vocabulary."""
-    return dict(puzzle_type=puzzle_type(meta), seq_len=int(meta['seq_len']), vocab_size=int(meta['vocab_size']))
+    return dict(puzzle_type=puzzle_type(meta), seq_len=int(meta['seq_len']),
+                vocab_size=int(meta['vocab_size']))
 
 
 def describe_data(shape):
     kind = f"{shape['puzzle_type']} puzzles" if shape.get('puzzle_type') else 'puzzles'
-    return f"{kind} of seq_len {shape['seq_len']}" + (f", vocab_size {shape['vocab_size']}" if 'vocab_size' in shape
+    return f"{kind} of seq_len {shape['seq_len']}" + (f", vocab_size {shape['vocab_size']}"
+                                                      if 'vocab_size' in shape
                                                         else '')
 
 
@@ -356,13 +367,15 @@ def startup_problems(cfg, dev, local):
         problems += found
         if not found:
             shapes[split] = data_shape(load_metadata(root, split))
-    if len(shapes) == 2 and shapes['train'] != shapes['test']:  # a half-done rebuild, or splits of two datasets
+    if len(shapes) == 2 and shapes['train'] != shapes['test']:  # a half-done rebuild, or splits of two
+                                                                # datasets
         problems.append(f"{root}: the train split holds {describe_data(shapes['train'])}, the test split "
                         f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
                         f"prepare_maze.py) or point data_path at one whose splits agree")
     init_from = cfg['init_from']
     if init_from not in ('scratch', 'resume') and not os.path.isfile(init_from):
-        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume' or a checkpoint file on this host")
+        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume' or a checkpoint file on this "
+                        "host")
     for what in ('global_batch_size', 'eval_batch_size'):
         B = cfg[what] or cfg['global_batch_size']
         if B % dev.world_size:
@@ -373,13 +386,13 @@ def startup_problems(cfg, dev, local):
                         f"{dev.world_size} x gradient_accumulation_steps={k}")
     out_dir = cfg['out_dir']
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
-        problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would hold "
-                        f"the checkpoints; use --out_dir=gs://BUCKET/...")
+        problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would "
+                        "hold the checkpoints; use --out_dir=gs://BUCKET/...")
     fresh = init_from != 'resume' and not cfg['eval_only']  # a new run's files: scratch, or a file's weights
     if fresh and cfg['overwrite'] and dev.master and os.path.isfile(init_from) and CKPT_RE.search(init_from) \
             and os.path.isdir(local) and os.path.samefile(os.path.dirname(os.path.abspath(init_from)), local):
-        problems.append(f"init_from={init_from} lies in {local}, whose checkpoints --overwrite=True deletes: copy it "
-                        f"elsewhere first and start from the copy")
+        problems.append(f"init_from={init_from} lies in {local}, whose checkpoints --overwrite=True deletes: "
+                        "copy it elsewhere first and start from the copy")
     new_run = fresh and not cfg['overwrite'] and dev.master
     held = {local: list_checkpoints(local)} if new_run else {}
     if gcs.is_gcs(out_dir) and dev.master:
@@ -390,15 +403,16 @@ def startup_problems(cfg, dev, local):
     for folder, steps in held.items():
         if steps:
             problems.append(f"{folder} already holds checkpoints {sorted(steps)}: continue them with "
-                            f"--init_from=resume, pick another --out_dir, or replace them with --overwrite=True")
+                            "--init_from=resume, pick another --out_dir, or replace them with "
+                            "--overwrite=True")
     return problems
 
 
 def bucket_checkpoints(out_dir, resume):
-    """Rank 0 at start: ({step: uri} of out_dir's checkpoints or None, [problem]). The listing is also the check
-    that the bucket lets this run in: a bucket that answers no (it does not exist, no permission: HTTP 4xx) stops
-    the run at start, as does one that cannot be reached when resuming (no checkpoint could be picked); a new run
-    goes on without it (its uploads are retried)."""
+    """Rank 0 at start: ({step: uri} of out_dir's checkpoints or None, [problem]). The listing is also the
+    check that the bucket lets this run in: a bucket that answers no (it does not exist, no permission: HTTP
+    4xx) stops the run at start, as does one that cannot be reached when resuming (no checkpoint could be
+    picked); a new run goes on without it (its uploads are retried)."""
     bucket = gcs.split_gcs(out_dir)[0]
     try:
         return list_checkpoints(out_dir), []
@@ -406,12 +420,13 @@ def bucket_checkpoints(out_dir, resume):
         return None, [f"{e}; nothing was started"]
     except gcs.GCSError as e:
         if e.refused:
-            return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check that the "
-                          f"bucket exists and that this identity may read and write it"]
+            return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check "
+                          "that the bucket exists and that this identity may read and write it"]
         if resume:
-            return None, [f"cannot list the checkpoints in {out_dir} ({e}); retry when the bucket is reachable"]
-        print(f"warning: cannot list {out_dir} ({e}); not checked for an earlier run's checkpoints; training goes "
-              f"on, its uploads are retried")
+            return None, [f"cannot list the checkpoints in {out_dir} ({e}); retry when the bucket is "
+                          "reachable"]
+        print(f"warning: cannot list {out_dir} ({e}); not checked for an earlier run's checkpoints; training "
+              "goes on, its uploads are retried")
         return None, []
 
 
@@ -440,8 +455,8 @@ class Clock:
 
 
 def local_folder(out_dir):
-    """The default local copy of a gs:// out_dir: out/BUCKET/PREFIX, one folder per out_dir (two runs ending in
-    the same name never share one)."""
+    """The default local copy of a gs:// out_dir: out/BUCKET/PREFIX, one folder per out_dir (two runs ending
+    in the same name never share one)."""
     bucket, prefix = gcs.split_gcs(out_dir)
     return os.path.join('out', bucket, *[p for p in prefix.split('/') if p not in ('', '.', '..')])
 
@@ -453,14 +468,17 @@ class Run:
         """started: the process's start time (time.time()), for the start-up time in results.json."""
         self.cfg, self.dev, self.master = cfg, dev, dev.master
         Output.install()
-        gcs.default_client().retries = cfg['gcs_retries']  # every bucket request of this run, uploads included
+        gcs.default_client().retries = cfg['gcs_retries']  # every bucket request of this run, uploads
+                                                           # included
         out_dir = cfg['out_dir']
         self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
         self.local = (cfg['local_dir'] or local_folder(out_dir)) if self.gs_out else out_dir
-        gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits at start
+        gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits at
+                                                               # start
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
-        self.corrupt = []        # checkpoints found unreadable: kept, but they hold no place among the kept ones
+        self.corrupt = []        # checkpoints found unreadable: kept, but they hold no place among the kept
+                                 # ones
         self.verified = -1       # newest checkpoint step whose next step's loss was seen finite
         self.records = self.wandb = self.uploader = None
         self.stop_every, self.t_calibrate = 1, None
@@ -485,17 +503,19 @@ class Run:
         return gcs.fetch_tree(path, self.cfg['data_cache_dir'])  # complete now: returns the local copy
 
     def check_start(self):
-        """All start-up checks before the first step, then every host's config, data and code compared; then rank 0
-        takes the out_dir's lock (before it touches any file there) and logs the output to train.log."""
+        """All start-up checks before the first step, then every host's config, data and code compared; then
+        rank 0 takes the out_dir's lock (before it touches any file there) and logs the output to
+        train.log."""
         cfg, dev = dict(self.cfg, data_path=self.data_path), self.dev
         fail_together(dev, startup_problems(cfg, dev, self.local), 'start-up checks')
         code = ''.join(open(os.path.join(HERE, f)).read() for f in CODE_FILES)
-        meta = ''.join(open(os.path.join(self.data_path, s, 'dataset.json')).read() for s in ('train', 'test'))
+        meta = ''.join(open(os.path.join(self.data_path, s, 'dataset.json')).read()
+                       for s in ('train', 'test'))
         names = ('config', 'dataset metadata', 'code')
         fail_if_ranks_differ(dev, [fingerprint(json.dumps(self.cfg, sort_keys=True)), fingerprint(meta),
                                    fingerprint(code)],
-                             lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: copy the same "
-                                       f"files to every host")
+                             lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: copy "
+                                       "the same files to every host")
         self.meta = load_metadata(self.data_path, 'train')
         if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
             return
@@ -507,7 +527,8 @@ class Run:
         if self.master:
             Output.log_to(os.path.join(self.local, 'train.log'))
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
-                if (name.endswith('.tmp') or name.startswith('.rank')) and os.path.isfile(os.path.join(self.local, name)):
+                if (name.endswith('.tmp') or name.startswith('.rank')) and \
+                        os.path.isfile(os.path.join(self.local, name)):
                     os.remove(os.path.join(self.local, name))
             if cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
                 for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
@@ -516,9 +537,9 @@ class Run:
     # --- the starting point ----------------------------------------------------------------------------
 
     def resume(self, model, ema_model, opt, loader, resume_fixed):
-        """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the newest
-        checkpoint every rank can read, refusing one saved with other `resume_fixed` keys; a file loads its
-        weights (ours, or a state dict of the reference implementation)."""
+        """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the
+        newest checkpoint every rank can read, refusing one saved with other `resume_fixed` keys; a file loads
+        its weights (ours, or a state dict of the reference implementation)."""
         cfg, dev, step, carry = self.cfg, self.dev, 0, None
         if cfg['init_from'] == 'resume':
             ckpt = self.find_resume_checkpoint()
@@ -538,7 +559,8 @@ class Run:
                 else:  # other ranks' exploration streams: reseeded deterministically from the step
                     dev.manual_seed(cfg['seed'] + dev.rank + 1000003 * step)
                 weights = float(sum(p.double().nan_to_num().sum() for p in ckpt['model'].values()
-                                    if p.is_floating_point()))  # a fingerprint of the loaded bytes, on the host
+                                    if p.is_floating_point()))  # a fingerprint of the loaded bytes, on the
+                                                                # host
                 fail_if_ranks_differ(dev, [weights], lambda _: "the ranks loaded different weights")
                 self.verified = step
         elif cfg['init_from'] != 'scratch':
@@ -551,9 +573,9 @@ class Run:
         return step, carry
 
     def find_resume_checkpoint(self):
-        """The newest checkpoint that every rank can load; rank 0 picks the step. Non-zero ranks read the bucket
-        copy (the same bytes as rank 0's). Checkpoints found but none loadable, or a bucket that cannot be listed,
-        is an error: never a fresh start that would overwrite them."""
+        """The newest checkpoint that every rank can load; rank 0 picks the step. Non-zero ranks read the
+        bucket copy (the same bytes as rank 0's). Checkpoints found but none loadable, or a bucket that cannot
+        be listed, is an error: never a fresh start that would overwrite them."""
         dev, local, remote = self.dev, self.local, self.gs_out
         found, problems = {}, []
         if os.path.isdir(local):
@@ -564,7 +586,8 @@ class Run:
                     if not dev.master or step not in found:
                         found[step] = uri
             except Exception as e:
-                problems.append(f"cannot list the checkpoints in {remote} ({e}); retry when the bucket is reachable")
+                problems.append(f"cannot list the checkpoints in {remote} ({e}); retry when the bucket is "
+                                "reachable")
         fail_together(dev, problems, 'init_from=resume')
         candidates = sorted(found, reverse=True) if dev.master else []
         for i in range(len(candidates) + 1 if dev.master else 10 ** 9):
@@ -577,13 +600,14 @@ class Run:
                 self.resumed_from = path
                 return ckpt
         if found:
-            fail_together(dev, [f"checkpoints found ({', '.join(found[s] for s in sorted(found))}) but none could "
-                                f"be loaded; nothing was overwritten"] if dev.master else [], 'init_from=resume')
+            fail_together(dev, [f"checkpoints found ({', '.join(found[s] for s in sorted(found))}) but none "
+                                "could be loaded; nothing was overwritten"] if dev.master else [],
+                          'init_from=resume')
         return None
 
     def load_training_checkpoint(self, path, step):
-        """The checkpoint at path (downloaded first from a bucket, to a temporary file removed on every path), or
-        None with a warning when it cannot be used."""
+        """The checkpoint at path (downloaded first from a bucket, to a temporary file removed on every path),
+        or None with a warning when it cannot be used."""
         dest = os.path.join(self.local, f'.rank{self.dev.rank}_{checkpoint_name(step)}')
         try:
             if gcs.is_gcs(path):
@@ -609,23 +633,26 @@ class Run:
     def check_resume_config(self, saved, resume_fixed, step):
         cfg = self.cfg
         changed = [k for k in resume_fixed if k in saved and saved[k] != cfg[k]]
-        fail_together(self.dev, [f"{self.resumed_from} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}"
-                                 f"; this run has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep "
-                                 f"them: start a new run (another out_dir) to change them"] if changed else [], 'resume')
+        fail_together(self.dev, [f"{self.resumed_from} was saved with "
+                                 f"{', '.join(f'{k}={saved[k]!r}' for k in changed)}; this run has "
+                                 f"{', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep them: "
+                                 "start a new run (another out_dir) to change them"] if changed else [],
+                      'resume')
         if self.master:
             other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
             print(f"resuming from {self.resumed_from} (step {step})"
                   + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
 
     def check_resume_data(self, ckpt):
-        """The dataset's shape must be the checkpoint's: its model and carry are bound to it. (Checkpoints from
-        before `data` was saved: the carry's width is the sequence length.)"""
+        """The dataset's shape must be the checkpoint's: its model and carry are bound to it. (Checkpoints
+        from before `data` was saved: the carry's width is the sequence length.)"""
         saved = ckpt.get('data') or dict(seq_len=int(ckpt['carry']['inputs'].shape[-1]))
         now = {k: v for k, v in data_shape(self.meta).items() if k in saved}
         fail_together(self.dev, [f"{self.resumed_from} was trained on {describe_data(saved)} (data_path="
-                                 f"{ckpt['config'].get('data_path')!r}); {self.data_path} holds {describe_data(now)}. "
-                                 f"A resume keeps the data's shape: point --data_path at that dataset, or start a "
-                                 f"new run (another out_dir)"] if saved != now else [], 'resume')
+                                 f"{ckpt['config'].get('data_path')!r}); {self.data_path} holds "
+                                 f"{describe_data(now)}. A resume keeps the data's shape: point --data_path "
+                                 "at that dataset, or start a new run (another out_dir)"] if saved != now
+                      else [], 'resume')
 
     def load_state(self, ckpt, model, ema_model, opt, loader):
         """A file that loads but whose parts do not fit this model (edited, or another trainer's): named."""
@@ -637,24 +664,27 @@ class Run:
             loader.load_state_dict(ckpt['loader'])
             problems = []
         except (RuntimeError, ValueError, KeyError) as e:
-            problems = [f"{self.resumed_from} does not fit this run ({' '.join(str(e).split())[:300]}); the file is "
-                        f"kept. Move it aside to resume from the one before"]
+            problems = [f"{self.resumed_from} does not fit this run ({' '.join(str(e).split())[:300]}); the "
+                        "file is kept. Move it aside to resume from the one before"]
         fail_together(self.dev, problems, 'resume')
 
     # --- checkpoints -----------------------------------------------------------------------------------
 
     def save(self, step, model, ema_model, opt, carry, loader_state, tag=''):
-        """Every rank calls it: the carry gather and the sanity check are collectives, read on every rank; then
-        rank 0 writes and uploads, and every rank learns whether that worked. Returns the checkpoint's path."""
+        """Every rank calls it: the carry gather and the sanity check are collectives, read on every rank;
+        then rank 0 writes and uploads, and every rank learns whether that worked. Returns the checkpoint's
+        path."""
         dev, keys = self.dev, sorted(carry)
-        sane, *gathered = dev.read(self.checkpoint_tensors(model, ema_model, carry))  # the carry in `keys` order
+        sane, *gathered = dev.read(self.checkpoint_tensors(model, ema_model, carry))  # the carry in `keys`
+                                                                                      # order
         path, problems = os.path.join(self.local, checkpoint_name(step)), []
         if sane[0] == 0:
-            problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing saved. "
-                        f"The last good checkpoint is {self.last_good or 'none'}; continue from it with "
-                        f"--init_from=resume and a lower --lr (now {self.cfg['lr']})"]
+            problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
+                        f"saved. The last good checkpoint is {self.last_good or 'none'}; continue from it "
+                        f"with --init_from=resume and a lower --lr (now {self.cfg['lr']})"]
         elif self.master:
-            state = dict(model=model.state_dict(), ema=ema_model.state_dict() if ema_model is not model else None,
+            state = dict(model=model.state_dict(),
+                         ema=ema_model.state_dict() if ema_model is not model else None,
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
@@ -668,7 +698,8 @@ class Run:
         return path
 
     def timing_total(self):
-        """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this process's."""
+        """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this
+        process's."""
         now = self.clock()
         return {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
 
@@ -677,7 +708,8 @@ class Run:
         Sane: finite and below MAX_WEIGHT (NaN fails the comparison too)."""
         params = list(model.parameters()) + (list(ema_model.parameters()) if ema_model is not model else [])
         largest = torch.stack([p.detach().abs().max().float() for p in params]).max()
-        return [(largest <= MAX_WEIGHT).float().reshape(1)] + [self.dev.all_gather(carry[k]) for k in sorted(carry)]
+        return [(largest <= MAX_WEIGHT).float().reshape(1)] + [self.dev.all_gather(carry[k])
+                                                               for k in sorted(carry)]
 
     def write(self, state, path, tag):
         """Rank 0: the file, the pruning of older ones, the upload."""
@@ -687,7 +719,8 @@ class Run:
         print(f"saved {path}{tag} ({os.path.getsize(path) / 1e6:.1f} MB in {time.time() - t_save:.1f} s)")
         if path in self.corrupt:  # a new, whole file under the name of a corrupt one
             self.corrupt.remove(path)
-        prune_checkpoints(self.local, self.cfg['keep_last_n'], self.best['step'], self.corrupt, protect=self.verified)
+        prune_checkpoints(self.local, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
+                          protect=self.verified)
         if self.uploader:
             self.uploader.submit(path, f"{self.gs_out.rstrip('/')}/{os.path.basename(path)}")
 
@@ -698,8 +731,8 @@ class Run:
     # --- stop requests and divergence -----------------------------------------------------------------
 
     def stop_requested(self, step, start_step):
-        """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps (the
-        pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable."""
+        """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps
+        (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable."""
         dev = self.dev
         stop = self.stop_agreed() if step % self.stop_every == 0 else False
         if step == start_step + 5:
@@ -709,25 +742,27 @@ class Run:
         return stop
 
     def stop_agreed(self):
-        """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point (between
-        steps, between evaluation batches). The rank that got the signal says so (the handler prints nothing)."""
+        """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point
+        (between steps, between evaluation batches). The rank that got the signal says so (the handler prints
+        nothing)."""
         stop = self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
         if stop and STOP['requested'] and not STOP['told']:
             STOP['told'] = True
-            print(f"pid {os.getpid()}: got signal {STOP['signal']}; saving a checkpoint, then exiting", flush=True)
+            print(f"pid {os.getpid()}: got signal {STOP['signal']}; saving a checkpoint, then exiting",
+                  flush=True)
         return stop
 
     def check_divergence(self, bad_at):
-        """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the weights
-        after step k-1 gave a non-finite loss at step k, so checkpoints from k-1 on are set aside."""
+        """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the
+        weights after step k-1 gave a non-finite loss at step k, so checkpoints from k-1 on are set aside."""
         if bad_at < 0:
             return
         k = int(bad_at)
         if self.master:
             self.last_good = set_aside_diverged(self.local, self.gs_out, self.uploader, k - 1)
-        raise SystemExit(f"loss became NaN or inf at step {k}; stopping. Checkpoints from step {k - 1} on were "
-                         f"set aside (*.diverged). Last good checkpoint: {self.last_good or 'none'}; continue "
-                         f"from it with --init_from=resume and a lower --lr (now {self.cfg['lr']})")
+        raise SystemExit(f"loss became NaN or inf at step {k}; stopping. Checkpoints from step {k - 1} on "
+                         f"were set aside (*.diverged). Last good checkpoint: {self.last_good or 'none'}; "
+                         f"continue from it with --init_from=resume and a lower --lr (now {self.cfg['lr']})")
 
     # --- records: metrics.jsonl, results.json, W&B; uploads ------------------------------------------
 
@@ -749,25 +784,28 @@ class Run:
             return
         self.records.log(kind, values)
         for prefix, vals in wandb_values.items():
-            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in vals.items() if k != 'exact_by_steps'}, step)
+            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in vals.items() if k != 'exact_by_steps'},
+                           step)
 
     def finish(self, step, final_eval, parameters, flops_per_example):
-        """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by phase
-        over every process of the run, resumes adding theirs, and device-hours)."""
+        """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
+        phase over every process of the run, resumes adding theirs, and device-hours)."""
         if not self.master:
             return
         cfg, wall = self.cfg, self.timing_total()
         wall['total'] = sum(wall.values())
         self.records.finish(dict(
             config=cfg, parameters=parameters, run_id=self.run_id, flops_per_example_step=flops_per_example,
-            device=self.dev.name(), world_size=self.dev.world_size, final_eval=final_eval, best_eval=self.best,
+            device=self.dev.name(), world_size=self.dev.world_size, final_eval=final_eval,
+            best_eval=self.best,
             step=step, examples_seen=step * cfg['global_batch_size'],
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
             device_hours=wall['total'] * self.dev.world_size / 3600))
 
     def results_missing(self):
-        """Whether results.json is in neither the run's folder nor its bucket (rank 0 looks; every rank learns it):
-        a run that reached its last step without it (a stop during the final evaluation, a failed write)."""
+        """Whether results.json is in neither the run's folder nor its bucket (rank 0 looks; every rank learns
+        it): a run that reached its last step without it (a stop during the final evaluation, a failed
+        write)."""
         missing = self.master and not os.path.exists(os.path.join(self.local, 'results.json'))
         if missing and self.gs_out:
             try:
@@ -781,8 +819,8 @@ class Run:
         return bool(self.records) and self.records.logged(kind, step)
 
     def close(self, interrupted):
-        """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most of
-        it) and for W&B (what did not reach it stays for `wandb sync`)."""
+        """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most
+        of it) and for W&B (what did not reach it stays for `wandb sync`)."""
         if self.uploader:
             self.finish_uploads(interrupted)
         if self.wandb:
@@ -792,25 +830,28 @@ class Run:
         release_locks()
 
     def finish_uploads(self, interrupted):
-        """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20 MB to
-        send, announced after 3 s; then the files that did not reach the bucket are named."""
+        """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20
+        MB to send, announced after 3 s; then the files that did not reach the bucket are named."""
         up = self.uploader
         if self.records:
             self.records.upload(up)
         size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
         limit = 20 if interrupted else 30 + size / 20e6
         if not up.wait(timeout=3):
-            print(f"waiting up to {limit - 3:.0f} s for {len(up.pending)} upload(s) to {self.gs_out}", flush=True)
+            print(f"waiting up to {limit - 3:.0f} s for {len(up.pending)} upload(s) to {self.gs_out}",
+                  flush=True)
             up.wait(timeout=limit - 3)
         for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
-            left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer one
+            left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer
+                                                              # one
             if left:
                 print(f"warning: {len(left)} upload(s) to {self.gs_out} {what}; only in {self.local}: "
                       f"{', '.join(os.path.basename(p) for p in left)}")
 
 
 def load_weights(path, model, ema_model):
-    """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state dict."""
+    """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
+    dict."""
     from model import from_reference_state_dict
     try:
         ckpt = load_checkpoint(path)
@@ -855,9 +896,11 @@ class Records:
             for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
                 if path and os.path.exists(path):
                     with open(path) as f:  # a torn last line goes
-                        kept = [l for i, l in enumerate(f, 1) if l.endswith('\n') and self.readable(l, i, path)
+                        kept = [l for i, l in enumerate(f, 1)
+                                if l.endswith('\n') and self.readable(l, i, path)
                                 and json.loads(l).get('step', 0) <= step]
-                    lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the bucket's
+                    lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the
+                                                       # bucket's
         finally:
             if os.path.exists(self.path + '.bucket'):
                 os.remove(self.path + '.bucket')
@@ -874,8 +917,8 @@ class Records:
         except gcs.NotFoundError:
             return None
         except Exception as e:
-            print(f"warning: cannot read {uri} ({e}); metrics.jsonl up to step {step} is rebuilt from {self.path} "
-                  f"alone")
+            print(f"warning: cannot read {uri} ({e}); metrics.jsonl up to step {step} is rebuilt from "
+                  f"{self.path} alone")
             return None
 
     @staticmethod
@@ -913,8 +956,8 @@ class Records:
         except OSError as e:
             if os.path.isfile(self.results + '.tmp'):
                 os.remove(self.results + '.tmp')
-            print(f"warning: could not write {self.results} ({e.strerror or e}); rerun with --init_from=resume "
-                  f"once the disk has room, and it is written")
+            print(f"warning: could not write {self.results} ({e.strerror or e}); rerun with "
+                  "--init_from=resume once the disk has room, and it is written")
 
     def upload(self, uploader):
         for path in (self.path, self.results):

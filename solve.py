@@ -20,30 +20,32 @@ import time
 
 from configurator import read_config_block  # noqa: E402
 
-# train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint carries its
-# own); for such a state dict they must be those of its training run (the weights do not tell H_cycles or L_cycles)
+# train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
+# carries its own); for such a state dict they must be those of its training run (the weights do not tell
+# H_cycles or L_cycles)
 _here = os.path.dirname(os.path.abspath(__file__))
 globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py'), 'model').items()})
 # -----------------------------------------------------------------------------
 # config
-init_from = ''                  # checkpoint: one of train.py (ckpt_*.pt; its EMA weights) or a reference state dict
-data_path = ''                  # dataset root the checkpoint was trained on ('': the checkpoint's own data_path)
-puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank; maze
-                                # rows joined by '/'; or a file
-file = ''                       # file of puzzles: one Sudoku a line; mazes as blank-line-separated blocks or lines
+init_from = ''                  # checkpoint: train.py's (ckpt_*.pt; EMA weights) or a reference state dict
+data_path = ''                  # dataset root the checkpoint was trained on ('': the checkpoint's data_path)
+puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank;
+                                # maze rows joined by '/'; or a file
+file = ''                       # puzzle file: one Sudoku a line; mazes: blank-line-separated blocks or lines
 index = -1                      # solve example N (from 0) of the dataset's test split
 count = 0                       # solve the first K examples of the dataset's test split
-steps = 0                       # supervision steps at most (0: the model's halt_max_steps); more is test-time scaling
-all_steps = False               # run every step instead of stopping at the model's halt (the first q_halt > 0)
+steps = 0                       # max supervision steps (0: model's halt_max_steps); more: test-time scaling
+all_steps = False               # run every step, not stopping at the model's halt (the first q_halt > 0)
 quiet = False                   # only one summary line per puzzle (no boards)
 png = ''                        # also draw the steps as small boards into this PNG file (needs matplotlib)
 png_puzzles = 4                 # puzzles drawn in the PNG at most
 batch_size = 64                 # puzzles per forward pass
-device = 'auto'                 # 'auto' (xla if PJRT_DEVICE, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
-threads = 0                     # CPU threads (0: the cores other processes leave idle, by the 1-minute load average)
-forward_dtype = 'checkpoint'    # 'checkpoint' (the training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
+device = 'auto'                 # 'auto' (PJRT_DEVICE: xla, else cuda if any, else cpu) | 'cpu'/'cuda'/'xla'
+threads = 0                     # CPU threads (0: cores other processes leave idle, by 1-minute load average)
+forward_dtype = 'checkpoint'    # 'checkpoint' (training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(_here, 'configurator.py')).read())
 config = {k: globals()[k] for k in config_keys}
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
@@ -105,7 +107,8 @@ def short(e, limit=200):
 
 def numpy_scalar_types():
     core = getattr(np, '_core', None) or np.core
-    return [core.multiarray.scalar, np.dtype] + [type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32',
+    return [core.multiarray.scalar,
+            np.dtype] + [type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32',
                                                                                'int64', 'uint8', 'bool')]
 
 
@@ -126,8 +129,8 @@ def read_checkpoint(path):
             text = str(e.__cause__ or e)
             m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(Check the documentation|$)', text, re.S)
             detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
-            fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or truncated one, or "
-                 f"one holding more than weights and plain values): {short(detail, 160)}")
+            fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or "
+                 f"truncated one, or one holding more than weights and plain values): {short(detail, 160)}")
     if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
         saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
         ema = ckpt.get('ema')
@@ -136,7 +139,8 @@ def read_checkpoint(path):
         return dict(ema or ckpt['model']), saved, what, ckpt.get('data')
     if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
         return from_reference_state_dict(ckpt), None, 'state dict (reference format)', None
-    fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference implementation")
+    fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
+         "implementation")
 
 
 def shapes_in(sd):
@@ -174,7 +178,8 @@ def meta_from_weights(sd, cfg):
         return None
     if 'total_len' in s:
         prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
-        seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim', TRMConfig.puzzle_emb_ndim) > 0 else 0)
+        seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim',
+                                                      TRMConfig.puzzle_emb_ndim) > 0 else 0)
     elif V - 2 in BOXES and V != 6:  # a Sudoku's vocabulary: n + 2 (6 is also a maze's)
         seq_len = (V - 2) ** 2
     else:
@@ -194,16 +199,20 @@ def mismatch_message(sd, model, cfg, given, where, ours):
     for what, keys in (('missing', missing), ('unexpected', unexpected), ('of another shape', reshaped)):
         if keys:
             parts.append(f"{len(keys)} {what} (e.g. {keys[0]}"
-                         + (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here" if what ==
+                         + (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here"
+                            if what ==
                             'of another shape' else '') + ")")
     found, mine = shapes_in(sd), dict(vars(cfg), total_len=cfg.total_len)
     differ = [k for k in found if k in mine and found[k] != mine[k]]
-    if 'expansion' not in differ and 'hidden_size' in found and 'net.layers.0.mlp.down_proj.weight' in sd and \
-            sd['net.layers.0.mlp.down_proj.weight'].shape[1] != swiglu_inter(found['hidden_size'], cfg.expansion):
+    if 'expansion' not in differ and 'hidden_size' in found and \
+            'net.layers.0.mlp.down_proj.weight' in sd and \
+            sd['net.layers.0.mlp.down_proj.weight'].shape[1] != \
+            swiglu_inter(found['hidden_size'], cfg.expansion):
         differ.append('expansion')
     data_keys = {'vocab_size', 'num_puzzle_identifiers', 'total_len'}
     names = {'total_len': 'positions (seq_len + puzzle_emb_len)'}
-    says = ', '.join(f"{names.get(k, k)}={found[k]}" + (f" (here {mine[k]})" if k in differ and k in mine else '')
+    says = ', '.join(f"{names.get(k, k)}={found[k]}"
+                     + (f" (here {mine[k]})" if k in differ and k in mine else '')
                      for k in found)
     check = [k for k in differ if k not in data_keys]
     if any(k in data_keys for k in differ):
@@ -231,15 +240,16 @@ class Kind:
         elif self.type == 'maze':
             self.alphabet = MAZE_INPUT
             self.name = f"{self.n}x{self.n} maze"
-            self.shape = (f"{self.n} rows of {self.n} characters from '{MAZE_INPUT}' (wall, open, start, goal), "
-                          f"joined by '/' or newlines, or one line of {self.L}")
+            self.shape = (f"{self.n} rows of {self.n} characters from '{MAZE_INPUT}' (wall, open, start, "
+                          f"goal), joined by '/' or newlines, or one line of {self.L}")
 
     def cell(self, t):
         return token_char(self.type, t)
 
     def encode(self, text):
         if self.type == 'sudoku':
-            return np.array([0 if c in '.0' else int(c) for c in text], np.int32) + 1  # blank 1, digit d -> d + 1
+            return np.array([0 if c in '.0' else int(c) for c in text], np.int32) + 1  # blank 1, digit d -> d
+                                                                                       # + 1
         return np.array([MAZE_INPUT.index(c) + 1 for c in text], np.int32)
 
 
@@ -278,14 +288,15 @@ def parse_puzzle(text, kind, where, rows_given=False):
         rows = [rows[0][i:i + kind.n] for i in range(0, kind.L, kind.n)]
     if len(rows) != kind.n:
         fail(f"{where}: {plural(len(rows), 'row')}"
-             f"{' of ' + str(len(rows[0])) + ' characters' if len(rows) == 1 else ''}; {a(kind.name)} has {kind.shape}")
+             f"{' of ' + str(len(rows[0])) + ' characters' if len(rows) == 1 else ''}; {a(kind.name)} has "
+             f"{kind.shape}")
     for r, row in enumerate(rows):
         if len(row) != kind.n:
             fail(f"{where}: row {r + 1} has {len(row)} characters; {a(kind.name)} has {kind.shape}")
         for c, ch in enumerate(row):
             if ch not in MAZE_INPUT:
-                hint = " ('o' marks a path, which is the model's to find: give the maze without it)" if ch == 'o' \
-                    else ''
+                hint = " ('o' marks a path, which is the model's to find: give the maze without it)" \
+                    if ch == 'o' else ''
                 fail(f"{where}: character {ch!r} in row {r + 1}, column {c + 1}{hint}; {a(kind.name)} has "
                      f"{kind.shape}")
     return kind.encode(''.join(rows))
@@ -389,7 +400,8 @@ def board(kind, tokens, before=None):
     b = None if before is None else np.asarray(before).reshape(n, n)
     mark = lambda r, c: '*' if b is not None and t[r, c] != b[r, c] else ' '
     if kind.type == 'maze':
-        return '\n'.join(''.join(kind.cell(t[r, c]) + mark(r, c) for c in range(n)).rstrip() for r in range(n))
+        return '\n'.join(''.join(kind.cell(t[r, c]) + mark(r,
+                                                           c) for c in range(n)).rstrip() for r in range(n))
     br, bc = BOXES[n]
     lines = []
     for r in range(n):
@@ -434,7 +446,8 @@ def draw_png(path, plt, kind, items, title):
         for start in range(0, panels, per_row):
             layout.append((it, start, min(per_row, panels - start)))
     ncols = min(per_row, max(p for _, _, p in layout))
-    fig, axes = plt.subplots(len(layout), ncols, figsize=(2.3 * ncols, 2.55 * len(layout) + 0.4), squeeze=False)
+    fig, axes = plt.subplots(len(layout), ncols, figsize=(2.3 * ncols, 2.55 * len(layout) + 0.4),
+                             squeeze=False)
     colors = {'#': (0.22, 0.22, 0.25), ' ': (1, 1, 1), 'S': (0.15, 0.65, 0.25), 'G': (0.85, 0.2, 0.2),
               'o': (0.25, 0.45, 0.95), '?': (0.9, 0.3, 0.9)}
     n = kind.n
@@ -456,7 +469,8 @@ def draw_png(path, plt, kind, items, title):
                 img = np.array([[colors.get(kind.cell(v), colors['?']) for v in r] for r in grid])
                 ax.imshow(img, interpolation='nearest', extent=(0, n, n, 0))
                 for r, c in zip(*np.nonzero(changed)):
-                    ax.add_patch(Rectangle((c + 0.08, r + 0.08), 0.84, 0.84, fill=False, edgecolor=(1, 0.6, 0),
+                    ax.add_patch(Rectangle((c + 0.08, r + 0.08), 0.84, 0.84, fill=False,
+                                           edgecolor=(1, 0.6, 0),
                                            linewidth=1.2))
             else:
                 br, bc = BOXES[n]
@@ -466,13 +480,16 @@ def draw_png(path, plt, kind, items, title):
                 ax.set_aspect('equal')
                 for r in range(n):
                     for c in range(n):
-                        face = (1, 0.85, 0.3) if changed[r, c] else (0.9, 0.9, 0.9) if given[r, c] > 1 else (1, 1, 1)
+                        face = (1, 0.85, 0.3) if changed[r, c] else (0.9, 0.9, 0.9) if given[r, c] > 1 \
+                            else (1, 1, 1)
                         ax.add_patch(Rectangle((c, r), 1, 1, facecolor=face, edgecolor='none'))
                         ch, is_given = kind.cell(grid[r, c]), given[r, c] > 1
-                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given overwritten
+                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given
+                                                                                     # overwritten
                         if ch != '.':
                             ax.text(c + 0.5, r + 0.54, ch, ha='center', va='center', fontsize=max(6, 60 // n),
-                                    color=(0.85, 0.1, 0.1) if red else 'black' if is_given else (0.1, 0.3, 0.8),
+                                    color=(0.85, 0.1, 0.1) if red else 'black' if is_given
+                                    else (0.1, 0.3, 0.8),
                                     fontweight='bold' if is_given else 'normal')
                 for i in range(n + 1):
                     ax.axhline(i, color='black', linewidth=1.6 if i % br == 0 else 0.4)
@@ -543,7 +560,8 @@ def open_png():
         matplotlib.use('Agg')
         import matplotlib.pyplot as plt
     except ImportError as e:
-        fail(f"png={png} needs matplotlib, which cannot be imported ({short(e, 100)}): pip install matplotlib")
+        fail(f"png={png} needs matplotlib, which cannot be imported ({short(e, 100)}): pip install "
+             "matplotlib")
     if os.path.isdir(png):
         fail(f"png={png} is a folder: name a file in it, such as --png={os.path.join(png, 'steps.png')}")
     folder = os.path.dirname(os.path.abspath(png))
@@ -558,20 +576,22 @@ def png_file():
 
 
 def load_model(dev):
-    """(model, its TRMConfig, the dataset's metadata, where that came from, the dataset root, the dtype's why)."""
+    """(model, its TRMConfig, the dataset's metadata, where that came from, the dataset root, the dtype's
+    why)."""
     sd, saved, what, trained_on = read_checkpoint(init_from)
     ours = saved is not None
     dp = data_path or (saved or {}).get('data_path', '')
     if not dp and not ours:
-        fail(f"init_from={init_from} is a reference state dict: give --data_path (the dataset it was trained on) "
-             f"and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
+        fail(f"init_from={init_from} is a reference state dict: give --data_path (the dataset it was trained "
+             "on) and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
     if ours:
         model_cfg = {k: saved[k] for k in MODEL_KEYS if k in saved}
     else:
         model_cfg = {k: config[k] for k in MODEL_KEYS if k != 'forward_dtype'}
     requested = forward_dtype if forward_dtype != 'checkpoint' else model_cfg.get('forward_dtype', 'auto')
     dtype, dtype_why = choose_dtype(requested, dev.kind)
-    model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.kind))
+    model_cfg.update(forward_dtype=dtype,
+                     loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.kind))
     try:
         meta, meta_from = load_metadata(dp, 'train'), f"dataset {dp}"
     except (OSError, ValueError) as e:
@@ -602,8 +622,8 @@ def load_model(dev):
 
 
 def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
-    """A checkpoint's weights can fit puzzles it never learned (attention weights fit any length): say so. What it
-    learned: the checkpoint's `data`, else its data_path's dataset.json when that is still there."""
+    """A checkpoint's weights can fit puzzles it never learned (attention weights fit any length): say so.
+    What it learned: the checkpoint's `data`, else its data_path's dataset.json when that is still there."""
     if saved is None or not saved.get('data_path') or saved['data_path'] == dp:
         return
     if trained_on is None:
@@ -635,7 +655,8 @@ def puzzles(kind, meta, dp, source):
         wheres = [w for _, w in texts]
         problems = [p for p in (contradictions(x, kind, w) for x, w in zip(inputs, wheres)) if p]
         if problems:
-            fail(problems[0] + (f" (and {len(problems) - 1} more puzzle(s) like it)" if len(problems) > 1 else ''))
+            fail(problems[0]
+                 + (f" (and {len(problems) - 1} more puzzle(s) like it)" if len(problems) > 1 else ''))
         return inputs, np.full(len(inputs), meta.get('blank_identifier_id', 0), np.int32), wheres, None
     try:
         arrays = load_arrays(dp, 'test')
@@ -657,10 +678,12 @@ def puzzles(kind, meta, dp, source):
 
 
 def main():
-    sources = [name for name, on in (('puzzle', puzzle), ('file', file), ('index', index >= 0), ('count', count > 0))
+    sources = [name for name, on in (('puzzle', puzzle), ('file', file), ('index', index >= 0),
+                                     ('count', count > 0))
                if on]
     if not sources:
-        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N or --count=K (--help lists the keys)")
+        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N or --count=K (--help lists the "
+             "keys)")
     if len(sources) > 1:
         fail(f"give one source of puzzles, not {' and '.join('--' + s for s in sources)}")
     plt = open_png()
@@ -685,19 +708,22 @@ def main():
             halts = np.flatnonzero(qs[:, j] > 0)
             halt = int(halts[0]) if len(halts) else None
             last = len(preds) - 1 if (all_steps or halt is None) else halt
-            it = dict(inputs=x[j], preds=preds[:last + 1, j], prob=probs[:last + 1, j], correct=correct[:last + 1, j],
+            it = dict(inputs=x[j], preds=preds[:last + 1, j], prob=probs[:last + 1, j],
+                      correct=correct[:last + 1, j],
                       halt=halt, shown=last + 1, time=float(times[last]), batch=len(x), where=wheres[b0 + j],
                       label=f"puzzle {b0 + j + 1}", target=None if labels is None else labels[b0 + j])
             report(it, kind)
-            n_done, n_solved, n_steps_sum = n_done + 1, n_solved + bool(it['correct'][-1]), n_steps_sum + it['shown']
+            n_done, n_solved, n_steps_sum = \
+                n_done + 1, n_solved + bool(it['correct'][-1]), n_steps_sum + it['shown']
             if len(drawn) < png_puzzles:
                 drawn.append(it)
     t_all = time.perf_counter() - t_all
     if n_done > 1:
-        print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | {t_all:.2f} s "
-              f"for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
+        print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | "
+              f"{t_all:.2f} s for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
     if plt:
-        title = (f"{os.path.basename(init_from)}: {kind.name}, cells changed since the step before highlighted"
+        title = (f"{os.path.basename(init_from)}: {kind.name}, cells changed since the step before "
+                 "highlighted"
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
         try:
             draw_png(png, plt, kind, drawn, title)

@@ -1,6 +1,7 @@
 """
 Scaling studies: families of train.py runs that differ from the paper's recipe in one or two keys, run in
-sequence or N at once (resumable), costed before they run, and compared afterwards in one table and a few plots.
+sequence or N at once (resumable), costed before they run, and compared afterwards in one table and a few
+plots.
 
     python study.py                                            # the families and their experiments
     python study.py --pattern='rec_*' --dry_run=True           # each run's command, parameters, FLOPs, time
@@ -11,13 +12,13 @@ sequence or N at once (resumable), costed before they run, and compared afterwar
     torchrun users: --nproc=4;  TPU pods: PJRT_DEVICE=TPU python study.py ... --out_root=gs://BUCKET/study
 
 The experiments are files, one per run: config/study/<family>_<point>.py, plain Python that train.py runs
-by itself (`python train.py config/study/rec_L2.py`). Each names its base recipe in `_base` (config/baseline.py
-for Sudoku-Extreme, config/maze.py for Maze-Hard; configurator.py applies it first) and holds only what the run
-changes: its out_dir and W&B name, and the studied key(s), marked. Why files and not one file per family
-with an override syntax: a run is then one file a researcher can open, diff, run alone, copy to start a new
-point, and cite in a paper; a glob over file names selects a family (`size_*`, `size_d*`, `maze_rec_*`);
-and nothing new sits between the file and train.py: the runner passes only --key=value flags, the same
-configurator reads them. The family is the name up to its last '_' (so points carry no '_').
+by itself (`python train.py config/study/rec_L2.py`). Each names its base recipe in `_base`
+(config/baseline.py for Sudoku-Extreme, config/maze.py for Maze-Hard; configurator.py applies it first) and
+holds only what the run changes: its out_dir and W&B name, and the studied key(s), marked. Why files and not
+one file per family with an override syntax: a run is then one file a researcher can open, diff, run alone,
+copy to start a new point, and cite in a paper; a glob over file names selects a family (`size_*`, `size_d*`,
+`maze_rec_*`); and nothing new sits between the file and train.py: the runner passes only --key=value flags,
+the same configurator reads them. The family is the name up to its last '_' (so points carry no '_').
 
 Grid points equal to the base recipe (size_d512, size_L2, rec_L6, tn_T3n6, data_1000, aug_1000, abl_halt16;
 maze_size_d512, maze_size_L2, maze_rec_L4, maze_tn_T3n4) are one run: their files share out_dir
@@ -45,10 +46,11 @@ Scales (--scale), applied as --key=value flags after the file, so each twin is t
         Sudoku-Extreme K puzzles x A augmentations -> 4x4 Sudoku, K/5 puzzles x A/100 augmentations drawn
         from one seeded pool of 1,000 (same 200 held-out puzzles for every point), in data_root;
         Maze-Hard -> 200 generated 8x8 mazes (100 held out). hidden_size / 16, num_heads 2,
-        halt_max_steps / 4 (evaluated at twice that: eval_steps), puzzle_emb_ndim 0, epochs x 0.0008 (base: 40 epochs, 250 steps at batch 32),
-        eval_interval = epochs / 2, checkpoint_interval 50, log_interval 25, lr 2e-3 (warm-up 30 steps),
-        weight_decay 0.1, ema_rate 0.99, float32, device cpu, one thread (OMP_NUM_THREADS=1 unless set).
-        The rec_* + tn_* twin is 8 runs (tn_T3n4 shares rec_L4's run); README gives its measured time.
+        halt_max_steps / 4 (evaluated at twice that: eval_steps), puzzle_emb_ndim 0, epochs x 0.0008 (base: 40
+        epochs, 250 steps at batch 32), eval_interval = epochs / 2, checkpoint_interval 50, log_interval 25,
+        lr 2e-3 (warm-up 30 steps), weight_decay 0.1, ema_rate 0.99, float32, device cpu, one thread
+        (OMP_NUM_THREADS=1 unless set). The rec_* + tn_* twin is 8 runs (tn_T3n4 shares rec_L4's run); README
+        gives its measured time.
 --extra='--key=value ...' is added to every run after the scale's flags (e.g. --extra='--seed=1' with
 another --out_root for a second seed).
 
@@ -81,20 +83,21 @@ TPU_ACCELERATOR_TYPE (from the metadata), TPU_WORKER_ID=0, TPU_WORKER_HOSTNAMES=
 TPU_HOST_BOUNDS=1,1,1, TPU_CHIPS_PER_HOST_BOUNDS (the host's chips, from the metadata). Use out_root=gs://...
 so the report sees every host's results. The default, hosts_mode=all, runs each run over the whole pod.
 The dry run prints which host and slot runs what and the study's wall time under each mode.
-Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>, --seed=s).
-New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with square-root
-scaling lr = 1e-4 * sqrt(B / 768); puzzle_emb_lr and warm-up steps stay), abl_halt1/2 and abl_noemb. At the
-cpu scale lr and batch keep their ratio to the base's (2e-3 x lr / 1e-4, 32 x B / 768); halt_max_steps < 4
-is kept (abl_halt2 and abl_halt8 then both train 2 steps); the cpu base has no puzzle embedding, so
-abl_noemb's cpu twin turns it ON (width 32): the same contrast against the cpu base, reversed.
+Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>,
+--seed=s). New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with
+square-root scaling lr = 1e-4 * sqrt(B / 768); puzzle_emb_lr and warm-up steps stay), abl_halt1/2 and
+abl_noemb. At the cpu scale lr and batch keep their ratio to the base's (2e-3 x lr / 1e-4, 32 x B / 768);
+halt_max_steps < 4 is kept (abl_halt2 and abl_halt8 then both train 2 steps); the cpu base has no puzzle
+embedding, so abl_noemb's cpu twin turns it ON (width 32): the same contrast against the cpu base, reversed.
 
---report=True (and every run of a study, at its end) writes <report_dir>/report.md, report.csv and PNGs: held-out exact accuracy (95% Wilson
-interval; with --seeds: the mean, bars min-max) against parameters, training FLOPs, device-hours (results.json's
-wall time x devices), recursion (n = L_cycles; T x (n + 1) network calls per supervision step), lr and batch,
-training puzzles and augmentations, per ablation, and accuracy against supervision steps; and error_fits.png:
-error = 1 - exact fitted per family as a * X^-b + c against parameters, FLOPs and puzzles (report.md: the
-parameters, R^2, and why a fit is not meaningful: under 4 distinct points, a spread under 1 point, R^2 <= 0).
-report.csv has one row per run (seed column) and each experiment's exact_mean/std/min/max over its seeds.
+--report=True (and every run of a study, at its end) writes <report_dir>/report.md, report.csv and PNGs:
+held-out exact accuracy (95% Wilson interval; with --seeds: the mean, bars min-max) against parameters,
+training FLOPs, device-hours (results.json's wall time x devices), recursion (n = L_cycles; T x (n + 1)
+network calls per supervision step), lr and batch, training puzzles and augmentations, per ablation, and
+accuracy against supervision steps; and error_fits.png: error = 1 - exact fitted per family as a * X^-b + c
+against parameters, FLOPs and puzzles (report.md: the parameters, R^2, and why a fit is not meaningful: under
+4 distinct points, a spread under 1 point, R^2 <= 0). report.csv has one row per run (seed column) and each
+experiment's exact_mean/std/min/max over its seeds.
 """
 import csv
 import fnmatch
@@ -116,28 +119,29 @@ from safety import list_checkpoints, local_folder
 
 # -----------------------------------------------------------------------------
 # config
-pattern = ''                    # experiments: comma-separated globs over names ('rec_*', 'size_d*,tn_*', '*'); '': list the families
-scale = 'full'                  # 'full' (the files as they are) | 'gpu' (one GPU) | 'cpu' (smoke); see the docstring
-dry_run = False                 # print each selected run's command, parameters, FLOPs and time estimate; run nothing
+pattern = ''                    # experiments: name globs ('rec_*', 'size_d*,tn_*', '*'); '': list families
+scale = 'full'                  # 'full' (files as they are) | 'gpu' (one GPU) | 'cpu' (smoke); see docstring
+dry_run = False                 # print each run's command, parameters, FLOPs and time estimate; run nothing
 list_only = False               # print each selected experiment's varied keys, out_dir and state; run nothing
-report = False                  # collect the selected runs' results into report.md, report.csv and PNGs; run nothing
-nproc = 1                       # processes per run: >1 runs torchrun --standalone --nproc_per_node=nproc (TPU: keep 1)
+report = False                  # collect selected runs' results into report.md, report.csv, PNGs; run nothing
+nproc = 1                       # processes per run: >1: torchrun --standalone --nproc_per_node=nproc (TPU: 1)
 out_root = ''                   # runs go to out_root/<name of the file's out_dir> ('': out/study, out/study-gpu, out/study-cpu by scale; gs:// allowed)
 data_root = 'data/study-cpu'    # where the cpu scale's generated datasets go
 config_dir = 'config/study'     # the experiment files
-extra = ''                      # more train.py flags for every run, after the scale's (e.g. '--seed=1 --wandb_log=True')
+extra = ''                      # extra train.py flags, after the scale's (e.g. '--seed=1 --wandb_log=True')
 examples_per_s = 0.0            # bench.py's training examples/s for config/baseline.py at this scale (0: none, no time estimate)
-bench_file = ''                 # or a file with bench.py's output: its last 'bench:' line gives the measured FLOP rate
-build_data = True               # build missing datasets before the runs (False: a run without its dataset fails)
+bench_file = ''                 # or a file of bench.py's output: its last 'bench:' line gives the FLOP rate
+build_data = True               # build missing datasets first (False: a run without its dataset fails)
 report_dir = ''                 # where --report writes ('': the local folder of out_root)
-slots = 1                       # runs at once on this host, each on its own GPUs, TPU chip or CPU cores (docstring)
-hosts_mode = 'all'              # 'all': each run over every host of a TPU pod, in turn | 'share': each host its share
-host_index = -1                 # this host for hosts_mode='share' (-1: TPU_WORKER_ID, CLOUD_TPU_TASK_ID, TPU metadata, 0)
-num_hosts = 0                   # hosts for hosts_mode='share' (0: TPU_WORKER_HOSTNAMES, the TPU metadata, else 1)
+slots = 1                       # runs at once here, each on its own GPUs, TPU chip or CPU cores (docstring)
+hosts_mode = 'all'              # 'all': each run on all pod hosts, in turn | 'share': each host its share
+host_index = -1                 # this host, 'share' (-1: TPU_WORKER_ID, CLOUD_TPU_TASK_ID, TPU metadata, 0)
+num_hosts = 0                   # hosts for 'share' (0: TPU_WORKER_HOSTNAMES, the TPU metadata, else 1)
 seeds = 1                       # runs per experiment: seeds 0 .. seeds-1 (seed s > 0 in <out_dir>-s<s>)
 status_every = 60.0             # with slots > 1: seconds between status lines (one line per running run)
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
@@ -146,8 +150,10 @@ TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'tr
 SCALE_ROOTS = dict(full='out/study', gpu='out/study-gpu', cpu='out/study-cpu')
 GPU_FRACTION = 0.1              # of epochs, eval_interval and lr_warmup_steps at the gpu scale
 CPU_FRACTION = 0.0008           # of epochs at the cpu scale (50,000 -> 40)
-CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xla_cache_dir='', global_batch_size=32,
-                 lr=2e-3, lr_warmup_steps=30, weight_decay=0.1, puzzle_emb_ndim=0, ema_rate=0.99, eval_subset=0,
+CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xla_cache_dir='',
+                 global_batch_size=32,
+                 lr=2e-3, lr_warmup_steps=30, weight_decay=0.1, puzzle_emb_ndim=0, ema_rate=0.99,
+                 eval_subset=0,
                  log_interval=25, checkpoint_interval=50, num_heads=2)
 CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
 CPU_MAZE = dict(size=8, train=200, num_test=100)
@@ -155,7 +161,8 @@ CPU_MAZE = dict(size=8, train=200, num_test=100)
 # (shapes from the folder's name: data.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
 MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
-NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is trained
+NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is
+                                                         # trained
 STOP = dict(requested=False, children=set())
 
 if scale not in SCALE_ROOTS:
@@ -169,7 +176,8 @@ if slots < 1 or seeds < 1:
 if hosts_mode not in ('all', 'share'):
     raise SystemExit(f"config error: hosts_mode={hosts_mode!r} (allowed: 'all' | 'share')")
 if os.environ.get('PJRT_DEVICE') and nproc > 1:
-    raise SystemExit("config error: with PJRT_DEVICE set train.py starts one process per chip itself: use --nproc=1")
+    raise SystemExit("config error: with PJRT_DEVICE set train.py starts one process per chip itself: use "
+                     "--nproc=1")
 ROOT = (out_root or SCALE_ROOTS[scale]).rstrip('/')
 
 
@@ -197,7 +205,8 @@ def read_meta(path):
 
 
 def effective(path):
-    """(train.py's config for this file, as configurator.py applies it: defaults, _base chain, the file; its '_' names)."""
+    """(train.py's config for this file, as configurator.py applies it: defaults, _base chain, the file; its
+    '_' names)."""
     cfg = dict(TRAIN_DEFAULTS)
     for p, keys in config_files(path):
         unknown = [k for k in keys if k not in TRAIN_DEFAULTS]
@@ -223,7 +232,8 @@ def dataset_for(cfg, meta, read_built=True):
         K, A = int(m[1]) * (1000 if m[2] else 1), int(m[3])
         d.update(kind='sudoku', puzzles=K, aug=A, groups=K, **SUDOKU_EXTREME)
         if d['build'] is None:
-            d['build'] = ['prepare_sudoku.py', '--output_dir', path, '--subsample_size', str(K), '--num_aug', str(A)]
+            d['build'] = ['prepare_sudoku.py', '--output_dir', path, '--subsample_size', str(K), '--num_aug',
+                          str(A)]
         if scale == 'cpu':
             c = CPU_SUDOKU
             k, a = max(1, K // c['puzzles_div']), A // c['aug_div']
@@ -239,7 +249,8 @@ def dataset_for(cfg, meta, read_built=True):
         if scale == 'cpu':
             c = CPU_MAZE
             p = f"{data_root}/maze{c['size']}"
-            d.update(path=p, puzzles=c['train'], groups=c['train'], seq_len=c['size'] ** 2, test=c['num_test'],
+            d.update(path=p, puzzles=c['train'], groups=c['train'], seq_len=c['size'] ** 2,
+                     test=c['num_test'],
                      build=['prepare_maze.py', '--generate', str(c['train']), '--size', str(c['size']),
                             '--num_test', str(c['num_test']), '--output_dir', p])
     metas = [os.path.join(d['path'], s, 'dataset.json') for s in ('train', 'test')]
@@ -251,7 +262,8 @@ def dataset_for(cfg, meta, read_built=True):
             te = json.load(f)
         d.update(groups=tr['total_groups'], mean=tr['mean_puzzle_examples'], vocab_size=tr['vocab_size'],
                  seq_len=tr['seq_len'], num_puzzle_identifiers=tr['num_puzzle_identifiers'],
-                 test=int(te['total_puzzles'] * te['mean_puzzle_examples']), kind=d['kind'] or tr.get('puzzle_type'))
+                 test=int(te['total_puzzles'] * te['mean_puzzle_examples']),
+                 kind=d['kind'] or tr.get('puzzle_type'))
         if d['puzzles'] is None:
             d.update(puzzles=tr['total_groups'], aug=round(tr['total_puzzles'] / tr['total_groups']) - 1)
     return d
@@ -265,7 +277,8 @@ def build_display(cmd):
 # experiments
 
 class Experiment:
-    """One config file at this scale: its family, varied keys, out_dir, dataset, train.py flags and command."""
+    """One config file at this scale: its family, varied keys, out_dir, dataset, train.py flags and
+    command."""
 
     def __init__(self, path, name=None, seed=0):
         self.path, self.name, self.seed = path, name or os.path.basename(path)[:-3], seed
@@ -281,7 +294,8 @@ class Experiment:
         self.twin_note = ''  # what the cpu twin trains where it differs in kind from the file
         self.flags = self.scale_flags()
         self.flags['out_dir'] = self.out_dir
-        if seed:  # seed 0 is the file's own (train.py's default): its folder and flags stay as without --seeds
+        if seed:  # seed 0 is the file's own (train.py's default): its folder and flags stay as without
+                  # --seeds
             self.flags['seed'] = seed
             if self.cfg['wandb_run_name']:
                 self.flags['wandb_run_name'] = f"{self.cfg['wandb_run_name']}-s{seed}"
@@ -293,9 +307,9 @@ class Experiment:
         self.cmd = launcher + [path] + [f"--{k}={fmt_value(v)}" for k, v in self.flags.items()] + \
             shlex.split(extra) + ['--init_from=resume']
         shown = (['torchrun'] + self.cmd[2:]) if nproc > 1 else (['python'] + self.cmd)
-        # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside other
-        # jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2 threads, 77-150
-        # with 1). A value set by the user is kept.
+        # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside
+        # other jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2
+        # threads, 77-150 with 1). A value set by the user is kept.
         self.env = {'OMP_NUM_THREADS': '1'} if scale == 'cpu' and 'OMP_NUM_THREADS' not in os.environ else {}
         self.display = ' '.join([f"{k}={v}" for k, v in self.env.items()] + [shlex.quote(x) for x in shown])
         self.same_as = None  # the experiment whose run (out_dir) this one shares
@@ -317,15 +331,16 @@ class Experiment:
             o['global_batch_size'] = max(1, round(CPU_FIXED['global_batch_size'] * c['global_batch_size']
                                                   / b['global_batch_size']))
             o['hidden_size'] = max(8, c['hidden_size'] // 16)
-            # halt_max_steps / 4 (16 -> 4); below 4 kept (abl_halt1, abl_halt2), so abl_halt2 and abl_halt8 both
-            # train 2 steps at this scale
+            # halt_max_steps / 4 (16 -> 4); below 4 kept (abl_halt1, abl_halt2), so abl_halt2 and abl_halt8
+            # both train 2 steps at this scale
             o['halt_max_steps'] = c['halt_max_steps'] if c['halt_max_steps'] < 4 else c['halt_max_steps'] // 4
             if not c['puzzle_emb_ndim'] and b['puzzle_emb_ndim']:
-                # every cpu twin runs without the embedding, the base too: so the twin of a file that turns it off
-                # turns it on (at the width / 16), and the pair (cpu base, twin) shows the same contrast reversed
+                # every cpu twin runs without the embedding, the base too: so the twin of a file that turns it
+                # off turns it on (at the width / 16), and the pair (cpu base, twin) shows the same contrast
+                # reversed
                 o['puzzle_emb_ndim'] = max(8, b['puzzle_emb_ndim'] // 16)
-                self.twin_note = (f"cpu twin: puzzle_emb_ndim={o['puzzle_emb_ndim']}, the embedding ON against the "
-                                  f"cpu base's 0")
+                self.twin_note = (f"cpu twin: puzzle_emb_ndim={o['puzzle_emb_ndim']}, the embedding ON "
+                                  "against the cpu base's 0")
             o['eval_steps'] = 2 * o['halt_max_steps']  # test-time scaling: twice the trained steps
             o['epochs'] = max(1, round(c['epochs'] * CPU_FRACTION))
             o['eval_interval'] = max(1, o['epochs'] // 2)
@@ -352,10 +367,12 @@ def load_experiments(patterns):
     names = [f[:-3] for f in files]
     if not patterns:
         return names, []
-    chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))  # patterns' order
+    chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))  # patterns'
+                                                                                                   # order
     if not chosen:
         fams = sorted({n.rsplit('_', 1)[0] for n in names}, key=natural_key)
-        raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: {', '.join(f + '_*' for f in fams)}")
+        raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: "
+                         f"{', '.join(f + '_*' for f in fams)}")
     exps = [Experiment(os.path.join(config_dir, n + '.py'), seed=s) for n in chosen for s in range(seeds)]
     for e in exps:
         e.family_keys = list(dict.fromkeys(k for x in exps if x.family == e.family for k in x.varied))
@@ -364,7 +381,8 @@ def load_experiments(patterns):
         first = by_dir.setdefault(e.out_dir, e)
         if first is not e:
             if first.run_cfg | {'wandb_run_name': 0} != e.run_cfg | {'wandb_run_name': 0}:
-                raise SystemExit(f"config error: {first.path} and {e.path} share out_dir {e.out_dir} but differ in "
+                raise SystemExit(f"config error: {first.path} and {e.path} share out_dir {e.out_dir} but "
+                                 "differ in "
                                  f"{sorted(k for k in e.run_cfg if e.run_cfg[k] != first.run_cfg[k])}")
             e.same_as = first.run
     return names, exps
@@ -423,7 +441,8 @@ def model_cost(run_cfg, data):
     from model import TRM, TRMConfig
     kw = {f: run_cfg[f] for f in TRMConfig.__dataclass_fields__ if f in run_cfg}
     kw.update(vocab_size=data['vocab_size'], seq_len=data['seq_len'],
-              num_puzzle_identifiers=data['num_puzzle_identifiers'], forward_dtype='float32', loss_dtype='float32')
+              num_puzzle_identifiers=data['num_puzzle_identifiers'], forward_dtype='float32',
+              loss_dtype='float32')
     key = json.dumps(kw, sort_keys=True)
     if key not in _models:
         with torch.device('meta'):
@@ -449,7 +468,8 @@ def cost(e, data=None):
     middle = len(evaluation_steps(steps, every)) - 1  # and the final one
     sub = min(c['eval_subset'] or d['test'], d['test'])
     eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
-    return dict(params=params, fpe=fpe, steps=steps, batch=B, train_flops=fpe * steps * B, eval_flops=eval_flops,
+    return dict(params=params, fpe=fpe, steps=steps, batch=B, train_flops=fpe * steps * B,
+                eval_flops=eval_flops,
                 evals=middle + 1)
 
 
@@ -458,7 +478,8 @@ def flop_rate():
     if bench_file:
         lines = [l for l in open(bench_file).read().splitlines() if l.startswith('bench:')]
         if not lines:
-            raise SystemExit(f"config error: bench_file={bench_file!r} has no 'bench:' line (bench.py's last line)")
+            raise SystemExit(f"config error: bench_file={bench_file!r} has no 'bench:' line (bench.py's last "
+                             "line)")
         kv = dict(t.split('=', 1) for t in lines[-1].split()[1:] if '=' in t)
         rate = float(kv['examples_per_s']) * float(kv['flops_per_example'])
         return rate, (f"{bench_file}: {float(kv['examples_per_s']):.1f} examples/s x "
@@ -471,8 +492,8 @@ def flop_rate():
         rate = examples_per_s * rc['fpe']
         return rate, (f"--examples_per_s={examples_per_s:g} for config/baseline.py at scale {scale} "
                       f"({rc['fpe'] / 1e9:.3g} GFLOPs per example-step) = {rate / 1e12:.3g} TFLOP/s")
-    return None, ("no speed figure given, so no time estimate: run `python bench.py config/baseline.py` with this "
-                  "scale's flags on the target device and pass --examples_per_s=<its examples/s> (or "
+    return None, ("no speed figure given, so no time estimate: run `python bench.py config/baseline.py` with "
+                  "this scale's flags on the target device and pass --examples_per_s=<its examples/s> (or "
                   "--bench_file=<a file with its output>)")
 
 
@@ -511,7 +532,8 @@ def host_devices(exps):
                 gpus = []
         if gpus:
             return 'cuda', gpus
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else list(range(os.cpu_count() or 1))
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
+        else list(range(os.cpu_count() or 1))
     return 'cpu', [str(c) for c in cores]
 
 
@@ -530,7 +552,8 @@ def this_host():
         count = tpu.num_tpu_workers() if count < 1 else count
     index, count = max(index, 0), max(count, 1)
     if index >= count:
-        raise SystemExit(f"config error: host_index={index} with num_hosts={count} (allowed: 0 .. {count - 1})")
+        raise SystemExit(f"config error: host_index={index} with num_hosts={count} (allowed: 0 .. "
+                         f"{count - 1})")
     return index, count
 
 
@@ -552,11 +575,12 @@ def slot_plans(kind, ids, n, hosts):
                             TPU_PROCESS_ADDRESSES=f'localhost:{port}', CLOUD_TPU_TASK_ID='0')
             p['label'] = f'TPU chip {i}'
         if n == 1 and hosts > 1:
-            plans[0]['env'], plans[0]['label'] = tpu_host_alone_env(), f'all {len(ids)} TPU chips of this host'
+            plans[0]['env'], plans[0]['label'] = \
+                tpu_host_alone_env(), f'all {len(ids)} TPU chips of this host'
     elif kind == 'cuda' and n > 1:
         if n * nproc > len(ids):
-            raise SystemExit(f"config error: slots={n} x nproc={nproc} GPUs, this host has {len(ids)} (allowed: "
-                             f"slots x nproc <= {len(ids)})")
+            raise SystemExit(f"config error: slots={n} x nproc={nproc} GPUs, this host has {len(ids)} "
+                             f"(allowed: slots x nproc <= {len(ids)})")
         for i, p in enumerate(plans):
             gpus = ids[i * nproc:(i + 1) * nproc]
             p['env'], p['label'] = dict(CUDA_VISIBLE_DEVICES=','.join(gpus)), f"GPU {','.join(gpus)}"
@@ -666,7 +690,8 @@ def print_dry_run(exps):
         print(head)
         print(f"  {e.display}")
         d = e.data
-        built = 'built' if d['exists'] else ('missing; built first by: ' + build_display(d['build']) if d['build']
+        built = 'built' if d['exists'] else ('missing; built first by: ' + build_display(d['build'])
+                                             if d['build']
                                              else 'MISSING, and no rule builds it')
         print(f"  data {d['path']}: {built}")
         c = cost(e)
@@ -678,9 +703,9 @@ def print_dry_run(exps):
             continue
         flops[e.run] = c['train_flops'] + c['eval_flops']
         t = flops[e.run] / rate / nproc if rate else None
-        print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} steps "
-              f"x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training {c['train_flops']:.3g} FLOPs"
-              f" | {c['evals']} evaluation(s) {c['eval_flops']:.3g} FLOPs"
+        print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} "
+              f"steps x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training "
+              f"{c['train_flops']:.3g} FLOPs | {c['evals']} evaluation(s) {c['eval_flops']:.3g} FLOPs"
               + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '') if t else ''))
         print()
         total['train'] += c['train_flops']
@@ -688,7 +713,8 @@ def print_dry_run(exps):
         total['time'] += t or 0
         total['runs'] += 1
     print(f"total: {total['runs']} costed run(s), training {total['train']:.3g} FLOPs, evaluation "
-          f"{total['eval']:.3g} FLOPs" + (f", about {duration(total['time'])}" if rate else " (no time estimate)"))
+          f"{total['eval']:.3g} FLOPs"
+          + (f", about {duration(total['time'])}" if rate else " (no time estimate)"))
     print_plan([e for e in exps if not e.same_as], flops, rate)
 
 
@@ -717,19 +743,20 @@ def print_plan(runs, flops, rate):
     for h in range(hosts if share else 1):
         mine, placed, _ = on_host(shown, h)
         for e, (s, start) in zip(mine, placed):
-            when = f"  starts about {duration(start)}, ends about {duration(start + secs(e, per_slot))}" if rate else ''
+            when = f"  starts about {duration(start)}, ends about {duration(start + secs(e, per_slot))}" \
+                if rate else ''
             label = f" ({plans[s]['label']})" if plans[s]['label'] else ''
             print(f"  host {h} slot {s}{label}: {e.run}{when}")
     if not rate:
         print("wall time: no estimate without a speed figure (--examples_per_s or --bench_file)")
         return
     pod = per_host * hosts if kind == 'tpu' else nproc
-    print(f"wall time of the study (estimates; a run on d devices: its FLOPs / (d x {rate / 1e12:.3g} TFLOP/s)):\n"
-          f"  sequential, each run on {pod} device(s) (hosts_mode=all, slots=1): "
+    print(f"wall time of the study (estimates; a run on d devices: its FLOPs / (d x {rate / 1e12:.3g} "
+          f"TFLOP/s)):\n  sequential, each run on {pod} device(s) (hosts_mode=all, slots=1): "
           f"{duration(sum(secs(e, pod) for e in runs))}\n"
-          f"  slots={slots} on one host, {per_slot} device(s) a run: {duration(on_host([0] * len(runs), 0)[2])}\n"
-          f"  hosts_mode=share, {hosts} host(s) x {slots} slot(s): "
-          f"{duration(max(on_host(by_share, h)[2] for h in range(hosts)))}")
+          f"  slots={slots} on one host, {per_slot} device(s) a run: "
+          f"{duration(on_host([0] * len(runs), 0)[2])}\n  hosts_mode=share, {hosts} host(s) x {slots} "
+          f"slot(s): {duration(max(on_host(by_share, h)[2] for h in range(hosts)))}")
 
 
 # -----------------------------------------------------------------------------
@@ -738,11 +765,13 @@ def print_plan(runs, flops, rate):
 def on_signal(signum, frame):
     STOP['requested'] = True
     children = [p for p in STOP['children'] if p.poll() is None]
-    print(f"\nstudy: got signal {signum}; " + (f"asking the {len(children)} running process(es) to save and stop"
+    print(f"\nstudy: got signal {signum}; "
+          + (f"asking the {len(children)} running process(es) to save and stop"
                                                if children else "stopping"), flush=True)
     for p in children:
         try:
-            p.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second one stops it at once
+            p.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second one stops it at
+                                           # once
         except ProcessLookupError:
             pass
 
@@ -790,7 +819,8 @@ def run_process(cmd, log_path, env_extra=None):
     with open(log_path, 'ab') as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {build_display(cmd)}\n".encode())
         p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=child_env(env_extra), start_new_session=True, preexec_fn=lambda: _child_setup(parent))
+                             env=child_env(env_extra), start_new_session=True,
+                             preexec_fn=lambda: _child_setup(parent))
         STOP['children'].add(p)
         try:
             for line in iter(p.stdout.readline, b''):
@@ -858,9 +888,11 @@ def run_study(exps):
     runs = [e for e in exps if not e.same_as]
     mine, index, hosts, host_of = my_runs(runs)
     if os.environ.get('PJRT_DEVICE') == 'TPU' and not gcs.is_gcs(ROOT) and hosts_mode == 'all':
-        print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use --out_root=gs://BUCKET/...")
+        print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use "
+              "--out_root=gs://BUCKET/...")
     if hosts_mode == 'share' and hosts > 1 and not gcs.is_gcs(ROOT):
-        print(f"warning: out_root {ROOT} is local: each host's results stay on it (--out_root=gs://... shows all)")
+        print(f"warning: out_root {ROOT} is local: each host's results stay on it (--out_root=gs://... shows "
+              "all)")
     kind, ids = host_devices(mine)
     plans = slot_plans(kind, ids, slots, hosts if hosts_mode == 'share' else 1)
     status, t_study = {}, time.time()
@@ -874,12 +906,13 @@ def run_study(exps):
         else:
             todo.append(e)
     where = f"host {index} of {hosts}: {len(mine)} of the " if hosts_mode == 'share' else ''
-    print(f"study: scale {scale}, {len(exps)} experiment(s), {where}{len(runs)} run(s): {len(mine) - len(todo)} "
-          f"finished before, {len(todo)} to run, in {ROOT}" + (f"; {slots} at once on {kind} "
-                                                               f"({', '.join(p['label'] for p in plans)})"
-                                                               if slots > 1 else ''))
+    print(f"study: scale {scale}, {len(exps)} experiment(s), {where}{len(runs)} run(s): "
+          f"{len(mine) - len(todo)} finished before, {len(todo)} to run, in {ROOT}"
+          + (f"; {slots} at once on {kind} "
+             f"({', '.join(p['label'] for p in plans)})" if slots > 1 else ''))
     failed_data = build_datasets(todo)
-    todo = order_runs(todo, [(lambda c: c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None)(
+    todo = order_runs(todo,
+                      [(lambda c: c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None)(
         cost(e)) for e in todo])
     run_slots(todo, plans, status, failed_data)
     print(f"\nstudy: summary ({duration(time.time() - t_study)}):")
@@ -888,9 +921,11 @@ def run_study(exps):
         if e.same_as:
             s, why = s, f"same run as {e.same_as}"
         print(f"  {e.run:<16} {s:<18} {why or ''}")
-    bad = [n for n, (s, _) in status.items() if s not in ('done', 'done before') and not s.startswith('on host')]
+    bad = [n for n, (s, _) in status.items() if s not in ('done',
+                                                          'done before') and not s.startswith('on host')]
     if STOP['requested']:
-        print("study: stopped; rerun the same command to continue (finished runs are skipped, started ones resume)")
+        print("study: stopped; rerun the same command to continue (finished runs are skipped, started ones "
+              "resume)")
     elif bad:
         print(f"study: {len(bad)} run(s) did not finish: {', '.join(bad)}")
     return 1 if bad or STOP['requested'] else 0
@@ -928,8 +963,8 @@ def run_slots(todo, plans, status, failed_data):
     echo, last_status = len(plans) == 1, time.time()
     while queue or running:
         while queue and free and not STOP['requested']:
-            # a missing dataset does not skip the run: train.py then fails at start-up on every rank together, so
-            # on a pod every host goes through the same sequence even if only one host's build failed
+            # a missing dataset does not skip the run: train.py then fails at start-up on every rank together,
+            # so on a pod every host goes through the same sequence even if only one host's build failed
             e, slot = queue.pop(0), free.pop(0)
             steps = checkpoint_steps(e)
             on = f" on slot {slot} ({plans[slot]['label']})" if not echo else ''
@@ -951,10 +986,12 @@ def run_slots(todo, plans, status, failed_data):
                 finished(r, status, failed_data)
         if not echo and running and time.time() - last_status >= status_every:
             last_status = time.time()
-            print(f"study: {time.strftime('%H:%M:%S')}, {len(running)} running, {len(queue)} waiting:", flush=True)
+            print(f"study: {time.strftime('%H:%M:%S')}, {len(running)} running, {len(queue)} waiting:",
+                  flush=True)
             for r in sorted(running, key=lambda r: r.slot):
                 print(f"  {r.e.run:<16} slot {r.slot} {duration(time.time() - r.t0):>8}  "
-                      f"{(r.progress or 'starting')[:90]}" + (f" | last {r.last_eval[:40]}" if r.last_eval else ''),
+                      f"{(r.progress or 'starting')[:90]}"
+                      + (f" | last {r.last_eval[:40]}" if r.last_eval else ''),
                       flush=True)
         time.sleep(0.05 if echo else 0.2)
 
@@ -970,9 +1007,11 @@ def finished(r, status, failed_data):
         status[e.run] = ('stopped', f"checkpoint saved; rerun to continue ({duration(took)})")
     else:
         why = next((l for l in reversed(tail) if 'error' in l.lower()), tail[-1] if tail else '')
-        why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data else f"exit code {rc}: {why[:300]} "
+        why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data \
+            else f"exit code {rc}: {why[:300]} "
         status[e.run] = ('FAILED', f"{why}(log: {os.path.join(e.local, 'train.log')})")
-    print(f"study: {e.run}: {status[e.run][0]}" + (f" {status[e.run][1]}" if status[e.run][1] else ''), flush=True)
+    print(f"study: {e.run}: {status[e.run][0]}" + (f" {status[e.run][1]}" if status[e.run][1] else ''),
+          flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -1003,7 +1042,8 @@ def timed_minutes(metrics_path, batch):
 def collect(exps):
     rows = []
     for e in exps:
-        r = dict(name=e.name, run=e.run, seed=e.seed, family=e.family, point=e.point(), varied=e.varied_text(),
+        r = dict(name=e.name, run=e.run, seed=e.seed, family=e.family, point=e.point(),
+                 varied=e.varied_text(),
                  out_dir=e.out_dir, lr=e.run_cfg['lr'], global_batch_size=e.run_cfg['global_batch_size'],
                  H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
                  hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
@@ -1016,7 +1056,8 @@ def collect(exps):
             cfg = res.get('config', {})
             r.update(status='done', params=res['parameters'], train_flops=res['train_flops'],
                      flops_per_example_step=res['flops_per_example_step'], steps=res.get('step'),
-                     examples=res.get('examples_seen'), exact=fe['exact_accuracy'], exact_ci_low=fe['exact_ci_low'],
+                     examples=res.get('examples_seen'), exact=fe['exact_accuracy'],
+                     exact_ci_low=fe['exact_ci_low'],
                      exact_ci_high=fe['exact_ci_high'], verified=fe.get('verified_accuracy'),
                      token=fe['token_accuracy'], q_halt=fe['q_halt_accuracy'], test_count=fe.get('count'),
                      best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
@@ -1026,7 +1067,9 @@ def collect(exps):
             r.update(device_hours=res.get('device_hours'), world_size=res.get('world_size'),
                      **{f'wall_s_{k}': wall.get(k) for k in ('total', 'startup', 'train', 'eval')})
             m = fetch(e, 'metrics.jsonl')
-            r['minutes'] = timed_minutes(m, cfg.get('global_batch_size', e.run_cfg['global_batch_size'])) if m else None
+            r['minutes'] = timed_minutes(m,
+                                         cfg.get('global_batch_size',
+                                                 e.run_cfg['global_batch_size'])) if m else None
         else:
             steps = checkpoint_steps(e)
             if steps:
@@ -1084,34 +1127,41 @@ def write_tables(rows, folder):
     os.makedirs(folder, exist_ok=True)
     md = [f"# Study report: scale {scale}, {ROOT}\n"]
     if seeds == 1:
-        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)', 'verified %',
+        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)',
+                'verified %',
                 'token %', 'best exact % (step)', 'minutes', 'device-h', 'status']
-        md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test puzzle. "
-               "minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: the run's "
-               "wall time (start-up, training, evaluations) x its devices, from results.json.\n",
+        md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test "
+               "puzzle. minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: "
+               "the run's wall time (start-up, training, evaluations) x its devices, from results.json.\n",
                '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
         for r in rows:
             done = r['status'] == 'done'
             md.append('| ' + ' | '.join([
                 r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
-                f"{r['train_flops']:.3g}" if r.get('train_flops') else '', f"{r['steps']:,}" if r.get('steps') else '',
+                f"{r['train_flops']:.3g}" if r.get('train_flops') else '',
+                f"{r['steps']:,}" if r.get('steps') else '',
                 f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
                 pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
-                f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None else '',
+                f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None
+                else '',
                 f"{r['minutes']:.1f}" if r.get('minutes') is not None else '',
                 f"{r['device_hours']:.3g}" if r.get('device_hours') is not None else '', r['status']]) + ' |')
     else:
-        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact %: mean ± std (min-max)',
-                'seeds done', 'exact % per seed (0, 1, ...)', 'device-h (mean)', 'status']
-        md += [f"Held-out exact accuracy after the final evaluation, over {seeds} seeds per experiment (seed s > 0 "
-               f"in <out_dir>-s<s>): mean, sample standard deviation and min-max of the finished seeds. "
-               f"report.csv has one row per seed run.\n", '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+        head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps',
+                'exact %: mean ± std (min-max)', 'seeds done', 'exact % per seed (0, 1, ...)',
+                'device-h (mean)', 'status']
+        md += [f"Held-out exact accuracy after the final evaluation, over {seeds} seeds per experiment (seed "
+               "s > 0 in <out_dir>-s<s>): mean, sample standard deviation and min-max of the finished seeds. "
+               f"report.csv has one row per seed run.\n", '| ' + ' | '.join(head) + ' |',
+               '|' + '---|' * len(head)]
         for p in points(rows):
             done = bool(p.get('seeds_done'))
             md.append('| ' + ' | '.join([
                 p['name'], p['family'], p['varied'], f"{p['params']:,}" if p.get('params') else '',
-                f"{p['train_flops']:.3g}" if p.get('train_flops') else '', f"{p['steps']:,}" if p.get('steps') else '',
-                f"{pct(p['exact'])} ± {pct(p['exact_std'])} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})" if done else '',
+                f"{p['train_flops']:.3g}" if p.get('train_flops') else '',
+                f"{p['steps']:,}" if p.get('steps') else '',
+                f"{pct(p['exact'])} ± {pct(p['exact_std'])} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})" if done
+                else '',
                 f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) for v in p['per_seed']),
                 f"{p['device_hours']:.3g}" if p.get('device_hours') is not None else '', p['status']]) + ' |')
     md += fits_section(rows)
@@ -1123,11 +1173,14 @@ def write_tables(rows, folder):
 
 def write_csv(rows, folder):
     """report.csv: one row per run (one per seed), its experiment's statistics over seeds repeated on each."""
-    cols = ['name', 'seed', 'run', 'family', 'point', 'varied', 'status', 'out_dir', 'params', 'flops_per_example_step',
+    cols = ['name', 'seed', 'run', 'family', 'point', 'varied', 'status', 'out_dir', 'params',
+            'flops_per_example_step',
             'train_flops', 'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token',
-            'q_halt', 'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers', 'H_cycles',
+            'q_halt', 'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers',
+            'H_cycles',
             'L_cycles', 'puzzles', 'aug', 'lr', 'global_batch_size', 'device', 'world_size', 'wall_s_total',
-            'wall_s_startup', 'wall_s_train', 'wall_s_eval', 'device_hours', 'exact_mean', 'exact_std', 'exact_min',
+            'wall_s_startup', 'wall_s_train', 'wall_s_eval', 'device_hours', 'exact_mean', 'exact_std',
+            'exact_min',
             'exact_max', 'seeds_done']
     stats = seed_stats(rows)
     with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
@@ -1208,14 +1261,15 @@ def fits_section(rows):
         return []
     lines = ["\n## Fits: error = a · X^-b + c\n",
              "Error = 1 - held-out exact accuracy" + (f" (mean of {seeds} seeds)" if seeds > 1 else '')
-             + ", per family against its parameters, training FLOPs and training puzzles (where the family has "
-               "two or more distinct values). Least squares with b > 0 and 0 <= c < the smallest error; a fit is "
-               "meaningful with 4 or more distinct points, an error spread of 1 percentage point or more, and "
-               "R² > 0.\n", "| family | X | points | fit | R² | meaningful |", "|---|---|---|---|---|---|"]
+             + ", per family against its parameters, training FLOPs and training puzzles (where the family "
+               "has two or more distinct values). Least squares with b > 0 and 0 <= c < the smallest error; "
+               "a fit is meaningful with 4 or more distinct points, an error spread of 1 percentage point or "
+               "more, and R² > 0.\n", "| family | X | points | fit | R² | meaningful |",
+             "|---|---|---|---|---|---|"]
     for f, key, label, xs, errs, fit in fits:
         r2 = '' if fit['r2'] is None else f"{fit['r2']:.3f}"
-        lines.append(f"| {f}_* | {label} | {fit['n']} | {fit_text(fit) if fit['a'] is not None else ''} | {r2} | "
-                     f"{'yes' if fit['meaningful'] else 'no: ' + fit['why']} |")
+        lines.append(f"| {f}_* | {label} | {fit['n']} | {fit_text(fit) if fit['a'] is not None else ''} | "
+                     f"{r2} | {'yes' if fit['meaningful'] else 'no: ' + fit['why']} |")
     return lines
 
 
@@ -1226,7 +1280,8 @@ def plot(rows, folder):
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        print("report: matplotlib is not installed, so no plots (pip install matplotlib); the tables are written")
+        print("report: matplotlib is not installed, so no plots (pip install matplotlib); the tables are "
+              "written")
         return []
     done = [p for p in points(rows) if p['status'] == 'done' and p.get('exact') is not None]
     fams = list(dict.fromkeys(r['family'] for r in done))
@@ -1241,17 +1296,20 @@ def plot(rows, folder):
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         used = 0
         for f in fams:
-            pts = sorted((r for r in done if r['family'] == f and r.get(xkey) is not None), key=lambda r: r[xkey])
+            pts = sorted((r for r in done if r['family'] == f and r.get(xkey) is not None),
+                         key=lambda r: r[xkey])
             if fam_filter and not fam_filter(f) or len({r[xkey] for r in pts}) < 2:
                 continue
             xs = [r[xkey] for r in pts]
             ys = [100 * r['exact'] for r in pts]
-            err = [[100 * (r['exact'] - r['bar_lo']) for r in pts], [100 * (r['bar_hi'] - r['exact']) for r in pts]]
+            err = [[100 * (r['exact'] - r['bar_lo']) for r in pts],
+                   [100 * (r['bar_hi'] - r['exact']) for r in pts]]
             ax.errorbar(xs, ys, yerr=err, marker='o', capsize=3, color=colors[f], label=f"{f}_*")
             if annotate:
                 for r, x, y in zip(pts, xs, ys):
                     ax.annotate(r['point'], (x, y), textcoords='offset points', fontsize=7, color=colors[f],
-                                xytext=(4, 4 if used % 2 == 0 else -11))  # families sharing a point: one above, one below
+                                xytext=(4, 4 if used % 2 == 0 else -11))  # families sharing a point: one
+                                                                          # above, one below
             used += 1
         if logx:
             ax.set_xscale('log')
@@ -1287,8 +1345,10 @@ def plot(rows, folder):
     # two panels a figure: (x key, x label, families, log x, panel title)
     for name, panels in (
             ('acc_vs_recursion.png',
-             [('L_cycles', 'n = L_cycles (z-updates per round)', ('rec',), False, 'Recursion depth n at T = 3'),
-              ('calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)', ('rec', 'tn'),
+             [('L_cycles', 'n = L_cycles (z-updates per round)', ('rec',), False,
+               'Recursion depth n at T = 3'),
+              ('calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)',
+               ('rec', 'tn'),
                False, 'Recursion T x (n + 1)')]),
             ('acc_vs_optimizer.png',
              [('lr', 'learning rate (log scale)', ('lr',), True, 'Learning rate'),
@@ -1311,7 +1371,8 @@ def plot(rows, folder):
     if abl:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         ys = [100 * r['exact'] for r in abl]
-        err = [[100 * (r['exact'] - r['bar_lo']) for r in abl], [100 * (r['bar_hi'] - r['exact']) for r in abl]]
+        err = [[100 * (r['exact'] - r['bar_lo']) for r in abl],
+               [100 * (r['bar_hi'] - r['exact']) for r in abl]]
         ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
         ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
         ax.set_ylabel(ylabel)
@@ -1328,8 +1389,9 @@ def plot(rows, folder):
 
 
 def plot_fits(plt, done, title, colors):
-    """One panel per axis (parameters, training FLOPs, training puzzles): each family's error against it, log-log,
-    with its fit a * X^-b + c drawn where the fit is meaningful (report.md says why where it is not)."""
+    """One panel per axis (parameters, training FLOPs, training puzzles): each family's error against it,
+    log-log, with its fit a * X^-b + c drawn where the fit is meaningful (report.md says why where it is
+    not)."""
     import numpy as np
     fits = family_fits(done)
     axes_used = [a for a in FIT_AXES if any(f[1] == a[0] for f in fits)]
@@ -1349,7 +1411,8 @@ def plot_fits(plt, done, title, colors):
         ax.set_xscale('log')
         ax.set_yscale('log')
         ax.set_xlabel(f"{label} (log scale)")
-        ax.set_ylabel('error = 100% - exact accuracy (%, log scale)' + (f'\nmean of {seeds} seeds' if seeds > 1
+        ax.set_ylabel('error = 100% - exact accuracy (%, log scale)'
+                      + (f'\nmean of {seeds} seeds' if seeds > 1
                                                                          else ''))
         ax.set_title(f"Error vs {label}: a·X^-b + c ({title})", fontsize=10)
         ax.grid(alpha=0.3, which='both')

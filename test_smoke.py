@@ -17,8 +17,10 @@ import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STEPS = 200  # 25 epochs of 400 puzzles at batch 50; the final evaluation is at the last step
-TRAIN_ARGS = ['--device=cpu', '--epochs=25', '--eval_interval=25', '--log_interval=25', '--global_batch_size=50',
-              '--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0',
+TRAIN_ARGS = ['--device=cpu', '--epochs=25', '--eval_interval=25', '--log_interval=25',
+              '--global_batch_size=50',
+              '--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none',
+              '--puzzle_emb_ndim=0',
               '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=4', '--lr=2e-3', '--lr_warmup_steps=20',
               '--weight_decay=0.1', '--ema_rate=0.95', '--forward_dtype=float32', '--loss_dtype=float32',
               '--xla_cache_dir=', '--seed=0']
@@ -29,7 +31,8 @@ def run(args):
     env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
     for k in ('PJRT_DEVICE', 'STORAGE_EMULATOR_HOST'):
         env.pop(k, None)
-    p = subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, f"{args} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return p.stdout
 
@@ -120,6 +123,7 @@ def test_stopped_and_resumed_run_ends_where_an_uninterrupted_run_ends(sudoku, tr
     a = torch.load(os.path.join(out_dir, f'ckpt_{STEPS:08d}.pt'), weights_only=True)
     b = torch.load(f'{tmp_path}/split/ckpt_{STEPS:08d}.pt', weights_only=True)
     assert a['step'] == b['step'] == STEPS
-    for k in ('config', 'run_id', 'wandb_run_id', 'timing'):  # out_dir, init_from, max_steps; each run's own id
+    for k in ('config', 'run_id', 'wandb_run_id', 'timing'):  # out_dir, init_from, max_steps; each run's own
+                                                              # id
         a.pop(k, None), b.pop(k, None)                        # and wall clock
     same_state(a, b)  # weights, EMA, optimiser moments, data position, ACT carry, RNG, best
