@@ -1367,25 +1367,29 @@ def plot(rows, folder):
             save(fig, name)
         else:
             plt.close(fig)
-    abl = [r for r in done if r['family'].endswith('abl')]
-    if abl:
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        ys = [100 * r['exact'] for r in abl]
-        err = [[100 * (r['exact'] - r['bar_lo']) for r in abl],
-               [100 * (r['bar_hi'] - r['exact']) for r in abl]]
-        ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
-        ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
-        ax.set_ylabel(ylabel)
-        ax.set_ylim(0, 103)
-        ax.set_title(f"Ablations ({title})")
-        save(fig, 'acc_ablations.png')
-    fig = plot_supervision_steps(plt, done, title)
-    if fig:
-        save(fig, 'acc_vs_supervision_steps.png')
-    fig = plot_fits(plt, done, title, colors)
-    if fig:
-        save(fig, 'error_fits.png')
+    for name, fig in (('acc_ablations.png', plot_ablations(plt, done, title, colors, ylabel)),
+                      ('acc_vs_supervision_steps.png', plot_supervision_steps(plt, done, title)),
+                      ('error_fits.png', plot_fits(plt, done, title, colors))):
+        if fig:
+            save(fig, name)
     return written
+
+
+def plot_ablations(plt, done, title, colors, ylabel):
+    """One bar per ablation run, with its error bars."""
+    abl = [r for r in done if r['family'].endswith('abl')]
+    if not abl:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ys = [100 * r['exact'] for r in abl]
+    err = [[100 * (r['exact'] - r['bar_lo']) for r in abl],
+           [100 * (r['bar_hi'] - r['exact']) for r in abl]]
+    ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
+    ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 103)
+    ax.set_title(f"Ablations ({title})")
+    return fig
 
 
 def plot_fits(plt, done, title, colors):

@@ -20,15 +20,15 @@ out_dir = 'out/sudoku'          # checkpoints and results: a local folder, or gs
 local_dir = ''                  # local copy of a gs:// out_dir ('': out/<bucket>/<prefix>, one per out_dir)
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
-init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file to start from (ours or the reference's)
-overwrite = False               # a new run (scratch, or init_from=FILE) may replace the checkpoints in out_dir
+init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file to start from (ours or the reference)
+overwrite = False               # a new run (scratch or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)
-eval_subset = 0                 # intermediate evaluations on this many seeded test examples (0: all; the final: all)
+eval_subset = 0                 # seeded test examples of intermediate evaluations (0, and the final one: all)
 eval_steps = 0                  # supervision steps at evaluation (0: halt_max_steps); more: test-time scaling
 eval_batch_size = 0             # evaluation batch, split over ranks (0: global_batch_size)
 log_interval = 100              # steps between log lines (host reads of training metrics)
-checkpoint_interval = 0         # steps between extra checkpoints (0: at evaluations, the end and SIGTERM only)
+checkpoint_interval = 0         # steps between extra checkpoints (0: at evaluations, the end, SIGTERM only)
 keep_last_n = 2                 # checkpoints kept, plus the best (0: keep all)
 wandb_log = False               # log to Weights & Biases (rank 0; offline in out_dir when W&B is unreachable)
 wandb_project = 'trm'           # W&B project
@@ -51,12 +51,12 @@ pos_encodings = 'none'          # 'rope' | 'learned' | 'none'
 mlp_t = True                    # MLP-mixer over the sequence instead of attention (Sudoku)
 puzzle_emb_ndim = 512           # puzzle embedding width (0: none)
 puzzle_emb_len = 16             # prefix tokens reserved for the puzzle embedding
-forward_dtype = 'auto'          # 'auto' (bfloat16 where native, else float32) | 'bfloat16' | 'float16' | 'float32'
+forward_dtype = 'auto'          # 'auto' (bfloat16 where native, else float32) | 'bfloat16'|'float16'|'float32'
 no_ACT_continue = True          # False: also learn q_continue against a bootstrapped target
 rms_norm_eps = 1e-5             # RMSNorm epsilon
 rope_theta = 10000.0            # RoPE base
 loss_type = 'stablemax'         # 'stablemax' | 'softmax'
-loss_dtype = 'auto'             # stablemax precision: 'auto' (float64, float32 on XLA) | 'float64' | 'float32'
+loss_dtype = 'auto'             # stablemax precision: 'auto' (float64; XLA float32) | 'float64' | 'float32'
 # optimiser
 lr = 1e-4                       # AdamATan2 learning rate
 lr_min_ratio = 1.0              # cosine decay to lr * lr_min_ratio (1.0, the reference's default: constant)
@@ -69,15 +69,16 @@ puzzle_emb_weight_decay = 1.0   # its weight decay
 ema = True                      # evaluate and keep an EMA of the weights
 ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_rate, (1 + step) / (10 + step))
 grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
-gradient_accumulation_steps = 1 # micro-batches per step (each with its rows of the ACT carry): the same update
+gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
-device = 'auto'                 # 'auto' (xla if PJRT_DEVICE, else cuda if present, else cpu) | 'cpu' | 'cuda' | 'xla'
-compile = True                  # torch.compile the step and evaluation: CUDA (inductor), XLA (openxla); not CPU
+device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'
+compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (openxla)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
-_pos, _nonneg, _unit = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0'), (lambda v: 0 <= v < 1, 'in [0, 1)')
+_pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
+_unit = (lambda v: 0 <= v < 1, 'in [0, 1)')
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
@@ -89,11 +90,14 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              forward_dtype=_one_of('auto', 'bfloat16', 'float16', 'float32'), rms_norm_eps=_pos,
              rope_theta=_pos, loss_type=_one_of('stablemax', 'softmax'),
              loss_dtype=_one_of('auto', 'float64', 'float32'), lr=_pos,
-             lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg, beta1=_unit, beta2=_unit,
+             lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg, beta1=_unit,
+             beta2=_unit,
              weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg, ema_rate=_unit,
-             grad_clip=_nonneg, gradient_accumulation_steps=_pos, device=_one_of('auto', 'cpu', 'cuda', 'xla'),
+             grad_clip=_nonneg, gradient_accumulation_steps=_pos,
+             device=_one_of('auto', 'cpu', 'cuda', 'xla'),
              gcs_retries=_pos)
-config_keys = [k for k, v in globals().items() if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 config = {k: globals()[k] for k in config_keys}
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
@@ -107,12 +111,12 @@ import safety  # noqa: E402
 from data import EvalLoader, TrainLoader, render_example, verifier_for  # noqa: E402
 from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate, evaluation_steps  # noqa: E402
-from step import format_eval, format_train, forward_loss, lr_at, train_step  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
+from step import evaluation_steps, format_eval, format_train, forward_loss, lr_at, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
-RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')] + \
-    ['global_batch_size', 'seed']
+RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')]
+RESUME_FIXED += ['global_batch_size', 'seed']
 
 
 if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
@@ -120,8 +124,8 @@ if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker
 
 
 def read_sums(dev, sums, bad_step):
-    """The metric sums since the last log line, summed over ranks, and the first step whose loss was not finite
-    (< 0: none): one reduction, read on every rank."""
+    """The metric sums since the last log line, summed over ranks, and the first step whose loss was not
+    finite (< 0: none): one reduction, read on every rank."""
     reduced = torch.cat([v.float().reshape(1) for v in sums.values()])
     dev.all_reduce_sum_([reduced])
     dev.all_reduce_([bad_step], 'max')
@@ -130,11 +134,12 @@ def read_sums(dev, sums, bad_step):
 
 
 def log_line(m, step, n_steps, seconds, epoch, total_steps):
-    """A log line's values from the metric sums m of the last n_steps steps (over the rows that halted in them)."""
+    """A log line's values from the metric sums m of the last n_steps steps (the rows that halted in them)."""
     cnt = max(m['count'], 1)
     return dict(step=step, epoch=epoch, loss=m['loss'] / (global_batch_size * n_steps),
                 accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
-                q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt, grad_norm=m['grad_norm'] / n_steps,
+                q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
+                grad_norm=m['grad_norm'] / n_steps,
                 lr=float(lr_at(step - 1, lr, lr_warmup_steps, total_steps, lr_min_ratio)),
                 examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9))
 
@@ -163,12 +168,12 @@ def main(index=None):
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
     eval_every = max(1, loader.steps_for(eval_interval))
     eval_at = set(evaluation_steps(run_steps, eval_every))
-    verifier = verifier_for(meta)
+    verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
     if master:
         print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
-              f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | "
-              f"{total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), "
-              f"eval every {eval_every}")
+              f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
+              f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "
+              f"{global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
@@ -179,13 +184,13 @@ def main(index=None):
                         subset=subset, seed=seed)
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
-        with run.clock.evaluating():
-            return evaluate(weights, ev, dev, eval_steps or halt_max_steps, halt_max_steps, verifier, show_example,
-                            predict=predict, should_stop=run.stop_agreed)  # a stop abandons it: (None, None)
+        with run.clock.evaluating():  # a stop request abandons it: (None, None)
+            return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example,
+                            predict=predict, should_stop=run.stop_agreed)
 
     def evaluate_and_save(step, save, log=True):
-        """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False when
-        a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
+        """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
+        when a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
         final = step == run_steps
         res, example = run_eval(0 if final else eval_subset, show_example=final)
         # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
@@ -218,13 +223,13 @@ def main(index=None):
                 print(render_example(meta, *example))
         dev.shutdown()
         return
-    if step >= run_steps:  # nothing to train; a run that ended without results.json evaluates again and writes it
+    if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         done = True
         if run.results_missing():
             run.open_records(step)
             if master:
-                print(f"the checkpoint is at the last step {step}, but results.json is missing: the final evaluation")
-            done = evaluate_and_save(step, save=lambda tag='': None, log=not (master and run.logged('eval', step)))
+                print(f"the checkpoint is at the last step {step}, but results.json is missing: evaluating")
+            done = evaluate_and_save(step, lambda tag='': None, log=not (master and run.logged('eval', step)))
         elif master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
                   f"(raise --max_steps or --epochs to train on)")
@@ -233,19 +238,20 @@ def main(index=None):
         return
     run.open_records(step)
 
-    # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---------
+    # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
     fwd = compiled_step(dev.kind) if compile else forward_loss  # CUDA and XLA compile it, as bench.py does
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
-                    global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
-                    gradient_accumulation_steps=gradient_accumulation_steps)
+                    global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
+                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps)
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
     carry = model.initial_carry(prefetch.upcoming)
     if carry_state is not None:
         carry = {k: v.to(dev.device) for k, v in carry_state.items()}
-    start_step, t0, last_step, stop_now, host_s, exec_s = step, time.time(), step, False, 0.0, dev.execute_seconds()
+    start_step, t0, last_step, stop_now = step, time.time(), step, False
+    host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
     run.clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
@@ -254,7 +260,7 @@ def main(index=None):
         carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, fwd,
                                           dev.all_reduce_sum_, dev.all_gather)
         metrics['loss'] = loss
-        bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # step_t: this step's
+        bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # step_t: this one's
         acc = metrics if acc is None else {k: acc[k] + metrics[k] for k in metrics}
         dev.sync()
         host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
@@ -274,7 +280,7 @@ def main(index=None):
                 line.update(host_ms=1e3 * host_s / (step - last_step),
                             device_ms=1e3 * (dev.execute_seconds() - exec_s) / (step - last_step))
             if master:
-                print(format_train(line, run_steps) + (f" | compiles {dev.xla_report()[0]}" if dev.kind == 'xla' else ''))
+                print(format_train(line, run_steps, dev.xla_report()[0] if dev.kind == 'xla' else None))
             run.log('train', line, step, dict(train=line))
             acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
 
@@ -287,9 +293,9 @@ def main(index=None):
         if stop_now:
             break
         if step == start_step + 1 and dev.kind == 'xla':
-            dev.read(run.checkpoint_tensors(model, ema_model, carry))  # compile the save's graph now, not at SIGTERM
+            dev.read(run.checkpoint_tensors(model, ema_model, carry))  # the save's graph now, not at SIGTERM
 
-    # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---------------------------
+    # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
     run.close(stop_now)
     if dev.kind == 'xla' and master:
         compiles, fallbacks = dev.xla_report()
