@@ -50,7 +50,8 @@ class TRMConfig:
         if self.loss_type not in ('stablemax', 'softmax'):
             raise ValueError(f"loss_type={self.loss_type!r}: allowed 'stablemax', 'softmax'")
         if self.forward_dtype not in ('bfloat16', 'float16', 'float32'):
-            raise ValueError(f"forward_dtype={self.forward_dtype!r}: allowed 'bfloat16', 'float16', 'float32'")
+            raise ValueError(f"forward_dtype={self.forward_dtype!r}: "
+                             "allowed 'bfloat16', 'float16', 'float32'")
         if self.loss_dtype not in ('float64', 'float32'):
             raise ValueError(f"loss_dtype={self.loss_dtype!r}: allowed 'float64', 'float32'")
         if not self.mlp_t and self.hidden_size % self.num_heads:
@@ -68,7 +69,8 @@ class TRMConfig:
 
 
 # the TRMConfig fields a run chooses (train.py's keys); the others come from the dataset
-MODEL_KEYS = [f for f in TRMConfig.__dataclass_fields__ if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
+MODEL_KEYS = [f for f in TRMConfig.__dataclass_fields__
+              if f not in ('vocab_size', 'seq_len', 'num_puzzle_identifiers')]
 
 
 # -----------------------------------------------------------------------------
@@ -108,7 +110,8 @@ def rms_norm(x, eps):
 class CastedLinear(nn.Module):
     """Weights kept fp32 (optimizer and EMA see fp32), cast to the activation dtype in forward. The net runs
     H_cycles * (L_cycles + 1) times a step; compiled (CUDA), inductor keeps one cast per weight per step
-    (its graph CSE merges the repeated ones; checked in the post-grad graph), so no cast cache is kept here."""
+    (its graph CSE merges the repeated ones; checked in the post-grad graph), so no cast cache is kept
+    here."""
     def __init__(self, d_in, d_out, bias=False):
         super().__init__()
         self.weight = nn.Parameter(trunc_normal_(torch.empty(d_out, d_in), std=1.0 / math.sqrt(d_in)))
@@ -248,7 +251,8 @@ class TRM(nn.Module):
         self.net = Net(cfg, seq_align)
         # Not parameters: the main optimizer and the EMA must not touch them (as in the reference).
         # The puzzle embedding is trained by sign-SGD in train.py; H_init/L_init stay fixed.
-        self.register_buffer('puzzle_emb', torch.zeros(cfg.num_puzzle_identifiers, max(cfg.puzzle_emb_ndim, 1)))
+        self.register_buffer('puzzle_emb',
+                             torch.zeros(cfg.num_puzzle_identifiers, max(cfg.puzzle_emb_ndim, 1)))
         self.register_buffer('H_init', trunc_normal_(torch.empty(D), std=1.0))
         self.register_buffer('L_init', trunc_normal_(torch.empty(D), std=1.0))
 
@@ -339,7 +343,8 @@ class TRM(nn.Module):
             halted = halted | halt_signal.detach()
             # exploration: some rows draw a minimum number of steps before they may halt
             explore = torch.rand(q_halt.shape, device=q_halt.device) < cfg.halt_exploration_prob
-            min_steps = torch.randint(2, cfg.halt_max_steps + 1, steps.shape, device=steps.device, dtype=steps.dtype)
+            min_steps = torch.randint(2, cfg.halt_max_steps + 1, steps.shape, device=steps.device,
+                                      dtype=steps.dtype)
             halted = halted & (steps >= torch.where(explore, min_steps, torch.zeros_like(min_steps)))
             if not cfg.no_ACT_continue:
                 # bootstrapped Q-learning target from one more (no-grad) step from the new latents
@@ -436,7 +441,8 @@ def act_loss(carry, out, cfg: TRMConfig):
     q_halt_loss = F.binary_cross_entropy_with_logits(out['q_halt'], seq_correct.float(), reduction='sum')
     q_continue_loss = torch.zeros_like(q_halt_loss)
     if 'target_q_continue' in out:
-        q_continue_loss = F.binary_cross_entropy_with_logits(out['q_continue'], out['target_q_continue'], reduction='sum')
+        q_continue_loss = F.binary_cross_entropy_with_logits(out['q_continue'], out['target_q_continue'],
+                                                             reduction='sum')
     loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)
 
     counted = carry['halted'] & (n_valid > 0)

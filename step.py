@@ -25,13 +25,14 @@ class AdamATan2:
     """Adam with atan2 in place of m / (sqrt(v) + eps): no epsilon, bounded updates. Pure PyTorch
     (foreach), so it runs on CPU, CUDA and XLA. The learning rate may be a device tensor, and the step
     count lives on the device, so a changing LR or bias correction never recompiles an XLA graph.
-    A plain class rather than a torch.optim.Optimizer: that base class imports torch._dynamo on its first call,
-    2 s of CPU at the start of every run that never compiles. Its state_dict has torch.optim's layout."""
+    A plain class rather than a torch.optim.Optimizer: that base class imports torch._dynamo on its first
+    call, 2 s of CPU at the start of every run that never compiles. Its state_dict has torch.optim's
+    layout."""
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0):
         self.params = list(params)
         self.lr, self.betas, self.weight_decay = lr, betas, weight_decay
-        # per parameter, made at its first gradient: {'t', 'exp_avg', 'exp_avg_sq'}. A list, not a dict keyed by
-        # the parameters: torch.compile would guard on those keys' gradients, which change every step
+        # per parameter, made at its first gradient: {'t', 'exp_avg', 'exp_avg_sq'}. A list, not a dict keyed
+        # by the parameters: torch.compile would guard on those keys' gradients, which change every step
         self.state = [None] * len(self.params)
 
     @torch.no_grad()
@@ -71,7 +72,8 @@ class AdamATan2:
 
     def load_state_dict(self, sd):
         """The moments and step counts of a state_dict() (this class's or torch.optim's layout of one group).
-        The hyperparameters stay this run's: a resume that changes weight_decay or the betas uses the new ones."""
+        The hyperparameters stay this run's: a resume that changes weight_decay or the betas uses the new
+        ones."""
         sizes = [len(g['params']) for g in sd['param_groups']]
         if sizes != [len(self.params)]:
             raise ValueError(f"optimizer state for parameter groups of {sizes} parameters; this model has "
@@ -82,7 +84,8 @@ class AdamATan2:
             if st['exp_avg'].shape != p.shape:
                 raise ValueError(f"optimizer state of parameter {i} has shape {tuple(st['exp_avg'].shape)}; "
                                  f"the parameter {tuple(p.shape)}")
-            state[int(i)] = {k: v.to(p.device) if k == 't' else v.to(p.device, p.dtype) for k, v in st.items()}
+            state[int(i)] = {k: v.to(p.device) if k == 't' else v.to(p.device, p.dtype)
+                             for k, v in st.items()}
         self.state = state
 
 
@@ -129,7 +132,8 @@ def lr_at(step, base_lr, warmup_steps, total_steps, min_ratio):
 def evaluation_steps(run_steps, eval_every):
     """The steps after which a run evaluates (and saves): every eval_every steps, and the last one; an
     evaluation less than half an interval before the last is skipped."""
-    return [s for s in range(eval_every, run_steps, eval_every) if run_steps - s >= eval_every // 2] + [run_steps]
+    return [s for s in range(eval_every, run_steps, eval_every)
+            if run_steps - s >= eval_every // 2] + [run_steps]
 
 
 # -----------------------------------------------------------------------------
@@ -164,8 +168,8 @@ def forward_loss(model, carry, batch, puzzle_rows):
 
 @torch.no_grad()
 def clip_grads_(grads, max_norm):
-    """The gradients' global norm (a device tensor); with max_norm > 0 they are scaled down to it, by a factor of
-    1 below the limit, so nothing branches on a device value."""
+    """The gradients' global norm (a device tensor); with max_norm > 0 they are scaled down to it, by a factor
+    of 1 below the limit, so nothing branches on a device value."""
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
     if max_norm > 0:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
@@ -174,9 +178,9 @@ def clip_grads_(grads, max_norm):
 
 @torch.no_grad()
 def apply_update(model, opt, ema_params, ids, row_grads, step_t, sc):
-    """Everything after the (all-reduced) gradients: clipping, AdamATan2, sign-SGD on the puzzle embedding rows
-    of the global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count. Returns the
-    gradient's global norm before clipping (a device tensor)."""
+    """Everything after the (all-reduced) gradients: clipping, AdamATan2, sign-SGD on the puzzle embedding
+    rows of the global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count.
+    Returns the gradient's global norm before clipping (a device tensor)."""
     params = list(model.parameters())
     norm = clip_grads_([p.grad for p in params if p.grad is not None], sc.grad_clip)
     opt.step(lr=sc.lr_at(step_t, sc.lr))
@@ -211,25 +215,26 @@ class CompiledStep:
 
 def compiled_predict(model, mode='default'):
     """model.predict with each supervision step compiled (one graph for all n_steps: the loop stays in Python,
-    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA: the openxla
-    backend. Built once per model and mode, then reused."""
+    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA: the
+    openxla backend. Built once per model and mode, then reused."""
     cache = model.__dict__.setdefault('_compiled_predict', {})
     xla = model.H_init.device.type == 'xla'
     key = 'openxla' if xla else mode
     if key not in cache:
         kw = dict(backend='openxla') if xla else dict(mode=mode)
-        cache[key] = functools.partial(model.predict, step=torch.compile(model.predict_step, dynamic=False, **kw))
+        cache[key] = functools.partial(model.predict,
+                                       step=torch.compile(model.predict_step, dynamic=False, **kw))
     return cache[key]
 
 
 # --- XLA: the step traced once ----------------------------------------------------------------------------
-# torch_xla traces a lazy step in Python at every step; TRM's has H_cycles x (L_cycles + 1) network calls, so the
-# host, not the chip, would bound a TPU's step. Compiled with the openxla dynamo backend, each part becomes a cached
-# executable after its first call: no Python tracing, no graph hashing per step.
+# torch_xla traces a lazy step in Python at every step; TRM's has H_cycles x (L_cycles + 1) network calls, so
+# the host, not the chip, would bound a TPU's step. Compiled with the openxla dynamo backend, each part
+# becomes a cached executable after its first call: no Python tracing, no graph hashing per step.
 
 def _xla_forward(model, carry, batch, delta, inv_batch, rows_of):
-    """XLACompiledStep's forward: the puzzle-row lookup, forward_loss on the rows [rows_of] of the carry and the
-    batch (the micro-batch), the loss scaled for backward, and the whole carry with those rows replaced.
+    """XLACompiledStep's forward: the puzzle-row lookup, forward_loss on the rows [rows_of] of the carry and
+    the batch (the micro-batch), the loss scaled for backward, and the whole carry with those rows replaced.
     delta: a zero leaf added to the puzzle rows, so its gradient is theirs (no pending input is passed in)."""
     a, b = rows_of
     whole = a == 0 and b == batch['inputs'].shape[0]
@@ -251,7 +256,8 @@ def _xla_update(params, grads, m, v, t, betas, weight_decay, ema_params, table, 
     norm = clip_grads_(grads, sc.grad_clip)
     adam_atan2_(params, grads, m, v, t, sc.lr_at(step_t, sc.lr), betas, weight_decay)
     if row_grads is not None:
-        sign_sgd_update_(table, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr), sc.puzzle_emb_weight_decay)
+        sign_sgd_update_(table, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
+                         sc.puzzle_emb_weight_decay)
     if ema_params is not None:
         decay = torch.clamp((1 + step_t) / (10 + step_t), max=sc.ema_rate)
         torch._foreach_mul_(ema_params, decay)
@@ -262,9 +268,10 @@ def _xla_update(params, grads, m, v, t, betas, weight_decay, ema_params, table, 
 
 def _openxla_recompute():
     """The openxla backend whose AOTAutograd partition saves as few activations as it can (min-cut at an
-    activation memory budget of 0): the backward recomputes the forward's grad part. Each saved activation is an
-    output of the forward executable and an input of the backward's, and every such tensor costs host time; the
-    default partition saves ~20 per network call with grad, so the host time would grow with L_cycles again."""
+    activation memory budget of 0): the backward recomputes the forward's grad part. Each saved activation is
+    an output of the forward executable and an input of the backward's, and every such tensor costs host time;
+    the default partition saves ~20 per network call with grad, so the host time would grow with L_cycles
+    again."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.torchxla import openxla_eval_boxed
@@ -276,12 +283,13 @@ def _openxla_recompute():
 
 
 class XLACompiledStep:
-    """train_step on XLA traced once: the forward + loss (and, through AOTAutograd, its backward) and the update
-    (clipping, AdamATan2, sign-SGD, EMA) are torch.compile'd with the openxla backend; the gradient all-reduce
-    and gather stay between them. The same computation as train_step with forward_loss, up to float rounding.
+    """train_step on XLA traced once: the forward + loss (and, through AOTAutograd, its backward) and the
+    update (clipping, AdamATan2, sign-SGD, EMA) are torch.compile'd with the openxla backend; the gradient
+    all-reduce and gather stay between them. The same computation as train_step with forward_loss, up to
+    float rounding.
     What the openxla bridge of torch_xla 2.9 needs, and gets here:
-      - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own, blocking):
-        the puzzle rows are looked up inside, and backward gets a device-data seed gradient;
+      - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own,
+        blocking): the puzzle rows are looked up inside, and backward gets a device-data seed gradient;
       - no two mutated inputs that end with the same value (the bridge then writes outputs into the wrong
         inputs): AdamATan2's per-parameter step counts become one tensor, updated once."""
 
@@ -290,7 +298,8 @@ class XLACompiledStep:
         self.update = torch.compile(_xla_update, backend='openxla', dynamic=False)
         self.deltas = self.seed = None
 
-    def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None, all_gather=None):
+    def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None,
+                   all_gather=None):
         k, B, dev = sc.gradient_accumulation_steps, batch['inputs'].shape[0], step_t.device
         if self.seed is None:  # host copies: device data from the start, never pending IR
             self.seed = torch.tensor(1.0).to(dev)
@@ -299,7 +308,8 @@ class XLACompiledStep:
         losses, sums = [], None
         for i in range(k):
             delta = self.deltas[i] if self.deltas else None
-            carry, loss, scaled, metrics = self.forward(model, carry, batch, delta, 1.0 / sc.global_batch_size,
+            carry, loss, scaled, metrics = self.forward(model, carry, batch, delta,
+                                                        1.0 / sc.global_batch_size,
                                                         (i * B // k, (i + 1) * B // k))
             scaled.backward(self.seed)
             losses.append(loss)
@@ -319,9 +329,9 @@ class XLACompiledStep:
         for st in opt.state[1:]:
             st['t'] = t  # one step count (equal values in any case)
         sums['grad_norm'] = self.update(opt.params, grads, [st['exp_avg'] for st in opt.state],
-                                        [st['exp_avg_sq'] for st in opt.state], t, opt.betas, opt.weight_decay,
-                                        ema_params if sc.ema_rate is not None else None, model.puzzle_emb, ids_all,
-                                        row_grads, step_t, sc)
+                                        [st['exp_avg_sq'] for st in opt.state], t, opt.betas,
+                                        opt.weight_decay, ema_params if sc.ema_rate is not None else None,
+                                        model.puzzle_emb, ids_all, row_grads, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 
@@ -335,8 +345,8 @@ def compiled_step(kind, mode='default'):
 def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_loss,
                all_reduce_sum_=None, all_gather=None):
     """One optimizer step = one supervision step: forward, loss, backward (in sc.gradient_accumulation_steps
-    micro-batches, each with its own rows of the ACT carry), gradient all-reduce, clipping, AdamATan2, sign-SGD
-    on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
+    micro-batches, each with its own rows of the ACT carry), gradient all-reduce, clipping, AdamATan2,
+    sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
     sc: the StepConfig (the EMA's decay rises to its ema_rate: min(ema_rate, (1 + step) / (10 + step))).
     fwd: forward_loss, a CompiledStep, whose .update then replaces apply_update, or an XLACompiledStep, which
     runs the whole step. Returns the new carry, the loss summed over this rank's rows, and the metric sums
@@ -351,7 +361,8 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_los
     for c, b in parts:
         # the puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
         i = torch.where(c['halted'], b['puzzle_identifiers'], c['puzzle_identifiers'])
-        rows = model.puzzle_rows(i).detach().requires_grad_(True) if model.config.puzzle_emb_ndim > 0 else None
+        rows = model.puzzle_rows(i).detach().requires_grad_(True) if model.config.puzzle_emb_ndim > 0 \
+            else None
         new_c, loss, metrics = fwd(model, c, b, rows)
         (loss / sc.global_batch_size).backward()  # summed over all ranks' rows: a global mean; grads add up
         carries.append(new_c)
@@ -366,7 +377,8 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_los
     if row_grads:
         gather = all_gather or (lambda t: t)
         ids_all, grads_all = gather(torch.cat(ids)), gather(torch.cat(row_grads))  # (k = 1: a cat of one)
-    sums['grad_norm'] = getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, grads_all, step_t, sc)
+    sums['grad_norm'] = getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, grads_all,
+                                                             step_t, sc)
     opt.zero_grad()
     if k == 1:
         return carries[0], losses[0], sums
@@ -383,7 +395,8 @@ def wilson_interval(k, n, z=1.96):
     p = k / n
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)  # at k = 0 or n the bound is 0 or 1 up to rounding
+    # at k = 0 or n the bound is 0 or 1 up to rounding
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @torch.no_grad()
@@ -411,7 +424,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         rows = (b['valid'] & (n_valid > 0)).float()
         tok_ok = (preds == labels) & valid_tok
         seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
-        halt = torch.cat([q_halt[:-1] > 0, torch.ones_like(q_halt[-1:], dtype=torch.bool)])  # the last step always stops
+        halt = torch.cat([q_halt[:-1] > 0,
+                          torch.ones_like(q_halt[-1:], dtype=torch.bool)])  # the last step always stops
         first = halt.int().argmax(0)  # the first step whose q_halt says stop
         part = dict(
             count=rows.sum(),
@@ -456,7 +470,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
 
 
 def format_train(line, run_steps, compiles=None):
-    """A training log line; XLA's add the host's and the device's time per step and the compilations so far."""
+    """A training log line; XLA's add the host's and the device's time per step and the compilations so
+    far."""
     text = (f"step {line['step']}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
             f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f} | "
             f"grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s")
@@ -467,11 +482,13 @@ def format_train(line, run_steps, compiles=None):
 
 def format_eval(r):
     line = (f"eval on {int(r['count'])}: exact {r['exact_accuracy']:.4f} (95% CI {r['exact_ci_low']:.4f}-"
-            f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f} | q_halt acc {r['q_halt_accuracy']:.4f}"
+            f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f}"
+            f" | q_halt acc {r['q_halt_accuracy']:.4f}"
             f" | steps {r['steps']:.0f}")
     if 'verified_accuracy' in r:
         line += f" | verified {r['verified_accuracy']:.4f}"
     line += f" | with q_halt stop: exact {r['exact_accuracy_q_halt']:.4f} in {r['steps_q_halt']:.2f} steps"
     if len(r['exact_by_steps']) > r['steps']:
-        line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}" for i, a in enumerate(r['exact_by_steps']))
+        line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}"
+                                                 for i, a in enumerate(r['exact_by_steps']))
     return line
