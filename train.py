@@ -91,9 +91,8 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              rope_theta=_pos, loss_type=_one_of('stablemax', 'softmax'),
              loss_dtype=_one_of('auto', 'float64', 'float32'), lr=_pos,
              lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg, beta1=_unit,
-             beta2=_unit,
-             weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg, ema_rate=_unit,
-             grad_clip=_nonneg, gradient_accumulation_steps=_pos,
+             beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
+             ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
              gcs_retries=_pos)
 config_keys = [k for k, v in globals().items()
@@ -112,7 +111,7 @@ from data import EvalLoader, TrainLoader, render_example, verifier_for  # noqa: 
 from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
-from step import evaluation_steps, format_eval, format_train, forward_loss, lr_at, train_step  # noqa: E402
+from step import evaluation_steps, format_eval, format_train, forward_loss, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')]
@@ -133,14 +132,14 @@ def read_sums(dev, sums, bad_step):
     return dict(zip(sums, host)), bad_at[0]
 
 
-def log_line(m, step, n_steps, seconds, epoch, total_steps):
+def log_line(m, step, n_steps, seconds, epoch, sc):
     """A log line's values from the metric sums m of the last n_steps steps (the rows that halted in them)."""
     cnt = max(m['count'], 1)
     return dict(step=step, epoch=epoch, loss=m['loss'] / (global_batch_size * n_steps),
                 accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
                 q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
                 grad_norm=m['grad_norm'] / n_steps,
-                lr=float(lr_at(step - 1, lr, lr_warmup_steps, total_steps, lr_min_ratio)),
+                lr=float(sc.lr_at(step - 1, sc.lr)),
                 examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9))
 
 
@@ -275,7 +274,7 @@ def main(index=None):
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)
             run.verified = step - 1
-            line = log_line(m, step, step - last_step, time.time() - t0, loader.epochs_done, total_steps)
+            line = log_line(m, step, step - last_step, time.time() - t0, loader.epochs_done, sc)
             if dev.kind == 'xla':  # which one bounds a step: the host's tracing or the device's execution
                 line.update(host_ms=1e3 * host_s / (step - last_step),
                             device_ms=1e3 * (dev.execute_seconds() - exec_s) / (step - last_step))
