@@ -167,6 +167,15 @@ def forward_loss(model, carry, batch, puzzle_rows):
 
 
 @torch.no_grad()
+def ema_update_(ema_params, params, step_t, rate):
+    """ema = decay * ema + (1 - decay) * params. The decay warms up, min(rate, (1 + step) / (10 + step)):
+    early on an average over the steps so far, so short runs evaluate trained weights."""
+    decay = torch.clamp((1 + step_t) / (10 + step_t), max=rate)
+    torch._foreach_mul_(ema_params, decay)
+    torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
+
+
+@torch.no_grad()
 def clip_grads_(grads, max_norm):
     """The gradients' global norm (a device tensor); with max_norm > 0 they are scaled down to it, by a factor
     of 1 below the limit, so nothing branches on a device value."""
@@ -188,10 +197,7 @@ def apply_update(model, opt, ema_params, ids, row_grads, step_t, sc):
         sign_sgd_update_(model.puzzle_emb, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
                          sc.puzzle_emb_weight_decay)
     if sc.ema_rate is not None:
-        # warm-up: an average over the steps so far early on, so short runs evaluate trained weights
-        decay = torch.clamp((1 + step_t) / (10 + step_t), max=sc.ema_rate)
-        torch._foreach_mul_(ema_params, decay)
-        torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
+        ema_update_(ema_params, params, step_t, sc.ema_rate)
     step_t.add_(1)
     return norm
 
@@ -259,9 +265,7 @@ def _xla_update(params, grads, m, v, t, betas, weight_decay, ema_params, table, 
         sign_sgd_update_(table, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
                          sc.puzzle_emb_weight_decay)
     if ema_params is not None:
-        decay = torch.clamp((1 + step_t) / (10 + step_t), max=sc.ema_rate)
-        torch._foreach_mul_(ema_params, decay)
-        torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - decay))
+        ema_update_(ema_params, params, step_t, sc.ema_rate)
     step_t.add_(1)
     return norm
 
