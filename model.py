@@ -364,14 +364,19 @@ class TRM(nn.Module):
         logits, q_halt, _ = self.heads(y)
         return y, z, logits.argmax(-1).to(torch.int32), q_halt
 
+    def predict_start(self, inputs, puzzle_identifiers):
+        """An evaluation batch's fresh latents and its input embedding: (y, z, x)."""
+        y, z = self.init_latents(inputs.shape[0], inputs.device)
+        return y, z, self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers))
+
     @torch.no_grad()
-    def predict(self, batch, n_steps, step=None):
+    def predict(self, batch, n_steps, step=None, start=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
         needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B].
-        step: what runs one step (default self.predict_step; compiled_predict passes a compiled one)."""
-        step = step or self.predict_step
-        y, z = self.init_latents(batch['inputs'].shape[0], batch['inputs'].device)
-        x = self.input_embeddings(batch['inputs'], self.puzzle_rows(batch['puzzle_identifiers']))
+        step, start: what runs one step and the start (default self.predict_step and self.predict_start;
+        compiled_predict passes compiled ones)."""
+        step, start = step or self.predict_step, start or self.predict_start
+        y, z, x = start(batch['inputs'], batch['puzzle_identifiers'])
         preds, q_halts = [], []
         for _ in range(n_steps):
             y, z, pred, q_halt = step(y, z, x)

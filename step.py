@@ -222,13 +222,16 @@ class CompiledStep:
 def compiled_predict(model, mode='default'):
     """model.predict with each supervision step compiled (one graph for all n_steps: the loop stays in Python,
     so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA: the
-    openxla backend. Built once per model and mode, then reused."""
+    openxla backend, the start (latents, embedding) compiled too: a compiled step given pending lazy inputs
+    runs them first as a graph of their own, one at the first batch, another at the later ones (a
+    compilation more). Built once per model and mode, then reused."""
     cache = model.__dict__.setdefault('_compiled_predict', {})
     xla = model.H_init.device.type == 'xla'
     key = 'openxla' if xla else mode
     if key not in cache:
         kw = dict(backend='openxla') if xla else dict(mode=mode)
-        cache[key] = functools.partial(model.predict,
+        start = torch.compile(model.predict_start, dynamic=False, **kw) if xla else None
+        cache[key] = functools.partial(model.predict, start=start,
                                        step=torch.compile(model.predict_step, dynamic=False, **kw))
     return cache[key]
 

@@ -96,18 +96,18 @@ def test_xla_step_is_traced_once_and_equals_eager(tmp_path):
     warm = {}
     for depth, runs in r.items():
         e, c, a = runs['eager'], runs['compiled'], runs['accumulated']
-        # gradient accumulation (two micro-batches) and clipping: traced once as well, and training
+        # gradient accumulation (two micro-batches) and clipping: traced once as well, and training (autograd
+        # sums the micro-batches' gradients lazily: the update's inputs are materialised by a small lazy graph,
+        # compiled once more at the second step)
         assert all(s['net_calls'] == 0 for s in a['per_step'][1:]) and all(s['compiles'] == 0 for s in a['per_step'][2:])
         assert all(x == x and x > 0 for x in a['losses']), a['losses']
         # eager traces the whole recursion every step: the counter does see it
         assert all(s['net_calls'] == int(depth[0]) * (int(depth[2]) + 1) for s in e['per_step']), e['per_step']
-        # traced once: from the second step on, no Python of the net runs, and no recompilation
-        assert all(s['net_calls'] == 0 for s in c['per_step'][1:]), c['per_step']
-        assert all(s['compiles'] == 0 for s in c['per_step'][2:]), c['per_step']
+        # traced once: from the second step on, no Python of the net runs, and nothing compiles
+        assert all(s['net_calls'] == 0 and s['compiles'] == 0 for s in c['per_step'][1:]), c['per_step']
         warm[depth] = [s['lazy_nodes'] for s in c['per_step'][2:]]
-        # evaluation: one step compiled, no Python of the net after the first batch, no recompilation after the second
-        assert all(v['net_calls'] == 0 for v in c['eval'][1:]), c['eval']
-        assert c['eval'][2]['compiles'] == 0, c['eval']
+        # evaluation: one step compiled, no Python of the net and no compilation after the first batch
+        assert all(v['net_calls'] == 0 and v['compiles'] == 0 for v in c['eval'][1:]), c['eval']
         assert c['preds_match'] and c['q_diff'] < 1e-4, (c['preds_match'], c['q_diff'])  # compiled predict = unrolled
         for a, b in zip(c['losses'], e['losses']):
             assert abs(a - b) <= 1e-3 * abs(b), (depth, c['losses'], e['losses'])
