@@ -54,6 +54,9 @@ compile_mode = 'default'        # torch.compile mode (CUDA); 'max-autotune-no-cu
 profile = False                 # afterwards, trace profile_steps more steps into profile_dir
 profile_steps = 3
 profile_dir = 'out/profile'     # where the trace goes
+host_flush_mb = 0               # XLA on the CPU: read this many MiB after each execution before host time is taken
+                                # again, so every depth's host work starts from cold caches (there the device's
+                                # executions share the host's caches, the deeper ones evicting more; on a TPU not)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -260,6 +263,7 @@ def host_and_device(n):
     CPU."""
     import torch_xla
     run_graph, waited = torch_xla._XLAC._run_cached_graph, [0.0]
+    flush = np.ones(int(host_flush_mb * 2 ** 17)) if host_flush_mb else None
 
     def run_alone(*args):
         t0 = time.perf_counter()
@@ -270,6 +274,8 @@ def host_and_device(n):
         tensors = [t for t in out if torch.is_tensor(t)]
         if tensors:
             min(tensors, key=torch.numel).cpu()  # reading an output waits for this execution
+        if flush is not None:
+            flush.sum()
         waited[0] += (t1 - t0) + (time.perf_counter() - t2)
         return out
     torch_xla._XLAC._run_cached_graph = run_alone
@@ -346,7 +352,8 @@ if eval_batches > 0:
 
 if kind == 'xla':
     bound = 'host' if host_s > device_s else 'device'
-    print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch) | device {device_s * 1e3:.1f} "
+    print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch"
+          f"{f'; caches flushed ({host_flush_mb} MiB)' if host_flush_mb else ''}) | device {device_s * 1e3:.1f} "
           f"ms/step (execution) | the step is {bound}-bound | first training step {first_step_s:.1f} s, "
           f"first evaluation batch {fmt(eval_warm_s, '.1f')} s (both with compilation)")
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
@@ -386,6 +393,6 @@ print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_s
       f"peak_mem_gib={mem / 2 ** 30:.3f} eval_puzzles_per_s={fmt(eval_ps, '.2f')} "
       f"eval_mfu={fmt(eval_mfu, '.4f')} compiles_warm={compiles_warm} compiles_end={compiles_end} "
       f"fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
-      f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} "
+      f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} host_flush_mb={host_flush_mb} "
       f"device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
       f"eval_first_batch_s={fmt(eval_warm_s, '.2f')}")

@@ -33,9 +33,14 @@ def test_bench_runs_on_cpu_with_a_train_config_and_a_dataset(toy):
 
 
 def test_bench_on_xla_stops_compiling():
-    s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope'] + BENCH_TINY, env=XLA_ENV)
+    s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1'] + BENCH_TINY,
+                       env=XLA_ENV)
     assert s['device'] == 'xla'
     assert int(s['compiles_warm']) > 0 and s['compiles_warm'] == s['compiles_end']  # timed steps reused the graphs
+    assert float(s['host_ms_per_step']) > 0 and float(s['device_ms_per_step']) > 0 and s['host_flush_mb'] == '1'
+    assert 'caches flushed (1 MiB)' in out
+    n = out.split('; evaluation ')[1].split()  # the first evaluation batch compiles, the next ones reuse it
+    assert n[0] == n[2] and int(n[0]) > int(s['compiles_end']), n
     assert s['fallbacks'] == '0' and 'CPU fallbacks in training: none; in evaluation: none' in out
 
 
