@@ -530,9 +530,15 @@ class Run:
                 if (name.endswith('.tmp') or name.startswith('.rank')) and \
                         os.path.isfile(os.path.join(self.local, name)):
                     os.remove(os.path.join(self.local, name))
-            if cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
-                for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
+        problems = []
+        if self.master and cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
+            for folder in [self.local] + ([self.gs_out] if self.gs_out else []):
+                try:
                     prune_checkpoints(folder, 0, -1, delete_all=True)
+                except gcs.GCSError as e:  # nothing trained yet: stop here rather than mix two runs' files
+                    problems.append(f"--overwrite=True cannot delete the checkpoints in {folder} ({e}); retry "
+                                    "when the bucket is reachable")
+        fail_together(dev, problems, 'overwrite')
 
     # --- the starting point ----------------------------------------------------------------------------
 

@@ -170,6 +170,12 @@ def test_a_bucket_that_never_answers_is_a_bounded_wait_that_says_what_it_waits_f
     assert time.time() - t0 < 100
     assert_user_error(p, f'waiting for GCS list {out}', 'attempt 2 of 2', 'retry when the bucket is reachable')
 
+    # --overwrite=True deletes the old run's checkpoints in the bucket too: the same bounded wait and one line
+    p = run(train_args(toy, out, tmp_path / 'o', '--overwrite=True', '--gcs_retries=1'), check=False,
+            timeout=120, env=dict(STORAGE_EMULATOR_HOST=stall.addr, GCS_READ_TIMEOUT='4'))
+    assert_user_error(p, out, 'retry when the bucket is reachable')
+    assert 'step 1/' not in p.stdout
+
 
 def test_sigterm_ends_a_wait_for_the_bucket_at_start_within_seconds(stall, toy, tmp_path):
     e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', STORAGE_EMULATOR_HOST=stall.addr)
