@@ -24,6 +24,7 @@ import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -481,6 +482,7 @@ class Run:
                                  # ones
         self.verified = -1       # newest checkpoint step whose next step's loss was seen finite
         self.records = self.wandb = self.uploader = None
+        self.log_uploads = 0
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}         # wall seconds by phase of this run's earlier processes (from the checkpoint)
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
@@ -525,9 +527,12 @@ class Run:
             problems = lock_local(self.local) or (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
-            Output.log_to(os.path.join(self.local, 'train.log'))
+            log = os.path.join(self.local, 'train.log')
+            if self.gs_out and cfg['init_from'] == 'resume' and not os.path.exists(log):
+                fetch_log(f"{self.gs_out.rstrip('/')}/train.log", log)  # a new machine goes on with the log
+            Output.log_to(log)
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
-                if (name.endswith('.tmp') or name.startswith('.rank')) and \
+                if (name.endswith('.tmp') or name.startswith(('.rank', '.train.log.'))) and \
                         os.path.isfile(os.path.join(self.local, name)):
                     os.remove(os.path.join(self.local, name))
         problems = []
@@ -729,6 +734,26 @@ class Run:
                           protect=self.verified)
         if self.uploader:
             self.uploader.submit(path, f"{self.gs_out.rstrip('/')}/{os.path.basename(path)}")
+            self.upload_log()
+
+    def upload_log(self):
+        """Rank 0: train.log as it is now to the bucket (a preempted VM's disk goes with the VM). The log grows
+        while it uploads, so a snapshot goes, `.train.log.N`, one per upload (they run in order: the newest
+        wins); each is deleted once uploaded, what is left at exit too."""
+        self.log_uploads += 1
+        snapshot = os.path.join(self.local, f'.train.log.{self.log_uploads}')
+        try:
+            shutil.copyfile(os.path.join(self.local, 'train.log'), snapshot)
+        except OSError:
+            return
+        self.uploader.submit(snapshot, f"{self.gs_out.rstrip('/')}/train.log")
+
+    def uploaded(self, path, uri):
+        """After each upload: a log snapshot goes; a checkpoint prunes the bucket's older ones."""
+        if os.path.basename(path).startswith('.train.log.'):
+            os.remove(path)
+        else:
+            prune_checkpoints(self.gs_out, self.cfg['keep_last_n'], self.best['step'])
 
     def new_best(self, step, res):
         if res['exact_accuracy'] > self.best['exact_accuracy']:
@@ -781,8 +806,7 @@ class Run:
         if self.cfg['wandb_log']:
             self.wandb = start_wandb(self.cfg, self.local, self.run_id)
         if self.gs_out:
-            self.uploader = gcs.Uploader(on_success=lambda *_: prune_checkpoints(
-                self.gs_out, self.cfg['keep_last_n'], self.best['step']))
+            self.uploader = gcs.Uploader(on_success=self.uploaded)
 
     def log(self, kind, values, step, wandb_values):
         """Rank 0: a line of metrics.jsonl and the W&B values (each {prefix: dict})."""
@@ -841,18 +865,36 @@ class Run:
         up = self.uploader
         if self.records:
             self.records.upload(up)
+        self.upload_log()
         size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
         limit = 20 if interrupted else 30 + size / 20e6
         if not up.wait(timeout=3):
-            print(f"waiting up to {limit - 3:.0f} s for {len(up.pending)} upload(s) to {self.gs_out}",
+            print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
+                  f"{self.gs_out}",
                   flush=True)
             up.wait(timeout=limit - 3)
         for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
             left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer
                                                               # one
-            if left:
-                print(f"warning: {len(left)} upload(s) to {self.gs_out} {what}; only in {self.local}: "
-                      f"{', '.join(os.path.basename(p) for p in left)}")
+            names = list(dict.fromkeys('train.log' if os.path.basename(p).startswith('.train.log.')
+                                       else os.path.basename(p) for p in left))
+            if names:
+                print(f"warning: {len(names)} upload(s) to {self.gs_out} {what}; only in {self.local}: "
+                      f"{', '.join(names)}")
+        for name in os.listdir(self.local):
+            if name.startswith('.train.log.'):
+                os.remove(os.path.join(self.local, name))
+
+
+def fetch_log(uri, path):
+    """The bucket's train.log into path (none there: nothing; unreachable: a warning, a new log)."""
+    try:
+        gcs.download_file(uri, path)
+    except gcs.NotFoundError:
+        pass
+    except Exception as e:
+        print(f"warning: cannot read {uri} ({e}); train.log starts anew here, and its upload replaces the "
+              "bucket's")
 
 
 def load_weights(path, model, ema_model):

@@ -62,6 +62,11 @@ def test_a_resume_on_a_new_machine_keeps_the_bucket_s_metrics_history(emulator, 
     lines = [json.loads(l) for l in open(tmp_path / 'm.jsonl')]
     assert [l['step'] for l in lines if l['kind'] == 'train'] == [2, 4, 6]  # the history before the resume too
     assert [l['step'] for l in lines if l['kind'] == 'eval'] == [4, 6]
+    # train.log too: the bucket's copy of the first machine's log, continued by the second
+    gcs.GCS(endpoint=emulator).download(f'{out}/train.log', str(tmp_path / 'train.log'))
+    log = open(tmp_path / 'train.log').read()
+    assert log.count(' pid ') == 2 and log.index('step 4/') < log.index('--max_steps=6') < log.index('step 6/'), log
+    assert open(tmp_path / 'new' / 'train.log').read() == log
 
 
 # -----------------------------------------------------------------------------
@@ -229,10 +234,11 @@ def test_uploads_at_exit_get_an_announced_bounded_wait_then_the_local_copies_are
     finally:
         srv.shutdown()
         srv.server_close()
-    m = re.search(rf'waiting up to (\d+) s for 3 upload\(s\) to {out}', p.stdout)
+    m = re.search(rf'waiting up to (\d+) s for 4 upload\(s\) to {out}', p.stdout)
     assert m and int(m.group(1)) <= 60, p.stdout[-3000:]
-    assert f'3 upload(s) to {out} still running at exit; only in {local}: ckpt_00000002.pt, metrics.jsonl, ' \
-           f'results.json' in p.stdout, p.stdout[-3000:]
+    assert f'4 upload(s) to {out} still running at exit; only in {local}: ckpt_00000002.pt, train.log, ' \
+           f'metrics.jsonl, results.json' in p.stdout, p.stdout[-3000:]
+    assert sorted(os.listdir(local)) == ['ckpt_00000002.pt', 'metrics.jsonl', 'results.json', 'train.log']
     assert 'waiting for GCS upload' in p.stderr  # the retries say what they wait for
 
 
@@ -262,5 +268,5 @@ def test_failed_uploads_counted_at_exit_are_the_files_still_only_local(toy, tmp_
     m = re.search(rf'(\d+) upload\(s\) to {out} failed; only in {local}: (.*)', p.stdout)
     assert m, p.stdout[-3000:]
     named = m.group(2).split(', ')
-    kept = sorted(f for f in os.listdir(local) if f != 'train.log')  # the run's own log stays local
+    kept = sorted(os.listdir(local))  # train.log too: its copy in the bucket failed as well
     assert sorted(named) == kept and int(m.group(1)) == len(named), (named, os.listdir(local))
