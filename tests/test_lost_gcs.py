@@ -1,8 +1,8 @@
 """
-Nothing lost, on the bucket side: the records of a run resumed on a new machine, the local folder of a gs://
-out_dir, a bucket that does not exist or refuses, one that never answers, one gone at the end of a run, a
-truncated checkpoint in the bucket and the uploads counted at exit. Real processes, the GCS emulator and small
-servers on 127.0.0.1 written here.
+Nothing lost, on the bucket side: the records and the log of a run resumed on a new machine, the local folder
+of a gs:// out_dir, its lock object, a bucket that does not exist or refuses, one that never answers, one gone
+at the end of a run, a truncated checkpoint in the bucket and the uploads counted at exit. Real processes, the
+GCS emulator and small servers on 127.0.0.1 written here.
     python -m pytest -q tests/test_lost_gcs.py
 """
 import json
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -86,6 +87,82 @@ def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(em
     assert 'step 2/' in p.stdout
     for exp in ('expA', 'expB'):
         assert os.path.exists(tmp_path / 'out' / BUCKET / 'lost6' / exp / 'run1' / 'ckpt_00000002.pt')
+
+
+# -----------------------------------------------------------------------------
+# 2: one run per gs:// out_dir: a lock object created only if absent (GCS's ifGenerationMatch=0 precondition,
+# which gcp-storage-emulator does not check: a server here that does, for the three calls the lock makes)
+
+class Preconditioned(BaseHTTPRequestHandler):
+    objects = {}
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code, body=b'', kind='application/json'):
+        self.send_response(code)
+        self.send_header('Content-Type', kind)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def name(self):
+        url = urllib.parse.urlparse(self.path)
+        q = urllib.parse.parse_qs(url.query)
+        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
+
+    def do_POST(self):  # a media upload
+        name, q = self.name()
+        data = self.rfile.read(int(self.headers['Content-Length']))
+        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
+            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
+        self.objects[name] = data
+        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
+
+    def do_GET(self):
+        name, _ = self.name()
+        if name not in self.objects:
+            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
+        self.reply(200, self.objects[name], 'application/octet-stream')
+
+    def do_DELETE(self):
+        name, _ = self.name()
+        self.reply(204 if self.objects.pop(name, None) is not None else 404)
+
+
+LOCKER = """
+import sys, safety
+print(safety.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
+sys.stdin.read()  # held until the test closes stdin (or kills this process)
+"""
+
+
+def test_a_gs_out_dir_s_lock_object_admits_one_run_is_taken_over_when_stale_and_removed_at_exit(tmp_path):
+    srv, addr = serve(Preconditioned)
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT)
+    prefix, obj = f'gs://{BUCKET}/r2', 'r2/run.lock'
+
+    def locker():
+        p = subprocess.Popen([sys.executable, '-c', LOCKER, prefix, str(tmp_path)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return p, p.stdout.readline()
+    try:
+        first, said = locker()
+        assert said.strip() == '[]' and json.loads(Preconditioned.objects[obj])['pid'] == first.pid, said
+        second, said = locker()  # the first still runs: refused, naming it
+        assert f'{prefix} is in use by the run on {socket.gethostname()}, pid {first.pid}' in said, said
+        second.communicate('', timeout=60)
+        first.kill()  # gone without removing its lock (SIGKILL, a crashed VM): the next run takes it over
+        first.wait()
+        third, said = locker()
+        assert f'taking over the lock of a run that is gone' in said and f'pid {first.pid}' in said, said
+        assert third.stdout.readline().strip() == '[]'
+        assert json.loads(Preconditioned.objects[obj])['pid'] == third.pid
+        third.communicate('', timeout=60)  # a normal exit removes the lock object
+        assert obj not in Preconditioned.objects
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 # -----------------------------------------------------------------------------
