@@ -751,7 +751,8 @@ class Run:
     def uploaded(self, path, uri):
         """After each upload: a log snapshot goes; a checkpoint prunes the bucket's older ones."""
         if os.path.basename(path).startswith('.train.log.'):
-            os.remove(path)
+            with contextlib.suppress(OSError):  # already gone: removed at exit
+                os.remove(path)
         else:
             prune_checkpoints(self.gs_out, self.cfg['keep_last_n'], self.best['step'])
 
@@ -870,8 +871,7 @@ class Run:
         limit = 20 if interrupted else 30 + size / 20e6
         if not up.wait(timeout=3):
             print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
-                  f"{self.gs_out}",
-                  flush=True)
+                  f"{self.gs_out}", flush=True)
             up.wait(timeout=limit - 3)
         for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
             left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer
@@ -883,7 +883,8 @@ class Run:
                       f"{', '.join(names)}")
         for name in os.listdir(self.local):
             if name.startswith('.train.log.'):
-                os.remove(os.path.join(self.local, name))
+                with contextlib.suppress(OSError):  # (the upload thread may remove it too)
+                    os.remove(os.path.join(self.local, name))
 
 
 def fetch_log(uri, path):
