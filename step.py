@@ -259,20 +259,6 @@ def _xla_forward(model, carry, batch, delta, inv_batch, rows_of):
     return new_c, loss.detach(), loss * inv_batch, metrics
 
 
-@torch.no_grad()
-def _xla_update(params, grads, m, v, t, betas, weight_decay, ema_params, table, ids, row_grads, step_t, sc):
-    """apply_update on flat lists: the optimizer's tensors passed in, one step count t for all parameters."""
-    norm = clip_grads_(grads, sc.grad_clip)
-    adam_atan2_(params, grads, m, v, t, sc.lr_at(step_t, sc.lr), betas, weight_decay)
-    if row_grads is not None:
-        sign_sgd_update_(table, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
-                         sc.puzzle_emb_weight_decay)
-    if ema_params is not None:
-        ema_update_(ema_params, params, step_t, sc.ema_rate)
-    step_t.add_(1)
-    return norm
-
-
 def _openxla_recompute():
     """The openxla backend whose AOTAutograd partition saves as few activations as it can (min-cut at an
     activation memory budget of 0): the backward recomputes the forward's grad part. Each saved activation is
@@ -302,7 +288,7 @@ class XLACompiledStep:
 
     def __init__(self):
         self.forward = torch.compile(_xla_forward, backend=_openxla_recompute(), dynamic=False)
-        self.update = torch.compile(_xla_update, backend='openxla', dynamic=False)
+        self.update = torch.compile(apply_update, backend='openxla', dynamic=False)
         self.deltas = self.seed = None
 
     def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None,
@@ -331,14 +317,11 @@ class XLACompiledStep:
             ids_all = gather(carry['puzzle_identifiers'])
             for d in self.deltas:
                 d.grad = None
-        opt.init_state()
+        opt.init_state()  # eagerly: the compiled graph never sees the state appear
         t = opt.state[0]['t']
         for st in opt.state[1:]:
             st['t'] = t  # one step count (equal values in any case)
-        sums['grad_norm'] = self.update(opt.params, grads, [st['exp_avg'] for st in opt.state],
-                                        [st['exp_avg_sq'] for st in opt.state], t, opt.betas,
-                                        opt.weight_decay, ema_params if sc.ema_rate is not None else None,
-                                        model.puzzle_emb, ids_all, row_grads, step_t, sc)
+        sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, row_grads, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 
