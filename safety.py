@@ -529,7 +529,8 @@ class Run:
         if self.master:
             log = os.path.join(self.local, 'train.log')
             if self.gs_out and cfg['init_from'] == 'resume' and not os.path.exists(log):
-                fetch_log(f"{self.gs_out.rstrip('/')}/train.log", log)  # a new machine goes on with the log
+                bucket_copy(f"{self.gs_out.rstrip('/')}/train.log", log,  # a new machine goes on with the log
+                            "train.log starts anew here, and its upload replaces the bucket's")
             Output.log_to(log)
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
                 if (name.endswith('.tmp') or name.startswith(('.rank', '.train.log.'))) and \
@@ -887,15 +888,16 @@ class Run:
                     os.remove(os.path.join(self.local, name))
 
 
-def fetch_log(uri, path):
-    """The bucket's train.log into path (none there: nothing; unreachable: a warning, a new log)."""
+def bucket_copy(uri, path, otherwise):
+    """The bucket's object `uri` downloaded to path: path, or None when there is none, or when it cannot be
+    read (then a warning saying what happens `otherwise`)."""
     try:
-        gcs.download_file(uri, path)
+        return gcs.download_file(uri, path)
     except gcs.NotFoundError:
-        pass
+        return None
     except Exception as e:
-        print(f"warning: cannot read {uri} ({e}); train.log starts anew here, and its upload replaces the "
-              "bucket's")
+        print(f"warning: cannot read {uri} ({e}); {otherwise}")
+        return None
 
 
 def load_weights(path, model, ema_model):
@@ -960,15 +962,8 @@ class Records:
 
     def fetch(self, step):
         """The bucket's metrics.jsonl in a file beside the local one, or None (none there, or unreachable)."""
-        uri = f"{self.remote.rstrip('/')}/metrics.jsonl"
-        try:
-            return gcs.download_file(uri, self.path + '.bucket')
-        except gcs.NotFoundError:
-            return None
-        except Exception as e:
-            print(f"warning: cannot read {uri} ({e}); metrics.jsonl up to step {step} is rebuilt from "
-                  f"{self.path} alone")
-            return None
+        return bucket_copy(f"{self.remote.rstrip('/')}/metrics.jsonl", self.path + '.bucket',
+                           f"metrics.jsonl up to step {step} is rebuilt from {self.path} alone")
 
     @staticmethod
     def readable(line, number, path):
