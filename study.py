@@ -532,9 +532,13 @@ def host_devices(exps):
                 gpus = []
         if gpus:
             return 'cuda', gpus
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
+    return 'cpu', [str(c) for c in usable_cores()]
+
+
+def usable_cores():
+    """The CPU cores study.py may run on (its affinity), in order."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
         else list(range(os.cpu_count() or 1))
-    return 'cpu', [str(c) for c in cores]
 
 
 def this_host():
@@ -585,8 +589,7 @@ def slot_plans(kind, ids, n, hosts):
             gpus = ids[i * nproc:(i + 1) * nproc]
             p['env'], p['label'] = dict(CUDA_VISIBLE_DEVICES=','.join(gpus)), f"GPU {','.join(gpus)}"
     if n > 1:
-        cores = (sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity')
-                 else list(range(os.cpu_count() or 1)))
+        cores = usable_cores()
         per = len(cores) // n
         for i, p in enumerate(plans):
             p['cores'] = cores[i * per:(i + 1) * per] if per else [cores[i % len(cores)]]
@@ -608,11 +611,16 @@ def tpu_host_alone_env():
                 CLOUD_TPU_TASK_ID=None, TPU_PROCESS_BOUNDS=None)
 
 
-def share_cost(e):
-    """A run's FLOPs (training and evaluation) from its config and the datasets' known sizes only, never a
-    local dataset.json: every host of a pod computes the same numbers, so the same partition."""
-    c = cost(e, dataset_for(e.cfg, e.meta, read_built=False))
+def run_flops(e, data=None):
+    """A run's FLOPs, training and evaluation (None: unknown, or the model cannot be built)."""
+    c = cost(e, data)
     return c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None
+
+
+def share_cost(e):
+    """A run's FLOPs from its config and the datasets' known sizes only, never a local dataset.json: every
+    host of a pod computes the same numbers, so the same partition."""
+    return run_flops(e, dataset_for(e.cfg, e.meta, read_built=False))
 
 
 def partition(names, costs, n):
@@ -812,41 +820,27 @@ def child_env(extra):
 
 def run_process(cmd, log_path, env_extra=None):
     """Runs `python cmd...`, its output streamed here and appended to log_path; (exit code, last lines)."""
-    os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
-    tail = deque(maxlen=30)
-    parent = os.getpid()
     sys.stdout.flush()
-    with open(log_path, 'ab') as log:
-        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {build_display(cmd)}\n".encode())
-        p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             env=child_env(env_extra), start_new_session=True,
-                             preexec_fn=lambda: _child_setup(parent))
-        STOP['children'].add(p)
-        try:
-            for line in iter(p.stdout.readline, b''):
-                sys.stdout.buffer.write(line)
-                sys.stdout.flush()
-                log.write(line)
-                log.flush()
-                tail.append(line.decode(errors='replace').rstrip())
-            rc = p.wait()
-        finally:
-            STOP['children'].discard(p)
-    return rc, [l for l in tail if l.strip()]
+    r = Running(cmd, log_path, build_display(cmd), env_extra)
+    while (got := r.pump(echo=True)) != 'eof':
+        if not got:  # nothing written yet
+            time.sleep(0.05)
+    return r.close()
 
 
 class Running:
-    """One train.py of the study: its process, log, slot, last lines and its latest progress line."""
+    """One child process of the study (a train.py run, or a dataset build): its process, its log (appended
+    to), its last lines and latest progress line; for a run, its experiment e and slot."""
 
-    def __init__(self, e, slot, plan):
+    def __init__(self, cmd, log_path, display, env=None, cores=None, e=None, slot=None):
         self.e, self.slot, self.t0, self.buf = e, slot, time.time(), b''
         self.tail, self.progress, self.last_eval = deque(maxlen=30), '', ''
-        os.makedirs(e.local, exist_ok=True)
-        self.log = open(os.path.join(e.local, 'train.log'), 'ab')
-        self.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {e.display}\n".encode())
-        parent, cores = os.getpid(), plan['cores']
-        self.p = subprocess.Popen([sys.executable] + e.cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=child_env({**plan['env'], **e.env}), start_new_session=True,
+        os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
+        self.log = open(log_path, 'ab')
+        self.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
+        parent = os.getpid()
+        self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=child_env(env), start_new_session=True,
                                   preexec_fn=lambda: _child_setup(parent, cores))
         os.set_blocking(self.p.stdout.fileno(), False)
         STOP['children'].add(self.p)
@@ -911,9 +905,7 @@ def run_study(exps):
           + (f"; {slots} at once on {kind} "
              f"({', '.join(p['label'] for p in plans)})" if slots > 1 else ''))
     failed_data = build_datasets(todo)
-    todo = order_runs(todo,
-                      [(lambda c: c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None)(
-        cost(e)) for e in todo])
+    todo = order_runs(todo, [run_flops(e) for e in todo])
     run_slots(todo, plans, status, failed_data)
     print(f"\nstudy: summary ({duration(time.time() - t_study)}):")
     for e in exps:
@@ -971,7 +963,8 @@ def run_slots(todo, plans, status, failed_data):
             print(f"\nstudy: {e.run} [{e.varied_text()}]: "
                   + (f"resuming from its checkpoint at step {steps[-1]}" if steps else "starting") + on
                   + f"\n  {e.display}", flush=True)
-            running.append(Running(e, slot, plans[slot]))
+            running.append(Running(e.cmd, os.path.join(e.local, 'train.log'), e.display,
+                                   {**plans[slot]['env'], **e.env}, plans[slot]['cores'], e, slot))
         if STOP['requested']:
             for e in queue:
                 status.setdefault(e.run, ('not run (stopped)', None))
