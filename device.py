@@ -152,7 +152,8 @@ class Device:
         """Device tensors -> numpy arrays, on every rank. XLA: the pending graph (collectives included) is
         cut and run first, so each rank executes it once and in the same order; then plain transfers."""
         self.sync()
-        return [t.detach().cpu().numpy() for t in tensors]
+        host = [t.detach().cpu() for t in tensors]
+        return [t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in host]  # numpy has no bf16
 
     def agree(self, values, op='sum'):
         """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every
