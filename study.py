@@ -451,7 +451,8 @@ def checkpoint_steps(e):
 
 def state(e):
     if has_results(e):
-        return 'done' if not read_results(e)[1] else f"done, not used: {read_results(e)[1]}"
+        why = read_results(e)[1]
+        return f"done, not used: {why}" if why else 'done'
     steps = checkpoint_steps(e)
     return f"started (checkpoint at step {steps[-1]})" if steps else 'not started'
 
@@ -985,10 +986,10 @@ class Running:
 def lock_study():
     """One study at a time into an out_root: a lock file in its local folder (host, pid), taken over when its
     study is gone (this host's pid ended, or the host restarted), removed at exit."""
-    os.makedirs(LOCAL_ROOT, exist_ok=True)
     path = os.path.join(LOCAL_ROOT, STUDY_LOCK)
     for attempt in range(2):
         try:
+            os.makedirs(LOCAL_ROOT, exist_ok=True)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
             try:
