@@ -25,9 +25,15 @@ maze_size_d512, maze_size_L2, maze_rec_L4, maze_tn_T3n4) are one run: their file
 out/study/base (maze: out/study/maze_base), so it is trained once and shows up in every family. Likewise
 tn_T3n4 is rec_L4's run (out/study/rec_L4) and maze_tn_T3n6 is maze_rec_L6's.
 
-Runs go to <out_root>/<last part of the file's out_dir>. A run whose results.json exists is skipped; every
-other run gets --init_from=resume, which continues its newest checkpoint or starts from scratch when there
-is none. A failed run is reported and the next one starts; the exit code is 1 if any run failed. SIGINT or
+Runs go to <out_root>/<last part of the file's out_dir>. A run whose results.json exists is skipped when it
+was made with the command the study runs now (compared on every key that shapes the result; not on out_dir,
+logging, checkpoint or W&B keys, device, compile); made with another (the file or --extra changed since), or
+unreadable, it is reported NOT REUSED, neither reused nor trained over (move its folder away to train it
+again), and the report does not use it. Every other run gets --init_from=resume, which continues its newest
+checkpoint or starts from scratch when there is none. A failed run is reported with its error (its last
+line on stderr, or the signal that killed it) and the next one starts; the exit code is 1 if any run
+failed. One study at a time runs into an out_root: study.lock in its local folder names it (host, pid); a
+second study.py is refused, and a lock whose study is gone is taken over. SIGINT or
 SIGTERM to study.py: the running train.py gets one SIGTERM (it saves a checkpoint and exits), the study
 stops; if study.py is killed outright, train.py gets a SIGTERM from the kernel (Linux) and does the same.
 Rerun the same command to continue. Missing datasets are built first with the command the dataset's name
@@ -52,7 +58,8 @@ Scales (--scale), applied as --key=value flags after the file, so each twin is t
         (OMP_NUM_THREADS=1 unless set). The rec_* + tn_* twin is 8 runs (tn_T3n4 shares rec_L4's run); README
         gives its measured time.
 --extra='--key=value ...' is added to every run after the scale's flags (e.g. --extra='--seed=1' with
-another --out_root for a second seed).
+another --out_root for a second seed); not the keys the runner sets (out_dir, local_dir, init_from,
+eval_only). Values in --extra and in the experiment files must have train.py's types (checked at load).
 
 Costs (--dry_run): parameters and FLOPs per example-step from model.TRM built on the meta device; steps as
 train.py computes them (epochs x groups x mean examples per puzzle / global_batch_size) from the dataset's
@@ -78,10 +85,11 @@ Pods (--hosts_mode=share): each host runs its own share of the runs on its own c
 hosts: a fixed partition of the runs (longest first onto the least-loaded host, costs from the configs and
 the datasets' known sizes only), so every host knows its share alone; host index from --host_index,
 TPU_WORKER_ID, CLOUD_TPU_TASK_ID or the TPU metadata; host count from --num_hosts, TPU_WORKER_HOSTNAMES or
-the metadata. With --slots=1 a host's chips act as a TPU VM of their own: TPU_SKIP_MDS_QUERY=1,
-TPU_ACCELERATOR_TYPE (from the metadata), TPU_WORKER_ID=0, TPU_WORKER_HOSTNAMES=localhost,
-TPU_HOST_BOUNDS=1,1,1, TPU_CHIPS_PER_HOST_BOUNDS (the host's chips, from the metadata). Use out_root=gs://...
-so the report sees every host's results. The default, hosts_mode=all, runs each run over the whole pod.
+the metadata (more than one host and no index from these: an error). With --slots=1 a host's chips act as
+a TPU VM of their own: TPU_SKIP_MDS_QUERY=1, TPU_ACCELERATOR_TYPE (from the metadata), TPU_WORKER_ID=0,
+TPU_WORKER_HOSTNAMES=localhost, TPU_HOST_BOUNDS=1,1,1, TPU_CHIPS_PER_HOST_BOUNDS (the host's chips, from the
+metadata). Use out_root=gs://... so the report sees every host's results. The default, hosts_mode=all, runs
+each run over the whole pod.
 The dry run prints which host and slot runs what and the study's wall time under each mode.
 Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>,
 --seed=s). New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with
@@ -99,6 +107,7 @@ against parameters, FLOPs and puzzles (report.md: the parameters, R^2, and why a
 4 distinct points, a spread under 1 point, R^2 <= 0). report.csv has one row per run (seed column) and each
 experiment's exact_mean/std/min/max over its seeds.
 """
+import atexit
 import csv
 import fnmatch
 import json
@@ -115,7 +124,7 @@ from collections import deque
 import gcs
 from configurator import config_files, parse_flags, read_config_block
 from data import shape_from_name
-from safety import list_checkpoints, local_folder
+from safety import Output, holder_gone, list_checkpoints, local_folder, lock_record
 
 # -----------------------------------------------------------------------------
 # config
@@ -142,6 +151,7 @@ status_every = 60.0             # with slots > 1: seconds between status lines (
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+Output.install()  # before the first print (configurator's): a stdout whose reader is gone never stops a study
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
@@ -163,6 +173,13 @@ SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
 MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is
                                                          # trained
+RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner sets them for every run
+# keys that do not change what a run trains or its results: a finished run recorded with other values of
+# these is still the run the study asks for
+NOT_SHAPING = ('out_dir', 'local_dir', 'data_cache_dir', 'init_from', 'overwrite', 'eval_only',
+               'eval_batch_size', 'log_interval', 'checkpoint_interval', 'keep_last_n', 'wandb_log',
+               'wandb_project', 'wandb_run_name', 'device', 'compile', 'xla_cache_dir', 'gcs_retries')
+STUDY_LOCK = 'study.lock'       # in the local folder of out_root: one study at a time runs into it
 STOP = dict(requested=False, children=set())
 
 if scale not in SCALE_ROOTS:
@@ -192,7 +209,29 @@ def fmt_value(v):
     return repr(v) if isinstance(v, float) else str(v)
 
 
+def value_problem(key, value):
+    """'key=value (allowed: ...)' when value cannot be train.py's key (not its default's type; an int where a
+    float is expected is fine, as configurator.py takes it), else ''."""
+    default = TRAIN_DEFAULTS[key]
+    if type(value) is type(default) or (type(default) is float and type(value) is int):
+        return ''
+    kind = {bool: 'True or False', int: 'an int', float: 'a number', str: 'a str'}[type(default)]
+    return f"{key}={value!r} (allowed: {kind}, as train.py's default {default!r})"
+
+
+try:
+    EXTRA_ARGS = shlex.split(extra)
+except ValueError as ex:  # an unclosed quote
+    raise SystemExit(f"config error: --extra={extra!r}: {ex} (allowed: --key=value flags, quoted as in a "
+                     "shell)")
 EXTRA = parse_flags(extra, TRAIN_DEFAULTS, '--extra')
+if [k for k in EXTRA if k in RUNNER_KEYS]:
+    raise SystemExit(f"config error: --extra sets {', '.join(k for k in EXTRA if k in RUNNER_KEYS)}, which "
+                     f"study.py sets for every run (not allowed in --extra: {', '.join(RUNNER_KEYS)}): the "
+                     "runs go to --out_root/<the file's out_dir name> and resume with --init_from=resume")
+if any(value_problem(k, v) for k, v in EXTRA.items()):
+    raise SystemExit("config error: --extra: "
+                     + '; '.join(filter(None, map(value_problem, EXTRA, EXTRA.values()))))
 if seeds > 1 and 'seed' in EXTRA:
     raise SystemExit("config error: --seeds and --extra='--seed=...' together (allowed: one of them)")
 
@@ -212,6 +251,9 @@ def effective(path):
         unknown = [k for k in keys if k not in TRAIN_DEFAULTS]
         if unknown:
             raise SystemExit(f"config error: {p} sets unknown key(s) {unknown}")
+        bad = list(filter(None, map(value_problem, keys, keys.values())))
+        if bad:  # refused here, before a dry run costs it and every run of it fails
+            raise SystemExit(f"config error: {p} sets {'; '.join(bad)}")
         cfg.update(keys)
     return cfg, read_meta(path)
 
@@ -305,7 +347,7 @@ class Experiment:
         launcher = ['train.py'] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}', 'train.py']
         self.cmd = launcher + [path] + [f"--{k}={fmt_value(v)}" for k, v in self.flags.items()] + \
-            shlex.split(extra) + ['--init_from=resume']
+            EXTRA_ARGS + ['--init_from=resume']
         shown = (['torchrun'] + self.cmd[2:]) if nproc > 1 else (['python'] + self.cmd)
         # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside
         # other jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2
@@ -409,7 +451,8 @@ def checkpoint_steps(e):
 
 def state(e):
     if has_results(e):
-        return 'done'
+        why = read_results(e)[1]
+        return f"done, not used: {why}" if why else 'done'
     steps = checkpoint_steps(e)
     return f"started (checkpoint at step {steps[-1]})" if steps else 'not started'
 
@@ -426,6 +469,38 @@ def fetch(e, name):
         except Exception as ex:
             print(f"warning: cannot read {uri}: {ex}")
     return local if os.path.exists(local) else None
+
+
+def read_results(e):
+    """(a finished run's results.json, '') or (None, why it is not used): unreadable, or recorded with another
+    configuration than the command the study runs now, on the keys that shape the result (the dataset by its
+    name: a copy elsewhere is the same data). (None, '') when there is none."""
+    path = fetch(e, 'results.json')
+    if path is None:
+        return None, ''
+    try:
+        with open(path) as f:
+            res = json.load(f)
+        fe = res['final_eval']
+        for k in ('exact_accuracy', 'exact_ci_low', 'exact_ci_high', 'token_accuracy', 'q_halt_accuracy'):
+            float(fe[k])
+        int(res['parameters']), float(res['train_flops']), float(res['flops_per_example_step'])
+    except (OSError, ValueError, KeyError, TypeError) as ex:
+        what = 'empty' if os.path.isfile(path) and not os.path.getsize(path) else f"{type(ex).__name__}: {ex}"
+        return None, (f"unreadable results.json in {e.out_dir} ({what}); not reused: move it away and rerun "
+                      "to evaluate the run's last checkpoint again")
+    now, diffs = e.run_cfg, []
+    for k, was in (res.get('config') or {}).items():
+        if k in NOT_SHAPING or k not in now:
+            continue
+        a, b = (str(was).rstrip('/').split('/')[-1], str(now[k]).rstrip('/').split('/')[-1]) \
+            if k == 'data_path' else (was, now[k])
+        if a != b:
+            diffs.append(f"{k} {a!r} there, {b!r} now")
+    if diffs:
+        return None, (f"{e.out_dir}/results.json was made with another configuration ({'; '.join(diffs)}): "
+                      f"not reused, and not retrained over it: move {e.out_dir} away to train it again")
+    return res, ''
 
 
 # -----------------------------------------------------------------------------
@@ -543,18 +618,28 @@ def usable_cores():
 
 def this_host():
     """(index, count) of this host among the pod's for hosts_mode='share': the flags, else the environment
-    (TPU_WORKER_ID or CLOUD_TPU_TASK_ID, TPU_WORKER_HOSTNAMES), else the TPU VM's metadata, else (0, 1)."""
+    (TPU_WORKER_ID or CLOUD_TPU_TASK_ID, TPU_WORKER_HOSTNAMES), else the TPU VM's metadata, else (0, 1).
+    Sharing among several hosts with no index from any of them is refused: every host would run host 0's
+    share."""
     index, count = host_index, num_hosts
-    if index < 0:
-        env = os.environ.get('TPU_WORKER_ID') or os.environ.get('CLOUD_TPU_TASK_ID')
-        index = int(env) if env else -1
+    var = next((v for v in ('TPU_WORKER_ID', 'CLOUD_TPU_TASK_ID') if os.environ.get(v, '').strip()), None)
+    if index < 0 and var:
+        if not os.environ[var].strip().isdigit():
+            raise SystemExit(f"config error: {var}={os.environ[var]!r} is not a host index (allowed: an "
+                             "integer >= 0); set it right or give --host_index")
+        index = int(os.environ[var])
     if count < 1 and os.environ.get('TPU_WORKER_HOSTNAMES'):
         count = len(os.environ['TPU_WORKER_HOSTNAMES'].split(','))
     if (index < 0 or count < 1) and os.environ.get('PJRT_DEVICE') == 'TPU':
         from torch_xla._internal import tpu  # the metadata server, as torch_xla asks it; no device is touched
         index = tpu.worker_id() if index < 0 else index
         count = tpu.num_tpu_workers() if count < 1 else count
-    index, count = max(index, 0), max(count, 1)
+    count = max(count, 1)
+    if index < 0 and count > 1 and hosts_mode == 'share':
+        raise SystemExit(f"config error: hosts_mode='share' over {count} hosts, but this host's index is "
+                         "unknown (no --host_index, TPU_WORKER_ID, CLOUD_TPU_TASK_ID or TPU metadata): give "
+                         f"each host its own --host_index (0 .. {count - 1})")
+    index = max(index, 0)
     if index >= count:
         raise SystemExit(f"config error: host_index={index} with num_hosts={count} (allowed: 0 .. "
                          f"{count - 1})")
@@ -830,53 +915,108 @@ def run_process(cmd, log_path, env_extra=None):
 
 class Running:
     """One child process of the study (a train.py run, or a dataset build): its process, its log (appended
-    to), its last lines and latest progress line; for a run, its experiment e and slot."""
+    to), its last lines, the last lines of its stderr (where its error is) and latest progress line; for a
+    run, its experiment e and slot."""
 
     def __init__(self, cmd, log_path, display, env=None, cores=None, e=None, slot=None):
-        self.e, self.slot, self.t0, self.buf = e, slot, time.time(), b''
-        self.tail, self.progress, self.last_eval = deque(maxlen=30), '', ''
+        self.e, self.slot, self.t0 = e, slot, time.time()
+        self.tail, self.errors, self.progress, self.last_eval = deque(maxlen=30), deque(maxlen=60), '', ''
         os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
         self.log = open(log_path, 'ab')
         self.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
-        self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env=child_env(env), start_new_session=True,
                                   preexec_fn=lambda: _child_setup(parent, cores))
-        os.set_blocking(self.p.stdout.fileno(), False)
+        self.bufs = {self.p.stdout.fileno(): b'', self.p.stderr.fileno(): b''}  # open pipes: unfinished line
+        for fd in self.bufs:
+            os.set_blocking(fd, False)
         STOP['children'].add(self.p)
 
     def pump(self, echo):
-        """Takes what the process wrote: into its log, and here when echo. 'eof' at the end of its output, ''
-        when nothing is waiting, else 'more'."""
-        try:
-            chunk = os.read(self.p.stdout.fileno(), 1 << 16)
-        except BlockingIOError:
-            return ''
-        if echo and chunk:
-            sys.stdout.buffer.write(chunk)
-            sys.stdout.flush()
-        self.log.write(chunk)
-        self.log.flush()
-        *lines, self.buf = (self.buf + chunk).split(b'\n') if chunk else (self.buf.split(b'\n') + [b''])
-        for raw in lines:
-            line = raw.decode(errors='replace').rstrip()
-            if line.strip():
-                self.tail.append(line)
-            if line.startswith('step '):
-                self.progress = line
-            elif line.startswith('eval on'):
-                self.last_eval = line
-        return 'more' if chunk else 'eof'
+        """Takes what the process wrote (stdout and stderr): into its log, and here when echo. 'eof' at the
+        end of its output, '' when nothing is waiting, else 'more'."""
+        got = ''
+        for fd in list(self.bufs):
+            try:
+                chunk = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if echo and chunk:
+                try:
+                    sys.stdout.buffer.write(chunk)
+                    sys.stdout.flush()
+                except (OSError, ValueError):  # the reader of study.py's stdout is gone
+                    sys.stdout.lost()
+            self.log.write(chunk)
+            self.log.flush()
+            *lines, rest = (self.bufs[fd] + chunk).split(b'\n') if chunk else [self.bufs[fd], b'']
+            if chunk:
+                self.bufs[fd], got = rest, 'more'
+            else:
+                del self.bufs[fd]
+            for raw in lines:
+                line = raw.decode(errors='replace').rstrip()
+                if line.strip():
+                    self.tail.append(line)
+                    if fd == self.p.stderr.fileno():
+                        self.errors.append(line)
+                if line.startswith('step '):
+                    self.progress = line
+                elif line.startswith('eval on'):
+                    self.last_eval = line
+        return got or ('' if self.bufs else 'eof')
+
+    def error(self):
+        """The process's error: the last line it wrote to stderr that is not a warning, a traceback's frame
+        or torchrun's report around it (a SystemExit's message, a traceback's last line); '' if none."""
+        skip = re.compile(r'\s|[=\-\[*]|Traceback \(|During handling|The above exception|Root Cause|'
+                          r'Failures:|.*ChildFailedError|.*\w+ FAILED$|.*\w*Warning: |[WIEF]\d{4} ')
+        return next((l for l in reversed(self.errors) if not skip.match(l)), '')
 
     def close(self):
         rc = self.p.wait()
         STOP['children'].discard(self.p)
         self.p.stdout.close()
+        self.p.stderr.close()
         self.log.close()
         return rc, list(self.tail)
 
 
+def lock_study():
+    """One study at a time into an out_root: a lock file in its local folder (host, pid), taken over when its
+    study is gone (this host's pid ended, or the host restarted), removed at exit."""
+    path = os.path.join(LOCAL_ROOT, STUDY_LOCK)
+    for attempt in range(2):
+        try:
+            os.makedirs(LOCAL_ROOT, exist_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                rec = None
+            if attempt == 0 and holder_gone(rec):
+                print(f"study: taking over {path}, the lock of a study that is gone (on {rec.get('host')}, "
+                      f"pid {rec.get('pid')}, since {rec.get('since')})")
+                os.remove(path)
+                continue
+            who = f"the study on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
+                if isinstance(rec, dict) else 'a study whose lock cannot be read'
+            raise SystemExit(f"{ROOT} is in use by {who} (lock {path}): wait for it to end, use another "
+                             "--out_root, or remove the lock if that study is gone")
+        except OSError as ex:
+            raise SystemExit(f"cannot create the lock {path}: {ex.strerror}; out_root must be a folder this "
+                             "study can write")
+        with os.fdopen(fd, 'w') as f:
+            json.dump(lock_record(), f)
+        atexit.register(lambda: os.path.exists(path) and os.remove(path))
+        return
+
+
 def run_study(exps):
+    lock_study()
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     runs = [e for e in exps if not e.same_as]
@@ -895,10 +1035,14 @@ def run_study(exps):
             status[e.run] = (f"on host {h}", None)
     todo = []
     for e in mine:
-        if has_results(e):
-            status[e.run] = ('done before', None)
-        else:
+        why = read_results(e)[1] if has_results(e) else None
+        if why is None:
             todo.append(e)
+        elif why:  # neither reused nor trained over: said here and in the summary
+            status[e.run] = ('NOT REUSED', why)
+            print(f"study: {e.run}: {why}")
+        else:
+            status[e.run] = ('done before', None)
     where = f"host {index} of {hosts}: {len(mine)} of the " if hosts_mode == 'share' else ''
     print(f"study: scale {scale}, {len(exps)} experiment(s), {where}{len(runs)} run(s): "
           f"{len(mine) - len(todo)} finished before, {len(todo)} to run, in {ROOT}"
@@ -991,17 +1135,22 @@ def run_slots(todo, plans, status, failed_data):
 
 def finished(r, status, failed_data):
     e = r.e
-    rc, tail = r.close()
+    rc, _ = r.close()
     took = time.time() - r.t0
-    tail = [l for l in tail if l.strip()]
     if has_results(e):
         status[e.run] = ('done', f"in {duration(took)}")
     elif STOP['requested']:
         status[e.run] = ('stopped', f"checkpoint saved; rerun to continue ({duration(took)})")
-    else:
-        why = next((l for l in reversed(tail) if 'error' in l.lower()), tail[-1] if tail else '')
-        why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data \
-            else f"exit code {rc}: {why[:300]} "
+    else:  # its error, not its last line (a board, a step line)
+        why, err = f"exit code {rc}", r.error()[:300]
+        if rc == 0:
+            why += f", but no results.json in {e.out_dir}"
+        elif rc < 0 and -rc in signal.valid_signals():
+            why += f" (killed by {signal.Signals(-rc).name})"
+        elif not err:
+            why += ", with no error message"
+        why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data else \
+            why + (f": {err} " if err else ' ')
         status[e.run] = ('FAILED', f"{why}(log: {os.path.join(e.local, 'train.log')})")
     print(f"study: {e.run}: {status[e.run][0]}" + (f" {status[e.run][1]}" if status[e.run][1] else ''),
           flush=True)
@@ -1041,10 +1190,8 @@ def collect(exps):
                  H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
                  hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
                  puzzles=e.data['puzzles'], aug=e.data['aug'], status='not started')
-        path = fetch(e, 'results.json')
-        if path:
-            with open(path) as f:
-                res = json.load(f)
+        res, why = read_results(e)
+        if res:
             fe, be = res['final_eval'], res.get('best_eval') or {}
             cfg = res.get('config', {})
             r.update(status='done', params=res['parameters'], train_flops=res['train_flops'],
@@ -1070,6 +1217,9 @@ def collect(exps):
             c = cost(e)
             if c and 'error' not in c:
                 r.update(params=c['params'], train_flops=c['train_flops'], steps=c['steps'])
+            if why:  # its numbers are not this configuration's, or cannot be read: not shown as done
+                r.update(not_used=why, status=('unreadable results.json' if why.startswith('unreadable') else
+                                               'not used: results.json of another configuration'))
         rows.append(r)
     return rows
 
@@ -1455,7 +1605,10 @@ def make_report(exps):
     pngs = plot(rows, folder)
     print(f"\nreport: {os.path.join(folder, 'report.md')}, {os.path.join(folder, 'report.csv')}"
           + ''.join(f", {p}" for p in pngs))
-    missing = [r['name'] for r in rows if r['status'] != 'done']
+    for r in rows:
+        if r.get('not_used'):
+            print(f"report: {r['run']}: {r['not_used']}")
+    missing = [r['name'] for r in rows if r['status'] != 'done' and not r.get('not_used')]
     if missing:
         print(f"report: not finished yet: {', '.join(missing)}")
 

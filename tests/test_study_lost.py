@@ -1,0 +1,206 @@
+"""
+Nothing lost in a study (study.py): a closed stdout, the flags the runner owns, a FAILED run's reason, a
+finished run recorded with another configuration, a pod host without an index, bad values in experiment files
+and --extra, an unreadable results.json in the report, and two studies on one out_root. Real study.py
+processes on tiny cpu-scale runs (4x4 Sudoku), real files.
+    python -m pytest -q tests/test_study_lost.py
+"""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import ROOT, assert_user_error, run
+
+STUDY = os.path.join(ROOT, 'config', 'study')
+EXTRA = '--max_steps=20 --checkpoint_interval=10 --log_interval=10'
+
+
+@pytest.fixture(scope='module')
+def data_root(tmp_path_factory):
+    """One cpu-scale dataset for the whole file: the first study builds it, the others find it."""
+    return str(tmp_path_factory.mktemp('study_data'))
+
+
+@pytest.fixture
+def grid(tmp_path):
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    for name in ('rec_L2', 'rec_L4'):
+        shutil.copy(os.path.join(STUDY, name + '.py'), cfg)
+    return str(tmp_path)
+
+
+def args(tmp, data_root, pattern='rec_L2', extra=EXTRA, *more):
+    return ['study.py', f'--pattern={pattern}', f'--config_dir={tmp}/cfg', f'--out_root={tmp}/out',
+            f'--data_root={data_root}', '--scale=cpu', f'--extra={extra}'] + list(more)
+
+
+def start(cmd, **kw):
+    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    env.pop('PJRT_DEVICE', None)
+    kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), **kw)
+    return subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=env, start_new_session=True, **kw)
+
+
+def wait_for(cond, timeout=300):
+    t = time.time()
+    while not cond():
+        assert time.time() - t < timeout
+        time.sleep(0.05)
+
+
+def summary(text):
+    return text.split('study: summary')[1]
+
+
+def test_a_study_whose_stdout_reader_is_gone_still_runs(grid, data_root):
+    # stdout a pipe whose reader closed before study.py printed anything (`... | head -c 1`)
+    r, w = os.pipe()
+    os.close(r)
+    with open(f'{grid}/err', 'w') as err:
+        p = start(args(grid, data_root), stdout=w, stderr=err)
+    os.close(w)
+    assert p.wait(timeout=600) == 0, open(f'{grid}/err').read()[-3000:]
+    assert 'Traceback' not in open(f'{grid}/err').read()
+    assert json.load(open(f'{grid}/out/rec_L2/results.json'))['step'] == 20
+    assert 'eval on' in open(f'{grid}/out/rec_L2/train.log').read()
+
+
+def test_extra_may_not_set_what_the_runner_owns(grid, data_root):
+    for key, value in (('out_dir', f'{grid}/x'), ('local_dir', f'{grid}/x'), ('init_from', 'scratch'),
+                       ('eval_only', 'True')):
+        p = run(args(grid, data_root, 'rec_*', f'{EXTRA} --{key}={value}'), check=False)
+        assert_user_error(p, f'--extra', key, '--out_root')
+        assert len((p.stdout + p.stderr).strip().splitlines()[-1]) < 300
+        assert not os.path.exists(f'{grid}/x') and not os.path.exists(f'{grid}/out/rec_L2')
+
+
+def test_a_failed_runs_reason_is_its_error_not_its_last_line(grid, data_root):
+    # a run that exits 0 without results.json: it evaluates and shows a board as its last lines
+    with open(f'{grid}/cfg/rec_L2.py', 'a') as f:
+        f.write("eval_only = True\n")
+    p = run(args(grid, data_root), check=False)
+    line = next(l for l in summary(p.stdout).splitlines() if 'rec_L2' in l)
+    assert 'FAILED' in line and 'exit code 0' in line and 'no results.json' in line, line
+    assert '|' not in line.split('(log:')[0], line  # not a board row
+    # a run killed by a signal: the signal, not its last step line
+    os.remove(f'{grid}/cfg/rec_L2.py')
+    shutil.copy(os.path.join(STUDY, 'rec_L2.py'), f'{grid}/cfg')
+    p = start(args(grid, data_root, extra='--max_steps=200 --checkpoint_interval=10 --log_interval=10'))
+    wait_for(lambda: os.path.exists(f'{grid}/out/rec_L2/ckpt_00000010.pt') or p.poll() is not None)
+    kids = [int(d) for d in os.listdir('/proc') if d.isdigit() and os.path.exists(f'/proc/{d}/stat')
+            and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == p.pid]
+    for kid in kids:
+        os.kill(kid, signal.SIGKILL)
+    text = p.communicate(timeout=300)[0]
+    line = next(l for l in summary(text).splitlines() if 'rec_L2' in l)
+    assert re.search(r'FAILED +exit code -9 \(killed by SIGKILL\)', line), line
+    assert 'step ' not in line and 'saved ' not in line, line
+
+
+def test_a_result_recorded_with_another_configuration_is_not_reused(grid, data_root):
+    out = f'{grid}/out'
+    run(args(grid, data_root))
+    before = open(f'{out}/rec_L2/results.json').read()
+    # the experiment file changed since: L_cycles 2 -> 3
+    path = f'{grid}/cfg/rec_L2.py'
+    text = open(path).read()
+    open(path, 'w').write(text.replace('L_cycles = 2', 'L_cycles = 3'))
+    p = run(args(grid, data_root), check=False)
+    assert p.returncode == 1, p.stdout[-3000:]
+    line = next(l for l in summary(p.stdout).splitlines() if 'rec_L2' in l)
+    assert 'done' not in line and 'L_cycles' in line and '2' in line and '3' in line, line
+    assert 'not reused' in p.stdout and 'move ' in p.stdout, p.stdout[-3000:]
+    assert open(f'{out}/rec_L2/results.json').read() == before  # nothing retrained over it
+    # the report does not label the old result with the new value
+    run(args(grid, data_root, 'rec_L2', EXTRA, '--report=True'))
+    row = next(l for l in open(f'{out}/report.md').read().splitlines() if l.startswith('| rec_L2 |'))
+    assert 'L_cycles=3' in row and 'other configuration' in row and '| done |' not in row, row
+    # another --extra: the steps recorded are not the steps asked for
+    open(path, 'w').write(text)
+    p = run(args(grid, data_root, extra=EXTRA.replace('max_steps=20', 'max_steps=30')), check=False)
+    line = next(l for l in summary(p.stdout).splitlines() if 'rec_L2' in l)
+    assert p.returncode == 1 and 'max_steps' in line and 'done' not in line, line
+    # what does not shape the result (how often it logs) reuses it
+    p = run(args(grid, data_root, extra=EXTRA.replace('log_interval=10', 'log_interval=5')))
+    assert re.search(r'rec_L2 +done before', summary(p.stdout)), p.stdout
+
+
+def test_a_pod_host_without_an_index_is_told_to_give_one():
+    env = {k: '' for k in ('TPU_WORKER_ID', 'CLOUD_TPU_TASK_ID', 'TPU_WORKER_HOSTNAMES')}
+    share = ['study.py', '--pattern=rec_*', '--dry_run=True', '--hosts_mode=share']
+    p = run(share + ['--num_hosts=2'], env=env, check=False)
+    assert_user_error(p, '--host_index')
+    p = run(share + ['--num_hosts=2', '--host_index=1'], env=env)
+    assert '(this is host 1)' in p.stdout
+    p = run(share + ['--num_hosts=2'], env=dict(env, TPU_WORKER_ID='abc'), check=False)
+    assert_user_error(p, 'TPU_WORKER_ID', 'abc', '--host_index')
+
+
+def test_bad_values_in_experiment_files_and_extra_are_one_line(grid, data_root):
+    cfg = f'{grid}/cfg'
+    for line, allowed in (("L_cycles = '3'", 'int'), ("out_dir = None", 'str'), ("epochs = 2.5", 'int')):
+        key = line.split()[0]
+        text = f"_base = 'config/baseline.py'\nout_dir = 'out/study/b'\n{line}\n"
+        open(f'{cfg}/bad_one.py', 'w').write(text)
+        p = run(args(grid, data_root, 'bad_*', EXTRA, '--dry_run=True'), check=False)
+        assert_user_error(p, 'bad_one.py', key, allowed)
+        assert 'parameters |' not in p.stdout  # refused before it is costed
+    os.remove(f'{cfg}/bad_one.py')
+    for extra, words in (('--epochs=abc', ('epochs', "'abc'", 'int')),
+                         ("--seed='1", ('--extra', 'quotation'))):
+        p = run(args(grid, data_root, 'rec_*', extra, '--dry_run=True'), check=False)
+        assert_user_error(p, *words)
+        assert len((p.stdout + p.stderr).strip().splitlines()[-1]) < 300
+
+
+def test_the_report_says_which_results_cannot_be_read(grid, data_root):
+    out = f'{grid}/out'
+    run(args(grid, data_root, 'rec_L2'))
+    text = open(f'{out}/rec_L2/results.json').read()
+    os.makedirs(f'{out}/rec_L4')
+    for broken in (text[:len(text) // 2], ''):  # rec_L4's results.json, cut short, then empty
+        open(f'{out}/rec_L4/results.json', 'w').write(broken)
+        p = run(args(grid, data_root, 'rec_*', EXTRA, '--report=True'))
+        assert 'Traceback' not in p.stdout + p.stderr
+        md = open(f'{out}/report.md').read()
+        assert re.search(r'\| rec_L2 \|.*\| done \|', md), md
+        row = next(l for l in md.splitlines() if l.startswith('| rec_L4 |'))
+        assert 'unreadable' in row and 'results.json' in row, row
+    # a study run ends with its report too: the unreadable run is named, not reused, and the report is made
+    p = run(args(grid, data_root, 'rec_*'), check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stdout + p.stderr, p.stdout[-3000:]
+    assert re.search(r'rec_L4 +\S+ .*unreadable', summary(p.stdout)), p.stdout
+    assert 'report: ' in p.stdout.split('study: summary')[1]
+
+
+def test_a_second_study_on_the_same_out_root_refuses_to_start(grid, data_root):
+    out = f'{grid}/out'
+    first = start(args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=200')))
+    try:
+        wait_for(lambda: os.path.exists(f'{out}/rec_L2/ckpt_00000010.pt') or first.poll() is not None)
+        assert first.poll() is None
+        p = run(args(grid, data_root, 'rec_*'), check=False)
+        assert_user_error(p, out, socket.gethostname(), f'pid {first.pid}')
+        assert not os.path.exists(f'{out}/rec_L4')  # it ran nothing
+    finally:
+        first.send_signal(signal.SIGTERM)
+        text = first.communicate(timeout=300)[0]
+    assert 'rec_L2' in summary(text) and 'FAILED' not in summary(text), text[-3000:]
+    # a lock whose holder is gone is taken over, with a line that says so
+    dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+    dead.wait()
+    lock = os.path.join(out, 'study.lock')
+    assert not os.path.exists(lock)  # the first one released it
+    json.dump(dict(host=socket.gethostname(), pid=dead.pid, since='earlier'), open(lock, 'w'))
+    p = run(args(grid, data_root, 'rec_L4'))
+    assert 'taking over' in p.stdout and re.search(r'rec_L4 +done', summary(p.stdout)), p.stdout[-3000:]
+    assert not os.path.exists(lock)  # released at the end
