@@ -64,7 +64,8 @@ config_keys = [k for k, v in globals().items()
 exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
-from data import load_metadata, puzzle_type, shape_from_name  # noqa: E402
+from data import load_metadata  # noqa: E402
+from puzzles import puzzle_type, shape_from_name  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss, train_step  # noqa:

@@ -34,13 +34,14 @@ import time
 import torch
 
 import gcs
-from data import check_split, load_metadata, puzzle_type
+from data import check_split, load_metadata
+from puzzles import puzzle_type
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
 MAX_WEIGHT = 1e4
 # the code whose copies every host must share (a pod runs one command on every host)
-CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'device.py')
+CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py')
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------

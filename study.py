@@ -114,7 +114,7 @@ from collections import deque
 
 import gcs
 from configurator import config_files, parse_flags, read_config_block
-from data import shape_from_name
+from puzzles import shape_from_name
 from safety import list_checkpoints, local_folder
 
 # -----------------------------------------------------------------------------
@@ -158,7 +158,7 @@ CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xl
 CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
 CPU_MAZE = dict(size=8, train=200, num_test=100)
 # the real datasets' sizes, for costs before they are built
-# (shapes from the folder's name: data.shape_from_name)
+# (shapes from the folder's name: puzzles.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
 MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is

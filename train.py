@@ -107,7 +107,8 @@ if bad:
 import torch  # noqa: E402  (after the config: --help and config errors answer at once)
 
 import safety  # noqa: E402
-from data import EvalLoader, TrainLoader, render_example, verifier_for  # noqa: E402
+from data import EvalLoader, TrainLoader  # noqa: E402
+from puzzles import render_example, verifier_for  # noqa: E402
 from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
