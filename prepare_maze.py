@@ -71,8 +71,9 @@ def read_csv(path, skip_bad=False):
     a = kind.encode([ans[i] for i in good]).reshape(-1, L)
     # checks in order; a row is reported with the first one it fails
     checks = [
-        ("question has a character outside '# SG'", ~np.isin(q, (WALL, OPEN, START, GOAL)).all(1)),
-        ("answer has a character outside '# SGo'", (a == 255).any(1)),
+        (f"question has a character outside '{kind.question_chars}'",
+         ~np.isin(q, (WALL, OPEN, START, GOAL)).all(1)),
+        (f"answer has a character outside '{kind.chars}'", (a == 255).any(1)),
         ("question needs exactly one S and one G", ((q == START).sum(1) != 1) | ((q == GOAL).sum(1) != 1)),
         ("answer differs from the question other than by 'o' on open cells",
          ~np.where(a == PATH, q == OPEN, a == q).all(1)),
@@ -140,7 +141,7 @@ def build_dataset(csv_dir, output_dir, aug=False, subsample_size=None, seed=0, s
                                    group_indices=np.arange(0, P + 1, per_group),
                                    vocab_size=Maze(n).vocab_size, pad_id=PAD, ignore_label_id=0,
                                    blank_identifier_id=0,
-                                   num_puzzle_identifiers=1, extra=dict(puzzle_type='maze', grid_size=n))
+                                   num_puzzle_identifiers=1, extra=dict(puzzle_type=Maze.name, grid_size=n))
         steps = shortest_path_length(q)
         print(f"{split}: {P // per_group} mazes {n}x{n} -> {P} examples, {P // per_group} groups"
               f"{f', skipped {skipped}' if skipped else ''}; shortest path steps min {steps.min()} "

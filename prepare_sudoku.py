@@ -476,7 +476,7 @@ def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_di
     N = len(inputs)
     write_split(output_dir, split, inputs, labels, puzzle_identifiers=np.zeros(N, np.int32),
                 puzzle_indices=np.arange(N + 1), group_indices=np.arange(0, N + 1, K), vocab_size=n + 2,
-                extra=dict(puzzle_type='sudoku', grid_size=n))
+                extra=dict(puzzle_type=Sudoku.name, grid_size=n))
     print(f"{split}: {rows:,} rows read, {bad.count:,} bad rows skipped, {groups:,} groups, {N:,} puzzles "
           f"({n}x{n}) in {time.time() - t0:.1f} s")
     return dict(n=n, rows=rows, skipped=bad.count, groups=groups, puzzles=N)

@@ -160,7 +160,7 @@ CPU_MAZE = dict(size=8, train=200, num_test=100)
 # the real datasets' sizes, for costs before they are built
 # (shapes from the folder's name: puzzles.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
-MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
+MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000, gpu_batch=128)  # gpu scale: 900-token rows
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is
                                                          # trained
 STOP = dict(requested=False, children=set())
@@ -321,8 +321,8 @@ class Experiment:
             o['epochs'] = max(1, round(c['epochs'] * GPU_FRACTION))
             o['eval_interval'] = max(1, round(c['eval_interval'] * GPU_FRACTION))
             o['lr_warmup_steps'] = round(c['lr_warmup_steps'] * GPU_FRACTION)
-            if self.data['kind'] == 'maze':
-                o['global_batch_size'] = min(c['global_batch_size'], 128)
+            if self.data.get('gpu_batch'):
+                o['global_batch_size'] = min(c['global_batch_size'], self.data['gpu_batch'])
         elif scale == 'cpu':
             o.update(CPU_FIXED)
             b = self.base_cfg
