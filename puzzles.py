@@ -209,12 +209,12 @@ class Sudoku(Grid):
     aliases = {'0': 1}
     one_line_answer = True
 
-    def __init__(self, n, box=None):
-        if box is None and n not in BOXES:
+    def __init__(self, n, boxes=True):
+        if boxes and n not in BOXES:
             sizes = ', '.join(f'{k}x{k}' for k in BOXES)
             raise ValueError(f"no Sudoku of size {n}x{n}: the sizes are {sizes}")
         super().__init__(n)
-        self.box = box or BOXES[n]
+        self.box = BOXES[n] if boxes else None  # without boxes: a Latin square
         self.chars = '.' + '123456789'[:n]
         self.question_chars = '.0' + '123456789'[:n]
 
@@ -224,13 +224,15 @@ class Sudoku(Grid):
     @functools.cached_property
     def units(self):
         """[(name, flat cell indices)]: the rows, the columns and the boxes, the Sudoku rule's units."""
-        n, (br, bc) = self.n, self.box
+        n = self.n
         units = [(f"row {r + 1}", [r * n + c for c in range(n)]) for r in range(n)]
         units += [(f"column {c + 1}", [r * n + c for r in range(n)]) for c in range(n)]
-        corners = [(r, c) for r in range(0, n, br) for c in range(0, n, bc)]
-        units += [(f"box {b + 1} (rows {r0 + 1}-{r0 + br}, columns {c0 + 1}-{c0 + bc})",
-                   [(r0 + i) * n + c0 + j for i in range(br) for j in range(bc)])
-                  for b, (r0, c0) in enumerate(corners)] if br * bc > 1 else []
+        if self.box:
+            br, bc = self.box
+            corners = [(r, c) for r in range(0, n, br) for c in range(0, n, bc)]
+            units += [(f"box {b + 1} (rows {r0 + 1}-{r0 + br}, columns {c0 + 1}-{c0 + bc})",
+                       [(r0 + i) * n + c0 + j for i in range(br) for j in range(bc)])
+                      for b, (r0, c0) in enumerate(corners)]
         return units
 
     @functools.cached_property
@@ -314,8 +316,9 @@ class Sudoku(Grid):
 
     def draw(self, rng, k):
         """k random symmetries: digit relabelling, band and row-within-band permutation, stack and
-        column-within-stack permutation, and a transpose with p=0.5 where boxes are square."""
-        n, (br, bc) = self.n, self.box
+        column-within-stack permutation, and a transpose with p=0.5 where boxes are square (without boxes:
+        any row and column permutation, and the transpose)."""
+        n, (br, bc) = self.n, self.box or (1, 1)
         token_map = np.zeros((k, self.vocab_size), np.uint8)
         token_map[:, 1] = 1
         token_map[:, 2:] = _random_perms(rng, n, k) + 2

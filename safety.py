@@ -5,7 +5,7 @@ this for the rest:
     run = Run(config, dev)                  start-up checks on every rank, host agreement, the run's folders
     step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
-    run.log_train(line) / run.log_eval()    metrics.jsonl (+ the bucket's copy) and W&B, never fatal
+    run.log(kind, values, step, wandb)   metrics.jsonl (+ the bucket's copy) and W&B, never fatal
     run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock
                                             removed
 It also holds the checkpoint files themselves (save_atomic, load_checkpoint, list_checkpoints,
@@ -342,8 +342,8 @@ def fail_together(dev, problems, what):
 
 def fail_if_ranks_differ(dev, values, problem):
     """fail_together when the ranks hold different values (fingerprints of what they loaded or read)."""
-    differ = [i for i, (lo,
-                        hi) in enumerate(zip(dev.agree(values, 'min'), dev.agree(values, 'max'))) if lo != hi]
+    lows, highs = dev.agree(values, 'min'), dev.agree(values, 'max')
+    differ = [i for i, (lo, hi) in enumerate(zip(lows, highs)) if lo != hi]
     fail_together(dev, [problem(differ)] if differ and dev.master else [], 'host agreement')
 
 

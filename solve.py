@@ -64,7 +64,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from data import load_arrays, load_metadata  # noqa: E402
-from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
+from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig, from_reference_state_dict, swiglu_inter  # noqa: E402
 from puzzles import KINDS, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import seq_len_for_vocab  # noqa: E402
@@ -77,7 +77,7 @@ def cpu_threads():
     with other work, ran a 9x9 solve 3-4x slower than 1 thread)."""
     if threads:
         return threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    cores = len(usable_cores())
     try:
         busy = os.getloadavg()[0]
     except OSError:
@@ -445,8 +445,7 @@ def load_model(dev):
         fail(f"{meta_from} holds no puzzle kind that solve.py knows (vocab_size {meta['vocab_size']}, "
              f"seq_len {meta['seq_len']}; it knows {', '.join(KINDS)})")
     try:
-        cfg = TRMConfig(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
-                        num_puzzle_identifiers=meta['num_puzzle_identifiers'], **model_cfg)
+        cfg = TRMConfig.for_data(meta, **model_cfg)
     except (TypeError, ValueError) as e:
         fail(f"model config error: {short(e)}")
     model = TRM(cfg)

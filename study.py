@@ -114,6 +114,7 @@ from collections import deque
 
 import gcs
 from configurator import config_files, parse_flags, read_config_block
+from device import usable_cores
 from puzzles import shape_from_name
 from safety import list_checkpoints, local_folder
 
@@ -533,12 +534,6 @@ def host_devices(exps):
         if gpus:
             return 'cuda', gpus
     return 'cpu', [str(c) for c in usable_cores()]
-
-
-def usable_cores():
-    """The CPU cores study.py may run on (its affinity), in order."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
-        else list(range(os.cpu_count() or 1))
 
 
 def this_host():
