@@ -181,6 +181,12 @@ def _to_batch(arrays, meta, example_idx, puzzle_idx):
     return dict(inputs=inputs, labels=labels, puzzle_identifiers=pid)
 
 
+def steps_for(epochs, groups, mean_puzzle_examples, global_batch_size):
+    """Optimizer steps of `epochs` passes over a split's groups (a group gives mean_puzzle_examples examples a
+    pass): the run's length, and in epochs its eval_interval."""
+    return int(epochs * (groups * mean_puzzle_examples) // global_batch_size)
+
+
 class TrainLoader:
     """Training batches sampled by groups, as the reference does: each epoch visits every group once
     in random order; a group gives one random puzzle (e.g. one augmentation), whose examples (in random
@@ -205,8 +211,7 @@ class TrainLoader:
         self._order_epoch, self._order = None, None
 
     def steps_for(self, epochs):
-        examples_per_epoch = self.n_groups * self.meta['mean_puzzle_examples']
-        return int(epochs * examples_per_epoch // self.B)
+        return steps_for(epochs, self.n_groups, self.meta['mean_puzzle_examples'], self.B)
 
     def state_dict(self):
         return dict(epoch=self.epoch, cursor=self.cursor, batch_index=self.batch_index)

@@ -86,6 +86,21 @@ def load_checkpoint(path, name=None):
                               f"{e}") from e
 
 
+def weights_in(ckpt):
+    """What a loaded checkpoint file holds: dict(weights in this model's names (the EMA's when there are),
+    config: the training run's or None, step, data: the shape it trained on, ema: whether they are the
+    EMA's), or None when it is neither a checkpoint of train.py nor a state dict (the reference's keys or
+    ours)."""
+    from model import from_reference_state_dict
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+        saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
+        return dict(weights=dict(ckpt.get('ema') or ckpt['model']), config=saved, step=ckpt.get('step'),
+                    data=ckpt.get('data'), ema=bool(ckpt.get('ema')))
+    if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
+        return dict(weights=from_reference_state_dict(ckpt), config=None, step=None, data=None, ema=False)
+    return None
+
+
 def list_checkpoints(folder):
     """{step: path} of the complete checkpoints in a local folder or gs:// prefix (temporary files and
     half-done uploads never match: local writes are renamed when whole, GCS objects appear when whole)."""
@@ -904,18 +919,14 @@ def bucket_copy(uri, path, otherwise):
 def load_weights(path, model, ema_model):
     """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
     dict."""
-    from model import from_reference_state_dict
     try:
-        ckpt = load_checkpoint(path)
+        found = weights_in(load_checkpoint(path))
     except CheckpointError as e:
         raise SystemExit(f"init_from: {e}")
-    if isinstance(ckpt, dict) and 'model' in ckpt:
-        sd = ckpt.get('ema') or ckpt['model']
-    elif isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-        sd = from_reference_state_dict(ckpt)  # a bare state dict, the reference's keys or ours
-    else:
+    if found is None:
         raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
                          f"reference implementation")
+    sd = found['weights']
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:

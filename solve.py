@@ -65,10 +65,10 @@ import torch  # noqa: E402
 
 from data import load_arrays, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
-from model import MODEL_KEYS, TRM, TRMConfig, from_reference_state_dict, swiglu_inter  # noqa: E402
+from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
 from puzzles import KINDS, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import seq_len_for_vocab  # noqa: E402
-from safety import CheckpointError, load_checkpoint  # noqa: E402
+from safety import CheckpointError, load_checkpoint, weights_in  # noqa: E402
 
 
 def cpu_threads():
@@ -124,16 +124,16 @@ def read_checkpoint(path):
             detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
             fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or "
                  f"truncated one, or one holding more than weights and plain values): {short(detail, 160)}")
-    if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
-        saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
-        ema = ckpt.get('ema')
-        step = f" of step {ckpt['step']}" if 'step' in ckpt else ''
-        what = f"train.py checkpoint{step}, " + ('EMA weights' if ema else 'model weights (it holds no EMA)')
-        return dict(ema or ckpt['model']), saved, what, ckpt.get('data')
-    if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-        return from_reference_state_dict(ckpt), None, 'state dict (reference format)', None
-    fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
-         "implementation")
+    found = weights_in(ckpt)
+    if found is None:
+        fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
+             "implementation")
+    if found['config'] is None:
+        return found['weights'], None, 'state dict (reference format)', None
+    step = f" of step {found['step']}" if found['step'] is not None else ''
+    weights = 'EMA weights' if found['ema'] else 'model weights (it holds no EMA)'
+    what = f"train.py checkpoint{step}, {weights}"
+    return found['weights'], found['config'], what, found['data']
 
 
 def shapes_in(sd):

@@ -454,6 +454,7 @@ def model_cost(run_cfg, data):
 
 def cost(e, data=None):
     """Parameters, FLOPs and steps of a run, as train.py will count them (data: other sizes than e.data's)."""
+    from data import steps_for
     from step import evaluation_steps
     c, d = e.run_cfg, data or e.data
     if d['groups'] is None or d.get('vocab_size') is None:
@@ -463,9 +464,9 @@ def cost(e, data=None):
     except ValueError as ex:
         return dict(error=str(ex))
     B = c['global_batch_size']
-    total = int(c['epochs'] * d['groups'] * d['mean'] // B)
+    total = steps_for(c['epochs'], d['groups'], d['mean'], B)
     steps = min(total, c['max_steps']) if c['max_steps'] > 0 else total
-    every = max(1, int(c['eval_interval'] * d['groups'] * d['mean'] // B))
+    every = max(1, steps_for(c['eval_interval'], d['groups'], d['mean'], B))
     middle = len(evaluation_steps(steps, every)) - 1  # and the final one
     sub = min(c['eval_subset'] or d['test'], d['test'])
     eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
