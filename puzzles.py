@@ -248,8 +248,11 @@ class Sudoku(Grid):
             t = np.clip(t, 0, 255).astype(np.uint8)
         lut = np.zeros(256, np.uint16)
         lut[2:self.n + 2] = 1 << np.arange(self.n)
-        sums = lut[t][:, self._unit_index].sum(-1, dtype=np.uint16)
-        return (sums == (1 << self.n) - 1).all(1)
+        bits, cells = lut[np.ascontiguousarray(t.T)], self._unit_index  # [L, B]: a cell's batch lies together
+        sums = bits[cells[:, 0]]
+        for j in range(1, cells.shape[1]):  # one cell of every unit at a time, whole rows of B: memory-fast
+            sums += bits[cells[:, j]]
+        return (sums == (1 << self.n) - 1).all(0)
 
     def correct(self, inputs, preds):
         """bool [B]: the prediction keeps every given and obeys the rule."""
