@@ -2,21 +2,16 @@
 Speed of TRM training and evaluation on the current device (CPU, CUDA GPU or XLA/TPU), with exactly the
 model and training step of train.py (step.train_step: forward_loss, backward, AdamATan2, sign-SGD on the
 puzzle embedding, EMA), on random batches or on a dataset:
-    python bench.py                                               # the paper's Sudoku MLP model
-    python bench.py config/baseline.py --global_batch_size=384    # any train.py config; the batch is
-                                                                  # global_batch_size
+    python bench.py                                             # the paper's Sudoku MLP model
+    python bench.py config/baseline.py --global_batch_size=384  # any train.py config and batch
     python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
-    python bench.py config/maze.py                                # the task's shape from the config: 30x30
-                                                                  # maze, 900 tokens
-    python bench.py --compile=False                               # CUDA, XLA: eager (compiled is the
-                                                                  # default, as in train.py)
-    python bench.py --compile_mode=max-autotune-no-cudagraphs     # CUDA
-    python bench.py --seq_align=1                                 # mlp_t without the sequence-axis
-                                                                  # padding (A/B)
+    python bench.py config/maze.py                              # the shape from the config: 900 tokens
+    python bench.py --compile=False                             # CUDA, XLA: eager (train.py compiles)
+    python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
+    python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
-    python bench.py --profile=True                                # also a trace of profile_steps steps
-    python bench.py config/baseline.py --global_batch_size=768 --steps=0 --eval_batches=0 --checkpoint_dir=gs://BUCKET/x
-                                                                  # only a checkpoint's save + upload time
+    python bench.py --profile=True                              # also a trace of profile_steps steps
+    python bench.py config/baseline.py --steps=0 --eval_batches=0 --checkpoint_dir=gs://B/x  # save + upload
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81
 tokens, vocab 11); --seq_len / --vocab_size override it. On CUDA and XLA the step and the evaluation are
@@ -40,7 +35,6 @@ _here = os.path.dirname(os.path.abspath(__file__))
 globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py')).items()})
 # -----------------------------------------------------------------------------
 # config: bench's own keys (train.py's are above)
-# then bench's own keys and defaults
 global_batch_size = 0           # batch size; 0: 768 on a GPU or TPU, 64 on the CPU (config files may set it)
 data_path = ''                  # dataset folder (shape, batches); if absent, its name says the shape
 seq_len = 0                     # tokens/example; 0: from the dataset or data_path's name (default 81, 9x9)
@@ -64,14 +58,14 @@ config_keys = [k for k, v in globals().items()
 exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
-from data import load_metadata, puzzle_type, shape_from_name  # noqa: E402
+from data import load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss, train_step  # noqa:
-                                                                                                   # E402
+from puzzles import puzzle_type, shape_from_name  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
+from step import train_step  # noqa: E402
 
-# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name found in the device's
-# wins
+# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name in the device's wins
 PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312),
                ('L40S', 362),
                ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),

@@ -1,6 +1,6 @@
 """
-Datasets on disk, the loaders that feed train.py, and what a puzzle is (tokens, verifiers, rendering,
-the download helper), shared by the trainer, solve.py and the prepare_*.py builders.
+Datasets on disk, the loaders that feed train.py, and the download helper, shared by the trainer, solve.py
+and the prepare_*.py builders (what a puzzle is, its tokens and its verifier, is puzzles.py's).
 
 Layout (the reference implementation's, so either side reads the other's datasets):
     <root>/<split>/dataset.json
@@ -10,9 +10,7 @@ puzzle_indices are example offsets per puzzle, group_indices puzzle offsets per 
 its augmentations form one group).
 """
 import contextlib
-import functools
 import json
-import math
 import os
 import re
 import shutil
@@ -26,13 +24,6 @@ IGNORE_LABEL_ID = -100  # what the loss ignores; the dataset's own ignore_label_
 METADATA_FIELDS = ('pad_id', 'ignore_label_id', 'blank_identifier_id', 'vocab_size', 'seq_len',
                    'num_puzzle_identifiers', 'total_groups', 'mean_puzzle_examples', 'total_puzzles', 'sets')
 ARRAY_NAMES = ('inputs', 'labels', 'puzzle_identifiers', 'puzzle_indices', 'group_indices')
-
-# Sudoku tokens: PAD 0, blank 1, digit d -> d + 1 (vocab n + 2, seq_len n * n)
-BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}  # grid size n -> (rows, cols) of one box
-# Maze tokens: PAD 0, then '#' wall, ' ' open, 'S' start, 'G' goal, 'o' path cell (only in answers)
-CHARSET = '# SGo'  # token id = index + 1
-PAD, WALL, OPEN, START, GOAL, PATH = range(6)
-MAZE_VOCAB_SIZE = 6
 
 # -----------------------------------------------------------------------------
 # writing (used by prepare_sudoku.py and prepare_maze.py)
@@ -190,6 +181,12 @@ def _to_batch(arrays, meta, example_idx, puzzle_idx):
     return dict(inputs=inputs, labels=labels, puzzle_identifiers=pid)
 
 
+def steps_for(epochs, groups, mean_puzzle_examples, global_batch_size):
+    """Optimizer steps of `epochs` passes over a split's groups (a group gives mean_puzzle_examples examples a
+    pass): the run's length, and in epochs its eval_interval."""
+    return int(epochs * (groups * mean_puzzle_examples) // global_batch_size)
+
+
 class TrainLoader:
     """Training batches sampled by groups, as the reference does: each epoch visits every group once
     in random order; a group gives one random puzzle (e.g. one augmentation), whose examples (in random
@@ -214,8 +211,7 @@ class TrainLoader:
         self._order_epoch, self._order = None, None
 
     def steps_for(self, epochs):
-        examples_per_epoch = self.n_groups * self.meta['mean_puzzle_examples']
-        return int(epochs * examples_per_epoch // self.B)
+        return steps_for(epochs, self.n_groups, self.meta['mean_puzzle_examples'], self.B)
 
     def state_dict(self):
         return dict(epoch=self.epoch, cursor=self.cursor, batch_index=self.batch_index)
@@ -309,184 +305,6 @@ class EvalLoader:
             batch['valid'] = valid
             sl = slice(self.rank * self.local_B, (self.rank + 1) * self.local_B)
             yield {k: v[sl] for k, v in batch.items()}
-
-# -----------------------------------------------------------------------------
-# what a puzzle is: its type from a dataset's metadata, verifiers that accept any valid answer, rendering
-
-def shape_from_name(path):
-    """(seq_len, vocab_size, why) of the task a dataset folder's name says: 'maze' (30x30 unless the name
-    says RxC), 'sudoku<N>' (N = 4, 6 or 9), anything else the paper's 9x9 Sudoku."""
-    name = os.path.basename(os.path.normpath(path)).lower() if path else ''
-    if 'maze' in name:
-        m = re.search(r'(\d+)x(\d+)', name)
-        r, c = (int(m.group(1)), int(m.group(2))) if m else (30, 30)
-        return r * c, MAZE_VOCAB_SIZE, f"maze {r}x{c}, from data_path's name {path!r}"
-    m = re.search(r'sudoku[-_]?(\d+)', name)
-    if m and int(m.group(1)) in BOXES:
-        n = int(m.group(1))
-        return n * n, n + 2, f"sudoku {n}x{n}, from data_path's name {path!r}"
-    if 'sudoku' in name:
-        return 81, 11, f"sudoku 9x9, from data_path's name {path!r}"
-    return 81, 11, (f"sudoku 9x9, the default: data_path's name {path!r} names no known puzzle" if path
-                    else "sudoku 9x9, the default: no data_path")
-
-
-def puzzle_type(meta):
-    """'sudoku', 'maze' or None (unknown: exact match to the label is then the only check). Datasets
-    built here say so in dataset.json; the reference's are recognised by their vocabulary and length."""
-    if meta.get('puzzle_type'):
-        return meta['puzzle_type']
-    n = math.isqrt(meta['seq_len'])
-    if n * n == meta['seq_len'] and n in BOXES and meta['vocab_size'] == n + 2:
-        return 'sudoku'
-    if n * n == meta['seq_len'] and meta['vocab_size'] == MAZE_VOCAB_SIZE:
-        return 'maze'
-    return None
-
-
-def verifier_for(meta):
-    """A checker of whole answers, (inputs, preds) -> bool [B], or None for an unknown puzzle type."""
-    return {'sudoku': sudoku_correct, 'maze': maze_correct}.get(puzzle_type(meta))
-
-
-@functools.lru_cache(maxsize=None)
-def _bit_lut(n):
-    lut = np.zeros(256, np.uint16)
-    lut[1:n + 1] = 1 << np.arange(n)
-    return lut
-
-
-def units_ok(digits, n):
-    """[B, n*n] digits (anything outside 1..n counts as wrong) -> bool [B]: every row, column and box
-    holds each digit once. A unit's sum of 2**(d-1) equals 2**n - 1 exactly when its n digits are
-    distinct (n powers of two have n set bits in their sum only if no two are equal)."""
-    br, bc = BOXES[n]
-    d = np.asarray(digits)
-    if d.dtype != np.uint8:
-        d = np.clip(d, 0, 255).astype(np.uint8)
-    B = len(d)
-    bits = _bit_lut(n)[d].reshape(B, n, n)
-    rows, cols = bits[:, :, 0].copy(), bits[:, 0].copy()  # summed by slices: faster than .sum(axis)
-    for j in range(1, n):
-        rows += bits[:, :, j]
-        cols += bits[:, j]
-    b5 = bits.reshape(B, n // br, br, n // bc, bc)
-    boxes = np.zeros((B, n // br, n // bc), np.uint16)
-    for i in range(br):
-        for j in range(bc):
-            boxes += b5[:, :, i, :, j]
-    full = (1 << n) - 1
-    return (rows == full).all(1) & (cols == full).all(1) & (boxes == full).all((1, 2))
-
-
-def sudoku_correct(inputs, preds, n=None):
-    """inputs, preds: integer token arrays [B, n*n] (blank 1, digit d -> d+1). True where the
-    prediction keeps every given and every row, column and box holds each digit once."""
-    inputs, preds = np.asarray(inputs), np.asarray(preds)
-    L = preds.shape[-1]
-    n = n or math.isqrt(L)
-    assert n * n == L and n in BOXES, f"no Sudoku layout for seq_len {L} (n={n})"
-    keeps = ((preds == inputs) | (inputs < 2)).all(1)
-    digits = np.clip(preds, 0, n + 2).astype(np.uint8) - np.uint8(1)  # PAD wraps to 255: no digit
-    return keeps & units_ok(digits, n)
-
-
-def _grid_size(L):
-    n = math.isqrt(L)
-    assert n * n == L, f"sequence length {L} is not a perfect square"
-    return n
-
-
-def _pack_rows(mask):
-    """[B, n, n] bool -> [B, n] bitsets: bit j of word i is cell (i, j). uint64 up to n = 64 (so a BFS
-    step is a few shifts on B*n words instead of B*n*n bools), Python ints (object) beyond."""
-    n = mask.shape[-1]
-    dt = np.uint64 if n <= 64 else object
-    return np.bitwise_or.reduce(mask.astype(dt) << np.arange(n).astype(dt), axis=-1)
-
-
-def shortest_path_length(grids):
-    """BFS steps from S to G through non-wall cells, for each row of [B, n*n] tokens; -1 when G is
-    unreachable or the row lacks a unique S and G. All rows expand their frontier together, as
-    bitsets, and leave the batch once they reach G or their frontier stops growing."""
-    x = np.asarray(grids)
-    B, L = x.shape
-    n = _grid_size(L)
-    dist = np.full(B, -1, np.int64)
-    is_s, is_g = x == START, x == GOAL
-    rows = np.flatnonzero((is_s.sum(1) == 1) & (is_g.sum(1) == 1))
-    passable = _pack_rows(np.isin(x[rows], (OPEN, START, GOAL, PATH)).reshape(-1, n, n))
-    reach = _pack_rows(is_s[rows].reshape(-1, n, n))
-    goal = _pack_rows(is_g[rows].reshape(-1, n, n))
-    step = 0
-    while len(rows):
-        step += 1
-        new = reach | (reach << 1) | (reach >> 1)  # left/right neighbours (bit n is cut by passable)
-        new[:, 1:] |= reach[:, :-1]  # the cell above
-        new[:, :-1] |= reach[:, 1:]  # the cell below
-        new &= passable
-        hit = (new & goal).any(1)
-        dist[rows[hit]] = step
-        keep = ~hit & (new != reach).any(1)  # a frontier that stopped growing: no path
-        reach = new
-        if not keep.all():
-            rows, reach, passable, goal = rows[keep], reach[keep], passable[keep], goal[keep]
-    return dist
-
-
-def maze_correct(inputs, preds):
-    """bool [B]: the prediction keeps every wall, S and G of the input maze (and adds none), and its 'o'
-    cells form a 4-connected simple S->G path through open cells whose length equals the input's
-    shortest path length. Any optimal path is accepted.
-    Why degree checks suffice: if S and G have exactly one marked neighbour (S, G or 'o') and every
-    'o' exactly two, the marked cells are one S..G path plus disjoint cycles. That path has at least
-    d(S,G) steps, i.e. uses >= d-1 'o' cells; so with exactly d-1 'o' cells there are no cycles and the
-    path is a shortest one. Conversely a shortest path has no chords (one would be a shortcut)."""
-    x, p = np.asarray(inputs), np.asarray(preds)
-    assert x.shape == p.shape and x.ndim == 2, (x.shape, p.shape)
-    B, L = x.shape
-    n = _grid_size(L)
-    valid_question = np.isin(x, (WALL, OPEN, START, GOAL)).all(1)
-    keeps_maze = np.where(x != OPEN, p == x, (p == OPEN) | (p == PATH)).all(1)
-    on = np.isin(p, (START, GOAL, PATH)).reshape(B, n, n)
-    deg = np.zeros((B, n, n), np.int8)  # marked 4-neighbours of each cell
-    deg[:, 1:] += on[:, :-1]
-    deg[:, :-1] += on[:, 1:]
-    deg[:, :, 1:] += on[:, :, :-1]
-    deg[:, :, :-1] += on[:, :, 1:]
-    deg = deg.reshape(B, L)
-    is_path = p == PATH
-    is_end = (p == START) | (p == GOAL)
-    degrees_ok = (~is_path | (deg == 2)).all(1) & (~is_end | (deg == 1)).all(1)
-    ok = np.zeros(B, bool)
-    cand = np.flatnonzero(valid_question & keeps_maze & degrees_ok)  # only these need a BFS
-    if len(cand):
-        ok[cand] = shortest_path_length(x[cand]) == is_path[cand].sum(1) + 1
-    return ok
-
-
-def token_char(kind, t):
-    """One token as a character: a Sudoku's digit ('.' blank), a maze's cell from CHARSET, else a hex
-    digit."""
-    t = int(t)
-    if kind == 'sudoku':
-        return '.' if t <= 1 else str(t - 1)
-    if kind == 'maze':
-        return CHARSET[t - 1] if 1 <= t <= len(CHARSET) else '?'
-    return format(t, 'x')[-1]
-
-
-def render_example(meta, inputs, preds, correct):
-    """A held-out puzzle and the model's answer, side by side, as text."""
-    kind, n = puzzle_type(meta), math.isqrt(meta['seq_len'])
-    cell = functools.partial(token_char, kind)
-    if n * n != meta['seq_len']:
-        return f"puzzle: {list(inputs)}\nanswer: {list(preds)} ({'correct' if correct else 'wrong'})"
-    sep = '' if kind == 'maze' else ' '
-    rows = [sep.join(cell(int(t)) for t in inputs[r * n:(r + 1) * n]) + '   |   ' +
-            sep.join(cell(int(t)) for t in preds[r * n:(r + 1) * n]) for r in range(n)]
-    return ('held-out puzzle   ->   model answer (' + ('correct' if correct else 'WRONG') + ')\n'
-            + '\n'.join(rows))
 
 # -----------------------------------------------------------------------------
 # download: streamed, resumable (.part + HTTP Range), cached, row count checked (used by the builders)

@@ -15,6 +15,12 @@ import numpy as np
 import torch
 
 
+def usable_cores():
+    """The CPU cores this process may run on (its affinity), in order."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
+        else list(range(os.cpu_count() or 1))
+
+
 def resolve_device(name):
     """'auto' -> 'xla' when PJRT_DEVICE is set (TPU), else 'cuda' when a GPU is visible, else 'cpu'."""
     if name == 'auto':

@@ -59,6 +59,12 @@ class TRMConfig:
         if self.puzzle_emb_ndim > self.puzzle_emb_len * self.hidden_size:
             raise ValueError("puzzle_emb_ndim must fit in puzzle_emb_len * hidden_size")
 
+    @classmethod
+    def for_data(cls, meta, **keys):
+        """The config of a model for a dataset (its dataset.json): shapes from the data, the rest `keys`."""
+        return cls(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
+                   num_puzzle_identifiers=meta['num_puzzle_identifiers'], **keys)
+
     @property
     def total_len(self):  # sequence length inside the model (Sudoku: 81 + 16 = 97)
         return self.seq_len + (self.puzzle_emb_len if self.puzzle_emb_ndim > 0 else 0)
@@ -250,7 +256,7 @@ class TRM(nn.Module):
             self.register_buffer('rope_sin', emb.sin(), persistent=False)
         self.net = Net(cfg, seq_align)
         # Not parameters: the main optimizer and the EMA must not touch them (as in the reference).
-        # The puzzle embedding is trained by sign-SGD in train.py; H_init/L_init stay fixed.
+        # The puzzle embedding is trained by sign-SGD (step.sign_sgd_update_); H_init/L_init stay fixed.
         self.register_buffer('puzzle_emb',
                              torch.zeros(cfg.num_puzzle_identifiers, max(cfg.puzzle_emb_ndim, 1)))
         self.register_buffer('H_init', trunc_normal_(torch.empty(D), std=1.0))

@@ -11,7 +11,7 @@ Options: --aug (the 8 dihedral images of every train maze, one group per maze), 
 CSV rows are `source,question,answer,rating`; question/answer are n*n-char row-major strings over
 '# SGo' (wall, open, start, goal, path cell; 'o' only in the answer). Tokens: PAD 0, then 1..5 in that
 order. Path length, everywhere in this file, is the number of STEPS from S to G (= number of 'o'
-cells + 1). The verifier `maze_correct` accepts any shortest path, not only the label's.
+cells + 1). The verifier (puzzles.Maze.correct) accepts any shortest path, not only the label's.
 """
 import argparse
 import csv
@@ -25,42 +25,12 @@ from collections import Counter, deque
 import numpy as np
 
 import gcs
-from data import CHARSET, GOAL, MAZE_VOCAB_SIZE as VOCAB_SIZE, OPEN, PAD, PATH, START, WALL
-from data import DownloadError, building, download, maze_correct, shortest_path_length, write_split
+from data import DownloadError, building, download, write_split
+from puzzles import GOAL, OPEN, PAD, PATH, START, WALL, Maze, shortest_path_length
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
 HARD_ROWS = 1000  # rows per split of the hard-1k set, checked when downloading from BASE_URL
 HARD_MIN_PATH_LEN = 110  # the hard set keeps 30x30 mazes whose shortest path is longer than this
-
-_CHAR2ID = np.full(256, 255, np.uint8)  # 255 marks a character outside CHARSET
-_CHAR2ID[[ord(c) for c in CHARSET]] = np.arange(1, len(CHARSET) + 1)
-_ID2CHAR = np.array(list('?' + CHARSET))
-
-# -----------------------------------------------------------------------------
-# tokens
-
-def encode(strings):
-    """Equal-length strings -> [N, L] uint8 tokens (255 for a character outside CHARSET)."""
-    if len(strings) == 0:
-        return np.zeros((0, 0), np.uint8)
-    # 'replace' keeps one byte per character, so a stray non-ASCII character stays in its column
-    buf = np.frombuffer(''.join(strings).encode('ascii', 'replace'), np.uint8)
-    return _CHAR2ID[buf].reshape(len(strings), -1)
-
-
-def decode(tokens):
-    """One row of tokens -> its string ('?' for PAD or anything out of range)."""
-    t = np.asarray(tokens).astype(np.int64)
-    return ''.join(_ID2CHAR[np.where((t >= 0) & (t < VOCAB_SIZE), t, 0)].tolist())
-
-
-def dihedral(grids, k):
-    """The k-th (0..7) of the 8 symmetries of the square on [..., n, n]; k = 0 is the identity."""
-    g = np.rot90(grids, k % 4, axes=(-2, -1))
-    return g[..., ::-1] if k >= 4 else g
-
-# -----------------------------------------------------------------------------
-# verifier (also used to validate the labels we read or generate)
 
 # -----------------------------------------------------------------------------
 # CSV -> validated token arrays
@@ -96,12 +66,14 @@ def read_csv(path, skip_bad=False):
             bad.append((lines[i], f"question/answer lengths {len(q)}/{len(a)}, expected {L} ({n}x{n})"))
         else:
             good.append(i)
-    q = encode([qs[i] for i in good]).reshape(-1, L)
-    a = encode([ans[i] for i in good]).reshape(-1, L)
+    kind = Maze(n)
+    q = kind.encode([qs[i] for i in good]).reshape(-1, L)
+    a = kind.encode([ans[i] for i in good]).reshape(-1, L)
     # checks in order; a row is reported with the first one it fails
     checks = [
-        ("question has a character outside '# SG'", ~np.isin(q, (WALL, OPEN, START, GOAL)).all(1)),
-        ("answer has a character outside '# SGo'", (a == 255).any(1)),
+        (f"question has a character outside '{kind.question_chars}'",
+         ~np.isin(q, (WALL, OPEN, START, GOAL)).all(1)),
+        (f"answer has a character outside '{kind.chars}'", (a == 255).any(1)),
         ("question needs exactly one S and one G", ((q == START).sum(1) != 1) | ((q == GOAL).sum(1) != 1)),
         ("answer differs from the question other than by 'o' on open cells",
          ~np.where(a == PATH, q == OPEN, a == q).all(1)),
@@ -111,9 +83,9 @@ def read_csv(path, skip_bad=False):
         for j in np.flatnonzero(mask & ~failed):
             bad.append((lines[good[j]], reason))
         failed |= mask
-    # the label must be a shortest S->G path (ANY shortest path; maze_correct does not look at labels)
+    # the label must be a shortest S->G path (ANY shortest path; the verifier does not look at labels)
     rest = np.flatnonzero(~failed)
-    not_optimal = rest[~maze_correct(q[rest], a[rest])]
+    not_optimal = rest[~kind.correct(q[rest], a[rest])]
     for j in not_optimal:
         bad.append((lines[good[j]], "answer's 'o' cells are not a shortest S->G path"))
     failed[not_optimal] = True
@@ -134,11 +106,11 @@ def augment(questions, answers, rng):
     """Each maze -> its 8 dihedral images: the identity first, the other 7 in a seeded random order.
     Returns [8N, L] arrays; rows 8i..8i+7 are the images of maze i (one group)."""
     N, L = questions.shape
-    n = math.isqrt(L)
+    pos = Maze(math.isqrt(L)).dihedral(range(8))[0]
     order = np.concatenate([np.zeros((N, 1), np.int64), 1 + np.argsort(rng.random((N, 7)), axis=1)], 1)
 
     def images(x):
-        all8 = np.stack([dihedral(x.reshape(N, n, n), k).reshape(N, L) for k in range(8)])  # [8, N, L]
+        all8 = np.stack([x[:, p] for p in pos])  # [8, N, L]
         return all8[order, np.arange(N)[:, None]].reshape(8 * N, L)
     return images(questions), images(answers)
 
@@ -167,9 +139,9 @@ def build_dataset(csv_dir, output_dir, aug=False, subsample_size=None, seed=0, s
         metas[split] = write_split(output_dir, split, q, a, puzzle_identifiers=np.zeros(P, np.int32),
                                    puzzle_indices=np.arange(P + 1),
                                    group_indices=np.arange(0, P + 1, per_group),
-                                   vocab_size=VOCAB_SIZE, pad_id=PAD, ignore_label_id=0,
+                                   vocab_size=Maze(n).vocab_size, pad_id=PAD, ignore_label_id=0,
                                    blank_identifier_id=0,
-                                   num_puzzle_identifiers=1, extra=dict(puzzle_type='maze', grid_size=n))
+                                   num_puzzle_identifiers=1, extra=dict(puzzle_type=Maze.name, grid_size=n))
         steps = shortest_path_length(q)
         print(f"{split}: {P // per_group} mazes {n}x{n} -> {P} examples, {P // per_group} groups"
               f"{f', skipped {skipped}' if skipped else ''}; shortest path steps min {steps.min()} "

@@ -17,7 +17,6 @@ generator (--generate) is scalar Python.
 """
 import argparse
 import functools
-import itertools
 import math
 import os
 import random
@@ -28,7 +27,8 @@ import time
 import numpy as np
 
 import gcs
-from data import BOXES, DownloadError, building, download, units_ok, write_split
+from data import DownloadError, building, download, write_split
+from puzzles import BOXES, Sudoku
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
 EXPECTED_ROWS = {'train': 3_831_994, 'test': 422_786}  # data rows, header excluded
@@ -94,29 +94,15 @@ def _content(qa, n):
     """Pass 2 on [k, 2*n*n+1] raw bytes (question ',' answer). Returns error codes (0 good,
     5 question character, 6 answer character, 7 answer contradicts a given, 8 answer breaks a rule)
     and the token arrays (blank 1, digit d -> d+1)."""
-    L = n * n
-    dq, da = qa[:, :L] - np.uint8(48), qa[:, L + 1:] - np.uint8(48)  # '0'..'9' -> 0..9, '.' wraps to 254
-    blank = (dq == 0) | (dq == 254)
-    inputs = np.where(blank, np.uint8(1), dq + np.uint8(1))
-    labels = da + np.uint8(1)
-    q_bad = ~(blank | (dq - np.uint8(1) < n)).all(1)  # uint8 wrap: '0' and non-digits fail `< n`
-    a_bad = ~(da - np.uint8(1) < n).all(1)
+    kind = Sudoku(n)
+    inputs, labels = kind.encode(qa[:, :kind.L]), kind.encode(qa[:, kind.L + 1:])  # 255: no token
+    q_bad = (inputs == 255).any(1)
+    a_bad = (labels - np.uint8(2) >= n).any(1)  # uint8 wrap: a blank and no token fail too
     contradicts = ((inputs != 1) & (inputs != labels)).any(1)
     err = np.zeros(len(qa), np.uint8)
-    for code, bad in ((8, ~units_ok(da, n)), (7, contradicts), (6, a_bad), (5, q_bad)):
+    for code, bad in ((8, ~kind.units_hold(labels)), (7, contradicts), (6, a_bad), (5, q_bad)):
         err[bad] = code
     return err, inputs, labels
-
-
-def _units(n):
-    br, bc = BOXES[n]
-    for r in range(n):
-        yield f"row {r + 1}", [r * n + c for c in range(n)]
-    for c in range(n):
-        yield f"column {c + 1}", [r * n + c for r in range(n)]
-    for b in range(n):
-        R, C = b // (n // bc), b % (n // bc)
-        yield f"box {b + 1}", [(R * br + i) * n + C * bc + j for i in range(br) for j in range(bc)]
 
 
 def _describe(line, n):
@@ -125,24 +111,22 @@ def _describe(line, n):
     if len(fields) != 4:
         return f"expected 4 fields (source,question,answer,rating), found {len(fields)}"
     _, q, a, r = fields
-    L, digits = n * n, '123456789'[:n]
+    kind = Sudoku(n)
     for name, s in (('question', q), ('answer', a)):
-        if len(s) != L:
-            return f"{name} has {len(s)} characters, expected {L}"
+        if len(s) != kind.L:
+            return f"{name} has {len(s)} characters, expected {kind.L}"
     if not (re.fullmatch(r'-?[0-9]+', r) and len(r) <= RATING_WIDTH):
         return f"rating {r!r} is not an integer"
-    for name, s, allowed in (('question', q, '.0' + digits), ('answer', a, digits)):
+    for name, s, allowed in (('question', q, kind.question_chars), ('answer', a, kind.chars[1:])):
         for i, ch in enumerate(s):
             if ch not in allowed:
                 return f"{name} has the invalid character {ch!r} at position {i + 1} (allowed: {allowed})"
     for i, (g, s) in enumerate(zip(q, a)):
         if g not in '.0' and g != s:
             return f"answer has {s} where the question gives {g} (row {i // n + 1}, column {i % n + 1})"
-    for name, cells in _units(n):
-        seen = [a[i] for i in cells]
-        for ch in seen:
-            if seen.count(ch) > 1:
-                return f"answer repeats the digit {ch} in {name}"
+    repeat = kind.first_repeat(kind.encode([a])[0])
+    if repeat:
+        return f"answer repeats the digit {repeat[1]} in {repeat[0]}"
     return "malformed row"
 
 
@@ -290,43 +274,10 @@ def _in_file_order(kept, ins, labs):
 # -----------------------------------------------------------------------------
 # augmentation: validity-preserving shuffles, all copies at once with numpy index maps
 
-@functools.lru_cache(maxsize=None)
-def _perm_table(m):
-    """All m! permutations of range(m): drawing an index into this table is a uniform permutation,
-    and far cheaper than argsort of random keys for a million copies."""
-    count = math.factorial(m)
-    flat = np.fromiter(itertools.chain.from_iterable(itertools.permutations(range(m))), np.uint8, m * count)
-    return flat.reshape(count, m)
-
-
-def _random_perms(rng, m, shape):
-    table = _perm_table(m)
-    return table[rng.integers(0, len(table), size=shape)].astype(np.int32)
-
-
-def random_transforms(rng, k, n):
-    """k random Sudoku symmetries of an n x n grid. Returns (pos [k, n*n]: the source cell of each
-    output cell, token_map [k, 16]: token -> token, PAD and blank fixed). Digit permutation, band and
-    row-within-band permutation, stack and column-within-stack permutation, and a transpose with
-    p=0.5 where boxes are square."""
-    br, bc = BOXES[n]
-    token_map = np.zeros((k, 16), np.uint8)
-    token_map[:, 1] = 1
-    token_map[:, 2:n + 2] = _random_perms(rng, n, k) + 2
-    rows = (_random_perms(rng, n // br, k)[:, :, None] * br
-            + _random_perms(rng, br, (k, n // br))).reshape(k, n)
-    cols = (_random_perms(rng, n // bc, k)[:, :, None] * bc
-            + _random_perms(rng, bc, (k, n // bc))).reshape(k, n)
-    row_part, col_part = rows * n, cols  # out[i, j] = in[rows[i], cols[j]]
-    if br == bc:  # transposed first: out[i, j] = in.T[rows[i], cols[j]] = in[cols[j], rows[i]]
-        flip = (rng.random(k) < 0.5)[:, None]
-        row_part, col_part = np.where(flip, rows, row_part), np.where(flip, cols * n, col_part)
-    return (row_part[:, :, None] + col_part[:, None, :]).reshape(k, n * n), token_map
-
-
 def augment(inputs, labels, n, num_aug, rng, chunk=1 << 14):
     """Token arrays [G, n*n] -> [G * (num_aug + 1), n*n]: each puzzle followed by num_aug shuffled
-    copies; inputs and labels of a copy share one transform."""
+    copies; inputs and labels of a copy share one symmetry (the kind's)."""
+    kind = Sudoku(n)
     G, L = inputs.shape
     K = num_aug + 1
     out_in, out_lab = np.empty((G, K, L), np.uint8), np.empty((G, K, L), np.uint8)
@@ -337,29 +288,20 @@ def augment(inputs, labels, n, num_aug, rng, chunk=1 << 14):
     for g0 in range(0, G if num_aug else 0, step):
         g1 = min(G, g0 + step)
         k = (g1 - g0) * num_aug
-        pos, token_map = random_transforms(rng, k, n)
+        pos, token_map = kind.draw(rng, k)
         pos += (np.repeat(np.arange(g0, g1, dtype=np.int32), num_aug) * L)[:, None]  # into packed
         moved = np.take(packed, pos)
-        lab = np.take(token_map, (np.arange(k) * 16)[:, None] + (moved & 15))
+        lab = np.take(token_map, (np.arange(k) * token_map.shape[1])[:, None] + (moved & 15))
         out_lab[g0:g1, 1:] = lab.reshape(g1 - g0, num_aug, L)
         out_in[g0:g1, 1:] = np.where(moved >= 16, lab, np.uint8(1)).reshape(g1 - g0, num_aug, L)
     return out_in.reshape(G * K, L), out_lab.reshape(G * K, L)
-
-# -----------------------------------------------------------------------------
-# verifier (evaluation)
-
-def tokens_to_strings(tokens):
-    """[B, n*n] tokens -> list of CSV strings ('.' blank; PAD shows as '?')."""
-    lut = np.frombuffer(b'?.123456789', np.uint8)
-    t = np.asarray(tokens)
-    return [row.tobytes().decode() for row in lut[np.clip(t, 0, 10)].astype(np.uint8)]
 
 # -----------------------------------------------------------------------------
 # solver: bitmask candidates, naked + hidden singles, minimum-remaining-values branching
 
 @functools.lru_cache(maxsize=None)
 def _geometry(n):
-    units = [cells for _, cells in _units(n)]
+    units = [cells for _, cells in Sudoku(n).units]
     peers = [sorted({p for u in units if i in u for p in u} - {i}) for i in range(n * n)]
     return units, peers, (1 << n) - 1
 
@@ -534,7 +476,7 @@ def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_di
     N = len(inputs)
     write_split(output_dir, split, inputs, labels, puzzle_identifiers=np.zeros(N, np.int32),
                 puzzle_indices=np.arange(N + 1), group_indices=np.arange(0, N + 1, K), vocab_size=n + 2,
-                extra=dict(puzzle_type='sudoku', grid_size=n))
+                extra=dict(puzzle_type=Sudoku.name, grid_size=n))
     print(f"{split}: {rows:,} rows read, {bad.count:,} bad rows skipped, {groups:,} groups, {N:,} puzzles "
           f"({n}x{n}) in {time.time() - t0:.1f} s")
     return dict(n=n, rows=rows, skipped=bad.count, groups=groups, puzzles=N)

@@ -5,7 +5,7 @@ this for the rest:
     run = Run(config, dev)                  start-up checks on every rank, host agreement, the run's folders
     step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
-    run.log_train(line) / run.log_eval()    metrics.jsonl (+ the bucket's copy) and W&B, never fatal
+    run.log(kind, values, step, wandb)   metrics.jsonl (+ the bucket's copy) and W&B, never fatal
     run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock
                                             removed
 It also holds the checkpoint files themselves (save_atomic, load_checkpoint, list_checkpoints,
@@ -34,13 +34,14 @@ import time
 import torch
 
 import gcs
-from data import check_split, load_metadata, puzzle_type
+from data import check_split, load_metadata
+from puzzles import puzzle_type
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
 MAX_WEIGHT = 1e4
 # the code whose copies every host must share (a pod runs one command on every host)
-CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'device.py')
+CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py')
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------
@@ -83,6 +84,21 @@ def load_checkpoint(path, name=None):
     except Exception as e:
         raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: "
                               f"{e}") from e
+
+
+def weights_in(ckpt):
+    """What a loaded checkpoint file holds: dict(weights in this model's names (the EMA's when there are),
+    config: the training run's or None, step, data: the shape it trained on, ema: whether they are the
+    EMA's), or None when it is neither a checkpoint of train.py nor a state dict (the reference's keys or
+    ours)."""
+    from model import from_reference_state_dict
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+        saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
+        return dict(weights=dict(ckpt.get('ema') or ckpt['model']), config=saved, step=ckpt.get('step'),
+                    data=ckpt.get('data'), ema=bool(ckpt.get('ema')))
+    if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
+        return dict(weights=from_reference_state_dict(ckpt), config=None, step=None, data=None, ema=False)
+    return None
 
 
 def list_checkpoints(folder):
@@ -341,8 +357,8 @@ def fail_together(dev, problems, what):
 
 def fail_if_ranks_differ(dev, values, problem):
     """fail_together when the ranks hold different values (fingerprints of what they loaded or read)."""
-    differ = [i for i, (lo,
-                        hi) in enumerate(zip(dev.agree(values, 'min'), dev.agree(values, 'max'))) if lo != hi]
+    lows, highs = dev.agree(values, 'min'), dev.agree(values, 'max')
+    differ = [i for i, (lo, hi) in enumerate(zip(lows, highs)) if lo != hi]
     fail_together(dev, [problem(differ)] if differ and dev.master else [], 'host agreement')
 
 
@@ -903,18 +919,14 @@ def bucket_copy(uri, path, otherwise):
 def load_weights(path, model, ema_model):
     """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
     dict."""
-    from model import from_reference_state_dict
     try:
-        ckpt = load_checkpoint(path)
+        found = weights_in(load_checkpoint(path))
     except CheckpointError as e:
         raise SystemExit(f"init_from: {e}")
-    if isinstance(ckpt, dict) and 'model' in ckpt:
-        sd = ckpt.get('ema') or ckpt['model']
-    elif isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-        sd = from_reference_state_dict(ckpt)  # a bare state dict, the reference's keys or ours
-    else:
+    if found is None:
         raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
                          f"reference implementation")
+    sd = found['weights']
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:

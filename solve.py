@@ -13,7 +13,6 @@ the model halts (q_halt > 0) unless --all_steps=True; --steps above the model's 
 test-time scaling. A checkpoint of train.py carries its model keys; a state dict of the reference
 implementation ('_orig_mod.model.inner.*' keys) needs --data_path and the model keys of its training run.
 """
-import math
 import os
 import re
 import time
@@ -64,13 +63,12 @@ if bad:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from data import BOXES, CHARSET, GOAL, START, load_arrays, load_metadata, puzzle_type  # noqa: E402
-from data import shortest_path_length, token_char, verifier_for  # noqa: E402
-from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
-from model import MODEL_KEYS, TRM, TRMConfig, from_reference_state_dict, swiglu_inter  # noqa: E402
-from safety import CheckpointError, load_checkpoint  # noqa: E402
-
-MAZE_INPUT = CHARSET.replace('o', '')  # what a maze question holds: '# SG'
+from data import load_arrays, load_metadata  # noqa: E402
+from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
+from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
+from puzzles import KINDS, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
+from puzzles import seq_len_for_vocab  # noqa: E402
+from safety import CheckpointError, load_checkpoint, weights_in  # noqa: E402
 
 
 def cpu_threads():
@@ -79,7 +77,7 @@ def cpu_threads():
     with other work, ran a 9x9 solve 3-4x slower than 1 thread)."""
     if threads:
         return threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else (os.cpu_count() or 1)
+    cores = len(usable_cores())
     try:
         busy = os.getloadavg()[0]
     except OSError:
@@ -90,11 +88,6 @@ def cpu_threads():
 def fail(message):
     """A user error: one line, no traceback."""
     raise SystemExit(' '.join(str(message).split()))
-
-
-def a(name):
-    """'a 4x4 Sudoku', 'an 8x8 maze'."""
-    return ('an ' if name[:1] == '8' or name[:2] in ('11', '18') else 'a ') + name
 
 
 def short(e, limit=200):
@@ -131,16 +124,16 @@ def read_checkpoint(path):
             detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
             fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or "
                  f"truncated one, or one holding more than weights and plain values): {short(detail, 160)}")
-    if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
-        saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
-        ema = ckpt.get('ema')
-        step = f" of step {ckpt['step']}" if 'step' in ckpt else ''
-        what = f"train.py checkpoint{step}, " + ('EMA weights' if ema else 'model weights (it holds no EMA)')
-        return dict(ema or ckpt['model']), saved, what, ckpt.get('data')
-    if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-        return from_reference_state_dict(ckpt), None, 'state dict (reference format)', None
-    fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
-         "implementation")
+    found = weights_in(ckpt)
+    if found is None:
+        fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
+             "implementation")
+    if found['config'] is None:
+        return found['weights'], None, 'state dict (reference format)', None
+    step = f" of step {found['step']}" if found['step'] is not None else ''
+    weights = 'EMA weights' if found['ema'] else 'model weights (it holds no EMA)'
+    what = f"train.py checkpoint{step}, {weights}"
+    return found['weights'], found['config'], what, found['data']
 
 
 def shapes_in(sd):
@@ -180,13 +173,13 @@ def meta_from_weights(sd, cfg):
         prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
         seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim',
                                                       TRMConfig.puzzle_emb_ndim) > 0 else 0)
-    elif V - 2 in BOXES and V != 6:  # a Sudoku's vocabulary: n + 2 (6 is also a maze's)
-        seq_len = (V - 2) ** 2
+    elif seq_len_for_vocab(V):
+        seq_len = seq_len_for_vocab(V)
     else:
         return None
     meta = dict(vocab_size=V, seq_len=seq_len, num_puzzle_identifiers=s.get('num_puzzle_identifiers', 1),
                 pad_id=0, ignore_label_id=0, blank_identifier_id=0)
-    return meta if puzzle_type(meta) else None
+    return meta if puzzle_for(meta) else None
 
 
 def mismatch_message(sd, model, cfg, given, where, ours):
@@ -226,144 +219,36 @@ def mismatch_message(sd, model, cfg, given, where, ours):
 
 
 # -----------------------------------------------------------------------------
-# what the model solves, and the puzzles given as text
+# the puzzles given as text (what a puzzle's text is: puzzles.py)
 
-class Kind:
-    def __init__(self, meta):
-        self.type = puzzle_type(meta)
-        self.L = meta['seq_len']
-        self.n = int(meta.get('grid_size') or math.isqrt(self.L))
-        if self.type == 'sudoku':
-            self.alphabet = '.0' + '123456789'[:self.n]
-            self.name = f"{self.n}x{self.n} Sudoku"
-            self.shape = f"{self.L} characters from '{self.alphabet}'"
-        elif self.type == 'maze':
-            self.alphabet = MAZE_INPUT
-            self.name = f"{self.n}x{self.n} maze"
-            self.shape = (f"{self.n} rows of {self.n} characters from '{MAZE_INPUT}' (wall, open, start, "
-                          f"goal), joined by '/' or newlines, or one line of {self.L}")
-
-    def cell(self, t):
-        return token_char(self.type, t)
-
-    def encode(self, text):
-        if self.type == 'sudoku':
-            return np.array([0 if c in '.0' else int(c) for c in text], np.int32) + 1  # blank 1, digit d -> d
-                                                                                       # + 1
-        return np.array([MAZE_INPUT.index(c) + 1 for c in text], np.int32)
-
-
-def looks_like(text):
-    """A guess at what a puzzle string is, for a clear error when it is not what the checkpoint solves."""
-    chars = set(text) - set(' \t/\r\n')
-    if chars and chars <= set('.0123456789'):
-        k = len(''.join(text.split()).replace('/', ''))
-        n = math.isqrt(k)
-        return f"{n}x{n} Sudoku" if n * n == k and n in BOXES else 'Sudoku'
-    if chars & set('#SG') and chars <= set('# SGo'):
-        rows = [r for r in text.replace('\r', '').replace('/', '\n').split('\n') if r]
-        return f"{len(rows)}x{len(rows)} maze" if len(rows) > 1 else 'maze'
-    return None
-
-
-def parse_puzzle(text, kind, where, rows_given=False):
-    """text -> tokens [L], or a one-line error naming the expected length and alphabet."""
+def parse_puzzle(text, kind, where):
+    """text -> tokens [L], or a one-line error: another kind's puzzle, or not one of the checkpoint's."""
     guess = looks_like(text)
-    if guess and guess.split()[-1] != kind.name.split()[-1]:  # 'maze' vs 'Sudoku'
-        fail(f"{where} looks like {a(guess)}, but the checkpoint solves {kind.name}s ({kind.shape}): use "
-             f"{a(guess.split()[-1])} checkpoint (and its --data_path), or give {a(kind.name)}")
-    if kind.type == 'sudoku':
-        s = ''.join(text.split()).replace('/', '')
-        if len(s) != kind.L:
-            also = f" ({a(guess)})" if guess and guess != kind.name and guess != 'Sudoku' else ''
-            fail(f"{where}: {len(s)} characters{also}; {a(kind.name)} has {kind.shape}")
-        for i, c in enumerate(s):
-            if c not in kind.alphabet:
-                fail(f"{where}: character {c!r} at position {i + 1}; {a(kind.name)} has {kind.shape}")
-        return kind.encode(s)
-    rows = text.replace('\r', '').replace('/', '\n').split('\n')
-    while rows and rows[-1] == '':
-        rows.pop()
-    if len(rows) == 1 and len(rows[0]) == kind.L:
-        rows = [rows[0][i:i + kind.n] for i in range(0, kind.L, kind.n)]
-    if len(rows) != kind.n:
-        fail(f"{where}: {plural(len(rows), 'row')}"
-             f"{' of ' + str(len(rows[0])) + ' characters' if len(rows) == 1 else ''}; {a(kind.name)} has "
-             f"{kind.shape}")
-    for r, row in enumerate(rows):
-        if len(row) != kind.n:
-            fail(f"{where}: row {r + 1} has {len(row)} characters; {a(kind.name)} has {kind.shape}")
-        for c, ch in enumerate(row):
-            if ch not in MAZE_INPUT:
-                hint = " ('o' marks a path, which is the model's to find: give the maze without it)" \
-                    if ch == 'o' else ''
-                fail(f"{where}: character {ch!r} in row {r + 1}, column {c + 1}{hint}; {a(kind.name)} has "
-                     f"{kind.shape}")
-    return kind.encode(''.join(rows))
+    if guess and not kind.guess(text):
+        fail(f"{where} looks like {article(guess)}, but the checkpoint solves {kind.title}s "
+             f"({kind.text_shape()}): use {article(guess.split()[-1])} checkpoint (and its --data_path), or "
+             f"give {article(kind.title)}")
+    try:
+        return kind.parse(text, where)
+    except ValueError as e:
+        fail(e)
 
 
 def read_puzzle_file(path, kind):
-    """[(text, where)] from a file: one Sudoku a line; mazes as blank-line-separated blocks of rows, or one
-    line each."""
+    """[(text, where)] from a file, split as the kind reads a file. A byte-order mark and CR or CRLF line ends
+    are no characters of a puzzle."""
     try:
-        with open(path, newline='') as f:
-            lines = f.read().replace('\r\n', '\n').split('\n')
+        with open(path, newline='', encoding='utf-8') as f:
+            text = f.read().removeprefix('\ufeff')
     except (OSError, UnicodeDecodeError) as e:
         fail(f"file={path}: cannot read it ({short(e)})")
+    lines = text.replace('\r\n', '\n').replace('\r', '\n').split('\n')
     name = os.path.basename(path)
-    out = []
-    if kind.type == 'sudoku':
-        for i, line in enumerate(lines):
-            if line.strip():
-                out.append((line, f"puzzle {len(out) + 1} (line {i + 1} of {name})"))
-    else:
-        blocks, cur = [], []
-        for i, line in enumerate(lines + ['']):
-            if line == '':
-                if cur:
-                    blocks.append(cur)
-                cur = []
-            else:
-                cur.append((i + 1, line))
-        for block in blocks:
-            if len(block) > 1 and all(len(l) == kind.L for _, l in block):  # several one-line mazes
-                for i, l in block:
-                    out.append((l, f"puzzle {len(out) + 1} (line {i} of {name})"))
-            else:
-                first, last = block[0][0], block[-1][0]
-                span = f"line {first}" if first == last else f"lines {first}-{last}"
-                out.append(('\n'.join(l for _, l in block), f"puzzle {len(out) + 1} ({span} of {name})"))
+    out = [(t, f"puzzle {k + 1} (" + (f"line {i}" if i == j else f"lines {i}-{j}") + f" of {name})")
+           for k, (t, i, j) in enumerate(kind.split_file(lines))]
     if not out:
         fail(f"file={path} holds no puzzles")
     return out
-
-
-def contradictions(tokens, kind, where):
-    """Givens that cannot all hold: a message, or None."""
-    if kind.type == 'sudoku':
-        n, (br, bc) = kind.n, BOXES[kind.n]
-        g = tokens.reshape(n, n) - 1  # 0 blank, else the digit
-        units = [(f"row {r + 1}", [(r, c) for c in range(n)]) for r in range(n)]
-        units += [(f"column {c + 1}", [(r, c) for r in range(n)]) for c in range(n)]
-        units += [(f"box {b + 1} (rows {r0 + 1}-{r0 + br}, columns {c0 + 1}-{c0 + bc})",
-                   [(r0 + i, c0 + j) for i in range(br) for j in range(bc)])
-                  for b, (r0, c0) in enumerate((r, c) for r in range(0, n, br) for c in range(0, n, bc))]
-        for name, cells in units:
-            seen = {}
-            for r, c in cells:
-                d = int(g[r, c])
-                if d and d in seen:
-                    (r1, c1) = seen[d]
-                    return (f"{where}: the givens contradict each other: {d} twice in {name} "
-                            f"(row {r1 + 1} column {c1 + 1} and row {r + 1} column {c + 1})")
-                seen[d] = (r, c)
-        return None
-    s, g = int((tokens == START).sum()), int((tokens == GOAL).sum())
-    if s != 1 or g != 1:
-        return f"{where}: {s} S (start) and {g} G (goal) cells; a maze needs exactly one of each"
-    if shortest_path_length(tokens[None])[0] < 0:
-        return f"{where}: no open path leads from S to G"
-    return None
 
 
 # -----------------------------------------------------------------------------
@@ -393,44 +278,8 @@ def reason(model, dev, inputs, ids, n_steps, every_step):
     return np.stack(preds), np.stack(qs), np.array(times)
 
 
-def board(kind, tokens, before=None):
-    """Text of a board; cells that differ from `before` get a trailing '*'."""
-    n = kind.n
-    t = np.asarray(tokens).reshape(n, n)
-    b = None if before is None else np.asarray(before).reshape(n, n)
-    mark = lambda r, c: '*' if b is not None and t[r, c] != b[r, c] else ' '
-    if kind.type == 'maze':
-        return '\n'.join(''.join(kind.cell(t[r, c]) + mark(r,
-                                                           c) for c in range(n)).rstrip() for r in range(n))
-    br, bc = BOXES[n]
-    lines = []
-    for r in range(n):
-        if r and r % br == 0:
-            lines.append('-+-'.join('-' * (3 * bc - 1) for _ in range(n // bc)))
-        cells = [kind.cell(t[r, c]) + mark(r, c) for c in range(n)]
-        lines.append(' | '.join(' '.join(cells[c:c + bc]) for c in range(0, n, bc)).rstrip())
-    return '\n'.join(lines)
-
-
 def sigmoid(q):
     return 1.0 / (1.0 + np.exp(-np.clip(q, -60, 60)))
-
-
-def plural(k, word):
-    return f"{k} {word}{'s' * (k != 1)}"
-
-
-def clashes(grid, n):
-    """bool [n, n]: Sudoku cells whose digit appears again in their row, column or box."""
-    br, bc = BOXES[n]
-    out = np.zeros((n, n), bool)
-    for r in range(n):
-        for c in range(n):
-            d = grid[r, c]
-            if d > 1:
-                box = grid[r - r % br:r - r % br + br, c - c % bc:c - c % bc + bc]
-                out[r, c] = (grid[r] == d).sum() > 1 or (grid[:, c] == d).sum() > 1 or (box == d).sum() > 1
-    return out
 
 
 def draw_png(path, plt, kind, items, title):
@@ -448,8 +297,6 @@ def draw_png(path, plt, kind, items, title):
     ncols = min(per_row, max(p for _, _, p in layout))
     fig, axes = plt.subplots(len(layout), ncols, figsize=(2.3 * ncols, 2.55 * len(layout) + 0.4),
                              squeeze=False)
-    colors = {'#': (0.22, 0.22, 0.25), ' ': (1, 1, 1), 'S': (0.15, 0.65, 0.25), 'G': (0.85, 0.2, 0.2),
-              'o': (0.25, 0.45, 0.95), '?': (0.9, 0.3, 0.9)}
     n = kind.n
     for row, (it, start, count) in enumerate(layout):
         for col in range(ncols):
@@ -465,16 +312,16 @@ def draw_png(path, plt, kind, items, title):
             grid = np.asarray(cur).reshape(n, n)
             changed = np.zeros((n, n), bool) if prev is None else grid != np.asarray(prev).reshape(n, n)
             given = np.asarray(it['inputs']).reshape(n, n)
-            if kind.type == 'maze':
-                img = np.array([[colors.get(kind.cell(v), colors['?']) for v in r] for r in grid])
+            if kind.colors:
+                img = np.array([[kind.colors.get(kind.cell(v), (0.9, 0.3, 0.9)) for v in r] for r in grid])
                 ax.imshow(img, interpolation='nearest', extent=(0, n, n, 0))
                 for r, c in zip(*np.nonzero(changed)):
                     ax.add_patch(Rectangle((c + 0.08, r + 0.08), 0.84, 0.84, fill=False,
                                            edgecolor=(1, 0.6, 0),
                                            linewidth=1.2))
             else:
-                br, bc = BOXES[n]
-                bad = clashes(grid, n)
+                br, bc = kind.box or (n, n)
+                bad = kind.clashes(grid)
                 ax.set_xlim(0, n)
                 ax.set_ylim(n, 0)
                 ax.set_aspect('equal')
@@ -484,8 +331,7 @@ def draw_png(path, plt, kind, items, title):
                             else (1, 1, 1)
                         ax.add_patch(Rectangle((c, r), 1, 1, facecolor=face, edgecolor='none'))
                         ch, is_given = kind.cell(grid[r, c]), given[r, c] > 1
-                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given
-                                                                                     # overwritten
+                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given lost
                         if ch != '.':
                             ax.text(c + 0.5, r + 0.54, ch, ha='center', va='center', fontsize=max(6, 60 // n),
                                     color=(0.85, 0.1, 0.1) if red else 'black' if is_given
@@ -513,13 +359,8 @@ def report(it, kind):
     k = it['shown']
     final, ok = it['preds'][-1], bool(it['correct'][-1])
     if not quiet:
-        extra = ''
-        if kind.type == 'sudoku':
-            extra = f", {plural(int((it['inputs'] <= 1).sum()), 'blank')}"
-        elif kind.type == 'maze':
-            extra = f", shortest path {plural(int(shortest_path_length(it['inputs'][None])[0]), 'step')}"
-        print(f"\n{it['where']}: {kind.name}{extra}")
-        print(board(kind, it['inputs']))
+        print(f"\n{it['where']}: {kind.title}{kind.describe(it['inputs'])}")
+        print(kind.render(it['inputs']))
         for s in range(k):
             prev = it['inputs'] if s == 0 else it['preds'][s - 1]
             changed = int((it['preds'][s] != prev).sum())
@@ -527,7 +368,7 @@ def report(it, kind):
                     + f" | correct {'yes' if it['correct'][s] else 'no'} | ")
             if changed:
                 print(f"{head}{plural(changed, 'cell')} changed" + (' (marked *)' if s == 0 else ''))
-                print(board(kind, it['preds'][s], prev))
+                print(kind.render(it['preds'][s], prev))
             else:
                 print(f"{head}unchanged")
     first_ok = np.flatnonzero(it['correct'])
@@ -545,7 +386,7 @@ def report(it, kind):
         same = bool(np.array_equal(np.where(it['target'] < 0, final, it['target']), final))
         notes.append("identical to the dataset's label" if same else "differs from the dataset's label")
     timing = f"{it['time']:.2f} s" + (f" (in a batch of {it['batch']})" if it['batch'] > 1 else '')
-    answer = f" | answer {''.join(kind.cell(v) for v in final)}" if kind.type == 'sudoku' else ''
+    answer = f" | answer {kind.decode(final)}" if kind.one_line_answer else ''
     print(f"{it['label']}: {verdict} {how}; {'; '.join(notes)} | {timing}{answer}", flush=True)
 
 
@@ -600,12 +441,11 @@ def load_model(dev):
             trained = f" (the checkpoint was trained on data_path={saved.get('data_path')!r})" if ours else ''
             fail(f"data_path={dp!r}: {short(e)}{trained}; give --data_path=DATASET_ROOT")
         meta_from = f"the weights (no dataset at {dp})"
-    if puzzle_type(meta) is None:
-        fail(f"{meta_from} holds neither Sudokus nor mazes (vocab_size {meta['vocab_size']}, seq_len "
-             f"{meta['seq_len']}): solve.py knows only those")
+    if puzzle_for(meta) is None:
+        fail(f"{meta_from} holds no puzzle kind that solve.py knows (vocab_size {meta['vocab_size']}, "
+             f"seq_len {meta['seq_len']}; it knows {', '.join(KINDS)})")
     try:
-        cfg = TRMConfig(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
-                        num_puzzle_identifiers=meta['num_puzzle_identifiers'], **model_cfg)
+        cfg = TRMConfig.for_data(meta, **model_cfg)
     except (TypeError, ValueError) as e:
         fail(f"model config error: {short(e)}")
     model = TRM(cfg)
@@ -616,7 +456,7 @@ def load_model(dev):
             f"the model keys (--hidden_size etc.) and {meta_from}"
         fail(mismatch_message(sd, model, cfg, init_from, where, ours))
     print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
-          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {Kind(meta).name}s ({meta_from})")
+          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {puzzle_for(meta).title}s ({meta_from})")
     warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)
     return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
 
@@ -634,9 +474,10 @@ def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
         trained_on = dict(puzzle_type=puzzle_type(theirs), seq_len=theirs['seq_len'])
     if trained_on.get('puzzle_type') and (trained_on['puzzle_type'], trained_on['seq_len']) != \
             (puzzle_type(meta), meta['seq_len']):
-        learned = Kind(dict(puzzle_type=trained_on['puzzle_type'], seq_len=trained_on['seq_len'])).name
+        learned = puzzle_for(dict(puzzle_type=trained_on['puzzle_type'], seq_len=trained_on['seq_len']))
+        learned = learned.title if learned else f"{trained_on['puzzle_type']} puzzle"
         print(f"warning: {init_from} was trained on {learned}s (data_path={saved['data_path']!r}), not on "
-              f"{Kind(meta).name}s: expect answers of a model that never learned them")
+              f"{puzzle_for(meta).title}s: expect answers of a model that never learned them")
 
 
 def puzzles(kind, meta, dp, source):
@@ -653,7 +494,7 @@ def puzzles(kind, meta, dp, source):
             texts = read_puzzle_file(file, kind)
         inputs = np.stack([parse_puzzle(t, kind, w) for t, w in texts])
         wheres = [w for _, w in texts]
-        problems = [p for p in (contradictions(x, kind, w) for x, w in zip(inputs, wheres)) if p]
+        problems = [p for p in (kind.contradiction(x, w) for x, w in zip(inputs, wheres)) if p]
         if problems:
             fail(problems[0]
                  + (f" (and {len(problems) - 1} more puzzle(s) like it)" if len(problems) > 1 else ''))
@@ -691,7 +532,7 @@ def main():
     if dev.kind == 'cpu':
         torch.set_num_threads(cpu_threads())
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
-    kind, verifier, n_steps = Kind(meta), verifier_for(meta), steps or cfg.halt_max_steps
+    kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
@@ -702,7 +543,7 @@ def main():
     for b0 in range(0, len(inputs), batch_size):
         x, i_ = inputs[b0:b0 + batch_size], ids[b0:b0 + batch_size]
         preds, qs, times = reason(model, dev, x, i_, n_steps, all_steps)
-        correct = np.stack([np.asarray(verifier(x, p)) for p in preds])  # [S, B]
+        correct = np.stack([np.asarray(kind.correct(x, p)) for p in preds])  # [S, B]
         probs = sigmoid(qs)
         for j in range(len(x)):
             halts = np.flatnonzero(qs[:, j] > 0)
@@ -722,7 +563,7 @@ def main():
         print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | "
               f"{t_all:.2f} s for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
     if plt:
-        title = (f"{os.path.basename(init_from)}: {kind.name}, cells changed since the step before "
+        title = (f"{os.path.basename(init_from)}: {kind.title}, cells changed since the step before "
                  "highlighted"
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
         try:

@@ -123,7 +123,8 @@ from collections import deque
 
 import gcs
 from configurator import config_files, parse_flags, read_config_block
-from data import shape_from_name
+from device import usable_cores
+from puzzles import shape_from_name
 from safety import Output, holder_gone, list_checkpoints, local_folder, lock_record
 
 # -----------------------------------------------------------------------------
@@ -168,9 +169,9 @@ CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xl
 CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
 CPU_MAZE = dict(size=8, train=200, num_test=100)
 # the real datasets' sizes, for costs before they are built
-# (shapes from the folder's name: data.shape_from_name)
+# (shapes from the folder's name: puzzles.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
-MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000)
+MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000, gpu_batch=128)  # gpu scale: 900-token rows
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is
                                                          # trained
 RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner sets them for every run
@@ -363,8 +364,8 @@ class Experiment:
             o['epochs'] = max(1, round(c['epochs'] * GPU_FRACTION))
             o['eval_interval'] = max(1, round(c['eval_interval'] * GPU_FRACTION))
             o['lr_warmup_steps'] = round(c['lr_warmup_steps'] * GPU_FRACTION)
-            if self.data['kind'] == 'maze':
-                o['global_batch_size'] = min(c['global_batch_size'], 128)
+            if self.data.get('gpu_batch'):
+                o['global_batch_size'] = min(c['global_batch_size'], self.data['gpu_batch'])
         elif scale == 'cpu':
             o.update(CPU_FIXED)
             b = self.base_cfg
@@ -528,6 +529,7 @@ def model_cost(run_cfg, data):
 
 def cost(e, data=None):
     """Parameters, FLOPs and steps of a run, as train.py will count them (data: other sizes than e.data's)."""
+    from data import steps_for
     from step import evaluation_steps
     c, d = e.run_cfg, data or e.data
     if d['groups'] is None or d.get('vocab_size') is None:
@@ -537,9 +539,9 @@ def cost(e, data=None):
     except ValueError as ex:
         return dict(error=str(ex))
     B = c['global_batch_size']
-    total = int(c['epochs'] * d['groups'] * d['mean'] // B)
+    total = steps_for(c['epochs'], d['groups'], d['mean'], B)
     steps = min(total, c['max_steps']) if c['max_steps'] > 0 else total
-    every = max(1, int(c['eval_interval'] * d['groups'] * d['mean'] // B))
+    every = max(1, steps_for(c['eval_interval'], d['groups'], d['mean'], B))
     middle = len(evaluation_steps(steps, every)) - 1  # and the final one
     sub = min(c['eval_subset'] or d['test'], d['test'])
     eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
@@ -608,12 +610,6 @@ def host_devices(exps):
         if gpus:
             return 'cuda', gpus
     return 'cpu', [str(c) for c in usable_cores()]
-
-
-def usable_cores():
-    """The CPU cores study.py may run on (its affinity), in order."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') \
-        else list(range(os.cpu_count() or 1))
 
 
 def this_host():

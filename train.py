@@ -107,7 +107,8 @@ if bad:
 import torch  # noqa: E402  (after the config: --help and config errors answer at once)
 
 import safety  # noqa: E402
-from data import EvalLoader, TrainLoader, render_example, verifier_for  # noqa: E402
+from data import EvalLoader, TrainLoader  # noqa: E402
+from puzzles import render_example, verifier_for  # noqa: E402
 from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
@@ -153,8 +154,7 @@ def main(index=None):
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
-    cfg = TRMConfig(vocab_size=meta['vocab_size'], seq_len=meta['seq_len'],
-                    num_puzzle_identifiers=meta['num_puzzle_identifiers'], **model_cfg)
+    cfg = TRMConfig.for_data(meta, **model_cfg)
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(cfg).to(dev.device)
     opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)

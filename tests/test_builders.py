@@ -6,7 +6,9 @@ rows, downloads from a local HTTP server (no mocks). The full-size Sudoku build 
 """
 import csv
 import filecmp
+import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -19,8 +21,25 @@ import pytest
 import prepare_maze as pm
 import prepare_sudoku as ps
 from conftest import ROOT, FileHandler
-from data import (BOXES, PAD, PATH, DownloadError, download, load_arrays, load_metadata, maze_correct,
-                  shortest_path_length, sudoku_correct)
+from data import DownloadError, download, load_arrays, load_metadata
+from puzzles import BOXES, PAD, PATH, Maze, Sudoku, shortest_path_length
+
+
+def kind_of(tokens, kind):
+    return kind(math.isqrt(np.shape(tokens)[-1]))
+
+
+def sudoku_correct(inputs, preds, n=None):
+    return (Sudoku(n) if n else kind_of(preds, Sudoku)).correct(inputs, preds)
+
+
+def maze_correct(inputs, preds):
+    return kind_of(preds, Maze).correct(inputs, preds)
+
+
+def tokens_to_strings(tokens):
+    """[B, n*n] Sudoku tokens -> their CSV strings ('.' blank)."""
+    return [kind_of(tokens, Sudoku).decode(row) for row in tokens]
 
 
 # -----------------------------------------------------------------------------
@@ -135,8 +154,8 @@ def test_sudoku_test_split_round_trips_and_matches_reference(csv_dir, tmp_path):
     ps.build(csv_dir, out, num_aug=3, subsample_size=50)
     arrays, meta = load_split(out, 'test')
     rows = read_csv_rows(csv_dir / 'test.csv')
-    assert ps.tokens_to_strings(arrays['inputs']) == [r[1] for r in rows]
-    assert ps.tokens_to_strings(arrays['labels']) == [r[2] for r in rows]
+    assert tokens_to_strings(arrays['inputs']) == [r[1] for r in rows]
+    assert tokens_to_strings(arrays['labels']) == [r[2] for r in rows]
     ref_in, ref_lab = reference_arrays(csv_dir / 'test.csv')
     N = len(rows)
     assert arrays['inputs'].dtype == np.int32 and np.array_equal(arrays['inputs'], ref_in)
@@ -165,7 +184,7 @@ def test_sudoku_train_layout_subsample_and_min_difficulty(csv_dir, tmp_path):
     assert np.array_equal(arrays['puzzle_indices'], np.arange(241))
     # every group starts with an unaugmented row of the CSV whose rating passes the filter
     rows = {(q, a): int(r) for _, q, a, r in read_csv_rows(csv_dir / 'train.csv')}
-    originals = zip(ps.tokens_to_strings(arrays['inputs'][::6]), ps.tokens_to_strings(arrays['labels'][::6]))
+    originals = zip(tokens_to_strings(arrays['inputs'][::6]), tokens_to_strings(arrays['labels'][::6]))
     ratings = [rows[key] for key in originals]
     assert min(ratings) >= 300 and len(set(ratings)) > 1
 
@@ -200,12 +219,52 @@ def test_sudoku_augmentations_keep_solutions_valid(csv_dir, tmp_path):
         q = np.where(rng.random(grids.shape) < 0.5, 0, grids)
         inp, lab = ps.augment(q.astype(np.uint8) + 1, grids.astype(np.uint8) + 1, n, 40, rng)
         _check_augmented(inp, lab, 41, n)
-        pos, token_map = ps.random_transforms(rng, 4000, n)
+        pos, token_map = Sudoku(n).draw(rng, 4000)
         assert (np.sort(pos, 1) == np.arange(n * n)).all()  # every position map is a permutation
         assert (token_map[:, :2] == (0, 1)).all() and (np.sort(token_map[:, 2:n + 2], 1) == np.arange(2, n + 2)).all()
         src_row = pos.reshape(-1, n, n) // n
         transposed = ~(src_row == src_row[:, :, :1]).all(2)  # an output row drawn from several input rows
         assert (0.45 < transposed.mean() < 0.55) if n != 6 else not transposed.any()  # 6x6: boxes not square
+
+
+def test_every_kinds_symmetries_map_answers_to_answers_and_invert():
+    rng = np.random.default_rng(1)
+    for kind in (Sudoku(4), Sudoku(6), Sudoku(9)):
+        grids = _valid_grids(rng, 200, kind.n) + 1
+        q = np.where(rng.random(grids.shape) < 0.5, 1, grids)
+        sym = kind.draw(rng, len(q))
+        q2, a2 = kind.apply(q, sym), kind.apply(grids, sym)
+        assert kind.correct(q2, a2).all() and (a2 != grids).any(1).mean() > 0.9
+        assert (kind.apply(a2, kind.invert(sym)) == grids).all() and (kind.apply(q2, kind.invert(sym)) == q).all()
+    maze = ['#######', '#S   G#', '# ### #', '#     #', '# ### #', '#     #', '#######']
+    path = ['#######', '#SoooG#', '# ### #', '#     #', '# ### #', '#     #', '#######']
+    kind = Maze(7)
+    q, a = _tokens(*[maze] * 8), _tokens(*[path] * 8)
+    sym = kind.dihedral(range(8))
+    images = kind.apply(q, sym)
+    assert kind.correct(images, kind.apply(a, sym)).all() and len({r.tobytes() for r in images}) == 8
+    sym = kind.draw(rng, 8)
+    assert (kind.apply(kind.apply(a, sym), kind.invert(sym)) == a).all()
+
+
+def test_augmented_datasets_stay_byte_for_byte(tmp_path):
+    """The builders' augmentation draws the same symmetries from the same seed as it always did: datasets
+    built before the kinds owned their symmetries are these bytes."""
+    def digest(root):
+        h = hashlib.sha256()
+        for split in ('train', 'test'):
+            for name in sorted(os.listdir(os.path.join(root, split))):
+                h.update(open(os.path.join(root, split, name), 'rb').read())
+        return h.hexdigest()[:16]
+    t = str(tmp_path)
+    for n, aug, want in ((4, 5, '2aae8251e633c3ef'), (6, 7, 'c0d1f482b8d3ed20'), (9, 3, '612ec63c3423ad1a')):
+        ps.write_csv(f'{t}/s{n}/train.csv', ps.generate_puzzles(12, n, seed=n), 'g')
+        ps.write_csv(f'{t}/s{n}/test.csv', ps.generate_puzzles(3, n, seed=100 + n), 'g')
+        ps.build(f'{t}/s{n}', f'{t}/o{n}', num_aug=aug, seed=7)
+        assert digest(f'{t}/o{n}') == want, n
+    pm.generate_csvs(f'{t}/m', 10, 3, size=9, min_path_len=4, seed=1)
+    pm.build_dataset(f'{t}/m', f'{t}/om', aug=True, seed=2)
+    assert digest(f'{t}/om') == 'b98b50fb913cfebd'
 
 
 # -----------------------------------------------------------------------------
@@ -274,7 +333,7 @@ def test_sudoku_generate_cli(tmp_path, capsys):
     _check_augmented(arrays['inputs'], arrays['labels'], 5, 6)
     test_arrays, test_meta = load_split(out, 'test')
     assert test_meta['total_puzzles'] == 3 and test_meta['puzzle_type'] == 'sudoku'
-    assert ps.tokens_to_strings(test_arrays['inputs']) == [r[1] for r in read_csv_rows(out / 'csv' / 'test.csv')]
+    assert tokens_to_strings(test_arrays['inputs']) == [r[1] for r in read_csv_rows(out / 'csv' / 'test.csv')]
     assert ps.main(['--generate', '12', '--num_test', '3', '--size', '6', '--output_dir', str(tmp_path / 'again'),
                     '--seed', '2']) == 0
     assert (tmp_path / 'again' / 'csv' / 'train.csv').read_bytes() == first
@@ -325,11 +384,11 @@ def test_sudoku_malformed_rows(csv_dir, tmp_path, capsys):
     assert captured.err.count('skipped ') == 5  # the first few are shown
     arrays, _ = load_split(tmp_path / 'x', 'train')
     good_rows = [r.split(',') for i, r in enumerate(lines) if i > 0 and i + 1 not in bad_lines]
-    assert ps.tokens_to_strings(arrays['inputs']) == [r[1] for r in good_rows]
+    assert tokens_to_strings(arrays['inputs']) == [r[1] for r in good_rows]
     # a subsample draws only good rows: content-bad rows drawn are replaced from the rest
     ps.build(csv_dir, tmp_path / 'sub', subsample_size=400 - len(BAD_ROWS), skip_bad=True, seed=4)
     arrays, _ = load_split(tmp_path / 'sub', 'train')
-    assert ps.tokens_to_strings(arrays['inputs']) == [r[1] for r in good_rows]  # all good rows, file order
+    assert tokens_to_strings(arrays['inputs']) == [r[1] for r in good_rows]  # all good rows, file order
     with pytest.raises(ps.CSVFormatError, match=rf"train\.csv:{bad_lines[0]}: expected 4 fields"):
         ps.build(csv_dir, tmp_path / 'sub2', subsample_size=10)  # structure is checked on every row
     # line 1 must be a header (other column names only give a note, as the reference skips line 1)
@@ -430,7 +489,7 @@ def _write_csv(path, rows):
 
 def _tokens(*grids):
     """Mazes given as lists of row strings -> [B, n*n] tokens."""
-    return pm.encode([''.join(g) for g in grids]).astype(np.int64)
+    return Maze(len(grids[0])).encode([''.join(g) for g in grids]).astype(np.int64)
 
 
 @pytest.fixture(scope='module')
@@ -447,8 +506,8 @@ def test_maze_csv_roundtrip(gen_csv, tmp_path):
     for split, n_rows in (('train', 24), ('test', 8)):
         rows, arr, meta = _rows(gen_csv / f'{split}.csv'), load_arrays(out, split), load_metadata(out, split)
         assert len(rows) == n_rows
-        assert [pm.decode(r) for r in arr['inputs']] == [r['question'] for r in rows]
-        assert [pm.decode(r) for r in arr['labels']] == [r['answer'] for r in rows]
+        assert [Maze(30).decode(r) for r in arr['inputs']] == [r['question'] for r in rows]
+        assert [Maze(30).decode(r) for r in arr['labels']] == [r['answer'] for r in rows]
         assert meta['vocab_size'] == 6 and meta['seq_len'] == 900 and meta['pad_id'] == 0
         assert meta['ignore_label_id'] == 0 and meta['blank_identifier_id'] == 0
         assert meta['num_puzzle_identifiers'] == 1 and meta['puzzle_type'] == 'maze' and meta['grid_size'] == 30
@@ -497,9 +556,10 @@ def test_maze_dihedral_augmentation(gen_csv, tmp_path):
     assert maze_correct(x, y).all()  # every image of a label is still an optimal path of its image
     orig = [r['question'] for r in _rows(gen_csv / 'train.csv')]
     for g in range(24):
-        assert pm.decode(x[8 * g]) == orig[g]  # identity first
+        assert Maze(30).decode(x[8 * g]) == orig[g]  # identity first
         images = {x[8 * g + j].tobytes() for j in range(8)}
-        expected = {pm.dihedral(x[8 * g].reshape(30, 30), k).reshape(-1).tobytes() for k in range(8)}
+        square = x[8 * g].reshape(30, 30)
+        expected = {np.ascontiguousarray(m(np.rot90(square, k))).tobytes() for k in range(4) for m in (np.copy, np.fliplr)}
         assert images == expected and len(images) == 8
     assert load_metadata(out, 'test')['total_puzzles'] == 8  # test is never augmented
 
@@ -587,7 +647,7 @@ def test_maze_malformed_rows(gen_csv, tmp_path, capsys):
     with pytest.raises(ValueError, match=r"all\.csv:3: .*\(5 more bad row"):
         pm.read_csv(path)
     qs, ans, n, skipped = pm.read_csv(path, skip_bad=True)
-    assert skipped == len(cases) and n == 30 and [pm.decode(r) for r in qs] == [g[1] for g in good]
+    assert skipped == len(cases) and n == 30 and [Maze(30).decode(r) for r in qs] == [g[1] for g in good]
     (tmp_path / 'empty.csv').write_text('')
     (tmp_path / 'nohead.csv').write_text(f'{src},{q},{a},{rating}\n')
     for name in ('empty', 'nohead'):
@@ -616,4 +676,4 @@ def test_maze_download(gen_csv, http_dir, tmp_path):
     for split in ('train', 'test'):
         assert filecmp.cmp(os.path.join(out, 'raw', f'{split}.csv'), gen_csv / f'{split}.csv', shallow=False)
         rows = _rows(gen_csv / f'{split}.csv')
-        assert [pm.decode(r) for r in load_arrays(out, split)['labels']] == [r['answer'] for r in rows]
+        assert [Maze(30).decode(r) for r in load_arrays(out, split)['labels']] == [r['answer'] for r in rows]

@@ -7,10 +7,10 @@ import numpy as np
 import torch
 
 from conftest import TINY, make_reverse_dataset
-from data import (EvalLoader, TrainLoader, load_arrays, maze_correct, puzzle_type, render_example, sudoku_correct,
-                  verifier_for, write_split)
+from data import EvalLoader, TrainLoader, load_arrays, write_split
 from device import Device
 from model import TRM, TRMConfig
+from puzzles import Maze, Sudoku, puzzle_for, puzzle_type, render_example, verifier_for
 from step import evaluate, format_eval, wilson_interval
 
 
@@ -114,9 +114,13 @@ def test_puzzle_type_and_verifier_from_metadata():
     assert puzzle_type(dict(vocab_size=11, seq_len=81)) == 'sudoku'  # the reference's datasets: by shape
     assert puzzle_type(dict(vocab_size=6, seq_len=900)) == 'maze'
     assert puzzle_type(dict(vocab_size=6, seq_len=8)) is None  # the toy reverse task
-    assert verifier_for(dict(vocab_size=11, seq_len=81)) is sudoku_correct
-    assert verifier_for(dict(vocab_size=6, seq_len=900)) is maze_correct
+    sudoku, maze = puzzle_for(dict(vocab_size=11, seq_len=81)), puzzle_for(dict(vocab_size=6, seq_len=900))
+    assert isinstance(sudoku, Sudoku) and sudoku.n == 9 and sudoku.box == (3, 3)
+    assert isinstance(maze, Maze) and maze.n == 30
+    assert puzzle_for(dict(puzzle_type='sudoku', grid_size=6, vocab_size=8, seq_len=36)).box == (2, 3)
+    assert verifier_for(dict(vocab_size=11, seq_len=81)).__self__.name == 'sudoku'
     assert verifier_for(dict(vocab_size=6, seq_len=8)) is None
+    assert puzzle_for(dict(puzzle_type='no such kind', vocab_size=6, seq_len=16)) is None
 
 
 def test_render_example_shows_a_sudoku_side_by_side():

@@ -17,7 +17,7 @@ from device import choose_dtype
 from model import TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py']
-LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'device.py', 'gcs.py', 'configurator.py']
+LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py', 'configurator.py']
 
 
 def train_defaults():
@@ -116,6 +116,38 @@ def test_no_comment_points_outside_the_repository():
     for f in SCRIPTS + LIBRARIES + ['README.md', 'tpu.md']:
         if os.path.exists(os.path.join(ROOT, f)):
             assert 'TRM_SPEC' not in open(os.path.join(ROOT, f)).read(), f
+
+
+# what a puzzle is: asked of the kind's object (puzzles.py), never tested by name elsewhere
+NAME_TEST = re.compile(r"""(==|!=|\bin|\bis)\s*\(?\s*['"](sudoku|maze)|['"](sudoku|maze)['"]\s*(==|!=|\bin\b)"""
+                       r"""|\bkind\.type\s*[!=]=|puzzle_type\b[^=\n]*[!=]=\s*['"]""", re.I)
+PUZZLE_KNOWLEDGE = ["'# SG", '123456789', 'BOXES[', 'rot90', '1 << np.arange']  # char maps, boxes, symmetries, rule
+
+
+def test_puzzle_knowledge_lives_in_puzzles_py():
+    for f in SCRIPTS + LIBRARIES:
+        if f == 'puzzles.py' or not os.path.exists(os.path.join(ROOT, f)):
+            continue
+        text = open(os.path.join(ROOT, f)).read()
+        docs = {i for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+                for i in range(n.lineno, n.end_lineno + 1)}  # documentation may name a format
+        for i, line in enumerate(text.splitlines(), 1):
+            if i in docs:
+                continue
+            assert not NAME_TEST.search(line), f"{f}:{i} tests a puzzle kind by name: {line.strip()}"
+            for text in PUZZLE_KNOWLEDGE:
+                assert text not in line, f"{f}:{i} holds {text!r}, puzzles.py's: {line.strip()}"
+    defs = [n.name for n in ast.walk(ast.parse(open(os.path.join(ROOT, 'puzzles.py')).read()))
+            if isinstance(n, ast.FunctionDef)]
+    assert defs.count('units') == 1 and 'units_ok' not in defs  # the Sudoku rule, once
+
+
+def test_the_name_test_finds_what_it_forbids():
+    for line in ("if kind.type == 'maze':", "if meta['puzzle_type'] == 'sudoku':", "x = 'maze' if t in ('maze',) else 1",
+                 "if d['kind'] != \"sudoku\":", "if puzzle_type(meta) == 'maze':"):
+        assert NAME_TEST.search(line), line
+    for line in ("extra=dict(puzzle_type=Maze.name, grid_size=n))", "return 'sudoku 9x9, the default'"):
+        assert not NAME_TEST.search(line), line
 
 
 @pytest.mark.parametrize('requested,kind,cap,native,want,why', [

@@ -239,6 +239,26 @@ def test_maze(maze8):
         assert list(summaries(one.stdout)) == [1] and 'solved' in one.stdout
 
 
+def test_a_byte_order_mark_and_classic_mac_line_ends_are_no_characters(sudoku4, maze8, tmp_path):
+    """A file saved with a UTF-8 byte-order mark, or with CR line ends: the same puzzles as in a plain file."""
+    untimed = lambda out: {k: re.sub(r' \| [\d.]+ s( \(in a batch of \d+\))?', '', v) for k, v in summaries(out).items()}
+    some = '\n'.join(sudoku4.puzzles[:5]) + '\n'
+    plain = tmp_path / 'plain.txt'
+    plain.write_text(some)
+    want = untimed(solve(f'--init_from={sudoku4.ckpt}', f'--file={plain}', '--quiet=True').stdout)
+    assert len(want) == 5
+    for name, text in (('bom.txt', '\ufeff' + some), ('cr.txt', some.replace('\n', '\r')),
+                       ('bom_cr.txt', '\ufeff' + some.replace('\n', '\r'))):
+        (tmp_path / name).write_bytes(text.encode('utf-8'))
+        p = solve(f'--init_from={sudoku4.ckpt}', f'--file={tmp_path / name}', '--quiet=True', check=False)
+        assert p.returncode == 0 and untimed(p.stdout) == want, (name, p.stderr)
+    q, q2 = maze8.questions[:2]
+    (tmp_path / 'm.txt').write_bytes(('\ufeff' + '\r'.join(rows_of(q)) + '\r\r' + q2 + '\r').encode('utf-8'))
+    p = solve(f'--init_from={maze8.ckpt}', f'--file={tmp_path / "m.txt"}', '--steps=1', check=False)
+    assert p.returncode == 0, p.stderr
+    assert [b[0].split(':')[0] for b in blocks(p.stdout)] == ['puzzle 1 (lines 1-8 of m.txt)', 'puzzle 2 (line 10 of m.txt)']
+
+
 @pytest.mark.skipif(importlib.util.find_spec('torch_xla') is None, reason='torch_xla is not installed')
 def test_xla_on_the_cpu(sudoku4):
     """device=auto picks XLA when PJRT_DEVICE is set; the same steps as eager, no torch_xla.launch."""

@@ -1,0 +1,549 @@
+"""
+What a puzzle is, one object per kind: its tokens and characters, a user's text parsed, a board rendered, the
+rule its cells obey, the verifier (any valid answer counts, not only the dataset's label) and its symmetries.
+The trainer, solve.py and the prepare_*.py builders ask the object and never test which kind it is.
+
+    kind = puzzle_for(meta)        # Sudoku(6), Maze(30), ... or None: an unknown puzzle (exact match only)
+    kind.correct(inputs, preds)    # bool [B]
+    kind.parse(text, where)        # tokens [L]; a bad text raises ValueError with one line naming the problem
+
+A kind's `name` is what dataset.json's puzzle_type and a checkpoint's `data` store. A new kind is one
+subclass of Grid (registered in KINDS under its name), a builder that writes it with
+data.write_split(..., extra=dict(puzzle_type=NAME, grid_size=n)) and a config (README: forking).
+"""
+import functools
+import itertools
+import math
+import os
+import re
+
+import numpy as np
+
+
+def plural(k, word):
+    return f"{k} {word}{'s' * (k != 1)}"
+
+
+def article(name):
+    """'a 4x4 Sudoku', 'an 8x8 maze'."""
+    return ('an ' if name[:1] == '8' or name[:2] in ('11', '18') else 'a ') + name
+
+
+class Grid:
+    """An n x n puzzle, one token per cell, row-major. Token 0 is PAD; token t >= 1 shows as chars[t - 1].
+    A symmetry is (pos, token_map), batched: pos [k, L] the source cell of each cell, token_map
+    [k, vocab_size] a relabelling of the tokens; it maps valid puzzles with their answers to valid puzzles
+    with theirs."""
+    name = ''            # what datasets and checkpoints store
+    noun = 'puzzle'      # in messages: 'a 6x6 Sudoku'
+    chars = ''           # token t -> chars[t - 1]
+    aliases = {}         # more characters a user may type for a token: {char: token}
+    question_chars = ''  # what a question (a user's puzzle) may hold
+    pad_char = '?'
+    sep = ' '            # between cells of a rendered row
+    colors = None        # {char: rgb} draws a board as an image; None draws characters on a grid of boxes
+    box = None           # (rows, cols) of the boxes drawn with thick lines (None: none)
+    one_line_answer = False  # the summary line shows the answer as one string
+
+    def __init__(self, n):
+        self.n, self.L = n, n * n
+
+    @property
+    def vocab_size(self):
+        return len(self.chars) + 1
+
+    @property
+    def title(self):
+        return f"{self.n}x{self.n} {self.noun}"
+
+    # characters
+
+    @functools.cached_property
+    def _char_lut(self):
+        """byte -> token (255: none)"""
+        lut = np.full(256, 255, np.uint8)
+        lut[[ord(c) for c in self.chars]] = np.arange(1, len(self.chars) + 1)
+        for c, t in self.aliases.items():
+            lut[ord(c)] = t
+        return lut
+
+    def cell(self, t):
+        t = int(t)
+        return self.chars[t - 1] if 1 <= t <= len(self.chars) else self.pad_char
+
+    def encode(self, strings):
+        """Equal-length strings (or their raw bytes [N, L] uint8) -> [N, L] uint8 tokens, 255 for a character
+        that is no token."""
+        if isinstance(strings, np.ndarray):
+            return self._char_lut[strings]
+        if len(strings) == 0:
+            return np.zeros((0, 0), np.uint8)
+        # 'replace' keeps one byte per character, so a stray non-ASCII character stays in its column
+        buf = np.frombuffer(''.join(strings).encode('ascii', 'replace'), np.uint8)
+        return self._char_lut[buf].reshape(len(strings), -1)
+
+    def decode(self, tokens):
+        """One row of tokens -> its string."""
+        return ''.join(self.cell(t) for t in np.asarray(tokens).ravel())
+
+    def render(self, tokens, before=None):
+        """A board as text, one line a row; cells that differ from `before` get a trailing '*'."""
+        n = self.n
+        t = np.asarray(tokens).reshape(n, n)
+        changed = np.zeros((n, n), bool) if before is None else t != np.asarray(before).reshape(n, n)
+        cells = [[self.cell(t[r, c]) + ('*' if changed[r, c] else ' ') for c in range(n)] for r in range(n)]
+        if self.box is None:
+            return '\n'.join(''.join(row).rstrip() for row in cells)
+        br, bc = self.box
+        lines = []
+        for r in range(n):
+            if r and r % br == 0:
+                lines.append('-+-'.join('-' * (3 * bc - 1) for _ in range(n // bc)))
+            lines.append(' | '.join(' '.join(cells[r][c:c + bc]) for c in range(0, n, bc)).rstrip())
+        return '\n'.join(lines)
+
+    # a user's text
+
+    @classmethod
+    def guess(cls, text):
+        """What this text looks like when it is one of these ('4x4 Sudoku', or the bare noun), else None."""
+        return None
+
+    def split_file(self, lines):
+        """[(text, first line, last line)] from a file's lines (1-based numbers): blank-line-separated blocks
+        of rows; a block of several lines that each hold a whole puzzle is that many puzzles."""
+        blocks, cur, out = [], [], []
+        for i, line in enumerate(lines + ['']):
+            if line == '':
+                if cur:
+                    blocks.append(cur)
+                cur = []
+            else:
+                cur.append((i + 1, line))
+        for block in blocks:
+            if len(block) > 1 and all(len(l) == self.L for _, l in block):
+                out += [(l, i, i) for i, l in block]
+            else:
+                out.append(('\n'.join(l for _, l in block), block[0][0], block[-1][0]))
+        return out
+
+    def parse(self, text, where):
+        """A user's rows ('/' or newlines between them, or one line of n*n characters) -> tokens [L]."""
+        rows = text.replace('\r', '').replace('/', '\n').split('\n')
+        while rows and rows[-1] == '':
+            rows.pop()
+        if len(rows) == 1 and len(rows[0]) == self.L:
+            rows = [rows[0][i:i + self.n] for i in range(0, self.L, self.n)]
+        shape = f"{article(self.title)} has {self.text_shape()}"
+        if len(rows) != self.n:
+            of = f" of {len(rows[0])} characters" if len(rows) == 1 else ''
+            raise ValueError(f"{where}: {plural(len(rows), 'row')}{of}; {shape}")
+        for r, row in enumerate(rows):
+            if len(row) != self.n:
+                raise ValueError(f"{where}: row {r + 1} has {len(row)} characters; {shape}")
+            for c, ch in enumerate(row):
+                if ch not in self.question_chars:
+                    raise ValueError(f"{where}: character {ch!r} in row {r + 1}, column {c + 1}"
+                                     f"{self.why_not(ch)}; {shape}")
+        return self.encode([''.join(rows)])[0].astype(np.int32)
+
+    def text_shape(self):
+        return (f"{self.n} rows of {self.n} characters from '{self.question_chars}', joined by '/' or "
+                f"newlines, or one line of {self.L}")
+
+    def why_not(self, ch):
+        """A hint after a character a question may not hold."""
+        return ''
+
+    def contradiction(self, tokens, where):
+        """Givens that cannot all hold: a message, or None."""
+        return None
+
+    def describe(self, tokens):
+        """A few words on a question, after its title."""
+        return ''
+
+    # symmetries
+
+    def draw(self, rng, k):
+        """k random symmetries (the identity here: a kind without symmetries)."""
+        return np.tile(np.arange(self.L), (k, 1)), np.tile(np.arange(self.vocab_size, dtype=np.uint8), (k, 1))
+
+    @staticmethod
+    def apply(tokens, sym):
+        """tokens [k, L] -> the k images, row i under symmetry i."""
+        pos, token_map = sym
+        moved = np.take_along_axis(np.asarray(tokens), pos, 1)
+        return np.take_along_axis(token_map, moved.astype(np.intp), 1)
+
+    @staticmethod
+    def invert(sym):
+        pos, token_map = sym
+        return np.argsort(pos, 1), np.argsort(token_map, 1).astype(token_map.dtype)
+
+
+# -----------------------------------------------------------------------------
+# Sudoku: PAD 0, blank 1, digit d -> d + 1 (vocab n + 2, seq_len n * n)
+
+BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}  # grid size n -> (rows, cols) of one box
+
+
+@functools.lru_cache(maxsize=None)
+def _perm_table(m):
+    """All m! permutations of range(m): drawing an index into this table is a uniform permutation,
+    and far cheaper than argsort of random keys for a million copies."""
+    count = math.factorial(m)
+    flat = np.fromiter(itertools.chain.from_iterable(itertools.permutations(range(m))), np.uint8, m * count)
+    return flat.reshape(count, m)
+
+
+def _random_perms(rng, m, shape):
+    table = _perm_table(m)
+    return table[rng.integers(0, len(table), size=shape)].astype(np.int32)
+
+
+class Sudoku(Grid):
+    """Every row, column and box holds each digit once; the givens stay."""
+    name, noun = 'sudoku', 'Sudoku'
+    pad_char = '.'
+    aliases = {'0': 1}
+    one_line_answer = True
+
+    def __init__(self, n, boxes=True):
+        if boxes and n not in BOXES:
+            sizes = ', '.join(f'{k}x{k}' for k in BOXES)
+            raise ValueError(f"no Sudoku of size {n}x{n}: the sizes are {sizes}")
+        super().__init__(n)
+        self.box = BOXES[n] if boxes else None  # without boxes: a Latin square
+        self.chars = '.' + '123456789'[:n]
+        self.question_chars = '.0' + '123456789'[:n]
+
+    def text_shape(self):
+        return f"{self.L} characters from '{self.question_chars}'"
+
+    @functools.cached_property
+    def units(self):
+        """[(name, flat cell indices)]: the rows, the columns and the boxes, the Sudoku rule's units."""
+        n = self.n
+        units = [(f"row {r + 1}", [r * n + c for c in range(n)]) for r in range(n)]
+        units += [(f"column {c + 1}", [r * n + c for r in range(n)]) for c in range(n)]
+        if self.box:
+            br, bc = self.box
+            corners = [(r, c) for r in range(0, n, br) for c in range(0, n, bc)]
+            units += [(f"box {b + 1} (rows {r0 + 1}-{r0 + br}, columns {c0 + 1}-{c0 + bc})",
+                       [(r0 + i) * n + c0 + j for i in range(br) for j in range(bc)])
+                      for b, (r0, c0) in enumerate(corners)]
+        return units
+
+    @functools.cached_property
+    def _unit_index(self):
+        return np.array([cells for _, cells in self.units], np.intp)
+
+    def units_hold(self, tokens):
+        """[B, L] tokens -> bool [B]: every unit holds each digit once (a blank, PAD or anything else is no
+        digit). A unit's sum of 2**(d-1) equals 2**n - 1 exactly when its n digits are distinct (n powers of
+        two have n set bits in their sum only if no two are equal)."""
+        t = np.asarray(tokens)
+        if t.dtype != np.uint8:
+            t = np.clip(t, 0, 255).astype(np.uint8)
+        lut = np.zeros(256, np.uint16)
+        lut[2:self.n + 2] = 1 << np.arange(self.n)
+        bits, cells = lut[np.ascontiguousarray(t.T)], self._unit_index  # [L, B]: a cell's batch lies together
+        sums = bits[cells[:, 0]]
+        for j in range(1, cells.shape[1]):  # one cell of every unit at a time, whole rows of B: memory-fast
+            sums += bits[cells[:, j]]
+        return (sums == (1 << self.n) - 1).all(0)
+
+    def correct(self, inputs, preds):
+        """bool [B]: the prediction keeps every given and obeys the rule."""
+        inputs, preds = np.asarray(inputs), np.asarray(preds)
+        assert preds.shape[-1] == self.L, f"{preds.shape[-1]} tokens, not {article(self.title)}"
+        keeps = ((preds == inputs) | (inputs < 2)).all(1)
+        return keeps & self.units_hold(preds)
+
+    def clashes(self, tokens):
+        """bool [n, n]: cells whose digit appears again in one of their units."""
+        t = np.asarray(tokens).ravel()
+        out = np.zeros(self.L, bool)
+        for _, cells in self.units:
+            d = t[cells]
+            out[np.array(cells)[(d > 1) & ((d[:, None] == d[None, :]).sum(1) > 1)]] = True
+        return out.reshape(self.n, self.n)
+
+    def first_repeat(self, tokens):
+        """(unit name, digit, first cell, second cell) of the first digit that a unit holds twice, or None."""
+        t = np.asarray(tokens).ravel()
+        for name, cells in self.units:
+            seen = {}
+            for i in cells:
+                if t[i] > 1 and t[i] in seen:
+                    return name, int(t[i]) - 1, seen[t[i]], i
+                seen[t[i]] = i
+        return None
+
+    @classmethod
+    def guess(cls, text):
+        chars = set(text) - set(' \t/\r\n')
+        if chars and chars <= set('.0123456789'):
+            k = len(''.join(text.split()).replace('/', ''))
+            n = math.isqrt(k)
+            return f"{n}x{n} Sudoku" if n * n == k and n in BOXES else 'Sudoku'
+        return None
+
+    def split_file(self, lines):
+        return [(line, i + 1, i + 1) for i, line in enumerate(lines) if line.strip()]
+
+    def parse(self, text, where):
+        s = ''.join(text.split()).replace('/', '')
+        shape = f"{article(self.title)} has {self.text_shape()}"
+        if len(s) != self.L:
+            guess = looks_like(text)
+            also = f" ({article(guess)})" if guess and guess not in (self.title, self.noun) else ''
+            raise ValueError(f"{where}: {len(s)} characters{also}; {shape}")
+        for i, c in enumerate(s):
+            if c not in self.question_chars:
+                raise ValueError(f"{where}: character {c!r} at position {i + 1}; {shape}")
+        return self.encode([s])[0].astype(np.int32)
+
+    def contradiction(self, tokens, where):
+        found = self.first_repeat(tokens)
+        if found is None:
+            return None
+        name, d, i, j = found
+        n = self.n
+        return (f"{where}: the givens contradict each other: {d} twice in {name} "
+                f"(row {i // n + 1} column {i % n + 1} and row {j // n + 1} column {j % n + 1})")
+
+    def describe(self, tokens):
+        return f", {plural(int((np.asarray(tokens) <= 1).sum()), 'blank')}"
+
+    def draw(self, rng, k):
+        """k random symmetries: digit relabelling, band and row-within-band permutation, stack and
+        column-within-stack permutation, and a transpose with p=0.5 where boxes are square (without boxes:
+        any row and column permutation, and the transpose)."""
+        n, (br, bc) = self.n, self.box or (1, 1)
+        token_map = np.zeros((k, self.vocab_size), np.uint8)
+        token_map[:, 1] = 1
+        token_map[:, 2:] = _random_perms(rng, n, k) + 2
+        rows = (_random_perms(rng, n // br, k)[:, :, None] * br
+                + _random_perms(rng, br, (k, n // br))).reshape(k, n)
+        cols = (_random_perms(rng, n // bc, k)[:, :, None] * bc
+                + _random_perms(rng, bc, (k, n // bc))).reshape(k, n)
+        row_part, col_part = rows * n, cols  # out[i, j] = in[rows[i], cols[j]]
+        if br == bc:  # transposed first: out[i, j] = in.T[rows[i], cols[j]] = in[cols[j], rows[i]]
+            flip = (rng.random(k) < 0.5)[:, None]
+            row_part, col_part = np.where(flip, rows, row_part), np.where(flip, cols * n, col_part)
+        return (row_part[:, :, None] + col_part[:, None, :]).reshape(k, n * n), token_map
+
+
+# -----------------------------------------------------------------------------
+# Maze: PAD 0, then '#' wall, ' ' open, 'S' start, 'G' goal, 'o' path cell (only in answers)
+
+PAD, WALL, OPEN, START, GOAL, PATH = range(6)
+
+
+def _pack_rows(mask):
+    """[B, n, n] bool -> [B, n] bitsets: bit j of word i is cell (i, j). uint64 up to n = 64 (so a BFS
+    step is a few shifts on B*n words instead of B*n*n bools), Python ints (object) beyond."""
+    n = mask.shape[-1]
+    dt = np.uint64 if n <= 64 else object
+    return np.bitwise_or.reduce(mask.astype(dt) << np.arange(n).astype(dt), axis=-1)
+
+
+def _grid_size(L):
+    n = math.isqrt(L)
+    assert n * n == L, f"sequence length {L} is not a perfect square"
+    return n
+
+
+def shortest_path_length(grids):
+    """BFS steps from S to G through non-wall cells, for each row of [B, n*n] maze tokens; -1 when G is
+    unreachable or the row lacks a unique S and G. All rows expand their frontier together, as
+    bitsets, and leave the batch once they reach G or their frontier stops growing."""
+    x = np.asarray(grids)
+    B, L = x.shape
+    n = _grid_size(L)
+    dist = np.full(B, -1, np.int64)
+    is_s, is_g = x == START, x == GOAL
+    rows = np.flatnonzero((is_s.sum(1) == 1) & (is_g.sum(1) == 1))
+    passable = _pack_rows(np.isin(x[rows], (OPEN, START, GOAL, PATH)).reshape(-1, n, n))
+    reach = _pack_rows(is_s[rows].reshape(-1, n, n))
+    goal = _pack_rows(is_g[rows].reshape(-1, n, n))
+    step = 0
+    while len(rows):
+        step += 1
+        new = reach | (reach << 1) | (reach >> 1)  # left/right neighbours (bit n is cut by passable)
+        new[:, 1:] |= reach[:, :-1]  # the cell above
+        new[:, :-1] |= reach[:, 1:]  # the cell below
+        new &= passable
+        hit = (new & goal).any(1)
+        dist[rows[hit]] = step
+        keep = ~hit & (new != reach).any(1)  # a frontier that stopped growing: no path
+        reach = new
+        if not keep.all():
+            rows, reach, passable, goal = rows[keep], reach[keep], passable[keep], goal[keep]
+    return dist
+
+
+class Maze(Grid):
+    """The shortest S->G path through open cells, marked 'o'; any shortest path counts."""
+    name, noun = 'maze', 'maze'
+    chars = '# SGo'
+    question_chars = '# SG'
+    sep = ''
+    colors = {'#': (0.22, 0.22, 0.25), ' ': (1, 1, 1), 'S': (0.15, 0.65, 0.25), 'G': (0.85, 0.2, 0.2),
+              'o': (0.25, 0.45, 0.95), '?': (0.9, 0.3, 0.9)}
+
+    @classmethod
+    def guess(cls, text):
+        chars = set(text) - set(' \t/\r\n')
+        if chars & set('#SG') and chars <= set('# SGo'):
+            rows = [r for r in text.replace('\r', '').replace('/', '\n').split('\n') if r]
+            return f"{len(rows)}x{len(rows)} maze" if len(rows) > 1 else 'maze'
+        return None
+
+    def text_shape(self):
+        return (f"{self.n} rows of {self.n} characters from '{self.question_chars}' (wall, open, start, "
+                f"goal), joined by '/' or newlines, or one line of {self.L}")
+
+    def why_not(self, ch):
+        if ch == 'o':
+            return " ('o' marks a path, which is the model's to find: give the maze without it)"
+        return ''
+
+    def contradiction(self, tokens, where):
+        s, g = int((tokens == START).sum()), int((tokens == GOAL).sum())
+        if s != 1 or g != 1:
+            return f"{where}: {s} S (start) and {g} G (goal) cells; a maze needs exactly one of each"
+        if shortest_path_length(tokens[None])[0] < 0:
+            return f"{where}: no open path leads from S to G"
+        return None
+
+    def describe(self, tokens):
+        return f", shortest path {plural(int(shortest_path_length(np.asarray(tokens)[None])[0]), 'step')}"
+
+    def correct(self, inputs, preds):
+        """bool [B]: the prediction keeps every wall, S and G of the input maze (and adds none), and its 'o'
+        cells form a 4-connected simple S->G path through open cells whose length equals the input's
+        shortest path length. Any optimal path is accepted.
+        Why degree checks suffice: if S and G have exactly one marked neighbour (S, G or 'o') and every
+        'o' exactly two, the marked cells are one S..G path plus disjoint cycles. That path has at least
+        d(S,G) steps, i.e. uses >= d-1 'o' cells; so with exactly d-1 'o' cells there are no cycles and the
+        path is a shortest one. Conversely a shortest path has no chords (one would be a shortcut)."""
+        x, p = np.asarray(inputs), np.asarray(preds)
+        assert x.shape == p.shape and x.ndim == 2, (x.shape, p.shape)
+        B, L = x.shape
+        n = _grid_size(L)
+        valid_question = np.isin(x, (WALL, OPEN, START, GOAL)).all(1)
+        keeps_maze = np.where(x != OPEN, p == x, (p == OPEN) | (p == PATH)).all(1)
+        on = np.isin(p, (START, GOAL, PATH)).reshape(B, n, n)
+        deg = np.zeros((B, n, n), np.int8)  # marked 4-neighbours of each cell
+        deg[:, 1:] += on[:, :-1]
+        deg[:, :-1] += on[:, 1:]
+        deg[:, :, 1:] += on[:, :, :-1]
+        deg[:, :, :-1] += on[:, :, 1:]
+        deg = deg.reshape(B, L)
+        is_path = p == PATH
+        is_end = (p == START) | (p == GOAL)
+        degrees_ok = (~is_path | (deg == 2)).all(1) & (~is_end | (deg == 1)).all(1)
+        ok = np.zeros(B, bool)
+        cand = np.flatnonzero(valid_question & keeps_maze & degrees_ok)  # only these need a BFS
+        if len(cand):
+            ok[cand] = shortest_path_length(x[cand]) == is_path[cand].sum(1) + 1
+        return ok
+
+    def dihedral(self, ks):
+        """The symmetries ks (0..7) of the square: rotations by 90 degrees k % 4 times, mirrored for k >= 4;
+        0 is the identity."""
+        cells = np.arange(self.L).reshape(self.n, self.n)
+        table = [np.rot90(cells, k % 4) for k in range(8)]
+        table = np.stack([(g[:, ::-1] if k >= 4 else g).ravel() for k, g in enumerate(table)])
+        ks = np.asarray(ks)
+        return table[ks], np.tile(np.arange(self.vocab_size, dtype=np.uint8), (len(ks), 1))
+
+    def draw(self, rng, k):
+        return self.dihedral(rng.integers(0, 8, k))
+
+
+# -----------------------------------------------------------------------------
+# a dataset's kind
+
+KINDS = {'sudoku': Sudoku, 'maze': Maze}  # name -> class; a kind added elsewhere registers here
+
+
+def puzzle_for(meta):
+    """The kind of a dataset (its dataset.json, or a checkpoint's `data`: puzzle_type and seq_len at least),
+    or None for an unknown one. Datasets built here name it; the reference's are recognised by their
+    vocabulary and length."""
+    L = int(meta['seq_len'])
+    n = int(meta.get('grid_size') or math.isqrt(L))
+    if meta.get('puzzle_type'):
+        cls = KINDS.get(meta['puzzle_type'])
+        try:
+            return cls(n) if cls and n * n == L else None
+        except ValueError:
+            return None
+    if n * n != L:
+        return None
+    if n in BOXES and meta['vocab_size'] == n + 2:
+        return Sudoku(n)
+    if meta['vocab_size'] == len(Maze.chars) + 1:
+        return Maze(n)
+    return None
+
+
+def puzzle_type(meta):
+    """The kind's name ('sudoku', 'maze', ...) or None."""
+    kind = puzzle_for(meta)
+    return kind.name if kind else None
+
+
+def verifier_for(meta):
+    """A checker of whole answers, (inputs, preds) -> bool [B], or None for an unknown puzzle."""
+    kind = puzzle_for(meta)
+    return kind.correct if kind else None
+
+
+def seq_len_for_vocab(vocab_size):
+    """The sequence length that a vocabulary alone tells (a Sudoku's n + 2, unless a maze has it too), or
+    None."""
+    n = vocab_size - 2
+    return n * n if n in BOXES and vocab_size != len(Maze.chars) + 1 else None
+
+
+def looks_like(text):
+    """A guess at what a puzzle string is ('4x4 Sudoku', '8x8 maze', 'maze'), for a clear error when it is not
+    what a checkpoint solves; None for no known kind."""
+    return next((g for cls in KINDS.values() if (g := cls.guess(text))), None)
+
+
+def shape_from_name(path):
+    """(seq_len, vocab_size, why) of the task a dataset folder's name says: 'maze' (30x30 unless the name
+    says RxC), 'sudoku<N>' (N = 4, 6 or 9), anything else the paper's 9x9 Sudoku."""
+    name = os.path.basename(os.path.normpath(path)).lower() if path else ''
+    if 'maze' in name:
+        m = re.search(r'(\d+)x(\d+)', name)
+        r, c = (int(m.group(1)), int(m.group(2))) if m else (30, 30)
+        return r * c, len(Maze.chars) + 1, f"maze {r}x{c}, from data_path's name {path!r}"
+    m = re.search(r'sudoku[-_]?(\d+)', name)
+    if m and int(m.group(1)) in BOXES:
+        n = int(m.group(1))
+        return n * n, n + 2, f"sudoku {n}x{n}, from data_path's name {path!r}"
+    if 'sudoku' in name:
+        return 81, 11, f"sudoku 9x9, from data_path's name {path!r}"
+    return 81, 11, (f"sudoku 9x9, the default: data_path's name {path!r} names no known puzzle" if path
+                    else "sudoku 9x9, the default: no data_path")
+
+
+def render_example(meta, inputs, preds, correct):
+    """A held-out puzzle and the model's answer, side by side, as text."""
+    kind = puzzle_for(meta)
+    n = math.isqrt(meta['seq_len'])
+    if n * n != meta['seq_len']:
+        return f"puzzle: {list(inputs)}\nanswer: {list(preds)} ({'correct' if correct else 'wrong'})"
+    cell = kind.cell if kind else (lambda t: format(int(t), 'x')[-1])
+    sep = kind.sep if kind else ' '
+    rows = [sep.join(cell(t) for t in inputs[r * n:(r + 1) * n]) + '   |   ' +
+            sep.join(cell(t) for t in preds[r * n:(r + 1) * n]) for r in range(n)]
+    return ('held-out puzzle   ->   model answer (' + ('correct' if correct else 'WRONG') + ')\n'
+            + '\n'.join(rows))
