@@ -21,8 +21,10 @@ if ROOT not in sys.path:
 
 HAS_MPL = importlib.util.find_spec('matplotlib') is not None
 # the tiny model's keys, for the reference-format state dict (which carries no config)
+# a reference state dict holds no config: the model keys, and the float format the checkpoint was trained in
+# (the default 'auto' picks bfloat16 on a CPU with native bf16)
 TINY_KEYS = ['--hidden_size=32', '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=2', '--L_cycles=2',
-             '--halt_max_steps=3']
+             '--halt_max_steps=3', '--forward_dtype=float32']
 
 
 def run(script, *args, env=None, check=True, timeout=600):
