@@ -84,7 +84,7 @@ TPU_HOST_BOUNDS=1,1,1, TPU_CHIPS_PER_HOST_BOUNDS (the host's chips, from the met
 so the report sees every host's results. The default, hosts_mode=all, runs each run over the whole pod.
 The dry run prints which host and slot runs what and the study's wall time under each mode.
 Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>,
---seed=s). New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with
+--seed=s). New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 6144 at fixed epochs, so steps ~ 1/B, with
 square-root scaling lr = 1e-4 * sqrt(B / 768); puzzle_emb_lr and warm-up steps stay), abl_halt1/2 and
 abl_noemb. At the cpu scale lr and batch keep their ratio to the base's (2e-3 x lr / 1e-4, 32 x B / 768);
 halt_max_steps < 4 is kept (abl_halt2 and abl_halt8 then both train 2 steps); the cpu base has no puzzle
