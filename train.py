@@ -75,6 +75,7 @@ device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU,
 compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (openxla)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
+watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
@@ -94,7 +95,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
              ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
-             gcs_retries=_pos)
+             gcs_retries=_pos, watchdog_minutes=_nonneg)
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
@@ -176,6 +177,8 @@ def main(index=None):
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
+    # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed at step 2
+    watchdog = safety.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}))
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
@@ -183,9 +186,11 @@ def main(index=None):
                         subset=subset, seed=seed)
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
+        watchdog.pause(2)  # asked before each batch: armed once the first batch (maybe a compile) is done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example,
-                            predict=predict, should_stop=run.stop_agreed)
+                            predict=predict,
+                            should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed())
 
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
@@ -264,6 +269,7 @@ def main(index=None):
         dev.sync()
         host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
         step += 1
+        watchdog.progress(f'step {step}', step)
         save = lambda tag='': run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, tag)
 
         # --- log, stop, evaluate, save ------------------------------------------------------------------
@@ -295,6 +301,7 @@ def main(index=None):
             dev.read(run.checkpoint_tensors(model, ema_model, carry))  # the save's graph now, not at SIGTERM
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
+    watchdog.stop()
     run.close(stop_now)
     if dev.kind == 'xla' and master:
         compiles, fallbacks = dev.xla_report()

@@ -35,3 +35,44 @@ def test_auto_on_a_tpu_vm_without_pjrt_device_stops_before_any_step(toy, tmp_pat
     no_tpu = fake_pci(tmp_path / 'cpu', [('0x8086', '0x1237'), ('0x1ae0', '0x0042')])
     p = run(args + ['--device=auto', f'--out_dir={tmp_path}/o2'], env=dict(TRM_PCI_DEVICES=no_tpu))
     assert 'device cpu x1' in p.stdout
+
+
+def records(folder):
+    with open(os.path.join(folder, 'metrics.jsonl')) as f:
+        return [json.loads(l) for l in f]
+
+
+def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--max_steps=40',
+            '--checkpoint_interval=10', '--log_interval=10', '--init_from=resume', '--watchdog_minutes=0.05']
+    p = run(args, env=dict(TRM_TEST_HANG_AT='step 25'), timeout=300, check=False)  # blocks for good at step 25
+    assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert 'watchdog: nothing finished for 0.' in p.stderr and '(watchdog_minutes=0.05; the last: step 25)' in p.stderr
+    assert 'Current thread' in p.stderr and 'in main' in p.stderr  # every thread's stack: the loop's, where it hangs
+    log = open(f'{out}/train.log').read()
+    assert 'watchdog: nothing finished' in log and 'Current thread' in log and 'in main' in log
+    hung = [r for r in records(out) if r['kind'] == 'watchdog']
+    assert len(hung) == 1 and hung[0]['step'] == 25 and hung[0]['last'] == 'step 25', hung
+    assert not os.path.exists(f'{out}/run.lock')
+    # the same command, run again, resumes from the last checkpoint and finishes
+    p = run(args, timeout=300)
+    assert f'resuming from {out}/ckpt_00000020.pt (step 20)' in p.stdout
+    assert json.load(open(f'{out}/results.json'))['step'] == 40
+
+
+def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs(tmp_path):
+    data = make_reverse_dataset(str(tmp_path / 'data'), n_test=1000)
+    args = ['train.py', f'--data_path={data}', *TOY_ARGS, '--max_steps=6', '--log_interval=2', '--eval_batch_size=2',
+            '--watchdog_minutes=0.01']  # 500 evaluation batches against 0.6 s
+    out = f'{tmp_path}/o'
+    p = run(args + [f'--out_dir={out}'], timeout=600)
+    evals = [r for r in records(out) if r['kind'] == 'eval']
+    assert 'watchdog' not in p.stderr and len(evals) == 1 and evals[0]['step'] == 6
+    spent = json.load(open(f'{out}/results.json'))['wall_s']['eval']
+    assert spent > 0.6, spent  # the premise: the evaluation outlasted the watchdog's limit, progressing
+    # the same evaluation stuck at a batch: ended
+    p = run(args + [f'--out_dir={tmp_path}/hung'], env=dict(TRM_TEST_HANG_AT='an evaluation batch'), timeout=300,
+            check=False)
+    assert p.returncode == 75 and '(watchdog_minutes=0.01; the last: an evaluation batch)' in p.stderr, p.stderr[-2000:]
+    assert 'in evaluate' in p.stderr and 'watchdog: nothing finished' in open(f'{tmp_path}/hung/train.log').read()
