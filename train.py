@@ -75,6 +75,8 @@ device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU,
 compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (openxla)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
+smoke = False                   # True: check this machine in minutes instead (smoke.py), in <out_dir>/smoke
+smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
@@ -95,7 +97,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
              ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
-             gcs_retries=_pos, watchdog_minutes=_nonneg)
+             gcs_retries=_pos, watchdog_minutes=_nonneg, smoke_phase=_one_of(0, 1, 2))
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
@@ -195,7 +197,7 @@ def main(index=None):
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
         when a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
-        final = step == run_steps
+        final = step == run_steps and not smoke_phase  # a smoke run's last evaluation is an intermediate one
         res, example = run_eval(0 if final else eval_subset, show_example=final)
         # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
         raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
@@ -312,6 +314,9 @@ def main(index=None):
 
 
 if __name__ == '__main__':
+    if smoke:  # two short runs of this command, in processes of their own, then a verdict
+        from smoke import smoke_test
+        raise SystemExit(smoke_test(config))
     if resolve_device(device) == 'xla':
         import torch_xla
         torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command

@@ -7,7 +7,8 @@ a slow but progressing run is not; --smoke=True ends with its verdict and leaves
 import json
 import os
 
-from conftest import TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset, run
+import gcs
+from conftest import BUCKET, TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset, run
 
 
 def fake_pci(root, devices):
@@ -68,7 +69,7 @@ def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs
     out = f'{tmp_path}/o'
     p = run(args + [f'--out_dir={out}'], timeout=600)
     evals = [r for r in records(out) if r['kind'] == 'eval']
-    assert 'watchdog' not in p.stderr and len(evals) == 1 and evals[0]['step'] == 6
+    assert 'watchdog: nothing finished' not in p.stderr and len(evals) == 1 and evals[0]['step'] == 6
     spent = json.load(open(f'{out}/results.json'))['wall_s']['eval']
     assert spent > 0.6, spent  # the premise: the evaluation outlasted the watchdog's limit, progressing
     # the same evaluation stuck at a batch: ended
@@ -76,3 +77,48 @@ def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs
             check=False)
     assert p.returncode == 75 and '(watchdog_minutes=0.01; the last: an evaluation batch)' in p.stderr, p.stderr[-2000:]
     assert 'in evaluate' in p.stderr and 'watchdog: nothing finished' in open(f'{tmp_path}/hung/train.log').read()
+
+
+def check_smoke(p, out, xla):
+    """The verdict of a smoke run that passed, its two runs in out/smoke, and out itself left for a real run."""
+    verdict = p.stdout.split('=== smoke check', 1)[1]
+    assert ': OK ===' in verdict.splitlines()[0], p.stdout[-3000:]
+    for row in ('device ', 'TPU chips on the PCI bus   0', 'step time', 'evaluation                 200 seeded',
+                'saved at step 10, resumed in a new process', 'bucket                     none (out_dir is local)',
+                'W&B', 'TensorBoard'):
+        assert row in verdict, (row, verdict)
+    assert ('xla x1' in verdict and '(host ' in verdict and 'XLA graph compilations' in verdict) if xla \
+        else 'cpu x1' in verdict
+    assert len(verdict.splitlines()) < 20  # one screen
+    smoke = os.path.join(out, 'smoke')
+    evals = [(r['step'], r['count']) for r in records(smoke) if r['kind'] == 'eval']
+    assert evals == [(10, 200), (20, 200)] and not os.path.exists(f'{smoke}/results.json')
+    assert sorted(os.listdir(out)) == ['smoke'] and not os.path.exists(f'{smoke}/run.lock')
+
+
+def test_smoke_on_the_cpu_ends_with_its_verdict_and_leaves_out_dir_usable(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS]
+    check_smoke(run(args + ['--smoke=True'], timeout=600), out, xla=False)
+    p = run(args + ['--max_steps=5', '--init_from=resume'])  # a real run then starts in out_dir
+    assert 'no checkpoint in' in p.stdout and json.load(open(f'{out}/results.json'))['step'] == 5
+
+
+def test_smoke_into_a_bucket_writes_and_reads_it_and_a_second_check_replaces_the_first(emu, toy, tmp_path):
+    args = ['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/first', f'--local_dir={tmp_path}/local',
+            *TOY_ARGS, '--smoke=True', '--eval_subset=100']
+    for _ in range(2):
+        p = run(args, timeout=600)
+        assert ': OK ===' in p.stdout and 'evaluation                 100 seeded' in p.stdout, p.stdout[-3000:]
+        assert 'bucket                     written and read; checkpoints there: [10, 20]' in p.stdout
+    assert f'gs://{BUCKET}/first/smoke/metrics.jsonl' in [u for u, _ in gcs.list_objects(f'gs://{BUCKET}/first/')]
+
+
+def test_smoke_on_cpu_xla_ends_with_its_verdict_and_compiles_are_no_hang(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto']
+    # a watchdog of 6 s, far below the compile of the first steps and evaluations: they are not counted
+    p = run(args + ['--smoke=True', '--watchdog_minutes=0.1'], env=XLA_ENV, timeout=900)
+    check_smoke(p, out, xla=True)
+    for n in (1, 2):
+        assert 'watchdog: nothing finished' not in open(f'{out}/smoke/phase{n}.out').read()
