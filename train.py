@@ -6,6 +6,7 @@ several GPUs (or CPU processes, gloo) on one node:
 TPU (one process per local chip; on a pod the same command on every host):
     PJRT_DEVICE=TPU python train.py config/baseline.py --out_dir=gs://BUCKET/run1
 Resume after a stop or preemption: the same command with --init_from=resume.
+A new machine first: the same command with --smoke=True (two short runs, then one screen of verdicts).
 """
 import copy
 import os
