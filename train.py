@@ -10,6 +10,7 @@ A new machine first: the same command with --smoke=True (two short runs, then on
 """
 import copy
 import os
+import sys
 import time
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
@@ -320,6 +321,12 @@ if __name__ == '__main__':
         raise SystemExit(smoke_test(config))
     if resolve_device(device) == 'xla':
         import torch_xla
-        torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command
+        from concurrent.futures.process import BrokenProcessPool
+        try:
+            torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command
+        except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
+            print(f"a training process ended abruptly; exiting with code {safety.HUNG_EXIT}: the same command "
+                  f"with --init_from=resume continues from the last checkpoint", file=sys.stderr)
+            raise SystemExit(safety.HUNG_EXIT)
     else:
         main()

@@ -62,6 +62,16 @@ def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, 
     assert json.load(open(f'{out}/results.json'))['step'] == 40
 
 
+def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto', '--max_steps=8',
+             '--log_interval=2', '--watchdog_minutes=0.05'], env=dict(XLA_ENV, TRM_TEST_HANG_AT='step 4'),
+            timeout=600, check=False)  # the launcher's process, whose worker the watchdog ends
+    assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert 'the last: step 4)' in p.stderr and 'a training process ended abruptly; exiting with code 75' in p.stderr
+    assert 'Traceback' not in p.stderr and 'Current thread' in open(f'{out}/train.log').read()
+
+
 def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs(tmp_path):
     data = make_reverse_dataset(str(tmp_path / 'data'), n_test=1000)
     args = ['train.py', f'--data_path={data}', *TOY_ARGS, '--max_steps=6', '--log_interval=2', '--eval_batch_size=2',
