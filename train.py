@@ -181,8 +181,10 @@ def main(index=None):
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
-    # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed at step 2
-    watchdog = safety.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}))
+    # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
+    # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
+    watchdog = safety.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
+                               warmup=log_interval + 1)
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's

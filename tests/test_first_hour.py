@@ -64,7 +64,7 @@ def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, 
 
 def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(toy, tmp_path):
     out = f'{tmp_path}/o'
-    p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto', '--max_steps=8',
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto', '--compile=False', '--max_steps=8',
              '--log_interval=2', '--watchdog_minutes=0.05'], env=dict(XLA_ENV, TRM_TEST_HANG_AT='step 4'),
             timeout=600, check=False)  # the launcher's process, whose worker the watchdog ends
     assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
