@@ -92,7 +92,8 @@ def wandb_check():
     try:
         import netrc
         import requests
-        key = os.environ.get('WANDB_API_KEY') or netrc.netrc().authenticators(url.split('//')[-1].split('/')[0])
+        host = url.split('//')[-1].split('/')[0]
+        key = os.environ.get('WANDB_API_KEY') or netrc.netrc().authenticators(host)
     except (OSError, netrc.NetrcParseError):  # no ~/.netrc
         key = None
     if not key:
