@@ -22,12 +22,56 @@ def usable_cores():
 
 
 def resolve_device(name):
-    """'auto' -> 'xla' when PJRT_DEVICE is set (TPU), else 'cuda' when a GPU is visible, else 'cpu'."""
+    """'auto' -> 'xla' when PJRT_DEVICE is set (TPU), else 'cuda' when a GPU is visible, else 'cpu'. A machine
+    with TPU chips and no PJRT_DEVICE stops here with one line: its host CPU would train in their place, and
+    the launch command of every worker should say what it uses (PJRT_DEVICE=TPU, or --device=cpu)."""
     if name == 'auto':
-        return 'xla' if os.environ.get('PJRT_DEVICE') else ('cuda' if torch.cuda.is_available() else 'cpu')
+        if os.environ.get('PJRT_DEVICE'):
+            return 'xla'
+        chips = tpu_chips()
+        if chips:
+            raise SystemExit(f"config error: device='auto' on a machine with {chips} TPU chip(s) and no "
+                             f"PJRT_DEVICE: rerun with PJRT_DEVICE=TPU to train on them (or --device=cpu to "
+                             f"train on the host CPU)")
+        return 'cuda' if torch.cuda.is_available() else 'cpu'
     if name not in ('cpu', 'cuda', 'xla'):
         raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla'")
     return name
+
+
+# TPU chips on the PCI bus, counted as torch_xla counts them (Google's vendor id and a TPU device id), without
+# importing torch_xla or touching a device. TRM_PCI_DEVICES names another sysfs folder (tests: a fake tree).
+GOOGLE_PCI_VENDOR = '0x1ae0'
+TPU_PCI_DEVICES = {'0x0027': 'v2/v3', '0x005e': 'v4', '0x0063': 'v5e', '0x0062': 'v5p', '0x006f': 'v6e',
+                   '0x0076': '7x', '0x0056': 'test'}
+
+
+def tpu_chips():
+    """The number of TPU chips attached to this machine (0 off a TPU VM)."""
+    root, chips = os.environ.get('TRM_PCI_DEVICES', '/sys/bus/pci/devices'), 0
+    try:
+        slots = os.listdir(root)
+    except OSError:
+        return 0
+    for slot in slots:
+        try:
+            with open(os.path.join(root, slot, 'vendor')) as v, open(os.path.join(root, slot, 'device')) as d:
+                chips += v.read().strip() == GOOGLE_PCI_VENDOR and d.read().strip() in TPU_PCI_DEVICES
+        except OSError:  # a slot without both files is no TPU chip
+            pass
+    return chips
+
+
+def tpu_host_alone_env():
+    """The environment that makes a pod host's chips a TPU VM of their own (no process on another host is
+    waited for; None: unset): torch_xla's topology from variables instead of the metadata server, one host of
+    this host's chip bounds. Read from the metadata server, as torch_xla reads it."""
+    from torch_xla._internal import tpu
+    meta = tpu.get_tpu_env()
+    bounds = meta.get('TPU_CHIPS_PER_PROCESS_BOUNDS') or meta.get('CHIPS_PER_HOST_BOUNDS')
+    return dict(TPU_SKIP_MDS_QUERY='1', TPU_ACCELERATOR_TYPE=meta['ACCELERATOR_TYPE'], TPU_WORKER_ID='0',
+                TPU_WORKER_HOSTNAMES='localhost', TPU_HOST_BOUNDS='1,1,1', TPU_CHIPS_PER_HOST_BOUNDS=bounds,
+                CLOUD_TPU_TASK_ID=None, TPU_PROCESS_BOUNDS=None)
 
 
 # -----------------------------------------------------------------------------

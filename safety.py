@@ -18,6 +18,7 @@ graphs).
 """
 import atexit
 import contextlib
+import faulthandler
 import glob
 import hashlib
 import json
@@ -332,6 +333,69 @@ class Output:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+# -----------------------------------------------------------------------------
+# a hung rank (a dead host, a stuck collective) leaves every chip of the slice idle without a word: the watchdog
+# ends it, so a person or a relaunch loop can act
+
+HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
+# tests only: the progress report that blocks for good, once armed ('step 25', 'an evaluation batch'), as a
+# rank stuck in a collective would
+TEST_HANG_AT = os.environ.get('TRM_TEST_HANG_AT', '')
+
+
+class Watchdog:
+    """Watchdog(minutes, record): when `minutes` pass with no progress() (a finished training step or
+    evaluation batch), every thread's stack goes to stderr and train.log, record(values) is called (rank 0:
+    a line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT. It is armed
+    by the `warmup`-th report (the first steps compile their graphs) and pause(n) disarms it for the next n
+    reports (an evaluation's first batch may compile); minutes=0: off."""
+
+    def __init__(self, minutes, record=None, warmup=2):
+        self.limit, self.record, self.waiting = 60.0 * minutes, record, warmup
+        self.last, self.what, self.step = time.time(), 'start-up', None
+        self.done = threading.Event()
+        if self.limit > 0:
+            threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
+
+    def progress(self, what, step=None):
+        self.last, self.what, self.step = time.time(), what, self.step if step is None else step
+        self.waiting = max(0, self.waiting - 1)
+        if TEST_HANG_AT and what == TEST_HANG_AT and not self.waiting:
+            threading.Event().wait()
+
+    def pause(self, reports=1):
+        self.waiting = max(self.waiting, reports)
+
+    def stop(self):
+        self.done.set()
+
+    def watch(self):
+        while not self.done.wait(min(30.0, self.limit / 4)):
+            if not self.waiting and time.time() - self.last > self.limit:
+                self.fire()
+
+    def fire(self):
+        idle = time.time() - self.last
+        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; the "
+              f"last: {self.what}) in pid {os.getpid()}: a hung host or collective. Every thread's stack "
+              f"follows; exiting with code {HUNG_EXIT}: the same command with --init_from=resume continues from "
+              f"the last checkpoint", file=sys.stderr, flush=True)
+        for f in (sys.stderr, Output.log):
+            try:
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            except (AttributeError, OSError, ValueError):  # no train.log here (a rank > 0), or a closed stream
+                pass
+        try:
+            if self.record:
+                self.record(dict(step=self.step, idle_s=round(idle, 1), limit_min=self.limit / 60,
+                                 last=self.what, pid=os.getpid(), host=socket.gethostname()))
+        except Exception as e:
+            print(f"watchdog: could not record it ({e})", file=sys.stderr)
+        release_locks()
+        os._exit(HUNG_EXIT)  # the main thread is stuck: only a hard exit ends the process
 
 
 # -----------------------------------------------------------------------------

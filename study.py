@@ -92,7 +92,7 @@ metadata). Use out_root=gs://... so the report sees every host's results. The de
 each run over the whole pod.
 The dry run prints which host and slot runs what and the study's wall time under each mode.
 Seeds (--seeds=K): seed s of every experiment (seed 0: the file's own folder; s > 0: <out_dir>-s<s>,
---seed=s). New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 1536 at fixed epochs, so steps ~ 1/B, with
+--seed=s). New families: lr_* (3e-5 .. 1e-3), bs_* (256 .. 6144 at fixed epochs, so steps ~ 1/B, with
 square-root scaling lr = 1e-4 * sqrt(B / 768); puzzle_emb_lr and warm-up steps stay), abl_halt1/2 and
 abl_noemb. At the cpu scale lr and batch keep their ratio to the base's (2e-3 x lr / 1e-4, 32 x B / 768);
 halt_max_steps < 4 is kept (abl_halt2 and abl_halt8 then both train 2 steps); the cpu base has no puzzle
@@ -123,7 +123,7 @@ from collections import deque
 
 import gcs
 from configurator import config_files, parse_flags, read_config_block
-from device import usable_cores
+from device import tpu_chips, tpu_host_alone_env, usable_cores
 from puzzles import shape_from_name
 from safety import Output, holder_gone, list_checkpoints, local_folder, lock_record
 
@@ -596,9 +596,7 @@ def host_devices(exps):
     CUDA_VISIBLE_DEVICES or the GPUs `nvidia-smi -L` lists, else 'cpu' and the cores study.py may run on."""
     wanted = {e.run_cfg['device'] for e in exps} or {'auto'}
     if os.environ.get('PJRT_DEVICE') == 'TPU' and wanted <= {'auto', 'xla'}:
-        from torch_xla._internal import tpu  # counts the chips on the PCI bus; no device is touched
-        chips = tpu.num_available_chips()
-        return 'tpu', [str(i) for i in range(chips)]
+        return 'tpu', [str(i) for i in range(tpu_chips())]  # no device is touched
     if wanted <= {'auto', 'cuda'}:
         gpus = [g for g in os.environ.get('CUDA_VISIBLE_DEVICES', '').split(',') if g.strip()]
         if 'CUDA_VISIBLE_DEVICES' not in os.environ:
@@ -679,17 +677,6 @@ def slot_plans(kind, ids, n, hosts):
             cpu = f"cpu {p['cores'][0]}" + (f"-{p['cores'][-1]}" if len(p['cores']) > 1 else '')
             p['label'] = f"{p['label']}, {cpu}" if p['label'] else cpu
     return plans
-
-
-def tpu_host_alone_env():
-    """A pod host's chips as a TPU VM of their own (no process on another host is waited for): torch_xla's
-    topology from variables instead of the metadata server, one host of the host's chip bounds."""
-    from torch_xla._internal import tpu
-    meta = tpu.get_tpu_env()
-    bounds = meta.get('TPU_CHIPS_PER_PROCESS_BOUNDS') or meta.get('CHIPS_PER_HOST_BOUNDS')
-    return dict(TPU_SKIP_MDS_QUERY='1', TPU_ACCELERATOR_TYPE=meta['ACCELERATOR_TYPE'], TPU_WORKER_ID='0',
-                TPU_WORKER_HOSTNAMES='localhost', TPU_HOST_BOUNDS='1,1,1', TPU_CHIPS_PER_HOST_BOUNDS=bounds,
-                CLOUD_TPU_TASK_ID=None, TPU_PROCESS_BOUNDS=None)
 
 
 def run_flops(e, data=None):

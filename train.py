@@ -6,9 +6,11 @@ several GPUs (or CPU processes, gloo) on one node:
 TPU (one process per local chip; on a pod the same command on every host):
     PJRT_DEVICE=TPU python train.py config/baseline.py --out_dir=gs://BUCKET/run1
 Resume after a stop or preemption: the same command with --init_from=resume.
+A new machine first: the same command with --smoke=True (two short runs, then one screen of verdicts).
 """
 import copy
 import os
+import sys
 import time
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
@@ -75,6 +77,9 @@ device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU,
 compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (openxla)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
+smoke = False                   # True: check this machine in minutes instead (smoke.py), in <out_dir>/smoke
+smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
+watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
@@ -94,7 +99,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
              ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
-             gcs_retries=_pos)
+             gcs_retries=_pos, watchdog_minutes=_nonneg, smoke_phase=_one_of(0, 1, 2))
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
@@ -176,6 +181,10 @@ def main(index=None):
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
+    # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
+    # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
+    watchdog = safety.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
+                               warmup=log_interval + 1)
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
@@ -183,14 +192,16 @@ def main(index=None):
                         subset=subset, seed=seed)
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
+        watchdog.pause(2)  # asked before each batch: armed once the first batch (maybe a compile) is done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example,
-                            predict=predict, should_stop=run.stop_agreed)
+                            predict=predict,
+                            should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed())
 
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
         when a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
-        final = step == run_steps
+        final = step == run_steps and not smoke_phase  # a smoke run's last evaluation is an intermediate one
         res, example = run_eval(0 if final else eval_subset, show_example=final)
         # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
         raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
@@ -264,6 +275,7 @@ def main(index=None):
         dev.sync()
         host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
         step += 1
+        watchdog.progress(f'step {step}', step)
         save = lambda tag='': run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, tag)
 
         # --- log, stop, evaluate, save ------------------------------------------------------------------
@@ -295,6 +307,7 @@ def main(index=None):
             dev.read(run.checkpoint_tensors(model, ema_model, carry))  # the save's graph now, not at SIGTERM
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
+    watchdog.stop()
     run.close(stop_now)
     if dev.kind == 'xla' and master:
         compiles, fallbacks = dev.xla_report()
@@ -305,8 +318,17 @@ def main(index=None):
 
 
 if __name__ == '__main__':
+    if smoke:  # two short runs of this command, in processes of their own, then a verdict
+        from smoke import smoke_test
+        raise SystemExit(smoke_test(config))
     if resolve_device(device) == 'xla':
         import torch_xla
-        torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command
+        from concurrent.futures.process import BrokenProcessPool
+        try:
+            torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command
+        except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
+            print(f"a training process ended abruptly; exiting with code {safety.HUNG_EXIT}: the same command "
+                  f"with --init_from=resume continues from the last checkpoint", file=sys.stderr)
+            raise SystemExit(safety.HUNG_EXIT)
     else:
         main()

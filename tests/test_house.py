@@ -17,7 +17,8 @@ from device import choose_dtype
 from model import TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py']
-LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py', 'configurator.py']
+LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py',
+             'configurator.py', 'smoke.py']
 
 
 def train_defaults():

@@ -42,7 +42,7 @@ GRID = {
     'lr': {'3e-5': {'lr': 3e-5}, '1e-4': {}, '3e-4': {'lr': 3e-4}, '1e-3': {'lr': 1e-3}},
     # square-root lr scaling with the batch, rounded to 3 digits in the files
     'bs': {str(b): ({'global_batch_size': b, 'lr': float(f"{1e-4 * (b / 768) ** 0.5:.3g}")} if b != 768 else {})
-           for b in (256, 512, 768, 1536)},
+           for b in (256, 512, 768, 1536, 3072, 6144)},
     'maze_size': SUDOKU_SIZE,
     'maze_rec': {f'L{n}': ({'L_cycles': n} if n != 4 else {}) for n in (2, 4, 6, 8, 10)},
     'maze_tn': {f'T{t}n{n}': {k: v for k, v in (('H_cycles', t), ('L_cycles', n)) if v != {'H_cycles': 3, 'L_cycles': 4}[k]}
@@ -135,7 +135,7 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
         in blocks['data_5000']
     assert 'prepare_maze.py --output_dir data/maze-30x30-hard-1k' in blocks['maze_rec_L2']
     assert '6,828,034 parameters' in blocks['abl_attn']
-    assert re.search(r'total: 51 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 64 files, 51 runs
+    assert re.search(r'total: 53 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 66 files, 53 runs
     assert '195,312 steps x batch 256' in blocks['bs_256'] and '--lr=5.77e-05' not in blocks['bs_256']  # in the file
     # without a speed figure it says so; the other scales print their flags
     p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', '--scale=gpu'])
@@ -398,7 +398,7 @@ def test_new_families_keep_their_variation_at_the_cpu_scale():
     blocks = {b.split()[0]: b for b in re.split(r'\n(?=\S)', p.stdout) if b.strip()}
     flag = lambda name, key: re.search(rf'--{key}=(\S+)', blocks[name])[1]
     assert [flag(n, 'lr') for n in ('lr_3e-5', 'lr_1e-4', 'lr_3e-4', 'lr_1e-3')] == ['0.0006', '0.002', '0.006', '0.02']
-    assert [flag(n, 'global_batch_size') for n in ('bs_256', 'bs_512', 'bs_1536')] == ['11', '21', '64']
+    assert [flag(n, 'global_batch_size') for n in ('bs_256', 'bs_512', 'bs_1536', 'bs_6144')] == ['11', '21', '64', '256']
     assert flag('bs_256', 'lr') == '0.00115' and 'same run as lr_1e-4' in blocks['bs_768']
     assert '--halt_max_steps' not in blocks['abl_halt1'] and '--eval_steps=2 ' in blocks['abl_halt1']
     assert flag('abl_noemb', 'puzzle_emb_ndim') == '32' and 'embedding ON against the cpu base' in blocks['abl_noemb']

@@ -1,0 +1,188 @@
+"""
+`python train.py ... --smoke=True`: a new machine's first check, before a long run, in bounded time. Two short
+runs of the same command: the first trains SMOKE_STEPS steps, evaluates a small seeded subset of the test
+split and saves; the second resumes from that checkpoint in a new process and does it again. Both use this
+host's chips alone (a pod worker started by itself waits for no other) and write into <out_dir>/smoke, so
+out_dir itself is left as it was. Then one screen: the device and its chips, the step time (host and device
+on XLA), the graph compilations, the bucket written and read, W&B and TensorBoard.
+train.py calls smoke_test(config); nothing here touches a device (the runs do, in their own processes).
+"""
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import gcs
+from device import tpu_chips, tpu_host_alone_env
+from safety import STOP, list_checkpoints, local_folder
+
+SMOKE_STEPS = 10        # training steps of each of the two runs
+SMOKE_EVAL = 1000       # seeded test examples evaluated at the end of each (eval_subset, when smaller)
+PHASE_MINUTES = 15      # a run that takes longer is stopped (SIGTERM, then SIGKILL): the check fails
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def host_alone_env():
+    """TPU: this host's chips as a TPU VM of their own, when the VM is one worker of a pod ({} otherwise)."""
+    if os.environ.get('PJRT_DEVICE') != 'TPU':
+        return {}
+    try:
+        from torch_xla._internal import tpu
+        return tpu_host_alone_env() if tpu.num_tpu_workers() > 1 else {}
+    except Exception as e:
+        print(f"smoke: cannot read the TPU metadata ({e}); the runs use the VM's topology as it is")
+        return {}
+
+
+def run_phase(n, args, env, log):
+    """One run of train.py; its output goes to `log`. (exit code or None after a timeout, seconds)."""
+    t = time.time()
+    with open(log, 'w') as f:
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, 'train.py')] + args, stdout=f,
+                             stderr=subprocess.STDOUT, env=env, start_new_session=True)  # its own group
+        deadline, told = t + 60 * PHASE_MINUTES, False
+        while p.poll() is None:
+            if (time.time() > deadline or STOP['requested']) and not told:
+                os.killpg(p.pid, signal.SIGTERM)  # it saves and exits
+                told, deadline = True, time.time() + 60
+            elif told and time.time() > deadline:
+                os.killpg(p.pid, signal.SIGKILL)
+            time.sleep(0.5)
+    rc = p.returncode
+    return (None if told and not STOP['requested'] else rc), time.time() - t
+
+
+def tail(path, n=15):
+    with open(path) as f:
+        return ''.join(f.readlines()[-n:])
+
+
+def bucket_check(prefix):
+    """gs:// out_dir: a small object written, read back and deleted; '' or the problem."""
+    uri, local = f"{prefix.rstrip('/')}/smoke/_probe", os.path.join(HERE, f'.smoke_probe.{os.getpid()}')
+    try:
+        with open(local, 'w') as f:
+            f.write('smoke')
+        gcs.upload_file(local, uri)
+        os.remove(local)
+        gcs.download_file(uri, local)
+        with open(local) as f:
+            if f.read() != 'smoke':
+                return f"{uri} read back different bytes"
+        gcs.delete_object(uri)
+        return ''
+    except Exception as e:
+        return f"{uri}: {e}"
+    finally:
+        if os.path.exists(local):
+            os.remove(local)
+
+
+def wandb_check():
+    mode = os.environ.get('WANDB_MODE', 'online')
+    if mode in ('offline', 'disabled'):
+        return f"WANDB_MODE={mode}: runs log {'offline' if mode == 'offline' else 'nothing'}"
+    if importlib.util.find_spec('wandb') is None:
+        return "not installed (pip install wandb)"
+    url = os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai')
+    try:
+        import netrc
+        import requests
+        host = url.split('//')[-1].split('/')[0]
+        key = os.environ.get('WANDB_API_KEY') or netrc.netrc().authenticators(host)
+    except (OSError, netrc.NetrcParseError):  # no ~/.netrc
+        key = None
+    if not key:
+        return "not logged in (wandb login, or WANDB_API_KEY): runs would log offline"
+    try:
+        requests.head(url, timeout=5)
+        return f"logged in, {url} reachable"
+    except Exception as e:
+        return f"{url} unreachable ({str(e).splitlines()[0][:100]}): runs would log offline"
+
+
+def smoke_test(cfg):
+    """The check for train.py's config cfg (its command line: sys.argv). Returns the exit code."""
+    t0 = time.time()
+    out = cfg['out_dir'].rstrip('/') + '/smoke'
+    local = os.path.join(cfg['local_dir'], 'smoke') if cfg['local_dir'] else \
+        (local_folder(out) if gcs.is_gcs(out) else out)
+    os.makedirs(local, exist_ok=True)
+    env = dict(os.environ, PYTHONUNBUFFERED='1')
+    alone = host_alone_env()
+    env.update({k: v for k, v in alone.items() if v is not None})
+    for k in [k for k, v in alone.items() if v is None]:
+        env.pop(k, None)
+    subset = min(cfg['eval_subset'], SMOKE_EVAL) if cfg['eval_subset'] else SMOKE_EVAL
+    watch = min(cfg['watchdog_minutes'], 5) if cfg['watchdog_minutes'] else 0
+    common = [a for a in sys.argv[1:]] + [
+        '--smoke=False', f'--out_dir={out}', f'--eval_subset={subset}', '--checkpoint_interval=0',
+        f'--log_interval={SMOKE_STEPS // 2}', '--wandb_log=False', f'--watchdog_minutes={watch}']
+    if cfg['local_dir']:
+        common.append(f'--local_dir={local}')
+    print(f"smoke: 2 runs of {SMOKE_STEPS} steps into {out} (their output: {local}/phase1.out, phase2.out)"
+          + (f", this host's chips alone ({alone.get('TPU_ACCELERATOR_TYPE', '?')} host)" if alone else ''),
+          flush=True)
+    phases = [['--smoke_phase=1', f'--max_steps={SMOKE_STEPS}', '--init_from=scratch', '--overwrite=True'],
+              ['--smoke_phase=2', f'--max_steps={2 * SMOKE_STEPS}', '--init_from=resume']]
+    texts, failed = [], ''
+    for n, extra in enumerate(phases, 1):
+        log = os.path.join(local, f'phase{n}.out')
+        rc, secs = run_phase(n, common + extra, env, log)
+        texts.append(open(log).read())
+        why = '' if rc == 0 else f" (over {PHASE_MINUTES} min)" if rc is None else f" (exit {rc})"
+        print(f"smoke: run {n} {'ended' if rc == 0 else 'FAILED'} in {secs:.0f} s{why}", flush=True)
+        if rc != 0 or STOP['requested']:
+            failed = f"run {n} ({'stopped' if STOP['requested'] else 'see below'})"
+            print(tail(log))
+            break
+
+    # --- the verdict, from the runs' output and records -------------------------------------------------
+    first = next((l for l in texts[0].splitlines() if l.startswith('device ')), '')
+    records = []
+    if os.path.exists(os.path.join(local, 'metrics.jsonl')):
+        with open(os.path.join(local, 'metrics.jsonl')) as f:
+            records = [json.loads(l) for l in f if l.strip()]
+    train = [r for r in records if r.get('kind') == 'train']
+    evals = [r for r in records if r.get('kind') == 'eval']
+    compiles = [m.group(1) for t in texts for m in [re.search(r'xla: (\d+) graph compilations', t)] if m]
+    resumed = len(texts) > 1 and f'(step {SMOKE_STEPS})' in texts[1] and 'resuming from' in texts[1]
+    rows = [('device', first.split(' | ')[0][len('device '):] or 'unknown (no run started)'),
+            ('TPU chips on the PCI bus', str(tpu_chips()))]
+    if train:
+        r = train[-1]
+        ms = 1e3 * cfg['global_batch_size'] / r['examples_per_s'] if r.get('examples_per_s') else None
+        rows.append(('step time', (f"{ms:.1f} ms" if ms else '?') + (
+            f" (host {r['host_ms']:.1f} ms, device {r['device_ms']:.1f} ms)" if 'host_ms' in r else '')
+            + f", step {r['step']}, loss {r['loss']:.4f}"))
+    if compiles:
+        rows.append(('XLA graph compilations', ' then '.join(compiles) + ' (the first run, the resumed run)'))
+    if evals:
+        e = evals[-1]
+        rows.append(('evaluation', f"{int(e.get('count', subset))} seeded test examples at step {e['step']}: "
+                                   f"exact {e['exact_accuracy']:.4f}"))
+    rows.append(('save and resume', (f"saved at step {SMOKE_STEPS}, resumed in a new process" if resumed
+                                     else 'NOT checked (a run failed first)' if failed else 'NOT resumed')))
+    if gcs.is_gcs(out):
+        problem = bucket_check(cfg['out_dir'])
+        try:
+            held = sorted(list_checkpoints(out))
+        except Exception as e:
+            held, problem = [], problem or f"cannot list {out}: {e}"
+        rows.append(('bucket', f"FAILED: {problem}" if problem else
+                     f"written and read; checkpoints there: {held}"))
+        failed = failed or ('the bucket' if problem else '')
+    else:
+        rows.append(('bucket', 'none (out_dir is local)'))
+    rows.append(('W&B', wandb_check()))
+    rows.append(('TensorBoard', 'importable' if importlib.util.find_spec('tensorboard') else 'not installed'))
+    failed = failed or ('' if resumed else 'the resume')
+    print(f"\n=== smoke check ({time.time() - t0:.0f} s): {'FAILED: ' + failed if failed else 'OK'} ===")
+    for k, v in rows:
+        print(f"  {k:<26} {v}")
+    print(f"  {'out_dir':<26} {cfg['out_dir']} untouched; the smoke runs are in {out} (safe to delete)")
+    return 1 if failed else 0
