@@ -924,7 +924,7 @@ SNAPSHOTS = ('.train.log.', '.tb.')
 def snapshot_of(path):
     """What an upload's local file stands for (a snapshot: the file it copies)."""
     name = os.path.basename(path)
-    return 'train.log' if name.startswith('.train.log.') else 'tb/' if name.startswith('.tb.') else name
+    return 'train.log' if name.startswith('.train.log.') else 'tb' if name.startswith('.tb.') else name
 
 
 def bucket_copy(uri, path, otherwise):

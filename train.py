@@ -299,7 +299,7 @@ def main(index=None):
             metrics['loss'] = loss
             bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # this step's
             acc = metrics if acc is None else {k: acc[k] + metrics[k] for k in metrics}
-            dev.sync()
+        dev.sync()  # outside the phase: XLA cuts the graph here, which a profiler's scope must not span
         host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
         step += 1
         if prof:
@@ -329,6 +329,7 @@ def main(index=None):
                           "compiling anew")
             run.log('train', line, step, groups(line))
             acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
+            xla_then = dev.xla_counters()
 
         if stop_now:  # SIGTERM or Ctrl-C on any rank
             save(' (stop requested)')
