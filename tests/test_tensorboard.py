@@ -23,7 +23,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, free_port, run
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=1', '--log_interval=4']  # 40 steps; evaluations at 20 and 40
+FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=1', '--log_interval=4']  # 40 steps; evaluations: 20, 40
 
 
 def train(toy, out, *extra, env=None):
@@ -98,8 +98,8 @@ def test_tensorboard_false_writes_no_events(toy, tmp_path):
 # a stop and a resume: every step once, never backwards (metrics.jsonl's steps, its values)
 
 def stopped_and_resumed(toy, out):
-    """A run stopped by SIGTERM after step 7 (checkpoints 5 and the stop's), whose stop checkpoint is then lost
-    (a preemption before its save): the resume continues from step 5, past the steps already logged."""
+    """A run stopped by SIGTERM after step 7 (checkpoints 5 and the stop's), whose stop checkpoint is then
+    lost (a preemption before its save): the resume continues from step 5, past the steps already logged."""
     args = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + TOY_ARGS + \
         ['--epochs=2', '--eval_interval=1', '--log_interval=1', '--checkpoint_interval=5']
     e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
@@ -151,7 +151,8 @@ def test_a_tensorboard_server_serves_every_run_of_a_study_folder(toy, tmp_path):
             time.sleep(0.5)
         for name in ('lr_a', 'resumed'):
             assert {'train/loss', 'eval/exact_accuracy', 'perf/memory_gib'} <= set(runs[f'{name}/tb'])
-            got = requests.get(f'{url}/scalars', params=dict(run=f'{name}/tb', tag='train/loss'), timeout=10).json()
+            got = requests.get(f'{url}/scalars', params=dict(run=f'{name}/tb', tag='train/loss'),
+                               timeout=10).json()
             want = [(r['step'], np.float32(r['loss'])) for r in records(root / name, 'train')]
             assert [(s, np.float32(v)) for _, s, v in got] == want, name
     finally:
@@ -165,7 +166,8 @@ def test_a_tensorboard_server_serves_every_run_of_a_study_folder(toy, tmp_path):
 
 def test_a_bucket_run_s_events_reach_the_bucket_and_read_back_equal(emu, toy, tmp_path):
     out, local = f'gs://{BUCKET}/tb/run1', tmp_path / 'l'
-    train(toy, out, f'--local_dir={local}', '--checkpoint_interval=10', env=dict(STORAGE_EMULATOR_HOST=emu[7:]))
+    train(toy, out, f'--local_dir={local}', '--checkpoint_interval=10',
+          env=dict(STORAGE_EMULATOR_HOST=emu[7:]))
     client = gcs.GCS(endpoint=emu)
     uris = [uri for uri, _ in client.list(out + '/tb/')]
     assert len(uris) == 1 and os.listdir(local / 'tb') == [uris[0].rsplit('/', 1)[1]]
@@ -183,7 +185,7 @@ def test_xla_compilations_memory_eval_loss_and_its_profile(toy, tmp_path):
               env=XLA_ENV)
     assert 'warning' not in p.stdout and 'compilation(s)' not in p.stdout, p.stdout[-3000:]
     rows, evals = records(out, 'train'), records(out, 'eval')
-    assert rows[0]['xla_compiles'] > 0 and rows[0]['xla_compile_s'] > 0  # the step's graphs, at the first line
+    assert rows[0]['xla_compiles'] > 0 and rows[0]['xla_compile_s'] > 0  # the step's graphs: the first line
     assert all(r['xla_compiles'] == 0 for r in rows[1:]), [r['xla_compiles'] for r in rows]
     assert [r['xla_compiles_total'] for r in rows] == sorted(r['xla_compiles_total'] for r in rows)
     assert evals[0]['xla_compiles'] > 0 and all(np.isfinite(e['loss']) for e in evals)
