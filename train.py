@@ -334,8 +334,7 @@ def main(index=None):
         if stop_now:  # SIGTERM or Ctrl-C on any rank
             save(' (stop requested)')
         elif at_eval:
-            with phase('evaluate'):
-                stop_now = not evaluate_and_save(step, save)  # a stop request during it: its step was saved
+            stop_now = not evaluate_and_save(step, save)  # a stop request during it: its step was saved
         elif at_ckpt:
             save()
         if at_eval or at_ckpt or stop_now:  # their graphs are not the training's: not in the next line
