@@ -1090,6 +1090,7 @@ class Board:
             if step == 0:  # the config once, as a table
                 board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
                     f'| {k} | {v!r} |' for k, v in cfg.items()]), 0)
+            atexit.register(board.close)  # an exit by an error (divergence, a failed check) keeps its lines
             return board
         except Exception as e:
             print(f"warning: TensorBoard events cannot be written in {local}/tb ({e}); the run goes on "
