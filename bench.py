@@ -10,7 +10,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
-    python bench.py --profile=True                              # also a trace of profile_steps steps
+    python bench.py --profile_steps=0:3                         # also a trace of 3 more steps
     python bench.py config/baseline.py --steps=0 --eval_batches=0 --checkpoint_dir=gs://B/x  # save + upload
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81
@@ -45,9 +45,7 @@ steps = 20                      # timed train steps (0: none; with checkpoint_di
 warmup_steps = 3                # untimed steps, the first timed alone: compile, autotune, allocator (XLA: 2+)
 eval_batches = 3                # timed eval batches (model.predict, eval_steps or halt_max_steps); 0 skips
 compile_mode = 'default'        # torch.compile mode (CUDA); 'max-autotune-no-cudagraphs' compiles for minutes
-profile = False                 # afterwards, trace profile_steps more steps into profile_dir
-profile_steps = 3
-profile_dir = 'out/profile'     # where the trace goes
+profile_dir = 'out/profile'     # where profile_steps='START:END' puts a trace of END-START more steps
 host_flush_mb = 0               # XLA on the CPU: read this many MiB after each execution before host time is taken
                                 # again, so every depth's host work starts from cold caches (there the device's
                                 # executions share the host's caches, the deeper ones evicting more; on a TPU not)
@@ -59,7 +57,8 @@ exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
 from data import load_metadata  # noqa: E402
-from device import Device, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
+from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
+from device import resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import puzzle_type, shape_from_name  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
@@ -357,28 +356,22 @@ if kind == 'xla':
           + (', '.join(f'{n} x{c}' for n, c in fallbacks.items()) or 'none')
           + '; in evaluation: ' + (', '.join(f'{n} x{c}' for n, c in eval_fallbacks.items()) or 'none'))
 
-# --- profile: a few more steps under the profiler, after the timing --------------------------------------
-if profile:
-    os.makedirs(profile_dir, exist_ok=True)
+# --- profile: END-START more steps under the profiler, after the timing (train.py's Profiler) ---------------
+if profile_steps:
+    span = parse_steps(profile_steps)
+    if span is None:
+        raise SystemExit(f"config error: profile_steps={profile_steps!r} (allowed: '' or 'START:END' with "
+                         "0 <= START < END)")
+    prof = Profiler(dev, profile_dir, 0, span[1] - span[0])
+    prof.begin(0)
+    with prof.phase('train_step'):
+        run_steps(prof.end)
+    where = prof.finish(prof.end)
     if kind == 'xla':
-        import torch_xla.debug.profiler as xp
-        xp.start_trace(profile_dir)
-        run_steps(profile_steps)
-        xp.stop_trace()
-        print(f"profile: XLA trace of {profile_steps} steps in {profile_dir}/plugins/profile/<time>/ "
-              "(*.trace.json.gz opens in https://ui.perfetto.dev, *.xplane.pb in TensorBoard's profile "
-              "plugin)")
+        print(f"profile: XLA trace in {where}/plugins/profile/<time>/ (*.xplane.pb: TensorBoard's profile "
+              "plugin; *.trace.json.gz: https://ui.perfetto.dev)")
     else:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == 'cuda' else [])
-        with torch_profile(activities=acts) as prof:
-            run_steps(profile_steps)
-        path = os.path.join(profile_dir, f'trace_{kind}.json')
-        prof.export_chrome_trace(path)
-        print(prof.key_averages().table(sort_by='self_device_time_total' if kind == 'cuda'
-                                        else 'self_cpu_time_total',
-                                        row_limit=15))
-        print(f"profile: chrome trace of {profile_steps} steps in {path} (open in https://ui.perfetto.dev)")
+        print(f"profile: Chrome trace {where} (https://ui.perfetto.dev or chrome://tracing)")
 
 print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
       f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} ms_per_step={dt * 1e3:.2f} "

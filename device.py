@@ -8,6 +8,7 @@ The rule that keeps a TPU pod from hanging: every rank executes the same graphs 
 in the same order. So a device value is only ever read through `Device.read`, which every rank calls at
 the same point (it syncs, then transfers); rank-0-only code does host work alone (files, prints, W&B).
 """
+import contextlib
 import os
 import resource
 
@@ -315,6 +316,38 @@ class Device:
                 pass  # the XLA CPU client has no allocator statistics
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'  # Linux: KiB
 
+    def memory_in_use(self):
+        """(bytes, what was measured) now, for a log line: a runtime query, no device value is read. TPU:
+        the chip's memory in use; CUDA: allocated by tensors; elsewhere (the CPU, XLA's CPU client, which
+        keeps no allocator statistics) the process's resident memory."""
+        if self.kind == 'cuda':
+            return torch.cuda.memory_allocated(self.device), 'cuda allocated'
+        if self.kind == 'xla':
+            try:
+                import torch_xla.core.xla_model as xm
+                return int(xm.get_memory_info(self.device)['bytes_used']), 'device in use'
+            except Exception:
+                pass
+        try:
+            with open('/proc/self/statm') as f:
+                return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE'), 'process RSS'
+        except (OSError, ValueError, IndexError):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'
+
+    def xla_counters(self):
+        """XLA: torch_xla's counters so far (host-side numbers, no device read): graph compilations and their
+        seconds, seconds of graph execution, and host-device transfers; {} elsewhere."""
+        if self.kind != 'xla':
+            return {}
+        import torch_xla.debug.metrics as met
+
+        def metric(name):
+            data = met.metric_data(name)
+            return (data[0], data[1] / 1e9) if data else (0, 0.0)
+        compiles, compile_s = metric('CompileTime')
+        return dict(compiles=compiles, compile_s=compile_s, execute_s=metric('ExecuteTime')[1],
+                    transfers=metric('TransferToDeviceTime')[0] + metric('TransferFromDeviceTime')[0])
+
     def name(self):
         """What a reported figure was measured on: GPU name and compute capability, TPU type, or the CPU
         model with its vector extensions and thread count."""
@@ -367,3 +400,69 @@ class Prefetcher:
         self.upcoming = self.dev.to_device(self.loader.next_batch())
         return batch
 
+
+
+# -----------------------------------------------------------------------------
+# a profile on demand: a trace of a range of training steps
+
+def parse_steps(text):
+    """'START:END' -> (START, END) with 0 <= START < END, or None when text is not such a range."""
+    parts = text.split(':')
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        return None
+    start, end = int(parts[0]), int(parts[1])
+    return (start, end) if start < end else None
+
+
+class Profiler:
+    """A trace of the training steps after step `start` up to step `end` (the log's step numbers) into
+    `folder`: torch_xla's profiler on XLA (folder/plugins/profile/<time>/<host>.xplane.pb, which TensorBoard's
+    profile plugin opens), torch.profiler elsewhere (folder/trace_<start>_<end>.json, a Chrome trace that
+    Perfetto and chrome://tracing open). Host-side only: the graphs the steps run are the same with and
+    without it. phase(name) names a part of a step in the trace while one is being taken."""
+
+    def __init__(self, dev, folder, start, end):
+        self.dev, self.folder, self.start, self.end = dev, folder, start, end
+        self.active, self.done, self.prof = False, False, None
+
+    def begin(self, step):
+        """Before the step after `step` (steps done so far): the trace starts at the range's first step."""
+        if self.done or self.active or not self.start <= step < self.end:
+            return
+        os.makedirs(self.folder, exist_ok=True)
+        if self.dev.kind == 'xla':
+            import torch_xla.debug.profiler as xp
+            xp.start_trace(self.folder)
+        else:
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.kind == 'cuda' else [])
+            self.prof = profile(activities=acts)
+            self.prof.start()
+        self.active, self.first = True, step
+
+    def phase(self, name):
+        if not self.active:
+            return contextlib.nullcontext()
+        if self.dev.kind == 'xla':
+            import torch_xla.debug.profiler as xp
+            return xp.Trace(name)
+        return torch.profiler.record_function(name)
+
+    def finish(self, step, last=False):
+        """After a step: at the range's end (or at the loop's last step, `last`: a stop request) the trace is
+        written. Returns its path (the folder on XLA), or None."""
+        if not self.active or (step < self.end and not last):
+            return None
+        self.dev.wait()  # the traced steps' device work belongs in the trace
+        self.active, self.done = False, True
+        if self.dev.kind == 'xla':
+            import torch_xla.debug.profiler as xp
+            xp.stop_trace()
+            path = self.folder
+        else:
+            self.prof.stop()
+            path = os.path.join(self.folder, f'trace_{self.first}_{step}.json')
+            self.prof.export_chrome_trace(path)
+            self.prof = None
+        print(f"profile of steps {self.first + 1}-{step} written to {path}")
+        return path

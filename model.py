@@ -364,11 +364,17 @@ class TRM(nn.Module):
 
     # --- evaluation: a fixed number of steps from fresh latents, no halting -----------------------
 
-    def predict_step(self, y, z, x):
-        """One evaluation supervision step: the next latents, the predictions [B, seq_len] and q_halt [B]."""
+    def predict_step(self, y, z, x, labels=None):
+        """One evaluation supervision step: the next latents, the predictions [B, seq_len] and q_halt [B];
+        given labels, also each row's loss [B] (its tokens' mean, the training's lm loss)."""
         y, z = self.recursion(y, z, x)
         logits, q_halt, _ = self.heads(y)
-        return y, z, logits.argmax(-1).to(torch.int32), q_halt
+        pred = logits.argmax(-1).to(torch.int32)
+        if labels is None:
+            return y, z, pred, q_halt
+        n_valid = (labels != IGNORE_LABEL_ID).sum(-1).clamp_min(1)
+        loss = token_losses(logits, labels, self.config.loss_type, self.config.loss_dtype).sum(-1) / n_valid
+        return y, z, pred, q_halt, loss.float()
 
     def predict_start(self, inputs, puzzle_identifiers):
         """An evaluation batch's fresh latents and its input embedding: (y, z, x)."""
@@ -376,19 +382,23 @@ class TRM(nn.Module):
         return y, z, self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers))
 
     @torch.no_grad()
-    def predict(self, batch, n_steps, step=None, start=None):
+    def predict(self, batch, n_steps, step=None, start=None, loss_at=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
-        needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B].
+        needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B], and with
+        loss_at (a step's index) that step's loss of each row [B] against batch['labels'].
         step, start: what runs one step and the start (default self.predict_step and self.predict_start;
         compiled_predict passes compiled ones)."""
         step, start = step or self.predict_step, start or self.predict_start
         y, z, x = start(batch['inputs'], batch['puzzle_identifiers'])
-        preds, q_halts = [], []
-        for _ in range(n_steps):
-            y, z, pred, q_halt = step(y, z, x)
+        preds, q_halts, loss = [], [], None
+        for i in range(n_steps):
+            if i == loss_at:  # a graph of its own, with the loss: the other steps' stay as they are
+                y, z, pred, q_halt, loss = step(y, z, x, batch['labels'])
+            else:
+                y, z, pred, q_halt = step(y, z, x)
             preds.append(pred)
             q_halts.append(q_halt)
-        return torch.stack(preds), torch.stack(q_halts)
+        return (torch.stack(preds), torch.stack(q_halts)) + (() if loss_at is None else (loss,))
 
     # --- bookkeeping ------------------------------------------------------------------------------
 

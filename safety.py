@@ -5,7 +5,8 @@ this for the rest:
     run = Run(config, dev)                  start-up checks on every rank, host agreement, the run's folders
     step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
-    run.log(kind, values, step, wandb)   metrics.jsonl (+ the bucket's copy) and W&B, never fatal
+    run.log(kind, line, step, groups)       metrics.jsonl (+ the bucket's copy), W&B and TensorBoard, never
+                                            fatal
     run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock
                                             removed
 It also holds the checkpoint files themselves (save_atomic, load_checkpoint, list_checkpoints,
@@ -22,6 +23,7 @@ import faulthandler
 import glob
 import hashlib
 import json
+import numbers
 import os
 import re
 import secrets
@@ -561,7 +563,7 @@ class Run:
         self.corrupt = []        # checkpoints found unreadable: kept, but they hold no place among the kept
                                  # ones
         self.verified = -1       # newest checkpoint step whose next step's loss was seen finite
-        self.records = self.wandb = self.uploader = None
+        self.records = self.wandb = self.uploader = self.board = None
         self.log_uploads = 0
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}         # wall seconds by phase of this run's earlier processes (from the checkpoint)
@@ -613,7 +615,7 @@ class Run:
                             "train.log starts anew here, and its upload replaces the bucket's")
             Output.log_to(log)
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
-                if (name.endswith('.tmp') or name.startswith(('.rank', '.train.log.'))) and \
+                if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
                         os.path.isfile(os.path.join(self.local, name)):
                     os.remove(os.path.join(self.local, name))
         problems = []
@@ -816,6 +818,7 @@ class Run:
         if self.uploader:
             self.uploader.submit(path, f"{self.gs_out.rstrip('/')}/{os.path.basename(path)}")
             self.upload_log()
+            self.upload_board()
 
     def upload_log(self):
         """Rank 0: train.log as it is now to the bucket (a preempted VM's disk goes with the VM). The log grows
@@ -831,7 +834,7 @@ class Run:
 
     def uploaded(self, path, uri):
         """After each upload: a log snapshot goes; a checkpoint prunes the bucket's older ones."""
-        if os.path.basename(path).startswith('.train.log.'):
+        if os.path.basename(path).startswith(SNAPSHOTS):
             with contextlib.suppress(OSError):  # already gone: removed at exit
                 os.remove(path)
         else:
@@ -887,17 +890,41 @@ class Run:
         self.records = Records(self.local, self.gs_out, step)
         if self.cfg['wandb_log']:
             self.wandb = start_wandb(self.cfg, self.local, self.run_id)
+        if self.cfg['tensorboard']:
+            self.board = Board.open(self.local, step, self.cfg)
         if self.gs_out:
             self.uploader = gcs.Uploader(on_success=self.uploaded)
 
-    def log(self, kind, values, step, wandb_values):
-        """Rank 0: a line of metrics.jsonl and the W&B values (each {prefix: dict})."""
+    def log(self, kind, values, step, groups):
+        """Rank 0: a line of metrics.jsonl, and the scalars of `groups` ({prefix: dict}) in W&B and
+        TensorBoard."""
         if not self.master:
             return
         self.records.log(kind, values)
-        for prefix, vals in wandb_values.items():
+        for prefix, vals in groups.items():
             wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in vals.items() if k != 'exact_by_steps'},
                            step)
+        if self.board:
+            self.board.log(groups, step)
+
+    def upload_folder(self, path):
+        """Rank 0: every file under the run's folder `path` (a profile) to the same place under the bucket's
+        out_dir."""
+        if not (self.master and self.uploader and path and os.path.isdir(path)):
+            return
+        for folder, _, names in os.walk(path):
+            for name in names:
+                local = os.path.join(folder, name)
+                rel = os.path.relpath(local, self.local).replace(os.sep, '/')
+                self.uploader.submit(local, f"{self.gs_out.rstrip('/')}/{rel}")
+
+    def upload_board(self):
+        """Rank 0: the TensorBoard event file as it is now to <out_dir>/tb/ (a snapshot, as train.log's)."""
+        if self.board and self.uploader:
+            self.log_uploads += 1
+            snap = self.board.snapshot(os.path.join(self.local, f'.tb.{self.log_uploads}'))
+            if snap:
+                self.uploader.submit(snap, f"{self.gs_out.rstrip('/')}/tb/{self.board.name}")
 
     def finish(self, step, final_eval, parameters, flops_per_example):
         """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
@@ -933,6 +960,8 @@ class Run:
     def close(self, interrupted):
         """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most
         of it) and for W&B (what did not reach it stays for `wandb sync`)."""
+        if self.board:
+            self.board.close()
         if self.uploader:
             self.finish_uploads(interrupted)
         if self.wandb:
@@ -948,6 +977,7 @@ class Run:
         if self.records:
             self.records.upload(up)
         self.upload_log()
+        self.upload_board()
         size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
         limit = 20 if interrupted else 30 + size / 20e6
         if not up.wait(timeout=3):
@@ -957,15 +987,24 @@ class Run:
         for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
             left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer
                                                               # one
-            names = list(dict.fromkeys('train.log' if os.path.basename(p).startswith('.train.log.')
-                                       else os.path.basename(p) for p in left))
+            names = list(dict.fromkeys(snapshot_of(p) for p in left))
             if names:
                 print(f"warning: {len(names)} upload(s) to {self.gs_out} {what}; only in {self.local}: "
                       f"{', '.join(names)}")
         for name in os.listdir(self.local):
-            if name.startswith('.train.log.'):
+            if name.startswith(SNAPSHOTS):
                 with contextlib.suppress(OSError):  # (the upload thread may remove it too)
                     os.remove(os.path.join(self.local, name))
+
+
+# copies of growing files (train.log, TensorBoard's events) taken for an upload, removed once uploaded
+SNAPSHOTS = ('.train.log.', '.tb.')
+
+
+def snapshot_of(path):
+    """What an upload's local file stands for (a snapshot: the file it copies)."""
+    name = os.path.basename(path)
+    return 'train.log' if name.startswith('.train.log.') else 'tb' if name.startswith('.tb.') else name
 
 
 def bucket_copy(uri, path, otherwise):
@@ -1107,6 +1146,58 @@ def start_wandb(cfg, local, run_id):
         except Exception as e2:
             print(f"warning: W&B offline failed too ({e2}); training goes on without W&B")
             return None
+
+
+class Board:
+    """TensorBoard's event files of a run (rank 0), written by torch's SummaryWriter into <run>/tb: one file
+    per process, which begins by purging the steps after the one it continues from (TensorBoard's reader drops
+    them from the files before it), so a resumed run shows every step once, as metrics.jsonl does. A failure
+    (a full disk) is a warning; the run goes on without it."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.name = os.path.basename(writer.file_writer.event_writer._file_name)
+
+    @classmethod
+    def open(cls, local, step, cfg):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            board = cls(SummaryWriter(os.path.join(local, 'tb'), purge_step=step + 1, flush_secs=30))
+            if step == 0:  # the config once, as a table
+                board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
+                    f'| {k} | {v!r} |' for k, v in cfg.items()]), 0)
+            atexit.register(board.close)  # an exit by an error (divergence, a failed check) keeps its lines
+            return board
+        except Exception as e:
+            print(f"warning: TensorBoard events cannot be written in {local}/tb ({e}); the run goes on "
+                  "without them")
+            return None
+
+    def log(self, groups, step):
+        try:
+            for prefix, vals in groups.items():
+                for k, v in vals.items():
+                    if k == 'exact_by_steps':  # the exact accuracy at each test-time step count
+                        for i, a in enumerate(v):
+                            self.writer.add_scalar(f'{prefix}/exact_at_steps_{i + 1:02d}', a, step)
+                    elif isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy's too
+                        self.writer.add_scalar(f'{prefix}/{k}', v, step)
+        except Exception as e:
+            print(f"warning: TensorBoard log failed at step {step}: {e}")
+
+    def snapshot(self, path):
+        """A copy of the event file as written so far (flushed first), or None."""
+        try:
+            self.writer.flush()
+            shutil.copyfile(os.path.join(self.writer.log_dir, self.name), path)
+            return path
+        except Exception as e:
+            print(f"warning: cannot copy the TensorBoard events for their upload ({e})")
+            return None
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.writer.close()
 
 
 def wandb_log_safe(run, values, step):

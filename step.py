@@ -407,7 +407,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             model.train(was_training)
             return None, None
         b = dev.to_device(batch)
-        preds, q_halt = predict(b, n_steps)  # [S, B, L], [S, B]
+        preds, q_halt, row_loss = predict(b, n_steps, loss_at=h)  # [S, B, L], [S, B], [B]
         labels = b['labels']
         valid_tok = labels != IGNORE_LABEL_ID
         n_valid = valid_tok.sum(-1)
@@ -424,6 +424,9 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
             exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
             steps_q_halt=((first + 1).float() * rows).sum(),
+            lm_loss=(row_loss * rows).sum(),  # at halt_max_steps; with q_halt's as the training's loss
+            loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
+                q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
         )
         sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
         if verifier is not None:
@@ -447,7 +450,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     n = float(s['count'][0])
     exact_k = float(s['exact_per_step'][h])  # plain floats: results go into checkpoints and JSON
     lo, hi = wilson_interval(exact_k, n)
-    res = dict(count=n, exact_accuracy=exact_k / max(n, 1), exact_ci_low=lo, exact_ci_high=hi,
+    res = dict(count=n, loss=float(s['loss'][0]) / max(n, 1), lm_loss=float(s['lm_loss'][0]) / max(n, 1),
+               exact_accuracy=exact_k / max(n, 1), exact_ci_low=lo, exact_ci_high=hi,
                token_accuracy=float(s['token_accuracy'][0]) / max(n, 1),
                q_halt_accuracy=float(s['q_halt_accuracy'][0]) / max(n, 1), steps=float(h + 1),
                exact_accuracy_q_halt=float(s['exact_q_halt'][0]) / max(n, 1),

@@ -1291,6 +1291,8 @@ def write_tables(rows, folder):
                 f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) for v in p['per_seed']),
                 f"{p['device_hours']:.3g}" if p.get('device_hours') is not None else '', p['status']]) + ' |')
     md += fits_section(rows)
+    md += [f"\nCurves: `tensorboard --logdir {ROOT}` shows every run's training, evaluation, speed and XLA "
+           "scalars (each run as <name>/tb; TensorBoard reads a gs:// folder as well).\n"]
     with open(os.path.join(folder, 'report.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
     write_csv(rows, folder)

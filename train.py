@@ -8,6 +8,7 @@ TPU (one process per local chip; on a pod the same command on every host):
 Resume after a stop or preemption: the same command with --init_from=resume.
 A new machine first: the same command with --smoke=True (two short runs, then one screen of verdicts).
 """
+import contextlib
 import copy
 import os
 import sys
@@ -35,6 +36,8 @@ keep_last_n = 2                 # checkpoints kept, plus the best (0: keep all)
 wandb_log = False               # log to Weights & Biases (rank 0; offline in out_dir when W&B is unreachable)
 wandb_project = 'trm'           # W&B project
 wandb_run_name = ''             # W&B run name ('': W&B picks one)
+tensorboard = True              # TensorBoard event files in <run>/tb (a gs:// run: uploaded to <out_dir>/tb)
+profile_steps = ''              # 'START:END': a profiler trace of steps START+1..END into <run>/profile
 # data
 global_batch_size = 768         # examples per optimizer step, split over all ranks
 epochs = 50000                  # steps = epochs * groups * mean examples per puzzle / global_batch_size
@@ -85,6 +88,8 @@ watchdog_minutes = 30.0         # no step or eval batch done this long (a hung h
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
 _unit = (lambda v: 0 <= v < 1, 'in [0, 1)')
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
+_range = lambda v: v == '' or (v.count(':') == 1 and all(p.isdigit() for p in v.split(':'))
+                               and int(v.split(':')[0]) < int(v.split(':')[1]))
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
              log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg, global_batch_size=_pos,
@@ -99,7 +104,8 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
              ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
-             gcs_retries=_pos, watchdog_minutes=_nonneg, smoke_phase=_one_of(0, 1, 2))
+             gcs_retries=_pos, watchdog_minutes=_nonneg, smoke_phase=_one_of(0, 1, 2),
+             profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
@@ -113,8 +119,9 @@ import torch  # noqa: E402  (after the config: --help and config errors answer a
 
 import safety  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
+from device import Device, Prefetcher, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
+from device import resolve_loss_dtype  # noqa: E402
 from puzzles import render_example, verifier_for  # noqa: E402
-from device import Device, Prefetcher, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
 from step import evaluation_steps, format_eval, format_train, forward_loss, train_step  # noqa: E402
@@ -146,7 +153,28 @@ def log_line(m, step, n_steps, seconds, epoch, sc):
                 q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
                 grad_norm=m['grad_norm'] / n_steps,
                 lr=float(sc.lr_at(step - 1, sc.lr)),
-                examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9))
+                **({'lm_loss': m['lm_loss'] / (global_batch_size * n_steps)} if 'lm_loss' in m else {}),
+                examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9),
+                ms_per_step=1e3 * seconds / n_steps)
+
+
+def xla_since(now, then):
+    """XLA's counters at a log line: the compilations since the last one (their count, seconds) and the
+    totals so far; {} off XLA."""
+    if not now:
+        return {}
+    return dict(xla_compiles=now['compiles'] - then['compiles'],
+                xla_compile_s=now['compile_s'] - then['compile_s'], xla_compiles_total=now['compiles'],
+                xla_execute_s=now['execute_s'], xla_transfers=now['transfers'])
+
+
+def groups(line):
+    """A train line's scalars as W&B and TensorBoard show them: train/, perf/ and xla/."""
+    perf = ('examples_per_s', 'ms_per_step', 'host_ms', 'device_ms', 'memory_gib')
+    return dict(train={k: v for k, v in line.items() if k not in perf and not k.startswith('xla_')
+                       and k not in ('step', 'epoch', 'memory')},
+                perf={k: line[k] for k in perf if k in line},
+                xla={k[4:]: v for k, v in line.items() if k.startswith('xla_')})
 
 
 def main(index=None):
@@ -202,6 +230,7 @@ def main(index=None):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
         when a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
         final = step == run_steps and not smoke_phase  # a smoke run's last evaluation is an intermediate one
+        xla_before = dev.xla_counters()
         res, example = run_eval(0 if final else eval_subset, show_example=final)
         # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
         raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
@@ -213,8 +242,11 @@ def main(index=None):
             if raw:
                 print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
         if log:
-            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {})), step,
-                    dict(eval=res, eval_raw=raw or {}))
+            xla = xla_since(dev.xla_counters(), xla_before)
+            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {}),
+                                 **({'xla_compiles': xla['xla_compiles']} if xla else {})), step,
+                    dict(eval=res, eval_raw=raw or {},
+                         xla=dict(eval_compiles=xla['xla_compiles']) if xla else {}))
         run.new_best(step, res)
         save()
         if final and master and example:
@@ -262,20 +294,29 @@ def main(index=None):
         carry = {k: v.to(dev.device) for k, v in carry_state.items()}
     start_step, t0, last_step, stop_now = step, time.time(), step, False
     host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
+    xla_then = dev.xla_counters()  # XLA: compilations counted from here (at each log line, after evaluations)
+    span = parse_steps(profile_steps) if profile_steps else None
+    prof = Profiler(dev, os.path.join(run.local, 'profile'), *span) if (span and master) else None
+    phase = prof.phase if prof else (lambda name: contextlib.nullcontext())  # names a step's parts in a trace
     run.clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
     while step < run_steps:
+        if prof:
+            prof.begin(step)
         t_step = time.time()
-        carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, fwd,
-                                          dev.all_reduce_sum_, dev.all_gather)
-        metrics['loss'] = loss
-        bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # step_t: this one's
-        acc = metrics if acc is None else {k: acc[k] + metrics[k] for k in metrics}
-        dev.sync()
+        with phase('train_step'):
+            carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, fwd,
+                                              dev.all_reduce_sum_, dev.all_gather)
+            metrics['loss'] = loss
+            bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # this step's
+            acc = metrics if acc is None else {k: acc[k] + metrics[k] for k in metrics}
+        dev.sync()  # outside the phase: XLA cuts the graph here, which a profiler's scope must not span
         host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
         step += 1
         watchdog.progress(f'step {step}', step)
+        if prof:
+            run.upload_folder(prof.finish(step))
         save = lambda tag='': run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, tag)
 
         # --- log, stop, evaluate, save ------------------------------------------------------------------
@@ -290,10 +331,18 @@ def main(index=None):
             if dev.kind == 'xla':  # which one bounds a step: the host's tracing or the device's execution
                 line.update(host_ms=1e3 * host_s / (step - last_step),
                             device_ms=1e3 * (dev.execute_seconds() - exec_s) / (step - last_step))
+            mem, line['memory'] = dev.memory_in_use()  # TPU: HBM in use; CUDA: allocated; else the RSS
+            line.update(memory_gib=mem / 2 ** 30, **xla_since(dev.xla_counters(), xla_then))
             if master:
                 print(format_train(line, run_steps, dev.xla_report()[0] if dev.kind == 'xla' else None))
-            run.log('train', line, step, dict(train=line))
+                if line.get('xla_compiles') and last_step >= start_step + 10:  # past the warm-up's graphs
+                    print(f"warning: {line['xla_compiles']} XLA graph compilation(s) "
+                          f"({line['xla_compile_s']:.1f} s) in steps {last_step + 1}-{step}, after warm-up: a "
+                          "shape or a Python value that changes reaches the step's graph, and every step may be "
+                          "compiling anew")
+            run.log('train', line, step, groups(line))
             acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
+            xla_then = dev.xla_counters()
 
         if stop_now:  # SIGTERM or Ctrl-C on any rank
             save(' (stop requested)')
@@ -301,6 +350,8 @@ def main(index=None):
             stop_now = not evaluate_and_save(step, save)  # a stop request during it: its step was saved
         elif at_ckpt:
             save()
+        if at_eval or at_ckpt or stop_now:  # their graphs are not the training's: not in the next line
+            xla_then = dev.xla_counters()
         if stop_now:
             break
         if step == start_step + 1 and dev.kind == 'xla':
@@ -308,6 +359,8 @@ def main(index=None):
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
     watchdog.stop()
+    if prof:
+        run.upload_folder(prof.finish(step, last=True))
     run.close(stop_now)
     if dev.kind == 'xla' and master:
         compiles, fallbacks = dev.xla_report()

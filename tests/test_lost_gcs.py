@@ -311,11 +311,11 @@ def test_uploads_at_exit_get_an_announced_bounded_wait_then_the_local_copies_are
     finally:
         srv.shutdown()
         srv.server_close()
-    m = re.search(rf'waiting up to (\d+) s for 4 upload\(s\) to {out}', p.stdout)
+    m = re.search(rf'waiting up to (\d+) s for 5 upload\(s\) to {out}', p.stdout)
     assert m and int(m.group(1)) <= 60, p.stdout[-3000:]
-    assert f'4 upload(s) to {out} still running at exit; only in {local}: ckpt_00000002.pt, train.log, ' \
+    assert f'5 upload(s) to {out} still running at exit; only in {local}: ckpt_00000002.pt, train.log, tb, ' \
            f'metrics.jsonl, results.json' in p.stdout, p.stdout[-3000:]
-    assert sorted(os.listdir(local)) == ['ckpt_00000002.pt', 'metrics.jsonl', 'results.json', 'train.log']
+    assert sorted(os.listdir(local)) == ['ckpt_00000002.pt', 'metrics.jsonl', 'results.json', 'tb', 'train.log']
     assert 'waiting for GCS upload' in p.stderr  # the retries say what they wait for
 
 

@@ -352,6 +352,7 @@ def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
             fake_run(out, name, int(x), 1 - (law(x) if fam != 'flat' else 0.5 + 0.001 * i))
     run(['study.py', '--pattern=*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
     md = open(f'{out}/report.md').read()
+    assert f'`tensorboard --logdir {out}`' in md  # every run's curves, one command
     line = next(l for l in md.splitlines() if l.startswith('| law_* | parameters |'))
     a, b, c = map(float, re.search(r'\| ([\d.e+-]+)·X\^-([\d.]+) \+ ([\d.]+) \|', line).groups())
     assert a == pytest.approx(0.5, rel=0.05) and b == pytest.approx(0.3, rel=0.02) and c == pytest.approx(0.05, abs=2e-3)

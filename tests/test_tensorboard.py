@@ -1,0 +1,200 @@
+"""
+Seeing a run as TPU users do: TensorBoard's event files read back with TensorBoard's own reader and its own
+server, equal to metrics.jsonl, after a stop and a resume too, in a gs:// bucket (the GCS emulator), off when
+asked; XLA's compilations, the memory in use and the evaluation loss in the records; a profile of chosen steps
+that its viewer's loader parses (torch.profiler on the CPU, torch_xla's profiler on XLA).
+    python -m pytest -q tests/test_tensorboard.py
+"""
+import glob
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import requests
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import gcs
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, free_port, run
+
+FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=1', '--log_interval=4']  # 40 steps; evaluations: 20, 40
+
+
+def train(toy, out, *extra, env=None):
+    return run(['train.py', f'--data_path={toy}', f'--out_dir={out}'] + FAST + list(extra), env=env)
+
+
+def records(folder, kind):
+    with open(os.path.join(folder, 'metrics.jsonl')) as f:
+        return [r for r in map(json.loads, f) if r['kind'] == kind]
+
+
+def board(folder):
+    acc = EventAccumulator(str(folder), size_guidance={'scalars': 0, 'tensors': 0})
+    acc.Reload()
+    return acc
+
+
+def series(acc, tag):
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def assert_board_equals_records(folder, tb=None):
+    """Every train and eval scalar TensorBoard reads equals metrics.jsonl's (float32, as events store them),
+    at exactly metrics.jsonl's steps, once each."""
+    acc = board(tb or os.path.join(folder, 'tb'))
+    train, evals = records(folder, 'train'), records(folder, 'eval')
+    assert train and evals
+    for tag, key, rows in [('train/loss', 'loss', train), ('train/exact_accuracy', 'exact_accuracy', train),
+                           ('train/lr', 'lr', train), ('perf/memory_gib', 'memory_gib', train),
+                           ('perf/examples_per_s', 'examples_per_s', train),
+                           ('eval/exact_accuracy', 'exact_accuracy', evals), ('eval/loss', 'loss', evals),
+                           ('eval/exact_ci_high', 'exact_ci_high', evals)]:
+        assert series(acc, tag) == [(r['step'], np.float32(r[key])) for r in rows], tag
+    return acc
+
+
+# -----------------------------------------------------------------------------
+# the event files, the records, a profile of chosen steps (CPU)
+
+def test_events_equal_the_records_and_a_profile_of_chosen_steps_loads(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--profile_steps=3:6')
+    acc = assert_board_equals_records(out)
+    tags = acc.Tags()['scalars']
+    for tag in ('train/grad_norm', 'train/q_halt_accuracy', 'train/steps', 'perf/ms_per_step',
+                'eval_raw/exact_accuracy', 'eval/exact_accuracy_q_halt',
+                'eval/steps_q_halt', 'eval/exact_at_steps_04', 'eval/lm_loss'):
+        assert tag in tags, (tag, tags)
+    assert not any(t.startswith('xla/') for t in tags)  # not on the CPU
+    assert 'config/text_summary' in acc.Tags()['tensors']
+    # memory in use at each log line, the evaluation's loss (near the training's at the same step)
+    train_rows, evals = records(out, 'train'), records(out, 'eval')
+    assert all(r['memory'] == 'process RSS' and 0.01 < r['memory_gib'] < 64 for r in train_rows)
+    at20 = next(r for r in train_rows if r['step'] == 20)
+    assert all(np.isfinite(e['loss']) and 0 < e['lm_loss'] <= e['loss'] for e in evals)
+    assert abs(evals[0]['lm_loss'] - at20['lm_loss']) < 0.5 * at20['lm_loss'], (evals[0], at20)
+    # the profile: a Chrome trace of steps 4-6 (json.load is Perfetto's and chrome://tracing's format)
+    [trace] = glob.glob(str(out / 'profile' / '*'))
+    assert trace.endswith('trace_3_6.json')
+    events = json.load(open(trace))['traceEvents']
+    assert sum(e.get('name') == 'train_step' for e in events) == 3
+    assert any(e.get('name', '').startswith('aten::') for e in events)
+
+
+def test_tensorboard_false_writes_no_events(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4', '--tensorboard=False')
+    assert records(out, 'train') and not os.path.exists(out / 'tb')
+
+
+# -----------------------------------------------------------------------------
+# a stop and a resume: every step once, never backwards (metrics.jsonl's steps, its values)
+
+def stopped_and_resumed(toy, out):
+    """A run stopped by SIGTERM after step 7 (checkpoints 5 and the stop's), whose stop checkpoint is then
+    lost (a preemption before its save): the resume continues from step 5, past the steps already logged."""
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + TOY_ARGS + \
+        ['--epochs=2', '--eval_interval=1', '--log_interval=1', '--checkpoint_interval=5']
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith('step 7/'):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and 'stopped cleanly' in rest, rest
+    stop = max(r['step'] for r in records(out, 'train'))
+    assert stop >= 7
+    os.remove(out / f'ckpt_{stop:08d}.pt')
+    p = run(args + ['--init_from=resume', '--max_steps=12'])
+    assert 'ckpt_00000005.pt' in p.stdout
+    return stop
+
+
+def test_a_stopped_and_resumed_run_shows_every_step_once(toy, tmp_path):
+    out = tmp_path / 'o'
+    stop = stopped_and_resumed(toy, out)
+    assert len(glob.glob(str(out / 'tb' / 'events.out.tfevents.*'))) == 2  # one per process
+    acc = assert_board_equals_records(out)
+    steps = [s for s, _ in series(acc, 'train/loss')]
+    assert steps == list(range(1, 13)), (stop, steps)
+
+
+# -----------------------------------------------------------------------------
+# a real TensorBoard server on a study's out_root: every run's scalars through its HTTP API
+
+def test_a_tensorboard_server_serves_every_run_of_a_study_folder(toy, tmp_path):
+    root = tmp_path / 'study'
+    train(toy, root / 'lr_a', '--max_steps=8')
+    stopped_and_resumed(toy, root / 'resumed')
+    port = free_port()
+    log = open(tmp_path / 'tb.log', 'w')
+    server = subprocess.Popen([sys.executable, '-m', 'tensorboard.main', '--logdir', str(root), '--port',
+                               str(port), '--host', '127.0.0.1'], stdout=log, stderr=log)
+    try:
+        url, runs = f'http://127.0.0.1:{port}/data/plugin/scalars', {}
+        deadline = time.time() + 120
+        while set(runs) != {'lr_a/tb', 'resumed/tb'}:
+            assert server.poll() is None and time.time() < deadline, open(tmp_path / 'tb.log').read()[-3000:]
+            try:
+                runs = requests.get(f'{url}/tags', timeout=5).json()
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        for name in ('lr_a', 'resumed'):
+            assert {'train/loss', 'eval/exact_accuracy', 'perf/memory_gib'} <= set(runs[f'{name}/tb'])
+            got = requests.get(f'{url}/scalars', params=dict(run=f'{name}/tb', tag='train/loss'),
+                               timeout=10).json()
+            want = [(r['step'], np.float32(r['loss'])) for r in records(root / name, 'train')]
+            assert [(s, np.float32(v)) for _, s, v in got] == want, name
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
+
+
+# -----------------------------------------------------------------------------
+# a gs:// run: the events reach the bucket and read back equal
+
+def test_a_bucket_run_s_events_reach_the_bucket_and_read_back_equal(emu, toy, tmp_path):
+    out, local = f'gs://{BUCKET}/tb/run1', tmp_path / 'l'
+    train(toy, out, f'--local_dir={local}', '--checkpoint_interval=10',
+          env=dict(STORAGE_EMULATOR_HOST=emu[7:]))
+    client = gcs.GCS(endpoint=emu)
+    uris = [uri for uri, _ in client.list(out + '/tb/')]
+    assert len(uris) == 1 and os.listdir(local / 'tb') == [uris[0].rsplit('/', 1)[1]]
+    client.download(uris[0], str(tmp_path / 'copy' / uris[0].rsplit('/', 1)[1]))
+    assert_board_equals_records(local, tb=tmp_path / 'copy')
+    assert not [n for n in os.listdir(local) if n.startswith('.tb.')]  # the upload snapshots are gone
+
+
+# -----------------------------------------------------------------------------
+# XLA (torch_xla on the CPU): compilations at each log line, memory, evaluation loss, torch_xla's profile
+
+def test_xla_compilations_memory_eval_loss_and_its_profile(toy, tmp_path):
+    out = tmp_path / 'o'
+    p = train(toy, out, '--device=xla', '--max_steps=24', '--log_interval=2', '--profile_steps=14:16',
+              env=XLA_ENV)
+    assert 'warning' not in p.stdout and 'compilation(s)' not in p.stdout, p.stdout[-3000:]
+    rows, evals = records(out, 'train'), records(out, 'eval')
+    assert rows[0]['xla_compiles'] > 0 and rows[0]['xla_compile_s'] > 0  # the step's graphs: the first line
+    assert all(r['xla_compiles'] == 0 for r in rows[1:]), [r['xla_compiles'] for r in rows]
+    assert [r['xla_compiles_total'] for r in rows] == sorted(r['xla_compiles_total'] for r in rows)
+    assert evals[0]['xla_compiles'] > 0 and all(np.isfinite(e['loss']) for e in evals)
+    assert all(r['memory'] in ('device in use', 'process RSS') and r['memory_gib'] > 0 for r in rows)
+    acc = assert_board_equals_records(out)
+    assert series(acc, 'xla/compiles_total') == [(r['step'], r['xla_compiles_total']) for r in rows]
+    # torch_xla's profile: the trace of steps 15-16 in TensorBoard's profile layout; its Chrome trace parses
+    [xplane] = glob.glob(str(out / 'profile' / 'plugins' / 'profile' / '*' / '*.xplane.pb'))
+    assert os.path.getsize(xplane) > 0
+    [trace] = glob.glob(os.path.join(os.path.dirname(xplane), '*.trace.json.gz'))
+    events = json.load(gzip.open(trace))['traceEvents']
+    assert sum(e.get('name') == 'train_step' for e in events) == 2
