@@ -10,6 +10,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
+    PJRT_DEVICE=TPU python bench.py config/baseline.py --vs_eager=True  # and the eager step: device_vs_eager=
     python bench.py --profile_steps=0:3                         # also a trace of 3 more steps
     python bench.py config/baseline.py --steps=0 --eval_batches=0 --checkpoint_dir=gs://B/x  # save + upload
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
@@ -17,7 +18,9 @@ from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6
 tokens, vocab 11); --seq_len / --vocab_size override it. On CUDA and XLA the step and the evaluation are
 compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones train.py uses). On
 XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
-do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step.
+do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step;
+with vs_eager=True it measures the eager (lazy) step too, in the same run, and prints the ratio of the two
+steps' device times.
 It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time
 to the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the
 graph compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
@@ -49,6 +52,8 @@ profile_dir = 'out/profile'     # where profile_steps='START:END' puts a trace o
 host_flush_mb = 0               # XLA on the CPU: read this many MiB after each execution before host time is taken
                                 # again, so every depth's host work starts from cold caches (there the device's
                                 # executions share the host's caches, the deeper ones evicting more; on a TPU not)
+vs_eager = False                # XLA, compile=True: also time the eager step (host, device) after the
+                                # compiled one; prints device_vs_eager= (compiled device time / eager's)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -248,7 +253,7 @@ def run_steps(n):
     return time.perf_counter() - t0
 
 
-def host_and_device(n):
+def host_and_device(n, step_fwd=None):
     """XLA: the medians over n steps of the host's time per step (the step's Python and its sync: tracing,
     hashing, dispatch) and the device's (its executions: torch_xla's ExecuteTime). Each compiled graph is run
     alone and waited for, and the waits are taken off the host's time, as is an execution that XLA on the CPU
@@ -277,7 +282,8 @@ def host_and_device(n):
         for i in range(n):
             finish()
             e0, w0, t0 = dev.execute_seconds(), waited[0], time.perf_counter()
-            carry_loss = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, fwd)
+            carry_loss = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc,
+                                    step_fwd or fwd)
             t1 = time.perf_counter()
             dev.wait()
             t2 = time.perf_counter()
@@ -343,12 +349,38 @@ if eval_batches > 0:
           + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None
              else ''))
 
+# --- XLA, vs_eager: the eager (lazy) step on the same model, for the ratio of the device's work ------------
+eager_host_s = eager_device_s = eager_first_s = None
+if vs_eager and kind == 'xla' and compiled:
+    def run_eager(n):
+        global carry
+        for i in range(n):
+            carry, _, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc,
+                                     forward_loss)
+            dev.sync()
+        finish()
+    t0 = time.perf_counter()
+    run_eager(1)
+    eager_first_s = time.perf_counter() - t0
+    run_eager(warmup_steps - 1)
+    eager_host_s, eager_device_s = host_and_device(steps, forward_loss)
+elif vs_eager:
+    print("note: vs_eager=True applies to XLA with compile=True; ignored")
+variant = getattr(fwd, 'variant', 'eager (lazy tracing every step)' if kind == 'xla' else
+                  f'inductor ({compile_mode})' if compiled else 'eager')
+
 if kind == 'xla':
     bound = 'host' if host_s > device_s else 'device'
+    print(f"xla: step variant: {variant}")
     print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch"
           f"{f'; caches flushed ({host_flush_mb} MiB)' if host_flush_mb else ''}) | device {device_s * 1e3:.1f} "
           f"ms/step (execution) | the step is {bound}-bound | first training step {first_step_s:.1f} s, "
           f"first evaluation batch {fmt(eval_warm_s, '.1f')} s (both with compilation)")
+    if eager_device_s is not None:
+        print(f"xla: eager step (vs_eager): host {eager_host_s * 1e3:.1f} ms/step | device "
+              f"{eager_device_s * 1e3:.1f} ms/step | first step {eager_first_s:.1f} s | compiled/eager "
+              f"device time {device_s / eager_device_s:.3f}, max(host, device) "
+              f"{max(host_s, device_s) / max(eager_host_s, eager_device_s):.3f}")
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
           f"{' (no recompilation)' if compiles_end == compiles_warm else ' -- RECOMPILED: run with PT_XLA_DEBUG_LEVEL=2'}"
           f"; evaluation {compiles_eval_warm} -> {compiles_eval_end}")
@@ -382,4 +414,7 @@ print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_s
       f"fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
       f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} host_flush_mb={host_flush_mb} "
       f"device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
-      f"eval_first_batch_s={fmt(eval_warm_s, '.2f')}")
+      f"eval_first_batch_s={fmt(eval_warm_s, '.2f')} variant={variant.split(' (')[0].replace(' ', '_')} "
+      f"device_vs_eager={fmt(eager_device_s and device_s / eager_device_s, '.3f')} "
+      f"eager_host_ms_per_step={fmt(eager_host_s and eager_host_s * 1e3, '.2f')} "
+      f"eager_device_ms_per_step={fmt(eager_device_s and eager_device_s * 1e3, '.2f')}")

@@ -241,87 +241,79 @@ def compiled_predict(model, mode='default'):
 # the host, not the chip, would bound a TPU's step. Compiled with the openxla dynamo backend, each part
 # becomes a cached executable after its first call: no Python tracing, no graph hashing per step.
 
-def _xla_forward(model, carry, batch, delta, inv_batch, rows_of):
-    """XLACompiledStep's forward: the puzzle-row lookup, forward_loss on the rows [rows_of] of the carry and
-    the batch (the micro-batch), the loss scaled for backward, and the whole carry with those rows replaced.
-    delta: a zero leaf added to the puzzle rows, so its gradient is theirs (no pending input is passed in)."""
+def _xla_grads(model, carry, batch, inv_batch, rows_of):
+    """XLACompiledStep's forward and backward as ONE graph: on the rows [rows_of] of the carry and the batch
+    (the micro-batch), the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients
+    of loss * inv_batch with respect to the parameters and the puzzle rows (torch.func.grad, traced into the
+    same graph). Nothing crosses from a forward graph to a backward one, so the backward uses the forward's
+    activations where they are, as the eager step's graph does: no recomputation, no per-tensor bridge cost.
+    Called under no_grad (torch.func.grad ignores it), so AOTAutograd sees an inference graph. Returns the
+    whole carry with those rows replaced, the loss, the metrics, the parameters' gradients by name and the
+    puzzle rows' (None without a puzzle embedding)."""
     a, b = rows_of
     whole = a == 0 and b == batch['inputs'].shape[0]
     c = carry if whole else {k: v[a:b] for k, v in carry.items()}
     x = batch if whole else {k: v[a:b] for k, v in batch.items()}
-    rows = None
-    if delta is not None:
-        ids = torch.where(c['halted'], x['puzzle_identifiers'], c['puzzle_identifiers'])
-        rows = model.puzzle_rows(ids) + delta
-    new_c, loss, metrics = forward_loss(model, c, x, rows)
+    c = model.refill(c, x)
+    rows = model.puzzle_rows(c['puzzle_identifiers'])  # the refilled rows' ids, as train_step's
+
+    def scaled_loss(params, rows):  # forward_loss after its refill, the parameters as arguments
+        new_c, out = torch.func.functional_call(model, params, (c, rows))
+        loss, metrics = act_loss(new_c, out, model.config)
+        return loss * inv_batch, (new_c, loss, metrics)
+    params = dict(model.named_parameters())
+    grad = torch.func.grad(scaled_loss, argnums=(0, 1) if rows is not None else 0, has_aux=True)
+    grads, (new_c, loss, metrics) = grad(params, rows)
+    grads, row_grads = grads if rows is not None else (grads, None)
     if not whole:
         new_c = {k: torch.cat([carry[k][:a], v, carry[k][b:]]) for k, v in new_c.items()}
-    return new_c, loss.detach(), loss * inv_batch, metrics
-
-
-def _openxla_recompute():
-    """The openxla backend whose AOTAutograd partition saves as few activations as it can (min-cut at an
-    activation memory budget of 0): the backward recomputes the forward's grad part. Each saved activation is
-    an output of the forward executable and an input of the backward's, and every such tensor costs host time;
-    the default partition saves ~20 per network call with grad, so the host time would grow with L_cycles
-    again."""
-    from functorch.compile import min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-    from torch._dynamo.backends.torchxla import openxla_eval_boxed
-
-    def partition(joint, joint_inputs, **kw):
-        with torch._functorch.config.patch(activation_memory_budget=0.0):  # scoped: CUDA compiles keep theirs
-            return min_cut_rematerialization_partition(joint, joint_inputs, **kw)
-    return aot_autograd(fw_compiler=openxla_eval_boxed, partition_fn=partition)
+    return new_c, loss, metrics, grads, row_grads
 
 
 class XLACompiledStep:
-    """train_step on XLA traced once: the forward + loss (and, through AOTAutograd, its backward) and the
-    update (clipping, AdamATan2, sign-SGD, EMA) are torch.compile'd with the openxla backend; the gradient
-    all-reduce and gather stay between them. The same computation as train_step with forward_loss, up to
-    float rounding.
+    """train_step on XLA traced once: the forward + loss + backward (one graph, _xla_grads) and the update
+    (clipping, AdamATan2, sign-SGD, EMA) are torch.compile'd with the openxla backend; the gradient all-reduce
+    and gather stay between them. The same computation as train_step with forward_loss, up to float rounding,
+    and the same device work: the forward and backward graph holds the eager step's matrix products, one for
+    one.
     What the openxla bridge of torch_xla 2.9 needs, and gets here:
       - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own,
-        blocking): the puzzle rows are looked up inside, and backward gets a device-data seed gradient;
+        blocking): the puzzle rows are looked up inside;
       - no two mutated inputs that end with the same value (the bridge then writes outputs into the wrong
         inputs): AdamATan2's per-parameter step counts become one tensor, updated once."""
+    variant = ('grad_graph+update_graph (the forward and backward one graph through torch.func.grad, '
+               'the update another)')
 
     def __init__(self):
-        self.forward = torch.compile(_xla_forward, backend=_openxla_recompute(), dynamic=False)
+        self.grads = torch.compile(_xla_grads, backend='openxla', dynamic=False)
         self.update = torch.compile(apply_update, backend='openxla', dynamic=False)
-        self.deltas = self.seed = None
 
     def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None,
                    all_gather=None):
-        k, B, dev = sc.gradient_accumulation_steps, batch['inputs'].shape[0], step_t.device
-        if self.seed is None:  # host copies: device data from the start, never pending IR
-            self.seed = torch.tensor(1.0).to(dev)
-            self.deltas = [torch.zeros(B // k, model.puzzle_emb.shape[1]).to(dev).requires_grad_(True)
-                           for _ in range(k)] if model.config.puzzle_emb_ndim > 0 else None
-        losses, sums = [], None
+        k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
+        named = dict(model.named_parameters())
+        losses, sums, row_grads = [], None, []
         for i in range(k):
-            delta = self.deltas[i] if self.deltas else None
-            carry, loss, scaled, metrics = self.forward(model, carry, batch, delta,
-                                                        1.0 / sc.global_batch_size,
-                                                        (i * B // k, (i + 1) * B // k))
-            scaled.backward(self.seed)
+            with torch.no_grad():
+                carry, loss, metrics, grads, rg = self.grads(model, carry, batch, 1.0 / sc.global_batch_size,
+                                                             (i * B // k, (i + 1) * B // k))
+            for n, g in grads.items():  # micro-batches add up lazily, as autograd's accumulation does
+                named[n].grad = g if named[n].grad is None else named[n].grad + g
             losses.append(loss)
+            row_grads.append(rg)
             sums = metrics if sums is None else {n: sums[n] + metrics[n] for n in sums}
-        grads = [p.grad for p in opt.params]
         if all_reduce_sum_ is not None:
-            all_reduce_sum_(grads)
-        ids_all = row_grads = None
-        if self.deltas:
+            all_reduce_sum_([p.grad for p in opt.params])
+        ids_all = grads_all = None
+        if row_grads[0] is not None:
             gather = all_gather or (lambda x: x)
-            row_grads = gather(self.deltas[0].grad if k == 1 else torch.cat([d.grad for d in self.deltas]))
+            grads_all = gather(row_grads[0] if k == 1 else torch.cat(row_grads))
             ids_all = gather(carry['puzzle_identifiers'])
-            for d in self.deltas:
-                d.grad = None
         opt.init_state()  # eagerly: the compiled graph never sees the state appear
         t = opt.state[0]['t']
         for st in opt.state[1:]:
             st['t'] = t  # one step count (equal values in any case)
-        sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, row_grads, step_t, sc)
+        sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, grads_all, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 

@@ -15,7 +15,7 @@ pytest.importorskip('torch_xla')
 from conftest import XLA_ENV, run
 
 SCRIPT = r"""
-import json, sys
+import json, re, sys
 import numpy as np
 import torch, torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
 import model as M
@@ -35,6 +35,21 @@ def count(name):
 def lazy_nodes():  # IR nodes of the lazy graphs synced so far
     d = met.metric_data('TensorsGraphSize')
     return d[1] if d else 0
+
+# the matrix products (HLO dots) of the graphs a step executes: the compiled graphs' HLO read once, when the
+# openxla bridge compiles them, their runs counted by hash; the step's lazy remainder read before its sync
+X = torch_xla._XLAC
+graph_dots, executed = {}, []
+def n_dots(tensors):
+    return len(re.findall(r' dot\(', X._get_xla_tensors_hlo(tensors)))
+real_warm_up, real_run = X._xla_warm_up_cache, X._run_cached_graph
+def warm_up(tensors, devices):
+    graph_dots[X._get_graph_hash(tensors)] = n_dots(tensors)
+    return real_warm_up(tensors, devices)
+def run_cached(graph_hash, args):
+    executed.append(graph_dots[graph_hash])
+    return real_run(graph_hash, args)
+X._xla_warm_up_cache, X._run_cached_graph = warm_up, run_cached
 
 dev = torch_xla.device()
 report = {}
@@ -64,11 +79,15 @@ for H, L in ((1, 1), (2, 3)):
         losses, per_step = [], []
         for i in range(6):
             c0, n0, g0 = count('CompileTime'), calls[0], lazy_nodes()
-            carry, loss, _ = S.train_step(model, opt, ema, carry, batches[i % 2], step_t, sc, fwd)
+            executed.clear()
+            carry, loss, metrics = S.train_step(model, opt, ema, carry, batches[i % 2], step_t, sc, fwd)
+            live = [*model.parameters(), *model.buffers(), *ema, *carry.values(), *metrics.values(), loss,
+                    step_t, *[t for st in opt.state if st for t in st.values()]]
+            dots = sum(executed) + n_dots(live)
             torch_xla.sync()
             losses.append(loss)
             per_step.append(dict(compiles=count('CompileTime') - c0, net_calls=calls[0] - n0,
-                                 lazy_nodes=lazy_nodes() - g0))
+                                 lazy_nodes=lazy_nodes() - g0, dots=dots))
         model.eval()
         predict = S.compiled_predict(model) if kind != 'eager' else model.predict
         ev = []
@@ -106,6 +125,10 @@ def test_xla_step_is_traced_once_and_equals_eager(tmp_path):
         # traced once: from the second step on, no Python of the net runs, and nothing compiles
         assert all(s['net_calls'] == 0 and s['compiles'] == 0 for s in c['per_step'][1:]), c['per_step']
         warm[depth] = [s['lazy_nodes'] for s in c['per_step'][2:]]
+        # the same device work as eager: as many matrix products per step (a backward that recomputed the
+        # forward would add its products), and some at all (the count sees them)
+        assert c['per_step'][-1]['dots'] == e['per_step'][-1]['dots'] > 0, (depth, c['per_step'],
+                                                                             e['per_step'])
         # evaluation: one step compiled, no Python of the net and no compilation after the first batch
         assert all(v['net_calls'] == 0 and v['compiles'] == 0 for v in c['eval'][1:]), c['eval']
         assert c['preds_match'] and c['q_diff'] < 1e-4, (c['preds_match'], c['q_diff'])  # compiled predict = unrolled
