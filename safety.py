@@ -34,6 +34,7 @@ import time
 import torch
 
 import gcs
+from configurator import Output  # the script's output, installed at its first line
 from data import check_split, load_metadata, puzzle_type
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
@@ -257,65 +258,6 @@ def release_locks():
 
 
 atexit.register(release_locks)
-
-
-# -----------------------------------------------------------------------------
-# the run's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed SSH
-# session) never stops a run, and rank 0 copies every line to train.log in the run's folder
-
-class Output:
-    log = None  # train.log, shared by stdout and stderr
-
-    def __init__(self, stream):
-        self.stream, self.closed_seen = stream, False
-
-    @classmethod
-    def install(cls):
-        if not isinstance(sys.stdout, cls):
-            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
-
-    @classmethod
-    def log_to(cls, path):
-        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
-        try:
-            cls.log = open(path, 'a')
-            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
-                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
-        except OSError as e:
-            print(f"warning: cannot write {path} ({e}); the output is not logged there")
-
-    def write(self, text):
-        if Output.log is not None:
-            try:
-                Output.log.write(text)
-                Output.log.flush()
-            except (OSError, ValueError):  # a full disk: the terminal still has it
-                pass
-        if not self.closed_seen:
-            try:
-                self.stream.write(text)
-            except (OSError, ValueError):
-                self.lost()
-        return len(text)
-
-    def flush(self):
-        if not self.closed_seen:
-            try:
-                self.stream.flush()
-            except (OSError, ValueError):
-                self.lost()
-
-    def lost(self):
-        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
-        /dev/null, so the interpreter's flush at exit cannot fail either."""
-        self.closed_seen = True
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError):
-            pass
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 # -----------------------------------------------------------------------------

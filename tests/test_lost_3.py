@@ -1,0 +1,113 @@
+"""
+Nothing lost, third round (the run side): a closed stdout before the run starts, a stop request during a long
+evaluation batch, a dataset rebuilt under a running run, a second stop signal while the first one saves, the XLA
+launcher's signals, a gs:// lock's lease, and the one-line messages of a full disk, an out_dir that is a file,
+a build over a file-size limit, --max_steps below the checkpoint and a type error's default. Real processes.
+    python -m pytest -q tests/test_lost_3.py
+"""
+import glob
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, TOY_ARGS, XLA_ENV, assert_user_error, run
+
+FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']  # 40 steps of batch 50 on the toy task
+SUDOKU = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000', '--log_interval=4']
+
+
+def train(data, out, *extra, args=FAST, check=True, env=None):
+    return run(['train.py', f'--data_path={data}', f'--out_dir={out}'] + args + list(extra), check=check, env=env)
+
+
+def limited(limit, script='train.py'):
+    """python -c arguments that run `script` under a file-size limit of `limit` bytes (a full disk's writes)."""
+    return ['-c', "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            f"sys.argv = [{script!r}] + sys.argv[1:]; runpy.run_path({script!r}, run_name='__main__')"]
+
+
+def ckpts(folder):
+    return sorted(os.path.basename(c) for c in glob.glob(os.path.join(folder, 'ckpt_*.pt')))
+
+
+# -----------------------------------------------------------------------------
+# 1: a stdout whose reader is gone before the run prints its first line
+
+def test_a_run_whose_stdout_reader_is_gone_from_the_start_trains_and_logs(toy, tmp_path):
+    out = tmp_path / 'o'
+    r, w = os.pipe()
+    os.close(r)  # `( train.py ... & wait ) | head -c 1`: the reader left before the first line
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    with open(tmp_path / 'err', 'w') as err:
+        p = subprocess.run([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=4']
+                           + FAST, cwd=ROOT, env=e, stdout=w, stderr=err, timeout=300)
+    os.close(w)
+    text = open(tmp_path / 'err').read()
+    assert p.returncode == 0 and 'Traceback' not in text, text[-3000:]
+    assert ckpts(out) == ['ckpt_00000004.pt'] and os.path.exists(out / 'results.json')
+    assert 'eval on 200' in open(out / 'train.log').read()
+
+
+# -----------------------------------------------------------------------------
+# 11: --max_steps below the checkpoint's step, and a type error's default
+
+def test_max_steps_below_the_checkpoint_says_so_and_changes_nothing(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    before = {n: open(out / n, 'rb').read() for n in ('metrics.jsonl', 'ckpt_00000008.pt')}
+    for _ in range(2):  # every rerun says the same, and evaluates nothing
+        p = train(toy, out, '--init_from=resume', '--max_steps=4', check=False)
+        assert_user_error(p, 'step 8', '--max_steps=4')
+        assert 'eval on' not in p.stdout
+    assert {n: open(out / n, 'rb').read() for n in before} == before
+    assert not os.path.exists(out / 'run.lock')
+
+
+def test_a_type_error_names_train_py_s_default_not_an_earlier_flag(toy, tmp_path):
+    p = run(['train.py', '--L_cycles=3', "--L_cycles='x'"], check=False)
+    assert_user_error(p, 'L_cycles', '(default 6)')
+    assert '(default 3)' not in p.stdout + p.stderr
+
+
+# -----------------------------------------------------------------------------
+# 10: a full disk at a resume, an out_dir that is a file or under one, a build over a file-size limit
+
+def test_a_resume_onto_a_full_disk_is_one_line_that_keeps_the_run_s_files(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4')
+    before = {n: open(out / n, 'rb').read() for n in os.listdir(out) if n != 'train.log'}
+    for limit in (40, 1000):  # the lock's record does not fit; then metrics.jsonl's rewrite does not
+        p = run(limited(limit) + [f'--data_path={toy}', f'--out_dir={out}', '--init_from=resume',
+                                  '--max_steps=8'] + FAST, check=False)
+        assert_user_error(p, str(out))
+        assert 'File too large' in p.stdout + p.stderr
+        assert {n: open(out / n, 'rb').read() for n in os.listdir(out) if n != 'train.log'} == before
+        assert not os.path.exists(out / 'run.lock')
+
+
+def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(toy, tmp_path):
+    f = tmp_path / 'file'
+    f.write_text('x')
+    for out in (f, f / 'sub'):
+        p = train(toy, out, '--max_steps=2', check=False)
+        assert_user_error(p, f'out_dir={out}')
+    assert f.read_text() == 'x'
+
+
+def test_a_build_over_a_file_size_limit_names_the_file(tmp_path):
+    d = tmp_path / 'd'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(d)])
+    before = {s: sorted(os.listdir(d / s)) for s in ('train', 'test')}
+    p = run(limited(2000, 'prepare_sudoku.py') + ['--csv_dir', str(d / 'csv'), '--output_dir', str(d)], check=False)
+    assert_user_error(p, 'all__inputs.npy', 'File too large')
+    assert len((p.stdout + p.stderr).strip().splitlines()) == 1, p.stdout + p.stderr
+    assert {s: sorted(os.listdir(d / s)) for s in ('train', 'test')} == before
