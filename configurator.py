@@ -110,9 +110,9 @@ def parse_flags(text, defaults, where):
 
 
 # -----------------------------------------------------------------------------
-# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed SSH
-# session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every line to
-# train.log in the run's folder (safety.Run)
+# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed
+# SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
+# line to train.log in the run's folder (safety.Run)
 
 class Output:
     log = None  # train.log, shared by stdout and stderr

@@ -57,20 +57,35 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     arrays = dict(inputs=inputs, labels=labels, puzzle_identifiers=np.asarray(puzzle_identifiers),
                   puzzle_indices=puzzle_indices, group_indices=group_indices)
     assert len(arrays['puzzle_identifiers']) == n_puzzles
-    for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build stays
-                                      # small
-        np.save(os.path.join(d, f'all__{name}.npy'), arr.astype(np.int32, copy=False))
     meta = dict(pad_id=int(pad_id), ignore_label_id=int(ignore_label_id),
                 blank_identifier_id=int(blank_identifier_id), vocab_size=int(vocab_size),
                 seq_len=int(inputs.shape[1]), num_puzzle_identifiers=int(num_puzzle_identifiers),
                 total_groups=n_groups, mean_puzzle_examples=len(inputs) / max(1, n_puzzles),
                 total_puzzles=n_puzzles, sets=['all'])
     meta.update(extra or {})
-    with open(os.path.join(d, 'dataset.json'), 'w') as f:
-        json.dump(meta, f)
-    with open(os.path.join(root, 'identifiers.json'), 'w') as f:
-        json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
+    path = d
+    try:  # a full disk or a file-size limit: the file named, one line (the builders print it)
+        for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build
+                                          # stays small
+            path = os.path.join(d, f'all__{name}.npy')
+            with open(path, 'wb') as f:
+                np.lib.format.write_array(_Writes(f), arr.astype(np.int32, copy=False), allow_pickle=False)
+        path = os.path.join(d, 'dataset.json')
+        with open(path, 'w') as f:
+            json.dump(meta, f)
+        path = os.path.join(root, 'identifiers.json')
+        with open(path, 'w') as f:
+            json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
+    except OSError as e:
+        raise RuntimeError(f"cannot write {path}: {e.strerror or e}") from e
     return meta
+
+
+class _Writes:
+    """A file that numpy writes through .write, in chunks: a real file it hands to ndarray.tofile, whose short
+    write under a file-size limit passes silently and leaves a truncated array."""
+    def __init__(self, f):
+        self.write = f.write
 
 
 @contextlib.contextmanager

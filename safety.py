@@ -206,9 +206,13 @@ def lock_local(folder):
                 os.remove(path)
                 continue
             return [in_use(folder, rec, path)]
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as e:  # a full disk: the lock's record does not fit
+            os.remove(path)
+            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
         HELD.append(path)
-        with os.fdopen(fd, 'w') as f:
-            json.dump(lock_record(), f)
         return []
 
 
@@ -465,8 +469,12 @@ class Run:
             return
         problems = []
         if self.master:
-            os.makedirs(self.local, exist_ok=True)
-            problems = lock_local(self.local) or (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
+            try:
+                os.makedirs(self.local, exist_ok=True)
+            except OSError as e:  # a file, under a file, or where this user may not write
+                problems = [f"out_dir={self.cfg['out_dir']}: cannot create the folder {self.local} "
+                            f"({e.strerror}); out_dir must be a folder this run can write"]
+            problems = problems or lock_local(self.local) or (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
             log = os.path.join(self.local, 'train.log')
@@ -744,9 +752,16 @@ class Run:
     def open_records(self, step):
         """Rank 0: metrics.jsonl from `step` on, W&B, and the uploader (after each upload the bucket is pruned
         like the local folder)."""
+        problems = []
+        if self.master:
+            try:
+                self.records = Records(self.local, self.gs_out, step)
+            except OSError as e:  # a full disk: its metrics.jsonl is kept as it was
+                problems = [f"cannot write {e.filename or self.local} ({e.strerror or e}); free some space "
+                            f"and rerun with --init_from=resume"]
+        fail_together(self.dev, problems, 'opening the records')
         if not self.master:
             return
-        self.records = Records(self.local, self.gs_out, step)
         if self.cfg['wandb_log']:
             self.wandb = start_wandb(self.cfg, self.local, self.run_id)
         if self.gs_out:
@@ -897,8 +912,12 @@ class Records:
         finally:
             if os.path.exists(self.path + '.bucket'):
                 os.remove(self.path + '.bucket')
-        with open(self.path + '.tmp', 'w') as f:
-            f.writelines(lines)
+        try:
+            with open(self.path + '.tmp', 'w') as f:
+                f.writelines(lines)
+        except OSError:
+            os.remove(self.path + '.tmp')
+            raise
         os.replace(self.path + '.tmp', self.path)
         self.results = os.path.join(local, 'results.json')
 

@@ -226,9 +226,9 @@ def main(index=None):
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
         run.close(False)
         dev.shutdown()
-        raise SystemExit(f"{run.resumed_from} is at step {step}, past this run's last step {run_steps} ({end}): "
-                         f"nothing to train; raise {end.split('=')[0]} to train on, or evaluate it with "
-                         "--eval_only=True")
+        raise SystemExit(f"{run.resumed_from} is at step {step}, past this run's last step {run_steps} "
+                         f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate it "
+                         "with --eval_only=True")
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         done = True
         if run.results_missing():
