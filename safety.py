@@ -474,7 +474,8 @@ class Run:
             except OSError as e:  # a file, under a file, or where this user may not write
                 problems = [f"out_dir={self.cfg['out_dir']}: cannot create the folder {self.local} "
                             f"({e.strerror}); out_dir must be a folder this run can write"]
-            problems = problems or lock_local(self.local) or (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
+            problems = problems or lock_local(self.local) or \
+                (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
             log = os.path.join(self.local, 'train.log')
