@@ -116,14 +116,33 @@ def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, de
 # stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
 # step
 
-STOP = dict(requested=False, signal=None, told=False)
+STOP = dict(requested=False, signal=None, count=0)
 
 
 def on_signal(signum, frame):
-    """Sets the flag only: any I/O here (a print to a closed stdout) would raise inside whatever the run was
-    doing. The loop acknowledges it (Run.stop_agreed)."""
-    STOP.update(requested=True, signal=signum)
-    signal.signal(signum, signal.SIG_DFL)  # a second one stops at once
+    """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
+    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once."""
+    name = signal.Signals(signum).name
+    STOP['count'] += 1
+    if STOP['count'] == 1:
+        STOP.update(requested=True, signal=name)
+        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second signal "
+            "does not stop the save; a third ends the process at once, without it)")
+    else:
+        say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at once, "
+            "without the checkpoint")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def say(line):
+    """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
+    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log."""
+    for f in (sys.stdout, Output.log):
+        try:
+            os.write(f.fileno(), (line + '\n').encode())
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def install_signal_handlers():
@@ -727,14 +746,8 @@ class Run:
 
     def stop_agreed(self):
         """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point
-        (between steps, between evaluation batches). The rank that got the signal says so (the handler prints
-        nothing)."""
-        stop = self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
-        if stop and STOP['requested'] and not STOP['told']:
-            STOP['told'] = True
-            print(f"pid {os.getpid()}: got signal {STOP['signal']}; saving a checkpoint, then exiting",
-                  flush=True)
-        return stop
+        (between steps, between evaluation batches; the rank that got the signal said so at once)."""
+        return self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
 
     def check_divergence(self, bad_at):
         """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the

@@ -112,3 +112,99 @@ def test_a_build_over_a_file_size_limit_names_the_file(tmp_path):
     assert_user_error(p, 'all__inputs.npy', 'File too large')
     assert len((p.stdout + p.stderr).strip().splitlines()) == 1, p.stdout + p.stderr
     assert {s: sorted(os.listdir(d / s)) for s in ('train', 'test')} == before
+
+
+# -----------------------------------------------------------------------------
+# 5: the first stop signal is acknowledged at once; a second one while it saves does not lose the save
+
+def popen_train(data, out, *extra, args=FAST, env=None):
+    """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
+    e.pop('PJRT_DEVICE', None) if 'PJRT_DEVICE' not in (env or {}) else None
+    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
+                            + list(extra), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            bufsize=0, start_new_session=True)
+
+
+class Lines:
+    """The lines a process prints, read from its pipe's file descriptor without read-ahead: what has not been
+    read is still in the pipe, and `drain` drops what the process has written so far."""
+
+    def __init__(self, proc):
+        self.proc, self.fd, self.buf, self.seen = proc, proc.stdout.fileno(), b'', []
+
+    def _read(self, timeout):
+        if not select.select([self.fd], [], [], max(0.0, timeout))[0]:
+            return None
+        chunk = os.read(self.fd, 1 << 16)
+        self.buf += chunk
+        return chunk
+
+    def next(self, timeout=300):
+        deadline = time.time() + timeout
+        while b'\n' not in self.buf:
+            chunk = self._read(deadline - time.time())
+            if not chunk:  # EOF, or nothing within the time
+                return None
+        line, self.buf = self.buf.split(b'\n', 1)
+        self.seen.append(line.decode())
+        return self.seen[-1]
+
+    def until(self, prefix, timeout=300):
+        deadline = time.time() + timeout
+        while True:
+            line = self.next(deadline - time.time())
+            if line is None:
+                self.kill()
+                raise AssertionError(f"no line starting with {prefix!r}:\n" + '\n'.join(self.seen)[-3000:])
+            if line.startswith(prefix):
+                return line
+
+    def drain(self):
+        while self._read(0):
+            pass
+        *lines, self.buf = self.buf.split(b'\n')
+        self.seen += [l.decode() for l in lines]
+
+    def rest(self, timeout):
+        deadline = time.time() + timeout
+        while self.next(deadline - time.time()) is not None:
+            pass
+        try:
+            self.proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running {timeout} s on:\n" + '\n'.join(self.seen)[-3000:])
+        return '\n'.join(self.seen)
+
+    def kill(self):
+        with_group = lambda: os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            with_group()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_lose_the_save(toy, tmp_path):
+    out = tmp_path / 'o'
+    proc = popen_train(toy, out, '--epochs=200', '--log_interval=1')
+    lines = Lines(proc)
+    lines.until('step 30/')  # past the calibration: the ranks agree on stop requests every ~2 s from here
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(0.5)
+    lines.drain()  # every line printed before the signal
+    partial = bool(lines.buf)
+    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, signal.SIGCONT)
+    first = [lines.next(60) for _ in range(1 + partial)]
+    assert any('got SIGTERM' in (l or '') and 'saving a checkpoint' in (l or '') for l in first), first
+    proc.send_signal(signal.SIGINT)  # an impatient Ctrl-C while it saves
+    text = lines.rest(120)
+    assert proc.returncode == 0, text[-3000:]
+    assert 'got SIGINT' in text and 'the save goes on' in text, text[-3000:]
+    saved = [l for l in text.splitlines() if l.startswith('saved') and '(stop requested)' in l]
+    assert len(saved) == 1 and 'stopped cleanly' in text, text[-3000:]
+    assert len(ckpts(out)) == 1 and not os.path.exists(out / 'run.lock')
+    log = open(out / 'train.log').read()
+    assert 'got SIGTERM' in log and 'got SIGINT' in log
