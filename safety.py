@@ -126,11 +126,11 @@ def on_signal(signum, frame):
     STOP['count'] += 1
     if STOP['count'] == 1:
         STOP.update(requested=True, signal=name)
-        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second signal "
-            "does not stop the save; a third ends the process at once, without it)")
+        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
+            "signal does not stop the save; a third ends the process at once, without it)")
     else:
-        say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at once, "
-            "without the checkpoint")
+        say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
+            "once, without the checkpoint")
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
