@@ -208,3 +208,20 @@ def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_los
     assert len(ckpts(out)) == 1 and not os.path.exists(out / 'run.lock')
     log = open(out / 'train.log').read()
     assert 'got SIGTERM' in log and 'got SIGINT' in log
+
+
+# -----------------------------------------------------------------------------
+# 2: a stop request during one long evaluation batch (test-time scaling: thousands of supervision steps)
+
+def test_a_stop_during_one_long_evaluation_batch_is_honoured_between_chunks_of_its_steps(toy, tmp_path):
+    out = tmp_path / 'o'
+    # the final evaluation: one batch of all 200 examples for 2000 supervision steps (many minutes here)
+    proc = popen_train(toy, out, '--max_steps=3', '--eval_batch_size=200', '--eval_steps=2000', '--log_interval=1')
+    lines = Lines(proc)
+    lines.until('step 3/3')
+    time.sleep(3)  # inside the batch: its stop check before it has passed
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(90)  # the whole batch would take far longer
+    assert proc.returncode == 0, text[-3000:]
+    assert 'eval on' not in text and 'stopped cleanly' in text, text[-3000:]
+    assert ckpts(out) == ['ckpt_00000003.pt'] and not os.path.exists(out / 'results.json')
