@@ -16,6 +16,7 @@ import math
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 
@@ -26,6 +27,7 @@ IGNORE_LABEL_ID = -100  # what the loss ignores; the dataset's own ignore_label_
 METADATA_FIELDS = ('pad_id', 'ignore_label_id', 'blank_identifier_id', 'vocab_size', 'seq_len',
                    'num_puzzle_identifiers', 'total_groups', 'mean_puzzle_examples', 'total_puzzles', 'sets')
 ARRAY_NAMES = ('inputs', 'labels', 'puzzle_identifiers', 'puzzle_indices', 'group_indices')
+IN_USE = '.in_use.'  # a running run's mark in its dataset's folder: .in_use.<host>.<pid>
 
 # Sudoku tokens: PAD 0, blank 1, digit d -> d + 1 (vocab n + 2, seq_len n * n)
 BOXES = {4: (2, 2), 6: (2, 3), 9: (3, 3)}  # grid size n -> (rows, cols) of one box
@@ -88,6 +90,28 @@ class _Writes:
         self.write = f.write
 
 
+def runs_holding(root):
+    """The live runs that hold the dataset in root: [(host, pid, out_dir)] from their marks (a run writes one
+    at its start and removes it at its end; a mark of a gone process of this host is dropped)."""
+    held = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not name.startswith(IN_USE):
+            continue
+        rec = {}
+        try:
+            with open(os.path.join(root, name)) as f:
+                rec = json.load(f)
+            if rec.get('host') == socket.gethostname():
+                os.kill(int(rec['pid']), 0)
+        except ProcessLookupError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable; or another user's
+            pass
+        rec = rec if isinstance(rec, dict) else {}
+        held.append((rec.get('host', '?'), rec.get('pid', '?'), rec.get('out_dir', '?')))
+    return held
+
+
 @contextlib.contextmanager
 def building(root):
     """with building(root) as tmp: write the splits into tmp (a folder inside root). When the block ends
@@ -102,6 +126,10 @@ def building(root):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for host, pid, out_dir in runs_holding(root):  # renames keep its open files: it goes on with the old data
+        print(f"warning: {root} is in use by the run on {host}, pid {pid} (out_dir {out_dir}): it goes on "
+              "training and evaluating on the dataset it started with; runs started or resumed from now get "
+              "this one")
     old = os.path.join(root, '.previous')
     shutil.rmtree(old, ignore_errors=True)
     os.makedirs(old)

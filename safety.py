@@ -35,7 +35,7 @@ import torch
 
 import gcs
 from configurator import Output  # the script's output, installed at its first line
-from data import check_split, load_metadata, puzzle_type
+from data import IN_USE, check_split, load_metadata, puzzle_type
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
@@ -266,6 +266,18 @@ def lock_bucket(prefix, local):
     except gcs.GCSError as e:
         print(f"warning: cannot lock {prefix} ({e}); a second run into it would not be stopped")
         return []
+
+
+def mark_data(root, out_dir):
+    """Rank 0: a mark in the dataset's folder while the run holds it, removed with the locks: a builder
+    asked to replace the dataset says that this run goes on with the old one (a read-only folder: no mark)."""
+    path = os.path.join(root, f"{IN_USE}{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(path, 'w') as f:
+            json.dump(dict(host=socket.gethostname(), pid=os.getpid(), out_dir=out_dir), f)
+        HELD.append(path)
+    except OSError:
+        pass
 
 
 def release_locks():
@@ -502,6 +514,7 @@ class Run:
                 bucket_copy(f"{self.gs_out.rstrip('/')}/train.log", log,  # a new machine goes on with the log
                             "train.log starts anew here, and its upload replaces the bucket's")
             Output.log_to(log)
+            mark_data(self.data_path, cfg['out_dir'])
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
                 if (name.endswith('.tmp') or name.startswith(('.rank', '.train.log.'))) and \
                         os.path.isfile(os.path.join(self.local, name)):

@@ -177,10 +177,13 @@ def main(index=None):
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
 
+    # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
+    held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
+                          subset=s, seed=seed) for s in {0, eval_subset}}
+
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
-        ev = EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                        subset=subset, seed=seed)
+        ev = held[subset]
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
         with run.clock.evaluating():  # a stop request abandons it: (None, None)

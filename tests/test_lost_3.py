@@ -225,3 +225,27 @@ def test_a_stop_during_one_long_evaluation_batch_is_honoured_between_chunks_of_i
     assert proc.returncode == 0, text[-3000:]
     assert 'eval on' not in text and 'stopped cleanly' in text, text[-3000:]
     assert ckpts(out) == ['ckpt_00000003.pt'] and not os.path.exists(out / 'results.json')
+
+
+# -----------------------------------------------------------------------------
+# 3: a dataset rebuilt under a running run
+
+def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_the_builder_says_so(tmp_path):
+    d, out = tmp_path / 'd', tmp_path / 'o'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(d)])
+    proc = popen_train(d, out, '--max_steps=6', '--log_interval=1', args=SUDOKU)
+    lines = Lines(proc)
+    lines.until('step 2/')
+    os.kill(proc.pid, signal.SIGSTOP)  # the rebuild happens between two of its steps
+    try:
+        p = run(['prepare_sudoku.py', '--generate', '40', '--size', '6', '--num_test', '7', '--output_dir', str(d)])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    warning = [l for l in p.stdout.splitlines() if l.startswith('warning')]
+    assert warning and f'pid {proc.pid}' in warning[0] and str(out) in warning[0], p.stdout
+    text = lines.rest(300)
+    assert proc.returncode == 0 and 'Traceback' not in text, text[-3000:]
+    assert 'eval on 10:' in text  # the 4x4 test split it started with, not the 7 6x6 ones now there
+    assert json.load(open(out / 'results.json'))['final_eval']['count'] == 10
+    assert json.load(open(d / 'test' / 'dataset.json'))['seq_len'] == 36  # the rebuild itself went through
+    assert not [n for n in os.listdir(d) if n.startswith('.in_use')]  # the run's mark went with it
