@@ -151,6 +151,48 @@ def install_signal_handlers():
     signal.signal(signal.SIGINT, on_signal)
 
 
+def forward_signals():
+    """In torch_xla's launcher: SIGTERM and Ctrl-C go on to its worker processes, which save and stop (each
+    says so); the launcher itself waits for them."""
+    import multiprocessing
+
+    def forward(signum, frame):
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signum)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
+
+
+def follow_launcher():
+    """In a torch_xla worker: its own process group, so a Ctrl-C reaches it once (through the launcher), and
+    a SIGTERM from the kernel when the launcher dies (even by SIGKILL): an orphan saves and stops instead of
+    holding the chips and the out_dir."""
+    import ctypes
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+    with contextlib.suppress(Exception):  # Linux only (TPU VMs); elsewhere the launcher's forwarding only
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if orphaned():  # gone before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def orphaned():
+    return os.environ.get('TRM_LAUNCHER_PID', str(os.getppid())) != str(os.getppid())
+
+
+def exit_if_orphaned(code):
+    """In a torch_xla worker whose launcher is gone, at the end of its work: exit now (its process pool would
+    wait for the next task forever)."""
+    if orphaned():
+        release_locks()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
 # -----------------------------------------------------------------------------
 # an out_dir belongs to one run: a lock file in the local folder (and a lock object beside a gs:// out_dir's
 # checkpoints), taken by rank 0 at the start and removed at every exit: the loop's end, a stop request, a

@@ -120,6 +120,8 @@ RESUME_FIXED += ['global_batch_size', 'seed']
 
 if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
     safety.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
+if __name__ == '__mp_main__':
+    safety.follow_launcher()  # signals come through the launcher, once; it dies with the launcher
 
 
 def read_sums(dev, sums, bad_step):
@@ -314,9 +316,20 @@ def main(index=None):
         print("stopped cleanly; rerun with --init_from=resume to continue")
 
 
+def xla_worker(index):
+    """main() in a torch_xla worker process; one whose launcher died then exits (not waiting for more work)."""
+    try:
+        main(index)
+    except BaseException:
+        safety.exit_if_orphaned(1)
+        raise
+    safety.exit_if_orphaned(0)
+
+
 if __name__ == '__main__':
     if resolve_device(device) == 'xla':
         import torch_xla
-        torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command
+        safety.forward_signals()  # to the worker processes, which train and hold the out_dir
+        torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same command
     else:
         main()

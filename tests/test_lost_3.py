@@ -249,3 +249,63 @@ def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_t
     assert json.load(open(out / 'results.json'))['final_eval']['count'] == 10
     assert json.load(open(d / 'test' / 'dataset.json'))['seq_len'] == 36  # the rebuild itself went through
     assert not [n for n in os.listdir(d) if n.startswith('.in_use')]  # the run's mark went with it
+
+
+# -----------------------------------------------------------------------------
+# 6: torch_xla's launcher passes SIGTERM on to its worker, and the worker dies with the launcher
+
+def children(pid):
+    kids = []
+    for d in os.listdir('/proc'):
+        try:
+            if d.isdigit() and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == pid:
+                kids.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids
+
+
+def gone(pid, timeout):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]
+        except OSError:
+            return True
+        if state == 'Z':
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.skipif(not os.path.exists('/proc'), reason='reads /proc')
+def test_the_xla_launcher_forwards_sigterm_and_its_worker_dies_with_it(toy, tmp_path):
+    pytest.importorskip('torch_xla')
+    out = tmp_path / 'o'
+    xla = [a for a in FAST if a != '--device=cpu'] + ['--device=xla', '--epochs=400', '--log_interval=1']
+    procs = []
+    try:
+        for stop in (signal.SIGTERM, signal.SIGKILL):
+            proc = popen_train(toy, out, *(['--init_from=resume'] if procs else []), args=xla, env=XLA_ENV)
+            procs.append(proc)
+            lines = Lines(proc)
+            lines.until('step ', timeout=400)
+            workers = [k for k in children(proc.pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
+            assert workers, children(proc.pid)
+            before = ckpts(out)
+            os.kill(proc.pid, stop)  # the launcher's pid: what `kill PID`, `timeout` and a scheduler signal
+            if stop == signal.SIGTERM:
+                text = lines.rest(120)
+                assert proc.returncode == 0 and 'stopped cleanly' in text, text[-3000:]
+                assert 'got SIGTERM' in text
+            assert all(gone(w, 120) for w in workers), (stop, 'a worker outlived its launcher', lines.rest(5))
+            assert ckpts(out) != before and not os.path.exists(out / 'run.lock')  # its stop checkpoint, saved
+    finally:
+        for p in procs:
+            with_group = [p.pid] + children(p.pid)
+            for pid in with_group:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
