@@ -200,6 +200,9 @@ def exit_if_orphaned(code):
 
 LOCK_NAME = 'run.lock'
 HELD = []  # the locks this process holds: local paths or gs:// URIs
+# a gs:// lock's lease: its holder renews it every third of this; a run on another host (a replacement VM)
+# takes over a lock whose lease ran out, and waits for one that has not, unless it is renewed meanwhile
+LEASE_S = float(os.environ.get('TRM_LOCK_LEASE_S') or 120)
 
 
 def boot_id():
@@ -213,7 +216,7 @@ def boot_id():
 
 def lock_record():
     return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
-                boot=boot_id())
+                boot=boot_id(), renewed=time.time(), lease=LEASE_S)
 
 
 def holder_gone(rec):
@@ -277,29 +280,63 @@ def lock_local(folder):
         return []
 
 
+def read_lock(uri, local):
+    """The record of the lock object at uri (None: unreadable); gcs.NotFoundError when there is none."""
+    copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
+    gcs.download_file(uri, copy)
+    with open(copy) as f:
+        text = f.read()
+    os.remove(copy)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def lease_ran_out(rec, uri, local):
+    """Whether the lock of a run on another host has outlived its lease (and may be taken over: said so).
+    One still within it is waited for (a stop ends the wait); a renewal meanwhile means its run is alive."""
+    if not isinstance(rec, dict) or rec.get('host') == socket.gethostname() or \
+            not isinstance(rec.get('renewed'), (int, float)):
+        return False  # this host's runs: holder_gone decides; a lock without a lease: its run's to remove
+    left = rec['renewed'] + float(rec.get('lease', LEASE_S)) - time.time()
+    if left > 0:
+        age = time.time() - rec['renewed']
+        print(f"{uri}: held by the run on {rec['host']}, pid {rec.get('pid')}, renewed {age:.0f} s ago: "
+              f"waiting {left:.0f} s for its lease to run out", flush=True)
+        end = time.time() + left
+        while time.time() < end:
+            if STOP['requested']:
+                return False
+            time.sleep(min(1.0, end - time.time()))
+        try:
+            now = read_lock(uri, local)
+        except gcs.NotFoundError:
+            return True
+        if now != rec:
+            return False  # renewed (or taken by another run): in use
+    print(f"{uri}: taking over the lock of the run on {rec['host']}, pid {rec.get('pid')}, since "
+          f"{rec.get('since')}: its lease ran out (last renewed {time.time() - rec['renewed']:.0f} s ago)")
+    return True
+
+
 def lock_bucket(prefix, local):
     """Rank 0: the lock object beside a gs:// out_dir's checkpoints, created only if absent (a generation
-    precondition); [] or [the problem]. A bucket that cannot be reached: a warning (its uploads are
-    retried)."""
+    precondition), then renewed on a thread; [] or [the problem]. A bucket that cannot be reached: a warning
+    (its uploads are retried)."""
     uri, mine = f"{prefix.rstrip('/')}/{LOCK_NAME}", lock_record()
     try:
         for attempt in range(2):
             if gcs.create_if_absent(uri, json.dumps(mine).encode()):
                 HELD.append(uri)
+                renew_lock(uri, mine, local)
                 return []
-            copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
-            gcs.download_file(uri, copy)
-            with open(copy) as f:
-                text = f.read()
-            os.remove(copy)
-            try:
-                rec = json.loads(text)
-            except ValueError:
-                rec = None
+            rec = read_lock(uri, local)
             if rec == mine:  # our own create, whose reply was lost and retried
                 HELD.append(uri)
+                renew_lock(uri, mine, local)
                 return []
-            if attempt == 0 and taken_over(rec, uri):
+            if attempt == 0 and (taken_over(rec, uri) or lease_ran_out(rec, uri, local)):
                 gcs.delete_object(uri)
                 continue
             return [in_use(prefix, rec, uri)]
@@ -310,28 +347,43 @@ def lock_bucket(prefix, local):
         return []
 
 
-def mark_data(root, out_dir):
-    """Rank 0: a mark in the dataset's folder while the run holds it, removed with the locks: a builder
-    asked to replace the dataset says that this run goes on with the old one (a read-only folder: no mark)."""
-    path = os.path.join(root, f"{IN_USE}{socket.gethostname()}.{os.getpid()}")
-    try:
-        with open(path, 'w') as f:
-            json.dump(dict(host=socket.gethostname(), pid=os.getpid(), out_dir=out_dir), f)
-        HELD.append(path)
-    except OSError:
-        pass
+def renew_lock(uri, rec, local):
+    """Rank 0: a daemon thread that rewrites the lock object's `renewed` every third of its lease while this
+    process holds it; a lock found taken over (this run stalled past its lease) is said once, then left."""
+    def renew():
+        client = gcs.GCS(retries=2, timeout=(5, 10))
+        while True:
+            time.sleep(LEASE_S / 3)
+            if uri not in HELD:
+                return
+            try:
+                now = read_lock(uri, local)
+                if isinstance(now, dict) and (now.get('host'), now.get('pid')) != (rec['host'], rec['pid']):
+                    print(f"warning: {uri} was taken over by the run on {now.get('host')}, pid "
+                          f"{now.get('pid')} (this run's lease ran out): stop one of the two runs")
+                    return
+                client.put(uri, json.dumps(dict(rec, renewed=time.time())).encode())
+            except Exception as e:  # the next renewal tries again; the lease outlasts two failures
+                print(f"warning: could not renew the lock {uri} ({e})")
+    threading.Thread(target=renew, daemon=True).start()
 
 
-def release_locks():
-    """Remove the locks this process holds (a bounded wait for a lock object: the exit of a stopped spot VM
-    is short)."""
+def release_locks(quick=False):
+    """Remove the locks this process holds. A lock object gets a bounded wait, one short attempt after a stop
+    request (a spot VM's notice is 30 s, the stop checkpoint's upload had most of it): one left behind
+    expires with its lease."""
     while HELD:
         where = HELD.pop()
         try:
-            gcs.GCS(retries=2, timeout=(5, 10)).delete(where) if gcs.is_gcs(where) else os.remove(where)
+            if gcs.is_gcs(where):
+                gcs.GCS(retries=0, timeout=(2, 3)).delete(where) if quick else \
+                    gcs.GCS(retries=2, timeout=(5, 10)).delete(where)
+            else:
+                os.remove(where)
         except Exception as e:
-            print(f"warning: could not remove the lock {where} ({e}); the next run on this host takes it "
-                  "over")
+            then = f"a run on another host takes it over once its lease ({LEASE_S:.0f} s) has run out" \
+                if gcs.is_gcs(where) else "the next run on this host takes it over"
+            print(f"warning: could not remove the lock {where} ({e}); {then}")
 
 
 atexit.register(release_locks)
@@ -884,18 +936,18 @@ class Run:
         if self.wandb:
             finish = threading.Thread(target=self.wandb.finish, daemon=True)
             finish.start()
-            finish.join(timeout=5 if interrupted else 60)
-        release_locks()
+            finish.join(timeout=4 if interrupted else 60)
+        release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
 
     def finish_uploads(self, interrupted):
-        """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20
+        """The records' uploads, then a wait bounded at 18 s after a stop request, else 30 s plus 1 s per 20
         MB to send, announced after 3 s; then the files that did not reach the bucket are named."""
         up = self.uploader
         if self.records:
             self.records.upload(up)
         self.upload_log()
         size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
-        limit = 20 if interrupted else 30 + size / 20e6
+        limit = 18 if interrupted else 30 + size / 20e6
         if not up.wait(timeout=3):
             print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
                   f"{self.gs_out}", flush=True)

@@ -317,7 +317,7 @@ def main(index=None):
 
 
 def xla_worker(index):
-    """main() in a torch_xla worker process; one whose launcher died then exits (not waiting for more work)."""
+    """main() in a torch_xla worker process; one whose launcher died then exits (not waiting for work)."""
     try:
         main(index)
     except BaseException:
