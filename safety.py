@@ -368,6 +368,18 @@ def renew_lock(uri, rec, local):
     threading.Thread(target=renew, daemon=True).start()
 
 
+def mark_data(root, out_dir):
+    """Rank 0: a mark in the dataset's folder while the run holds it, removed with the locks: a builder
+    asked to replace the dataset says that this run goes on with the old one (a read-only folder: no mark)."""
+    path = os.path.join(root, f"{IN_USE}{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(path, 'w') as f:
+            json.dump(dict(host=socket.gethostname(), pid=os.getpid(), out_dir=out_dir), f)
+        HELD.append(path)
+    except OSError:
+        pass
+
+
 def release_locks(quick=False):
     """Remove the locks this process holds. A lock object gets a bounded wait, one short attempt after a stop
     request (a spot VM's notice is 30 s, the stop checkpoint's upload had most of it): one left behind

@@ -410,3 +410,52 @@ def test_a_gs_lock_has_a_lease_its_run_renews_and_another_host_takes_over_once_i
                 p.wait()
         srv.shutdown()
         srv.server_close()
+
+
+class SlowBucket(Preconditioned):
+    """A bucket that lists nothing and keeps the lock object, but whose uploads and deletes never finish (a
+    minute without an answer): the exit after a stop must still fit inside a spot VM's 30 s."""
+    def do_GET(self):
+        if urllib.parse.urlparse(self.path).path.endswith('/o'):  # a listing
+            return self.reply(200, b'{}')
+        super().do_GET()
+
+    def do_POST(self):
+        if 'uploadType=resumable' in self.path:
+            time.sleep(60)
+            return self.reply(503)
+        super().do_POST()
+
+    def do_DELETE(self):
+        time.sleep(60)
+        self.reply(503)
+
+
+def test_the_exit_after_a_stop_fits_in_a_spot_vm_s_notice_when_the_bucket_does_not_answer(toy, tmp_path):
+    srv, addr = serve(SlowBucket)
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', STORAGE_EMULATOR_HOST=addr)
+    p = subprocess.Popen([sys.executable] + train_args(toy, f'gs://{BUCKET}/r9x', tmp_path / 'l', '--epochs=200',
+                                                        '--log_interval=1'),
+                         cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith('step 5/'):
+                break
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        rest = p.communicate(timeout=120)[0]
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        srv.shutdown()
+        srv.server_close()
+    out = ''.join(lines) + rest
+    assert p.returncode == 0 and 'stopped cleanly' in out, out[-3000:]
+    assert took < 30, (took, out[-3000:])
+    assert 'could not remove the lock' in out and 'lease' in out, out[-3000:]
+    saved = re.search(r'saved \S+(ckpt_\d{8}\.pt) \(stop requested\)', out)
+    assert saved and re.search(rf'only in \S+: .*{saved.group(1)}', out), out[-3000:]
