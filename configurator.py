@@ -17,7 +17,9 @@ import difflib
 import io
 import os
 import shlex
+import socket
 import sys
+import time
 import tokenize
 import traceback
 
@@ -107,6 +109,66 @@ def parse_flags(text, defaults, where):
     return out
 
 
+# -----------------------------------------------------------------------------
+# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed
+# SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
+# line to train.log in the run's folder (safety.Run)
+
+class Output:
+    log = None  # train.log, shared by stdout and stderr
+
+    def __init__(self, stream):
+        self.stream, self.closed_seen = stream, False
+
+    @classmethod
+    def install(cls):
+        if not isinstance(sys.stdout, cls):
+            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
+
+    @classmethod
+    def log_to(cls, path):
+        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
+        try:
+            cls.log = open(path, 'a')
+            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
+                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
+        except OSError as e:
+            print(f"warning: cannot write {path} ({e}); the output is not logged there")
+
+    def write(self, text):
+        if Output.log is not None:
+            try:
+                Output.log.write(text)
+                Output.log.flush()
+            except (OSError, ValueError):  # a full disk: the terminal still has it
+                pass
+        if not self.closed_seen:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self.lost()
+        return len(text)
+
+    def flush(self):
+        if not self.closed_seen:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.lost()
+
+    def lost(self):
+        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
+        /dev/null, so the interpreter's flush at exit cannot fail either."""
+        self.closed_seen = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
 def _help(g, keys):
     script = g.get('__file__')
     doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now
@@ -128,7 +190,7 @@ def _help(g, keys):
 def _configure(g, argv):
     keys = list(g.get('config_keys') or [k for k, v in g.items() if not k.startswith('_')
                                           and isinstance(v, (int, float, bool, str))])
-    known = set(keys)
+    known, defaults = set(keys), {k: g[k] for k in keys}  # the script's own defaults, before any flag
     if any(a in ('-h', '--help', 'help') for a in argv):
         _help(g, keys)
 
@@ -139,7 +201,7 @@ def _configure(g, argv):
             raise SystemExit(f"config error: unknown key '{key}' in {where}{hint}")
 
     def check_type(key, value, where):
-        default = g[key]
+        default = defaults[key]
         if default is None or value is None or type(value) is type(default):
             return value
         if isinstance(default, float) and type(value) is int:
@@ -165,4 +227,6 @@ def _configure(g, argv):
 
 
 if __name__ != 'configurator':  # exec'd by a script (imported as a module, it only lends read_config_block)
+    from configurator import Output as _Output  # the module's class, the one safety.Run logs through
+    _Output.install()
     _configure(globals(), sys.argv[1:])

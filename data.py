@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import sys
 import time
 
@@ -24,6 +25,7 @@ IGNORE_LABEL_ID = -100  # what the loss ignores; the dataset's own ignore_label_
 METADATA_FIELDS = ('pad_id', 'ignore_label_id', 'blank_identifier_id', 'vocab_size', 'seq_len',
                    'num_puzzle_identifiers', 'total_groups', 'mean_puzzle_examples', 'total_puzzles', 'sets')
 ARRAY_NAMES = ('inputs', 'labels', 'puzzle_identifiers', 'puzzle_indices', 'group_indices')
+IN_USE = '.in_use.'  # a running run's mark in its dataset's folder: .in_use.<host>.<pid>
 
 # -----------------------------------------------------------------------------
 # writing (used by prepare_sudoku.py and prepare_maze.py)
@@ -48,20 +50,57 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     arrays = dict(inputs=inputs, labels=labels, puzzle_identifiers=np.asarray(puzzle_identifiers),
                   puzzle_indices=puzzle_indices, group_indices=group_indices)
     assert len(arrays['puzzle_identifiers']) == n_puzzles
-    for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build stays
-                                      # small
-        np.save(os.path.join(d, f'all__{name}.npy'), arr.astype(np.int32, copy=False))
     meta = dict(pad_id=int(pad_id), ignore_label_id=int(ignore_label_id),
                 blank_identifier_id=int(blank_identifier_id), vocab_size=int(vocab_size),
                 seq_len=int(inputs.shape[1]), num_puzzle_identifiers=int(num_puzzle_identifiers),
                 total_groups=n_groups, mean_puzzle_examples=len(inputs) / max(1, n_puzzles),
                 total_puzzles=n_puzzles, sets=['all'])
     meta.update(extra or {})
-    with open(os.path.join(d, 'dataset.json'), 'w') as f:
-        json.dump(meta, f)
-    with open(os.path.join(root, 'identifiers.json'), 'w') as f:
-        json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
+    path = d
+    try:  # a full disk or a file-size limit: the file named, one line (the builders print it)
+        for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build
+                                          # stays small
+            path = os.path.join(d, f'all__{name}.npy')
+            with open(path, 'wb') as f:
+                np.lib.format.write_array(_Writes(f), arr.astype(np.int32, copy=False), allow_pickle=False)
+        path = os.path.join(d, 'dataset.json')
+        with open(path, 'w') as f:
+            json.dump(meta, f)
+        path = os.path.join(root, 'identifiers.json')
+        with open(path, 'w') as f:
+            json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
+    except OSError as e:
+        raise RuntimeError(f"cannot write {path}: {e.strerror or e}") from e
     return meta
+
+
+class _Writes:
+    """A file that numpy writes through .write, in chunks: a real file it hands to ndarray.tofile, whose short
+    write under a file-size limit passes silently and leaves a truncated array."""
+    def __init__(self, f):
+        self.write = f.write
+
+
+def runs_holding(root):
+    """The live runs that hold the dataset in root: [(host, pid, out_dir)] from their marks (a run writes one
+    at its start and removes it at its end; a mark of a gone process of this host is dropped)."""
+    held = []
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        if not name.startswith(IN_USE):
+            continue
+        rec = {}
+        try:
+            with open(os.path.join(root, name)) as f:
+                rec = json.load(f)
+            if rec.get('host') == socket.gethostname():
+                os.kill(int(rec['pid']), 0)
+        except ProcessLookupError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # unreadable; or another user's
+            pass
+        rec = rec if isinstance(rec, dict) else {}
+        held.append((rec.get('host', '?'), rec.get('pid', '?'), rec.get('out_dir', '?')))
+    return held
 
 
 @contextlib.contextmanager
@@ -78,6 +117,10 @@ def building(root):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    for host, pid, out_dir in runs_holding(root):  # renames keep its open files: it goes on with the old data
+        print(f"warning: {root} is in use by the run on {host}, pid {pid} (out_dir {out_dir}): it goes on "
+              "training and evaluating on the dataset it started with; runs started or resumed from now get "
+              "this one")
     old = os.path.join(root, '.previous')
     shutil.rmtree(old, ignore_errors=True)
     os.makedirs(old)

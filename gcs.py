@@ -564,6 +564,13 @@ class GCS:
             return r.status_code != 412 and bool(_check(r))
         return self._with_retries(f"create {uri}", attempt)
 
+    def put(self, uri, data):
+        """Write `data` (bytes) to the object in one request, replacing it (a lock object's renewal)."""
+        bucket, name = split_gcs(uri)
+        self._with_retries(f"write {uri}", lambda auth: _check(self._session().post(
+            self._url(f"/upload/storage/v1/b/{_quote(bucket)}/o", uploadType="media", name=name), data=data,
+            timeout=self.timeout, headers={**auth, "Content-Type": "application/octet-stream"})))
+
     def exists(self, uri):
         bucket, name = split_gcs(uri)
         try:

@@ -382,16 +382,19 @@ class TRM(nn.Module):
         return y, z, self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers))
 
     @torch.no_grad()
-    def predict(self, batch, n_steps, step=None, start=None, loss_at=None):
+    def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=0):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
         needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B], and with
         loss_at (a step's index) that step's loss of each row [B] against batch['labels'].
         step, start: what runs one step and the start (default self.predict_step and self.predict_start;
-        compiled_predict passes compiled ones)."""
+        compiled_predict passes compiled ones). should_stop: asked after every `chunk` steps while steps
+        remain (a verdict every rank reaches at the same step); when it says stop, None."""
         step, start = step or self.predict_step, start or self.predict_start
         y, z, x = start(batch['inputs'], batch['puzzle_identifiers'])
         preds, q_halts, loss = [], [], None
         for i in range(n_steps):
+            if should_stop is not None and i and i % chunk == 0 and should_stop():
+                return None
             if i == loss_at:  # a graph of its own, with the loss: the other steps' stay as they are
                 y, z, pred, q_halt, loss = step(y, z, x, batch['labels'])
             else:

@@ -37,7 +37,8 @@ import time
 import torch
 
 import gcs
-from data import check_split, load_metadata
+from configurator import Output  # the script's output, installed at its first line
+from data import IN_USE, check_split, load_metadata
 from puzzles import puzzle_type
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
@@ -134,20 +135,81 @@ def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, de
 # stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
 # step
 
-STOP = dict(requested=False, signal=None, told=False)
+STOP = dict(requested=False, signal=None, count=0)
 
 
 def on_signal(signum, frame):
-    """Sets the flag only: any I/O here (a print to a closed stdout) would raise inside whatever the run was
-    doing. The loop acknowledges it (Run.stop_agreed)."""
-    STOP.update(requested=True, signal=signum)
-    signal.signal(signum, signal.SIG_DFL)  # a second one stops at once
+    """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
+    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once."""
+    name = signal.Signals(signum).name
+    STOP['count'] += 1
+    if STOP['count'] == 1:
+        STOP.update(requested=True, signal=name)
+        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
+            "signal does not stop the save; a third ends the process at once, without it)")
+    else:
+        say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
+            "once, without the checkpoint")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def say(line):
+    """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
+    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log."""
+    for f in (sys.stdout, Output.log):
+        try:
+            os.write(f.fileno(), (line + '\n').encode())
+        except (OSError, ValueError, AttributeError):
+            pass
 
 
 def install_signal_handlers():
     """In a process's main thread (torch_xla.launch runs the training in a worker thread)."""
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+
+
+def forward_signals():
+    """In torch_xla's launcher: SIGTERM and Ctrl-C go on to its worker processes, which save and stop (each
+    says so); the launcher itself waits for them."""
+    import multiprocessing
+
+    def forward(signum, frame):
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signum)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
+
+
+def follow_launcher():
+    """In a torch_xla worker: its own process group, so a Ctrl-C reaches it once (through the launcher), and
+    a SIGTERM from the kernel when the launcher dies (even by SIGKILL): an orphan saves and stops instead of
+    holding the chips and the out_dir."""
+    import ctypes
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+    with contextlib.suppress(Exception):  # Linux only (TPU VMs); elsewhere the launcher's forwarding only
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if orphaned():  # gone before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def orphaned():
+    return os.environ.get('TRM_LAUNCHER_PID', str(os.getppid())) != str(os.getppid())
+
+
+def exit_if_orphaned(code):
+    """In a torch_xla worker whose launcher is gone, at the end of its work: exit now (its process pool would
+    wait for the next task forever)."""
+    if orphaned():
+        release_locks()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
 
 
 # -----------------------------------------------------------------------------
@@ -157,6 +219,9 @@ def install_signal_handlers():
 
 LOCK_NAME = 'run.lock'
 HELD = []  # the locks this process holds: local paths or gs:// URIs
+# a gs:// lock's lease: its holder renews it every third of this; a run on another host (a replacement VM)
+# takes over a lock whose lease ran out, and waits for one that has not, unless it is renewed meanwhile
+LEASE_S = float(os.environ.get('TRM_LOCK_LEASE_S') or 120)
 
 
 def boot_id():
@@ -170,7 +235,7 @@ def boot_id():
 
 def lock_record():
     return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
-                boot=boot_id())
+                boot=boot_id(), renewed=time.time(), lease=LEASE_S)
 
 
 def holder_gone(rec):
@@ -224,35 +289,73 @@ def lock_local(folder):
                 os.remove(path)
                 continue
             return [in_use(folder, rec, path)]
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as e:  # a full disk: the lock's record does not fit
+            os.remove(path)
+            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
         HELD.append(path)
-        with os.fdopen(fd, 'w') as f:
-            json.dump(lock_record(), f)
         return []
+
+
+def read_lock(uri, local):
+    """The record of the lock object at uri (None: unreadable); gcs.NotFoundError when there is none."""
+    copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
+    gcs.download_file(uri, copy)
+    with open(copy) as f:
+        text = f.read()
+    os.remove(copy)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def lease_ran_out(rec, uri, local):
+    """Whether the lock of a run on another host has outlived its lease (and may be taken over: said so).
+    One still within it is waited for (a stop ends the wait); a renewal meanwhile means its run is alive."""
+    if not isinstance(rec, dict) or rec.get('host') == socket.gethostname() or \
+            not isinstance(rec.get('renewed'), (int, float)):
+        return False  # this host's runs: holder_gone decides; a lock without a lease: its run's to remove
+    left = rec['renewed'] + float(rec.get('lease', LEASE_S)) - time.time()
+    if left > 0:
+        age = time.time() - rec['renewed']
+        print(f"{uri}: held by the run on {rec['host']}, pid {rec.get('pid')}, renewed {age:.0f} s ago: "
+              f"waiting {left:.0f} s for its lease to run out", flush=True)
+        end = time.time() + left
+        while time.time() < end:
+            if STOP['requested']:
+                return False
+            time.sleep(min(1.0, end - time.time()))
+        try:
+            now = read_lock(uri, local)
+        except gcs.NotFoundError:
+            return True
+        if now != rec:
+            return False  # renewed (or taken by another run): in use
+    print(f"{uri}: taking over the lock of the run on {rec['host']}, pid {rec.get('pid')}, since "
+          f"{rec.get('since')}: its lease ran out (last renewed {time.time() - rec['renewed']:.0f} s ago)")
+    return True
 
 
 def lock_bucket(prefix, local):
     """Rank 0: the lock object beside a gs:// out_dir's checkpoints, created only if absent (a generation
-    precondition); [] or [the problem]. A bucket that cannot be reached: a warning (its uploads are
-    retried)."""
+    precondition), then renewed on a thread; [] or [the problem]. A bucket that cannot be reached: a warning
+    (its uploads are retried)."""
     uri, mine = f"{prefix.rstrip('/')}/{LOCK_NAME}", lock_record()
     try:
         for attempt in range(2):
             if gcs.create_if_absent(uri, json.dumps(mine).encode()):
                 HELD.append(uri)
+                renew_lock(uri, mine, local)
                 return []
-            copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
-            gcs.download_file(uri, copy)
-            with open(copy) as f:
-                text = f.read()
-            os.remove(copy)
-            try:
-                rec = json.loads(text)
-            except ValueError:
-                rec = None
+            rec = read_lock(uri, local)
             if rec == mine:  # our own create, whose reply was lost and retried
                 HELD.append(uri)
+                renew_lock(uri, mine, local)
                 return []
-            if attempt == 0 and taken_over(rec, uri):
+            if attempt == 0 and (taken_over(rec, uri) or lease_ran_out(rec, uri, local)):
                 gcs.delete_object(uri)
                 continue
             return [in_use(prefix, rec, uri)]
@@ -263,78 +366,58 @@ def lock_bucket(prefix, local):
         return []
 
 
-def release_locks():
-    """Remove the locks this process holds (a bounded wait for a lock object: the exit of a stopped spot VM
-    is short)."""
+def renew_lock(uri, rec, local):
+    """Rank 0: a daemon thread that rewrites the lock object's `renewed` every third of its lease while this
+    process holds it; a lock found taken over (this run stalled past its lease) is said once, then left."""
+    def renew():
+        client = gcs.GCS(retries=2, timeout=(5, 10))
+        while True:
+            time.sleep(LEASE_S / 3)
+            if uri not in HELD:
+                return
+            try:
+                now = read_lock(uri, local)
+                if isinstance(now, dict) and (now.get('host'), now.get('pid')) != (rec['host'], rec['pid']):
+                    print(f"warning: {uri} was taken over by the run on {now.get('host')}, pid "
+                          f"{now.get('pid')} (this run's lease ran out): stop one of the two runs")
+                    return
+                client.put(uri, json.dumps(dict(rec, renewed=time.time())).encode())
+            except Exception as e:  # the next renewal tries again; the lease outlasts two failures
+                print(f"warning: could not renew the lock {uri} ({e})")
+    threading.Thread(target=renew, daemon=True).start()
+
+
+def mark_data(root, out_dir):
+    """Rank 0: a mark in the dataset's folder while the run holds it, removed with the locks: a builder
+    asked to replace the dataset says that this run goes on with the old one (a read-only folder: no mark)."""
+    path = os.path.join(root, f"{IN_USE}{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(path, 'w') as f:
+            json.dump(dict(host=socket.gethostname(), pid=os.getpid(), out_dir=out_dir), f)
+        HELD.append(path)
+    except OSError:
+        pass
+
+
+def release_locks(quick=False):
+    """Remove the locks this process holds. A lock object gets a bounded wait, one short attempt after a stop
+    request (a spot VM's notice is 30 s, the stop checkpoint's upload had most of it): one left behind
+    expires with its lease."""
     while HELD:
         where = HELD.pop()
         try:
-            gcs.GCS(retries=2, timeout=(5, 10)).delete(where) if gcs.is_gcs(where) else os.remove(where)
+            if gcs.is_gcs(where):
+                gcs.GCS(retries=0, timeout=(2, 3)).delete(where) if quick else \
+                    gcs.GCS(retries=2, timeout=(5, 10)).delete(where)
+            else:
+                os.remove(where)
         except Exception as e:
-            print(f"warning: could not remove the lock {where} ({e}); the next run on this host takes it "
-                  "over")
+            then = f"a run on another host takes it over once its lease ({LEASE_S:.0f} s) has run out" \
+                if gcs.is_gcs(where) else "the next run on this host takes it over"
+            print(f"warning: could not remove the lock {where} ({e}); {then}")
 
 
 atexit.register(release_locks)
-
-
-# -----------------------------------------------------------------------------
-# the run's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed SSH
-# session) never stops a run, and rank 0 copies every line to train.log in the run's folder
-
-class Output:
-    log = None  # train.log, shared by stdout and stderr
-
-    def __init__(self, stream):
-        self.stream, self.closed_seen = stream, False
-
-    @classmethod
-    def install(cls):
-        if not isinstance(sys.stdout, cls):
-            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
-
-    @classmethod
-    def log_to(cls, path):
-        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
-        try:
-            cls.log = open(path, 'a')
-            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
-                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
-        except OSError as e:
-            print(f"warning: cannot write {path} ({e}); the output is not logged there")
-
-    def write(self, text):
-        if Output.log is not None:
-            try:
-                Output.log.write(text)
-                Output.log.flush()
-            except (OSError, ValueError):  # a full disk: the terminal still has it
-                pass
-        if not self.closed_seen:
-            try:
-                self.stream.write(text)
-            except (OSError, ValueError):
-                self.lost()
-        return len(text)
-
-    def flush(self):
-        if not self.closed_seen:
-            try:
-                self.stream.flush()
-            except (OSError, ValueError):
-                self.lost()
-
-    def lost(self):
-        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
-        /dev/null, so the interpreter's flush at exit cannot fail either."""
-        self.closed_seen = True
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError):
-            pass
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 
 # -----------------------------------------------------------------------------
@@ -605,8 +688,13 @@ class Run:
             return
         problems = []
         if self.master:
-            os.makedirs(self.local, exist_ok=True)
-            problems = lock_local(self.local) or (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
+            try:
+                os.makedirs(self.local, exist_ok=True)
+            except OSError as e:  # a file, under a file, or where this user may not write
+                problems = [f"out_dir={self.cfg['out_dir']}: cannot create the folder {self.local} "
+                            f"({e.strerror}); out_dir must be a folder this run can write"]
+            problems = problems or lock_local(self.local) or \
+                (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
             log = os.path.join(self.local, 'train.log')
@@ -614,6 +702,7 @@ class Run:
                 bucket_copy(f"{self.gs_out.rstrip('/')}/train.log", log,  # a new machine goes on with the log
                             "train.log starts anew here, and its upload replaces the bucket's")
             Output.log_to(log)
+            mark_data(self.data_path, cfg['out_dir'])
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
                 if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
                         os.path.isfile(os.path.join(self.local, name)):
@@ -859,14 +948,8 @@ class Run:
 
     def stop_agreed(self):
         """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point
-        (between steps, between evaluation batches). The rank that got the signal says so (the handler prints
-        nothing)."""
-        stop = self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
-        if stop and STOP['requested'] and not STOP['told']:
-            STOP['told'] = True
-            print(f"pid {os.getpid()}: got signal {STOP['signal']}; saving a checkpoint, then exiting",
-                  flush=True)
-        return stop
+        (between steps, between evaluation batches; the rank that got the signal said so at once)."""
+        return self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
 
     def check_divergence(self, bad_at):
         """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the
@@ -885,9 +968,16 @@ class Run:
     def open_records(self, step):
         """Rank 0: metrics.jsonl from `step` on, W&B, and the uploader (after each upload the bucket is pruned
         like the local folder)."""
+        problems = []
+        if self.master:
+            try:
+                self.records = Records(self.local, self.gs_out, step)
+            except OSError as e:  # a full disk: its metrics.jsonl is kept as it was
+                problems = [f"cannot write {e.filename or self.local} ({e.strerror or e}); free some space "
+                            f"and rerun with --init_from=resume"]
+        fail_together(self.dev, problems, 'opening the records')
         if not self.master:
             return
-        self.records = Records(self.local, self.gs_out, step)
         if self.cfg['wandb_log']:
             self.wandb = start_wandb(self.cfg, self.local, self.run_id)
         if self.cfg['tensorboard']:
@@ -967,11 +1057,11 @@ class Run:
         if self.wandb:
             finish = threading.Thread(target=self.wandb.finish, daemon=True)
             finish.start()
-            finish.join(timeout=5 if interrupted else 60)
-        release_locks()
+            finish.join(timeout=4 if interrupted else 60)
+        release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
 
     def finish_uploads(self, interrupted):
-        """The records' uploads, then a wait bounded at 20 s after a stop request, else 30 s plus 1 s per 20
+        """The records' uploads, then a wait bounded at 18 s after a stop request, else 30 s plus 1 s per 20
         MB to send, announced after 3 s; then the files that did not reach the bucket are named."""
         up = self.uploader
         if self.records:
@@ -979,7 +1069,7 @@ class Run:
         self.upload_log()
         self.upload_board()
         size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
-        limit = 20 if interrupted else 30 + size / 20e6
+        limit = 18 if interrupted else 30 + size / 20e6
         if not up.wait(timeout=3):
             print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
                   f"{self.gs_out}", flush=True)
@@ -1070,8 +1160,12 @@ class Records:
         finally:
             if os.path.exists(self.path + '.bucket'):
                 os.remove(self.path + '.bucket')
-        with open(self.path + '.tmp', 'w') as f:
-            f.writelines(lines)
+        try:
+            with open(self.path + '.tmp', 'w') as f:
+                f.writelines(lines)
+        except OSError:
+            os.remove(self.path + '.tmp')
+            raise
         os.replace(self.path + '.tmp', self.path)
         self.results = os.path.join(local, 'results.json')
 

@@ -387,8 +387,10 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
     at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
     runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
-    should_stop: asked before every batch on every rank (a verdict the ranks agree on, so all stop at the
-    same batch); when it says stop, the evaluation is abandoned and (None, None) returned."""
+    should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
+    (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
+    point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
+    None) returned."""
     predict = predict or model.predict
     was_training = model.training
     model.eval()
@@ -399,7 +401,11 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             model.train(was_training)
             return None, None
         b = dev.to_device(batch)
-        preds, q_halt, row_loss = predict(b, n_steps, loss_at=h)  # [S, B, L], [S, B], [B]
+        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps)
+        if out is None:
+            model.train(was_training)
+            return None, None
+        preds, q_halt, row_loss = out  # [S, B, L], [S, B], [B]
         labels = b['labels']
         valid_tok = labels != IGNORE_LABEL_ID
         n_valid = valid_tok.sum(-1)

@@ -133,6 +133,8 @@ RESUME_FIXED += ['global_batch_size', 'seed']
 
 if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
     safety.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
+if __name__ == '__mp_main__':
+    safety.follow_launcher()  # signals come through the launcher, once; it dies with the launcher
 
 
 def read_sums(dev, sums, bad_step):
@@ -214,10 +216,13 @@ def main(index=None):
     watchdog = safety.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
                                warmup=log_interval + 1)
 
+    # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
+    held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
+                          subset=s, seed=seed) for s in {0, eval_subset}}
+
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
-        ev = EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                        subset=subset, seed=seed)
+        ev = held[subset]
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
         watchdog.pause(2)  # asked before each batch: armed once the first batch (maybe a compile) is done
@@ -265,6 +270,13 @@ def main(index=None):
                 print(render_example(meta, *example))
         dev.shutdown()
         return
+    if step > run_steps:  # a checkpoint past this run's end: evaluating it again would change nothing
+        end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
+        run.close(False)
+        dev.shutdown()
+        raise SystemExit(f"{run.resumed_from} is at step {step}, past this run's last step {run_steps} "
+                         f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate it "
+                         "with --eval_only=True")
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         done = True
         if run.results_missing():
@@ -370,6 +382,16 @@ def main(index=None):
         print("stopped cleanly; rerun with --init_from=resume to continue")
 
 
+def xla_worker(index):
+    """main() in a torch_xla worker process; one whose launcher died then exits (not waiting for work)."""
+    try:
+        main(index)
+    except BaseException:
+        safety.exit_if_orphaned(1)
+        raise
+    safety.exit_if_orphaned(0)
+
+
 if __name__ == '__main__':
     if smoke:  # two short runs of this command, in processes of their own, then a verdict
         from smoke import smoke_test
@@ -377,8 +399,9 @@ if __name__ == '__main__':
     if resolve_device(device) == 'xla':
         import torch_xla
         from concurrent.futures.process import BrokenProcessPool
+        safety.forward_signals()  # to the worker processes, which train and hold the out_dir
         try:
-            torch_xla.launch(main)  # one process per local chip; every host of a pod runs the same command
+            torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same command
         except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
             print(f"a training process ended abruptly; exiting with code {safety.HUNG_EXIT}: the same command "
                   f"with --init_from=resume continues from the last checkpoint", file=sys.stderr)

@@ -347,3 +347,115 @@ def test_failed_uploads_counted_at_exit_are_the_files_still_only_local(toy, tmp_
     named = m.group(2).split(', ')
     kept = sorted(os.listdir(local))  # train.log too: its copy in the bucket failed as well
     assert sorted(named) == kept and int(m.group(1)) == len(named), (named, os.listdir(local))
+
+
+# -----------------------------------------------------------------------------
+# a gs:// lock's lease: the holder renews it; a replacement VM (another host) takes over a lock whose lease ran
+# out, after waiting for the rest of it, and leaves one that is renewed meanwhile to its live run
+
+def test_a_gs_lock_has_a_lease_its_run_renews_and_another_host_takes_over_once_it_ran_out(tmp_path):
+    srv, addr = serve(Preconditioned)
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT, TRM_LOCK_LEASE_S='3')
+    prefix, obj = f'gs://{BUCKET}/r9', 'r9/run.lock'
+
+    def locker():
+        p = subprocess.Popen([sys.executable, '-c', LOCKER, prefix, str(tmp_path)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        said = []
+        while not said or not said[-1].startswith('['):
+            said.append(p.stdout.readline())
+            assert said[-1], said
+        return p, ''.join(said)
+    procs = []
+    try:
+        first, said = locker()
+        procs.append(first)
+        assert said.strip() == '[]', said
+        renewed = json.loads(Preconditioned.objects[obj])['renewed']
+        time.sleep(3)  # a third of the lease: renewed once at least
+        assert json.loads(Preconditioned.objects[obj])['renewed'] > renewed
+        first.communicate('', timeout=60)
+        assert obj not in Preconditioned.objects
+
+        # the lock of a VM that was hard-stopped a moment ago (another host, a lease of 15 s)
+        dead = dict(host='old-vm', pid=4242, since='then', boot='x', renewed=time.time(), lease=15.0)
+        Preconditioned.objects[obj] = json.dumps(dead).encode()
+        second, said = locker()
+        procs.append(second)
+        assert 'old-vm' in said and 'waiting' in said and 'taking over' in said and said.endswith('[]\n'), said
+        assert json.loads(Preconditioned.objects[obj])['pid'] == second.pid
+
+        # a lock of another host that its run renews while this one waits: in use, not taken
+        alive = dict(dead, host='live-vm', renewed=time.time())
+        second.kill()
+        second.wait()
+        Preconditioned.objects[obj] = json.dumps(alive).encode()
+        stop = threading.Event()
+
+        def renew():  # the live run, every second
+            while not stop.wait(1.0):
+                Preconditioned.objects[obj] = json.dumps(dict(alive, renewed=time.time())).encode()
+        threading.Thread(target=renew, daemon=True).start()
+        try:
+            third, said = locker()
+        finally:
+            stop.set()
+        procs.append(third)
+        assert f'{prefix} is in use by the run on live-vm' in said, said
+        assert json.loads(Preconditioned.objects[obj])['host'] == 'live-vm'
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        srv.shutdown()
+        srv.server_close()
+
+
+class SlowBucket(Preconditioned):
+    """A bucket that lists nothing and keeps the lock object, but whose uploads and deletes never finish (a
+    minute without an answer): the exit after a stop must still fit inside a spot VM's 30 s."""
+    def do_GET(self):
+        if urllib.parse.urlparse(self.path).path.endswith('/o'):  # a listing
+            return self.reply(200, b'{}')
+        super().do_GET()
+
+    def do_POST(self):
+        if 'uploadType=resumable' in self.path:
+            time.sleep(60)
+            return self.reply(503)
+        super().do_POST()
+
+    def do_DELETE(self):
+        time.sleep(60)
+        self.reply(503)
+
+
+def test_the_exit_after_a_stop_fits_in_a_spot_vm_s_notice_when_the_bucket_does_not_answer(toy, tmp_path):
+    srv, addr = serve(SlowBucket)
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', STORAGE_EMULATOR_HOST=addr)
+    p = subprocess.Popen([sys.executable] + train_args(toy, f'gs://{BUCKET}/r9x', tmp_path / 'l', '--epochs=200',
+                                                        '--log_interval=1'),
+                         cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in p.stdout:
+            lines.append(line)
+            if line.startswith('step 5/'):
+                break
+        t0 = time.time()
+        p.send_signal(signal.SIGTERM)
+        rest = p.communicate(timeout=120)[0]
+        took = time.time() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        srv.shutdown()
+        srv.server_close()
+    out = ''.join(lines) + rest
+    assert p.returncode == 0 and 'stopped cleanly' in out, out[-3000:]
+    assert took < 30, (took, out[-3000:])
+    assert 'could not remove the lock' in out and 'lease' in out, out[-3000:]
+    saved = re.search(r'saved \S+(ckpt_\d{8}\.pt) \(stop requested\)', out)
+    assert saved and re.search(rf'only in \S+: .*{saved.group(1)}', out), out[-3000:]
