@@ -125,7 +125,7 @@ import gcs
 from configurator import config_files, parse_flags, read_config_block
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from puzzles import shape_from_name
-from safety import Output, holder_gone, list_checkpoints, local_folder, lock_record
+from safety import holder_gone, list_checkpoints, local_folder, lock_record
 
 # -----------------------------------------------------------------------------
 # config
@@ -152,7 +152,6 @@ status_every = 60.0             # with slots > 1: seconds between status lines (
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
-Output.install()  # before the first print (configurator's): a stdout whose reader is gone never stops a study
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
