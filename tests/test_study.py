@@ -372,7 +372,7 @@ def test_hosts_share_a_fixed_partition_balanced_by_cost():
         shares.append(re.findall(r'^  host (\d) slot 0: (\S+)', plan, re.M))
     assert shares[0] == shares[1] == shares[2]  # every host computes the same partition
     hosts = {name: int(h) for h, name in shares[0]}
-    assert len(hosts) == 51 and set(hosts.values()) == {0, 1, 2}
+    assert len(hosts) == 53 and set(hosts.values()) == {0, 1, 2}
     # balanced: the greedy longest-first puts the hosts' loads within one run's time of each other
     ends, longest = {}, 0
     for h, start, end in re.findall(r'^  host (\d) slot 0: \S+  starts about (.+), ends about (.+)$', plan, re.M):
