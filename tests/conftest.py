@@ -29,8 +29,9 @@ os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 # The longest files first, so that the workers of pytest -n (--dist loadfile: a file runs whole on one worker)
 # finish together instead of one running the pod test alone at the end. Order seen on the 2-core machine.
-LONGEST_FIRST = ('test_pod.py', 'test_train.py', 'test_solve.py', 'test_faults.py', 'test_dist.py', 'test_xla.py',
-                 'test_study.py', 'test_study_lost.py', 'test_smoke.py')
+LONGEST_FIRST = ('test_pod.py', 'test_first_hour.py', 'test_train.py', 'test_lost_3.py', 'test_solve.py',
+                 'test_xla_trace.py', 'test_faults.py', 'test_dist.py', 'test_xla.py', 'test_study.py',
+                 'test_study_lost.py', 'test_smoke.py')
 
 
 def pytest_collection_modifyitems(items):
