@@ -461,13 +461,7 @@ def fetch(e, name):
     """Local path of a run's file (downloaded from the bucket for gs:// runs), or None."""
     local = os.path.join(e.local, name)
     if gcs.is_gcs(e.out_dir):
-        uri = f"{e.out_dir}/{name}"
-        try:
-            if gcs.object_exists(uri):
-                os.makedirs(e.local, exist_ok=True)
-                gcs.download_file(uri, local)
-        except Exception as ex:
-            print(f"warning: cannot read {uri}: {ex}")
+        gcs.download_if_there(f"{e.out_dir}/{name}", local, f"the local copy of {name} is used, if any")
     return local if os.path.exists(local) else None
 
 
