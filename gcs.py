@@ -670,6 +670,17 @@ def upload_file(local, uri):
 def download_file(uri, local):
     return default_client().download(uri, local)
 
+def download_if_there(uri, local, otherwise):
+    """The object `uri` downloaded to local: local, or None when there is none, or when it cannot be read
+    (then a warning saying what happens `otherwise`: the caller goes on without it)."""
+    try:
+        return download_file(uri, local)
+    except NotFoundError:
+        return None
+    except Exception as e:
+        print(f"warning: cannot read {uri} ({e}); {otherwise}")
+        return None
+
 def list_objects(uri_prefix):
     return default_client().list(uri_prefix)
 

@@ -20,6 +20,12 @@ import torch.nn.functional as F
 from data import IGNORE_LABEL_ID
 
 
+# the values a model's choice keys allow (train.py and solve.py list them too, before they import torch, with
+# 'auto' for the dtypes, which they resolve for the hardware; a house test keeps their lists equal to these)
+MODEL_CHOICES = dict(pos_encodings=('rope', 'learned', 'none'), loss_type=('stablemax', 'softmax'),
+                     forward_dtype=('bfloat16', 'float16', 'float32'), loss_dtype=('float64', 'float32'))
+
+
 @dataclass
 class TRMConfig:
     vocab_size: int = 11
@@ -33,7 +39,7 @@ class TRMConfig:
     L_cycles: int = 6
     halt_max_steps: int = 16
     halt_exploration_prob: float = 0.1
-    pos_encodings: str = 'none'      # 'rope' | 'learned' | 'none'
+    pos_encodings: str = 'none'
     mlp_t: bool = True               # MLP-mixer over the sequence instead of attention (Sudoku)
     puzzle_emb_ndim: int = 512       # 0 disables the puzzle embedding
     puzzle_emb_len: int = 16         # prefix tokens reserved for it
@@ -41,19 +47,13 @@ class TRMConfig:
     no_ACT_continue: bool = True     # False: also learn q_continue against a bootstrapped target
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    loss_type: str = 'stablemax'     # 'stablemax' | 'softmax'
+    loss_type: str = 'stablemax'
     loss_dtype: str = 'float64'      # stablemax precision; TPUs want 'float32'
 
     def __post_init__(self):
-        if self.pos_encodings not in ('rope', 'learned', 'none'):
-            raise ValueError(f"pos_encodings={self.pos_encodings!r}: allowed 'rope', 'learned', 'none'")
-        if self.loss_type not in ('stablemax', 'softmax'):
-            raise ValueError(f"loss_type={self.loss_type!r}: allowed 'stablemax', 'softmax'")
-        if self.forward_dtype not in ('bfloat16', 'float16', 'float32'):
-            raise ValueError(f"forward_dtype={self.forward_dtype!r}: "
-                             "allowed 'bfloat16', 'float16', 'float32'")
-        if self.loss_dtype not in ('float64', 'float32'):
-            raise ValueError(f"loss_dtype={self.loss_dtype!r}: allowed 'float64', 'float32'")
+        for k, allowed in MODEL_CHOICES.items():
+            if getattr(self, k) not in allowed:
+                raise ValueError(f"{k}={getattr(self, k)!r}: allowed {', '.join(map(repr, allowed))}")
         if not self.mlp_t and self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")
         if self.puzzle_emb_ndim > self.puzzle_emb_len * self.hidden_size:

@@ -698,9 +698,9 @@ class Run:
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
             log = os.path.join(self.local, 'train.log')
-            if self.gs_out and cfg['init_from'] == 'resume' and not os.path.exists(log):
-                bucket_copy(f"{self.gs_out.rstrip('/')}/train.log", log,  # a new machine goes on with the log
-                            "train.log starts anew here, and its upload replaces the bucket's")
+            if self.gs_out and cfg['init_from'] == 'resume' and not os.path.exists(log):  # a new machine
+                gcs.download_if_there(f"{self.gs_out.rstrip('/')}/train.log", log,  # goes on with the log
+                                      "train.log starts anew here, and its upload replaces the bucket's")
             Output.log_to(log)
             mark_data(self.data_path, cfg['out_dir'])
             for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
@@ -1097,18 +1097,6 @@ def snapshot_of(path):
     return 'train.log' if name.startswith('.train.log.') else 'tb' if name.startswith('.tb.') else name
 
 
-def bucket_copy(uri, path, otherwise):
-    """The bucket's object `uri` downloaded to path: path, or None when there is none, or when it cannot be
-    read (then a warning saying what happens `otherwise`)."""
-    try:
-        return gcs.download_file(uri, path)
-    except gcs.NotFoundError:
-        return None
-    except Exception as e:
-        print(f"warning: cannot read {uri} ({e}); {otherwise}")
-        return None
-
-
 def load_weights(path, model, ema_model):
     """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
     dict."""
@@ -1171,8 +1159,8 @@ class Records:
 
     def fetch(self, step):
         """The bucket's metrics.jsonl in a file beside the local one, or None (none there, or unreachable)."""
-        return bucket_copy(f"{self.remote.rstrip('/')}/metrics.jsonl", self.path + '.bucket',
-                           f"metrics.jsonl up to step {step} is rebuilt from {self.path} alone")
+        return gcs.download_if_there(f"{self.remote.rstrip('/')}/metrics.jsonl", self.path + '.bucket',
+                                     f"metrics.jsonl up to step {step} is rebuilt from {self.path} alone")
 
     @staticmethod
     def readable(line, number, path):

@@ -171,8 +171,8 @@ CPU_MAZE = dict(size=8, train=200, num_test=100)
 # (shapes from the folder's name: puzzles.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
 MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000, gpu_batch=128)  # gpu scale: 900-token rows
-NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')  # differ between runs without changing what is
-                                                         # trained
+# differ between runs without changing what is trained
+NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')
 RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner sets them for every run
 # keys that do not change what a run trains or its results: a finished run recorded with other values of
 # these is still the run the study asks for
@@ -409,8 +409,8 @@ def load_experiments(patterns):
     names = [f[:-3] for f in files]
     if not patterns:
         return names, []
-    chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))  # patterns'
-                                                                                                   # order
+    # in the patterns' order
+    chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))
     if not chosen:
         fams = sorted({n.rsplit('_', 1)[0] for n in names}, key=natural_key)
         raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: "
@@ -461,13 +461,7 @@ def fetch(e, name):
     """Local path of a run's file (downloaded from the bucket for gs:// runs), or None."""
     local = os.path.join(e.local, name)
     if gcs.is_gcs(e.out_dir):
-        uri = f"{e.out_dir}/{name}"
-        try:
-            if gcs.object_exists(uri):
-                os.makedirs(e.local, exist_ok=True)
-                gcs.download_file(uri, local)
-        except Exception as ex:
-            print(f"warning: cannot read {uri}: {ex}")
+        gcs.download_if_there(f"{e.out_dir}/{name}", local, f"the local copy of {name} is used, if any")
     return local if os.path.exists(local) else None
 
 
@@ -845,8 +839,7 @@ def on_signal(signum, frame):
                                                if children else "stopping"), flush=True)
     for p in children:
         try:
-            p.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second one stops it at
-                                           # once
+            p.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second stops it at once
         except ProcessLookupError:
             pass
 
@@ -1407,8 +1400,8 @@ def plot(rows, folder):
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError:
-        print("report: matplotlib is not installed, so no plots (pip install matplotlib); the tables are "
-              "written")
+        print("report: matplotlib is not installed, so no plots (pip install matplotlib); "
+              "the tables are written")
         return []
     done = [p for p in points(rows) if p['status'] == 'done' and p.get('exact') is not None]
     fams = list(dict.fromkeys(r['family'] for r in done))
@@ -1433,10 +1426,9 @@ def plot(rows, folder):
                    [100 * (r['bar_hi'] - r['exact']) for r in pts]]
             ax.errorbar(xs, ys, yerr=err, marker='o', capsize=3, color=colors[f], label=f"{f}_*")
             if annotate:
-                for r, x, y in zip(pts, xs, ys):
+                for r, x, y in zip(pts, xs, ys):  # families sharing a point: one label above, one below
                     ax.annotate(r['point'], (x, y), textcoords='offset points', fontsize=7, color=colors[f],
-                                xytext=(4, 4 if used % 2 == 0 else -11))  # families sharing a point: one
-                                                                          # above, one below
+                                xytext=(4, 4 if used % 2 == 0 else -11))
             used += 1
         if logx:
             ax.set_xscale('log')
@@ -1475,8 +1467,7 @@ def plot(rows, folder):
              [('L_cycles', 'n = L_cycles (z-updates per round)', ('rec',), False,
                'Recursion depth n at T = 3'),
               ('calls', 'T x (n + 1) = H_cycles x (L_cycles + 1) (network calls per supervision step)',
-               ('rec', 'tn'),
-               False, 'Recursion T x (n + 1)')]),
+               ('rec', 'tn'), False, 'Recursion T x (n + 1)')]),
             ('acc_vs_optimizer.png',
              [('lr', 'learning rate (log scale)', ('lr',), True, 'Learning rate'),
               ('global_batch_size', 'global batch size (log scale; lr = 1e-4 x sqrt(B / 768))', ('bs',), True,
@@ -1543,8 +1534,7 @@ def plot_fits(plt, done, title, colors):
         ax.set_yscale('log')
         ax.set_xlabel(f"{label} (log scale)")
         ax.set_ylabel('error = 100% - exact accuracy (%, log scale)'
-                      + (f'\nmean of {seeds} seeds' if seeds > 1
-                                                                         else ''))
+                      + (f'\nmean of {seeds} seeds' if seeds > 1 else ''))
         ax.set_title(f"Error vs {label}: a·X^-b + c ({title})", fontsize=10)
         ax.grid(alpha=0.3, which='both')
         ax.legend(fontsize=7)

@@ -147,6 +147,10 @@ def read_sums(dev, sums, bad_step):
     return dict(zip(sums, host)), bad_at[0]
 
 
+# the terms of the loss (loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)), logged each on its own
+LOSS_TERMS = ('lm_loss', 'q_halt_loss') + (() if no_ACT_continue else ('q_continue_loss',))
+
+
 def log_line(m, step, n_steps, seconds, epoch, sc):
     """A log line's values from the metric sums m of the last n_steps steps (the rows that halted in them)."""
     cnt = max(m['count'], 1)
@@ -155,7 +159,7 @@ def log_line(m, step, n_steps, seconds, epoch, sc):
                 q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
                 grad_norm=m['grad_norm'] / n_steps,
                 lr=float(sc.lr_at(step - 1, sc.lr)),
-                **({'lm_loss': m['lm_loss'] / (global_batch_size * n_steps)} if 'lm_loss' in m else {}),
+                **{k: m[k] / (global_batch_size * n_steps) for k in LOSS_TERMS if k in m},
                 examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9),
                 ms_per_step=1e3 * seconds / n_steps)
 

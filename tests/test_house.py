@@ -14,7 +14,7 @@ import pytest
 from conftest import ROOT, run
 from configurator import config_files, read_config_block
 from device import choose_dtype
-from model import TRMConfig
+from model import MODEL_CHOICES, TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py']
 LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py',
@@ -34,6 +34,21 @@ def test_trmconfig_defaults_are_the_trainers():
             continue  # the trainer resolves 'auto' for the hardware (tested below)
         assert f.default == d[f.name], (f.name, f.default, d[f.name])
 
+
+def test_the_scripts_allow_the_model_s_choices():
+    """train.py and solve.py check their keys before they import torch: their allowed values of a model key
+    are TRMConfig's, after what the script resolves itself ('auto', 'checkpoint')."""
+    own = {('train.py', 'forward_dtype'): ['auto'], ('train.py', 'loss_dtype'): ['auto'],
+           ('solve.py', 'forward_dtype'): ['checkpoint', 'auto']}
+    for script, keys in (('train.py', list(MODEL_CHOICES)), ('solve.py', ['pos_encodings', 'forward_dtype'])):
+        for k in keys:
+            p = run([script, f'--{k}=nonsense'], check=False)
+            allowed = re.search(rf"{k}='nonsense' \(allowed: ([^)]*)\)", p.stderr)
+            assert p.returncode == 1 and allowed, (script, k, p.stderr)
+            assert [ast.literal_eval(v) for v in allowed.group(1).split(' | ')] == \
+                own.get((script, k), []) + list(MODEL_CHOICES[k]), (script, k, allowed.group(1))
+    with pytest.raises(ValueError, match="pos_encodings='alibi': allowed 'rope', 'learned', 'none'"):
+        TRMConfig(pos_encodings='alibi')
 
 def test_config_files_hold_only_what_they_change_and_their_base_comes_first(tmp_path):
     d = train_defaults()

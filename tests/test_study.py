@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, run
+import gcs
+from conftest import BUCKET, ROOT, run
 from configurator import config_files, read_config_block
 
 STUDY = os.path.join(ROOT, 'config', 'study')
@@ -361,6 +362,23 @@ def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
     assert re.search(r'\| flat_\* \| parameters \| 5 \|.*no: flat', md), md
     assert os.path.getsize(f'{out}/error_fits.png') > 5000 and os.path.getsize(f'{out}/acc_vs_device_hours.png') > 5000
 
+
+def test_a_bucket_out_root_s_report_reads_each_run_s_results_from_the_bucket(emulator, tmp_path):
+    cfg, made, out = tmp_path / 'cfg', str(tmp_path / 'made'), f'gs://{BUCKET}/study_report'
+    cfg.mkdir()
+    for i, name in enumerate(['up_p0', 'up_p1', 'never_p0']):  # never_p0 has nothing in the bucket
+        (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n")
+        fake_run(made, name, 10 ** 5 * (i + 1), 0.25 * (i + 1))
+    client = gcs.GCS(endpoint=emulator)
+    for name in ('up_p0', 'up_p1'):
+        client.upload(f'{made}/{name}/results.json', f'{out}/{name}/results.json')
+    p = run(['study.py', '--pattern=*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True',
+             f'--report_dir={tmp_path}/report'], env=dict(STORAGE_EMULATOR_HOST=emulator.replace('http://', '')))
+    assert 'cannot read' not in p.stdout, p.stdout
+    md = open(tmp_path / 'report' / 'report.md').read()
+    assert re.search(r'\| up_p0 \|.*\| 25\.0 \(23\.0-27\.0\) \|.*\| done \|', md), md
+    assert re.search(r'\| up_p1 \|.*\| 50\.0 \(48\.0-52\.0\) \|.*\| done \|', md), md
+    assert re.search(r'\| never_p0 \|.*\| not started \|', md), md
 
 def test_hosts_share_a_fixed_partition_balanced_by_cost():
     shares = []

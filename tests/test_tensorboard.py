@@ -70,7 +70,8 @@ def test_events_equal_the_records_and_a_profile_of_chosen_steps_loads(toy, tmp_p
     tags = acc.Tags()['scalars']
     for tag in ('train/grad_norm', 'train/q_halt_accuracy', 'train/steps', 'perf/ms_per_step',
                 'eval_raw/exact_accuracy', 'eval/exact_accuracy_q_halt',
-                'eval/steps_q_halt', 'eval/exact_at_steps_04', 'eval/lm_loss'):
+                'eval/steps_q_halt', 'eval/exact_at_steps_04', 'eval/lm_loss', 'train/lm_loss',
+                'train/q_halt_loss'):
         assert tag in tags, (tag, tags)
     assert not any(t.startswith('xla/') for t in tags)  # not on the CPU
     assert 'config/text_summary' in acc.Tags()['tensors']
@@ -78,6 +79,9 @@ def test_events_equal_the_records_and_a_profile_of_chosen_steps_loads(toy, tmp_p
     train_rows, evals = records(out, 'train'), records(out, 'eval')
     assert all(r['memory'] == 'process RSS' and 0.01 < r['memory_gib'] < 64 for r in train_rows)
     at20 = next(r for r in train_rows if r['step'] == 20)
+    for r in train_rows:  # the loss's terms, each logged (no q_continue_loss: no_ACT_continue=True)
+        assert 'q_continue_loss' not in r and r['loss'] == pytest.approx(r['lm_loss'] + 0.5 * r['q_halt_loss'],
+                                                                         rel=1e-4), r
     assert all(np.isfinite(e['loss']) and 0 < e['lm_loss'] <= e['loss'] for e in evals)
     assert abs(evals[0]['lm_loss'] - at20['lm_loss']) < 0.5 * at20['lm_loss'], (evals[0], at20)
     # the profile: a Chrome trace of steps 4-6 (json.load is Perfetto's and chrome://tracing's format)
@@ -86,6 +90,18 @@ def test_events_equal_the_records_and_a_profile_of_chosen_steps_loads(toy, tmp_p
     events = json.load(open(trace))['traceEvents']
     assert sum(e.get('name') == 'train_step' for e in events) == 3
     assert any(e.get('name', '').startswith('aten::') for e in events)
+
+
+def test_q_continue_s_loss_is_logged_when_it_is_learned(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--no_ACT_continue=False', '--max_steps=8')
+    rows = records(out, 'train')
+    assert [r['step'] for r in rows] == [4, 8]
+    for r in rows:
+        assert r['q_continue_loss'] > 0 and r['loss'] == pytest.approx(
+            r['lm_loss'] + 0.5 * (r['q_halt_loss'] + r['q_continue_loss']), rel=1e-4), r
+    assert [v for _, v in series(board(out / 'tb'), 'train/q_continue_loss')] == \
+        [np.float32(r['q_continue_loss']) for r in rows]
 
 
 def test_tensorboard_false_writes_no_events(toy, tmp_path):
