@@ -204,7 +204,7 @@ class Device:
         cut and run first, so each rank executes it once and in the same order; then plain transfers."""
         self.sync()
         host = [t.detach().cpu() for t in tensors]
-        return [t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in host]  # numpy has no bf16
+        return [t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy() for t in host]  # no numpy bf16
 
     def agree(self, values, op='sum'):
         """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every

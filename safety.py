@@ -421,8 +421,8 @@ atexit.register(release_locks)
 
 
 # -----------------------------------------------------------------------------
-# a hung rank (a dead host, a stuck collective) leaves every chip of the slice idle without a word: the watchdog
-# ends it, so a person or a relaunch loop can act
+# a hung rank (a dead host, a stuck collective) leaves every chip of the slice idle without a word: the
+# watchdog ends it, so a person or a relaunch loop can act
 
 HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
 # tests only: the progress report that blocks for good, once armed ('step 25', 'an evaluation batch'), as a
@@ -463,15 +463,15 @@ class Watchdog:
 
     def fire(self):
         idle = time.time() - self.last
-        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; the "
-              f"last: {self.what}) in pid {os.getpid()}: a hung host or collective. Every thread's stack "
-              f"follows; exiting with code {HUNG_EXIT}: the same command with --init_from=resume continues from "
-              f"the last checkpoint", file=sys.stderr, flush=True)
+        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; "
+              f"the last: {self.what}) in pid {os.getpid()}: a hung host or collective. Every thread's stack "
+              f"follows; exiting with code {HUNG_EXIT}: the same command with --init_from=resume continues "
+              f"from the last checkpoint", file=sys.stderr, flush=True)
         for f in (sys.stderr, Output.log):
             try:
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
-            except (AttributeError, OSError, ValueError):  # no train.log here (a rank > 0), or a closed stream
+            except (AttributeError, OSError, ValueError):  # no train.log (a rank > 0), or a closed stream
                 pass
         try:
             if self.record:

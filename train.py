@@ -353,9 +353,9 @@ def main(index=None):
                 print(format_train(line, run_steps, dev.xla_report()[0] if dev.kind == 'xla' else None))
                 if line.get('xla_compiles') and last_step >= start_step + 10:  # past the warm-up's graphs
                     print(f"warning: {line['xla_compiles']} XLA graph compilation(s) "
-                          f"({line['xla_compile_s']:.1f} s) in steps {last_step + 1}-{step}, after warm-up: a "
-                          "shape or a Python value that changes reaches the step's graph, and every step may be "
-                          "compiling anew")
+                          f"({line['xla_compile_s']:.1f} s) in steps {last_step + 1}-{step}, after warm-up: "
+                          "a shape or a Python value that changes reaches the step's graph, and every step "
+                          "may be compiling anew")
             run.log('train', line, step, groups(line))
             acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
             xla_then = dev.xla_counters()
@@ -405,10 +405,10 @@ if __name__ == '__main__':
         from concurrent.futures.process import BrokenProcessPool
         safety.forward_signals()  # to the worker processes, which train and hold the out_dir
         try:
-            torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same command
+            torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same
         except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
-            print(f"a training process ended abruptly; exiting with code {safety.HUNG_EXIT}: the same command "
-                  f"with --init_from=resume continues from the last checkpoint", file=sys.stderr)
+            print(f"a training process ended abruptly; exiting with code {safety.HUNG_EXIT}: the same "
+                  f"command with --init_from=resume continues from the last checkpoint", file=sys.stderr)
             raise SystemExit(safety.HUNG_EXIT)
     else:
         main()

@@ -294,4 +294,4 @@ def test_failed_uploads_do_not_stop_training(toy, tmp_path):
     assert 'ckpt_00000002.pt' in p.stderr  # each failure is logged with the object
     assert 'cannot list gs://test-bucket/down' in p.stdout  # the start-up check of the bucket says it could not look
     assert sorted(os.listdir(f'{tmp_path}/local')) == ['ckpt_00000002.pt', 'ckpt_00000004.pt', 'metrics.jsonl',
-                                                        'results.json', 'train.log']  # everything stays in the local copy
+                                                        'results.json', 'tb', 'train.log']  # all stays local
