@@ -69,12 +69,6 @@ from puzzles import puzzle_type, shape_from_name  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
 from step import train_step  # noqa: E402
 
-# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name in the device's wins
-PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312),
-               ('L40S', 362),
-               ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),
-               ('v5p', 459), ('TPU v5', 459), ('v4', 275)]
-
 kind = resolve_device(device)
 dev = Device(kind)
 if kind == 'xla':
@@ -97,11 +91,6 @@ loss_dtype = resolve_loss_dtype(loss_dtype, kind)
 
 fmt = lambda x, spec: 'n/a' if x is None else format(x, spec)
 
-
-def peak_tflops(name):
-    if kind == 'cpu' or name.startswith('XLA on the CPU'):
-        return None  # no meaningful peak figure for a CPU
-    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
 
 
 # --- the task's shape, then a few batches staged on the device up front (loading is not what is measured) ---
@@ -170,7 +159,7 @@ carry = model.initial_carry(batches[0])
 loss = None
 
 name = dev.name()
-peak = peak_tflops(name)
+peak = dev.peak_tflops()
 flops = model.flops_per_example()  # one supervision step: every net call, the no-grad recursion passes
                                    # included
 print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype "

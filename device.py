@@ -135,6 +135,13 @@ def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
 # -----------------------------------------------------------------------------
 # one process's device, rank and collectives
 
+# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name in the device's wins
+PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312),
+               ('L40S', 362),
+               ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),
+               ('v5p', 459), ('TPU v5', 459), ('v4', 275)]
+
+
 class Device:
     def __init__(self, kind, xla_cache_dir=''):
         self.kind = kind
@@ -368,6 +375,14 @@ class Device:
                 return f"XLA on the CPU: {self._cpu_name()}"
             return f"XLA {name} {accel}".strip()
         return self._cpu_name()
+
+    def peak_tflops(self):
+        """The chip's peak dense bf16 TFLOP/s, for MFU: None on a CPU (no meaningful figure) or a chip not
+        in PEAK_TFLOPS."""
+        name = self.name()
+        if self.kind == 'cpu' or name.startswith('XLA on the CPU'):
+            return None
+        return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
 
     @staticmethod
     def _cpu_name():

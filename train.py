@@ -176,7 +176,7 @@ def xla_since(now, then):
 
 def groups(line):
     """A train line's scalars as W&B and TensorBoard show them: train/, perf/ and xla/."""
-    perf = ('examples_per_s', 'ms_per_step', 'host_ms', 'device_ms', 'memory_gib')
+    perf = ('examples_per_s', 'ms_per_step', 'mfu', 'host_ms', 'device_ms', 'memory_gib')
     return dict(train={k: v for k, v in line.items() if k not in perf and not k.startswith('xla_')
                        and k not in ('step', 'epoch', 'memory')},
                 perf={k: line[k] for k in perf if k in line},
@@ -207,6 +207,7 @@ def main(index=None):
     eval_every = max(1, loader.steps_for(eval_interval))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
+    peak = dev.peak_tflops()  # one chip's dense bf16 TFLOP/s, for MFU (None on a CPU)
     if master:
         print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
               f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
@@ -347,6 +348,9 @@ def main(index=None):
             if dev.kind == 'xla':  # which one bounds a step: the host's tracing or the device's execution
                 line.update(host_ms=1e3 * host_s / (step - last_step),
                             device_ms=1e3 * (dev.execute_seconds() - exec_s) / (step - last_step))
+            if peak:  # the model's FLOPs per second over the chips' peak
+                line['mfu'] = (model.flops_per_example() * line['examples_per_s']
+                               / (peak * 1e12 * dev.world_size))
             mem, line['memory'] = dev.memory_in_use()  # TPU: HBM in use; CUDA: allocated; else the RSS
             line.update(memory_gib=mem / 2 ** 30, **xla_since(dev.xla_counters(), xla_then))
             if master:
