@@ -138,7 +138,8 @@ def test_one_run_per_out_dir_a_stale_lock_is_taken_over_and_every_exit_removes_i
     lock = dict(lock, pid=gone.pid)
     json.dump(lock, open(out / 'run.lock', 'w'))
     step = torch.load(glob.glob(str(out / 'ckpt_*.pt'))[0], weights_only=True)['step']
-    p = train(toy, out, '--init_from=resume', f'--max_steps={step + 1}', '--checkpoint_interval=1')
+    # the first run's epochs: its stop may come after FAST's last step (40), a checkpoint past which is refused
+    p = train(toy, out, '--init_from=resume', '--epochs=200', f'--max_steps={step + 1}', '--checkpoint_interval=1')
     assert f'pid {gone.pid}' in p.stdout and 'taking over' in p.stdout
     assert_unlocked(out)  # a normal end
     p = train(toy, out, '--init_from=resume', '--hidden_size=64', check=False)
