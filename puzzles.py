@@ -165,9 +165,23 @@ class Grid:
 
     # symmetries
 
+    symmetric = False  # draw() gives more than the identity: augmentation and test-time views need it
+
+    def identity(self, k):
+        return np.tile(np.arange(self.L), (k, 1)), np.tile(np.arange(self.vocab_size, dtype=np.uint8), (k, 1))
+
     def draw(self, rng, k):
         """k random symmetries (the identity here: a kind without symmetries)."""
-        return np.tile(np.arange(self.L), (k, 1)), np.tile(np.arange(self.vocab_size, dtype=np.uint8), (k, 1))
+        return self.identity(k)
+
+    def views(self, K, B, seed, batch):
+        """The symmetries of K views of a batch of B puzzles, view-major ([K * B] rows, view j in rows
+        j*B..(j+1)*B-1): view 0 the puzzles themselves, view j >= 1 drawn from a generator of its own
+        (seed, batch, j). So the first k views of a K-view evaluation are those of a k-view one, and every
+        rank of a pod draws the same symmetries for the global batch."""
+        parts = [self.identity(B)] + [self.draw(np.random.default_rng([seed, 11, batch, j]), B)
+                                      for j in range(1, K)]
+        return np.concatenate([p for p, _ in parts]), np.concatenate([m for _, m in parts])
 
     @staticmethod
     def apply(tokens, sym):
@@ -180,6 +194,13 @@ class Grid:
     def invert(sym):
         pos, token_map = sym
         return np.argsort(pos, 1), np.argsort(token_map, 1).astype(token_map.dtype)
+
+    @staticmethod
+    def apply_labels(labels, sym):
+        """labels [k, L] -> their images; a negative label (ignored by the loss) moves but keeps its value."""
+        pos, token_map = sym
+        moved = np.take_along_axis(np.asarray(labels), pos, 1)
+        return np.where(moved < 0, moved, np.take_along_axis(token_map, np.maximum(moved, 0).astype(np.intp), 1))
 
 
 # -----------------------------------------------------------------------------
@@ -205,6 +226,7 @@ def _random_perms(rng, m, shape):
 class Sudoku(Grid):
     """Every row, column and box holds each digit once; the givens stay."""
     name, noun = 'sudoku', 'Sudoku'
+    symmetric = True
     pad_char = '.'
     aliases = {'0': 1}
     one_line_answer = True
@@ -388,6 +410,7 @@ def shortest_path_length(grids):
 class Maze(Grid):
     """The shortest S->G path through open cells, marked 'o'; any shortest path counts."""
     name, noun = 'maze', 'maze'
+    symmetric = True
     chars = '# SGo'
     question_chars = '# SG'
     sep = ''
@@ -509,6 +532,40 @@ def seq_len_for_vocab(vocab_size):
     None."""
     n = vocab_size - 2
     return n * n if n in BOXES and vocab_size != len(Maze.chars) + 1 else None
+
+
+def views_problem(kind, K):
+    """Why a puzzle of this kind (None: unknown) cannot be shown in K views, or None when it can."""
+    if K == 1:
+        return None
+    if kind is None:
+        return (f"{K} views need a known puzzle kind: this dataset's is unknown (its answers are only compared "
+                "with the labels), so views must be 1")
+    if not kind.symmetric:
+        return f"{article(kind.title)} has no symmetries to show it in other views, so views must be 1"
+    return None
+
+
+def vote(answers, confidence, accepted=None):
+    """Combine the K views' answers of B puzzles, each mapped back to its puzzle: answers [K, B, L],
+    confidence [K, B] (the halting head's logit), accepted [K, B] (the verifier's verdict, or None).
+    Returns (vote, choice, count): vote [B] a view holding the most frequent whole answer (a tie goes to the
+    answer that one of its views is most confident of), choice [B] the same among the accepted answers where
+    a view has one (else the vote), count [K, B] how many views gave each view's answer."""
+    a, c = np.asarray(answers), np.asarray(confidence, np.float64)
+    K = len(a)
+    count = np.zeros(c.shape, np.int64)
+    best = np.full(c.shape, -np.inf)  # the highest confidence among the views sharing each view's answer
+    for i in range(K):
+        same = (a == a[i]).all(-1)  # [K, B]
+        count[i] = same.sum(0)
+        best[i] = np.where(same, c, -np.inf).max(0)
+    # count first, then confidence: a sigmoid in (0, 1) never lifts one count over the next (float64)
+    key = count + 0.5 / (1 + np.exp(-best)) + 0.25
+    picked = key.argmax(0)
+    if accepted is None:
+        return picked, picked, count
+    return picked, (key + (K + 1) * np.asarray(accepted, bool)).argmax(0), count
 
 
 def looks_like(text):
