@@ -313,7 +313,8 @@ class EvalLoader:
     """Sequential batches over a split's examples (or a fixed seeded subset of them). The last batch is
     padded to full size with pad inputs, ignored labels and the blank identifier; `valid` marks real rows."""
 
-    def __init__(self, root, global_batch_size, rank=0, world_size=1, split='test', subset=0, seed=0):
+    def __init__(self, root, global_batch_size, rank=0, world_size=1, split='test', subset=0, seed=0, views=1,
+                 kind=None):
         if global_batch_size % world_size:
             raise ValueError(f"eval batch size {global_batch_size} is not divisible by "
                              f"world_size={world_size}")
@@ -325,6 +326,7 @@ class EvalLoader:
         if subset and subset < n:
             idx = np.sort(np.random.default_rng([seed, 7]).choice(n, subset, replace=False))
         self.example_idx = idx
+        self.views, self.kind, self.seed = views, kind, seed  # test-time views: puzzles.Grid.views
         # example -> puzzle, for the puzzle identifiers
         self.example_puzzle = np.searchsorted(np.asarray(self.arrays['puzzle_indices']), idx,
                                               side='right') - 1
@@ -347,7 +349,21 @@ class EvalLoader:
             batch['puzzle_identifiers'][~valid] = self.meta['blank_identifier_id']
             batch['valid'] = valid
             sl = slice(self.rank * self.local_B, (self.rank + 1) * self.local_B)
-            yield {k: v[sl] for k, v in batch.items()}
+            local = {k: v[sl] for k, v in batch.items()}
+            yield self.in_views(local, b, sl) if self.views > 1 else local
+
+    def in_views(self, batch, b, sl):
+        """The rank's rows in K views, view-major (view 0 first: the rows as they are), a static K x local_B
+        rows; 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle."""
+        K = self.views
+        pos, token_map = self.kind.views(K, self.B, self.seed, b)  # the global batch's: the same on every rank
+        rows = (np.arange(K)[:, None] * self.B + np.arange(sl.start, sl.stop)[None]).ravel()
+        sym = pos[rows], token_map[rows]
+        tile = lambda a: np.tile(a, (K,) + (1,) * (a.ndim - 1))
+        return dict(inputs=self.kind.apply(tile(batch['inputs']), sym).astype(np.int32),
+                    labels=self.kind.apply_labels(tile(batch['labels']), sym).astype(np.int32),
+                    puzzle_identifiers=tile(batch['puzzle_identifiers']), valid=tile(batch['valid']),
+                    views_inverse=self.kind.invert(sym))
 
 # -----------------------------------------------------------------------------
 # download: streamed, resumable (.part + HTTP Range), cached, row count checked (used by the builders)

@@ -1031,6 +1031,27 @@ class Run:
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
             device_hours=wall['total'] * self.dev.world_size / 3600))
 
+    def write_evaluation(self, res, step, seconds, name):
+        """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
+        reads for its test-time views and steps), written atomically; a gs:// run uploads it, and a failed write
+        or upload is a warning (the evaluation was printed)."""
+        path = os.path.join(self.local, 'evals', name + '.json')
+        record = dict(step=step, checkpoint=self.resumed_from, seconds=seconds, device=self.dev.name(),
+                      world_size=self.dev.world_size, config=self.cfg, eval=res)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path + '.tmp', 'w') as f:
+                json.dump(record, f, indent=1, default=float)
+            os.replace(path + '.tmp', path)
+            if self.gs_out:
+                gcs.GCS(retries=self.cfg['gcs_retries']).upload(path, f"{self.gs_out.rstrip('/')}/evals/{name}.json")
+        except (OSError, gcs.GCSError) as e:
+            print(f"warning: the evaluation was not saved to {path}{' or its bucket' if self.gs_out else ''} "
+                  f"({getattr(e, 'strerror', None) or e})")
+            return None
+        print(f"evaluation saved to {path}")
+        return path
+
     def results_missing(self):
         """Whether results.json is in neither the run's folder nor its bucket (rank 0 looks; every rank learns
         it): a run that reached its last step without it (a stop during the final evaluation, a failed

@@ -17,6 +17,7 @@ import torch
 
 from data import IGNORE_LABEL_ID
 from model import act_loss
+from puzzles import Grid, vote
 
 # -----------------------------------------------------------------------------
 # optimisation: AdamATan2 for the weights, sign-SGD for the puzzle embedding, warmup + cosine LR
@@ -381,40 +382,80 @@ def wilson_interval(k, n, z=1.96):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def view_counts(ks):
+    """The view counts a K-view evaluation reports: the powers of two up to K, and K."""
+    return sorted({2 ** i for i in range(ks.bit_length()) if 2 ** i <= ks} | {ks})
+
+
+def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks):
+    """One batch's counts over its K views: answers [K*B, L] and confidence [K*B] as the model gave them
+    (view-major), inverse the views' inverse symmetries, inputs/labels/rows [B] the puzzles themselves. Returns
+    {name: [len(ks)] counts}: for the first k views of each k in ks, the vote's answer right (vote), the
+    verifier's choice right (verified: an answer the verifier accepts where a view found one, else the vote;
+    the verifier reads the puzzle only, never the labels), any view right (oracle: the ceiling) and some view
+    accepted (accepted)."""
+    B, L = labels.shape
+    K = len(answers) // B
+    back = Grid.apply(answers, inverse).reshape(K, B, L)  # every view's answer, on its puzzle
+    conf = np.asarray(confidence).reshape(K, B)
+    right = ((back == labels) | (labels < 0)).all(-1) & rows  # [K, B]
+    ok = (np.asarray(verifier(np.tile(inputs, (K, 1)), back.reshape(K * B, L))).reshape(K, B) & rows
+          if verifier is not None else None)
+    out = {n: np.zeros(len(ks)) for n in ('vote', 'verified', 'oracle') + (('accepted',) if ok is not None else ())}
+    cols = np.arange(B)
+    for j, k in enumerate(ks):
+        picked, choice, _ = vote(back[:k], conf[:k], None if ok is None else ok[:k])
+        out['vote'][j] = right[picked, cols].sum()
+        out['verified'][j] = right[choice, cols].sum()
+        out['oracle'][j] = right[:k].any(0).sum()
+        if ok is not None:
+            out['accepted'][j] = ok[:k].any(0).sum()
+    return out
+
+
 @torch.no_grad()
 def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
              should_stop=None):
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
     at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
     runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
+    A loader with views K > 1 gives each batch in K views (one batch of K x the rows): the metrics above are
+    view 0's (the puzzles as they are), and by_views holds vote@k, verified@k, oracle@k (and accepted@k)
+    for each k of view_counts(K), at halt_max_steps and with q_halt's stop (each view's answer where it
+    stopped).
     should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
     (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
     point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
     None) returned."""
     predict = predict or model.predict
+    K = getattr(loader, 'views', 1)
+    ks = view_counts(K)
     was_training = model.training
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
-    sums, example, verified = None, None, 0
+    sums, example, verified, by_views = None, None, 0, {}
     for batch in loader:
         if should_stop is not None and should_stop():
             model.train(was_training)
             return None, None
+        inverse = batch.pop('views_inverse', None)
         b = dev.to_device(batch)
         out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps)
         if out is None:
             model.train(was_training)
             return None, None
-        preds, q_halt, row_loss = out  # [S, B, L], [S, B], [B]
-        labels = b['labels']
+        preds_all, q_all, loss_all = out  # [S, K*B, L], [S, K*B], [K*B]
+        halt = torch.cat([q_all[:-1] > 0,
+                          torch.ones_like(q_all[-1:], dtype=torch.bool)])  # the last step always stops
+        first_all = halt.int().argmax(0)  # the first step whose q_halt says stop
+        B = preds_all.shape[1] // K  # view 0's rows: the puzzles as they are
+        preds, q_halt, row_loss, first = preds_all[:, :B], q_all[:, :B], loss_all[:B], first_all[:B]
+        labels = b['labels'][:B]
         valid_tok = labels != IGNORE_LABEL_ID
         n_valid = valid_tok.sum(-1)
-        rows = (b['valid'] & (n_valid > 0)).float()
+        rows = (b['valid'][:B] & (n_valid > 0)).float()
         tok_ok = (preds == labels) & valid_tok
         seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
-        halt = torch.cat([q_halt[:-1] > 0,
-                          torch.ones_like(q_halt[-1:], dtype=torch.bool)])  # the last step always stops
-        first = halt.int().argmax(0)  # the first step whose q_halt says stop
         part = dict(
             count=rows.sum(),
             exact_per_step=(seq_ok.float() * rows).sum(-1),
@@ -427,19 +468,32 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                 q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
         )
         sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
-        if verifier is not None:
+        inp, v = batch['inputs'][:B], batch['valid'][:B]
+        if K > 1:  # every view's answer at halt_max_steps and where q_halt stopped it: one graph, one read
+            at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
+            p_all, c_all, p_stop, c_stop = dev.read([preds_all[h], q_all[h], at_stop,
+                                                     q_all.gather(0, first_all[None])[0]])
+            p = p_all[:B]
+            hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
+            for suffix, answers, conf in (('', p_all, c_all), ('_q_halt', p_stop, c_stop)):
+                counts = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)
+                for name, c in counts.items():
+                    by_views[name + suffix] = by_views.get(name + suffix, 0) + c
+        elif verifier is not None:
             p = dev.read([preds[h]])[0]  # one graph per batch, then a plain transfer
-            inp, v = batch['inputs'], batch['valid']
+        else:
+            dev.sync()
+        if verifier is not None:
             ok = np.asarray(verifier(inp, p)) & v
             verified += int(ok.sum())
             if show_example and example is None and v.any():
                 i = int(np.argmax(v))
                 example = (inp[i], p[i], bool(ok[i]))
-        else:
-            dev.sync()
     # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
     # examples would run another graph than one verifying more (tests/test_pod.py)
     sums['verified'] = torch.tensor([float(verified)], device=dev.device)
+    for name, c in by_views.items():
+        sums['views_' + name] = torch.tensor(np.asarray(c, np.float32), device=dev.device)
     keys = sorted(sums)
     flat = torch.cat([sums[k].reshape(-1).float() for k in keys])  # one reduction, one transfer
     dev.all_reduce_sum_([flat])
@@ -457,6 +511,13 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                exact_by_steps=[float(x) / max(n, 1) for x in s['exact_per_step']])
     if verifier is not None:
         res['verified_accuracy'] = float(s['verified'][0]) / max(n, 1)
+    # the cost: forward FLOPs of every step of every view of every puzzle
+    res['views'] = K
+    res['eval_flops'] = float(model.flops_per_example(train=False)) * n_steps * K * n
+    if K > 1:
+        names = sorted(by_views)
+        res['by_views'] = [dict(views=k, **{m: float(s['views_' + m][j]) / max(n, 1) for m in names})
+                           for j, k in enumerate(ks)]
     model.train(was_training)
     return res, example
 
@@ -483,4 +544,8 @@ def format_eval(r):
     if len(r['exact_by_steps']) > r['steps']:
         line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}"
                                                  for i, a in enumerate(r['exact_by_steps']))
+    for v in r.get('by_views', []):  # test-time views: one line per view count
+        line += (f"\n  {v['views']:>2} views: vote {v['vote']:.4f} | verified {v['verified']:.4f} | oracle "
+                 f"{v['oracle']:.4f} (ceiling)" + (f" | accepted {v['accepted']:.4f}" if 'accepted' in v else '')
+                 + f" | with q_halt stop: vote {v['vote_q_halt']:.4f} verified {v['verified_q_halt']:.4f}")
     return line

@@ -29,6 +29,7 @@ eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)
 eval_subset = 0                 # seeded test examples of intermediate evaluations (0, and the final one: all)
 eval_steps = 0                  # supervision steps at evaluation (0: halt_max_steps); more: test-time scaling
+eval_views = 1                  # test-time breadth: each puzzle also in views-1 seeded symmetries of its kind; votes
 eval_batch_size = 0             # evaluation batch, split over ranks (0: global_batch_size)
 log_interval = 100              # steps between log lines (host reads of training metrics)
 checkpoint_interval = 0         # steps between extra checkpoints (0: at evaluations, the end, SIGTERM only)
@@ -91,7 +92,8 @@ _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
-             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_batch_size=_nonneg,
+             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
+             eval_batch_size=_nonneg,
              log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg, global_batch_size=_pos,
              epochs=_pos, max_steps=_nonneg, hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos,
              H_cycles=_pos, L_cycles=_pos, halt_max_steps=_pos,
@@ -121,7 +123,7 @@ import safety  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import resolve_loss_dtype  # noqa: E402
-from puzzles import render_example, verifier_for  # noqa: E402
+from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
 from step import evaluation_steps, format_eval, format_train, forward_loss, train_step  # noqa: E402
@@ -207,6 +209,8 @@ def main(index=None):
     eval_every = max(1, loader.steps_for(eval_interval))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
+    if problem := views_problem(puzzle_for(meta), eval_views):
+        raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {run.data_path})")
     peak = dev.peak_tflops()  # one chip's dense bf16 TFLOP/s, for MFU (None on a CPU)
     if master:
         print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
@@ -223,7 +227,8 @@ def main(index=None):
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                          subset=s, seed=seed) for s in {0, eval_subset}}
+                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
+            for s in {0, eval_subset}}
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
@@ -268,11 +273,14 @@ def main(index=None):
     if eval_only:
         if init_from == 'scratch':
             raise SystemExit("config error: eval_only=True needs --init_from=resume or a checkpoint file")
+        t_eval = time.time()
         res, example = run_eval(0, show_example=True)
         if master:
             print(format_eval(res) if res else "stopped during the evaluation")
             if example:
                 print(render_example(meta, *example))
+            if res:  # what a study's re-evaluation reads: one file per (views, steps)
+                run.write_evaluation(res, step, time.time() - t_eval, f"views{eval_views}-steps{n_eval_steps}")
         dev.shutdown()
         return
     if step > run_steps:  # a checkpoint past this run's end: evaluating it again would change nothing
