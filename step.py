@@ -390,10 +390,10 @@ def view_counts(ks):
 def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks):
     """One batch's counts over its K views: answers [K*B, L] and confidence [K*B] as the model gave them
     (view-major), inverse the views' inverse symmetries, inputs/labels/rows [B] the puzzles themselves. Returns
-    {name: [len(ks)] counts}: for the first k views of each k in ks, the vote's answer right (vote), the
-    verifier's choice right (verified: an answer the verifier accepts where a view found one, else the vote;
-    the verifier reads the puzzle only, never the labels), any view right (oracle: the ceiling) and some view
-    accepted (accepted)."""
+    ({name: [len(ks)] counts}, [(vote, choice)] the views picked for each k): for the first k views of each k
+    in ks, the vote's answer right (vote), the verifier's choice right (verified: an answer the verifier
+    accepts where a view found one, else the vote; the verifier reads the puzzle only, never the labels), any
+    view right (oracle: the ceiling) and some view accepted (accepted)."""
     B, L = labels.shape
     K = len(answers) // B
     back = Grid.apply(answers, inverse).reshape(K, B, L)  # every view's answer, on its puzzle
@@ -402,15 +402,16 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
     ok = (np.asarray(verifier(np.tile(inputs, (K, 1)), back.reshape(K * B, L))).reshape(K, B) & rows
           if verifier is not None else None)
     out = {n: np.zeros(len(ks)) for n in ('vote', 'verified', 'oracle') + (('accepted',) if ok is not None else ())}
-    cols = np.arange(B)
+    cols, picks = np.arange(B), []
     for j, k in enumerate(ks):
         picked, choice, _ = vote(back[:k], conf[:k], None if ok is None else ok[:k])
+        picks.append((picked, choice))
         out['vote'][j] = right[picked, cols].sum()
         out['verified'][j] = right[choice, cols].sum()
         out['oracle'][j] = right[:k].any(0).sum()
         if ok is not None:
             out['accepted'][j] = ok[:k].any(0).sum()
-    return out
+    return out, picks
 
 
 @torch.no_grad()
@@ -476,7 +477,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             p = p_all[:B]
             hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
             for suffix, answers, conf in (('', p_all, c_all), ('_q_halt', p_stop, c_stop)):
-                counts = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)
+                counts, _ = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)
                 for name, c in counts.items():
                     by_views[name + suffix] = by_views.get(name + suffix, 0) + c
         elif verifier is not None:
