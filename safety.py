@@ -992,8 +992,7 @@ class Run:
             return
         self.records.log(kind, values)
         for prefix, vals in groups.items():
-            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in vals.items() if k != 'exact_by_steps'},
-                           step)
+            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in flat_scalars(vals)}, step)
         if self.board:
             self.board.log(groups, step)
 
@@ -1279,12 +1278,8 @@ class Board:
     def log(self, groups, step):
         try:
             for prefix, vals in groups.items():
-                for k, v in vals.items():
-                    if k == 'exact_by_steps':  # the exact accuracy at each test-time step count
-                        for i, a in enumerate(v):
-                            self.writer.add_scalar(f'{prefix}/exact_at_steps_{i + 1:02d}', a, step)
-                    elif isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy's too
-                        self.writer.add_scalar(f'{prefix}/{k}', v, step)
+                for k, v in flat_scalars(vals):
+                    self.writer.add_scalar(f'{prefix}/{k}', v, step)
         except Exception as e:
             print(f"warning: TensorBoard log failed at step {step}: {e}")
 
@@ -1301,6 +1296,18 @@ class Board:
     def close(self):
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+def flat_scalars(vals):
+    """(name, number) pairs of a metrics dict as W&B and TensorBoard chart them: the exact accuracy at each
+    test-time step count (exact_at_steps_NN) and each view count's accuracies (vote@NN, ...) one by one."""
+    for k, v in vals.items():
+        if k == 'exact_by_steps':
+            yield from ((f'exact_at_steps_{i + 1:02d}', a) for i, a in enumerate(v))
+        elif k == 'by_views':
+            yield from ((f'{m}@{row["views"]:02d}', a) for row in v for m, a in row.items() if m != 'views')
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy's too
+            yield k, v
 
 
 def wandb_log_safe(run, values, step):

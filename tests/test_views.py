@@ -109,7 +109,8 @@ def trained(tmp_path_factory):
     data, out = str(d / 'sudoku4'), str(d / 'run')
     run(['prepare_sudoku.py', '--generate', '400', '--size', '4', '--num_test', '100', '--num_aug', '3',
          '--seed', '0', '--output_dir', data])
-    run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--epochs=12', '--eval_interval=12'] + ARGS)
+    run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--epochs=12', '--eval_interval=12', '--eval_views=2']
+        + ARGS + ['--tensorboard=True'])
     ck = safety.weights_in(safety.load_checkpoint(os.path.join(out, sorted(
         f for f in os.listdir(out) if f.startswith('ckpt_'))[-1])))
     meta = load_metadata(data, 'test')
@@ -199,6 +200,22 @@ def test_train_refuses_views_where_a_puzzle_has_no_symmetries(tmp_path):
     p = run(['train.py', f'--data_path={tmp_path / "rev"}', f'--out_dir={tmp_path / "out"}', '--eval_views=0']
             + TOY_ARGS, check=False)
     assert_user_error(p, 'eval_views=0', '> 0')
+
+
+def test_a_runs_evaluations_in_views_are_charted_and_costed(trained):
+    """Training's evaluations in views: TensorBoard charts each view count's accuracies; results.json holds
+    them and their cost (forward FLOPs x steps x views x puzzles)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(os.path.join(trained['out'], 'tb'), size_guidance={'scalars': 0})
+    acc.Reload()
+    tags = acc.Tags()['scalars']
+    for tag in ('eval/vote@01', 'eval/verified@02', 'eval/oracle@02', 'eval/accepted@02', 'eval/vote_q_halt@02'):
+        assert tag in tags, (tag, tags)
+    res = json.load(open(os.path.join(trained['out'], 'results.json')))
+    final = res['final_eval']
+    assert acc.Scalars('eval/verified@02')[-1].value == pytest.approx(final['by_views'][1]['verified'])
+    assert final['views'] == 2 and final['eval_flops'] == pytest.approx(
+        trained['model'].flops_per_example(train=False) * 4 * 2 * 100)  # 4 steps, 2 views, 100 puzzles
 
 
 def test_eval_only_in_views_saves_its_evaluation(trained):
