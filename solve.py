@@ -4,6 +4,7 @@ Solve puzzles with a trained TRM and watch it reason, one supervision step at a 
     python solve.py --init_from=CKPT --file=puzzles.txt --quiet=True     # one Sudoku a line, batched
     python solve.py --init_from=CKPT --count=20                          # held-out examples of the dataset
     python solve.py --init_from=CKPT --index=3 --all_steps=True --steps=32 --png=steps.png
+    python solve.py --init_from=CKPT --file=puzzles.txt --views=8        # each puzzle in 8 views, voted
     python solve.py --init_from=reference.pt --data_path=data/sudoku-extreme-1k-aug-1000 --hidden_size=512
 Sudokus are n*n characters ('.' or '0' blank); mazes are their rows ('#' wall, ' ' open, 'S', 'G') joined
 by '/' or newlines, or one n*n-character line. Every step prints the current answer (cells changed since
@@ -12,6 +13,10 @@ already correct (the verifier: any valid solution counts, the givens must be kep
 the model halts (q_halt > 0) unless --all_steps=True; --steps above the model's halt_max_steps is
 test-time scaling. A checkpoint of train.py carries its model keys; a state dict of the reference
 implementation ('_orig_mod.model.inner.*' keys) needs --data_path and the model keys of its training run.
+With --views=K each puzzle is solved in K views (view 0 as given, the others under symmetries of its kind drawn
+from a fixed seed: the same on every run), one batch of K x the puzzles; each view's answer where it stops,
+mapped back to the puzzle, is checked by the verifier; shown are the distinct answers with the views that gave
+them, the vote's answer and the verifier's pick (an accepted answer where a view found one, else the vote's).
 """
 import os
 import re
@@ -38,7 +43,8 @@ all_steps = False               # run every step, not stopping at the model's ha
 quiet = False                   # only one summary line per puzzle (no boards)
 png = ''                        # also draw the steps as small boards into this PNG file (needs matplotlib)
 png_puzzles = 4                 # puzzles drawn in the PNG at most
-batch_size = 64                 # puzzles per forward pass
+batch_size = 64                 # puzzles per forward pass (views > 1: batch_size // views puzzles, min 1)
+views = 1                       # solve each puzzle in K views (symmetries of the kind) and vote; 1: as given
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla, else cuda if any, else cpu) | 'cpu'/'cuda'/'xla'
 threads = 0                     # CPU threads (0: cores other processes leave idle, by 1-minute load average)
 forward_dtype = 'checkpoint'    # 'checkpoint' (training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
@@ -51,6 +57,7 @@ _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0, 'a number >= 0'),
              index=(lambda v: v >= -1, '-1 (none) or an example number >= 0'),
              png_puzzles=(lambda v: v > 0, 'a number > 0'), batch_size=(lambda v: v > 0, 'a number > 0'),
+             views=(lambda v: v >= 1, 'a number >= 1 (1: each puzzle as given)'),
              threads=(lambda v: v >= 0, 'a number >= 0'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
              forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'),
@@ -66,8 +73,8 @@ import torch  # noqa: E402
 from data import load_arrays, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
-from puzzles import KINDS, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
-from puzzles import seq_len_for_vocab  # noqa: E402
+from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
+from puzzles import seq_len_for_vocab, views_problem, vote  # noqa: E402
 from safety import CheckpointError, load_checkpoint, weights_in  # noqa: E402
 
 
@@ -282,6 +289,79 @@ def sigmoid(q):
     return 1.0 / (1.0 + np.exp(-np.clip(q, -60, 60)))
 
 
+def stop_step(q):
+    """(the first step whose q_halt > 0, or None; the step whose answer counts) of one row's q_halt [S]: its
+    halt, else (or with --all_steps) the last step run."""
+    halts = np.flatnonzero(q > 0)
+    halt = int(halts[0]) if len(halts) else None
+    return halt, len(q) - 1 if (all_steps or halt is None) else halt
+
+
+# -----------------------------------------------------------------------------
+# test-time views: each puzzle under K symmetries of its kind, the answers mapped back and voted on
+
+VIEWS_SEED = 0  # solve.py has no seed key: a puzzle gets the same views on every run
+
+
+def view_symmetries(kind, first, B):
+    """The symmetries of `views` views of the puzzles numbered first..first+B-1 (from 0), view-major (view j of
+    puzzle i in row j * B + i): each puzzle's own Grid.views(views, 1, VIEWS_SEED, its number), so that its
+    views do not depend on batch_size or on the puzzles beside it."""
+    each = [kind.views(views, 1, VIEWS_SEED, first + i) for i in range(B)]  # [views, ...] each
+    return tuple(np.stack([e[k] for e in each], 1).reshape(views * B, -1) for k in (0, 1))
+
+
+def letter(i):
+    """A distinct answer's name: A..Z, then AA, AB, ..."""
+    return (letter(i // 26 - 1) if i >= 26 else '') + chr(ord('A') + i % 26)
+
+
+def solve_in_views(model, dev, kind, x, ids, first, n_steps, wheres, labels):
+    """Puzzles x [B, L] (numbered first.. from 0) solved in `views` views, one batch of views x B rows through
+    reason(): each view's answer where it stops, mapped back to its puzzle by the inverse symmetry, the
+    verifier's verdict on it, and puzzles.vote over the views. Returns one item per puzzle for
+    report_views(): its distinct answers (the vote's first, then by views and confidence) with the views that
+    gave them, the vote's and the verifier's pick among them, and the pick's steps mapped back (for --png)."""
+    K, B, L = views, len(x), x.shape[1]
+    sym = view_symmetries(kind, first, B)
+    inverse = Grid.invert(sym)
+    puzzle = np.tile(x, (K, 1))  # each row's puzzle as given
+    preds, qs, times = reason(model, dev, Grid.apply(puzzle, sym).astype(np.int32), np.tile(ids, K), n_steps,
+                              all_steps)
+    stops = [stop_step(qs[:, r]) for r in range(K * B)]
+    last, rows = np.array([s for _, s in stops]), np.arange(K * B)
+    answers = Grid.apply(preds[last, rows], inverse).astype(np.int32)  # [K * B, L], on the puzzles as given
+    conf = qs[last, rows]  # the halting head's logit where each view stops
+    accepted = np.asarray(kind.correct(puzzle, answers), bool)
+    picked, choice, _ = vote(answers.reshape(K, B, L), conf.reshape(K, B), accepted.reshape(K, B))
+    probs, items = sigmoid(qs), []
+    for i in range(B):
+        mine = np.arange(K) * B + i  # the rows of puzzle i's views
+        groups = {}  # answer's bytes -> its views
+        for v in range(K):
+            groups.setdefault(answers[mine[v]].tobytes(), []).append(v)
+        groups = [dict(views=vs, answer=answers[mine[vs[0]]], accepted=bool(accepted[mine[vs[0]]]),
+                       best=max(conf[mine[v]] for v in vs)) for vs in groups.values()]
+        voted = next(g for g in groups if picked[i] in g['views'])
+        groups.sort(key=lambda g: (g is not voted, -len(g['views']), -g['best'], g['views'][0]))
+        for name, g in enumerate(groups):  # each view: (view, steps run, its halt or None, halt prob at its stop)
+            g['name'] = letter(name)
+            g['stops'] = [(v, last[mine[v]] + 1, stops[mine[v]][0], probs[last[mine[v]], mine[v]])
+                          for v in g['views']]
+        pick = next(g for g in groups if choice[i] in g['views'])
+        r = mine[choice[i]]  # the view that vote's choice names: its steps, for --png
+        shown = last[r] + 1
+        steps = Grid.apply(preds[:shown, r], tuple(np.repeat(m[r:r + 1], shown, 0) for m in inverse))
+        n = first + i
+        items.append(dict(inputs=x[i], groups=groups, vote=groups[0], pick=pick, where=wheres[n],
+                          label=f"puzzle {n + 1}", target=None if labels is None else labels[n],
+                          time=float(times[last[mine].max()]), batch=B, steps=last[mine] + 1,
+                          png=dict(inputs=x[i], preds=steps, prob=probs[:shown, r], halt=stops[r][0],
+                                   correct=np.asarray(kind.correct(np.tile(x[i], (shown, 1)), steps)),
+                                   shown=shown, label=f"puzzle {n + 1}, view {choice[i]}")))
+    return items
+
+
 def draw_png(path, plt, kind, items, title):
     """One row of small boards per puzzle (wrapped every 6): the puzzle, then each step, changed cells
     highlighted, titled with the step, the halt probability and correct / not. Sudoku: givens bold on grey,
@@ -388,6 +468,49 @@ def report(it, kind):
     timing = f"{it['time']:.2f} s" + (f" (in a batch of {it['batch']})" if it['batch'] > 1 else '')
     answer = f" | answer {kind.decode(final)}" if kind.one_line_answer else ''
     print(f"{it['label']}: {verdict} {how}; {'; '.join(notes)} | {timing}{answer}", flush=True)
+
+
+def report_views(it, kind):
+    """A puzzle solved in views: (unless quiet) the puzzle and each distinct answer of its views, mapped back
+    to it, with the views that gave it (steps run, halt probability where each stopped) and the verifier's
+    verdict; then its summary line: the verifier's pick, the vote's answer, every answer's views."""
+    K, groups, voted, pick = views, it['groups'], it['vote'], it['pick']
+    if not quiet:
+        print(f"\n{it['where']}: {kind.title}{kind.describe(it['inputs'])}")
+        print(kind.render(it['inputs']))
+        print(f"{plural(len(groups), 'distinct answer')} in {K} views (view 0 the puzzle as given, the others "
+              f"under symmetries, seed {VIEWS_SEED}), each mapped back to the puzzle"
+              + (f"; cells that differ from answer {voted['name']} marked *" if len(groups) > 1 else ''))
+        for g in groups:
+            seen = '; '.join(f"{v}: step {s}, halt prob {p:.3f}"
+                             + ('' if h == s - 1 else ', no halt' if h is None else f", halted at step {h + 1}")
+                             for v, s, h, p in g['stops'])
+            roles = [r for r, on in (("the vote's", g is voted), ("the verifier's pick", g is pick and
+                                                                   g['accepted'])) if on]
+            print(f"answer {g['name']}: {len(g['views'])} of {K} views ({'views' if len(g['views']) > 1 else 'view'}"
+                  f" {seen}) | {'accepted' if g['accepted'] else 'rejected'} by the verifier"
+                  + (f" | {', '.join(roles)}" if roles else '')
+                  + (f" | {kind.decode(g['answer'])}" if kind.one_line_answer else ''))
+            print(kind.render(g['answer'], None if g is voted else voted['answer']))
+    final = pick['answer']
+    verdict = 'solved (verified)' if pick['accepted'] else "NOT solved (the verifier rejects every view's answer)"
+    notes = [f"the vote: answer {voted['name']} ({len(voted['views'])} of {K} views), "
+             + ('accepted' if voted['accepted'] else 'rejected')]
+    if pick is not voted:
+        notes.append(f"the verifier's pick: answer {pick['name']} ({plural(len(pick['views']), 'view')})")
+    halted = sum(h is not None for g in groups for _, _, h, _ in g['stops'])
+    notes.append(f"the model halted in {halted} of {K} views, {it['steps'].mean():.2f} steps on average")
+    if it['target'] is not None:
+        same = bool(np.array_equal(np.where(it['target'] < 0, final, it['target']), final))
+        notes.append("identical to the dataset's label" if same else "differs from the dataset's label")
+    answers = ', '.join(f"{g['name']} {len(g['views'])} (view{'s' * (len(g['views']) > 1)} "
+                        f"{' '.join(map(str, g['views']))}) {'accepted' if g['accepted'] else 'rejected'}"
+                        for g in groups)
+    timing = f"{it['time']:.2f} s (in a batch of " + (f"{it['batch']} puzzles x " if it['batch'] > 1 else '') \
+        + f"{K} views)"
+    answer = f" | answer {kind.decode(final)}" if kind.one_line_answer else ''
+    print(f"{it['label']}: {verdict} in {K} views; {'; '.join(notes)} | answers {answers} | {timing}{answer}",
+          flush=True)
 
 
 # -----------------------------------------------------------------------------
@@ -533,22 +656,35 @@ def main():
         torch.set_num_threads(cpu_threads())
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
+    if views_problem(kind, views):
+        fail(f"views={views}: {views_problem(kind, views)}")
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
+    per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
-          + f" | {plural(len(inputs), 'puzzle')} in batches of {min(batch_size, len(inputs))}")
+          + f" | {plural(len(inputs), 'puzzle')}"
+          + (f" in batches of {min(per, len(inputs))}" if views == 1 else
+             f" in {views} views each, batches of {min(per, len(inputs))} x {views} views"))
 
     # --- solve, a batch at a time; each batch is reported when it is done --------------------------------
     drawn, n_done, n_solved, n_steps_sum, t_all = [], 0, 0, 0, time.perf_counter()
-    for b0 in range(0, len(inputs), batch_size):
-        x, i_ = inputs[b0:b0 + batch_size], ids[b0:b0 + batch_size]
+    n_voted = 0  # with views: puzzles whose vote's answer the verifier accepts
+    for b0 in range(0, len(inputs), per):
+        x, i_ = inputs[b0:b0 + per], ids[b0:b0 + per]
+        if views > 1:
+            for it in solve_in_views(model, dev, kind, x, i_, b0, n_steps, wheres, labels):
+                report_views(it, kind)
+                n_done, n_solved, n_voted = n_done + 1, n_solved + it['pick']['accepted'], \
+                    n_voted + it['vote']['accepted']
+                n_steps_sum += it['steps'].mean()
+                if len(drawn) < png_puzzles:
+                    drawn.append(it['png'])
+            continue
         preds, qs, times = reason(model, dev, x, i_, n_steps, all_steps)
         correct = np.stack([np.asarray(kind.correct(x, p)) for p in preds])  # [S, B]
         probs = sigmoid(qs)
         for j in range(len(x)):
-            halts = np.flatnonzero(qs[:, j] > 0)
-            halt = int(halts[0]) if len(halts) else None
-            last = len(preds) - 1 if (all_steps or halt is None) else halt
+            halt, last = stop_step(qs[:, j])
             it = dict(inputs=x[j], preds=preds[:last + 1, j], prob=probs[:last + 1, j],
                       correct=correct[:last + 1, j],
                       halt=halt, shown=last + 1, time=float(times[last]), batch=len(x), where=wheres[b0 + j],
@@ -559,12 +695,17 @@ def main():
             if len(drawn) < png_puzzles:
                 drawn.append(it)
     t_all = time.perf_counter() - t_all
-    if n_done > 1:
+    if n_done > 1 and views > 1:
+        print(f"solved {n_solved}/{n_done} (verified: the verifier's pick of {views} views) | the vote's answer "
+              f"accepted {n_voted}/{n_done} | {n_steps_sum / n_done:.2f} steps on average a view | {t_all:.2f} s "
+              f"for {plural(n_done, 'puzzle')} in {views} views on {dev.kind} ({dtype})")
+    elif n_done > 1:
         print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | "
               f"{t_all:.2f} s for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
     if plt:
         title = (f"{os.path.basename(init_from)}: {kind.title}, cells changed since the step before "
-                 "highlighted"
+                 "highlighted" + (f" (the steps of the verifier's pick of {views} views, mapped back)"
+                                  if views > 1 else '')
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
         try:
             draw_png(png, plt, kind, drawn, title)
