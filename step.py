@@ -434,7 +434,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     was_training = model.training
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
-    sums, example, verified, by_views = None, None, 0, {}
+    sums, example, verified, by_views = {}, None, 0, {}
     for batch in loader:
         if should_stop is not None and should_stop():
             model.train(was_training)
@@ -468,12 +468,15 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
                 q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
         )
-        sums = part if sums is None else {k: sums[k] + part[k] for k in sums}
+        # read with the batch's answers, in its one graph, and added up on the host: summed on the device, the
+        # first batch's sums and the later ones' would be different graphs (a compilation at the second batch)
+        keys = sorted(part)
+        flat_part = torch.cat([part[k].reshape(-1).float() for k in keys])
         inp, v = batch['inputs'][:B], batch['valid'][:B]
         if K > 1:  # every view's answer at halt_max_steps and where q_halt stopped it: one graph, one read
             at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
-            p_all, c_all, p_stop, c_stop = dev.read([preds_all[h], q_all[h], at_stop,
-                                                     q_all.gather(0, first_all[None])[0]])
+            p_all, c_all, p_stop, c_stop, got = dev.read([preds_all[h], q_all[h], at_stop,
+                                                          q_all.gather(0, first_all[None])[0], flat_part])
             p = p_all[:B]
             hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
             for suffix, answers, conf in (('', p_all, c_all), ('_q_halt', p_stop, c_stop)):
@@ -481,24 +484,25 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                 for name, c in counts.items():
                     by_views[name + suffix] = by_views.get(name + suffix, 0) + c
         elif verifier is not None:
-            p = dev.read([preds[h]])[0]  # one graph per batch, then a plain transfer
+            p, got = dev.read([preds[h], flat_part])  # one graph per batch, then a plain transfer
         else:
-            dev.sync()
+            got, = dev.read([flat_part])
+        for k, x in zip(keys, np.split(got.astype(np.float64), np.cumsum([part[k].numel() for k in keys])[:-1])):
+            sums[k] = sums.get(k, 0) + x
         if verifier is not None:
             ok = np.asarray(verifier(inp, p)) & v
             verified += int(ok.sum())
             if show_example and example is None and v.any():
                 i = int(np.argmax(v))
                 example = (inp[i], p[i], bool(ok[i]))
-    # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
-    # examples would run another graph than one verifying more (tests/test_pod.py)
-    sums['verified'] = torch.tensor([float(verified)], device=dev.device)
-    for name, c in by_views.items():
-        sums['views_' + name] = torch.tensor(np.asarray(c, np.float32), device=dev.device)
+    sums['verified'] = np.array([float(verified)])
+    sums.update({'views_' + name: np.asarray(c) for name, c in by_views.items()})
     keys = sorted(sums)
-    flat = torch.cat([sums[k].reshape(-1).float() for k in keys])  # one reduction, one transfer
+    # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
+    # examples would run another graph than one verifying more (tests/test_pod.py); one reduction, one transfer
+    flat = torch.tensor(np.concatenate([np.ravel(sums[k]) for k in keys]).astype(np.float32), device=dev.device)
     dev.all_reduce_sum_([flat])
-    host = np.split(dev.read([flat])[0], np.cumsum([sums[k].numel() for k in keys])[:-1])
+    host = np.split(dev.read([flat])[0], np.cumsum([np.size(sums[k]) for k in keys])[:-1])
     s = dict(zip(keys, host))
     n = float(s['count'][0])
     exact_k = float(s['exact_per_step'][h])  # plain floats: results go into checkpoints and JSON
