@@ -101,8 +101,8 @@ def test_view_0_equals_one_view_exactly_on_cpu(sudoku4, tmp_path):
             res[K] = json.load(f)['eval']
     one, four = res[1], res[4]
     assert 0 < one['exact_accuracy'] < 1, one  # a checkpoint part-way: right and wrong answers both counted
-    for key in ('count', 'exact_accuracy', 'token_accuracy', 'exact_by_steps', 'exact_accuracy_q_halt', 'steps_q_halt',
-                'verified_accuracy', 'loss'):
+    for key in ('count', 'exact_accuracy', 'token_accuracy', 'exact_by_steps', 'exact_accuracy_q_halt',
+                'steps_q_halt', 'verified_accuracy', 'loss'):
         assert four[key] == one[key], (key, four[key], one[key])  # exactly: view 0's rows are computed alike
     assert four['eval_flops'] == 4 * one['eval_flops']
     assert four['by_views'][0]['vote'] == one['exact_accuracy']
