@@ -12,6 +12,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     PJRT_DEVICE=TPU python bench.py config/baseline.py --vs_eager=True  # and the eager step: device_vs_eager=
     python bench.py --profile_steps=0:3                         # also a trace of 3 more steps
+    python bench.py --eval_views=8                              # every evaluated puzzle in 8 views (train.py's)
     python bench.py config/baseline.py --steps=0 --eval_batches=0 --checkpoint_dir=gs://B/x  # save + upload
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81
@@ -24,6 +25,10 @@ steps' device times.
 It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time
 to the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the
 graph compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
+With train.py's eval_views=K the evaluation batches are those of train.py's K-view evaluation: each of the
+eval_batch_size puzzles in K views (puzzles.py's symmetries of the dataset's kind, view 0 the puzzle itself), one
+batch of K x eval_batch_size rows; puzzles/s counts puzzles, and the evaluation's FLOPs and MFU count every view.
+The votes over the views (host work after the batch's one read) are not timed.
 """
 import os
 import time
@@ -65,7 +70,7 @@ from data import load_metadata  # noqa: E402
 from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from puzzles import puzzle_type, shape_from_name  # noqa: E402
+from puzzles import puzzle_for, puzzle_type, shape_from_name, views_problem  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
 from step import train_step  # noqa: E402
 
@@ -115,8 +120,13 @@ seq_len, vocab_size = shape[0], shape[1]
 print(f"shape: {seq_len} tokens, vocab {vocab_size} ({shape[2]})")
 if not have_data:
     data_path = ''
-eval_B = eval_batch_size or global_batch_size
+eval_B = eval_batch_size or global_batch_size  # puzzles per evaluation batch; with views, K x as many rows
 n_eval_steps = eval_steps or halt_max_steps
+puzzle = puzzle_for(meta if data_path else dict(seq_len=seq_len, vocab_size=vocab_size))  # the views' kind
+if not isinstance(eval_views, int) or eval_views < 1:
+    raise SystemExit(f"config error: eval_views={eval_views!r} (allowed: an integer >= 1; 1: no views)")
+if problem := views_problem(puzzle, eval_views):
+    raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the shape: {shape[2]})")
 if data_path:
     from data import EvalLoader, TrainLoader
     loader = TrainLoader(data_path, global_batch_size, seed=seed)
@@ -124,8 +134,8 @@ if data_path:
                                                    ('vocab_size', 'seq_len', 'num_puzzle_identifiers'))
     host_train = [loader.next_batch() for _ in range(2)]
     host_eval = []
-    for b in EvalLoader(data_path, eval_B, split='test'):
-        host_eval.append({k: b[k] for k in ('inputs', 'labels', 'puzzle_identifiers')})
+    for b in EvalLoader(data_path, eval_B, split='test', seed=seed, views=eval_views, kind=puzzle):
+        host_eval.append({k: b[k] for k in ('inputs', 'labels', 'puzzle_identifiers')})  # K x eval_B rows
         if len(host_eval) == 2:
             break
 else:
@@ -135,8 +145,17 @@ else:
         return dict(inputs=rng.integers(1, vocab_size, (B, seq_len), dtype=np.int32),  # 0 is PAD
                     labels=rng.integers(1, vocab_size, (B, seq_len), dtype=np.int32),
                     puzzle_identifiers=rng.integers(0, num_puzzle_identifiers, B, dtype=np.int32))
+    def in_views(batch, b):
+        """Batch b in eval_views views, as data.EvalLoader gives it on one rank: view-major, K x eval_B rows."""
+        sym = puzzle.views(eval_views, eval_B, seed, b)
+        tile = lambda a: np.tile(a, (eval_views,) + (1,) * (a.ndim - 1))
+        return dict(inputs=puzzle.apply(tile(batch['inputs']), sym).astype(np.int32),
+                    labels=puzzle.apply_labels(tile(batch['labels']), sym).astype(np.int32),
+                    puzzle_identifiers=tile(batch['puzzle_identifiers']))
     host_train = [random_batch(global_batch_size) for _ in range(2)]
     host_eval = [random_batch(eval_B) for _ in range(2)]
+    if eval_views > 1:
+        host_eval = [in_views(batch, b) for b, batch in enumerate(host_eval)]
 batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) for b in host_eval]
 
 # --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------
@@ -327,14 +346,15 @@ if eval_batches > 0:
             dev.sync()
         dev.wait()
         out[1].cpu()
-        eval_ps = eval_B * eval_batches / (time.perf_counter() - t0)
+        eval_ps = eval_B * eval_batches / (time.perf_counter() - t0)  # puzzles, each in eval_views rows
         compiles_eval_end, after = dev.xla_report()
     eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in after.items() if c > fallbacks.get(n, 0)}
     model.train()
-    eval_tflops = model.flops_per_example(train=False) * n_eval_steps * eval_ps / 1e12
+    eval_tflops = model.flops_per_example(train=False) * n_eval_steps * eval_views * eval_ps / 1e12
     eval_mfu = eval_tflops / peak if peak else None
-    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}) | {eval_tflops:.3f} TFLOP/s "
-          f"| MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
+    views_what = f" x {eval_views} views = {eval_views * eval_B} rows" if eval_views > 1 else ''
+    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}{views_what}) | "
+          f"{eval_tflops:.3f} TFLOP/s | MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
           + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None
              else ''))
 
@@ -399,7 +419,8 @@ print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_s
       f"first_step_s={first_step_s:.2f} examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} "
       f"flops_per_example={flops} tflops={tflops:.4f} mfu={fmt(mfu, '.4f')} warmup_s={warmup_s:.2f} "
       f"peak_mem_gib={mem / 2 ** 30:.3f} eval_puzzles_per_s={fmt(eval_ps, '.2f')} "
-      f"eval_mfu={fmt(eval_mfu, '.4f')} compiles_warm={compiles_warm} compiles_end={compiles_end} "
+      f"eval_mfu={fmt(eval_mfu, '.4f')} eval_views={eval_views} compiles_warm={compiles_warm} "
+      f"compiles_end={compiles_end} "
       f"fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
       f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} host_flush_mb={host_flush_mb} "
       f"device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
