@@ -1,7 +1,8 @@
 """
 study.py --eval_only: test-time breadth (views) and depth (supervision steps) as a study axis. A tiny real study
 at the cpu scale (one run of 40 steps), evaluated again in 4 views at two step counts: the evals files written,
-a second call skipping them, an unfinished run listed as skipped, and the report's table and plot.
+a second call skipping them, an unfinished run listed as skipped, and the report's table and plot; a gs://
+out_root's saved evaluations found in the bucket (GCS emulator).
     python -m pytest -q tests/test_study_views.py
 """
 import csv
@@ -9,8 +10,10 @@ import json
 import os
 import re
 import shutil
+import time
 
-from conftest import ROOT, assert_user_error, run
+import gcs
+from conftest import BUCKET, ROOT, assert_user_error, run
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 CPU_RUN = ['--scale=cpu', "--extra=--max_steps=40 --checkpoint_interval=20 --log_interval=20"]
@@ -77,3 +80,42 @@ def test_view_counts_an_evaluation_does_not_report_are_refused():
     assert_user_error(p, 'eval_steps', 'comma-separated integers')
     p = run(['study.py', '--pattern=rec_L2', '--eval_only=True', '--report=True'], check=False)
     assert_user_error(p, 'choose one of', 'eval_only')
+
+
+def test_a_bucket_out_root_s_saved_evaluations_are_found_skipped_and_reported(emulator, tmp_path):
+    """The evals files of a gs:// run are listed in its bucket: the runner skips them, the report reads them
+    (a finished run made by hand, as train.py writes it: no training here)."""
+    cfg, made = tmp_path / 'cfg', tmp_path / 'made'
+    prefix = f"views_{os.getpid()}_{int(time.time() * 1000)}"
+    out, local = f'gs://{BUCKET}/{prefix}', os.path.join(ROOT, 'out', BUCKET, prefix)  # local: safety.local_folder
+    cfg.mkdir()
+    (cfg / 'up_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/up_p0'\nhalt_max_steps = 4\n")
+    (made / 'evals').mkdir(parents=True)
+    fe = dict(exact_accuracy=0.5, exact_ci_low=0.4, exact_ci_high=0.6, token_accuracy=0.9, q_halt_accuracy=1.0,
+              count=100)
+    json.dump(dict(parameters=1000, train_flops=1e9, flops_per_example_step=1e3, step=10, final_eval=fe, config={}),
+              open(made / 'results.json', 'w'))
+    by = [dict(views=k, vote=v, verified=v + 0.125, oracle=v + 0.25, accepted=0.7, vote_q_halt=0.5,
+               verified_q_halt=0.6, oracle_q_halt=0.7, accepted_q_halt=0.7)
+          for k, v in ((1, 0.5), (2, 0.25), (4, 0.375))]
+    json.dump(dict(step=10, checkpoint='ckpt_00000010.pt', seconds=12.5, device='cpu', world_size=1,
+                   config=dict(halt_max_steps=4), eval=dict(fe, views=4, eval_flops=4 * 4 * 100 * 1e3, by_views=by)),
+              open(made / 'evals' / 'views4-steps4.json', 'w'))
+    client = gcs.GCS(endpoint=emulator)
+    for name in ('results.json', 'evals/views4-steps4.json'):
+        client.upload(str(made / name), f'{out}/up_p0/{name}')
+    env = dict(STORAGE_EMULATOR_HOST=emulator.replace('http://', ''))
+    try:
+        p = run(['study.py', '--pattern=up_*', f'--config_dir={cfg}', f'--out_root={out}', '--eval_only=True',
+                 '--eval_views=1,2,4', '--eval_steps=4', f'--report_dir={tmp_path}/report'], env=env)
+        assert '1 done before, 0 to run' in p.stdout and 'evaluating in' not in p.stdout, p.stdout
+        rows = list(csv.DictReader(open(tmp_path / 'report' / 'report_views.csv')))
+        assert [(r['views'], r['vote'], r['verified'], r['oracle']) for r in rows] == \
+            [('1', '0.5', '0.625', '0.75'), ('2', '0.25', '0.375', '0.5'), ('4', '0.375', '0.5', '0.625')]
+        assert [float(r['flops_per_puzzle']) for r in rows] == [4e3, 8e3, 16e3] and rows[0]['seconds'] == '12.5'
+    finally:  # the local copies of the bucket's files, in the repository's out/, and the folders above if empty
+        shutil.rmtree(local, ignore_errors=True)
+        try:
+            os.removedirs(os.path.dirname(local))
+        except OSError:
+            pass
