@@ -9,6 +9,7 @@ plots.
     python study.py --pattern='rec_*,tn_*' --scale=cpu         # the CPU smoke twin of the same families
     python study.py --pattern='*' --scale=gpu --examples_per_s=2500 --dry_run=True
     python study.py --pattern='rec_*,tn_*' --scale=cpu --report=True   # table (md, csv) and PNGs
+    python study.py --pattern='rec_*' --scale=cpu --eval_only=True --eval_views=1,2,4,8,16 --eval_steps=4,8
     torchrun users: --nproc=4;  TPU pods: PJRT_DEVICE=TPU python study.py ... --out_root=gs://BUCKET/study
 
 The experiments are files, one per run: config/study/<family>_<point>.py, plain Python that train.py runs
@@ -106,6 +107,24 @@ accuracy against supervision steps; and error_fits.png: error = 1 - exact fitted
 against parameters, FLOPs and puzzles (report.md: the parameters, R^2, and why a fit is not meaningful: under
 4 distinct points, a spread under 1 point, R^2 <= 0). report.csv has one row per run (seed column) and each
 experiment's exact_mean/std/min/max over its seeds.
+
+Test-time compute (--eval_only=True): breadth, every held-out puzzle in k views (view 0 the puzzle, the others
+seeded symmetries of it; eval_views, e.g. '1,2,4,8,16': powers of two and the largest any count), and depth, S
+supervision steps (eval_steps, e.g. '4,8'; 0 or '': the run's own, eval_steps or halt_max_steps). Each run the
+report would use (results.json there and reused) is evaluated again by its own command plus --eval_only=True
+--eval_views=K --eval_steps=S, K = the largest k (the first k views of a K-view evaluation are a k-view
+evaluation, so one evaluation per S gives every k), from its newest checkpoint (--init_from=resume); train.py
+saves <out_dir>/evals/views{K}-steps{S}.json (and uploads it to a gs:// out_dir), its output goes to the run's
+evals.log. An S whose file has K views or more is skipped, so a rerun continues where it stopped; unfinished
+or NOT REUSED runs are listed as skipped with the reason. The evaluations run in turn (--slots does not
+apply), then the report. The report reads, per run and S, the file with the most views: report.md's section
+'Test-time compute' and report_views.csv (run, views k, steps S, vote@k, verified@k, oracle@k, accepted@k,
+each also with q_halt's stop, eval FLOPs per puzzle = k x S x forward FLOPs, seconds of the evaluation) and
+acc_vs_test_compute.png: accuracy against test-time FLOPs per puzzle (log), a colour per run of a family, a
+marker per S, points labelled by k, verified@k solid, vote@k dashed, oracle@k (the ceiling) dotted. train.py
+scores vote/verified/oracle at step min(S, halt_max_steps) (the left panel, at k x min(S, H) x forward
+FLOPs); the steps past halt_max_steps show in the q_halt variants (each view's answer where its q_halt
+stopped it, within S steps; the right panel, at k x S x forward FLOPs).
 """
 import atexit
 import csv
@@ -134,6 +153,9 @@ scale = 'full'                  # 'full' (files as they are) | 'gpu' (one GPU) |
 dry_run = False                 # print each run's command, parameters, FLOPs and time estimate; run nothing
 list_only = False               # print each selected experiment's varied keys, out_dir and state; run nothing
 report = False                  # collect selected runs' results into report.md, report.csv, PNGs; run nothing
+eval_only = False               # evaluate finished runs again in eval_views views at eval_steps steps; no training
+eval_views = '1,2,4,8,16'       # with eval_only: view counts k (powers of two; the largest any): one run in max k
+eval_steps = ''                 # with eval_only: test-time supervision steps S, e.g. '4,8' (0 or '': the run's own)
 nproc = 1                       # processes per run: >1: torchrun --standalone --nproc_per_node=nproc (TPU: 1)
 out_root = ''                   # runs go to out_root/<name of the file's out_dir> ('': out/study, out/study-gpu, out/study-cpu by scale; gs:// allowed)
 data_root = 'data/study-cpu'    # where the cpu scale's generated datasets go
@@ -186,8 +208,28 @@ if scale not in SCALE_ROOTS:
     raise SystemExit(f"config error: scale={scale!r} (allowed: {' | '.join(map(repr, SCALE_ROOTS))})")
 if nproc < 1:
     raise SystemExit(f"config error: nproc={nproc} (allowed: >= 1)")
-if sum([dry_run, list_only, report]) > 1:
-    raise SystemExit("config error: choose one of dry_run, list_only and report")
+if sum([dry_run, list_only, report, eval_only]) > 1:
+    raise SystemExit("config error: choose one of dry_run, list_only, report and eval_only")
+
+
+def int_list(key, text, least):
+    """The integers of a comma-separated key ('1,2,4'), each >= least."""
+    try:
+        vals = [int(t) for t in str(text).replace(' ', '').split(',') if t]
+    except ValueError:
+        vals = None
+    if vals is None or any(v < least for v in vals):
+        raise SystemExit(f"config error: {key}={text!r} (allowed: comma-separated integers >= {least}, e.g. "
+                         f"{'1,2,4,8,16' if key == 'eval_views' else '4,8'})")
+    return vals
+
+
+VIEWS = sorted(set(int_list('eval_views', eval_views, 1))) or [1]
+STEPS = list(dict.fromkeys(int_list('eval_steps', eval_steps, 0))) or [0]  # 0: each run's own
+# a K-view evaluation reports k = 1, 2, 4, .. and K (step.view_counts): other counts are not measured
+if odd_views := [k for k in VIEWS[:-1] if k & (k - 1)]:
+    raise SystemExit(f"config error: eval_views={eval_views!r}: {odd_views} not reported by an evaluation in "
+                     f"{VIEWS[-1]} views (allowed: powers of two, and the largest any count)")
 if slots < 1 or seeds < 1:
     raise SystemExit(f"config error: slots={slots}, seeds={seeds} (allowed: >= 1)")
 if hosts_mode not in ('all', 'share'):
@@ -1132,6 +1174,101 @@ def finished(r, status, failed_data):
 
 
 # -----------------------------------------------------------------------------
+# test-time views and steps: finished runs evaluated again (--eval_only)
+
+EVAL_FILE = re.compile(r'views(\d+)-steps(\d+)\.json')  # train.py --eval_only's record in <out_dir>/evals
+
+
+def own_steps(e):
+    """The supervision steps a run evaluates by itself (train.py: eval_steps, else halt_max_steps)."""
+    return e.run_cfg['eval_steps'] or e.run_cfg['halt_max_steps']
+
+
+def saved_evals(e):
+    """{(views, steps): local path} of a run's saved re-evaluations, from its folder and, for a gs:// run, its
+    bucket (downloaded beside the local copies)."""
+    if gcs.is_gcs(e.out_dir):
+        try:
+            names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.list_objects(f"{e.out_dir}/evals/")]
+        except Exception as ex:  # an unreachable bucket: the local copies, if any
+            print(f"warning: cannot list {e.out_dir}/evals ({ex}); the local copies are used, if any")
+            names = []
+        for n in filter(EVAL_FILE.fullmatch, names):
+            fetch(e, f"evals/{n}")
+    folder = os.path.join(e.local, 'evals')
+    found = {}
+    for n in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if m := EVAL_FILE.fullmatch(n):
+            found[int(m[1]), int(m[2])] = os.path.join(folder, n)
+    return found
+
+
+def run_evals(exps):
+    """--eval_only: every finished run whose results.json the study reuses is evaluated again, once per
+    eval_steps S, in K = max(eval_views) views (its first k views are a k-view evaluation, so one run gives
+    every k): its command plus --eval_only=True --eval_views=K --eval_steps=S (with --init_from=resume: the
+    newest checkpoint), which saves <out_dir>/evals/views{K}-steps{S}.json. Skipped when a file of S with K
+    views or more is there; unfinished runs are listed as skipped with their state. In turn, one at a time
+    (--slots does not apply). The exit code: 1 if an evaluation failed or the study was stopped."""
+    lock_study()
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    K, t_study = VIEWS[-1], time.time()
+    mine = my_runs([e for e in exps if not e.same_as])[0]
+    todo, summary = [], []  # summary: (run, steps, status, detail)
+    for e in mine:
+        if not has_results(e):
+            summary.append((e.run, '', 'skipped', f"not finished ({state(e)}): train it first (study.py "
+                                                  "without --eval_only)"))
+            continue
+        why = read_results(e)[1]
+        if why:
+            summary.append((e.run, '', 'skipped', f"NOT REUSED: {why}"))
+            continue
+        have = saved_evals(e)
+        for S in dict.fromkeys(s or own_steps(e) for s in STEPS):
+            more = [k for k, s in have if s == S and k >= K]
+            if more:
+                summary.append((e.run, S, 'done before', have[max(more), S]))
+            else:
+                todo.append((e, S))
+    print(f"study: scale {scale}, test-time evaluation of {len(mine)} run(s) in {K} view(s) (k = "
+          f"{', '.join(map(str, VIEWS))}) at steps {', '.join(str(s) if s else 'own' for s in STEPS)}: "
+          f"{sum(s == 'done before' for _, _, s, _ in summary)} done before, {len(todo)} to run, in {ROOT}")
+    for e, S in todo:
+        if STOP['requested']:
+            summary.append((e.run, S, 'not run (stopped)', ''))
+            continue
+        flags = ['--eval_only=True', f'--eval_views={K}', f'--eval_steps={S}']
+        display = ' '.join([e.display] + flags)
+        print(f"\nstudy: {e.run} [{e.varied_text()}]: evaluating in {K} view(s) at {S} steps\n  {display}",
+              flush=True)
+        t, path = time.time(), os.path.join(e.local, 'evals', f"views{K}-steps{S}.json")
+        r = Running(e.cmd + flags, os.path.join(e.local, 'evals.log'), display, e.env)
+        while (got := r.pump(echo=True)) != 'eof':
+            if not got:
+                time.sleep(0.05)
+        err = r.error()[:300]
+        rc = r.close()[0]
+        if os.path.exists(path):
+            summary.append((e.run, S, 'done', f"in {duration(time.time() - t)}: {path}"))
+        elif STOP['requested']:
+            summary.append((e.run, S, 'stopped', 'rerun to evaluate it'))
+        else:
+            why = f"exit code {rc}" + (f": {err}" if err else f", but no {path}" if rc == 0 else '')
+            summary.append((e.run, S, 'FAILED', f"{why} (log: {os.path.join(e.local, 'evals.log')})"))
+    print(f"\nstudy: summary of the test-time evaluations ({duration(time.time() - t_study)}):")
+    for run, S, st, detail in summary:
+        print(f"  {run:<16} {f'steps {S}' if S else '':<10} {st:<18} {detail}")
+    bad = [f"{run} (steps {S})" for run, S, st, _ in summary if st in ('FAILED', 'stopped', 'not run (stopped)')]
+    if STOP['requested']:
+        print("study: stopped; rerun the same command to continue (saved evaluations are skipped)")
+    elif bad:
+        print(f"study: {len(bad)} evaluation(s) failed: {', '.join(bad)}")
+    return 1 if bad or STOP['requested'] else 0
+
+
+# -----------------------------------------------------------------------------
 # report
 
 def timed_minutes(metrics_path, batch):
@@ -1241,7 +1378,7 @@ def seed_stats(rows):
     return stats
 
 
-def write_tables(rows, folder):
+def write_tables(rows, folder, views=()):
     os.makedirs(folder, exist_ok=True)
     md = [f"# Study report: scale {scale}, {ROOT}\n"]
     if seeds == 1:
@@ -1283,11 +1420,14 @@ def write_tables(rows, folder):
                 f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) for v in p['per_seed']),
                 f"{p['device_hours']:.3g}" if p.get('device_hours') is not None else '', p['status']]) + ' |')
     md += fits_section(rows)
+    md += views_section(views)
     md += [f"\nCurves: `tensorboard --logdir {ROOT}` shows every run's training, evaluation, speed and XLA "
            "scalars (each run as <name>/tb; TensorBoard reads a gs:// folder as well).\n"]
     with open(os.path.join(folder, 'report.md'), 'w') as f:
         f.write('\n'.join(md) + '\n')
     write_csv(rows, folder)
+    if views:
+        write_views_csv(views, folder)
     return '\n'.join(md)
 
 
@@ -1309,6 +1449,138 @@ def write_csv(rows, folder):
         for r in rows:
             r = dict(r, **dict(zip(cols[-5:], stats.get(r['name'], [None] * 5))))
             w.writerow(['' if r.get(c) is None else r.get(c) for c in cols])
+
+
+# -----------------------------------------------------------------------------
+# test-time compute: accuracy against views and steps (the runs' evals/views{K}-steps{S}.json)
+
+VIEW_COLS = ['run', 'family', 'point', 'views', 'steps', 'answer_step', 'halt_max_steps', 'vote', 'verified',
+             'oracle', 'accepted', 'vote_q_halt', 'verified_q_halt', 'oracle_q_halt', 'accepted_q_halt',
+             'flops_per_puzzle', 'forward_flops_per_step', 'seconds', 'eval_views', 'checkpoint_step',
+             'test_count', 'file']
+
+
+def collect_views(exps):
+    """One row per (run, steps S, views k) of the saved re-evaluations of the runs the report uses: for each
+    S the file with the most views K (its first k views are a k-view evaluation). The accuracies at k are
+    the by_views entry of k (K = 1: view 0's exact accuracy, which vote, verified and oracle all are with one
+    view); flops_per_puzzle = the evaluation's forward FLOPs / puzzles x k / K = k x S x forward FLOPs per
+    step; seconds: the whole K-view evaluation's."""
+    rows = []
+    for e in exps:
+        if e.same_as or read_results(e)[0] is None:  # unfinished or not reused: not compared
+            continue
+        best = {}
+        for (K, S), path in saved_evals(e).items():
+            if K >= best.get(S, (0, None))[0]:
+                best[S] = (K, path)
+        for S, (K, path) in sorted(best.items()):
+            try:
+                with open(path) as f:
+                    rec = json.load(f)
+                res, H = rec['eval'], int(rec['config']['halt_max_steps'])
+                n = float(res['count'])
+                per_view = float(res['eval_flops']) / max(n, 1) / K
+                by = res.get('by_views') or [dict(
+                    views=1, vote=res['exact_accuracy'], verified=res['exact_accuracy'],
+                    oracle=res['exact_accuracy'], accepted=res.get('verified_accuracy'),
+                    **{m + '_q_halt': res['exact_accuracy_q_halt'] for m in ('vote', 'verified', 'oracle')})]
+                for v in by:
+                    k = int(v['views'])
+                    rows.append(dict(
+                        run=e.run, family=e.family, point=e.point(), views=k, steps=S, answer_step=min(S, H),
+                        halt_max_steps=H, **{m: v.get(m) for m in VIEW_COLS[7:15]},
+                        flops_per_puzzle=per_view * k, forward_flops_per_step=per_view / S,
+                        seconds=rec.get('seconds'), eval_views=K, checkpoint_step=rec.get('step'),
+                        test_count=int(n), file=path))
+            except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as ex:
+                print(f"report: {path} cannot be read ({type(ex).__name__}: {ex}); left out")
+    return rows
+
+
+def views_section(views):
+    """report.md's test-time compute table."""
+    if not views:
+        return []
+    lines = ["\n## Test-time compute: views and supervision steps\n",
+             "Each finished run evaluated again (`--eval_only=True`) on every test puzzle in k views (view 0 "
+             "the puzzle, the others seeded symmetries of it) for S supervision steps. vote@k: the answer most "
+             "views agree on; verified@k: an answer the verifier accepts where a view found one, else the "
+             "vote; oracle@k: any view right (the ceiling). These are scored at step min(S, halt_max_steps) "
+             "(column 'answer at'); the q_halt columns take each view's answer where its q_halt stopped it, "
+             "within the S steps. FLOPs per puzzle: k x S x forward FLOPs per step (what the evaluation ran); "
+             "seconds: the whole evaluation in the most views (all k at once). report_views.csv has every "
+             "column (accepted@k too).\n",
+             "| run | views k | steps S | answer at | vote@k % | verified@k % | oracle@k % | q_halt stop: "
+             "vote / verified / oracle % | eval FLOPs per puzzle | seconds |", '|' + '---|' * 10]
+    for r in views:
+        lines.append('| ' + ' | '.join([
+            r['run'], str(r['views']), str(r['steps']), f"step {r['answer_step']}", pct(r['vote']),
+            pct(r['verified']), pct(r['oracle']),
+            ' / '.join(pct(r[m + '_q_halt']) for m in ('vote', 'verified', 'oracle')),
+            f"{r['flops_per_puzzle']:.3g}", '' if r['seconds'] is None else f"{r['seconds']:.1f}"]) + ' |')
+    return lines
+
+
+def write_views_csv(views, folder):
+    with open(os.path.join(folder, 'report_views.csv'), 'w', newline='') as f:
+        w = csv.writer(f)
+        w.writerow(VIEW_COLS)
+        for r in views:
+            w.writerow(['' if r.get(c) is None else r[c] for c in VIEW_COLS])
+
+
+def plot_views(plt, views):
+    """acc_vs_test_compute.png: per family, accuracy against test-time FLOPs per puzzle (log), one colour per
+    run, one marker per S, points labelled by k; verified@k solid, vote@k dashed, oracle@k dotted and
+    lighter. Left: the answers at step min(S, halt_max_steps), at the FLOPs they took (k x min(S, H) x
+    forward); right: each view's answer where q_halt stopped it, at the FLOPs of the S steps run."""
+    if not views:
+        return None
+    from matplotlib.lines import Line2D
+    fams = list(dict.fromkeys(r['family'] for r in views))
+    fig, axes = plt.subplots(len(fams), 2, figsize=(14, 5.5 * len(fams)), squeeze=False)
+    markers = 'osD^v<>p*h'
+    for (left, right), f in zip(axes, fams):
+        runs = list(dict.fromkeys(r['run'] for r in views if r['family'] == f))
+        steps = sorted({r['steps'] for r in views if r['family'] == f})
+        colors = {run: plt.get_cmap('tab10')(i % 10) for i, run in enumerate(runs)}
+        for ax, suffix in ((left, ''), (right, '_q_halt')):
+            placed, ys_all = set(), []  # label cells taken (log x, y): one k label a cell, the rest crowd
+            for run in runs:
+                for S in steps:
+                    pts = sorted((r for r in views if r['run'] == run and r['steps'] == S), key=lambda r: r['views'])
+                    if not pts:
+                        continue
+                    xs = [r['flops_per_puzzle'] * (r['answer_step'] / S if not suffix else 1) for r in pts]
+                    mk, c = markers[steps.index(S) % len(markers)], colors[run]
+                    for m, ls, alpha in (('verified', '-', 1.0), ('vote', '--', 0.9), ('oracle', ':', 0.5)):
+                        ys = [100 * r[m + suffix] for r in pts]
+                        ys_all += ys
+                        ax.plot(xs, ys, ls=ls, marker=mk, color=c, alpha=alpha,
+                                ms=5 if m == 'verified' else 3, lw=1.6 if m == 'verified' else 1.1,
+                                label=f"{run}, S={S}" if m == 'verified' else None)
+                    for r, x in zip(pts, xs):
+                        y = 100 * r['verified' + suffix]
+                        cell = (round(math.log10(x) * 12), round(y / 2.5))
+                        if cell not in placed:
+                            placed.add(cell)
+                            ax.annotate(f"k={r['views']}", (x, y), fontsize=7, color=c, textcoords='offset points',
+                                        xytext=(3, -10))
+            ax.set_xscale('log')
+            ax.set_ylim(max(0.0, min(ys_all) - 5) if ys_all else 0, 101.5)
+            ax.grid(alpha=0.3, which='both')
+            ax.set_ylabel('held-out accuracy (%)')
+        left.set_xlabel('test-time FLOPs per puzzle (log): k views x min(S, halt_max_steps) x forward FLOPs')
+        right.set_xlabel('test-time FLOPs per puzzle (log): k views x S steps x forward FLOPs')
+        left.set_title(f"{f}_*: answers at step min(S, halt_max_steps) (scale {scale})", fontsize=10)
+        right.set_title(f"{f}_*: each view's answer where q_halt stopped it, within S steps (scale {scale})",
+                        fontsize=10)
+        handles, labels = left.get_legend_handles_labels()
+        styles = [Line2D([], [], color='grey', ls=ls, alpha=a, label=t) for ls, a, t in
+                  (('-', 1.0, 'verified@k'), ('--', 0.9, 'vote@k'), (':', 0.5, 'oracle@k (ceiling)'))]
+        left.legend(handles=handles + styles, fontsize=7, loc='best')
+    return fig
 
 
 # -----------------------------------------------------------------------------
@@ -1393,7 +1665,7 @@ def fits_section(rows):
     return lines
 
 
-def plot(rows, folder):
+def plot(rows, folder, views=()):
     try:
         import matplotlib
         matplotlib.use('Agg')
@@ -1487,7 +1759,8 @@ def plot(rows, folder):
             plt.close(fig)
     for name, fig in (('acc_ablations.png', plot_ablations(plt, done, title, colors, ylabel)),
                       ('acc_vs_supervision_steps.png', plot_supervision_steps(plt, done, title)),
-                      ('error_fits.png', plot_fits(plt, done, title, colors))):
+                      ('error_fits.png', plot_fits(plt, done, title, colors)),
+                      ('acc_vs_test_compute.png', plot_views(plt, views))):
         if fig:
             save(fig, name)
     return written
@@ -1573,11 +1846,12 @@ def plot_supervision_steps(plt, done, title):
 
 
 def make_report(exps):
-    rows = collect(exps)
+    rows, views = collect(exps), collect_views(exps)
     folder = report_dir or LOCAL_ROOT
-    print(write_tables(rows, folder))
-    pngs = plot(rows, folder)
+    print(write_tables(rows, folder, views))
+    pngs = plot(rows, folder, views)
     print(f"\nreport: {os.path.join(folder, 'report.md')}, {os.path.join(folder, 'report.csv')}"
+          + (f", {os.path.join(folder, 'report_views.csv')}" if views else '')
           + ''.join(f", {p}" for p in pngs))
     for r in rows:
         if r.get('not_used'):
@@ -1600,6 +1874,11 @@ if __name__ == '__main__':
         print_dry_run(exps)
     elif report:
         make_report(exps)
+    elif eval_only:
+        rc = run_evals(exps)
+        print()
+        make_report(exps)  # with the test-time table and plot
+        sys.exit(rc)
     else:
         rc = run_study(exps)
         print()
