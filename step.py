@@ -422,8 +422,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
     A loader with views K > 1 gives each batch in K views (one batch of K x the rows): the metrics above are
     view 0's (the puzzles as they are), and by_views holds vote@k, verified@k, oracle@k (and accepted@k)
-    for each k of view_counts(K), at halt_max_steps and with q_halt's stop (each view's answer where it
-    stopped).
+    for each k of view_counts(K), after the last of the n_steps (test-time depth counts: views x steps) and
+    with q_halt's stop (each view's answer where it stopped).
     should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
     (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
     point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
@@ -473,11 +473,11 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         keys = sorted(part)
         flat_part = torch.cat([part[k].reshape(-1).float() for k in keys])
         inp, v = batch['inputs'][:B], batch['valid'][:B]
-        if K > 1:  # every view's answer at halt_max_steps and where q_halt stopped it: one graph, one read
+        if K > 1:  # every view's answer after the last step and where q_halt stopped it: one graph, one read
             at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
-            p_all, c_all, p_stop, c_stop, got = dev.read([preds_all[h], q_all[h], at_stop,
-                                                          q_all.gather(0, first_all[None])[0], flat_part])
-            p = p_all[:B]
+            c_stop = q_all.gather(0, first_all[None])[0]
+            p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, c_stop, preds[h],
+                                                             flat_part])
             hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
             for suffix, answers, conf in (('', p_all, c_all), ('_q_halt', p_stop, c_stop)):
                 counts, _ = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)

@@ -122,9 +122,8 @@ apply), then the report. The report reads, per run and S, the file with the most
 each also with q_halt's stop, eval FLOPs per puzzle = k x S x forward FLOPs, seconds of the evaluation) and
 acc_vs_test_compute.png: accuracy against test-time FLOPs per puzzle (log), a colour per run of a family, a
 marker per S, points labelled by k, verified@k solid, vote@k dashed, oracle@k (the ceiling) dotted. train.py
-scores vote/verified/oracle at step min(S, halt_max_steps) (the left panel, at k x min(S, H) x forward
-FLOPs); the steps past halt_max_steps show in the q_halt variants (each view's answer where its q_halt
-stopped it, within S steps; the right panel, at k x S x forward FLOPs).
+scores vote/verified/oracle after the last of the S steps (the left panel); the q_halt variants take each
+view's answer where its q_halt stopped it, within the S steps (the right panel); both at k x S x forward FLOPs.
 """
 import atexit
 import csv
@@ -1454,7 +1453,7 @@ def write_csv(rows, folder):
 # -----------------------------------------------------------------------------
 # test-time compute: accuracy against views and steps (the runs' evals/views{K}-steps{S}.json)
 
-VIEW_COLS = ['run', 'family', 'point', 'views', 'steps', 'answer_step', 'halt_max_steps', 'vote', 'verified',
+VIEW_COLS = ['run', 'family', 'point', 'views', 'steps', 'halt_max_steps', 'vote', 'verified',
              'oracle', 'accepted', 'vote_q_halt', 'verified_q_halt', 'oracle_q_halt', 'accepted_q_halt',
              'flops_per_puzzle', 'forward_flops_per_step', 'seconds', 'eval_views', 'checkpoint_step',
              'test_count', 'file']
@@ -1478,7 +1477,7 @@ def collect_views(exps):
             try:
                 with open(path) as f:
                     rec = json.load(f)
-                res, H = rec['eval'], int(rec['config']['halt_max_steps'])
+                res = rec['eval']
                 n = float(res['count'])
                 per_view = float(res['eval_flops']) / max(n, 1) / K
                 by = res.get('by_views') or [dict(
@@ -1488,8 +1487,9 @@ def collect_views(exps):
                 for v in by:
                     k = int(v['views'])
                     rows.append(dict(
-                        run=e.run, family=e.family, point=e.point(), views=k, steps=S, answer_step=min(S, H),
-                        halt_max_steps=H, **{m: v.get(m) for m in VIEW_COLS[7:15]},
+                        run=e.run, family=e.family, point=e.point(), views=k, steps=S,
+                        halt_max_steps=int(rec['config']['halt_max_steps']),
+                        **{m: v.get(m) for m in VIEW_COLS[6:14]},
                         flops_per_puzzle=per_view * k, forward_flops_per_step=per_view / S,
                         seconds=rec.get('seconds'), eval_views=K, checkpoint_step=rec.get('step'),
                         test_count=int(n), file=path))
@@ -1506,16 +1506,16 @@ def views_section(views):
              "Each finished run evaluated again (`--eval_only=True`) on every test puzzle in k views (view 0 "
              "the puzzle, the others seeded symmetries of it) for S supervision steps. vote@k: the answer most "
              "views agree on; verified@k: an answer the verifier accepts where a view found one, else the "
-             "vote; oracle@k: any view right (the ceiling). These are scored at step min(S, halt_max_steps) "
-             "(column 'answer at'); the q_halt columns take each view's answer where its q_halt stopped it, "
+             "vote; oracle@k: any view right (the ceiling). These are scored after the last of the S steps; "
+             "the q_halt columns take each view's answer where its q_halt stopped it, "
              "within the S steps. FLOPs per puzzle: k x S x forward FLOPs per step (what the evaluation ran); "
              "seconds: the whole evaluation in the most views (all k at once). report_views.csv has every "
              "column (accepted@k too).\n",
-             "| run | views k | steps S | answer at | vote@k % | verified@k % | oracle@k % | q_halt stop: "
-             "vote / verified / oracle % | eval FLOPs per puzzle | seconds |", '|' + '---|' * 10]
+             "| run | views k | steps S | vote@k % | verified@k % | oracle@k % | q_halt stop: "
+             "vote / verified / oracle % | eval FLOPs per puzzle | seconds |", '|' + '---|' * 9]
     for r in views:
         lines.append('| ' + ' | '.join([
-            r['run'], str(r['views']), str(r['steps']), f"step {r['answer_step']}", pct(r['vote']),
+            r['run'], str(r['views']), str(r['steps']), pct(r['vote']),
             pct(r['verified']), pct(r['oracle']),
             ' / '.join(pct(r[m + '_q_halt']) for m in ('vote', 'verified', 'oracle')),
             f"{r['flops_per_puzzle']:.3g}", '' if r['seconds'] is None else f"{r['seconds']:.1f}"]) + ' |')
@@ -1533,8 +1533,8 @@ def write_views_csv(views, folder):
 def plot_views(plt, views):
     """acc_vs_test_compute.png: per family, accuracy against test-time FLOPs per puzzle (log), one colour per
     run, one marker per S, points labelled by k; verified@k solid, vote@k dashed, oracle@k dotted and
-    lighter. Left: the answers at step min(S, halt_max_steps), at the FLOPs they took (k x min(S, H) x
-    forward); right: each view's answer where q_halt stopped it, at the FLOPs of the S steps run."""
+    lighter. Left: the answers after the last of the S steps; right: each view's answer where q_halt stopped
+    it; both at the FLOPs of the S steps run (k x S x forward)."""
     if not views:
         return None
     from matplotlib.lines import Line2D
@@ -1552,7 +1552,7 @@ def plot_views(plt, views):
                     pts = sorted((r for r in views if r['run'] == run and r['steps'] == S), key=lambda r: r['views'])
                     if not pts:
                         continue
-                    xs = [r['flops_per_puzzle'] * (r['answer_step'] / S if not suffix else 1) for r in pts]
+                    xs = [r['flops_per_puzzle'] for r in pts]
                     mk, c = markers[steps.index(S) % len(markers)], colors[run]
                     for m, ls, alpha in (('verified', '-', 1.0), ('vote', '--', 0.9), ('oracle', ':', 0.5)):
                         ys = [100 * r[m + suffix] for r in pts]
@@ -1571,9 +1571,9 @@ def plot_views(plt, views):
             ax.set_ylim(max(0.0, min(ys_all) - 5) if ys_all else 0, 101.5)
             ax.grid(alpha=0.3, which='both')
             ax.set_ylabel('held-out accuracy (%)')
-        left.set_xlabel('test-time FLOPs per puzzle (log): k views x min(S, halt_max_steps) x forward FLOPs')
+        left.set_xlabel('test-time FLOPs per puzzle (log): k views x S steps x forward FLOPs')
         right.set_xlabel('test-time FLOPs per puzzle (log): k views x S steps x forward FLOPs')
-        left.set_title(f"{f}_*: answers at step min(S, halt_max_steps) (scale {scale})", fontsize=10)
+        left.set_title(f"{f}_*: answers after S steps (scale {scale})", fontsize=10)
         right.set_title(f"{f}_*: each view's answer where q_halt stopped it, within S steps (scale {scale})",
                         fontsize=10)
         handles, labels = left.get_legend_handles_labels()

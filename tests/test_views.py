@@ -27,7 +27,8 @@ from step import evaluate, format_eval, score_views, view_counts
 def sudoku_tokens(n, count, seed):
     """count generated n x n Sudokus with their solutions, as tokens (blank 1, digit d -> d + 1)."""
     kind, rows = Sudoku(n), ps.generate_puzzles(count, n, seed=seed)
-    return kind, kind.encode([q for q, _, _ in rows]).astype(np.int64), kind.encode([a for _, a, _ in rows]).astype(np.int64)
+    return (kind, kind.encode([q for q, _, _ in rows]).astype(np.int64),
+            kind.encode([a for _, a, _ in rows]).astype(np.int64))
 
 
 def maze_tokens(n, count, seed):
@@ -37,7 +38,8 @@ def maze_tokens(n, count, seed):
         with open(os.path.join(d, 'train.csv')) as f:
             rows = list(csv.reader(f))[1:]
     kind = Maze(n)
-    return kind, kind.encode([q for _, q, _, _ in rows]).astype(np.int64), kind.encode([a for _, _, a, _ in rows]).astype(np.int64)
+    return (kind, kind.encode([q for _, q, _, _ in rows]).astype(np.int64),
+            kind.encode([a for _, _, a, _ in rows]).astype(np.int64))
 
 
 @pytest.mark.parametrize('make', [lambda: sudoku_tokens(4, 30, 1), lambda: sudoku_tokens(6, 20, 2),
@@ -225,3 +227,5 @@ def test_eval_only_in_views_saves_its_evaluation(trained):
     rec = json.load(open(os.path.join(trained['out'], 'evals', 'views4-steps6.json')))
     assert rec['step'] == 96 and rec['eval']['views'] == 4 and len(rec['eval']['exact_by_steps']) == 6
     assert [v['views'] for v in rec['eval']['by_views']] == [1, 2, 4] and rec['seconds'] > 0
+    # views count with the steps: their answers are the last step's (6), view 0's exact_accuracy is at halt_max_steps
+    assert rec['eval']['by_views'][0]['vote'] == rec['eval']['exact_by_steps'][-1]
