@@ -271,26 +271,73 @@ def _xla_grads(model, carry, batch, inv_batch, rows_of):
     return new_c, loss, metrics, grads, row_grads
 
 
+def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
+    """XLACompiledStep's whole step as ONE graph (one process, one micro-batch): _xla_grads, then apply_update's
+    work on those gradients, with no bridge between them: clipping, AdamATan2 (opt's moments, its one step
+    count), sign-SGD on the puzzle rows the batch touched, the EMA, the step count. The same primitives in the
+    same order as apply_update; the gradients never become .grad (no graph outputs, no host work for them).
+    Returns the new carry, the loss and the metrics with grad_norm."""
+    carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, 1.0 / sc.global_batch_size,
+                                                        (0, batch['inputs'].shape[0]))
+    params = list(model.parameters())
+    grads = [grads[n] for n, _ in model.named_parameters()]
+    metrics = dict(metrics, grad_norm=clip_grads_(grads, sc.grad_clip))
+    st = opt.state
+    adam_atan2_(params, grads, [s['exp_avg'] for s in st], [s['exp_avg_sq'] for s in st], st[0]['t'],
+                sc.lr_at(step_t, sc.lr), opt.betas, opt.weight_decay)
+    if row_grads is not None:
+        sign_sgd_update_(model.puzzle_emb, carry['puzzle_identifiers'], row_grads,
+                         sc.lr_at(step_t, sc.puzzle_emb_lr), sc.puzzle_emb_weight_decay)
+    if sc.ema_rate is not None:
+        ema_update_(ema_params, params, step_t, sc.ema_rate)
+    step_t.add_(1)
+    return carry, loss, metrics
+
+
 class XLACompiledStep:
-    """train_step on XLA traced once: the forward + loss + backward (one graph, _xla_grads) and the update
-    (clipping, AdamATan2, sign-SGD, EMA) are torch.compile'd with the openxla backend; the gradient all-reduce
-    and gather stay between them. The same computation as train_step with forward_loss, up to float rounding,
-    and the same device work: the forward and backward graph holds the eager step's matrix products, one for
-    one.
+    """train_step on XLA traced once with the openxla backend. One process with one micro-batch: the whole step
+    (forward, loss, backward, clipping, AdamATan2, sign-SGD, EMA) is ONE graph (_xla_step), as the eager
+    step's lazy graph is. Otherwise (a pod, or gradient accumulation) two: the forward + loss + backward
+    (_xla_grads, once per micro-batch) and the update (apply_update), with the gradient all-reduce and gather
+    between them: dynamo (torch_xla 2.9) traces neither the in-place list all-reduce that Device uses (only
+    the one-tensor xm.all_reduce) nor xm.all_gather (it reads the device's ordinal while tracing), and one graph
+    over k micro-batches would let XLA keep all k micro-batches' activations alive at once.
+    The same computation as train_step with forward_loss, up to float rounding, and the same device work: the
+    forward and backward graph holds the eager step's matrix products, one for one.
     What the openxla bridge of torch_xla 2.9 needs, and gets here:
       - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own,
         blocking): the puzzle rows are looked up inside;
       - no two mutated inputs that end with the same value (the bridge then writes outputs into the wrong
         inputs): AdamATan2's per-parameter step counts become one tensor, updated once."""
-    variant = ('grad_graph+update_graph (the forward and backward one graph through torch.func.grad, '
-               'the update another)')
+    ONE = 'one_graph (forward, backward and update one graph: torch.func.grad inside the compiled step)'
+    TWO = ('grad_graph+update_graph (the forward and backward one graph through torch.func.grad, '
+           'the update another)')
+    variant = ONE  # the path the last step took (TWO on pods and with gradient accumulation)
 
     def __init__(self):
+        self.step = torch.compile(_xla_step, backend='openxla', dynamic=False)
         self.grads = torch.compile(_xla_grads, backend='openxla', dynamic=False)
         self.update = torch.compile(apply_update, backend='openxla', dynamic=False)
 
     def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None,
                    all_gather=None):
+        import torch_xla.runtime as xr
+        one = sc.gradient_accumulation_steps == 1 and xr.world_size() == 1
+        self.variant = self.ONE if one else self.TWO
+        if one:
+            if any(st is None for st in opt.state):  # the first step: every parameter's state, eagerly
+                params = list(model.parameters())
+                if len(params) != len(opt.params) or any(a is not b for a, b in zip(params, opt.params)):
+                    raise ValueError("XLACompiledStep: the optimizer's parameters are not model.parameters() "
+                                     "in order (_xla_step reads opt.state in that order); build "
+                                     "AdamATan2(model.parameters(), ...)")
+                for p in params:  # every parameter gets a gradient from torch.func.grad
+                    p.grad = p.detach()  # (any tensor of its shape: init_state reads only that)
+                opt.init_state()
+                opt.zero_grad()
+            self._one_step_count(opt)
+            with torch.no_grad():
+                return self.step(model, opt, ema_params, carry, batch, step_t, sc)
         k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
         named = dict(model.named_parameters())
         losses, sums, row_grads = [], None, []
@@ -311,12 +358,16 @@ class XLACompiledStep:
             grads_all = gather(row_grads[0] if k == 1 else torch.cat(row_grads))
             ids_all = gather(carry['puzzle_identifiers'])
         opt.init_state()  # eagerly: the compiled graph never sees the state appear
-        t = opt.state[0]['t']
-        for st in opt.state[1:]:
-            st['t'] = t  # one step count (equal values in any case)
+        self._one_step_count(opt)
         sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, grads_all, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
+
+    @staticmethod
+    def _one_step_count(opt):
+        t = opt.state[0]['t']
+        for st in opt.state[1:]:
+            st['t'] = t  # one step count (equal values in any case)
 
 
 def compiled_step(kind, mode='default'):

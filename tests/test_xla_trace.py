@@ -1,9 +1,10 @@
 """
-The XLA training step is traced once (step.XLACompiledStep, torch.compile with the openxla backend): after warm-up
-no step runs the network's Python (no lazy tracing of the H_cycles x (L_cycles + 1) net calls), whatever the
-recursion depth; it computes what the eager (lazy) step computes; nothing recompiles; nothing falls back to the CPU.
-The evaluation's compiled predict_step likewise; gradient accumulation and clipping compile once too. No timing:
-counts only.
+The XLA training step is traced once (step.XLACompiledStep, torch.compile with the openxla backend), in one process
+with one micro-batch as ONE graph (forward, backward and update): after warm-up no step runs the network's Python
+(no lazy tracing of the H_cycles x (L_cycles + 1) net calls), whatever the recursion depth; it computes what the
+eager (lazy) step computes, with as many matrix products; nothing recompiles; nothing falls back to the CPU. The
+evaluation's compiled predict_step likewise; gradient accumulation and clipping (two graphs: forward + backward,
+update) compile once too. No timing: counts only.
     python -m pytest -q tests/test_xla_trace.py
 """
 import json
@@ -87,7 +88,7 @@ for H, L in ((1, 1), (2, 3)):
             torch_xla.sync()
             losses.append(loss)
             per_step.append(dict(compiles=count('CompileTime') - c0, net_calls=calls[0] - n0,
-                                 lazy_nodes=lazy_nodes() - g0, dots=dots))
+                                 lazy_nodes=lazy_nodes() - g0, dots=dots, graphs=len(executed)))
         model.eval()
         predict = S.compiled_predict(model) if kind != 'eager' else model.predict
         ev = []
@@ -125,6 +126,9 @@ def test_xla_step_is_traced_once_and_equals_eager(tmp_path):
         # traced once: from the second step on, no Python of the net runs, and nothing compiles
         assert all(s['net_calls'] == 0 and s['compiles'] == 0 for s in c['per_step'][1:]), c['per_step']
         warm[depth] = [s['lazy_nodes'] for s in c['per_step'][2:]]
+        # one process, one micro-batch: the whole step (forward, backward, update) is ONE compiled graph, as the
+        # eager step is one lazy graph: nothing else runs, nothing is left to trace lazily
+        assert all(s['graphs'] == 1 and s['lazy_nodes'] == 0 for s in c['per_step'][1:]), c['per_step']
         # the same device work as eager: as many matrix products per step (a backward that recomputed the
         # forward would add its products), and some at all (the count sees them)
         assert c['per_step'][-1]['dots'] == e['per_step'][-1]['dots'] > 0, (depth, c['per_step'],
