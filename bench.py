@@ -21,7 +21,8 @@ compiled (train.py's compile=True: step.compiled_step and step.compiled_predict,
 XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
 do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step;
 with vs_eager=True it measures the eager (lazy) step too, in the same run, and prints the ratio of the two
-steps' device times.
+steps' device times, and the median ratio with the two steps alternated one by one (robust to a machine whose
+speed drifts).
 It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time
 to the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the
 graph compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
@@ -58,7 +59,8 @@ host_flush_mb = 0               # XLA on the CPU: read this many MiB after each 
                                 # again, so every depth's host work starts from cold caches (there the device's
                                 # executions share the host's caches, the deeper ones evicting more; on a TPU not)
 vs_eager = False                # XLA, compile=True: also time the eager step (host, device) after the
-                                # compiled one; prints device_vs_eager= (compiled device time / eager's)
+                                # compiled one; prints device_vs_eager= (compiled device time / eager's) and
+                                # device_vs_eager_alternated= (the median ratio with the steps alternated)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -359,7 +361,7 @@ if eval_batches > 0:
              else ''))
 
 # --- XLA, vs_eager: the eager (lazy) step on the same model, for the ratio of the device's work ------------
-eager_host_s = eager_device_s = eager_first_s = None
+eager_host_s = eager_device_s = eager_first_s = alternated = None
 if vs_eager and kind == 'xla' and compiled:
     def run_eager(n):
         global carry
@@ -373,6 +375,10 @@ if vs_eager and kind == 'xla' and compiled:
     eager_first_s = time.perf_counter() - t0
     run_eager(warmup_steps - 1)
     eager_host_s, eager_device_s = host_and_device(steps, forward_loss)
+    # then the two steps alternated one by one: a shared machine's speed drifts within seconds, and the median of
+    # per-round ratios sees both steps at the same moment
+    rounds = [host_and_device(1)[1] / max(host_and_device(1, forward_loss)[1], 1e-9) for _ in range(steps)]
+    alternated = float(np.median(rounds))
 elif vs_eager:
     print("note: vs_eager=True applies to XLA with compile=True; ignored")
 variant = getattr(fwd, 'variant', 'eager (lazy tracing every step)' if kind == 'xla' else
@@ -389,7 +395,8 @@ if kind == 'xla':
         print(f"xla: eager step (vs_eager): host {eager_host_s * 1e3:.1f} ms/step | device "
               f"{eager_device_s * 1e3:.1f} ms/step | first step {eager_first_s:.1f} s | compiled/eager "
               f"device time {device_s / eager_device_s:.3f}, max(host, device) "
-              f"{max(host_s, device_s) / max(eager_host_s, eager_device_s):.3f}")
+              f"{max(host_s, device_s) / max(eager_host_s, eager_device_s):.3f}; the two alternated step by step, "
+              f"median of {steps} rounds: device time {alternated:.3f}")
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
           f"{' (no recompilation)' if compiles_end == compiles_warm else ' -- RECOMPILED: run with PT_XLA_DEBUG_LEVEL=2'}"
           f"; evaluation {compiles_eval_warm} -> {compiles_eval_end}")
@@ -426,5 +433,6 @@ print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_s
       f"device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
       f"eval_first_batch_s={fmt(eval_warm_s, '.2f')} variant={variant.split(' (')[0].replace(' ', '_')} "
       f"device_vs_eager={fmt(eager_device_s and device_s / eager_device_s, '.3f')} "
+      f"device_vs_eager_alternated={fmt(alternated, '.3f')} "
       f"eager_host_ms_per_step={fmt(eager_host_s and eager_host_s * 1e3, '.2f')} "
       f"eager_device_ms_per_step={fmt(eager_device_s and eager_device_s * 1e3, '.2f')}")
