@@ -68,7 +68,7 @@ config_keys = [k for k, v in globals().items()
 exec(open(os.path.join(_here, 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 
-from data import load_metadata  # noqa: E402
+from data import in_views, load_metadata  # noqa: E402
 from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
@@ -147,17 +147,12 @@ else:
         return dict(inputs=rng.integers(1, vocab_size, (B, seq_len), dtype=np.int32),  # 0 is PAD
                     labels=rng.integers(1, vocab_size, (B, seq_len), dtype=np.int32),
                     puzzle_identifiers=rng.integers(0, num_puzzle_identifiers, B, dtype=np.int32))
-    def in_views(batch, b):
-        """Batch b in eval_views views, as data.EvalLoader gives it on one rank: view-major, K x eval_B rows."""
-        sym = puzzle.views(eval_views, eval_B, seed, b)
-        tile = lambda a: np.tile(a, (eval_views,) + (1,) * (a.ndim - 1))
-        return dict(inputs=puzzle.apply(tile(batch['inputs']), sym).astype(np.int32),
-                    labels=puzzle.apply_labels(tile(batch['labels']), sym).astype(np.int32),
-                    puzzle_identifiers=tile(batch['puzzle_identifiers']))
     host_train = [random_batch(global_batch_size) for _ in range(2)]
     host_eval = [random_batch(eval_B) for _ in range(2)]
     if eval_views > 1:
-        host_eval = [in_views(batch, b) for b, batch in enumerate(host_eval)]
+        # as data.EvalLoader gives batch b on one rank: view-major, K x eval_B rows
+        host_eval = [in_views(batch, puzzle, puzzle.views(eval_views, eval_B, seed, b))
+                     for b, batch in enumerate(host_eval)]
 batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) for b in host_eval]
 
 # --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------

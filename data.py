@@ -350,20 +350,24 @@ class EvalLoader:
             batch['valid'] = valid
             sl = slice(self.rank * self.local_B, (self.rank + 1) * self.local_B)
             local = {k: v[sl] for k, v in batch.items()}
-            yield self.in_views(local, b, sl) if self.views > 1 else local
+            if self.views > 1:  # the global batch's views (the same on every rank), then the rank's rows of each
+                K = self.views
+                pos, token_map = self.kind.views(K, self.B, self.seed, b)
+                rows = (np.arange(K)[:, None] * self.B + np.arange(sl.start, sl.stop)[None]).ravel()
+                sym = pos[rows], token_map[rows]
+                # 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle
+                local = dict(in_views(local, self.kind, sym), views_inverse=self.kind.invert(sym))
+            yield local
 
-    def in_views(self, batch, b, sl):
-        """The rank's rows in K views, view-major (view 0 first: the rows as they are), a static K x local_B
-        rows; 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle."""
-        K = self.views
-        pos, token_map = self.kind.views(K, self.B, self.seed, b)  # the global batch's: the same on every rank
-        rows = (np.arange(K)[:, None] * self.B + np.arange(sl.start, sl.stop)[None]).ravel()
-        sym = pos[rows], token_map[rows]
-        tile = lambda a: np.tile(a, (K,) + (1,) * (a.ndim - 1))
-        return dict(inputs=self.kind.apply(tile(batch['inputs']), sym).astype(np.int32),
-                    labels=self.kind.apply_labels(tile(batch['labels']), sym).astype(np.int32),
-                    puzzle_identifiers=tile(batch['puzzle_identifiers']), valid=tile(batch['valid']),
-                    views_inverse=self.kind.invert(sym))
+
+def in_views(batch, kind, sym):
+    """A batch's rows in the K views of sym ([K x its rows], as Grid.views gives them), view-major (view 0 first:
+    the rows as they are): K x the rows of every array, the inputs and labels transformed."""
+    K = len(sym[0]) // len(batch['inputs'])
+    out = {k: np.tile(v, (K,) + (1,) * (v.ndim - 1)) for k, v in batch.items()}
+    out['inputs'] = kind.apply(out['inputs'], sym).astype(np.int32)
+    out['labels'] = kind.apply_labels(out['labels'], sym).astype(np.int32)
+    return out
 
 # -----------------------------------------------------------------------------
 # download: streamed, resumable (.part + HTTP Range), cached, row count checked (used by the builders)

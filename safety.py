@@ -1039,11 +1039,10 @@ class Run:
                       world_size=self.dev.world_size, config=self.cfg, eval=res)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path + '.tmp', 'w') as f:
-                json.dump(record, f, indent=1, default=float)
-            os.replace(path + '.tmp', path)
+            write_json_atomic(path, record)
             if self.gs_out:
-                gcs.GCS(retries=self.cfg['gcs_retries']).upload(path, f"{self.gs_out.rstrip('/')}/evals/{name}.json")
+                gcs.GCS(retries=self.cfg['gcs_retries']).upload(path,
+                                                                 f"{self.gs_out.rstrip('/')}/evals/{name}.json")
         except (OSError, gcs.GCSError) as e:
             print(f"warning: the evaluation was not saved to {path}{' or its bucket' if self.gs_out else ''} "
                   f"({getattr(e, 'strerror', None) or e})")
@@ -1211,12 +1210,8 @@ class Records:
     def finish(self, results):
         """results.json; a failed write is a warning: the next --init_from=resume writes it."""
         try:
-            with open(self.results + '.tmp', 'w') as f:
-                json.dump(results, f, indent=1, default=float)
-            os.replace(self.results + '.tmp', self.results)
+            write_json_atomic(self.results, results)
         except OSError as e:
-            if os.path.isfile(self.results + '.tmp'):
-                os.remove(self.results + '.tmp')
             print(f"warning: could not write {self.results} ({e.strerror or e}); rerun with "
                   "--init_from=resume once the disk has room, and it is written")
 
@@ -1296,6 +1291,19 @@ class Board:
     def close(self):
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+def write_json_atomic(path, obj):
+    """obj as JSON in path, through path.tmp and a rename: readers see the old file or the whole new one. A
+    failed write (a full disk) raises OSError and leaves no .tmp behind."""
+    try:
+        with open(path + '.tmp', 'w') as f:
+            json.dump(obj, f, indent=1, default=float)
+        os.replace(path + '.tmp', path)
+    except OSError:
+        if os.path.isfile(path + '.tmp'):
+            os.remove(path + '.tmp')
+        raise
 
 
 def flat_scalars(vals):

@@ -656,8 +656,8 @@ def main():
         torch.set_num_threads(cpu_threads())
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
-    if views_problem(kind, views):
-        fail(f"views={views}: {views_problem(kind, views)}")
+    if problem := views_problem(kind, views):
+        fail(f"views={views}: {problem}")
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
     per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"

@@ -526,8 +526,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         inp, v = batch['inputs'][:B], batch['valid'][:B]
         if K > 1:  # every view's answer after the last step and where q_halt stopped it: one graph, one read
             at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
-            c_stop = q_all.gather(0, first_all[None])[0]
-            p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, c_stop, preds[h],
+            q_stop = q_all.gather(0, first_all[None])[0]
+            p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, q_stop, preds[h],
                                                              flat_part])
             hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
             for suffix, answers, conf in (('', p_all, c_all), ('_q_halt', p_stop, c_stop)):

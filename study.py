@@ -919,14 +919,15 @@ def child_env(extra):
     return env
 
 
-def run_process(cmd, log_path, env_extra=None):
-    """Runs `python cmd...`, its output streamed here and appended to log_path; (exit code, last lines)."""
+def run_process(cmd, log_path, env_extra=None, display=None):
+    """Runs `python cmd...`, its output streamed here and appended to log_path; (exit code, last lines, its
+    error: Running.error)."""
     sys.stdout.flush()
-    r = Running(cmd, log_path, build_display(cmd), env_extra)
+    r = Running(cmd, log_path, display or build_display(cmd), env_extra)
     while (got := r.pump(echo=True)) != 'eof':
         if not got:  # nothing written yet
             time.sleep(0.05)
-    return r.close()
+    return r.close() + (r.error(),)
 
 
 class Running:
@@ -1100,7 +1101,7 @@ def build_datasets(todo):
             failed_data[path] = f"dataset {path} is missing and no rule builds it (set _prepare in the file)"
             continue
         print(f"\nstudy: building {path}: {build_display(d['build'])}", flush=True)
-        rc, tail = run_process(d['build'], os.path.join(LOCAL_ROOT, 'datasets.log'))
+        rc, tail, _ = run_process(d['build'], os.path.join(LOCAL_ROOT, 'datasets.log'))
         if not all(os.path.exists(os.path.join(path, s, 'dataset.json')) for s in ('train', 'test')):
             failed_data[path] = f"building dataset {path} failed (exit code {rc}): {tail[-1] if tail else ''}"
             print(f"study: {failed_data[path]}")
@@ -1243,12 +1244,8 @@ def run_evals(exps):
         print(f"\nstudy: {e.run} [{e.varied_text()}]: evaluating in {K} view(s) at {S} steps\n  {display}",
               flush=True)
         t, path = time.time(), os.path.join(e.local, 'evals', f"views{K}-steps{S}.json")
-        r = Running(e.cmd + flags, os.path.join(e.local, 'evals.log'), display, e.env)
-        while (got := r.pump(echo=True)) != 'eof':
-            if not got:
-                time.sleep(0.05)
-        err = r.error()[:300]
-        rc = r.close()[0]
+        rc, _, err = run_process(e.cmd + flags, os.path.join(e.local, 'evals.log'), e.env, display)
+        err = err[:300]
         if os.path.exists(path):
             summary.append((e.run, S, 'done', f"in {duration(time.time() - t)}: {path}"))
         elif STOP['requested']:
