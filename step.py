@@ -222,15 +222,15 @@ class CompiledStep:
 
 def compiled_predict(model, mode='default'):
     """model.predict with each supervision step compiled (one graph for all n_steps: the loop stays in Python,
-    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA: the
-    openxla backend, the start (latents, embedding) compiled too: a compiled step given pending lazy inputs
+    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA:
+    xla_backend, the start (latents, embedding) compiled too: a compiled step given pending lazy inputs
     runs them first as a graph of their own, one at the first batch, another at the later ones (a
     compilation more). Built once per model and mode, then reused."""
     cache = model.__dict__.setdefault('_compiled_predict', {})
     xla = model.H_init.device.type == 'xla'
-    key = 'openxla' if xla else mode
+    key = 'xla' if xla else mode
     if key not in cache:
-        kw = dict(backend='openxla') if xla else dict(mode=mode)
+        kw = dict(backend=xla_backend) if xla else dict(mode=mode)
         start = torch.compile(model.predict_start, dynamic=False, **kw) if xla else None
         cache[key] = functools.partial(model.predict, start=start,
                                        step=torch.compile(model.predict_step, dynamic=False, **kw))
@@ -239,16 +239,54 @@ def compiled_predict(model, mode='default'):
 
 # --- XLA: the step traced once ----------------------------------------------------------------------------
 # torch_xla traces a lazy step in Python at every step; TRM's has H_cycles x (L_cycles + 1) network calls, so
-# the host, not the chip, would bound a TPU's step. Compiled with the openxla dynamo backend, each part
-# becomes a cached executable after its first call: no Python tracing, no graph hashing per step.
+# the host, not the chip, would bound a TPU's step. Compiled through dynamo, each part becomes a cached
+# executable after its first call: no Python tracing, no graph hashing per step.
 
-def _xla_grads(model, carry, batch, inv_batch, rows_of):
+def xla_backend(gm, example_inputs):
+    """torch.compile's backend for XLA: dynamo's graph, as captured, traced once on lazy tensors by torch_xla's
+    dynamo bridge, compiled, then replayed with each call's tensors (what backend='openxla' ends in too). Unlike
+    'openxla', no AOTAutograd first: a torch.func.grad in the graph runs as torch's autograd on lazy tensors,
+    so the backward is the eager step's own (its formulas, its HLO), and the first call skips AOTAutograd's
+    retrace and the bridge's CPU-fallback partitioner (43 s -> 21 s for the first training step at width 64 on
+    a 2-core AVX2 machine). An op with no XLA lowering would run on the CPU during that one trace and its result
+    would be frozen into the graph as a constant: the fallback counters are read around the trace, and such a
+    graph goes to the bridge's partitioning path instead, which runs those ops on the CPU at every call.
+    Called under no_grad, as every compiled function here is: the replayed graph's outputs carry no autograd
+    history (a torch.func.grad inside it is fine)."""
+    import torch_xla
+    import torch_xla.debug.metrics as met
+    from torch_xla._dynamo import dynamo_bridge as bridge
+
+    def fallbacks():
+        return {n: met.counter_value(n) for n in met.counter_names() if n.startswith('aten::')}
+    compiled = None
+
+    def run(*args):
+        nonlocal compiled
+        if compiled is None:
+            if torch.is_grad_enabled():  # the bridge's in-place updates of parameters would be recorded
+                raise RuntimeError(f"xla_backend: call {gm.__class__.__name__} under torch.no_grad(): a replayed "
+                                   "graph's outputs carry no autograd history")
+            before = fallbacks()
+            torch_xla.sync()
+            bridge.XLAConstructorMoverPass()(gm.graph)  # tensors the graph creates: on the XLA device
+            gm.recompile()
+            gm.xla_args = args
+            compiled = bridge.extract_internal(gm)
+            if fallbacks() != before:  # the trace restored the inputs and dropped its pending IR: trace again
+                compiled = bridge.extract_compiled_graph(gm, args)
+        out = compiled(*args)
+        return out if isinstance(out, (tuple, list)) else (out,)  # the bridge unpacks a graph's single output
+    return run
+
+
+def _xla_grads(model, carry, batch, global_batch_size, rows_of):
     """XLACompiledStep's forward and backward as ONE graph: on the rows [rows_of] of the carry and the batch
     (the micro-batch), the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients
-    of loss * inv_batch with respect to the parameters and the puzzle rows (torch.func.grad, traced into the
+    of loss / global_batch_size (as train_step's backward: the same rounding) with respect to the parameters and the puzzle rows (torch.func.grad, traced into the
     same graph). Nothing crosses from a forward graph to a backward one, so the backward uses the forward's
     activations where they are, as the eager step's graph does: no recomputation, no per-tensor bridge cost.
-    Called under no_grad (torch.func.grad ignores it), so AOTAutograd sees an inference graph. Returns the
+    Called under no_grad (torch.func.grad ignores it). Returns the
     whole carry with those rows replaced, the loss, the metrics, the parameters' gradients by name and the
     puzzle rows' (None without a puzzle embedding)."""
     a, b = rows_of
@@ -261,7 +299,7 @@ def _xla_grads(model, carry, batch, inv_batch, rows_of):
     def scaled_loss(params, rows):  # forward_loss after its refill, the parameters as arguments
         new_c, out = torch.func.functional_call(model, params, (c, rows))
         loss, metrics = act_loss(new_c, out, model.config)
-        return loss * inv_batch, (new_c, loss, metrics)
+        return loss / global_batch_size, (new_c, loss, metrics)
     params = dict(model.named_parameters())
     grad = torch.func.grad(scaled_loss, argnums=(0, 1) if rows is not None else 0, has_aux=True)
     grads, (new_c, loss, metrics) = grad(params, rows)
@@ -277,7 +315,7 @@ def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
     count), sign-SGD on the puzzle rows the batch touched, the EMA, the step count. The same primitives in the
     same order as apply_update; the gradients never become .grad (no graph outputs, no host work for them).
     Returns the new carry, the loss and the metrics with grad_norm."""
-    carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, 1.0 / sc.global_batch_size,
+    carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, sc.global_batch_size,
                                                         (0, batch['inputs'].shape[0]))
     params = list(model.parameters())
     grads = [grads[n] for n, _ in model.named_parameters()]
@@ -295,7 +333,7 @@ def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
 
 
 class XLACompiledStep:
-    """train_step on XLA traced once with the openxla backend. One process with one micro-batch: the whole step
+    """train_step on XLA traced once (xla_backend). One process with one micro-batch: the whole step
     (forward, loss, backward, clipping, AdamATan2, sign-SGD, EMA) is ONE graph (_xla_step), as the eager
     step's lazy graph is. Otherwise (a pod, or gradient accumulation) two: the forward + loss + backward
     (_xla_grads, once per micro-batch) and the update (apply_update), with the gradient all-reduce and gather
@@ -304,7 +342,7 @@ class XLACompiledStep:
     over k micro-batches would let XLA keep all k micro-batches' activations alive at once.
     The same computation as train_step with forward_loss, up to float rounding, and the same device work: the
     forward and backward graph holds the eager step's matrix products, one for one.
-    What the openxla bridge of torch_xla 2.9 needs, and gets here:
+    What torch_xla 2.9's dynamo bridge needs, and gets here:
       - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own,
         blocking): the puzzle rows are looked up inside;
       - no two mutated inputs that end with the same value (the bridge then writes outputs into the wrong
@@ -315,9 +353,9 @@ class XLACompiledStep:
     variant = ONE  # the path the last step took (TWO on pods and with gradient accumulation)
 
     def __init__(self):
-        self.step = torch.compile(_xla_step, backend='openxla', dynamic=False)
-        self.grads = torch.compile(_xla_grads, backend='openxla', dynamic=False)
-        self.update = torch.compile(apply_update, backend='openxla', dynamic=False)
+        self.step = torch.compile(_xla_step, backend=xla_backend, dynamic=False)
+        self.grads = torch.compile(_xla_grads, backend=xla_backend, dynamic=False)
+        self.update = torch.compile(apply_update, backend=xla_backend, dynamic=False)
 
     def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None,
                    all_gather=None):
@@ -343,7 +381,7 @@ class XLACompiledStep:
         losses, sums, row_grads = [], None, []
         for i in range(k):
             with torch.no_grad():
-                carry, loss, metrics, grads, rg = self.grads(model, carry, batch, 1.0 / sc.global_batch_size,
+                carry, loss, metrics, grads, rg = self.grads(model, carry, batch, sc.global_batch_size,
                                                              (i * B // k, (i + 1) * B // k))
             for n, g in grads.items():  # micro-batches add up lazily, as autograd's accumulation does
                 named[n].grad = g if named[n].grad is None else named[n].grad + g
@@ -359,7 +397,8 @@ class XLACompiledStep:
             ids_all = gather(carry['puzzle_identifiers'])
         opt.init_state()  # eagerly: the compiled graph never sees the state appear
         self._one_step_count(opt)
-        sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, grads_all, step_t, sc)
+        with torch.no_grad():
+            sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, grads_all, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 
