@@ -78,7 +78,7 @@ grad_clip = 0.0                 # clip the global gradient norm to this (0: neve
 gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
 device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'
-compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (openxla)
+compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (step.xla_backend)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 smoke = False                   # True: check this machine in minutes instead (smoke.py), in <out_dir>/smoke
