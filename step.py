@@ -247,8 +247,8 @@ def xla_backend(gm, example_inputs):
     dynamo bridge, compiled, then replayed with each call's tensors (what backend='openxla' ends in too). Unlike
     'openxla', no AOTAutograd first: a torch.func.grad in the graph runs as torch's autograd on lazy tensors,
     so the backward is the eager step's own (its formulas, its HLO), and the first call skips AOTAutograd's
-    retrace and the bridge's CPU-fallback partitioner (43 s -> 21 s for the first training step at width 64 on
-    a 2-core AVX2 machine). An op with no XLA lowering would run on the CPU during that one trace and its result
+    retrace and the bridge's CPU-fallback partitioner (43 s -> 19-25 s for the first training step at width 64
+    on a 2-core AVX2 machine). An op with no XLA lowering would run on the CPU during that one trace and its result
     would be frozen into the graph as a constant: the fallback counters are read around the trace, and such a
     graph goes to the bridge's partitioning path instead, which runs those ops on the CPU at every call.
     Called under no_grad, as every compiled function here is: the replayed graph's outputs carry no autograd
@@ -283,10 +283,10 @@ def xla_backend(gm, example_inputs):
 def _xla_grads(model, carry, batch, global_batch_size, rows_of):
     """XLACompiledStep's forward and backward as ONE graph: on the rows [rows_of] of the carry and the batch
     (the micro-batch), the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients
-    of loss / global_batch_size (as train_step's backward: the same rounding) with respect to the parameters and the puzzle rows (torch.func.grad, traced into the
-    same graph). Nothing crosses from a forward graph to a backward one, so the backward uses the forward's
-    activations where they are, as the eager step's graph does: no recomputation, no per-tensor bridge cost.
-    Called under no_grad (torch.func.grad ignores it). Returns the
+    of loss / global_batch_size (train_step's division: the same rounding) with respect to the parameters and the
+    puzzle rows (torch.func.grad, traced into the same graph). Nothing crosses from a forward graph to a backward
+    one, so the backward uses the forward's activations where they are, as the eager step's graph does: no
+    recomputation, no per-tensor bridge cost. Called under no_grad (torch.func.grad ignores it). Returns the
     whole carry with those rows replaced, the loss, the metrics, the parameters' gradients by name and the
     puzzle rows' (None without a puzzle embedding)."""
     a, b = rows_of
@@ -397,7 +397,7 @@ class XLACompiledStep:
             ids_all = gather(carry['puzzle_identifiers'])
         opt.init_state()  # eagerly: the compiled graph never sees the state appear
         self._one_step_count(opt)
-        with torch.no_grad():
+        with torch.no_grad():  # as xla_backend requires
             sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, grads_all, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
