@@ -1,7 +1,8 @@
 """
-The house rules a forker relies on: one source of defaults (train.py's config block, TRMConfig, the README
-table agree), --help for every script, scripts above libraries in the import graph, no pointer to a file
-outside the repository, and the number format chosen by the hardware.
+The house rules a forker relies on: one source of defaults (train.py's config block and TRMConfig agree; --help
+is the table of keys), --help for every script, scripts above libraries in the import graph, no pointer to a file
+outside the repository, a README that is a front door with every link resolving, and the number format chosen by
+the hardware.
     python -m pytest -q tests/test_house.py
 """
 import ast
@@ -85,28 +86,6 @@ def test_every_config_key_has_a_meaning_and_help_lists_it_with_its_default():
     assert "--L_cycles=6  " in p.stdout and "n: z-updates per round" in p.stdout
 
 
-def readme_config_table():
-    text = open(os.path.join(ROOT, 'README.md')).read()
-    table = text.split('## Config keys', 1)[1].split('\n## ', 1)[0]
-    rows = {}
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip('|').split('|')]
-        if len(cells) < 3 or not cells[0].startswith('`'):
-            continue
-        keys = re.findall(r'`([A-Za-z_0-9]+)`', cells[0])
-        values = [v.strip() for v in re.findall(r'`([^`]*)`', cells[1])]
-        assert len(keys) == len(values), line
-        rows.update(zip(keys, values))
-    return rows
-
-
-def test_readme_config_table_agrees_with_the_code():
-    table, d = readme_config_table(), train_defaults()
-    assert set(table) == set(d), (set(table) ^ set(d))
-    for k, v in d.items():
-        assert ast.literal_eval(table[k]) == v, (k, table[k], v)
-
-
 def imports_of(path):
     tree = ast.parse(open(os.path.join(ROOT, path)).read())
     names = set()
@@ -128,10 +107,51 @@ def test_scripts_sit_above_libraries_and_import_no_script():
         assert not imports_of(f) & {'train', 'bench', 'solve', 'study'}, f
 
 
+DOCS = ['README.md'] + sorted('docs/' + f for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.md'))
+LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
+
+
 def test_no_comment_points_outside_the_repository():
-    for f in SCRIPTS + LIBRARIES + ['README.md', 'tpu.md']:
+    for f in SCRIPTS + LIBRARIES + DOCS:
         if os.path.exists(os.path.join(ROOT, f)):
             assert 'TRM_SPEC' not in open(os.path.join(ROOT, f)).read(), f
+
+
+def anchors(path):
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r'(?ms)^```.*?^```', '', open(path).read())
+    return {re.sub(r'[^\w\- ]', '', h.strip().lower()).replace(' ', '-')
+            for h in re.findall(r'(?m)^#{1,6} (.*)$', text)}
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    broken = []
+    for page in DOCS:
+        text = re.sub(r'(?ms)^```.*?^```', '', open(os.path.join(ROOT, page)).read())
+        for target in LINK.findall(text):
+            if re.match(r'[a-z]+:', target):
+                continue  # https://..., a page outside the repository
+            file, _, anchor = target.partition('#')
+            path = os.path.normpath(os.path.join(ROOT, os.path.dirname(page), file)) if file \
+                else os.path.join(ROOT, page)
+            if not os.path.isfile(path):
+                broken.append(f"{page}: {target} (no such file)")
+            elif anchor and path.endswith('.md') and anchor not in anchors(path):
+                broken.append(f"{page}: {target} (no such heading)")
+    assert not broken, broken
+    linked = {os.path.basename(t) for page in DOCS for t in LINK.findall(open(os.path.join(ROOT, page)).read())}
+    unlinked = [f for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.png') and f not in linked]
+    assert not unlinked, unlinked  # a picture that no page shows
+
+
+def test_the_readme_is_a_front_door():
+    readme = open(os.path.join(ROOT, 'README.md')).read()
+    assert len(readme) <= 15000, len(readme)
+    ci = [l for l in open(os.path.join(ROOT, '.ci/run')).read().splitlines() if l.startswith('python -m pytest')]
+    first = readme.splitlines()[:80]
+    assert ci and any(l.endswith('&& ' + ci[0]) or l == ci[0] for l in first), ci  # CI runs what the README says
+    assert any('python -m pytest -q test_smoke.py' in l for l in first)  # the one-minute check
+    assert not re.search(r'\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b', readme)  # no commit hash
 
 
 # what a puzzle is: asked of the kind's object (puzzles.py), never tested by name elsewhere
