@@ -2,7 +2,8 @@
 The checkpoint files of a run, in a local folder or under a gs:// prefix (gcs.py is the storage client
 underneath): their format and names, atomic saves, loading, listing and pruning; and what a run does with
 them at start (which checkpoint to resume, whether it fits this run, its state loaded) and at a save (the
-weights checked sane, the carry gathered). run.Run calls these; solve.py and bench.py read and write the files.
+weights checked sane, the carry gathered). run.Run calls these; solve.py and bench.py read and write the
+files.
 A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
 batch), rng, config, best, run_id, timing, data (the shape it trained on).
 """
@@ -154,8 +155,8 @@ def delete_all_checkpoints(folders):
         try:
             prune_checkpoints(folder, 0, -1, delete_all=True)
         except gcs.GCSError as e:
-            problems.append(f"--overwrite=True cannot delete the checkpoints in {folder} ({e}); retry when the "
-                            "bucket is reachable")
+            problems.append(f"--overwrite=True cannot delete the checkpoints in {folder} ({e}); retry when "
+                            "the bucket is reachable")
     return problems
 
 
@@ -260,9 +261,9 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
     width is the sequence length.)"""
     saved = ckpt['config']
     changed = [k for k in resume_fixed if k in saved and saved[k] != cfg[k]]
-    fail_together(dev, [f"{path} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}; this run "
-                        f"has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep them: start "
-                        "a new run (another out_dir) to change them"] if changed else [], 'resume')
+    fail_together(dev, [f"{path} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}; this "
+                        f"run has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep them: "
+                        "start a new run (another out_dir) to change them"] if changed else [], 'resume')
     if dev.master:
         other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
         print(f"resuming from {path} (step {ckpt['step']})"
@@ -287,10 +288,10 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
         loader.load_state_dict(ckpt['loader'])
         problems = []
     except (RuntimeError, ValueError, KeyError) as e:
-        problems = [f"{path} does not fit this run ({' '.join(str(e).split())[:300]}); the file is kept. Move "
-                    "it aside to resume from the one before"]
+        problems = [f"{path} does not fit this run ({' '.join(str(e).split())[:300]}); the file is kept. "
+                    "Move it aside to resume from the one before"]
     fail_together(dev, problems, 'resume')
-    step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # the carry is saved for the global batch
+    step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
     carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
     if dev.rank == 0:
         dev.set_rng_state(ckpt['rng'])

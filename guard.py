@@ -423,8 +423,8 @@ def describe_data(shape):
 
 
 def startup_problems(cfg, dev):
-    """What a run needs of its data, batch sizes, init_from and out_dir, checked before the first step on every
-    rank: [message]. Each rank sees its own files (a pod's hosts each have their own disk), so each checks
+    """What a run needs of its data, batch sizes, init_from and out_dir, checked before the first step on
+    every rank: [message]. Each rank sees its own files (a pod's hosts each have their own disk), so each checks
     them. (The checkpoints already in out_dir: checkpoint.checkpoint_problems.)"""
     problems, shapes, root = [], {}, cfg['data_path']
     for split in ('train', 'test'):
@@ -461,9 +461,9 @@ def hosts_differ(dev, cfg, data_path):
     code = ''.join(open(f).read() for f in CODE_FILES)
     meta = ''.join(open(os.path.join(data_path, s, 'dataset.json')).read() for s in ('train', 'test'))
     names = ('config', 'dataset metadata', 'code')
-    fail_if_ranks_differ(dev, [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(code)],
-                         lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: copy the same "
-                                   "files to every host")
+    values = [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(code)]
+    fail_if_ranks_differ(dev, values, lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: "
+                                                "copy the same files to every host")
 
 
 def fetch_data(path, cache, dev):

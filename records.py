@@ -411,8 +411,8 @@ def warn_recompiles(line, first, last):
     """XLA graphs compiled in steps first..last, past the warm-up: said once per log line."""
     if line.get('xla_compiles'):
         print(f"warning: {line['xla_compiles']} XLA graph compilation(s) ({line['xla_compile_s']:.1f} s) in "
-              f"steps {first}-{last}, after warm-up: a shape or a Python value that changes reaches the step's "
-              "graph, and every step may be compiling anew")
+              f"steps {first}-{last}, after warm-up: a shape or a Python value that changes reaches the "
+              "step's graph, and every step may be compiling anew")
 
 
 def eval_line(step, res, raw, xla):

@@ -3,8 +3,8 @@ One training run as train.py sees it: the rooms below composed, so the learning 
     run = Run(config, dev)                  start-up checks on every rank, host agreement, the out_dir's lock
     step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
-    run.log(kind, line, step, groups)       metrics.jsonl (+ the bucket's copy), W&B and TensorBoard, never fatal
-    run.close()                             bounded waits for uploads and W&B at exit, the out_dir's lock removed
+    run.log(kind, line, step, groups)       metrics.jsonl (+ the bucket's copy), W&B and TensorBoard
+    run.close()                             bounded waits for uploads and W&B, the out_dir's lock removed
 checkpoint.py holds the files and the resume, records.py the records and uploads, guard.py the safety net
 (signals, locks, watchdog, verdicts every rank agrees on, start-up checks). Every method that more than rank 0
 needs is called by every rank at the same point.
@@ -21,8 +21,8 @@ from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_pr
                         delete_all_checkpoints, find_resume_checkpoint, load_state, load_weights,
                         prune_checkpoints, set_aside_diverged, write_checkpoint)
 from data import load_metadata
-from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder, lock_bucket,
-                   lock_local, mark_data, release_locks, startup_problems)
+from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
+                   lock_bucket, lock_local, mark_data, release_locks, startup_problems)
 from records import (SNAPSHOTS, Records, TensorBoardWriter, Tee, Uploads, flat_scalars, save_evaluation,
                      start_wandb, wandb_log_safe)
 
@@ -117,7 +117,7 @@ class Run:
         then rank 0 writes, prunes and uploads, and every rank learns whether that worked. Returns the
         checkpoint's path."""
         dev, keys = self.dev, sorted(carry)
-        sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # the carry in `keys` order
+        sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
         path, problems = os.path.join(self.local, checkpoint_name(step)), []
         if sane[0] == 0:
             problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
