@@ -195,7 +195,7 @@ if checkpoint_dir:
 
     import gcs
     from device import to_cpu
-    from safety import CheckpointError, save_atomic
+    from checkpoint import CheckpointError, save_atomic
     for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in
                                   # the file
         p.grad = torch.zeros_like(p)

@@ -17,9 +17,7 @@ import difflib
 import io
 import os
 import shlex
-import socket
 import sys
-import time
 import tokenize
 import traceback
 
@@ -109,66 +107,6 @@ def parse_flags(text, defaults, where):
     return out
 
 
-# -----------------------------------------------------------------------------
-# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed
-# SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
-# line to train.log in the run's folder (safety.Run)
-
-class Output:
-    log = None  # train.log, shared by stdout and stderr
-
-    def __init__(self, stream):
-        self.stream, self.closed_seen = stream, False
-
-    @classmethod
-    def install(cls):
-        if not isinstance(sys.stdout, cls):
-            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
-
-    @classmethod
-    def log_to(cls, path):
-        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
-        try:
-            cls.log = open(path, 'a')
-            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
-                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
-        except OSError as e:
-            print(f"warning: cannot write {path} ({e}); the output is not logged there")
-
-    def write(self, text):
-        if Output.log is not None:
-            try:
-                Output.log.write(text)
-                Output.log.flush()
-            except (OSError, ValueError):  # a full disk: the terminal still has it
-                pass
-        if not self.closed_seen:
-            try:
-                self.stream.write(text)
-            except (OSError, ValueError):
-                self.lost()
-        return len(text)
-
-    def flush(self):
-        if not self.closed_seen:
-            try:
-                self.stream.flush()
-            except (OSError, ValueError):
-                self.lost()
-
-    def lost(self):
-        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
-        /dev/null, so the interpreter's flush at exit cannot fail either."""
-        self.closed_seen = True
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError):
-            pass
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
 def _help(g, keys):
     script = g.get('__file__')
     doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now
@@ -227,6 +165,6 @@ def _configure(g, argv):
 
 
 if __name__ != 'configurator':  # exec'd by a script (imported as a module, it only lends read_config_block)
-    from configurator import Output as _Output  # the module's class, the one safety.Run logs through
-    _Output.install()
+    from records import Tee as _Tee  # a closed stdout never stops the script, from its first line on
+    _Tee.install()
     _configure(globals(), sys.argv[1:])

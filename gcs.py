@@ -1,6 +1,6 @@
 """
 Minimal Google Cloud Storage client for checkpoints and datasets (standard library + requests only).
-The checkpoint files themselves (atomic saves, listing, pruning) are in safety.py.
+The checkpoint files themselves (atomic saves, listing, pruning) are in checkpoint.py.
 
 Spot TPU VMs can be preempted at any time, so checkpoints go to a GCS bucket:
     upload_file("out/ckpt_1000.pt", "gs://my-bucket/run1/ckpt_1000.pt")

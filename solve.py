@@ -75,7 +75,7 @@ from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usa
 from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import seq_len_for_vocab, views_problem, vote  # noqa: E402
-from safety import CheckpointError, load_checkpoint, weights_in  # noqa: E402
+from checkpoint import CheckpointError, load_checkpoint, weights_in  # noqa: E402
 
 
 def cpu_threads():

@@ -143,7 +143,8 @@ import gcs
 from configurator import config_files, parse_flags, read_config_block
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from puzzles import shape_from_name
-from safety import holder_gone, list_checkpoints, local_folder, lock_record
+from checkpoint import list_checkpoints
+from guard import holder_gone, local_folder, lock_record
 
 # -----------------------------------------------------------------------------
 # config

@@ -81,7 +81,7 @@ device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU,
 compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (step.xla_backend)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
-smoke = False                   # True: check this machine in minutes instead (smoke.py), in <out_dir>/smoke
+smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out_dir>/smoke
 smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 # -----------------------------------------------------------------------------
@@ -115,15 +115,20 @@ config = {k: globals()[k] for k in config_keys}
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
+if eval_only and init_from == 'scratch':
+    raise SystemExit("config error: eval_only=True needs --init_from=resume or a checkpoint file")
 # -----------------------------------------------------------------------------
 
 import torch  # noqa: E402  (after the config: --help and config errors answer at once)
 
-import safety  # noqa: E402
+import guard  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import resolve_loss_dtype  # noqa: E402
 from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
+from checkpoint import checkpoint_tensors  # noqa: E402
+from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
+from run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
 from step import evaluation_steps, format_eval, format_train, forward_loss, train_step  # noqa: E402
@@ -134,9 +139,9 @@ RESUME_FIXED += ['global_batch_size', 'seed']
 
 
 if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
-    safety.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
+    guard.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
 if __name__ == '__mp_main__':
-    safety.follow_launcher()  # signals come through the launcher, once; it dies with the launcher
+    guard.follow_launcher()  # signals come through the launcher, once; it dies with the launcher
 
 
 def read_sums(dev, sums, bad_step):
@@ -149,81 +154,68 @@ def read_sums(dev, sums, bad_step):
     return dict(zip(sums, host)), bad_at[0]
 
 
-# the terms of the loss (loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)), logged each on its own
-LOSS_TERMS = ('lm_loss', 'q_halt_loss') + (() if no_ACT_continue else ('q_continue_loss',))
+def build(meta, dev, total_steps):
+    """The model for this dataset on this device, its optimizer, its EMA copy (or itself), the step's
+    settings (the LR schedule, EMA, clipping, accumulation) and why this forward dtype."""
+    dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
+    model_cfg = {k: config[k] for k in MODEL_KEYS}
+    model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
+    torch.manual_seed(seed)  # the same initial weights on every rank
+    model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device)
+    opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
+    ema_model = copy.deepcopy(model) if ema else model
+    sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
+                    warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
+                    global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
+                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps)
+    return model, opt, ema_model, sc, dtype_why
 
 
-def log_line(m, step, n_steps, seconds, epoch, sc):
-    """A log line's values from the metric sums m of the last n_steps steps (the rows that halted in them)."""
-    cnt = max(m['count'], 1)
-    return dict(step=step, epoch=epoch, loss=m['loss'] / (global_batch_size * n_steps),
-                accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
-                q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
-                grad_norm=m['grad_norm'] / n_steps,
-                lr=float(sc.lr_at(step - 1, sc.lr)),
-                **{k: m[k] / (global_batch_size * n_steps) for k in LOSS_TERMS if k in m},
-                examples_per_s=global_batch_size * n_steps / max(seconds, 1e-9),
-                ms_per_step=1e3 * seconds / n_steps)
-
-
-def xla_since(now, then):
-    """XLA's counters at a log line: the compilations since the last one (their count, seconds) and the
-    totals so far; {} off XLA."""
-    if not now:
-        return {}
-    return dict(xla_compiles=now['compiles'] - then['compiles'],
-                xla_compile_s=now['compile_s'] - then['compile_s'], xla_compiles_total=now['compiles'],
-                xla_execute_s=now['execute_s'], xla_transfers=now['transfers'])
-
-
-def groups(line):
-    """A train line's scalars as W&B and TensorBoard show them: train/, perf/ and xla/."""
-    perf = ('examples_per_s', 'ms_per_step', 'mfu', 'host_ms', 'device_ms', 'memory_gib')
-    return dict(train={k: v for k, v in line.items() if k not in perf and not k.startswith('xla_')
-                       and k not in ('step', 'epoch', 'memory')},
-                perf={k: line[k] for k in perf if k in line},
-                xla={k[4:]: v for k, v in line.items() if k.startswith('xla_')})
+def evaluate_checkpoint(run, dev, run_eval, meta, step):
+    """--eval_only: init_from's weights on the whole test split, printed; rank 0 also writes the file a
+    study's re-evaluation reads (one per views and steps)."""
+    t_eval = time.time()
+    res, example = run_eval(0, show_example=True)
+    if dev.master:
+        print(format_eval(res) if res else "stopped during the evaluation")
+        if example:
+            print(render_example(meta, *example))
+        if res:
+            name = f"views{eval_views}-steps{eval_steps or halt_max_steps}"
+            run.write_evaluation(res, step, time.time() - t_eval, name)
+    dev.shutdown()
 
 
 def main(index=None):
     # --- set-up: the device, the start-up checks every rank agrees on, data, model, optimizers --------------
     dev = Device(resolve_device(device), xla_cache_dir)
     master = dev.master
-    run = safety.Run(config, dev, started=_T_START)
+    run = Run(config, dev, started=_T_START)
     loader = TrainLoader(run.data_path, global_batch_size, dev.rank, dev.world_size, seed)
     meta = loader.meta
-    dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
-    model_cfg = {k: config[k] for k in MODEL_KEYS}
-    model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
-    cfg = TRMConfig.for_data(meta, **model_cfg)
-    torch.manual_seed(seed)  # the same initial weights on every rank
-    model = TRM(cfg).to(dev.device)
-    opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
-    ema_model = copy.deepcopy(model) if ema else model
-    dev.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
     total_steps = loader.steps_for(epochs)
     if total_steps < 1:
         raise SystemExit(f"config error: epochs={epochs} of {loader.n_groups} groups at global_batch_size="
                          f"{global_batch_size} is less than one step")
+    model, opt, ema_model, sc, dtype_why = build(meta, dev, total_steps)
+    dev.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
     eval_every = max(1, loader.steps_for(eval_interval))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
     if problem := views_problem(puzzle_for(meta), eval_views):
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {run.data_path})")
-    peak = dev.peak_tflops()  # one chip's dense bf16 TFLOP/s, for MFU (None on a CPU)
     if master:
-        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
-              f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
-              f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "
-              f"{global_batch_size}), eval every {eval_every}")
+        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | {model.num_params():,} "
+              f"parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | {total_steps} steps "
+              f"({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
-    watchdog = safety.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
-                               warmup=log_interval + 1)
+    watchdog = guard.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
+                              warmup=log_interval + 1)
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
@@ -257,11 +249,8 @@ def main(index=None):
             if raw:
                 print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
         if log:
-            xla = xla_since(dev.xla_counters(), xla_before)
-            run.log('eval', dict(step=step, **res, **(dict(raw=raw) if raw else {}),
-                                 **({'xla_compiles': xla['xla_compiles']} if xla else {})), step,
-                    dict(eval=res, eval_raw=raw or {},
-                         xla=dict(eval_compiles=xla['xla_compiles']) if xla else {}))
+            values, scalars = eval_line(step, res, raw, xla_since(dev.xla_counters(), xla_before))
+            run.log('eval', values, step, scalars)
         run.new_best(step, res)
         save()
         if final and master and example:
@@ -271,46 +260,15 @@ def main(index=None):
         return True
 
     if eval_only:
-        if init_from == 'scratch':
-            raise SystemExit("config error: eval_only=True needs --init_from=resume or a checkpoint file")
-        t_eval = time.time()
-        res, example = run_eval(0, show_example=True)
-        if master:
-            print(format_eval(res) if res else "stopped during the evaluation")
-            if example:
-                print(render_example(meta, *example))
-            if res:  # what a study's re-evaluation reads: one file per (views, steps)
-                run.write_evaluation(res, step, time.time() - t_eval, f"views{eval_views}-steps{n_eval_steps}")
-        dev.shutdown()
-        return
-    if step > run_steps:  # a checkpoint past this run's end: evaluating it again would change nothing
-        end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
-        run.close(False)
-        dev.shutdown()
-        raise SystemExit(f"{run.resumed_from} is at step {step}, past this run's last step {run_steps} "
-                         f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate it "
-                         "with --eval_only=True")
+        return evaluate_checkpoint(run, dev, run_eval, meta, step)
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
-        done = True
-        if run.results_missing():
-            run.open_records(step)
-            if master:
-                print(f"the checkpoint is at the last step {step}, but results.json is missing: evaluating")
-            done = evaluate_and_save(step, lambda tag='': None, log=not (master and run.logged('eval', step)))
-        elif master:
-            print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
-                  f"(raise --max_steps or --epochs to train on)")
-        run.close(not done)
-        dev.shutdown()
-        return
+        end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
+        return run.at_the_end(step, run_steps, end, lambda: evaluate_and_save(
+            step, lambda tag='': None, log=not (master and run.logged('eval', step))))
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
     fwd = compiled_step(dev.kind) if compile else forward_loss  # CUDA and XLA compile it, as bench.py does
-    sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
-                    warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
-                    global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
-                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps)
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
@@ -352,22 +310,14 @@ def main(index=None):
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)
             run.verified = step - 1
-            line = log_line(m, step, step - last_step, time.time() - t0, loader.epochs_done, sc)
-            if dev.kind == 'xla':  # which one bounds a step: the host's tracing or the device's execution
-                line.update(host_ms=1e3 * host_s / (step - last_step),
-                            device_ms=1e3 * (dev.execute_seconds() - exec_s) / (step - last_step))
-            if peak:  # the model's FLOPs per second over the chips' peak
-                line['mfu'] = (model.flops_per_example() * line['examples_per_s']
-                               / (peak * 1e12 * dev.world_size))
-            mem, line['memory'] = dev.memory_in_use()  # TPU: HBM in use; CUDA: allocated; else the RSS
-            line.update(memory_gib=mem / 2 ** 30, **xla_since(dev.xla_counters(), xla_then))
+            line = log_line(m, step, step - last_step, time.time() - t0, loader.epochs_done,
+                            float(sc.lr_at(step - 1, sc.lr)), global_batch_size, not no_ACT_continue)
+            line.update(device_figures(dev, step - last_step, host_s, exec_s,
+                                       model.flops_per_example() * line['examples_per_s'], xla_then))
             if master:
                 print(format_train(line, run_steps, dev.xla_report()[0] if dev.kind == 'xla' else None))
-                if line.get('xla_compiles') and last_step >= start_step + 10:  # past the warm-up's graphs
-                    print(f"warning: {line['xla_compiles']} XLA graph compilation(s) "
-                          f"({line['xla_compile_s']:.1f} s) in steps {last_step + 1}-{step}, after warm-up: "
-                          "a shape or a Python value that changes reaches the step's graph, and every step "
-                          "may be compiling anew")
+                if last_step >= start_step + 10:  # past the warm-up's graphs
+                    warn_recompiles(line, last_step + 1, step)
             run.log('train', line, step, groups(line))
             acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
             xla_then = dev.xla_counters()
@@ -383,7 +333,7 @@ def main(index=None):
         if stop_now:
             break
         if step == start_step + 1 and dev.kind == 'xla':
-            dev.read(run.checkpoint_tensors(model, ema_model, carry))  # the save's graph now, not at SIGTERM
+            dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # the save's graph now, not at SIGTERM
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
     watchdog.stop()
@@ -403,24 +353,24 @@ def xla_worker(index):
     try:
         main(index)
     except BaseException:
-        safety.exit_if_orphaned(1)
+        guard.exit_if_orphaned(1)
         raise
-    safety.exit_if_orphaned(0)
+    guard.exit_if_orphaned(0)
 
 
 if __name__ == '__main__':
     if smoke:  # two short runs of this command, in processes of their own, then a verdict
-        from smoke import smoke_test
-        raise SystemExit(smoke_test(config))
+        from preflight import preflight
+        raise SystemExit(preflight(config))
     if resolve_device(device) == 'xla':
         import torch_xla
         from concurrent.futures.process import BrokenProcessPool
-        safety.forward_signals()  # to the worker processes, which train and hold the out_dir
+        guard.forward_signals()  # to the worker processes, which train and hold the out_dir
         try:
             torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same
         except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
-            print(f"a training process ended abruptly; exiting with code {safety.HUNG_EXIT}: the same "
+            print(f"a training process ended abruptly; exiting with code {guard.HUNG_EXIT}: the same "
                   f"command with --init_from=resume continues from the last checkpoint", file=sys.stderr)
-            raise SystemExit(safety.HUNG_EXIT)
+            raise SystemExit(guard.HUNG_EXIT)
     else:
         main()

@@ -8,7 +8,28 @@ import json
 import os
 
 import gcs
-from conftest import BUCKET, TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset, run
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset, run
+
+
+def hang_at(tmp_path, what):
+    """The environment of a run that blocks for good at the watchdog's report `what` ('step 25', 'an evaluation
+    batch') once the watchdog is armed, as a rank stuck in a collective would: a sitecustomize.py on PYTHONPATH,
+    which Python runs first in every process the run starts (torch_xla's workers too), wraps Watchdog.progress."""
+    hook = tmp_path / 'hang'
+    hook.mkdir()
+    (hook / 'sitecustomize.py').write_text(f'''import sys, threading
+sys.path.insert(0, {ROOT!r})
+import guard
+progress = guard.Watchdog.progress
+
+def hang(self, what, step=None):
+    progress(self, what, step)
+    if what == {what!r} and not self.waiting:
+        threading.Event().wait()
+
+guard.Watchdog.progress = hang
+''')
+    return dict(PYTHONPATH=str(hook))
 
 
 def fake_pci(root, devices):
@@ -47,7 +68,7 @@ def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, 
     out = f'{tmp_path}/o'
     args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--max_steps=40',
             '--checkpoint_interval=10', '--log_interval=10', '--init_from=resume', '--watchdog_minutes=0.05']
-    p = run(args, env=dict(TRM_TEST_HANG_AT='step 25'), timeout=300, check=False)  # blocks for good at step 25
+    p = run(args, env=hang_at(tmp_path, 'step 25'), timeout=300, check=False)  # blocks for good at step 25
     assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
     assert 'watchdog: nothing finished for 0.' in p.stderr and '(watchdog_minutes=0.05; the last: step 25)' in p.stderr
     assert 'Current thread' in p.stderr and 'in main' in p.stderr  # every thread's stack: the loop's, where it hangs
@@ -65,7 +86,7 @@ def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, 
 def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(toy, tmp_path):
     out = f'{tmp_path}/o'
     p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto', '--compile=False', '--max_steps=8',
-             '--log_interval=2', '--watchdog_minutes=0.05'], env=dict(XLA_ENV, TRM_TEST_HANG_AT='step 4'),
+             '--log_interval=2', '--watchdog_minutes=0.05'], env=dict(XLA_ENV, **hang_at(tmp_path, 'step 4')),
             timeout=600, check=False)  # the launcher's process, whose worker the watchdog ends
     assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
     assert 'the last: step 4)' in p.stderr and 'a training process ended abruptly; exiting with code 75' in p.stderr
@@ -83,7 +104,7 @@ def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs
     spent = json.load(open(f'{out}/results.json'))['wall_s']['eval']
     assert spent > 0.6, spent  # the premise: the evaluation outlasted the watchdog's limit, progressing
     # the same evaluation stuck at a batch: ended
-    p = run(args + [f'--out_dir={tmp_path}/hung'], env=dict(TRM_TEST_HANG_AT='an evaluation batch'), timeout=300,
+    p = run(args + [f'--out_dir={tmp_path}/hung'], env=hang_at(tmp_path, 'an evaluation batch'), timeout=300,
             check=False)
     assert p.returncode == 75 and '(watchdog_minutes=0.01; the last: an evaluation batch)' in p.stderr, p.stderr[-2000:]
     assert 'in evaluate' in p.stderr and 'watchdog: nothing finished' in open(f'{tmp_path}/hung/train.log').read()

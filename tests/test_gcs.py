@@ -16,7 +16,7 @@ import pytest
 import requests
 
 import gcs
-import safety
+import checkpoint
 from conftest import BUCKET, TOY_ARGS, run
 
 
@@ -243,28 +243,28 @@ def test_checkpoint_files_locally_and_in_a_bucket(emu, tmp_path):
     local = str(tmp_path / 'run')
     os.makedirs(local)
     for step in (2, 4, 6):
-        safety.save_atomic({'step': step, 'w': torch.full((3,), float(step))}, os.path.join(local, f'ckpt_{step:08d}.pt'))
+        checkpoint.save_atomic({'step': step, 'w': torch.full((3,), float(step))}, os.path.join(local, f'ckpt_{step:08d}.pt'))
     assert sorted(os.listdir(local)) == [f'ckpt_{s:08d}.pt' for s in (2, 4, 6)]  # no .tmp left behind
     _write(os.path.join(local, 'ckpt_00000008.pt.tmp'), b'half')  # an interrupted save: never listed
     _write(os.path.join(local, 'notes.pt'), b'x')
-    ck = safety.load_checkpoint(os.path.join(local, 'ckpt_00000004.pt'))
+    ck = checkpoint.load_checkpoint(os.path.join(local, 'ckpt_00000004.pt'))
     assert ck['step'] == 4 and torch.equal(ck['w'], torch.full((3,), 4.0))
-    assert safety.list_checkpoints(local) == {s: os.path.join(local, f'ckpt_{s:08d}.pt') for s in (2, 4, 6)}
+    assert checkpoint.list_checkpoints(local) == {s: os.path.join(local, f'ckpt_{s:08d}.pt') for s in (2, 4, 6)}
     remote = f'gs://{BUCKET}/ckpts/r1'
-    for step, path in safety.list_checkpoints(local).items():
+    for step, path in checkpoint.list_checkpoints(local).items():
         gcs.upload_file(path, f'{remote}/ckpt_{step:08d}.pt')
     gcs.upload_file(os.path.join(local, 'notes.pt'), f'{remote}/notes.pt')
     gcs.upload_file(os.path.join(local, 'notes.pt'), f'gs://{BUCKET}/ckpts/r10/ckpt_00000099.pt')  # another run
-    assert safety.list_checkpoints(remote) == {s: f'{remote}/ckpt_{s:08d}.pt' for s in (2, 4, 6)}
+    assert checkpoint.list_checkpoints(remote) == {s: f'{remote}/ckpt_{s:08d}.pt' for s in (2, 4, 6)}
     # keep the newest keep_last_n plus the best, in both places
     for folder in (local, remote):
-        safety.prune_checkpoints(folder, keep_last_n=1, best_step=2)
-        assert sorted(safety.list_checkpoints(folder)) == [2, 6]
+        checkpoint.prune_checkpoints(folder, keep_last_n=1, best_step=2)
+        assert sorted(checkpoint.list_checkpoints(folder)) == [2, 6]
     assert gcs.object_exists(f'{remote}/notes.pt') and os.path.exists(os.path.join(local, 'notes.pt'))
     with open(os.path.join(local, 'bad.pt'), 'wb') as f:
         f.write(b'not a checkpoint')
-    with pytest.raises(safety.CheckpointError, match='bad.pt is corrupt or truncated'):
-        safety.load_checkpoint(os.path.join(local, 'bad.pt'))
+    with pytest.raises(checkpoint.CheckpointError, match='bad.pt is corrupt or truncated'):
+        checkpoint.load_checkpoint(os.path.join(local, 'bad.pt'))
 
 
 # -----------------------------------------------------------------------------

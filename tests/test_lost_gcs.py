@@ -131,8 +131,8 @@ class Preconditioned(BaseHTTPRequestHandler):
 
 
 LOCKER = """
-import sys, safety
-print(safety.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
+import sys, guard
+print(guard.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
 sys.stdin.read()  # held until the test closes stdin (or kills this process)
 """
 

@@ -65,7 +65,7 @@ if os.environ.get('TRM_POD_ROLE') and 'resource_tracker' not in ' '.join(sys.ori
         def train_step(*args, **kwargs):
             calls[0] += 1
             if calls[0] == sigterm_at:  # a real signal to this process; its handler runs in the main thread
-                stop = sys.modules['safety'].STOP
+                stop = sys.modules['guard'].STOP
                 print(f"pod harness: rank {RANK} sends itself SIGTERM in training step {calls[0]}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
                 deadline = time.time() + 60
@@ -171,7 +171,8 @@ def executed_graphs(path, rank, world=WORLD):
         norm, gathers = _normalise(hlo, rank, world)
         frames = re.findall(r'^\s+(\S+) \((\S+?):(\d+)\)$', info, re.M)
         mine = [f"{fn} ({os.path.basename(f)}:{ln})" for fn, f, ln in frames
-                if os.path.basename(f) in ('train.py', 'step.py', 'safety.py', 'model.py', 'device.py', 'data.py')]
+                if os.path.basename(f) in ('train.py', 'step.py', 'run.py', 'checkpoint.py', 'guard.py', 'records.py',
+                                            'model.py', 'device.py', 'data.py')]
         graphs.append(dict(fp=hashlib.sha1(norm.encode()).hexdigest()[:12], gathers=gathers,
                            collectives={c: len(re.findall(rf' {c}(?:-start)?\(', norm)) for c in COLLECTIVES},
                            where=mine[0] if mine else (frames[0][0] if frames else '?')))

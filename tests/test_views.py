@@ -15,7 +15,7 @@ import torch
 
 import prepare_maze as pm
 import prepare_sudoku as ps
-import safety
+import checkpoint
 from conftest import ROOT, TOY_ARGS, assert_user_error, make_reverse_dataset, run
 from data import EvalLoader, load_arrays, load_metadata, write_split
 from device import Device
@@ -113,7 +113,7 @@ def trained(tmp_path_factory):
          '--seed', '0', '--output_dir', data])
     run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--epochs=12', '--eval_interval=12', '--eval_views=2']
         + ARGS + ['--tensorboard=True'])
-    ck = safety.weights_in(safety.load_checkpoint(os.path.join(out, sorted(
+    ck = checkpoint.weights_in(checkpoint.load_checkpoint(os.path.join(out, sorted(
         f for f in os.listdir(out) if f.startswith('ckpt_'))[-1])))
     meta = load_metadata(data, 'test')
     keys = {k: v for k, v in ck['config'].items() if k in TRMConfig.__dataclass_fields__}

@@ -5,7 +5,7 @@ split and saves; the second resumes from that checkpoint in a new process and do
 host's chips alone (a pod worker started by itself waits for no other) and write into <out_dir>/smoke, so
 out_dir itself is left as it was. Then one screen: the device and its chips, the step time (host and device
 on XLA), the graph compilations, the bucket written and read, W&B and TensorBoard.
-train.py calls smoke_test(config); nothing here touches a device (the runs do, in their own processes).
+train.py calls preflight(config); nothing here touches a device (the runs do, in their own processes).
 """
 import importlib.util
 import json
@@ -18,7 +18,8 @@ import time
 
 import gcs
 from device import tpu_chips, tpu_host_alone_env
-from safety import STOP, list_checkpoints, local_folder
+from checkpoint import list_checkpoints
+from guard import STOP, local_folder
 
 SMOKE_STEPS = 10        # training steps of each of the two runs
 SMOKE_EVAL = 1000       # seeded test examples evaluated at the end of each (eval_subset, when smaller)
@@ -105,7 +106,7 @@ def wandb_check():
         return f"{url} unreachable ({str(e).splitlines()[0][:100]}): runs would log offline"
 
 
-def smoke_test(cfg):
+def preflight(cfg):
     """The check for train.py's config cfg (its command line: sys.argv). Returns the exit code."""
     t0 = time.time()
     out = cfg['out_dir'].rstrip('/') + '/smoke'

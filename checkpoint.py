@@ -1,0 +1,326 @@
+"""
+The checkpoint files of a run, in a local folder or under a gs:// prefix (gcs.py is the storage client
+underneath): their format and names, atomic saves, loading, listing and pruning; and what a run does with
+them at start (which checkpoint to resume, whether it fits this run, its state loaded) and at a save (the
+weights checked sane, the carry gathered). run.Run calls these; solve.py and bench.py read and write the
+files.
+A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
+batch), rng, config, best, run_id, timing, data (the shape it trained on).
+"""
+import os
+import glob
+import re
+import time
+
+import torch
+
+import gcs
+from guard import data_shape, describe_data, fail_if_ranks_differ, fail_together
+
+# a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
+# most), and float32 activations overflow within a few blocks of weights this large
+MAX_WEIGHT = 1e4
+CKPT_RE = re.compile(r'ckpt_(\d{8})\.pt$')
+
+
+def checkpoint_name(step):
+    return f'ckpt_{step:08d}.pt'
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def save_atomic(obj, path):
+    """torch.save to path.tmp, then rename: readers see the old file or the whole new one, never half. A
+    failure (a full disk) removes the .tmp and raises CheckpointError naming the path and the OS error."""
+    tmp = path + '.tmp'
+    try:
+        with open(tmp, 'wb') as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        cause = e.__cause__ or e.__context__ or e
+        why = os.strerror(cause.errno) if getattr(cause, 'errno', None) else str(e)
+        raise CheckpointError(f"could not write {path}: {why}") from e
+
+
+def load_checkpoint(path, name=None):
+    """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code. name: what
+    errors call the file (the bucket URI of a downloaded copy)."""
+    try:
+        return torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e:
+        raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: "
+                              f"{e}") from e
+
+
+def weights_in(ckpt):
+    """What a loaded checkpoint file holds: dict(weights in this model's names (the EMA's when there are),
+    config: the training run's or None, step, data: the shape it trained on, ema: whether they are the
+    EMA's), or None when it is neither a checkpoint of train.py nor a state dict (the reference's keys or
+    ours)."""
+    from model import from_reference_state_dict
+    if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
+        saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
+        return dict(weights=dict(ckpt.get('ema') or ckpt['model']), config=saved, step=ckpt.get('step'),
+                    data=ckpt.get('data'), ema=bool(ckpt.get('ema')))
+    if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
+        return dict(weights=from_reference_state_dict(ckpt), config=None, step=None, data=None, ema=False)
+    return None
+
+
+def list_checkpoints(folder):
+    """{step: path} of the complete checkpoints in a local folder or gs:// prefix (temporary files and
+    half-done uploads never match: local writes are renamed when whole, GCS objects appear when whole)."""
+    if gcs.is_gcs(folder):
+        names = [uri for uri, _ in gcs.list_objects(folder.rstrip('/') + '/ckpt_')]
+    else:
+        names = glob.glob(os.path.join(folder, 'ckpt_*.pt'))
+    return {int(m.group(1)): n for n in names if (m := CKPT_RE.search(n))}
+
+
+def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, delete_all=False):
+    """Keep the newest keep_last_n checkpoints that are not known to be corrupt (0: keep all), the best, and
+    `protect` (the newest one known to train on); a known-corrupt file holds no slot. delete_all: remove every
+    checkpoint (a run started over)."""
+    found = list_checkpoints(folder)
+    good = sorted(s for s, p in found.items() if p not in corrupt)
+    keep = set() if delete_all else \
+        set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, protect}
+    for step, path in found.items():
+        if step not in keep:
+            try:
+                gcs.delete_object(path) if gcs.is_gcs(path) else os.remove(path)
+            except Exception as e:
+                print(f"warning: could not delete old checkpoint {path}: {e}")
+
+
+def bucket_checkpoints(out_dir, resume):
+    """Rank 0 at start: ({step: uri} of out_dir's checkpoints or None, [problem]). The listing is also the
+    check that the bucket lets this run in: a bucket that answers no (it does not exist, no permission: HTTP
+    4xx) stops the run at start, as does one that cannot be reached when resuming (no checkpoint could be
+    picked); a new run goes on without it (its uploads are retried)."""
+    bucket = gcs.split_gcs(out_dir)[0]
+    try:
+        return list_checkpoints(out_dir), []
+    except gcs.Stopped as e:
+        return None, [f"{e}; nothing was started"]
+    except gcs.GCSError as e:
+        if e.refused:
+            return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check "
+                          "that the bucket exists and that this identity may read and write it"]
+        if resume:
+            return None, [f"cannot list the checkpoints in {out_dir} ({e}); retry when the bucket is "
+                          "reachable"]
+        print(f"warning: cannot list {out_dir} ({e}); not checked for an earlier run's checkpoints; training "
+              "goes on, its uploads are retried")
+        return None, []
+
+
+def checkpoint_problems(cfg, dev, local):
+    """Rank 0 at start: the checkpoints already in out_dir that this run would mix with or delete: [message].
+    A new run (scratch, or a file's weights) stops at an earlier run's checkpoints unless --overwrite=True;
+    a gs:// out_dir's listing is also the check that the bucket lets this run in."""
+    init_from, out_dir, problems = cfg['init_from'], cfg['out_dir'], []
+    fresh = init_from != 'resume' and not cfg['eval_only']  # a new run's files: scratch, or a file's weights
+    if fresh and cfg['overwrite'] and dev.master and os.path.isfile(init_from) and CKPT_RE.search(init_from) \
+            and os.path.isdir(local) and os.path.samefile(os.path.dirname(os.path.abspath(init_from)), local):
+        problems.append(f"init_from={init_from} lies in {local}, whose checkpoints --overwrite=True deletes: "
+                        "copy it elsewhere first and start from the copy")
+    new_run = fresh and not cfg['overwrite'] and dev.master
+    held = {local: list_checkpoints(local)} if new_run else {}
+    if gcs.is_gcs(out_dir) and dev.master:
+        found, why = bucket_checkpoints(out_dir, init_from == 'resume')
+        problems += why
+        if new_run and found:
+            held[out_dir] = found
+    for folder, steps in held.items():
+        if steps:
+            problems.append(f"{folder} already holds checkpoints {sorted(steps)}: continue them with "
+                            "--init_from=resume, pick another --out_dir, or replace them with "
+                            "--overwrite=True")
+    return problems
+
+
+def delete_all_checkpoints(folders):
+    """Rank 0, a new run with --overwrite=True: the old run's checkpoints deleted; [problem] where a bucket
+    cannot be reached (nothing trained yet: better to stop than to mix two runs' files)."""
+    problems = []
+    for folder in folders:
+        try:
+            prune_checkpoints(folder, 0, -1, delete_all=True)
+        except gcs.GCSError as e:
+            problems.append(f"--overwrite=True cannot delete the checkpoints in {folder} ({e}); retry when "
+                            "the bucket is reachable")
+    return problems
+
+
+def load_weights(path, model, ema_model):
+    """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
+    dict."""
+    try:
+        found = weights_in(load_checkpoint(path))
+    except CheckpointError as e:
+        raise SystemExit(f"init_from: {e}")
+    if found is None:
+        raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
+                         f"reference implementation")
+    sd = found['weights']
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as e:
+        raise SystemExit(f"init_from={path}: not weights of this model ({' '.join(str(e).split())[:300]}); "
+                         f"check hidden_size, mlp_t, pos_encodings, L_layers against the run that saved it")
+    ema_model.load_state_dict(sd)
+
+
+def set_aside_diverged(local, remote, uploader, first_bad):
+    """Rename local checkpoints of step >= first_bad to *.diverged (and drop their bucket copies), so a resume
+    never picks weights that diverge. Returns the newest checkpoint left."""
+    if uploader:
+        uploader.wait()
+    for folder in [local] + ([remote] if remote else []):
+        for step, path in list_checkpoints(folder).items():
+            if step >= first_bad:
+                gcs.delete_object(path) if gcs.is_gcs(path) else os.replace(path, path + '.diverged')
+    left = list_checkpoints(local)
+    return left[max(left)] if left else None
+
+
+# -----------------------------------------------------------------------------
+# resuming: the newest checkpoint every rank can load, checked against this run, its state loaded
+
+def find_resume_checkpoint(dev, local, remote, corrupt):
+    """(the newest checkpoint that every rank can load, its path), or (None, None); rank 0 picks the step.
+    Non-zero ranks read the bucket copy (the same bytes as rank 0's); paths found unreadable are added to
+    `corrupt`. Checkpoints found but none loadable, or a bucket that cannot be listed, is an error: never a
+    fresh start that would overwrite them."""
+    found, problems = {}, []
+    if os.path.isdir(local):
+        found.update(list_checkpoints(local))
+    if remote:
+        try:
+            for step, uri in list_checkpoints(remote).items():
+                if not dev.master or step not in found:
+                    found[step] = uri
+        except Exception as e:
+            problems.append(f"cannot list the checkpoints in {remote} ({e}); retry when the bucket is "
+                            "reachable")
+    fail_together(dev, problems, 'init_from=resume')
+    candidates = sorted(found, reverse=True) if dev.master else []
+    for i in range(len(candidates) + 1 if dev.master else 10 ** 9):
+        step = int(dev.agree([candidates[i] if i < len(candidates) else -1.0 if dev.master else 0.0])[0])
+        if step < 0:
+            break
+        path = found.get(step) or f"{remote.rstrip('/')}/{checkpoint_name(step)}"
+        ckpt = load_training_checkpoint(path, step, local, dev.rank, corrupt)
+        if dev.agree([float(ckpt is None)])[0] == 0:
+            return ckpt, path
+    if found:
+        fail_together(dev, [f"checkpoints found ({', '.join(found[s] for s in sorted(found))}) but none "
+                            "could be loaded; nothing was overwritten"] if dev.master else [],
+                      'init_from=resume')
+    return None, None
+
+
+def load_training_checkpoint(path, step, local, rank, corrupt):
+    """The checkpoint at path (downloaded first from a bucket, to a temporary file in `local` removed on
+    every path), or None with a warning when it cannot be used (its path added to `corrupt`)."""
+    dest = os.path.join(local, f'.rank{rank}_{checkpoint_name(step)}')
+    try:
+        if gcs.is_gcs(path):
+            os.makedirs(local, exist_ok=True)
+            gcs.download_file(path, dest)
+            ckpt = load_checkpoint(dest, name=path)
+        else:
+            ckpt = load_checkpoint(path)
+        for k in ('model', 'step', 'carry', 'config', 'optimizer'):
+            if k not in ckpt:
+                raise CheckpointError(f"{path} is not a training checkpoint of this trainer (no '{k}')")
+        return ckpt
+    except gcs.Stopped as e:
+        raise SystemExit(f"{e}; nothing was changed")
+    except Exception as e:
+        print(f"warning: rank {rank}: {e}; trying an older checkpoint")
+        corrupt.append(path)
+        return None
+    finally:
+        if os.path.exists(dest):
+            os.remove(dest)
+
+
+def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
+    """The checkpoint at path against this run: it must have been saved with this run's `resume_fixed` keys
+    and trained on data of this shape (its model and carry are bound to it), or every rank stops naming the
+    difference. Rank 0 says the keys that did change. (Checkpoints from before `data` was saved: the carry's
+    width is the sequence length.)"""
+    saved = ckpt['config']
+    changed = [k for k in resume_fixed if k in saved and saved[k] != cfg[k]]
+    fail_together(dev, [f"{path} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}; this "
+                        f"run has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep them: "
+                        "start a new run (another out_dir) to change them"] if changed else [], 'resume')
+    if dev.master:
+        other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
+        print(f"resuming from {path} (step {ckpt['step']})"
+              + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
+    was = ckpt.get('data') or dict(seq_len=int(ckpt['carry']['inputs'].shape[-1]))
+    now = {k: v for k, v in data_shape(meta).items() if k in was}
+    fail_together(dev, [f"{path} was trained on {describe_data(was)} (data_path={saved.get('data_path')!r}); "
+                        f"{data_path} holds {describe_data(now)}. A resume keeps the data's shape: point "
+                        "--data_path at that dataset, or start a new run (another out_dir)"] if was != now
+                  else [], 'resume')
+
+
+def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
+    """The checkpoint's weights, optimizer, data order and random state loaded; returns this rank's rows of
+    the ACT carry. A file that loads but whose parts do not fit this model (edited, or another trainer's):
+    named, and every rank stops."""
+    try:
+        model.load_state_dict(ckpt['model'])
+        if ema_model is not model:
+            ema_model.load_state_dict(ckpt['ema'] or ckpt['model'])
+        opt.load_state_dict(ckpt['optimizer'])
+        loader.load_state_dict(ckpt['loader'])
+        problems = []
+    except (RuntimeError, ValueError, KeyError) as e:
+        problems = [f"{path} does not fit this run ({' '.join(str(e).split())[:300]}); the file is kept. "
+                    "Move it aside to resume from the one before"]
+    fail_together(dev, problems, 'resume')
+    step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
+    carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
+    if dev.rank == 0:
+        dev.set_rng_state(ckpt['rng'])
+    else:  # other ranks' exploration streams: reseeded deterministically from the step
+        dev.manual_seed(cfg['seed'] + dev.rank + 1000003 * step)
+    weights = float(sum(p.double().nan_to_num().sum() for p in ckpt['model'].values()
+                        if p.is_floating_point()))  # a fingerprint of the loaded bytes, on the host
+    fail_if_ranks_differ(dev, [weights], lambda _: "the ranks loaded different weights")
+    return carry
+
+
+# -----------------------------------------------------------------------------
+# saving: only sane weights, written atomically, the older ones pruned
+
+def checkpoint_tensors(dev, model, ema_model, carry):
+    """[are the weights sane, the carry of the global batch...]: one reduction, collectives on every rank.
+    Sane: finite and below MAX_WEIGHT (NaN fails the comparison too)."""
+    params = list(model.parameters()) + (list(ema_model.parameters()) if ema_model is not model else [])
+    largest = torch.stack([p.detach().abs().max().float() for p in params]).max()
+    return [(largest <= MAX_WEIGHT).float().reshape(1)] + [dev.all_gather(carry[k]) for k in sorted(carry)]
+
+
+def write_checkpoint(state, path, tag, keep_last_n, best_step, corrupt, protect):
+    """Rank 0: the file (its time said), then the pruning of older ones in its folder; a whole new file under
+    a corrupt one's name is no longer corrupt."""
+    from device import to_cpu
+    t_save = time.time()
+    save_atomic(to_cpu(state), path)
+    print(f"saved {path}{tag} ({os.path.getsize(path) / 1e6:.1f} MB in {time.time() - t_save:.1f} s)")
+    if path in corrupt:
+        corrupt.remove(path)
+    prune_checkpoints(os.path.dirname(path), keep_last_n, best_step, corrupt, protect=protect)

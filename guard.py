@@ -1,0 +1,513 @@
+"""
+The run's safety net: what keeps every rank of a training run together and its out_dir its own when a spot VM
+is preempted, a host hangs, a host has other files or a second run starts into the same folder.
+    signals          SIGTERM (spot preemption) and Ctrl-C: a stop request; the loop saves, every rank exits
+                     together; a torch_xla worker follows its launcher and never outlives it
+    locks            an out_dir belongs to one run: a lock file, and a lock object with a lease beside a
+                     gs:// out_dir's checkpoints
+    Watchdog         a rank that stops making progress ends with its stacks and HUNG_EXIT
+    fail_together    verdicts every rank agrees on (Device.agree), so all ranks stop with one message
+    startup_problems the checks before the first step; hosts_differ: every host's config, data and code
+Every function that more than rank 0 needs is called by every rank at the same point: a device value is read
+on every rank before rank 0 alone writes files (a TPU pod's ranks must run the same graphs).
+"""
+import atexit
+import contextlib
+import faulthandler
+import glob
+import hashlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+
+import gcs
+from data import IN_USE, check_split, load_metadata
+from puzzles import puzzle_type
+from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# the code whose copies every host must share (a pod runs one command on every host): every file beside
+# train.py, so a new file is compared as soon as it is there
+CODE_FILES = sorted(glob.glob(os.path.join(HERE, '*.py')))
+HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
+
+# -----------------------------------------------------------------------------
+# stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
+# step
+
+STOP = dict(requested=False, signal=None, count=0)
+
+
+def on_signal(signum, frame):
+    """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
+    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once."""
+    name = signal.Signals(signum).name
+    STOP['count'] += 1
+    if STOP['count'] == 1:
+        STOP.update(requested=True, signal=name)
+        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
+            "signal does not stop the save; a third ends the process at once, without it)")
+    else:
+        say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
+            "once, without the checkpoint")
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def say(line):
+    """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
+    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log."""
+    for f in (sys.stdout, Tee.log):
+        try:
+            os.write(f.fileno(), (line + '\n').encode())
+        except (OSError, ValueError, AttributeError):
+            pass
+
+
+def install_signal_handlers():
+    """In a process's main thread (torch_xla.launch runs the training in a worker thread)."""
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+
+def forward_signals():
+    """In torch_xla's launcher: SIGTERM and Ctrl-C go on to its worker processes, which save and stop (each
+    says so); the launcher itself waits for them."""
+    import multiprocessing
+
+    def forward(signum, frame):
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signum)
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
+
+
+def follow_launcher():
+    """In a torch_xla worker: its own process group, so a Ctrl-C reaches it once (through the launcher), and
+    a SIGTERM from the kernel when the launcher dies (even by SIGKILL): an orphan saves and stops instead of
+    holding the chips and the out_dir."""
+    import ctypes
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+    with contextlib.suppress(Exception):  # Linux only (TPU VMs); elsewhere the launcher's forwarding only
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if orphaned():  # gone before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def orphaned():
+    return os.environ.get('TRM_LAUNCHER_PID', str(os.getppid())) != str(os.getppid())
+
+
+def exit_if_orphaned(code):
+    """In a torch_xla worker whose launcher is gone, at the end of its work: exit now (its process pool would
+    wait for the next task forever)."""
+    if orphaned():
+        release_locks()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+
+# -----------------------------------------------------------------------------
+# an out_dir belongs to one run: a lock file in the local folder (and a lock object beside a gs:// out_dir's
+# checkpoints), taken by rank 0 at the start and removed at every exit: the loop's end, a stop request, a
+# failed check (fail_together), any other exit of the process (atexit)
+
+LOCK_NAME = 'run.lock'
+HELD = []  # the locks this process holds: local paths or gs:// URIs
+# a gs:// lock's lease: its holder renews it every third of this; a run on another host (a replacement VM)
+# takes over a lock whose lease ran out, and waits for one that has not, unless it is renewed meanwhile
+LEASE_S = float(os.environ.get('TRM_LOCK_LEASE_S') or 120)
+
+
+def boot_id():
+    """This boot of this host ('' off Linux): a lock from before a restart is stale whatever its pid."""
+    try:
+        with open('/proc/sys/kernel/random/boot_id') as f:
+            return f.read().strip()
+    except OSError:
+        return ''
+
+
+def lock_record():
+    return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
+                boot=boot_id(), renewed=time.time(), lease=LEASE_S)
+
+
+def holder_gone(rec):
+    """Whether the run holding a lock ran on this host and is gone (ended, killed, or the host restarted)."""
+    if not isinstance(rec, dict) or rec.get('host') != socket.gethostname():
+        return False  # another host's run: this host cannot tell
+    if rec.get('boot') and rec['boot'] != boot_id():
+        return True
+    try:
+        os.kill(int(rec['pid']), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, KeyError, TypeError, ValueError):  # PermissionError: alive, another user's
+        pass
+    return False
+
+
+def in_use(where, rec, remove):
+    who = f"the run on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
+        if isinstance(rec, dict) else 'a run whose lock cannot be read'
+    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --out_dir, or "
+            "remove the lock if that run is gone")
+
+
+def taken_over(rec, where):
+    """Whether the lock at `where`, holding rec, belongs to a run that is gone (and may be taken over: said
+    so)."""
+    if not holder_gone(rec):
+        return False
+    print(f"{where}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
+          f"since {rec['since']})")
+    return True
+
+
+def lock_local(folder):
+    """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
+    path = os.path.join(folder, LOCK_NAME)
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except OSError as e:
+            if not isinstance(e, FileExistsError):
+                return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can "
+                        "write"]
+            try:
+                with open(path) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                rec = None
+            if attempt == 0 and taken_over(rec, path):
+                os.remove(path)
+                continue
+            return [in_use(folder, rec, path)]
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as e:  # a full disk: the lock's record does not fit
+            os.remove(path)
+            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
+        HELD.append(path)
+        return []
+
+
+def read_lock(uri, local):
+    """The record of the lock object at uri (None: unreadable); gcs.NotFoundError when there is none."""
+    copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
+    gcs.download_file(uri, copy)
+    with open(copy) as f:
+        text = f.read()
+    os.remove(copy)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def lease_ran_out(rec, uri, local):
+    """Whether the lock of a run on another host has outlived its lease (and may be taken over: said so).
+    One still within it is waited for (a stop ends the wait); a renewal meanwhile means its run is alive."""
+    if not isinstance(rec, dict) or rec.get('host') == socket.gethostname() or \
+            not isinstance(rec.get('renewed'), (int, float)):
+        return False  # this host's runs: holder_gone decides; a lock without a lease: its run's to remove
+    left = rec['renewed'] + float(rec.get('lease', LEASE_S)) - time.time()
+    if left > 0:
+        age = time.time() - rec['renewed']
+        print(f"{uri}: held by the run on {rec['host']}, pid {rec.get('pid')}, renewed {age:.0f} s ago: "
+              f"waiting {left:.0f} s for its lease to run out", flush=True)
+        end = time.time() + left
+        while time.time() < end:
+            if STOP['requested']:
+                return False
+            time.sleep(min(1.0, end - time.time()))
+        try:
+            now = read_lock(uri, local)
+        except gcs.NotFoundError:
+            return True
+        if now != rec:
+            return False  # renewed (or taken by another run): in use
+    print(f"{uri}: taking over the lock of the run on {rec['host']}, pid {rec.get('pid')}, since "
+          f"{rec.get('since')}: its lease ran out (last renewed {time.time() - rec['renewed']:.0f} s ago)")
+    return True
+
+
+def lock_bucket(prefix, local):
+    """Rank 0: the lock object beside a gs:// out_dir's checkpoints, created only if absent (a generation
+    precondition), then renewed on a thread; [] or [the problem]. A bucket that cannot be reached: a warning
+    (its uploads are retried)."""
+    uri, mine = f"{prefix.rstrip('/')}/{LOCK_NAME}", lock_record()
+    try:
+        for attempt in range(2):
+            if gcs.create_if_absent(uri, json.dumps(mine).encode()):
+                HELD.append(uri)
+                renew_lock(uri, mine, local)
+                return []
+            rec = read_lock(uri, local)
+            if rec == mine:  # our own create, whose reply was lost and retried
+                HELD.append(uri)
+                renew_lock(uri, mine, local)
+                return []
+            if attempt == 0 and (taken_over(rec, uri) or lease_ran_out(rec, uri, local)):
+                gcs.delete_object(uri)
+                continue
+            return [in_use(prefix, rec, uri)]
+    except gcs.NotFoundError:  # removed between the create and the read: its run just ended
+        return lock_bucket(prefix, local)
+    except gcs.GCSError as e:
+        print(f"warning: cannot lock {prefix} ({e}); a second run into it would not be stopped")
+        return []
+
+
+def renew_lock(uri, rec, local):
+    """Rank 0: a daemon thread that rewrites the lock object's `renewed` every third of its lease while this
+    process holds it; a lock found taken over (this run stalled past its lease) is said once, then left."""
+    def renew():
+        client = gcs.GCS(retries=2, timeout=(5, 10))
+        while True:
+            time.sleep(LEASE_S / 3)
+            if uri not in HELD:
+                return
+            try:
+                now = read_lock(uri, local)
+                if isinstance(now, dict) and (now.get('host'), now.get('pid')) != (rec['host'], rec['pid']):
+                    print(f"warning: {uri} was taken over by the run on {now.get('host')}, pid "
+                          f"{now.get('pid')} (this run's lease ran out): stop one of the two runs")
+                    return
+                client.put(uri, json.dumps(dict(rec, renewed=time.time())).encode())
+            except Exception as e:  # the next renewal tries again; the lease outlasts two failures
+                print(f"warning: could not renew the lock {uri} ({e})")
+    threading.Thread(target=renew, daemon=True).start()
+
+
+def mark_data(root, out_dir):
+    """Rank 0: a mark in the dataset's folder while the run holds it, removed with the locks: a builder
+    asked to replace the dataset says that this run goes on with the old one (a read-only folder: no mark)."""
+    path = os.path.join(root, f"{IN_USE}{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(path, 'w') as f:
+            json.dump(dict(host=socket.gethostname(), pid=os.getpid(), out_dir=out_dir), f)
+        HELD.append(path)
+    except OSError:
+        pass
+
+
+def release_locks(quick=False):
+    """Remove the locks this process holds. A lock object gets a bounded wait, one short attempt after a stop
+    request (a spot VM's notice is 30 s, the stop checkpoint's upload had most of it): one left behind
+    expires with its lease."""
+    while HELD:
+        where = HELD.pop()
+        try:
+            if gcs.is_gcs(where):
+                gcs.GCS(retries=0, timeout=(2, 3)).delete(where) if quick else \
+                    gcs.GCS(retries=2, timeout=(5, 10)).delete(where)
+            else:
+                os.remove(where)
+        except Exception as e:
+            then = f"a run on another host takes it over once its lease ({LEASE_S:.0f} s) has run out" \
+                if gcs.is_gcs(where) else "the next run on this host takes it over"
+            print(f"warning: could not remove the lock {where} ({e}); {then}")
+
+
+atexit.register(release_locks)
+
+
+# -----------------------------------------------------------------------------
+# a hung rank (a dead host, a stuck collective) leaves every chip of the slice idle without a word: the
+# watchdog ends it, so a person or a relaunch loop can act
+
+class Watchdog:
+    """Watchdog(minutes, record): when `minutes` pass with no progress() (a finished training step or
+    evaluation batch), every thread's stack goes to stderr and train.log, record(values) is called (rank 0:
+    a line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT. It is armed
+    by the `warmup`-th report (the first steps compile their graphs) and pause(n) disarms it for the next n
+    reports (an evaluation's first batch may compile); minutes=0: off."""
+
+    def __init__(self, minutes, record=None, warmup=2):
+        self.limit, self.record, self.waiting = 60.0 * minutes, record, warmup
+        self.last, self.what, self.step = time.time(), 'start-up', None
+        self.done = threading.Event()
+        if self.limit > 0:
+            threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
+
+    def progress(self, what, step=None):
+        self.last, self.what, self.step = time.time(), what, self.step if step is None else step
+        self.waiting = max(0, self.waiting - 1)
+
+    def pause(self, reports=1):
+        self.waiting = max(self.waiting, reports)
+
+    def stop(self):
+        self.done.set()
+
+    def watch(self):
+        while not self.done.wait(min(30.0, self.limit / 4)):
+            if not self.waiting and time.time() - self.last > self.limit:
+                self.fire()
+
+    def fire(self):
+        idle = time.time() - self.last
+        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; "
+              f"the last: {self.what}) in pid {os.getpid()}: a hung host or collective. Every thread's stack "
+              f"follows; exiting with code {HUNG_EXIT}: the same command with --init_from=resume continues "
+              f"from the last checkpoint", file=sys.stderr, flush=True)
+        for f in (sys.stderr, Tee.log):
+            try:
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            except (AttributeError, OSError, ValueError):  # no train.log (a rank > 0), or a closed stream
+                pass
+        try:
+            if self.record:
+                self.record(dict(step=self.step, idle_s=round(idle, 1), limit_min=self.limit / 60,
+                                 last=self.what, pid=os.getpid(), host=socket.gethostname()))
+        except Exception as e:
+            print(f"watchdog: could not record it ({e})", file=sys.stderr)
+        release_locks()
+        os._exit(HUNG_EXIT)  # the main thread is stuck: only a hard exit ends the process
+
+
+
+# -----------------------------------------------------------------------------
+# verdicts shared by every rank
+
+def fingerprint(text):
+    """A 24-bit hash of text: exact in float32, so ranks can compare it with a min/max reduction."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], 'big')
+
+
+def fail_together(dev, problems, what):
+    """Every rank learns whether any rank has a problem, and then all exit with one message (the out_dir's
+    lock removed first: a torch_xla worker process ends without running atexit)."""
+    failed = dev.agree([float(r == dev.rank and bool(problems)) for r in range(dev.world_size)])
+    ranks = [r for r in range(dev.world_size) if failed[r] > 0]
+    if ranks:
+        where = f" on rank(s) {ranks}" if dev.world_size > 1 else ''
+        mine = '; '.join(problems) if problems else f"see rank {ranks[0]}'s output"
+        release_locks()
+        dev.shutdown()
+        raise SystemExit(f"{what} failed{where}: {mine}")
+
+
+def fail_if_ranks_differ(dev, values, problem):
+    """fail_together when the ranks hold different values (fingerprints of what they loaded or read)."""
+    lows, highs = dev.agree(values, 'min'), dev.agree(values, 'max')
+    differ = [i for i, (lo, hi) in enumerate(zip(lows, highs)) if lo != hi]
+    fail_together(dev, [problem(differ)] if differ and dev.master else [], 'host agreement')
+
+
+def data_shape(meta):
+    """What a model trained on a dataset is bound to: its puzzle kind, sequence length and vocabulary."""
+    return dict(puzzle_type=puzzle_type(meta), seq_len=int(meta['seq_len']),
+                vocab_size=int(meta['vocab_size']))
+
+
+def describe_data(shape):
+    kind = f"{shape['puzzle_type']} puzzles" if shape.get('puzzle_type') else 'puzzles'
+    return f"{kind} of seq_len {shape['seq_len']}" + (f", vocab_size {shape['vocab_size']}"
+                                                      if 'vocab_size' in shape
+                                                        else '')
+
+
+def startup_problems(cfg, dev):
+    """What a run needs of its data, batch sizes, init_from and out_dir, checked before the first step on
+    every rank: [message]. Each rank sees its own files (a pod's hosts each have their own disk), so each checks
+    them. (The checkpoints already in out_dir: checkpoint.checkpoint_problems.)"""
+    problems, shapes, root = [], {}, cfg['data_path']
+    for split in ('train', 'test'):
+        found = check_split(root, split)
+        problems += found
+        if not found:
+            shapes[split] = data_shape(load_metadata(root, split))
+    if len(shapes) == 2 and shapes['train'] != shapes['test']:  # a half-done rebuild, or splits of two
+                                                                # datasets
+        problems.append(f"{root}: the train split holds {describe_data(shapes['train'])}, the test split "
+                        f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
+                        f"prepare_maze.py) or point data_path at one whose splits agree")
+    init_from = cfg['init_from']
+    if init_from not in ('scratch', 'resume') and not os.path.isfile(init_from):
+        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume' or a checkpoint file on this "
+                        "host")
+    for what in ('global_batch_size', 'eval_batch_size'):
+        B = cfg[what] or cfg['global_batch_size']
+        if B % dev.world_size:
+            problems.append(f"{what}={B} is not divisible by the world size {dev.world_size}")
+    k = cfg['gradient_accumulation_steps']
+    if cfg['global_batch_size'] % (dev.world_size * k):
+        problems.append(f"global_batch_size={cfg['global_batch_size']} is not divisible by the world size "
+                        f"{dev.world_size} x gradient_accumulation_steps={k}")
+    out_dir = cfg['out_dir']
+    if dev.hosts > 1 and not gcs.is_gcs(out_dir):
+        problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would "
+                        "hold the checkpoints; use --out_dir=gs://BUCKET/...")
+    return problems
+
+
+def hosts_differ(dev, cfg, data_path):
+    """fail_together when the hosts differ in their config, dataset metadata or code (CODE_FILES)."""
+    code = ''.join(open(f).read() for f in CODE_FILES)
+    meta = ''.join(open(os.path.join(data_path, s, 'dataset.json')).read() for s in ('train', 'test'))
+    names = ('config', 'dataset metadata', 'code')
+    values = [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(code)]
+    fail_if_ranks_differ(dev, values, lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: "
+                                                "copy the same files to every host")
+
+
+def fetch_data(path, cache, dev):
+    """The local copy of a gs:// data_path (one process per host fetches it into `cache`, the others wait);
+    a local path as it is."""
+    if not gcs.is_gcs(path):
+        return path
+    problems = []
+    if dev.local_rank == 0:
+        try:
+            gcs.fetch_tree(path, cache)
+        except Exception as e:
+            problems = [f"cannot fetch {path}: {e}"]
+    fail_together(dev, problems, f'fetching {path}')
+    dev.barrier()
+    return gcs.fetch_tree(path, cache)  # complete now: returns the local copy
+
+
+# -----------------------------------------------------------------------------
+# a run's clock and its local folder
+
+class Clock:
+    """This process's wall seconds by phase: start-up (to the first step), training (the loop, evaluations
+    apart, checkpoint saves included) and evaluation."""
+
+    def __init__(self, started):
+        self.started, self.loop_start, self.eval = started, None, 0.0
+
+    def __call__(self):
+        now = time.time()
+        start = self.loop_start or now
+        return dict(startup=start - self.started, train=now - start - self.eval, eval=self.eval)
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.eval += time.time() - t
+
+
+def local_folder(out_dir):
+    """The default local copy of a gs:// out_dir: out/BUCKET/PREFIX, one folder per out_dir (two runs ending
+    in the same name never share one)."""
+    bucket, prefix = gcs.split_gcs(out_dir)
+    return os.path.join('out', bucket, *[p for p in prefix.split('/') if p not in ('', '.', '..')])

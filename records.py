@@ -1,0 +1,442 @@
+"""
+A run's records: what a person or a study reads of it, during the run and after.
+    Tee                      the script's stdout and stderr: a closed reader never stops the run; rank 0's
+                             lines also go to train.log
+    Records                  metrics.jsonl (a line per log step and evaluation) and results.json
+    start_wandb, TensorBoardWriter   the same scalars in W&B and TensorBoard, never fatal
+    Uploads                  a gs:// run's records (and checkpoints) sent to its bucket, with bounded waits
+    log_line, device_figures, groups   a training log line's values, and how W&B and TensorBoard group them
+Nothing here imports torch: configurator.py installs the Tee before a script's config is checked.
+"""
+import atexit
+import contextlib
+import json
+import numbers
+import os
+import shutil
+import socket
+import sys
+import time
+
+import gcs
+
+# -----------------------------------------------------------------------------
+# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed
+# SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
+# line to train.log in the run's folder (run.Run)
+
+class Tee:
+    log = None  # train.log, shared by stdout and stderr
+
+    def __init__(self, stream):
+        self.stream, self.closed_seen = stream, False
+
+    @classmethod
+    def install(cls):
+        if not isinstance(sys.stdout, cls):
+            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
+
+    @classmethod
+    def log_to(cls, path):
+        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
+        try:
+            cls.log = open(path, 'a')
+            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
+                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
+        except OSError as e:
+            print(f"warning: cannot write {path} ({e}); the output is not logged there")
+
+    def write(self, text):
+        if Tee.log is not None:
+            try:
+                Tee.log.write(text)
+                Tee.log.flush()
+            except (OSError, ValueError):  # a full disk: the terminal still has it
+                pass
+        if not self.closed_seen:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self.lost()
+        return len(text)
+
+    def flush(self):
+        if not self.closed_seen:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.lost()
+
+    def lost(self):
+        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
+        /dev/null, so the interpreter's flush at exit cannot fail either."""
+        self.closed_seen = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError):
+            pass
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+# -----------------------------------------------------------------------------
+# metrics.jsonl and results.json
+
+def write_json_atomic(path, obj):
+    """obj as JSON in path, through path.tmp and a rename: readers see the old file or the whole new one. A
+    failed write (a full disk) raises OSError and leaves no .tmp behind."""
+    try:
+        with open(path + '.tmp', 'w') as f:
+            json.dump(obj, f, indent=1, default=float)
+        os.replace(path + '.tmp', path)
+    except OSError:
+        if os.path.isfile(path + '.tmp'):
+            os.remove(path + '.tmp')
+        raise
+
+
+def flat_scalars(vals):
+    """(name, number) pairs of a metrics dict as W&B and TensorBoard chart them: the exact accuracy at each
+    test-time step count (exact_at_steps_NN) and each view count's accuracies (vote@NN, ...) one by one."""
+    for k, v in vals.items():
+        if k == 'exact_by_steps':
+            yield from ((f'exact_at_steps_{i + 1:02d}', a) for i, a in enumerate(v))
+        elif k == 'by_views':
+            yield from ((f'{m}@{row["views"]:02d}', a) for row in v for m, a in row.items() if m != 'views')
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy's too
+            yield k, v
+
+
+class Records:
+    """metrics.jsonl (one JSON line per log step and per evaluation) and results.json (written once, at the
+    end), in the run's folder and mirrored to the bucket. A resumed run drops the lines past its checkpoint's
+    step, so it appends without duplicates."""
+    def __init__(self, local, remote, step):
+        self.path, self.remote = os.path.join(local, 'metrics.jsonl'), remote
+        lines = []
+        try:
+            for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
+                if path and os.path.exists(path):
+                    with open(path) as f:  # a torn last line goes
+                        kept = [l for i, l in enumerate(f, 1)
+                                if l.endswith('\n') and self.readable(l, i, path)
+                                and json.loads(l).get('step', 0) <= step]
+                    lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the
+                                                       # bucket's
+        finally:
+            if os.path.exists(self.path + '.bucket'):
+                os.remove(self.path + '.bucket')
+        try:
+            with open(self.path + '.tmp', 'w') as f:
+                f.writelines(lines)
+        except OSError:
+            os.remove(self.path + '.tmp')
+            raise
+        os.replace(self.path + '.tmp', self.path)
+        self.results = os.path.join(local, 'results.json')
+
+    def fetch(self, step):
+        """The bucket's metrics.jsonl in a file beside the local one, or None (none there, or unreachable)."""
+        return gcs.download_if_there(f"{self.remote.rstrip('/')}/metrics.jsonl", self.path + '.bucket',
+                                     f"metrics.jsonl up to step {step} is rebuilt from {self.path} alone")
+
+    @staticmethod
+    def readable(line, number, path):
+        """A line that is JSON; another (torn by a crash, then appended to) is dropped with a warning."""
+        try:
+            return isinstance(json.loads(line), dict)
+        except ValueError:
+            print(f"warning: {path} line {number} is not a JSON record (torn by a crash?): dropped: "
+                  f"{line.strip()[:80]}")
+            return False
+
+    def log(self, kind, values):
+        """A line of metrics.jsonl; a failed write (a full disk) is a warning and the run goes on."""
+        try:
+            with open(self.path, 'a') as f:
+                f.write(json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n')
+        except OSError as e:
+            print(f"warning: could not append to {self.path} ({e.strerror or e}): this {kind} line is not "
+                  f"recorded there")
+
+    def logged(self, kind, step):
+        try:
+            with open(self.path) as f:
+                return any((r := json.loads(l)).get('kind') == kind and r.get('step') == step for l in f)
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def finish(self, results):
+        """results.json; a failed write is a warning: the next --init_from=resume writes it."""
+        try:
+            write_json_atomic(self.results, results)
+        except OSError as e:
+            print(f"warning: could not write {self.results} ({e.strerror or e}); rerun with "
+                  "--init_from=resume once the disk has room, and it is written")
+
+    def upload(self, uploader):
+        for path in (self.path, self.results):
+            if os.path.exists(path):
+                uploader.submit(path, f"{self.remote.rstrip('/')}/{os.path.basename(path)}")
+
+def save_evaluation(local, remote, name, record, retries):
+    """record as JSON in <local>/name, written atomically; a gs:// run (remote) uploads it to <remote>/name. A
+    failed write or upload is a warning (the evaluation was printed). Returns the path or None."""
+    path = os.path.join(local, name)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, record)
+        if remote:
+            gcs.GCS(retries=retries).upload(path, f"{remote.rstrip('/')}/{name}")
+    except (OSError, gcs.GCSError) as e:
+        print(f"warning: the evaluation was not saved to {path}{' or its bucket' if remote else ''} "
+              f"({getattr(e, 'strerror', None) or e})")
+        return None
+    print(f"evaluation saved to {path}")
+    return path
+
+
+# -----------------------------------------------------------------------------
+# W&B and TensorBoard: the same scalars, never a reason to lose a run
+
+def start_wandb(cfg, local, run_id):
+    """A W&B run; where W&B cannot be reached or is not logged in, an offline one in the run's folder (one
+    warning line, `wandb sync` later). W&B is never a reason to lose a run."""
+    import wandb
+    kw = dict(project=cfg['wandb_project'], name=cfg['wandb_run_name'] or None, id=run_id, resume='allow',
+              config=cfg, dir=local)
+    mode = os.environ.get('WANDB_MODE', 'online')
+    try:
+        if mode not in ('offline', 'disabled'):
+            if not wandb.api.api_key:
+                raise RuntimeError("not logged in (wandb login, or WANDB_API_KEY)")
+            import requests  # a quick look first: wandb.init itself waits long for a server that is not there
+            requests.head(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai'), timeout=5)
+        return wandb.init(settings=wandb.Settings(init_timeout=30), **kw)
+    except Exception as e:
+        print(f"warning: W&B unavailable ({str(e).splitlines()[0][:200]}); logging offline in {local}/wandb: "
+              f"`wandb sync {local}/wandb/offline-run-*` uploads it later")
+        try:
+            return wandb.init(mode='offline', **kw)
+        except Exception as e2:
+            print(f"warning: W&B offline failed too ({e2}); training goes on without W&B")
+            return None
+
+
+def wandb_log_safe(run, values, step):
+    if run is not None and values:
+        try:
+            run.log(values, step=step)
+        except Exception as e:
+            print(f"warning: W&B log failed at step {step}: {e}")
+
+
+class TensorBoardWriter:
+    """TensorBoard's event files of a run (rank 0), written by torch's SummaryWriter into <run>/tb: one file
+    per process, which begins by purging the steps after the one it continues from (TensorBoard's reader drops
+    them from the files before it), so a resumed run shows every step once, as metrics.jsonl does. A failure
+    (a full disk) is a warning; the run goes on without it."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.name = os.path.basename(writer.file_writer.event_writer._file_name)
+
+    @classmethod
+    def open(cls, local, step, cfg):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            board = cls(SummaryWriter(os.path.join(local, 'tb'), purge_step=step + 1, flush_secs=30))
+            if step == 0:  # the config once, as a table
+                board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
+                    f'| {k} | {v!r} |' for k, v in cfg.items()]), 0)
+            atexit.register(board.close)  # an exit by an error (divergence, a failed check) keeps its lines
+            return board
+        except Exception as e:
+            print(f"warning: TensorBoard events cannot be written in {local}/tb ({e}); the run goes on "
+                  "without them")
+            return None
+
+    def log(self, groups, step):
+        try:
+            for prefix, vals in groups.items():
+                for k, v in flat_scalars(vals):
+                    self.writer.add_scalar(f'{prefix}/{k}', v, step)
+        except Exception as e:
+            print(f"warning: TensorBoard log failed at step {step}: {e}")
+
+    def snapshot(self, path):
+        """A copy of the event file as written so far (flushed first), or None."""
+        try:
+            self.writer.flush()
+            shutil.copyfile(os.path.join(self.writer.log_dir, self.name), path)
+            return path
+        except Exception as e:
+            print(f"warning: cannot copy the TensorBoard events for their upload ({e})")
+            return None
+
+    def close(self):
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+# -----------------------------------------------------------------------------
+# uploads of a gs:// run's files: its records, its checkpoints, its profile
+
+# copies of growing files (train.log, TensorBoard's events) taken for an upload, removed once uploaded
+SNAPSHOTS = ('.train.log.', '.tb.')
+
+
+def snapshot_of(path):
+    """What an upload's local file stands for (a snapshot: the file it copies)."""
+    name = os.path.basename(path)
+    return 'train.log' if name.startswith('.train.log.') else 'tb' if name.startswith('.tb.') else name
+
+
+class Uploads:
+    """Rank 0 of a gs:// run: files of its local folder sent to the same names under the bucket's out_dir, in
+    order, on a thread (gcs.Uploader). on_checkpoint() runs after each upload of a checkpoint (the bucket is
+    pruned like the local folder)."""
+
+    def __init__(self, local, remote, on_checkpoint):
+        self.local, self.remote, self.on_checkpoint = local, remote.rstrip('/'), on_checkpoint
+        self.uploader = gcs.Uploader(on_success=self.uploaded)
+        self.snapshots = 0
+
+    def submit(self, path, name=None):
+        """path to <out_dir>/name (name: its path under the run's folder)."""
+        name = name or os.path.relpath(path, self.local).replace(os.sep, '/')
+        self.uploader.submit(path, f"{self.remote}/{name}")
+
+    def wait(self, timeout=None):
+        return self.uploader.wait(timeout=timeout)
+
+    def log(self):
+        """train.log as it is now (a preempted VM's disk goes with the VM). The log grows while it uploads,
+        so a snapshot goes, `.train.log.N`, one per upload (they run in order: the newest wins); each is
+        deleted once uploaded, what is left at exit too."""
+        self.snapshots += 1
+        snapshot = os.path.join(self.local, f'.train.log.{self.snapshots}')
+        try:
+            shutil.copyfile(os.path.join(self.local, 'train.log'), snapshot)
+        except OSError:
+            return
+        self.submit(snapshot, 'train.log')
+
+    def board(self, board):
+        """The TensorBoard event file as it is now to <out_dir>/tb/ (a snapshot, as train.log's)."""
+        if board:
+            self.snapshots += 1
+            snap = board.snapshot(os.path.join(self.local, f'.tb.{self.snapshots}'))
+            if snap:
+                self.submit(snap, f'tb/{board.name}')
+
+    def folder(self, path):
+        """Every file under the run's folder `path` (a profile)."""
+        if path and os.path.isdir(path):
+            for folder, _, names in os.walk(path):
+                for name in names:
+                    self.submit(os.path.join(folder, name))
+
+    def uploaded(self, path, uri):
+        """After each upload: a snapshot goes; a checkpoint prunes the bucket's older ones."""
+        if os.path.basename(path).startswith(SNAPSHOTS):
+            with contextlib.suppress(OSError):  # already gone: removed at exit
+                os.remove(path)
+        else:
+            self.on_checkpoint()
+
+    def finish(self, interrupted, records, board):
+        """The records' uploads, then a wait bounded at 18 s after a stop request (a spot VM has ~30 s: the
+        checkpoint gets most of it), else 30 s plus 1 s per 20 MB to send, announced after 3 s; then the files
+        that did not reach the bucket are named."""
+        up = self.uploader
+        if records:
+            records.upload(up)
+        self.log()
+        self.board(board)
+        size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
+        limit = 18 if interrupted else 30 + size / 20e6
+        if not up.wait(timeout=3):
+            print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
+                  f"{self.remote}", flush=True)
+            up.wait(timeout=limit - 3)
+        for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
+            left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer
+                                                              # one
+            names = list(dict.fromkeys(snapshot_of(p) for p in left))
+            if names:
+                print(f"warning: {len(names)} upload(s) to {self.remote} {what}; only in {self.local}: "
+                      f"{', '.join(names)}")
+        for name in os.listdir(self.local):
+            if name.startswith(SNAPSHOTS):
+                with contextlib.suppress(OSError):  # (the upload thread may remove it too)
+                    os.remove(os.path.join(self.local, name))
+
+
+# -----------------------------------------------------------------------------
+# a training log line: what train.py prints, metrics.jsonl keeps, W&B and TensorBoard chart
+
+
+def log_line(m, step, n_steps, seconds, epoch, lr, batch, q_continue):
+    """A log line's values from the metric sums m of the last n_steps steps of `batch` examples each (the
+    rows that halted in them). The loss's terms (loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss))
+    each on its own; q_continue_loss only where it is learned."""
+    cnt = max(m['count'], 1)
+    terms = ('lm_loss', 'q_halt_loss') + (('q_continue_loss',) if q_continue else ())
+    return dict(step=step, epoch=epoch, loss=m['loss'] / (batch * n_steps),
+                accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
+                q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
+                grad_norm=m['grad_norm'] / n_steps, lr=lr,
+                **{k: m[k] / (batch * n_steps) for k in terms if k in m},
+                examples_per_s=batch * n_steps / max(seconds, 1e-9),
+                ms_per_step=1e3 * seconds / n_steps)
+
+
+def device_figures(dev, n_steps, host_s, exec_s, flops_per_s, xla_then):
+    """The device's side of a log line over its n_steps: on XLA the host's and the device's milliseconds per
+    step (which one bounds a step: the host's tracing or the device's execution), MFU where the chip's peak is
+    known (the model's FLOPs per second over the chips' peak), memory in use (TPU: HBM; CUDA: allocated; else
+    the RSS), and XLA's compilations since xla_then."""
+    out, peak = {}, dev.peak_tflops()  # one chip's dense bf16 TFLOP/s (None on a CPU)
+    if dev.kind == 'xla':
+        out.update(host_ms=1e3 * host_s / n_steps, device_ms=1e3 * (dev.execute_seconds() - exec_s) / n_steps)
+    if peak:
+        out['mfu'] = flops_per_s / (peak * 1e12 * dev.world_size)
+    mem, out['memory'] = dev.memory_in_use()
+    out.update(memory_gib=mem / 2 ** 30, **xla_since(dev.xla_counters(), xla_then))
+    return out
+
+
+def warn_recompiles(line, first, last):
+    """XLA graphs compiled in steps first..last, past the warm-up: said once per log line."""
+    if line.get('xla_compiles'):
+        print(f"warning: {line['xla_compiles']} XLA graph compilation(s) ({line['xla_compile_s']:.1f} s) in "
+              f"steps {first}-{last}, after warm-up: a shape or a Python value that changes reaches the "
+              "step's graph, and every step may be compiling anew")
+
+
+def eval_line(step, res, raw, xla):
+    """An evaluation's line of metrics.jsonl (the raw weights' results too, when evaluated; on XLA the graphs
+    it compiled) and its scalars for W&B and TensorBoard."""
+    compiles = {'xla_compiles': xla['xla_compiles']} if xla else {}
+    return (dict(step=step, **res, **(dict(raw=raw) if raw else {}), **compiles),
+            dict(eval=res, eval_raw=raw or {}, xla=dict(eval_compiles=xla['xla_compiles']) if xla else {}))
+
+
+def xla_since(now, then):
+    """XLA's counters at a log line: the compilations since the last one (their count, seconds) and the
+    totals so far; {} off XLA."""
+    if not now:
+        return {}
+    return dict(xla_compiles=now['compiles'] - then['compiles'],
+                xla_compile_s=now['compile_s'] - then['compile_s'], xla_compiles_total=now['compiles'],
+                xla_execute_s=now['execute_s'], xla_transfers=now['transfers'])
+
+
+def groups(line):
+    """A train line's scalars as W&B and TensorBoard show them: train/, perf/ and xla/."""
+    perf = ('examples_per_s', 'ms_per_step', 'mfu', 'host_ms', 'device_ms', 'memory_gib')
+    return dict(train={k: v for k, v in line.items() if k not in perf and not k.startswith('xla_')
+                       and k not in ('step', 'epoch', 'memory')},
+                perf={k: line[k] for k in perf if k in line},
+                xla={k[4:]: v for k, v in line.items() if k.startswith('xla_')})

@@ -1,0 +1,296 @@
+"""
+One training run as train.py sees it: the rooms below composed, so the learning story calls plain verbs.
+    run = Run(config, dev)                  start-up checks on every rank, host agreement, the out_dir's lock
+    step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
+    run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
+    run.log(kind, line, step, groups)       metrics.jsonl (+ the bucket's copy), W&B and TensorBoard
+    run.close()                             bounded waits for uploads and W&B, the out_dir's lock removed
+checkpoint.py holds the files and the resume, records.py the records and uploads, guard.py the safety net
+(signals, locks, watchdog, verdicts every rank agrees on, start-up checks). Every method that more than rank 0
+needs is called by every rank at the same point.
+"""
+import os
+import secrets
+import threading
+import time
+
+import torch
+
+import gcs
+from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_problems, checkpoint_tensors,
+                        delete_all_checkpoints, find_resume_checkpoint, load_state, load_weights,
+                        prune_checkpoints, set_aside_diverged, write_checkpoint)
+from data import load_metadata
+from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
+                   lock_bucket, lock_local, mark_data, release_locks, startup_problems)
+from records import (SNAPSHOTS, Records, TensorBoardWriter, Tee, Uploads, flat_scalars, save_evaluation,
+                     start_wandb, wandb_log_safe)
+
+
+class Run:
+    """One training run's folders, records and verdicts. cfg: train.py's config (a dict of its keys)."""
+
+    def __init__(self, cfg, dev, started=None):
+        """started: the process's start time (time.time()), for the start-up time in results.json."""
+        self.cfg, self.dev, self.master = cfg, dev, dev.master
+        Tee.install()
+        gcs.default_client().retries = cfg['gcs_retries']  # every bucket request, uploads included
+        out_dir = cfg['out_dir']
+        self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
+        self.local = (cfg['local_dir'] or local_folder(out_dir)) if self.gs_out else out_dir
+        gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits
+        self.best = dict(step=-1, exact_accuracy=-1.0)
+        self.resumed_from = self.last_good = self.run_id = None
+        self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
+        self.verified = -1  # newest checkpoint step whose next step's loss was seen finite
+        self.records = self.wandb = self.uploads = self.board = None
+        self.stop_every, self.t_calibrate = 1, None
+        self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
+        self.clock = Clock(started or time.time())  # this process's wall seconds by phase
+        self.data_path = fetch_data(cfg['data_path'], cfg['data_cache_dir'], dev)
+        self.check_start()
+
+    def check_start(self):
+        """All start-up checks before the first step, then every host's config, data and code compared; then
+        rank 0 takes the out_dir's lock (before it touches any file there) and logs the output to
+        train.log."""
+        cfg, dev = dict(self.cfg, data_path=self.data_path), self.dev
+        fail_together(dev, startup_problems(cfg, dev) + checkpoint_problems(cfg, dev, self.local),
+                      'start-up checks')
+        hosts_differ(dev, self.cfg, self.data_path)
+        self.meta = load_metadata(self.data_path, 'train')
+        if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
+            return
+        problems = []
+        if self.master:
+            try:
+                os.makedirs(self.local, exist_ok=True)
+            except OSError as e:  # a file, under a file, or where this user may not write
+                problems = [f"out_dir={self.cfg['out_dir']}: cannot create the folder {self.local} "
+                            f"({e.strerror}); out_dir must be a folder this run can write"]
+            problems = problems or lock_local(self.local) or \
+                (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
+        fail_together(dev, problems, 'out_dir lock')
+        if self.master:
+            log = os.path.join(self.local, 'train.log')
+            if self.gs_out and cfg['init_from'] == 'resume' and not os.path.exists(log):  # a new machine
+                gcs.download_if_there(f"{self.gs_out.rstrip('/')}/train.log", log,  # goes on with the log
+                                      "train.log starts anew here, and its upload replaces the bucket's")
+            Tee.log_to(log)
+            mark_data(self.data_path, cfg['out_dir'])
+            for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
+                if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
+                        os.path.isfile(os.path.join(self.local, name)):
+                    os.remove(os.path.join(self.local, name))
+        problems = []
+        if self.master and cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
+            problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
+        fail_together(dev, problems, 'overwrite')
+
+    def resume(self, model, ema_model, opt, loader, resume_fixed):
+        """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the
+        newest checkpoint every rank can read, refusing one saved with other `resume_fixed` keys; a file loads
+        its weights (ours, or a state dict of the reference implementation)."""
+        cfg, step, carry = self.cfg, 0, None
+        if cfg['init_from'] == 'resume':
+            ckpt, self.resumed_from = find_resume_checkpoint(self.dev, self.local, self.gs_out, self.corrupt)
+            if ckpt is None and self.master:
+                print(f"init_from=resume: no checkpoint in {cfg['out_dir']} yet, starting from scratch")
+            if ckpt is not None:
+                check_resume(self.dev, ckpt, self.resumed_from, cfg, resume_fixed, self.meta, self.data_path)
+                carry = load_state(self.dev, ckpt, self.resumed_from, cfg, model, ema_model, opt, loader)
+                step, self.best = ckpt['step'], ckpt['best']
+                self.timing = dict(ckpt.get('timing') or {})
+                self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
+                self.verified = step
+        elif cfg['init_from'] != 'scratch':
+            load_weights(cfg['init_from'], model, ema_model)
+            if self.master:
+                print(f"loaded weights from {cfg['init_from']}")
+        self.run_id = self.run_id or secrets.token_hex(4)
+        self.last_good = self.resumed_from
+        gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
+        return step, carry
+
+    def save(self, step, model, ema_model, opt, carry, loader_state, tag=''):
+        """Every rank calls it: the carry gather and the sanity check are collectives, read on every rank;
+        then rank 0 writes, prunes and uploads, and every rank learns whether that worked. Returns the
+        checkpoint's path."""
+        dev, keys = self.dev, sorted(carry)
+        sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
+        path, problems = os.path.join(self.local, checkpoint_name(step)), []
+        if sane[0] == 0:
+            problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
+                        f"saved. The last good checkpoint is {self.last_good or 'none'}; continue from it "
+                        f"with --init_from=resume and a lower --lr (now {self.cfg['lr']})"]
+        elif self.master:
+            state = dict(model=model.state_dict(),
+                         ema=ema_model.state_dict() if ema_model is not model else None,
+                         optimizer=opt.state_dict(), step=step, loader=loader_state,
+                         carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
+                         config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
+                         data=data_shape(self.meta))
+            try:
+                write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
+                                 protect=self.verified)
+                if self.uploads:
+                    self.uploads.submit(path)
+                    self.uploads.log()
+                    self.uploads.board(self.board)
+            except Exception as e:
+                problems = [f"saving {path} failed: {e}"]
+        fail_together(dev, problems, f'checkpoint at step {step}')
+        self.last_good = path
+        return path
+
+    def timing_total(self):
+        """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this
+        process's."""
+        now = self.clock()
+        return {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
+
+    def new_best(self, step, res):
+        if res['exact_accuracy'] > self.best['exact_accuracy']:
+            self.best = dict(step=step, exact_accuracy=float(res['exact_accuracy']), eval=res)
+
+    # --- stop requests and divergence -----------------------------------------------------------------
+
+    def stop_requested(self, step, start_step):
+        """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps
+        (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable."""
+        stop = self.stop_agreed() if step % self.stop_every == 0 else False
+        if step == start_step + 5:
+            self.t_calibrate = time.time()
+        if step == start_step + 10:
+            pace = self.dev.agree([(time.time() - self.t_calibrate) / 5], 'max')[0]
+            self.stop_every = max(1, int(2.0 / pace))
+        return stop
+
+    def stop_agreed(self):
+        """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point
+        (between steps, between evaluation batches; the rank that got the signal said so at once)."""
+        return self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
+
+    def check_divergence(self, bad_at):
+        """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the
+        weights after step k-1 gave a non-finite loss at step k, so checkpoints from k-1 on are set aside."""
+        if bad_at < 0:
+            return
+        k = int(bad_at)
+        if self.master:
+            self.last_good = set_aside_diverged(self.local, self.gs_out, self.uploads, k - 1)
+        raise SystemExit(f"loss became NaN or inf at step {k}; stopping. Checkpoints from step {k - 1} on "
+                         f"were set aside (*.diverged). Last good checkpoint: {self.last_good or 'none'}; "
+                         f"continue from it with --init_from=resume and a lower --lr (now {self.cfg['lr']})")
+
+    # --- records: metrics.jsonl, results.json, W&B, TensorBoard; uploads -------------------------------
+
+    def open_records(self, step):
+        """Rank 0: metrics.jsonl from `step` on, W&B, TensorBoard, and a gs:// run's uploads (after each
+        upload of a checkpoint the bucket is pruned like the local folder)."""
+        problems = []
+        if self.master:
+            try:
+                self.records = Records(self.local, self.gs_out, step)
+            except OSError as e:  # a full disk: its metrics.jsonl is kept as it was
+                problems = [f"cannot write {e.filename or self.local} ({e.strerror or e}); free some space "
+                            f"and rerun with --init_from=resume"]
+        fail_together(self.dev, problems, 'opening the records')
+        if not self.master:
+            return
+        if self.cfg['wandb_log']:
+            self.wandb = start_wandb(self.cfg, self.local, self.run_id)
+        if self.cfg['tensorboard']:
+            self.board = TensorBoardWriter.open(self.local, step, self.cfg)
+        if self.gs_out:
+            self.uploads = Uploads(self.local, self.gs_out, lambda: prune_checkpoints(
+                self.gs_out, self.cfg['keep_last_n'], self.best['step']))
+
+    def log(self, kind, values, step, groups):
+        """Rank 0: a line of metrics.jsonl, and the scalars of `groups` ({prefix: dict}) in W&B and
+        TensorBoard."""
+        if not self.master:
+            return
+        self.records.log(kind, values)
+        for prefix, vals in groups.items():
+            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in flat_scalars(vals)}, step)
+        if self.board:
+            self.board.log(groups, step)
+
+    def upload_folder(self, path):
+        """Rank 0: every file under the run's folder `path` (a profile) to the same place under out_dir."""
+        if self.master and self.uploads:
+            self.uploads.folder(path)
+
+    def finish(self, step, final_eval, parameters, flops_per_example):
+        """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
+        phase over every process of the run, resumes adding theirs, and device-hours)."""
+        if not self.master:
+            return
+        cfg, wall = self.cfg, self.timing_total()
+        wall['total'] = sum(wall.values())
+        self.records.finish(dict(
+            config=cfg, parameters=parameters, run_id=self.run_id, flops_per_example_step=flops_per_example,
+            device=self.dev.name(), world_size=self.dev.world_size, final_eval=final_eval,
+            best_eval=self.best,
+            step=step, examples_seen=step * cfg['global_batch_size'],
+            train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
+            device_hours=wall['total'] * self.dev.world_size / 3600))
+
+    def write_evaluation(self, res, step, seconds, name):
+        """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
+        reads for its test-time views and steps); a failed write or upload is a warning."""
+        record = dict(step=step, checkpoint=self.resumed_from, seconds=seconds, device=self.dev.name(),
+                      world_size=self.dev.world_size, config=self.cfg, eval=res)
+        return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
+
+    def results_missing(self):
+        """Whether results.json is in neither the run's folder nor its bucket (rank 0 looks; every rank learns
+        it): a run that reached its last step without it (a stop during the final evaluation, a failed
+        write)."""
+        missing = self.master and not os.path.exists(os.path.join(self.local, 'results.json'))
+        if missing and self.gs_out:
+            try:
+                missing = not gcs.object_exists(f"{self.gs_out.rstrip('/')}/results.json")
+            except gcs.GCSError as e:
+                print(f"warning: cannot look for results.json in {self.gs_out} ({e}); evaluating again")
+        return self.dev.agree([float(missing)], 'max')[0] > 0
+
+    def at_the_end(self, step, run_steps, end, evaluate):
+        """A checkpoint at or past this run's last step (`end`: the key that sets it): past it, nothing to
+        train, said as an error; at it, evaluate() (which writes results.json) when results.json is missing,
+        else nothing to do. Then the records are closed and every rank leaves."""
+        done = True
+        if step > run_steps:  # evaluating it again would change nothing
+            self.close(False)
+            self.dev.shutdown()
+            raise SystemExit(f"{self.resumed_from} is at step {step}, past this run's last step {run_steps} "
+                             f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate "
+                             "it with --eval_only=True")
+        if self.results_missing():
+            self.open_records(step)
+            if self.master:
+                print(f"the checkpoint is at the last step {step}, but results.json is missing: evaluating")
+            done = evaluate()
+        elif self.master:
+            print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
+                  f"(raise --max_steps or --epochs to train on)")
+        self.close(not done)
+        self.dev.shutdown()
+
+    def logged(self, kind, step):
+        """Rank 0: whether metrics.jsonl holds a `kind` line of this step."""
+        return bool(self.records) and self.records.logged(kind, step)
+
+    def close(self, interrupted):
+        """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most
+        of it) and for W&B (what did not reach it stays for `wandb sync`)."""
+        if self.board:
+            self.board.close()
+        if self.uploads:
+            self.uploads.finish(interrupted, self.records, self.board)
+        if self.wandb:
+            finish = threading.Thread(target=self.wandb.finish, daemon=True)
+            finish.start()
+            finish.join(timeout=4 if interrupted else 60)
+        release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
