@@ -45,7 +45,7 @@ from puzzles import puzzle_type
 # most), and float32 activations overflow within a few blocks of weights this large
 MAX_WEIGHT = 1e4
 # the code whose copies every host must share (a pod runs one command on every host)
-CODE_FILES = ('train.py', 'model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py')
+CODE_FILES = ('train.py', 'model.py', 'step.py', 'evaluate.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py')
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # -----------------------------------------------------------------------------

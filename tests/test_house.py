@@ -17,7 +17,7 @@ from device import choose_dtype
 from model import MODEL_CHOICES, TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py']
-LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py',
+LIBRARIES = ['model.py', 'step.py', 'evaluate.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py',
              'configurator.py', 'smoke.py']
 
 
