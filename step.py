@@ -33,27 +33,33 @@ class AdamATan2:
         # by the parameters: torch.compile would guard on those keys' gradients, which change every step
         self.state = [None] * len(self.params)
 
+    def _grads(self, grads):
+        return [p.grad for p in self.params] if grads is None else grads
+
     @torch.no_grad()
-    def init_state(self):
-        """Create the state of every parameter that has a gradient (step() does it too; a compiled step
-        calls this first, eagerly, so that its graph never changes when the state appears)."""
-        for i, p in enumerate(self.params):
-            if p.grad is not None and self.state[i] is None:
+    def init_state(self, grads=None):
+        """Create the state of every parameter that has a gradient in grads (step() does it too; a compiled
+        step calls this first, eagerly, so that its graph never changes when the state appears)."""
+        for i, (p, g) in enumerate(zip(self.params, self._grads(grads))):
+            if g is not None and self.state[i] is None:
                 self.state[i] = dict(t=torch.zeros((), dtype=torch.float32, device=p.device),
                                      exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
 
     @torch.no_grad()
-    def step(self, lr=None):
-        self.init_state()
-        live = [i for i, p in enumerate(self.params) if p.grad is not None]
+    def step(self, grads=None, lr=None):
+        """The update, on every path: grads in the parameters' order (None for a parameter without one),
+        or each parameter's .grad. XLA's one-graph step passes the gradients it computed, which never
+        become .grad."""
+        grads = self._grads(grads)
+        self.init_state(grads)
+        live = [i for i, g in enumerate(grads) if g is not None]
         if not live:
             return
-        params = [self.params[i] for i in live]
         m = [self.state[i]['exp_avg'] for i in live]
         v = [self.state[i]['exp_avg_sq'] for i in live]
         t = self.state[live[0]]['t']
-        adam_atan2_(params, [p.grad for p in params], m, v, t, self.lr if lr is None else lr, self.betas,
-                    self.weight_decay)
+        adam_atan2_([self.params[i] for i in live], [grads[i] for i in live], m, v, t,
+                    self.lr if lr is None else lr, self.betas, self.weight_decay)
         for i in live[1:]:
             if self.state[i]['t'] is not t:  # XLACompiledStep makes them one tensor
                 self.state[i]['t'].copy_(t)
@@ -184,18 +190,19 @@ def clip_grads_(grads, max_norm):
 
 
 @torch.no_grad()
-def apply_update(model, opt, ema_params, ids, row_grads, step_t, sc):
-    """Everything after the (all-reduced) gradients: clipping, AdamATan2, sign-SGD on the puzzle embedding
-    rows of the global batch (ids, row_grads; None without a puzzle embedding), the EMA, the step count.
-    Returns the gradient's global norm before clipping (a device tensor)."""
-    params = list(model.parameters())
-    norm = clip_grads_([p.grad for p in params if p.grad is not None], sc.grad_clip)
-    opt.step(lr=sc.lr_at(step_t, sc.lr))
+def apply_update(model, opt, ema_params, grads, ids, row_grads, step_t, sc):
+    """Everything after the (all-reduced) gradients, the one update of every step form (eager, CUDA's and XLA's
+    compiled ones): clipping, AdamATan2, sign-SGD on the puzzle embedding rows of the global batch (ids,
+    row_grads; None without a puzzle embedding), the EMA, the step count. grads: the parameters' gradients in
+    opt.params' order (None for a parameter without one). Returns the gradient's global norm before clipping
+    (a device tensor)."""
+    norm = clip_grads_([g for g in grads if g is not None], sc.grad_clip)
+    opt.step(grads, lr=sc.lr_at(step_t, sc.lr))
     if row_grads is not None:  # sign-SGD: the sign of the summed gradient, so clipping would not change it
         sign_sgd_update_(model.puzzle_emb, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
                          sc.puzzle_emb_weight_decay)
     if sc.ema_rate is not None:
-        ema_update_(ema_params, params, step_t, sc.ema_rate)
+        ema_update_(ema_params, list(model.parameters()), step_t, sc.ema_rate)
     step_t.add_(1)
     return norm
 
@@ -212,9 +219,9 @@ class CompiledStep:
     def __call__(self, model, carry, batch, puzzle_rows):
         return self.forward(model, carry, batch, puzzle_rows)
 
-    def update(self, model, opt, ema_params, ids, row_grads, step_t, sc):
-        opt.init_state()  # eagerly: the compiled graph never sees the state appear
-        return self._update(model, opt, ema_params, ids, row_grads, step_t, sc)
+    def update(self, model, opt, ema_params, grads, ids, row_grads, step_t, sc):
+        opt.init_state(grads)  # eagerly: the compiled graph never sees the state appear
+        return self._update(model, opt, ema_params, grads, ids, row_grads, step_t, sc)
 
 
 def compiled_predict(model, mode='default'):
@@ -307,26 +314,14 @@ def _xla_grads(model, carry, batch, global_batch_size, rows_of):
 
 
 def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
-    """XLACompiledStep's whole step as ONE graph (one process, one micro-batch): _xla_grads, then apply_update's
-    work on those gradients, with no bridge between them: clipping, AdamATan2 (opt's moments, its one step
-    count), sign-SGD on the puzzle rows the batch touched, the EMA, the step count. The same primitives in the
-    same order as apply_update; the gradients never become .grad (no graph outputs, no host work for them).
-    Returns the new carry, the loss and the metrics with grad_norm."""
+    """XLACompiledStep's whole step as ONE graph (one process, one micro-batch): _xla_grads, then apply_update
+    on those gradients, with no bridge between them. The gradients never become .grad (no graph outputs, no
+    host work for them). Returns the new carry, the loss and the metrics with grad_norm."""
     carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, sc.global_batch_size,
                                                         (0, batch['inputs'].shape[0]))
-    params = list(model.parameters())
-    grads = [grads[n] for n, _ in model.named_parameters()]
-    metrics = dict(metrics, grad_norm=clip_grads_(grads, sc.grad_clip))
-    st = opt.state
-    adam_atan2_(params, grads, [s['exp_avg'] for s in st], [s['exp_avg_sq'] for s in st], st[0]['t'],
-                sc.lr_at(step_t, sc.lr), opt.betas, opt.weight_decay)
-    if row_grads is not None:
-        sign_sgd_update_(model.puzzle_emb, carry['puzzle_identifiers'], row_grads,
-                         sc.lr_at(step_t, sc.puzzle_emb_lr), sc.puzzle_emb_weight_decay)
-    if sc.ema_rate is not None:
-        ema_update_(ema_params, params, step_t, sc.ema_rate)
-    step_t.add_(1)
-    return carry, loss, metrics
+    grads = [grads[n] for n, _ in model.named_parameters()]  # opt.params' order (XLACompiledStep checks)
+    norm = apply_update(model, opt, ema_params, grads, carry['puzzle_identifiers'], row_grads, step_t, sc)
+    return carry, loss, dict(metrics, grad_norm=norm)
 
 
 class XLACompiledStep:
@@ -364,12 +359,10 @@ class XLACompiledStep:
                 params = list(model.parameters())
                 if len(params) != len(opt.params) or any(a is not b for a, b in zip(params, opt.params)):
                     raise ValueError("XLACompiledStep: the optimizer's parameters are not model.parameters() "
-                                     "in order (_xla_step reads opt.state in that order); build "
+                                     "in order (_xla_step passes the gradients in that order); build "
                                      "AdamATan2(model.parameters(), ...)")
-                for p in params:  # every parameter gets a gradient from torch.func.grad
-                    p.grad = p.detach()  # (any tensor of its shape: init_state reads only that)
-                opt.init_state()
-                opt.zero_grad()
+                # every parameter gets a gradient from torch.func.grad; init_state reads only its shape
+                opt.init_state([p.detach() for p in params])
             self._one_step_count(opt)
             with torch.no_grad():
                 return self.step(model, opt, ema_params, carry, batch, step_t, sc)
@@ -392,10 +385,11 @@ class XLACompiledStep:
             gather = all_gather or (lambda x: x)
             grads_all = gather(row_grads[0] if k == 1 else torch.cat(row_grads))
             ids_all = gather(carry['puzzle_identifiers'])
-        opt.init_state()  # eagerly: the compiled graph never sees the state appear
+        grads = [p.grad for p in opt.params]
+        opt.init_state(grads)  # eagerly: the compiled graph never sees the state appear
         self._one_step_count(opt)
         with torch.no_grad():  # as xla_backend requires
-            sums['grad_norm'] = self.update(model, opt, ema_params, ids_all, grads_all, step_t, sc)
+            sums['grad_norm'] = self.update(model, opt, ema_params, grads, ids_all, grads_all, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 
@@ -447,8 +441,9 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_los
     if row_grads:
         gather = all_gather or (lambda t: t)
         ids_all, grads_all = gather(torch.cat(ids)), gather(torch.cat(row_grads))  # (k = 1: a cat of one)
-    sums['grad_norm'] = getattr(fwd, 'update', apply_update)(model, opt, ema_params, ids_all, grads_all,
-                                                             step_t, sc)
+    update = getattr(fwd, 'update', apply_update)
+    grads = [p.grad for p in opt.params]
+    sums['grad_norm'] = update(model, opt, ema_params, grads, ids_all, grads_all, step_t, sc)
     opt.zero_grad()
     if k == 1:
         return carries[0], losses[0], sums
