@@ -321,7 +321,7 @@ print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.2f} examples/s | {ex_s * seq_len:
       f"{warmup_s:.1f} s ({warmup_steps} step{'s' if warmup_steps > 1 else ''}, the first included) | "
       f"memory {mem / 2 ** 30:.2f} GiB ({mem_what}) | loss {float(loss.cpu()) / global_batch_size:.4f}")
 
-# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (step.evaluate's work) --
+# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (evaluate.evaluate's work) --
 eval_ps = eval_mfu = eval_warm_s = None
 eval_fallbacks = {}
 compiles_eval_warm = compiles_eval_end = compiles_end

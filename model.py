@@ -5,7 +5,8 @@ One 2-layer network `net` is applied recursively to a latent answer y and a late
     n times: z = net(z, y + x);   then: y = net(y, z)
 repeated H_cycles times per supervision step, gradients only through the last repetition. An ACT
 head (q_head) learns when to stop; training runs one supervision step per optimizer step, carrying
-y and z across steps (deep supervision). The optimizers, the training step and evaluation are in step.py.
+y and z across steps (deep supervision). The optimizers and the training step are in step.py, evaluation
+in evaluate.py.
 
 Everything in a step follows the rules that keep XLA (TPU) from recompiling: static shapes, torch.where
 instead of boolean indexing, no host reads of tensor values, fixed loop counts.

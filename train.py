@@ -130,8 +130,9 @@ from checkpoint import checkpoint_tensors  # noqa: E402
 from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
 from run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluate  # noqa: E402
-from step import evaluation_steps, format_eval, format_train, forward_loss, train_step  # noqa: E402
+from evaluate import evaluate, format_eval  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluation_steps  # noqa: E402
+from step import format_train, forward_loss, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')]

@@ -1,6 +1,6 @@
 """
 The data layer: the seeded, resumable, rank-sliced train loader, the padded evaluation loader, evaluation
-counting only real rows (step.evaluate), the Wilson interval, puzzle types and verifiers by metadata.
+counting only real rows (evaluate.evaluate), the Wilson interval, puzzle types and verifiers by metadata.
     python -m pytest -q tests/test_data.py
 """
 import numpy as np
@@ -11,7 +11,7 @@ from data import EvalLoader, TrainLoader, load_arrays, write_split
 from device import Device
 from model import TRM, TRMConfig
 from puzzles import Maze, Sudoku, puzzle_for, puzzle_type, render_example, verifier_for
-from step import evaluate, format_eval, wilson_interval
+from evaluate import evaluate, format_eval, wilson_interval
 
 
 # data

@@ -171,8 +171,8 @@ def executed_graphs(path, rank, world=WORLD):
         norm, gathers = _normalise(hlo, rank, world)
         frames = re.findall(r'^\s+(\S+) \((\S+?):(\d+)\)$', info, re.M)
         mine = [f"{fn} ({os.path.basename(f)}:{ln})" for fn, f, ln in frames
-                if os.path.basename(f) in ('train.py', 'step.py', 'run.py', 'checkpoint.py', 'guard.py', 'records.py',
-                                            'model.py', 'device.py', 'data.py')]
+                if os.path.basename(f) in ('train.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'guard.py',
+                                            'records.py', 'model.py', 'device.py', 'data.py')]
         graphs.append(dict(fp=hashlib.sha1(norm.encode()).hexdigest()[:12], gathers=gathers,
                            collectives={c: len(re.findall(rf' {c}(?:-start)?\(', norm)) for c in COLLECTIVES},
                            where=mine[0] if mine else (frames[0][0] if frames else '?')))
@@ -326,7 +326,7 @@ import numpy as np
 from data import EvalLoader
 from device import Device
 from model import TRM, TRMConfig
-from step import evaluate
+from evaluate import evaluate
 dev = Device('xla')
 model = TRM(TRMConfig(vocab_size=6, seq_len=8, hidden_size=32, num_heads=2, H_cycles=1, L_cycles=1, halt_max_steps=2,
                       puzzle_emb_ndim=0, forward_dtype='float32', loss_dtype='float32')).to(dev.device)

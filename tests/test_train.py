@@ -255,15 +255,16 @@ def test_grad_clip_scales_the_gradient_to_its_limit():
     want = 0.5 * sum(p.numel() for p in model.parameters()) ** 0.5
     sc = StepConfig(lr=1e-3, puzzle_emb_lr=0.0, puzzle_emb_weight_decay=0.0, warmup_steps=1, total_steps=10,
                     min_ratio=1.0, global_batch_size=1, grad_clip=1.0)
-    grads = []
+    seen = []
     opt = AdamATan2(model.parameters(), lr=1e-3)
-    opt.step = lambda lr: grads.extend(p.grad.clone() for p in model.parameters())  # what the optimizer sees
-    norm = apply_update(model, opt, [], None, None, torch.zeros(()), sc)
+    opt.step = lambda grads, lr: seen.extend(g.clone() for g in grads)  # what the optimizer sees
+    norm = apply_update(model, opt, [], [p.grad for p in opt.params], None, None, torch.zeros(()), sc)
     assert abs(float(norm) - want) < 1e-3 * want
-    seen = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
-    assert abs(float(seen) - 1.0) < 1e-4, float(seen)
-    grads.clear()
+    clipped = torch.linalg.vector_norm(torch.stack([g.norm() for g in seen]))
+    assert abs(float(clipped) - 1.0) < 1e-4, float(clipped)
+    seen.clear()
     for p in model.parameters():
         p.grad = torch.full_like(p, 0.5)
-    apply_update(model, opt, [], None, None, torch.zeros(()), StepConfig(**{**sc.__dict__, 'grad_clip': 1e6}))
-    assert grads and all(torch.equal(g, torch.full_like(g, 0.5)) for g in grads)
+    apply_update(model, opt, [], [p.grad for p in opt.params], None, None, torch.zeros(()),
+                 StepConfig(**{**sc.__dict__, 'grad_clip': 1e6}))
+    assert seen and all(torch.equal(g, torch.full_like(g, 0.5)) for g in seen)

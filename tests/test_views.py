@@ -21,7 +21,7 @@ from data import EvalLoader, load_arrays, load_metadata, write_split
 from device import Device
 from model import TRM, TRMConfig
 from puzzles import Grid, Maze, Sudoku, puzzle_for, views_problem, vote
-from step import evaluate, format_eval, score_views, view_counts
+from evaluate import evaluate, format_eval, score_views, view_counts
 
 
 def sudoku_tokens(n, count, seed):

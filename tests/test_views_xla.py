@@ -48,7 +48,8 @@ from data import EvalLoader, load_metadata
 from device import Device
 from model import TRM, TRMConfig
 from puzzles import puzzle_for
-from step import compiled_predict, evaluate
+from evaluate import evaluate
+from step import compiled_predict
 dev = Device('xla')
 meta = load_metadata(sys.argv[1], 'test')
 kind = puzzle_for(meta)

@@ -40,7 +40,7 @@ import torch, torch_xla, torch_xla.debug.metrics as met
 from data import EvalLoader
 from device import Device
 from model import TRM, TRMConfig
-from step import evaluate
+from evaluate import evaluate
 dev = Device('xla')
 model = TRM(TRMConfig(vocab_size=6, seq_len=8, hidden_size=32, num_heads=2, H_cycles=2, L_cycles=2, halt_max_steps=4,
                       puzzle_emb_ndim=16, puzzle_emb_len=1, mlp_t=False, forward_dtype='float32')).to(dev.device)

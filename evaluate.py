@@ -1,0 +1,190 @@
+"""
+One evaluation pass on every device (CPU, CUDA, XLA): `evaluate` runs each batch for a fixed number of
+supervision steps from fresh latents and sums the metrics over all ranks; with test-time views it scores the
+views' votes and the verifier's choice (`score_views`), and reports the exact accuracy with its Wilson
+interval. train.py, bench.py and solve.py share it, so each measures the same thing.
+
+Everything on the device follows the rules that keep XLA (TPU) from recompiling: one fixed graph per batch,
+the same reads on every rank, the batch's sums added up on the host.
+"""
+import math
+
+import numpy as np
+import torch
+
+from data import IGNORE_LABEL_ID
+from puzzles import Grid, vote
+
+def wilson_interval(k, n, z=1.96):
+    """95% confidence interval of an accuracy k/n (Wilson: sane at 0 and 1 and for small n)."""
+    if n == 0:
+        return 0.0, 0.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    # at k = 0 or n the bound is 0 or 1 up to rounding
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def view_counts(ks):
+    """The view counts a K-view evaluation reports: the powers of two up to K, and K."""
+    return sorted({2 ** i for i in range(ks.bit_length()) if 2 ** i <= ks} | {ks})
+
+
+def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks):
+    """One batch's counts over its K views: answers [K*B, L] and confidence [K*B] as the model gave them
+    (view-major), inverse the views' inverse symmetries, inputs/labels/rows [B] the puzzles themselves. Returns
+    ({name: [len(ks)] counts}, [(vote, choice)] the views picked for each k): for the first k views of each k
+    in ks, the vote's answer right (vote), the verifier's choice right (verified: an answer the verifier
+    accepts where a view found one, else the vote; the verifier reads the puzzle only, never the labels), any
+    view right (oracle: the ceiling) and some view accepted (accepted)."""
+    B, L = labels.shape
+    K = len(answers) // B
+    back = Grid.apply(answers, inverse).reshape(K, B, L)  # every view's answer, on its puzzle
+    conf = np.asarray(confidence).reshape(K, B)
+    right = ((back == labels) | (labels < 0)).all(-1) & rows  # [K, B]
+    ok = (np.asarray(verifier(np.tile(inputs, (K, 1)), back.reshape(K * B, L))).reshape(K, B) & rows
+          if verifier is not None else None)
+    out = {n: np.zeros(len(ks)) for n in ('vote', 'verified', 'oracle') + (('accepted',) if ok is not None else ())}
+    cols, picks = np.arange(B), []
+    for j, k in enumerate(ks):
+        picked, choice, _ = vote(back[:k], conf[:k], None if ok is None else ok[:k])
+        picks.append((picked, choice))
+        out['vote'][j] = right[picked, cols].sum()
+        out['verified'][j] = right[choice, cols].sum()
+        out['oracle'][j] = right[:k].any(0).sum()
+        if ok is not None:
+            out['accepted'][j] = ok[:k].any(0).sum()
+    return out, picks
+
+
+@torch.no_grad()
+def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
+             should_stop=None):
+    """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
+    at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
+    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
+    A loader with views K > 1 gives each batch in K views (one batch of K x the rows): the metrics above are
+    view 0's (the puzzles as they are), and by_views holds vote@k, verified@k, oracle@k (and accepted@k)
+    for each k of view_counts(K), after the last of the n_steps (test-time depth counts: views x steps) and
+    with q_halt's stop (each view's answer where it stopped).
+    should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
+    (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
+    point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
+    None) returned."""
+    predict = predict or model.predict
+    K = getattr(loader, 'views', 1)
+    ks = view_counts(K)
+    was_training = model.training
+    model.eval()
+    h = min(halt_max_steps, n_steps) - 1
+    sums, example, verified, by_views = {}, None, 0, {}
+    for batch in loader:
+        if should_stop is not None and should_stop():
+            model.train(was_training)
+            return None, None
+        inverse = batch.pop('views_inverse', None)
+        b = dev.to_device(batch)
+        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps)
+        if out is None:
+            model.train(was_training)
+            return None, None
+        preds_all, q_all, loss_all = out  # [S, K*B, L], [S, K*B], [K*B]
+        halt = torch.cat([q_all[:-1] > 0,
+                          torch.ones_like(q_all[-1:], dtype=torch.bool)])  # the last step always stops
+        first_all = halt.int().argmax(0)  # the first step whose q_halt says stop
+        B = preds_all.shape[1] // K  # view 0's rows: the puzzles as they are
+        preds, q_halt, row_loss, first = preds_all[:, :B], q_all[:, :B], loss_all[:B], first_all[:B]
+        labels = b['labels'][:B]
+        valid_tok = labels != IGNORE_LABEL_ID
+        n_valid = valid_tok.sum(-1)
+        rows = (b['valid'][:B] & (n_valid > 0)).float()
+        tok_ok = (preds == labels) & valid_tok
+        seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
+        part = dict(
+            count=rows.sum(),
+            exact_per_step=(seq_ok.float() * rows).sum(-1),
+            token_accuracy=((tok_ok.sum(-1)[h].float() / n_valid.clamp_min(1)) * rows).sum(),
+            q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
+            exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
+            steps_q_halt=((first + 1).float() * rows).sum(),
+            lm_loss=(row_loss * rows).sum(),  # at halt_max_steps; with q_halt's as the training's loss
+            loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
+                q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
+        )
+        # read with the batch's answers, in its one graph, and added up on the host: summed on the device, the
+        # first batch's sums and the later ones' would be different graphs (a compilation at the second batch)
+        keys = sorted(part)
+        flat_part = torch.cat([part[k].reshape(-1).float() for k in keys])
+        inp, v = batch['inputs'][:B], batch['valid'][:B]
+        if K > 1:  # every view's answer after the last step and where q_halt stopped it: one graph, one read
+            at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
+            q_stop = q_all.gather(0, first_all[None])[0]
+            p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, q_stop, preds[h],
+                                                             flat_part])
+            hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
+            for suffix, answers, conf in (('', p_all, c_all), ('_q_halt', p_stop, c_stop)):
+                counts, _ = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)
+                for name, c in counts.items():
+                    by_views[name + suffix] = by_views.get(name + suffix, 0) + c
+        elif verifier is not None:
+            p, got = dev.read([preds[h], flat_part])  # one graph per batch, then a plain transfer
+        else:
+            got, = dev.read([flat_part])
+        for k, x in zip(keys, np.split(got.astype(np.float64), np.cumsum([part[k].numel() for k in keys])[:-1])):
+            sums[k] = sums.get(k, 0) + x
+        if verifier is not None:
+            ok = np.asarray(verifier(inp, p)) & v
+            verified += int(ok.sum())
+            if show_example and example is None and v.any():
+                i = int(np.argmax(v))
+                example = (inp[i], p[i], bool(ok[i]))
+    sums['verified'] = np.array([float(verified)])
+    sums.update({'views_' + name: np.asarray(c) for name, c in by_views.items()})
+    keys = sorted(sums)
+    # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
+    # examples would run another graph than one verifying more (tests/test_pod.py); one reduction, one transfer
+    flat = torch.tensor(np.concatenate([np.ravel(sums[k]) for k in keys]).astype(np.float32), device=dev.device)
+    dev.all_reduce_sum_([flat])
+    host = np.split(dev.read([flat])[0], np.cumsum([np.size(sums[k]) for k in keys])[:-1])
+    s = dict(zip(keys, host))
+    n = float(s['count'][0])
+    exact_k = float(s['exact_per_step'][h])  # plain floats: results go into checkpoints and JSON
+    lo, hi = wilson_interval(exact_k, n)
+    res = dict(count=n, loss=float(s['loss'][0]) / max(n, 1), lm_loss=float(s['lm_loss'][0]) / max(n, 1),
+               exact_accuracy=exact_k / max(n, 1), exact_ci_low=lo, exact_ci_high=hi,
+               token_accuracy=float(s['token_accuracy'][0]) / max(n, 1),
+               q_halt_accuracy=float(s['q_halt_accuracy'][0]) / max(n, 1), steps=float(h + 1),
+               exact_accuracy_q_halt=float(s['exact_q_halt'][0]) / max(n, 1),
+               steps_q_halt=float(s['steps_q_halt'][0]) / max(n, 1),
+               exact_by_steps=[float(x) / max(n, 1) for x in s['exact_per_step']])
+    if verifier is not None:
+        res['verified_accuracy'] = float(s['verified'][0]) / max(n, 1)
+    # the cost: forward FLOPs of every step of every view of every puzzle
+    res['views'] = K
+    res['eval_flops'] = float(model.flops_per_example(train=False)) * n_steps * K * n
+    if K > 1:
+        names = sorted(by_views)
+        res['by_views'] = [dict(views=k, **{m: float(s['views_' + m][j]) / max(n, 1) for m in names})
+                           for j, k in enumerate(ks)]
+    model.train(was_training)
+    return res, example
+
+
+def format_eval(r):
+    """An evaluation's log line (evaluate's results), with one more line per view count."""
+    line = (f"eval on {int(r['count'])}: exact {r['exact_accuracy']:.4f} (95% CI {r['exact_ci_low']:.4f}-"
+            f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f}"
+            f" | q_halt acc {r['q_halt_accuracy']:.4f}"
+            f" | steps {r['steps']:.0f}")
+    if 'verified_accuracy' in r:
+        line += f" | verified {r['verified_accuracy']:.4f}"
+    line += f" | with q_halt stop: exact {r['exact_accuracy_q_halt']:.4f} in {r['steps_q_halt']:.2f} steps"
+    if len(r['exact_by_steps']) > r['steps']:
+        line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}"
+                                                 for i, a in enumerate(r['exact_by_steps']))
+    for v in r.get('by_views', []):  # test-time views: one line per view count
+        line += (f"\n  {v['views']:>2} views: vote {v['vote']:.4f} | verified {v['verified']:.4f} | oracle "
+                 f"{v['oracle']:.4f} (ceiling)" + (f" | accepted {v['accepted']:.4f}" if 'accepted' in v else '')
+                 + f" | with q_halt stop: vote {v['vote_q_halt']:.4f} verified {v['verified_q_halt']:.4f}")
+    return line
