@@ -18,7 +18,7 @@ from model import MODEL_CHOICES, TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py']
 LIBRARIES = ['model.py', 'step.py', 'safety.py', 'data.py', 'puzzles.py', 'device.py', 'gcs.py',
-             'configurator.py', 'smoke.py']
+             'configurator.py', 'smoke.py', 'study_plan.py', 'study_report.py']
 
 
 def train_defaults():
