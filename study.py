@@ -136,6 +136,7 @@ if any(value_problem(k, v) for k, v in EXTRA.items()):
                      + '; '.join(filter(None, map(value_problem, EXTRA, EXTRA.values()))))
 if seeds > 1 and 'seed' in EXTRA:
     raise SystemExit("config error: --seeds and --extra='--seed=...' together (allowed: one of them)")
+# all that study_plan.py and study_report.py see of these keys (they read no global of this script)
 OPTS = Options(scale=scale, root=ROOT, local_root=LOCAL_ROOT, data_root=data_root, config_dir=config_dir,
                extra=EXTRA, extra_args=EXTRA_ARGS, nproc=nproc, seeds=seeds)
 

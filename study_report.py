@@ -10,6 +10,10 @@ import os
 
 from study_plan import checkpoint_steps, cost, fetch, read_results, saved_evals
 
+
+# -----------------------------------------------------------------------------
+# the table: one row per run, one point per experiment (the mean over its seeds)
+
 def timed_minutes(metrics_path, batch):
     """Minutes of training and evaluation recorded in metrics.jsonl: each train line covers (step - previous
     step) x batch / examples_per_s seconds since the previous one (evaluations in between included), plus the
@@ -613,6 +617,8 @@ def plot_views(plt, views, scale):
         left.legend(handles=handles + styles, fontsize=7, loc='best')
     return fig
 
+
+# -----------------------------------------------------------------------------
 
 def make_report(exps, opts, folder):
     """The report of these experiments' runs into folder: report.md (printed), the CSVs and the plots."""
