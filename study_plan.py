@@ -1,0 +1,497 @@
+"""
+A study's plan: the experiment files and what each run is at a scale (its flags, command, dataset), what it
+costs before it runs, where it stands (finished, started, nothing) and the evaluations it saved. study.py
+runs the plan and study_report.py compares the results; both pass the CLI's values in one Options.
+"""
+import fnmatch
+import json
+import os
+import re
+import shlex
+from dataclasses import dataclass
+
+import gcs
+from configurator import config_files, read_config_block
+from puzzles import shape_from_name
+from checkpoint import list_checkpoints
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'train.py')).items()}
+SCALE_ROOTS = dict(full='out/study', gpu='out/study-gpu', cpu='out/study-cpu')
+GPU_FRACTION = 0.1              # of epochs, eval_interval and lr_warmup_steps at the gpu scale
+CPU_FRACTION = 0.0008           # of epochs at the cpu scale (50,000 -> 40)
+CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xla_cache_dir='',
+                 global_batch_size=32,
+                 lr=2e-3, lr_warmup_steps=30, weight_decay=0.1, puzzle_emb_ndim=0, ema_rate=0.99,
+                 eval_subset=0,
+                 log_interval=25, checkpoint_interval=50, num_heads=2)
+CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
+CPU_MAZE = dict(size=8, train=200, num_test=100)
+# the real datasets' sizes, for costs before they are built
+# (shapes from the folder's name: puzzles.shape_from_name)
+SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
+MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000, gpu_batch=128)  # gpu scale: 900-token rows
+# differ between runs without changing what is trained
+NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')
+RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner sets them for every run
+# keys that do not change what a run trains or its results: a finished run recorded with other values of
+# these is still the run the study asks for
+NOT_SHAPING = ('out_dir', 'local_dir', 'data_cache_dir', 'init_from', 'overwrite', 'eval_only',
+               'eval_batch_size', 'log_interval', 'checkpoint_interval', 'keep_last_n', 'wandb_log',
+               'wandb_project', 'wandb_run_name', 'device', 'compile', 'xla_cache_dir', 'gcs_retries')
+EVAL_FILE = re.compile(r'views(\d+)-steps(\d+)\.json')  # train.py --eval_only's record in <out_dir>/evals
+
+
+@dataclass
+class Options:
+    """What every run of one study shares: study.py's keys, read once there (its config block holds the
+    defaults)."""
+    scale: str          # 'full' | 'gpu' | 'cpu' (SCALE_ROOTS)
+    root: str           # out_root: a run goes to root/<name of its file's out_dir>; gs:// allowed
+    local_root: str     # root's local folder (root itself unless gs://): each run's local_dir
+    data_root: str      # the cpu scale's generated datasets
+    config_dir: str     # the experiment files
+    extra: dict         # --extra as train.py keys and values
+    extra_args: list    # --extra as flags, added to every command
+    nproc: int          # processes per run (torchrun above 1)
+    seeds: int          # runs per experiment: seeds 0 .. seeds-1
+
+
+# -----------------------------------------------------------------------------
+# experiment files: train.py's config as each file sets it
+
+def natural_key(s):
+    return [int(t) if t.isdigit() else t for t in re.split(r'(\d+)', s)]
+
+
+def fmt_value(v):
+    return repr(v) if isinstance(v, float) else str(v)
+
+
+def value_problem(key, value):
+    """'key=value (allowed: ...)' when value cannot be train.py's key (not its default's type; an int where a
+    float is expected is fine, as configurator.py takes it), else ''."""
+    default = TRAIN_DEFAULTS[key]
+    if type(value) is type(default) or (type(default) is float and type(value) is int):
+        return ''
+    kind = {bool: 'True or False', int: 'an int', float: 'a number', str: 'a str'}[type(default)]
+    return f"{key}={value!r} (allowed: {kind}, as train.py's default {default!r})"
+
+
+def read_meta(path):
+    """The '_' names of a config file (_base, _prepare): study.py's, not train.py's."""
+    scope = {}
+    exec(compile(open(path).read(), path, 'exec'), {}, scope)
+    return {k: v for k, v in scope.items() if k.startswith('_') and not k.startswith('__')}
+
+
+def effective(path):
+    """(train.py's config for this file, as configurator.py applies it: defaults, _base chain, the file; its
+    '_' names)."""
+    cfg = dict(TRAIN_DEFAULTS)
+    for p, keys in config_files(path):
+        unknown = [k for k in keys if k not in TRAIN_DEFAULTS]
+        if unknown:
+            raise SystemExit(f"config error: {p} sets unknown key(s) {unknown}")
+        bad = list(filter(None, map(value_problem, keys, keys.values())))
+        if bad:  # refused here, before a dry run costs it and every run of it fails
+            raise SystemExit(f"config error: {p} sets {'; '.join(bad)}")
+        cfg.update(keys)
+    return cfg, read_meta(path)
+
+
+# -----------------------------------------------------------------------------
+# datasets: what a data_path is, at each scale, and the command that builds it
+
+def dataset_for(cfg, meta, opts, read_built=True):
+    """The dataset a run uses at opts.scale: path, build command (None: unknown), kind, training puzzles
+    (groups) and augmentations, sizes for the cost. Read from dataset.json once it is built (read_built)."""
+    path = cfg['data_path']
+    name = path.rstrip('/').split('/')[-1]
+    d = dict(path=path, build=shlex.split(meta['_prepare']) if meta.get('_prepare') else None, kind=None,
+             puzzles=None, aug=None, groups=None, mean=1.0, test=None)
+    d['seq_len'], d['vocab_size'], _ = shape_from_name(path)
+    m = re.fullmatch(r'sudoku-extreme-(\d+)(k?)-aug-(\d+)', name)
+    if m:
+        K, A = int(m[1]) * (1000 if m[2] else 1), int(m[3])
+        d.update(kind='sudoku', puzzles=K, aug=A, groups=K, **SUDOKU_EXTREME)
+        if d['build'] is None:
+            d['build'] = ['prepare_sudoku.py', '--output_dir', path, '--subsample_size', str(K), '--num_aug',
+                          str(A)]
+        if opts.scale == 'cpu':
+            c, root = CPU_SUDOKU, opts.data_root
+            k, a = max(1, K // c['puzzles_div']), A // c['aug_div']
+            d.update(path=f"{root}/sudoku{c['size']}-{k}-aug-{a}", puzzles=k, aug=a, groups=k,
+                     vocab_size=c['size'] + 2, seq_len=c['size'] ** 2, test=c['num_test'],
+                     build=['prepare_sudoku.py', '--generate', str(c['pool']), '--size', str(c['size']),
+                            '--num_test', str(c['num_test']), '--subsample_size', str(k), '--num_aug', str(a),
+                            '--seed', '0', '--output_dir', f"{root}/sudoku{c['size']}-{k}-aug-{a}"])
+    elif re.fullmatch(r'maze-30x30-hard-1k', name):
+        d.update(kind='maze', puzzles=1000, aug=0, **MAZE_HARD)
+        if d['build'] is None:
+            d['build'] = ['prepare_maze.py', '--output_dir', path]
+        if opts.scale == 'cpu':
+            c = CPU_MAZE
+            p = f"{opts.data_root}/maze{c['size']}"
+            d.update(path=p, puzzles=c['train'], groups=c['train'], seq_len=c['size'] ** 2,
+                     test=c['num_test'],
+                     build=['prepare_maze.py', '--generate', str(c['train']), '--size', str(c['size']),
+                            '--num_test', str(c['num_test']), '--output_dir', p])
+    metas = [os.path.join(d['path'], s, 'dataset.json') for s in ('train', 'test')]
+    d['exists'] = all(os.path.exists(p) for p in metas)
+    if d['exists'] and read_built:  # the real sizes
+        with open(metas[0]) as f:
+            tr = json.load(f)
+        with open(metas[1]) as f:
+            te = json.load(f)
+        d.update(groups=tr['total_groups'], mean=tr['mean_puzzle_examples'], vocab_size=tr['vocab_size'],
+                 seq_len=tr['seq_len'], num_puzzle_identifiers=tr['num_puzzle_identifiers'],
+                 test=int(te['total_puzzles'] * te['mean_puzzle_examples']),
+                 kind=d['kind'] or tr.get('puzzle_type'))
+        if d['puzzles'] is None:
+            d.update(puzzles=tr['total_groups'], aug=round(tr['total_puzzles'] / tr['total_groups']) - 1)
+    return d
+
+
+def build_display(cmd):
+    return ' '.join(shlex.quote(x) for x in ['python'] + cmd)
+
+
+# -----------------------------------------------------------------------------
+# experiments
+
+class Experiment:
+    """One config file at the study's scale (opts): its family, varied keys, out_dir, dataset, train.py flags
+    and command."""
+
+    def __init__(self, path, opts, name=None, seed=0):
+        self.path, self.name, self.seed, self.opts = path, name or os.path.basename(path)[:-3], seed, opts
+        self.run = self.name + (f"-s{seed}" if seed else '')  # the run's label: one per seed
+        self.family = self.name.rsplit('_', 1)[0] if '_' in self.name else self.name
+        self.cfg, self.meta = effective(path)
+        base = self.meta.get('_base')
+        self.base_cfg = effective(base)[0] if base else dict(TRAIN_DEFAULTS)
+        self.varied = {k: v for k, v in self.cfg.items() if v != self.base_cfg.get(k) and k not in NOT_VARIED}
+        self.data = dataset_for(self.cfg, self.meta, opts)
+        leaf = self.cfg['out_dir'].rstrip('/').split('/')[-1] + (f"-s{seed}" if seed else '')
+        self.out_dir, self.local = f"{opts.root}/{leaf}", os.path.join(opts.local_root, leaf)
+        self.twin_note = ''  # what the cpu twin trains where it differs in kind from the file
+        self.flags = self.scale_flags()
+        self.flags['out_dir'] = self.out_dir
+        if seed:  # seed 0 is the file's own (train.py's default): its folder and flags stay as without
+                  # --seeds
+            self.flags['seed'] = seed
+            if self.cfg['wandb_run_name']:
+                self.flags['wandb_run_name'] = f"{self.cfg['wandb_run_name']}-s{seed}"
+        if gcs.is_gcs(opts.root):
+            self.flags['local_dir'] = self.local
+        self.run_cfg = {**self.cfg, **self.flags, **opts.extra}
+        nproc = opts.nproc
+        launcher = ['train.py'] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone',
+                                                     f'--nproc_per_node={nproc}', 'train.py']
+        self.cmd = launcher + [path] + [f"--{k}={fmt_value(v)}" for k, v in self.flags.items()] + \
+            list(opts.extra_args) + ['--init_from=resume']
+        shown = (['torchrun'] + self.cmd[2:]) if nproc > 1 else (['python'] + self.cmd)
+        # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside
+        # other jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2
+        # threads, 77-150 with 1). A value set by the user is kept.
+        self.env = {'OMP_NUM_THREADS': '1'} if opts.scale == 'cpu' and 'OMP_NUM_THREADS' not in os.environ else {}
+        self.display = ' '.join([f"{k}={v}" for k, v in self.env.items()] + [shlex.quote(x) for x in shown])
+        self.same_as = None  # the experiment whose run (out_dir) this one shares
+        self.family_keys = []  # set by load_experiments: the keys any member of the family changes
+
+    def scale_flags(self):
+        c, o, scale = self.cfg, {}, self.opts.scale
+        if scale == 'gpu':
+            o['epochs'] = max(1, round(c['epochs'] * GPU_FRACTION))
+            o['eval_interval'] = max(1, round(c['eval_interval'] * GPU_FRACTION))
+            o['lr_warmup_steps'] = round(c['lr_warmup_steps'] * GPU_FRACTION)
+            if self.data.get('gpu_batch'):
+                o['global_batch_size'] = min(c['global_batch_size'], self.data['gpu_batch'])
+        elif scale == 'cpu':
+            o.update(CPU_FIXED)
+            b = self.base_cfg
+            # the lr and batch the file sets relative to its base recipe's carry over (lr_*, bs_* families)
+            o['lr'] = float(f"{CPU_FIXED['lr'] * c['lr'] / b['lr']:.3g}")
+            o['global_batch_size'] = max(1, round(CPU_FIXED['global_batch_size'] * c['global_batch_size']
+                                                  / b['global_batch_size']))
+            o['hidden_size'] = max(8, c['hidden_size'] // 16)
+            # halt_max_steps / 4 (16 -> 4); below 4 kept (abl_halt1, abl_halt2), so abl_halt2 and abl_halt8
+            # both train 2 steps at this scale
+            o['halt_max_steps'] = c['halt_max_steps'] if c['halt_max_steps'] < 4 else c['halt_max_steps'] // 4
+            if not c['puzzle_emb_ndim'] and b['puzzle_emb_ndim']:
+                # every cpu twin runs without the embedding, the base too: so the twin of a file that turns it
+                # off turns it on (at the width / 16), and the pair (cpu base, twin) shows the same contrast
+                # reversed
+                o['puzzle_emb_ndim'] = max(8, b['puzzle_emb_ndim'] // 16)
+                self.twin_note = (f"cpu twin: puzzle_emb_ndim={o['puzzle_emb_ndim']}, the embedding ON "
+                                  "against the cpu base's 0")
+            o['eval_steps'] = 2 * o['halt_max_steps']  # test-time scaling: twice the trained steps
+            o['epochs'] = max(1, round(c['epochs'] * CPU_FRACTION))
+            o['eval_interval'] = max(1, o['epochs'] // 2)
+        if self.data['path'] != c['data_path']:
+            o['data_path'] = self.data['path']
+        return {k: v for k, v in o.items() if v != c[k]}
+
+    def varied_text(self):
+        """The keys its family studies (those any member changes), with this run's values."""
+        keys = self.family_keys or list(self.varied)
+        text = ', '.join(f"{k}={self.cfg[k]!r}" for k in keys)
+        text = (text + ' (base)' if text else 'base recipe') if not self.varied else text
+        return text + (f" ({self.twin_note})" if self.twin_note else '')
+
+    def point(self):
+        return self.name[len(self.family) + 1:] or self.name
+
+
+def load_experiments(patterns, opts):
+    """(every experiment's name in opts.config_dir, the Experiments the patterns select: each seed of each,
+    in the patterns' order); names only without patterns. Experiments that are one run share it (same_as)."""
+    config_dir = opts.config_dir
+    files = sorted((f for f in os.listdir(config_dir) if f.endswith('.py')), key=natural_key) \
+        if os.path.isdir(config_dir) else []
+    if not files:
+        raise SystemExit(f"no experiment files in {config_dir}")
+    names = [f[:-3] for f in files]
+    if not patterns:
+        return names, []
+    # in the patterns' order
+    chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))
+    if not chosen:
+        fams = sorted({n.rsplit('_', 1)[0] for n in names}, key=natural_key)
+        raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: "
+                         f"{', '.join(f + '_*' for f in fams)}")
+    exps = [Experiment(os.path.join(config_dir, n + '.py'), opts, seed=s) for n in chosen
+            for s in range(opts.seeds)]
+    for e in exps:
+        e.family_keys = list(dict.fromkeys(k for x in exps if x.family == e.family for k in x.varied))
+    by_dir = {}
+    for e in exps:
+        first = by_dir.setdefault(e.out_dir, e)
+        if first is not e:
+            if first.run_cfg | {'wandb_run_name': 0} != e.run_cfg | {'wandb_run_name': 0}:
+                raise SystemExit(f"config error: {first.path} and {e.path} share out_dir {e.out_dir} but "
+                                 "differ in "
+                                 f"{sorted(k for k in e.run_cfg if e.run_cfg[k] != first.run_cfg[k])}")
+            e.same_as = first.run
+    return names, exps
+
+
+# -----------------------------------------------------------------------------
+# state of a run: finished (results.json), started (checkpoints), nothing
+
+def has_results(e):
+    if gcs.is_gcs(e.out_dir):
+        return gcs.object_exists(f"{e.out_dir}/results.json")
+    return os.path.exists(os.path.join(e.out_dir, 'results.json'))
+
+
+def checkpoint_steps(e):
+    found = set()
+    for folder in [e.local] + ([e.out_dir] if gcs.is_gcs(e.out_dir) else []):
+        try:
+            found |= set(list_checkpoints(folder))
+        except Exception as ex:  # an unreachable bucket: train.py will say more
+            print(f"warning: cannot list {folder}: {ex}")
+    return sorted(found)
+
+
+def state(e):
+    if has_results(e):
+        why = read_results(e)[1]
+        return f"done, not used: {why}" if why else 'done'
+    steps = checkpoint_steps(e)
+    return f"started (checkpoint at step {steps[-1]})" if steps else 'not started'
+
+
+def fetch(e, name):
+    """Local path of a run's file (downloaded from the bucket for gs:// runs), or None."""
+    local = os.path.join(e.local, name)
+    if gcs.is_gcs(e.out_dir):
+        gcs.download_if_there(f"{e.out_dir}/{name}", local, f"the local copy of {name} is used, if any")
+    return local if os.path.exists(local) else None
+
+
+def read_results(e):
+    """(a finished run's results.json, '') or (None, why it is not used): unreadable, or recorded with another
+    configuration than the command the study runs now, on the keys that shape the result (the dataset by its
+    name: a copy elsewhere is the same data). (None, '') when there is none."""
+    path = fetch(e, 'results.json')
+    if path is None:
+        return None, ''
+    try:
+        with open(path) as f:
+            res = json.load(f)
+        fe = res['final_eval']
+        for k in ('exact_accuracy', 'exact_ci_low', 'exact_ci_high', 'token_accuracy', 'q_halt_accuracy'):
+            float(fe[k])
+        int(res['parameters']), float(res['train_flops']), float(res['flops_per_example_step'])
+    except (OSError, ValueError, KeyError, TypeError) as ex:
+        what = 'empty' if os.path.isfile(path) and not os.path.getsize(path) else f"{type(ex).__name__}: {ex}"
+        return None, (f"unreadable results.json in {e.out_dir} ({what}); not reused: move it away and rerun "
+                      "to evaluate the run's last checkpoint again")
+    now, diffs = e.run_cfg, []
+    for k, was in (res.get('config') or {}).items():
+        if k in NOT_SHAPING or k not in now:
+            continue
+        a, b = (str(was).rstrip('/').split('/')[-1], str(now[k]).rstrip('/').split('/')[-1]) \
+            if k == 'data_path' else (was, now[k])
+        if a != b:
+            diffs.append(f"{k} {a!r} there, {b!r} now")
+    if diffs:
+        return None, (f"{e.out_dir}/results.json was made with another configuration ({'; '.join(diffs)}): "
+                      f"not reused, and not retrained over it: move {e.out_dir} away to train it again")
+    return res, ''
+
+
+# -----------------------------------------------------------------------------
+# costs
+
+_models = {}
+
+
+def model_cost(run_cfg, data):
+    """(parameters, training FLOPs per example-step, forward FLOPs per example-step) of the run's TRM, built
+    on the meta device (no memory, no time)."""
+    import torch
+    from model import TRM, TRMConfig
+    kw = {f: run_cfg[f] for f in TRMConfig.__dataclass_fields__ if f in run_cfg}
+    kw.update(vocab_size=data['vocab_size'], seq_len=data['seq_len'],
+              num_puzzle_identifiers=data['num_puzzle_identifiers'], forward_dtype='float32',
+              loss_dtype='float32')
+    key = json.dumps(kw, sort_keys=True)
+    if key not in _models:
+        with torch.device('meta'):
+            m = TRM(TRMConfig(**kw))
+        _models[key] = (m.num_params(), m.flops_per_example(), m.flops_per_example(train=False))
+    return _models[key]
+
+
+def cost(e, data=None):
+    """Parameters, FLOPs and steps of a run, as train.py will count them (data: other sizes than e.data's)."""
+    from data import steps_for
+    from step import evaluation_steps
+    c, d = e.run_cfg, data or e.data
+    if d['groups'] is None or d.get('vocab_size') is None:
+        return None
+    try:
+        params, fpe, fwd = model_cost(c, d)
+    except ValueError as ex:
+        return dict(error=str(ex))
+    B = c['global_batch_size']
+    total = steps_for(c['epochs'], d['groups'], d['mean'], B)
+    steps = min(total, c['max_steps']) if c['max_steps'] > 0 else total
+    every = max(1, steps_for(c['eval_interval'], d['groups'], d['mean'], B))
+    middle = len(evaluation_steps(steps, every)) - 1  # and the final one
+    sub = min(c['eval_subset'] or d['test'], d['test'])
+    eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
+    return dict(params=params, fpe=fpe, steps=steps, batch=B, train_flops=fpe * steps * B,
+                eval_flops=eval_flops,
+                evals=middle + 1)
+
+
+def flop_rate(opts, bench_file='', examples_per_s=0.0):
+    """(FLOP/s, where it comes from) of the device, from bench.py's figure: its output in bench_file, or its
+    examples_per_s for config/baseline.py at opts.scale; (None, why not) without one."""
+    if bench_file:
+        lines = [l for l in open(bench_file).read().splitlines() if l.startswith('bench:')]
+        if not lines:
+            raise SystemExit(f"config error: bench_file={bench_file!r} has no 'bench:' line (bench.py's last "
+                             "line)")
+        kv = dict(t.split('=', 1) for t in lines[-1].split()[1:] if '=' in t)
+        rate = float(kv['examples_per_s']) * float(kv['flops_per_example'])
+        return rate, (f"{bench_file}: {float(kv['examples_per_s']):.1f} examples/s x "
+                      f"{float(kv['flops_per_example']) / 1e9:.2f} GFLOPs = {rate / 1e12:.3g} TFLOP/s")
+    if examples_per_s > 0:
+        ref = Experiment(os.path.join(HERE, 'config', 'baseline.py'), opts, 'baseline')
+        rc = cost(ref)
+        if not rc or 'error' in rc:
+            raise SystemExit("cannot cost config/baseline.py at this scale for --examples_per_s")
+        rate = examples_per_s * rc['fpe']
+        return rate, (f"--examples_per_s={examples_per_s:g} for config/baseline.py at scale {opts.scale} "
+                      f"({rc['fpe'] / 1e9:.3g} GFLOPs per example-step) = {rate / 1e12:.3g} TFLOP/s")
+    return None, ("no speed figure given, so no time estimate: run `python bench.py config/baseline.py` with "
+                  "this scale's flags on the target device and pass --examples_per_s=<its examples/s> (or "
+                  "--bench_file=<a file with its output>)")
+
+
+def duration(s):
+    if s < 90:
+        return f"{s:.0f} s"
+    if s < 5400:
+        return f"{s / 60:.1f} min"
+    if s < 2 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
+def run_flops(e, data=None):
+    """A run's FLOPs, training and evaluation (None: unknown, or the model cannot be built)."""
+    c = cost(e, data)
+    return c['train_flops'] + c['eval_flops'] if c and 'error' not in c else None
+
+
+def share_cost(e):
+    """A run's FLOPs from its config and the datasets' known sizes only, never a local dataset.json: every
+    host of a pod computes the same numbers, so the same partition."""
+    return run_flops(e, dataset_for(e.cfg, e.meta, e.opts, read_built=False))
+
+
+def partition(names, costs, n):
+    """Host of each run: longest first onto the least-loaded host (ties: the lower index, then the name), a
+    fixed function of the list, so every host knows its share without talking to the others. Runs of unknown
+    cost count as the mean of the known ones."""
+    known = [c for c in costs if c is not None]
+    costs = [c if c is not None else (sum(known) / len(known) if known else 1.0) for c in costs]
+    load, host = [0.0] * n, [0] * len(names)
+    for i in sorted(range(len(names)), key=lambda i: (-costs[i], natural_key(names[i]))):
+        host[i] = min(range(n), key=lambda h: (load[h], h))
+        load[host[i]] += costs[i]
+    return host, load
+
+
+def schedule(seconds, n):
+    """List scheduling in the given order onto n slots (each run on the slot free first): (slot, start) of
+    each, and the makespan."""
+    free, out = [0.0] * n, []
+    for t in seconds:
+        s = min(range(n), key=lambda i: (free[i], i))
+        out.append((s, free[s]))
+        free[s] += t
+    return out, max(free) if seconds else 0.0
+
+
+def order_runs(runs, costs, slots):
+    """The order runs start in: the list's (names, naturally sorted) with one slot; longest first with more,
+    which shortens the study (the results do not depend on the order)."""
+    if slots == 1:
+        return list(runs)
+    return [r for _, r in sorted(zip(costs, runs), key=lambda x: (-(x[0] or 0), natural_key(x[1].run)))]
+
+
+# -----------------------------------------------------------------------------
+# saved evaluations: train.py --eval_only's records in <out_dir>/evals
+
+def own_steps(e):
+    """The supervision steps a run evaluates by itself (train.py: eval_steps, else halt_max_steps)."""
+    return e.run_cfg['eval_steps'] or e.run_cfg['halt_max_steps']
+
+
+def saved_evals(e):
+    """{(views, steps): local path} of a run's saved re-evaluations, from its folder and, for a gs:// run, its
+    bucket (downloaded beside the local copies)."""
+    if gcs.is_gcs(e.out_dir):
+        try:
+            names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.list_objects(f"{e.out_dir}/evals/")]
+        except Exception as ex:  # an unreachable bucket: the local copies, if any
+            print(f"warning: cannot list {e.out_dir}/evals ({ex}); the local copies are used, if any")
+            names = []
+        for n in filter(EVAL_FILE.fullmatch, names):
+            fetch(e, f"evals/{n}")
+    folder = os.path.join(e.local, 'evals')
+    found = {}
+    for n in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if m := EVAL_FILE.fullmatch(n):
+            found[int(m[1]), int(m[2])] = os.path.join(folder, n)
+    return found
+
