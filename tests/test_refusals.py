@@ -53,7 +53,7 @@ def test_solve_views_beyond_memory_are_refused_at_start_naming_the_bound(sudoku)
     assert_user_error(p, 'views=10000000', 'at most')
     last = (p.stdout + p.stderr).strip().splitlines()[-1]  # after the line describing the checkpoint
     assert 'memory' in last and 'views=10000000' in last, p.stdout + p.stderr
-    assert 'device ' not in p.stdout and 'puzzle 1' not in p.stdout  # refused before solving anything
+    assert 'device cpu' not in p.stdout and 'puzzle 1' not in p.stdout  # refused before solving anything
 
 
 # -----------------------------------------------------------------------------
