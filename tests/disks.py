@@ -27,10 +27,11 @@ def small_disk(path, size='1m', fill=False):
 
 def fill_up(path):
     """Write a filler file on `path`'s filesystem until a write fails: the disk is full."""
-    with open(os.path.join(path, '.filler'), 'wb') as f:
-        try:
-            while True:
-                f.write(b'\0' * 4096)
-                f.flush()
-        except OSError:
+    f = open(os.path.join(path, '.filler'), 'wb', buffering=0)  # unbuffered: nothing left to fail at close
+    try:
+        while f.write(b'\0' * 4096):
             pass
+    except OSError:
+        pass
+    finally:
+        f.close()
