@@ -423,7 +423,7 @@ class Prefetcher:
 def parse_steps(text):
     """'START:END' -> (START, END) with 0 <= START < END, or None when text is not such a range."""
     parts = text.split(':')
-    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+    if len(parts) != 2 or not all(p.strip().isascii() and p.strip().isdigit() for p in parts):
         return None
     start, end = int(parts[0]), int(parts[1])
     return (start, end) if start < end else None
@@ -477,7 +477,18 @@ class Profiler:
         else:
             self.prof.stop()
             path = os.path.join(self.folder, f'trace_{self.first}_{step}.json')
-            self.prof.export_chrome_trace(path)
+            try:  # the writer may warn and return on a full disk, leaving a part of the file or none
+                self.prof.export_chrome_trace(path)
+                problem = None if os.path.exists(path) else 'the writer left no file (a full disk?)'
+            except OSError as e:
+                problem = f"{e.strerror or e}"
             self.prof = None
+            if problem:
+                for p in (path, path + '.tmp'):
+                    with contextlib.suppress(OSError):
+                        os.remove(p)
+                print(f"warning: the profile of steps {self.first + 1}-{step} was not written to {path}: {problem}; "
+                      "the run goes on", flush=True)
+                return None
         print(f"profile of steps {self.first + 1}-{step} written to {path}")
         return path

@@ -656,10 +656,11 @@ def main():
         torch.set_num_threads(cpu_threads())
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
-    if problem := views_problem(kind, views):
+    per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
+    row_bytes = 2 * cfg.total_len * cfg.hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
+    if problem := views_problem(kind, views, rows=per, row_bytes=row_bytes):
         fail(f"views={views}: {problem}")
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
-    per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
           + f" | {plural(len(inputs), 'puzzle')}"

@@ -89,7 +89,7 @@ watchdog_minutes = 30.0         # no step or eval batch done this long (a hung h
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
 _unit = (lambda v: 0 <= v < 1, 'in [0, 1)')
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
-_range = lambda v: v == '' or (v.count(':') == 1 and all(p.isdigit() for p in v.split(':'))
+_range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
@@ -204,7 +204,8 @@ def main(index=None):
     eval_every = max(1, loader.steps_for(eval_interval))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
-    if problem := views_problem(puzzle_for(meta), eval_views):
+    if problem := views_problem(puzzle_for(meta), eval_views, rows=eval_batch_size or global_batch_size,
+                                row_bytes=2 * cfg.total_len * hidden_size * getattr(torch, dtype).itemsize):  # y, z
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {run.data_path})")
     if master:
         print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | {model.num_params():,} "
@@ -280,6 +281,9 @@ def main(index=None):
     host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
     xla_then = dev.xla_counters()  # XLA: compilations counted from here (at each log line, after evaluations)
     span = parse_steps(profile_steps) if profile_steps else None
+    if span and master and not (span[0] < run_steps and span[1] > step):
+        print(f"warning: profile_steps={profile_steps} holds none of this run's steps (after step {step} up "
+              f"to step {run_steps}): no profile is taken")
     prof = Profiler(dev, os.path.join(run.local, 'profile'), *span) if (span and master) else None
     phase = prof.phase if prof else (lambda name: contextlib.nullcontext())  # names a step's parts in a trace
     run.clock.loop_start = t0
