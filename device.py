@@ -163,6 +163,11 @@ PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 98
                ('v5p', 459), ('TPU v5', 459), ('v4', 275), ('TPU v7', 1153.5)]
 
 
+def peak_tflops_of(name):
+    """PEAK_TFLOPS's figure for a device name ('NVIDIA H100 80GB HBM3', 'TorchTPU TPU v6e', ...), or None."""
+    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
+
+
 class Device:
     """One process's device, rank and collectives. kind: 'cpu', 'cuda', 'xla' (torch_xla) or 'tpu'
     (TorchTPU, through `tpu`: a TorchTPU, by default the real one). Under torchrun (WORLD_SIZE > 1) the
@@ -430,7 +435,7 @@ class Device:
         name = self.name()
         if self.kind == 'cpu' or name.startswith('XLA on the CPU') or (self.tpu and not self.tpu.native):
             return None
-        return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
+        return peak_tflops_of(name)
 
     @staticmethod
     def _cpu_name():
