@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 import torchtpu
-from torchtpu import TorchTPU  # noqa: F401  (the 'tpu' kind's runtime: Device(..., tpu=TorchTPU.on_cpu(n)))
+from torchtpu import TorchTPU  # the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
 
 
 def usable_cores():
@@ -195,8 +195,8 @@ class Device:
                 self.rank, self.world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
                 self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
                 self.hosts = self.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
-                dist.init_process_group(backend={'cuda': 'nccl', 'tpu': self.tpu and self.tpu.backend}.get(
-                    kind, 'gloo'))
+                dist.init_process_group(backend='nccl' if kind == 'cuda' else self.tpu.backend if self.tpu
+                                        else 'gloo')
             if kind == 'cuda':
                 torch.cuda.set_device(self.local_rank)
                 torch.backends.cuda.matmul.allow_tf32 = True
@@ -487,8 +487,8 @@ class Profiler:
     `folder`: torch_xla's profiler on XLA (folder/plugins/profile/<time>/<host>.xplane.pb, which TensorBoard's
     profile plugin opens), torch.profiler elsewhere (folder/trace_<start>_<end>.json, a Chrome trace that
     Perfetto and chrome://tracing open; TorchTPU adds its device trace, <host>_<rank>.xplane.pb, to the
-    folder). Host-side only: the graphs the steps run are the same with and
-    without it. phase(name) names a part of a step in the trace while one is being taken."""
+    folder). Host-side only: the graphs the steps run are the same with and without it. phase(name) names a
+    part of a step in the trace while one is being taken."""
 
     def __init__(self, dev, folder, start, end):
         self.dev, self.folder, self.start, self.end = dev, folder, start, end

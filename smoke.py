@@ -109,10 +109,13 @@ def torchtpu_rows(device_line, train):
     """--device=tpu (TorchTPU): the verdicts a first TPU run needs beyond the common ones, from the runs'
     first line and train records: the graphs torch.compile compiled in each run (a count that grows after
     the first steps is a recompilation), and whether the collectives ran across the chips."""
-    first = [r['xla_compiles_total'] for r in train if r['step'] <= SMOKE_STEPS and 'xla_compiles_total' in r]
-    second = [r['xla_compiles_total'] for r in train if r['step'] > SMOKE_STEPS and 'xla_compiles_total' in r]
-    runs = [f"{seen[-1]}" + (f" (still growing: {seen[0]} at step {SMOKE_STEPS // 2})" if seen[0] != seen[-1]
-                             else '') for seen in (first, second) if seen]
+    runs = []
+    for in_run in (lambda step: step <= SMOKE_STEPS, lambda step: step > SMOKE_STEPS):
+        seen = [(r['step'], r['xla_compiles_total']) for r in train
+                if in_run(r['step']) and 'xla_compiles_total' in r]
+        if seen:
+            (step, early), late = seen[0], seen[-1][1]
+            runs.append(f"{late}" + (f" (still growing: {early} at step {step})" if early != late else ''))
     world = re.search(r'device tpu x(\d+)', device_line)
     n = int(world.group(1)) if world else 0
     return [('TorchTPU graphs compiled', ' then '.join(runs) + ' (the first run, the resumed run)' if runs

@@ -159,8 +159,8 @@ def launch(tpu, script_args):
     tpu.set_launch_env(processes)
     hosts = int(os.environ.get('NNODES', 1))
     where = ['--standalone'] if hosts == 1 else [
-        f'--nnodes={hosts}', f"--node_rank={os.environ['NODE_RANK']}", f"--master_addr={os.environ['MASTER_ADDR']}",
-        f"--master_port={os.environ['MASTER_PORT']}"]
+        f'--nnodes={hosts}', f"--node_rank={os.environ['NODE_RANK']}",
+        f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}"]
     t = time.time()
     try:
         run.main(where + [f'--nproc_per_node={processes}'] + list(script_args))

@@ -77,8 +77,8 @@ ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_ra
 grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
 gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
-device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'|'tpu' (TorchTPU)
-compile = True                  # torch.compile the step and evaluation on CUDA (inductor), XLA (step.xla_backend), TorchTPU
+device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
+compile = True                  # torch.compile the step and evaluation: CUDA, TorchTPU, XLA (step.xla_backend)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 smoke = False                   # True: check this machine in minutes instead (smoke.py), in <out_dir>/smoke
@@ -234,7 +234,8 @@ def main(index=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         ev = held[subset]
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
-        predict = compiled_predict(weights, backend=dev.compile_backend) if (compile and dev.kind != 'cpu') else None
+        predict = compiled_predict(weights, backend=dev.compile_backend) if (compile and dev.kind != 'cpu') \
+            else None
         watchdog.pause(2)  # asked before each batch: armed once the first batch (maybe a compile) is done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example,

@@ -63,6 +63,21 @@ def test_a_tpu_chip_s_number_format_and_peak():
     assert {n: peak_tflops_of(f'TorchTPU {n}') for n in want} == want
 
 
+def test_the_smoke_check_s_torchtpu_verdicts():
+    from smoke import SMOKE_STEPS, torchtpu_rows
+    half = SMOKE_STEPS // 2
+    train = [dict(step=half, xla_compiles_total=3), dict(step=SMOKE_STEPS, xla_compiles_total=3),
+             dict(step=SMOKE_STEPS + half, xla_compiles_total=3), dict(step=2 * SMOKE_STEPS, xla_compiles_total=5)]
+    rows = dict(torchtpu_rows('device tpu x8 (TorchTPU TPU v6e v6e-8) | forward dtype ...', train))
+    assert rows['TorchTPU graphs compiled'] == \
+        f'3 then 5 (still growing: 3 at step {SMOKE_STEPS + half}) (the first run, the resumed run)'
+    assert rows['collectives across chips'].startswith('8 processes:') and 'completed' in \
+        rows['collectives across chips']
+    assert dict(torchtpu_rows('device tpu x1 (TorchTPU TPU v5e)', train))['collectives across chips'] == \
+        'one device: none to check'
+    assert dict(torchtpu_rows('', []))['collectives across chips'] == 'NOT checked (no run started)'
+
+
 def driver(args, toy, out, torchrun=False):
     launcher = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] if torchrun else []
     p = run(launcher + [DRIVER, f'--data={toy}', f'--out={out}'] + args, timeout=900)
