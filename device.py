@@ -1,8 +1,9 @@
 """
 Everything that depends on the device: which one to use, ranks and collectives (torchrun on GPUs or CPU
-processes, torch_xla on TPUs), the number format the hardware runs fast, batch transfer, RNG state, and
-what bench.py measures (waiting for the device, peak memory, XLA compilations and CPU fallbacks).
-train.py, bench.py and solve.py share it, so the training step itself has no device-specific line.
+processes, torch_xla on TPUs, or TorchTPU on TPUs: the kind 'tpu', whose calls live in torchtpu.py), the
+number format the hardware runs fast, batch transfer, RNG state, and what bench.py measures (waiting for the
+device, peak memory, XLA compilations and CPU fallbacks). train.py, bench.py and solve.py share it, so the
+training step itself has no device-specific line.
 
 The rule that keeps a TPU pod from hanging: every rank executes the same graphs with the same collectives
 in the same order. So a device value is only ever read through `Device.read`, which every rank calls at
@@ -15,6 +16,9 @@ import resource
 import numpy as np
 import torch
 
+import torchtpu
+from torchtpu import TorchTPU  # the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
+
 
 def usable_cores():
     """The CPU cores this process may run on (its affinity), in order."""
@@ -25,19 +29,35 @@ def usable_cores():
 def resolve_device(name):
     """'auto' -> 'xla' when PJRT_DEVICE is set (TPU), else 'cuda' when a GPU is visible, else 'cpu'. A machine
     with TPU chips and no PJRT_DEVICE stops here with one line: its host CPU would train in their place, and
-    the launch command of every worker should say what it uses (PJRT_DEVICE=TPU, or --device=cpu)."""
+    the launch command of every worker should say what it uses (PJRT_DEVICE=TPU, or --device=cpu).
+    'tpu' (TorchTPU) is chosen only by name; where TorchTPU or a chip is missing it stops here, before any
+    work, with one line naming requirements-torchtpu.txt."""
     if name == 'auto':
         if os.environ.get('PJRT_DEVICE'):
             return 'xla'
         chips = tpu_chips()
         if chips:
             raise SystemExit(f"config error: device='auto' on a machine with {chips} TPU chip(s) and no "
-                             f"PJRT_DEVICE: rerun with PJRT_DEVICE=TPU to train on them (or --device=cpu to "
-                             f"train on the host CPU)")
+                             f"PJRT_DEVICE: rerun with PJRT_DEVICE=TPU to train on them (or --device=tpu for "
+                             f"TorchTPU, or --device=cpu to train on the host CPU)")
         return 'cuda' if torch.cuda.is_available() else 'cpu'
-    if name not in ('cpu', 'cuda', 'xla'):
-        raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla'")
+    if name not in ('cpu', 'cuda', 'xla', 'tpu'):
+        raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla', 'tpu'")
+    if name == 'tpu':
+        torchtpu.require()
     return name
+
+
+def under_torchrun():
+    """True in a process that torchrun (or torchtpu.launch) started: it has its rank already."""
+    return 'LOCAL_RANK' in os.environ
+
+
+def launch_tpu(script_args, tpu=None):
+    """The parent of a TorchTPU run: TorchTPU's launch variables, then one process per TPU device of this host,
+    each running script_args (a script and its arguments; it builds its Device under torchrun). Returns the
+    exit code. tpu: a TorchTPU (default: the real one; TorchTPU.on_cpu(n): n CPU processes with gloo)."""
+    return torchtpu.launch(tpu or TorchTPU(), script_args)
 
 
 # TPU chips on the PCI bus, counted as torch_xla counts them (Google's vendor id and a TPU device id), without
@@ -108,15 +128,15 @@ def cpu_has_native_bf16():
 
 
 def resolve_loss_dtype(requested, kind):
-    """'auto': float64 stablemax as the reference, float32 on XLA (TPUs have no fast float64)."""
-    return ('float32' if kind == 'xla' else 'float64') if requested == 'auto' else requested
+    """'auto': float64 stablemax as the reference, float32 on TPUs (XLA or TorchTPU: no fast float64)."""
+    return ('float32' if kind in ('xla', 'tpu') else 'float64') if requested == 'auto' else requested
 
 
 def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
     """(forward dtype, why). 'auto': bfloat16 on TPU and on GPUs of compute capability 8.0 or newer, and
     on CPUs with native bf16; float32 elsewhere. An explicit choice is obeyed; where it is bf16 on hardware
     that emulates it, `why` starts with 'warning:'."""
-    if kind == 'xla' and os.environ.get('PJRT_DEVICE', 'TPU') != 'CPU':
+    if (kind == 'xla' and os.environ.get('PJRT_DEVICE', 'TPU') != 'CPU') or kind == 'tpu':
         native, hw = True, 'TPU'
     elif kind == 'cuda':
         cap = cuda_capability or torch.cuda.get_device_capability()
@@ -135,17 +155,28 @@ def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
 # -----------------------------------------------------------------------------
 # one process's device, rank and collectives
 
-# peak dense bf16 TFLOP/s of one GPU or TPU chip (datasheets), for MFU; the first name in the device's wins
+# peak dense bf16 TFLOP/s of one process's GPU or TPU device (datasheets), for MFU; the first name in the
+# device's wins. A v7 chip (2307) shows its two TensorCores as two devices, one process each: half per device
 PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312),
                ('L40S', 362),
                ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),
-               ('v5p', 459), ('TPU v5', 459), ('v4', 275)]
+               ('v5p', 459), ('TPU v5', 459), ('v4', 275), ('TPU v7', 1153.5)]
+
+
+def peak_tflops_of(name):
+    """PEAK_TFLOPS's figure for a device name ('NVIDIA H100 80GB HBM3', 'TorchTPU TPU v6e', ...), or None."""
+    return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
 
 
 class Device:
-    def __init__(self, kind, xla_cache_dir=''):
+    """One process's device, rank and collectives. kind: 'cpu', 'cuda', 'xla' (torch_xla) or 'tpu'
+    (TorchTPU, through `tpu`: a TorchTPU, by default the real one). Under torchrun (WORLD_SIZE > 1) the
+    process joins the others: nccl on GPUs, gloo on CPUs, the TorchTPU's backend ('tpu_dist') on TPUs."""
+    def __init__(self, kind, xla_cache_dir='', tpu=None):
         self.kind = kind
         self.rank, self.world_size, self.local_rank, self.hosts = 0, 1, 0, 1
+        self.tpu = (tpu or TorchTPU()) if kind == 'tpu' else None
+        self.compile_backend = self.tpu.compiler if self.tpu else None  # torch.compile's backend (None: default)
         if kind == 'xla':
             import torch_xla
             import torch_xla.runtime as xr
@@ -164,12 +195,14 @@ class Device:
                 self.rank, self.world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
                 self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
                 self.hosts = self.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
-                dist.init_process_group(backend='nccl' if kind == 'cuda' else 'gloo')
+                dist.init_process_group(backend='nccl' if kind == 'cuda' else self.tpu.backend if self.tpu
+                                        else 'gloo')
             if kind == 'cuda':
                 torch.cuda.set_device(self.local_rank)
                 torch.backends.cuda.matmul.allow_tf32 = True
                 torch.backends.cudnn.allow_tf32 = True
-            self.device = torch.device(kind, self.local_rank) if kind == 'cuda' else torch.device('cpu')
+            self.device = torch.device(kind, self.local_rank) if kind == 'cuda' else \
+                self.tpu.device() if kind == 'tpu' else torch.device('cpu')
         self.master = self.rank == 0
 
     # --- collectives (every rank calls them at the same point) ---------------------------------------
@@ -217,7 +250,7 @@ class Device:
         """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every
         rank."""
         t = torch.tensor(np.asarray(values, dtype=np.float64).reshape(-1),
-                         dtype=torch.float32 if self.kind == 'xla'
+                         dtype=torch.float32 if self.kind in ('xla', 'tpu')
                          else torch.float64, device=self.device)
         self.all_reduce_([t], op)
         return self.read([t])[0].astype(np.float64)
@@ -262,6 +295,8 @@ class Device:
         if self.kind == 'xla':  # the device draws ACT exploration from its own generator
             import torch_xla.core.xla_model as xm
             xm.set_rng_state(s)
+        if self.kind == 'tpu':
+            self.tpu.manual_seed(s)
 
     def rng_state(self):
         state = dict(cpu=torch.get_rng_state())
@@ -270,6 +305,8 @@ class Device:
         if self.kind == 'xla':
             import torch_xla.core.xla_model as xm
             state['xla'] = str(xm.get_rng_state())  # an unsigned 64-bit seed
+        if self.kind == 'tpu' and (tpu := self.tpu.get_rng_state()) is not None:
+            state['tpu'] = tpu
         return state
 
     def set_rng_state(self, state):
@@ -279,6 +316,8 @@ class Device:
         if self.kind == 'xla' and 'xla' in state:
             import torch_xla.core.xla_model as xm
             xm.set_rng_state(int(state['xla']))
+        if self.kind == 'tpu' and 'tpu' in state:
+            self.tpu.set_rng_state(state['tpu'])
 
     # --- measuring (bench.py, logs) ----------------------------------------------------------------
 
@@ -289,6 +328,8 @@ class Device:
         elif self.kind == 'xla':
             import torch_xla.core.xla_model as xm
             xm.wait_device_ops()
+        elif self.kind == 'tpu':
+            self.tpu.synchronize()
 
     def xla_report(self):
         """(graph compilations so far, {aten op: count} that fell back to the CPU); (0, {}) off XLA. With
@@ -321,6 +362,8 @@ class Device:
                 return int(info.get('peak_bytes_used', info['bytes_used'])), 'device peak'
             except Exception:
                 pass  # the XLA CPU client has no allocator statistics
+        if self.kind == 'tpu' and (mem := self.tpu.memory(self.device)):
+            return mem[1], 'device peak allocated'
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'  # Linux: KiB
 
     def memory_in_use(self):
@@ -335,6 +378,8 @@ class Device:
                 return int(xm.get_memory_info(self.device)['bytes_used']), 'device in use'
             except Exception:
                 pass
+        if self.kind == 'tpu' and (mem := self.tpu.memory(self.device)):
+            return mem[0], 'device allocated'
         try:
             with open('/proc/self/statm') as f:
                 return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE'), 'process RSS'
@@ -343,7 +388,11 @@ class Device:
 
     def xla_counters(self):
         """XLA: torch_xla's counters so far (host-side numbers, no device read): graph compilations and their
-        seconds, seconds of graph execution, and host-device transfers; {} elsewhere."""
+        seconds, seconds of graph execution, and host-device transfers. TorchTPU: the graphs torch.compile
+        compiled and their seconds (it reports no execution or transfer figures: 0). {} elsewhere."""
+        if self.kind == 'tpu':
+            compiles, compile_s = self.tpu.compiles()
+            return dict(compiles=compiles, compile_s=compile_s, execute_s=0.0, transfers=0)
         if self.kind != 'xla':
             return {}
         import torch_xla.debug.metrics as met
@@ -374,15 +423,19 @@ class Device:
             if name.lower() == 'cpu':
                 return f"XLA on the CPU: {self._cpu_name()}"
             return f"XLA {name} {accel}".strip()
+        if self.kind == 'tpu':
+            accel = os.environ.get('TPU_ACCELERATOR_TYPE', '')  # e.g. 'v6e-8', where the VM sets it
+            return (f"TorchTPU {self.tpu.device_name()} {accel}".strip() if self.tpu.native
+                    else f"TorchTPU's code on the CPU ({self.tpu.backend}): {self._cpu_name()}")
         return self._cpu_name()
 
     def peak_tflops(self):
         """The chip's peak dense bf16 TFLOP/s, for MFU: None on a CPU (no meaningful figure) or a chip not
         in PEAK_TFLOPS."""
         name = self.name()
-        if self.kind == 'cpu' or name.startswith('XLA on the CPU'):
+        if self.kind == 'cpu' or name.startswith('XLA on the CPU') or (self.tpu and not self.tpu.native):
             return None
-        return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
+        return peak_tflops_of(name)
 
     @staticmethod
     def _cpu_name():
@@ -433,8 +486,9 @@ class Profiler:
     """A trace of the training steps after step `start` up to step `end` (the log's step numbers) into
     `folder`: torch_xla's profiler on XLA (folder/plugins/profile/<time>/<host>.xplane.pb, which TensorBoard's
     profile plugin opens), torch.profiler elsewhere (folder/trace_<start>_<end>.json, a Chrome trace that
-    Perfetto and chrome://tracing open). Host-side only: the graphs the steps run are the same with and
-    without it. phase(name) names a part of a step in the trace while one is being taken."""
+    Perfetto and chrome://tracing open; TorchTPU adds its device trace, <host>_<rank>.xplane.pb, to the
+    folder). Host-side only: the graphs the steps run are the same with and without it. phase(name) names a
+    part of a step in the trace while one is being taken."""
 
     def __init__(self, dev, folder, start, end):
         self.dev, self.folder, self.start, self.end = dev, folder, start, end
@@ -451,7 +505,8 @@ class Profiler:
         else:
             from torch.profiler import ProfilerActivity, profile
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.kind == 'cuda' else [])
-            self.prof = profile(activities=acts)
+            self.prof = profile(**(self.dev.tpu.profiler_options(self.folder, self.dev.rank) if self.dev.tpu
+                                   else dict(activities=acts)))
             self.prof.start()
         self.active, self.first = True, step
 

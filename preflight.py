@@ -106,6 +106,27 @@ def wandb_check():
         return f"{url} unreachable ({str(e).splitlines()[0][:100]}): runs would log offline"
 
 
+def torchtpu_rows(device_line, train):
+    """--device=tpu (TorchTPU): the verdicts a first TPU run needs beyond the common ones, from the runs'
+    first line and train records: the graphs torch.compile compiled in each run (a count that grows after
+    the first steps is a recompilation), and whether the collectives ran across the chips."""
+    runs = []
+    for in_run in (lambda step: step <= SMOKE_STEPS, lambda step: step > SMOKE_STEPS):
+        seen = [(r['step'], r['xla_compiles_total']) for r in train
+                if in_run(r['step']) and 'xla_compiles_total' in r]
+        if seen:
+            (step, early), late = seen[0], seen[-1][1]
+            runs.append(f"{late}" + (f" (still growing: {early} at step {step})" if early != late else ''))
+    world = re.search(r'device tpu x(\d+)', device_line)
+    n = int(world.group(1)) if world else 0
+    return [('TorchTPU graphs compiled', ' then '.join(runs) + ' (the first run, the resumed run)' if runs
+             else 'unknown (no training record)'),
+            ('collectives across chips', 'NOT checked (no run started)' if not n else
+             'one device: none to check' if n == 1 else
+             f"{n} processes: each step's gradient all-reduce and gather, and every log line's reduction, "
+             f"completed" if train else f"{n} processes started, but no step was logged")]
+
+
 def preflight(cfg):
     """The check for train.py's config cfg (its command line: sys.argv). Returns the exit code."""
     t0 = time.time()
@@ -162,6 +183,8 @@ def preflight(cfg):
             + f", step {r['step']}, loss {r['loss']:.4f}"))
     if compiles:
         rows.append(('XLA graph compilations', ' then '.join(compiles) + ' (the first run, the resumed run)'))
+    if cfg['device'] == 'tpu':
+        rows += torchtpu_rows(first, train)
     if evals:
         e = evals[-1]
         rows.append(('evaluation', f"{int(e.get('count', subset))} seeded test examples at step {e['step']}: "

@@ -208,13 +208,15 @@ def apply_update(model, opt, ema_params, grads, ids, row_grads, step_t, sc):
 
 
 class CompiledStep:
-    """train_step's `fwd` on CUDA: forward_loss (the forward and, through AOTAutograd, its backward) and
-    apply_update (optimizer, sign-SGD, EMA: a few fused kernels instead of dozens of small ones), each
-    compiled once with static shapes. The backward call and the gradient all-reduce stay between them."""
-    def __init__(self, mode='default'):
+    """train_step's `fwd` on CUDA and TorchTPU: forward_loss (the forward and, through AOTAutograd, its
+    backward) and apply_update (optimizer, sign-SGD, EMA: a few fused kernels instead of dozens of small ones),
+    each compiled once with static shapes, by inductor in `mode` or by the named torch.compile `backend`. The
+    backward call and the gradient all-reduce stay between them."""
+    def __init__(self, mode='default', backend=None):
         self.mode = mode
-        self.forward = torch.compile(forward_loss, dynamic=False, mode=mode)
-        self._update = torch.compile(apply_update, dynamic=False, mode=mode)
+        kw = dict(backend=backend) if backend else dict(mode=mode)
+        self.forward = torch.compile(forward_loss, dynamic=False, **kw)
+        self._update = torch.compile(apply_update, dynamic=False, **kw)
 
     def __call__(self, model, carry, batch, puzzle_rows):
         return self.forward(model, carry, batch, puzzle_rows)
@@ -224,17 +226,18 @@ class CompiledStep:
         return self._update(model, opt, ema_params, grads, ids, row_grads, step_t, sc)
 
 
-def compiled_predict(model, mode='default'):
+def compiled_predict(model, mode='default', backend=None):
     """model.predict with each supervision step compiled (one graph for all n_steps: the loop stays in Python,
-    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`; XLA:
+    so the compile time is that of one step, not of n_steps unrolled). CUDA: inductor in `mode`, or the
+    torch.compile `backend` named (TorchTPU's); XLA:
     xla_backend, the start (latents, embedding) compiled too: a compiled step given pending lazy inputs
     runs them first as a graph of their own, one at the first batch, another at the later ones (a
     compilation more). Built once per model and mode, then reused."""
     cache = model.__dict__.setdefault('_compiled_predict', {})
     xla = model.H_init.device.type == 'xla'
-    key = 'xla' if xla else mode
+    key = 'xla' if xla else backend or mode
     if key not in cache:
-        kw = dict(backend=xla_backend) if xla else dict(mode=mode)
+        kw = dict(backend=xla_backend) if xla else dict(backend=backend) if backend else dict(mode=mode)
         start = torch.compile(model.predict_start, dynamic=False, **kw) if xla else None
         cache[key] = functools.partial(model.predict, start=start,
                                        step=torch.compile(model.predict_step, dynamic=False, **kw))
@@ -400,10 +403,13 @@ class XLACompiledStep:
             st['t'] = t  # one step count (equal values in any case)
 
 
-def compiled_step(kind, mode='default'):
+def compiled_step(kind, mode='default', backend=None):
     """The training step's `fwd` for train_step with compile=True: CUDA's CompiledStep (inductor, in `mode`),
-    XLA's XLACompiledStep; the CPU runs forward_loss eagerly (compiling would not pay for itself there)."""
-    return CompiledStep(mode) if kind == 'cuda' else XLACompiledStep() if kind == 'xla' else forward_loss
+    TorchTPU's (the Device's compile_backend), XLA's XLACompiledStep; the CPU runs forward_loss eagerly
+    (compiling would not pay for itself there)."""
+    if kind in ('cuda', 'tpu'):
+        return CompiledStep(mode, backend)
+    return XLACompiledStep() if kind == 'xla' else forward_loss
 
 
 def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_loss,

@@ -77,8 +77,8 @@ ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_ra
 grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
 gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
-device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'
-compile = True                  # torch.compile the step and evaluation on CUDA (inductor) and XLA (step.xla_backend)
+device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
+compile = True                  # torch.compile the step and evaluation: CUDA, TorchTPU, XLA (step.xla_backend)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out_dir>/smoke
@@ -105,7 +105,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg, beta1=_unit,
              beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
              ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
-             device=_one_of('auto', 'cpu', 'cuda', 'xla'),
+             device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'),
              gcs_retries=_pos, watchdog_minutes=_nonneg, smoke_phase=_one_of(0, 1, 2),
              profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 config_keys = [k for k, v in globals().items()
@@ -124,7 +124,7 @@ import torch  # noqa: E402  (after the config: --help and config errors answer a
 import guard  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
-from device import resolve_loss_dtype  # noqa: E402
+from device import launch_tpu, resolve_loss_dtype, under_torchrun  # noqa: E402
 from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
 from checkpoint import checkpoint_tensors  # noqa: E402
 from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
@@ -228,7 +228,8 @@ def main(index=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         ev = held[subset]
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
-        predict = compiled_predict(weights) if (compile and dev.kind != 'cpu') else None
+        predict = compiled_predict(weights, backend=dev.compile_backend) if (compile and dev.kind != 'cpu') \
+            else None
         watchdog.pause(2)  # asked before each batch: armed once the first batch (maybe a compile) is done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example,
@@ -270,7 +271,7 @@ def main(index=None):
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
-    fwd = compiled_step(dev.kind) if compile else forward_loss  # CUDA and XLA compile it, as bench.py does
+    fwd = compiled_step(dev.kind, backend=dev.compile_backend) if compile else forward_loss  # as bench.py does
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
@@ -364,10 +365,13 @@ def xla_worker(index):
 
 
 if __name__ == '__main__':
+    kind = resolve_device(device)  # a device that cannot run here says so now, in one line
     if smoke:  # two short runs of this command, in processes of their own, then a verdict
         from preflight import preflight
         raise SystemExit(preflight(config))
-    if resolve_device(device) == 'xla':
+    if kind == 'tpu' and not under_torchrun():  # TorchTPU: one process per TPU device, through torchrun
+        raise SystemExit(launch_tpu(sys.argv))
+    if kind == 'xla':
         import torch_xla
         from concurrent.futures.process import BrokenProcessPool
         guard.forward_signals()  # to the worker processes, which train and hold the out_dir

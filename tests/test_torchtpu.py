@@ -1,0 +1,134 @@
+"""
+TorchTPU beside torch_xla: --device=tpu is chosen only by name and refused in one line where TorchTPU or a chip
+is missing; its code (launch, ranks, collectives, the compiled step, a checkpoint and its resume) runs here as
+two CPU processes with gloo (TorchTPU.on_cpu, through tests/tpu_kind_driver.py) and gives the cpu kind's
+losses; every TorchTPU call stays in torchtpu.py.
+    python -m pytest -q tests/test_torchtpu.py
+"""
+import ast
+import importlib.util
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, assert_user_error, run
+from device import choose_dtype, peak_tflops_of, resolve_device, resolve_loss_dtype
+
+DRIVER = os.path.join(ROOT, 'tests', 'tpu_kind_driver.py')
+no_torchtpu = pytest.mark.skipif(importlib.util.find_spec('torch_tpu') is not None,
+                                 reason='TorchTPU is installed here')
+
+
+def assert_refused_before_any_work(p, out_dir, *words):
+    assert_user_error(p, 'requirements-torchtpu.txt', "device='tpu'", *words)
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # one line
+    assert not os.path.exists(out_dir)
+
+
+@no_torchtpu
+def test_device_tpu_without_torchtpu_stops_in_one_line_before_any_work(tmp_path):
+    for extra in ([], ['--smoke=True']):
+        p = run(['train.py', 'config/quickstart.py', '--device=tpu', f'--out_dir={tmp_path}/o'] + extra,
+                check=False)
+        assert_refused_before_any_work(p, f'{tmp_path}/o', 'needs TorchTPU', "No module named 'torch_tpu'")
+
+
+@no_torchtpu
+def test_device_tpu_with_a_torchtpu_that_finds_no_chip_stops_in_one_line(tmp_path):
+    # TorchTPU on a machine without TPU chips: importable, and no 'tpu' device registered
+    package = tmp_path / 'site' / 'torch_tpu'
+    package.mkdir(parents=True)
+    (package / '__init__.py').write_text('"""A TorchTPU installed on a machine without TPU chips."""\n')
+    p = run(['train.py', 'config/quickstart.py', '--device=tpu', f'--out_dir={tmp_path}/o'],
+            env=dict(PYTHONPATH=str(tmp_path / 'site')), check=False)
+    assert_refused_before_any_work(p, f'{tmp_path}/o', 'TorchTPU is installed but found no TPU chip')
+
+
+def test_auto_still_chooses_torch_xla_with_pjrt_device_and_else_the_cpu_here(monkeypatch, tmp_path):
+    monkeypatch.setenv('TRM_PCI_DEVICES', str(tmp_path))  # a PCI bus without TPU chips
+    monkeypatch.delenv('PJRT_DEVICE', raising=False)
+    assert resolve_device('auto') == 'cpu'
+    monkeypatch.setenv('PJRT_DEVICE', 'CPU')
+    assert resolve_device('auto') == 'xla'
+    p = run(['train.py', '--device=tpux'], check=False)
+    assert_user_error(p, "device='tpux' (allowed: 'auto' | 'cpu' | 'cuda' | 'xla' | 'tpu')")
+
+
+def test_a_tpu_chip_s_number_format_and_peak():
+    assert choose_dtype('auto', 'tpu')[0] == 'bfloat16' and resolve_loss_dtype('auto', 'tpu') == 'float32'
+    # the names TorchTPU gives its chips; a v7 chip is two devices, one process each
+    want = {'TPU v4': 275, 'TPU v5e': 197, 'TPU v5p': 459, 'TPU v6e': 918, 'TPU v7': 1153.5, 'TPU': None}
+    assert {n: peak_tflops_of(f'TorchTPU {n}') for n in want} == want
+
+
+def test_the_smoke_check_s_torchtpu_verdicts():
+    from preflight import SMOKE_STEPS, torchtpu_rows
+    half = SMOKE_STEPS // 2
+    train = [dict(step=half, xla_compiles_total=3), dict(step=SMOKE_STEPS, xla_compiles_total=3),
+             dict(step=SMOKE_STEPS + half, xla_compiles_total=3), dict(step=2 * SMOKE_STEPS, xla_compiles_total=5)]
+    rows = dict(torchtpu_rows('device tpu x8 (TorchTPU TPU v6e v6e-8) | forward dtype ...', train))
+    assert rows['TorchTPU graphs compiled'] == \
+        f'3 then 5 (still growing: 3 at step {SMOKE_STEPS + half}) (the first run, the resumed run)'
+    assert rows['collectives across chips'].startswith('8 processes:') and 'completed' in \
+        rows['collectives across chips']
+    assert dict(torchtpu_rows('device tpu x1 (TorchTPU TPU v5e)', train))['collectives across chips'] == \
+        'one device: none to check'
+    assert dict(torchtpu_rows('', []))['collectives across chips'] == 'NOT checked (no run started)'
+
+
+def driver(args, toy, out, torchrun=False):
+    launcher = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] if torchrun else []
+    p = run(launcher + [DRIVER, f'--data={toy}', f'--out={out}'] + args, timeout=900)
+    lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{')]
+    return [l for l in lines if 'rank' in l], [l for l in lines if 'step' in l]
+
+
+def test_the_tpu_kind_on_two_cpu_processes_trains_saves_and_resumes_as_the_cpu_kind(toy, tmp_path):
+    # the cpu kind as torchrun runs it on a host; eight steps in one run
+    _, cpu = driver(['--kind=cpu', '--steps=8'], toy, tmp_path / 'cpu', torchrun=True)
+    # the 'tpu' kind launches itself (one process per device: two), four steps, a checkpoint; then a new run
+    # resumes from it for four more
+    ranks, first = driver(['--steps=4'], toy, tmp_path / 'tpu')
+    assert sorted((r['rank'], r['world']) for r in ranks) == [(0, 2), (1, 2)], ranks
+    assert all(r['agreed'] == 1.0 and r['name'].startswith("TorchTPU's code on the CPU (gloo)") for r in ranks)
+    assert sorted(os.listdir(tmp_path / 'tpu')) == ['rank0.pt', 'rank1.pt']
+    _, second = driver(['--steps=4', '--resume=True'], toy, tmp_path / 'tpu')
+    tpu = first + second
+    assert [r['step'] for r in tpu] == [r['step'] for r in cpu] == list(range(1, 9))
+    # the same losses: the first step exactly, then as close as AOTAutograd's reordered float32 sums allow
+    assert tpu[0]['loss'] == cpu[0]['loss']
+    np.testing.assert_allclose([r['loss'] for r in tpu], [r['loss'] for r in cpu], rtol=2e-4)
+    assert cpu[-1]['loss'] < cpu[0]['loss'] - 0.2  # it learns: a comparison of two stuck runs proves little
+    # torch.compile's graphs are compiled at the first step of each run, never again
+    for run_ in (first, second):
+        assert run_[0]['compiles'] > 0 and {r['compiles'] for r in run_} == {run_[0]['compiles']}, run_
+
+
+def torchtpu_uses(path):
+    """What of TorchTPU a file's code uses: imports of torch_tpu or torchtpu, torch.tpu's attributes, and
+    the names of its collectives ('tpu_dist') and of its compiler (backend='tpu')."""
+    uses = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            uses |= {a.name.split('.')[0] for a in node.names} & {'torch_tpu', 'torchtpu'}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            uses |= {node.module.split('.')[0]} & {'torch_tpu', 'torchtpu'}
+        elif isinstance(node, ast.Attribute) and node.attr == 'tpu' and getattr(node.value, 'id', '') == 'torch':
+            uses.add('torch.tpu')
+        elif isinstance(node, ast.Constant) and node.value == 'tpu_dist':
+            uses.add('tpu_dist')
+        elif isinstance(node, ast.keyword) and node.arg == 'backend' and getattr(node.value, 'value', '') == 'tpu':
+            uses.add("backend='tpu'")
+    return uses
+
+
+def test_every_torchtpu_call_lives_in_torchtpu_py():
+    files = [f for f in os.listdir(ROOT) if f.endswith('.py')]
+    files += [os.path.join('tests', f) for f in os.listdir(os.path.join(ROOT, 'tests')) if f.endswith('.py')]
+    uses = {f: torchtpu_uses(os.path.join(ROOT, f)) for f in files}
+    assert uses.pop('torchtpu.py') >= {'torch_tpu', 'torch.tpu', 'tpu_dist'}  # the test sees what it forbids
+    assert uses.pop('device.py') == {'torchtpu'}  # the room's only door
+    uses.pop(os.path.join('tests', 'test_torchtpu.py'))  # this file names them, to look for them
+    assert {f: u for f, u in uses.items() if u} == {}
