@@ -26,7 +26,9 @@ CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xl
                  eval_subset=0,
                  log_interval=25, checkpoint_interval=50, num_heads=2)
 CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
-CPU_MAZE = dict(size=8, train=200, num_test=100)
+# The maze twin trains the mlp_t variant at batch 64: attention with RoPE stays on its copying plateau for thousands of
+# steps on 8x8 mazes (the reference's model too), so an attention twin could only ever report zeros.
+CPU_MAZE = dict(size=8, train=2400, num_test=100, batch=64, mlp_t=True, pos_encodings='none')
 # the real datasets' sizes, for costs before they are built
 # (shapes from the folder's name: puzzles.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
@@ -132,7 +134,7 @@ def dataset_for(cfg, meta, opts, read_built=True):
             d['build'] = ['prepare_maze.py', '--output_dir', path]
         if opts.scale == 'cpu':
             c = CPU_MAZE
-            p = f"{opts.data_root}/maze{c['size']}"
+            p = f"{opts.data_root}/maze{c['size']}-{c['train']}"
             d.update(path=p, puzzles=c['train'], groups=c['train'], seq_len=c['size'] ** 2,
                      test=c['num_test'],
                      build=['prepare_maze.py', '--generate', str(c['train']), '--size', str(c['size']),
@@ -216,6 +218,11 @@ class Experiment:
             o['global_batch_size'] = max(1, round(CPU_FIXED['global_batch_size'] * c['global_batch_size']
                                                   / b['global_batch_size']))
             o['hidden_size'] = max(8, c['hidden_size'] // 16)
+            if self.data['kind'] == 'maze':
+                o['global_batch_size'] = round(o['global_batch_size'] * CPU_MAZE['batch']
+                                               / CPU_FIXED['global_batch_size'])
+                o.update(mlp_t=CPU_MAZE['mlp_t'], pos_encodings=CPU_MAZE['pos_encodings'])
+                self.twin_note = 'cpu twin: mlp_t, no positions'
             # halt_max_steps / 4 (16 -> 4); below 4 kept (abl_halt1, abl_halt2), so abl_halt2 and abl_halt8
             # both train 2 steps at this scale
             o['halt_max_steps'] = c['halt_max_steps'] if c['halt_max_steps'] < 4 else c['halt_max_steps'] // 4
