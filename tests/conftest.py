@@ -3,6 +3,7 @@ Shared fixtures and helpers for tests/: run() a script of the repo as a user wou
 the TINY model config, the GCS emulator, local HTTP servers. Run all:  python -m pytest -q tests/
 """
 import functools
+import glob
 import http.server
 import os
 import re
@@ -29,9 +30,9 @@ os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 # The longest files first, so that the workers of pytest -n (--dist loadfile: a file runs whole on one worker)
 # finish together instead of one running the pod test alone at the end. Order seen on the 2-core machine.
-LONGEST_FIRST = ('test_pod.py', 'test_first_hour.py', 'test_train.py', 'test_lost_3.py', 'test_solve.py',
-                 'test_xla_trace.py', 'test_faults.py', 'test_dist.py', 'test_xla.py', 'test_study.py',
-                 'test_study_lost.py', 'test_smoke.py')
+LONGEST_FIRST = ('test_pod.py', 'test_watchdog.py', 'test_train.py', 'test_signals.py', 'test_solve.py',
+                 'test_xla_trace.py', 'test_dist.py', 'test_torchtpu.py', 'test_xla.py', 'test_study.py',
+                 'test_reevaluate.py', 'test_study_faults.py', 'test_views.py', 'test_resume.py', 'test_smoke.py')
 
 
 def pytest_collection_modifyitems(items):
@@ -50,6 +51,8 @@ TOY_ARGS = ['--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encoding
 XLA_ENV = dict(PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1')  # torch_xla on the CPU
 
 BUCKET = "test-bucket"  # created in the GCS emulator
+FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']  # the toy task in seconds
+SUDOKU = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000', '--log_interval=4']
 
 
 def run(args, timeout=600, env=None, check=True):
@@ -61,6 +64,20 @@ def run(args, timeout=600, env=None, check=True):
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}")
     return p
+
+
+def train(data, out, *extra, args=FAST, check=True, env=None):
+    """train.py on the dataset `data` into `out`, with the toy task's fast flags unless `args` says otherwise."""
+    return run(['train.py', f'--data_path={data}', f'--out_dir={out}'] + args + list(extra), check=check, env=env)
+
+
+def ckpts(folder):
+    """The checkpoint files' names in `folder`, oldest first."""
+    return sorted(os.path.basename(c) for c in glob.glob(os.path.join(folder, 'ckpt_*.pt')))
+
+
+def ckpt_paths(folder):
+    return sorted(glob.glob(os.path.join(folder, 'ckpt_*.pt')))
 
 
 def assert_user_error(p, *words):

@@ -155,38 +155,6 @@ def test_the_readme_is_a_front_door():
     assert not re.search(r'\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b', readme)  # no commit hash
 
 
-# what a puzzle is: asked of the kind's object (puzzles.py), never tested by name elsewhere
-NAME_TEST = re.compile(r"""(==|!=|\bin|\bis)\s*\(?\s*['"](sudoku|maze)|['"](sudoku|maze)['"]\s*(==|!=|\bin\b)"""
-                       r"""|\bkind\.type\s*[!=]=|puzzle_type\b[^=\n]*[!=]=\s*['"]""", re.I)
-PUZZLE_KNOWLEDGE = ["'# SG", '123456789', 'BOXES[', 'rot90', '1 << np.arange']  # char maps, boxes, symmetries, rule
-
-
-def test_puzzle_knowledge_lives_in_puzzles_py():
-    for f in SCRIPTS + LIBRARIES:
-        if f == 'puzzles.py' or not os.path.exists(os.path.join(ROOT, f)):
-            continue
-        text = open(os.path.join(ROOT, f)).read()
-        docs = {i for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
-                for i in range(n.lineno, n.end_lineno + 1)}  # documentation may name a format
-        for i, line in enumerate(text.splitlines(), 1):
-            if i in docs:
-                continue
-            assert not NAME_TEST.search(line), f"{f}:{i} tests a puzzle kind by name: {line.strip()}"
-            for text in PUZZLE_KNOWLEDGE:
-                assert text not in line, f"{f}:{i} holds {text!r}, puzzles.py's: {line.strip()}"
-    defs = [n.name for n in ast.walk(ast.parse(open(os.path.join(ROOT, 'puzzles.py')).read()))
-            if isinstance(n, ast.FunctionDef)]
-    assert defs.count('units') == 1 and 'units_ok' not in defs  # the Sudoku rule, once
-
-
-def test_the_name_test_finds_what_it_forbids():
-    for line in ("if kind.type == 'maze':", "if meta['puzzle_type'] == 'sudoku':", "x = 'maze' if t in ('maze',) else 1",
-                 "if d['kind'] != \"sudoku\":", "if puzzle_type(meta) == 'maze':"):
-        assert NAME_TEST.search(line), line
-    for line in ("extra=dict(puzzle_type=Maze.name, grid_size=n))", "return 'sudoku 9x9, the default'"):
-        assert not NAME_TEST.search(line), line
-
-
 @pytest.mark.parametrize('requested,kind,cap,native,want,why', [
     ('auto', 'cuda', (9, 0), None, 'bfloat16', 'compute capability 9.0'),   # H100
     ('auto', 'cuda', (7, 5), None, 'float32', 'compute capability 7.5'),    # T4: no native bf16

@@ -4,6 +4,7 @@ failure: its second run stopped by SIGTERM before it evaluates makes the check F
 earlier smoke into the same out_dir passed. Real processes on the toy task.
     python -m pytest -q tests/test_preflight.py
 """
+import json
 import os
 import signal
 import subprocess
@@ -12,7 +13,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, TOY_ARGS, run
+import gcs
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run
 
 SMOKE = TOY_ARGS + ['--smoke=True', '--eval_subset=20', '--log_interval=1']
 
@@ -55,3 +57,53 @@ def test_a_smoke_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_p
     os.kill(pid, signal.SIGCONT)
     text = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and 'FAILED' in text.split('=== smoke check')[-1], text[-3000:]
+
+
+def records(folder):
+    with open(os.path.join(folder, 'metrics.jsonl')) as f:
+        return [json.loads(l) for l in f]
+
+
+def check_smoke(p, out, xla):
+    """The verdict of a smoke run that passed, its two runs in out/smoke, and out itself left for a real run."""
+    verdict = p.stdout.split('=== smoke check', 1)[1]
+    assert ': OK ===' in verdict.splitlines()[0], p.stdout[-3000:]
+    for row in ('device ', 'TPU chips on the PCI bus   0', 'step time', 'evaluation                 200 seeded',
+                'saved at step 10, resumed in a new process', 'bucket                     none (out_dir is local)',
+                'W&B', 'TensorBoard'):
+        assert row in verdict, (row, verdict)
+    assert ('xla x1' in verdict and '(host ' in verdict and 'XLA graph compilations' in verdict) if xla \
+        else 'cpu x1' in verdict
+    assert len(verdict.splitlines()) < 20  # one screen
+    smoke = os.path.join(out, 'smoke')
+    evals = [(r['step'], r['count']) for r in records(smoke) if r['kind'] == 'eval']
+    assert evals == [(10, 200), (20, 200)] and not os.path.exists(f'{smoke}/results.json')
+    assert sorted(os.listdir(out)) == ['smoke'] and not os.path.exists(f'{smoke}/run.lock')
+
+
+def test_smoke_on_the_cpu_ends_with_its_verdict_and_leaves_out_dir_usable(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS]
+    check_smoke(run(args + ['--smoke=True'], timeout=600), out, xla=False)
+    p = run(args + ['--max_steps=5', '--init_from=resume'])  # a real run then starts in out_dir
+    assert 'no checkpoint in' in p.stdout and json.load(open(f'{out}/results.json'))['step'] == 5
+
+
+def test_smoke_into_a_bucket_writes_and_reads_it_and_a_second_check_replaces_the_first(emu, toy, tmp_path):
+    args = ['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/first', f'--local_dir={tmp_path}/local',
+            *TOY_ARGS, '--smoke=True', '--eval_subset=100']
+    for _ in range(2):
+        p = run(args, timeout=600)
+        assert ': OK ===' in p.stdout and 'evaluation                 100 seeded' in p.stdout, p.stdout[-3000:]
+        assert 'bucket                     written and read; checkpoints there: [10, 20]' in p.stdout
+    assert f'gs://{BUCKET}/first/smoke/metrics.jsonl' in [u for u, _ in gcs.list_objects(f'gs://{BUCKET}/first/')]
+
+
+def test_smoke_on_cpu_xla_ends_with_its_verdict_and_compiles_are_no_hang(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto']
+    # a watchdog of 6 s, far below the compile of the first steps and evaluations: they are not counted
+    p = run(args + ['--smoke=True', '--watchdog_minutes=0.1'], env=XLA_ENV, timeout=900)
+    check_smoke(p, out, xla=True)
+    for n in (1, 2):
+        assert 'watchdog: nothing finished' not in open(f'{out}/smoke/phase{n}.out').read()

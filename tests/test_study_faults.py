@@ -3,7 +3,7 @@ Nothing lost in a study (study.py): a closed stdout, the flags the runner owns, 
 finished run recorded with another configuration, a pod host without an index, bad values in experiment files
 and --extra, an unreadable results.json in the report, and two studies on one out_root. Real study.py
 processes on tiny cpu-scale runs (4x4 Sudoku), real files.
-    python -m pytest -q tests/test_study_lost.py
+    python -m pytest -q tests/test_study_faults.py
 """
 import json
 import os

@@ -1,9 +1,7 @@
 """
-Nothing lost, on the bucket side: the records and the log of a run resumed on a new machine, the local folder
-of a gs:// out_dir, its lock object, a bucket that does not exist or refuses, one that never answers, one gone
-at the end of a run, a truncated checkpoint in the bucket and the uploads counted at exit. Real processes, the
-GCS emulator and small servers on 127.0.0.1 written here.
-    python -m pytest -q tests/test_lost_gcs.py
+The bucket side (gs://): records and logs of a run resumed on a new machine, local folders of gs:// out_dirs,
+buckets that do not exist, refuse, never answer or vanish, truncated checkpoints in the bucket, and the uploads
+counted at exit. Real processes against a real emulator or small real servers.
 """
 import json
 import os
@@ -52,9 +50,6 @@ def copy_prefix(emulator, src, dst, tmp_path):
     return dst
 
 
-# -----------------------------------------------------------------------------
-# 5: the records of a resume on a new machine
-
 def test_a_resume_on_a_new_machine_keeps_the_bucket_s_metrics_history(emulator, trained, toy, tmp_path):
     out = copy_prefix(emulator, trained, f'gs://{BUCKET}/lost/r5', tmp_path)
     run(train_args(toy, out, tmp_path / 'new', '--max_steps=6', '--init_from=resume'),
@@ -69,9 +64,6 @@ def test_a_resume_on_a_new_machine_keeps_the_bucket_s_metrics_history(emulator, 
     assert log.count(' pid ') == 2 and log.index('step 4/') < log.index('--max_steps=6') < log.index('step 6/'), log
     assert open(tmp_path / 'new' / 'train.log').read() == log
 
-
-# -----------------------------------------------------------------------------
-# 6: two gs:// runs whose out_dirs end in the same name
 
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
     def train_here(out, *extra):  # the default local_dir is relative: the processes run in tmp_path
@@ -88,85 +80,6 @@ def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(em
     for exp in ('expA', 'expB'):
         assert os.path.exists(tmp_path / 'out' / BUCKET / 'lost6' / exp / 'run1' / 'ckpt_00000002.pt')
 
-
-# -----------------------------------------------------------------------------
-# 2: one run per gs:// out_dir: a lock object created only if absent (GCS's ifGenerationMatch=0 precondition,
-# which gcp-storage-emulator does not check: a server here that does, for the three calls the lock makes)
-
-class Preconditioned(BaseHTTPRequestHandler):
-    objects = {}
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, code, body=b'', kind='application/json'):
-        self.send_response(code)
-        self.send_header('Content-Type', kind)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def name(self):
-        url = urllib.parse.urlparse(self.path)
-        q = urllib.parse.parse_qs(url.query)
-        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
-
-    def do_POST(self):  # a media upload
-        name, q = self.name()
-        data = self.rfile.read(int(self.headers['Content-Length']))
-        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
-            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
-        self.objects[name] = data
-        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
-
-    def do_GET(self):
-        name, _ = self.name()
-        if name not in self.objects:
-            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
-        self.reply(200, self.objects[name], 'application/octet-stream')
-
-    def do_DELETE(self):
-        name, _ = self.name()
-        self.reply(204 if self.objects.pop(name, None) is not None else 404)
-
-
-LOCKER = """
-import sys, guard
-print(guard.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
-sys.stdin.read()  # held until the test closes stdin (or kills this process)
-"""
-
-
-def test_a_gs_out_dir_s_lock_object_admits_one_run_is_taken_over_when_stale_and_removed_at_exit(tmp_path):
-    srv, addr = serve(Preconditioned)
-    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT)
-    prefix, obj = f'gs://{BUCKET}/r2', 'r2/run.lock'
-
-    def locker():
-        p = subprocess.Popen([sys.executable, '-c', LOCKER, prefix, str(tmp_path)], env=env, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        return p, p.stdout.readline()
-    try:
-        first, said = locker()
-        assert said.strip() == '[]' and json.loads(Preconditioned.objects[obj])['pid'] == first.pid, said
-        second, said = locker()  # the first still runs: refused, naming it
-        assert f'{prefix} is in use by the run on {socket.gethostname()}, pid {first.pid}' in said, said
-        second.communicate('', timeout=60)
-        first.kill()  # gone without removing its lock (SIGKILL, a crashed VM): the next run takes it over
-        first.wait()
-        third, said = locker()
-        assert f'taking over the lock of a run that is gone' in said and f'pid {first.pid}' in said, said
-        assert third.stdout.readline().strip() == '[]'
-        assert json.loads(Preconditioned.objects[obj])['pid'] == third.pid
-        third.communicate('', timeout=60)  # a normal exit removes the lock object
-        assert obj not in Preconditioned.objects
-    finally:
-        srv.shutdown()
-        srv.server_close()
-
-
-# -----------------------------------------------------------------------------
-# 7: a bucket that does not exist, or refuses this identity
 
 class Refuser(BaseHTTPRequestHandler):
     """Answers every request 403, as GCS does to an identity without access to the bucket."""
@@ -204,9 +117,6 @@ def test_a_bucket_that_does_not_exist_or_refuses_stops_the_run_at_start(emulator
     assert_user_error(p, BUCKET, 'HTTP 403')
     assert 'step 1/' not in p.stdout
 
-
-# -----------------------------------------------------------------------------
-# 10: an endpoint that accepts connections and never answers
 
 class Stall:
     """A TCP server on 127.0.0.1 that accepts connections and never answers them; it closes everything at
@@ -286,9 +196,6 @@ def test_sigterm_ends_a_wait_for_the_bucket_at_start_within_seconds(stall, toy, 
     assert 'step 1/' not in out
 
 
-# -----------------------------------------------------------------------------
-# 11: a bucket gone at the end of a run
-
 class ListsButFailsUploads(BaseHTTPRequestHandler):
     """Lists an empty bucket; every other request (uploads) answers 503, the way an outage does."""
     def log_message(self, *args):
@@ -319,9 +226,6 @@ def test_uploads_at_exit_get_an_announced_bounded_wait_then_the_local_copies_are
     assert 'waiting for GCS upload' in p.stderr  # the retries say what they wait for
 
 
-# -----------------------------------------------------------------------------
-# 13: a truncated checkpoint in the bucket; failed uploads of files pruning deleted
-
 def test_a_truncated_checkpoint_in_the_bucket_is_named_by_its_uri_and_leaves_no_file(emulator, trained, toy,
                                                                                        tmp_path):
     out = copy_prefix(emulator, trained, f'gs://{BUCKET}/lost/r13', tmp_path)
@@ -349,67 +253,41 @@ def test_failed_uploads_counted_at_exit_are_the_files_still_only_local(toy, tmp_
     assert sorted(named) == kept and int(m.group(1)) == len(named), (named, os.listdir(local))
 
 
-# -----------------------------------------------------------------------------
-# a gs:// lock's lease: the holder renews it; a replacement VM (another host) takes over a lock whose lease ran
-# out, after waiting for the rest of it, and leaves one that is renewed meanwhile to its live run
+class Preconditioned(BaseHTTPRequestHandler):
+    objects = {}
 
-def test_a_gs_lock_has_a_lease_its_run_renews_and_another_host_takes_over_once_it_ran_out(tmp_path):
-    srv, addr = serve(Preconditioned)
-    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT, TRM_LOCK_LEASE_S='3')
-    prefix, obj = f'gs://{BUCKET}/r9', 'r9/run.lock'
+    def log_message(self, *args):
+        pass
 
-    def locker():
-        p = subprocess.Popen([sys.executable, '-c', LOCKER, prefix, str(tmp_path)], env=env, text=True,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        said = []
-        while not said or not said[-1].startswith('['):
-            said.append(p.stdout.readline())
-            assert said[-1], said
-        return p, ''.join(said)
-    procs = []
-    try:
-        first, said = locker()
-        procs.append(first)
-        assert said.strip() == '[]', said
-        renewed = json.loads(Preconditioned.objects[obj])['renewed']
-        time.sleep(3)  # a third of the lease: renewed once at least
-        assert json.loads(Preconditioned.objects[obj])['renewed'] > renewed
-        first.communicate('', timeout=60)
-        assert obj not in Preconditioned.objects
+    def reply(self, code, body=b'', kind='application/json'):
+        self.send_response(code)
+        self.send_header('Content-Type', kind)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
-        # the lock of a VM that was hard-stopped a moment ago (another host, a lease of 15 s)
-        dead = dict(host='old-vm', pid=4242, since='then', boot='x', renewed=time.time(), lease=15.0)
-        Preconditioned.objects[obj] = json.dumps(dead).encode()
-        second, said = locker()
-        procs.append(second)
-        assert 'old-vm' in said and 'waiting' in said and 'taking over' in said and said.endswith('[]\n'), said
-        assert json.loads(Preconditioned.objects[obj])['pid'] == second.pid
+    def name(self):
+        url = urllib.parse.urlparse(self.path)
+        q = urllib.parse.parse_qs(url.query)
+        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
 
-        # a lock of another host that its run renews while this one waits: in use, not taken
-        alive = dict(dead, host='live-vm', renewed=time.time())
-        second.kill()
-        second.wait()
-        Preconditioned.objects[obj] = json.dumps(alive).encode()
-        stop = threading.Event()
+    def do_POST(self):  # a media upload
+        name, q = self.name()
+        data = self.rfile.read(int(self.headers['Content-Length']))
+        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
+            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
+        self.objects[name] = data
+        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
 
-        def renew():  # the live run, every second
-            while not stop.wait(1.0):
-                Preconditioned.objects[obj] = json.dumps(dict(alive, renewed=time.time())).encode()
-        threading.Thread(target=renew, daemon=True).start()
-        try:
-            third, said = locker()
-        finally:
-            stop.set()
-        procs.append(third)
-        assert f'{prefix} is in use by the run on live-vm' in said, said
-        assert json.loads(Preconditioned.objects[obj])['host'] == 'live-vm'
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        srv.shutdown()
-        srv.server_close()
+    def do_GET(self):
+        name, _ = self.name()
+        if name not in self.objects:
+            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
+        self.reply(200, self.objects[name], 'application/octet-stream')
+
+    def do_DELETE(self):
+        name, _ = self.name()
+        self.reply(204 if self.objects.pop(name, None) is not None else 404)
 
 
 class SlowBucket(Preconditioned):

@@ -1,0 +1,241 @@
+"""
+Bad datasets: truncated or out-of-vocabulary files, invalid metadata, empty splits, train and test splits that do
+not match, a rebuild that fails halfway or happens under a running run: one line naming the file, at start.
+"""
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import FAST, ROOT, SUDOKU, assert_user_error, run, train
+from data import check_split, write_split
+
+
+def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
+    """A dataset that says it holds side x side puzzles of `kind` (random tokens: shapes are what matter)."""
+    rng = np.random.default_rng(seed)
+    vocab = side + 2 if kind == 'sudoku' else 6
+    for split in splits:
+        x = rng.integers(1, vocab, (n, side * side))
+        write_split(str(root), split, x, x, np.zeros(n), np.arange(n + 1), np.arange(n + 1), vocab_size=vocab,
+                    extra=dict(puzzle_type=kind, grid_size=side))
+    return str(root)
+
+
+@pytest.fixture(scope='module')
+def sudoku4(tmp_path_factory):
+    """Generated 4x4 Sudokus (the builder's output): 60 train, 10 test."""
+    root = tmp_path_factory.mktemp('s4') / 'd'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(root)])
+    return str(root)
+
+
+def test_train_and_test_splits_of_another_shape_or_puzzle_fail_at_start(sudoku4, tmp_path):
+    d = shutil.copytree(sudoku4, tmp_path / 'd')
+    shutil.rmtree(os.path.join(d, 'test'))
+    write_like(d, 'sudoku', 6, splits=('test',))  # a rebuild to 6x6 that stopped after the test split
+    p = train(d, tmp_path / 'o', '--max_steps=2', args=SUDOKU, check=False)
+    assert_user_error(p, 'start-up checks failed', 'seq_len', '16', '36')
+    shutil.rmtree(os.path.join(d, 'test'))
+    write_like(d, 'maze', 4, splits=('test',))  # 4x4 mazes: the same shape and vocabulary, another puzzle
+    p = train(d, tmp_path / 'o', '--max_steps=2', args=SUDOKU, check=False)
+    assert_user_error(p, 'start-up checks failed', 'sudoku', 'maze')
+
+
+def files(folder):
+    return {n: open(os.path.join(folder, n), 'rb').read() for n in sorted(os.listdir(folder))
+            if os.path.isfile(os.path.join(folder, n))}
+
+
+def test_a_rebuild_that_fails_halfway_leaves_the_previous_dataset_whole(tmp_path):
+    d, csv = tmp_path / 'd', tmp_path / 'csv'
+    run(['prepare_sudoku.py', '--generate', '30', '--size', '4', '--num_test', '5', '--output_dir', str(d)])
+    before = {s: files(d / s) for s in ('train', 'test')}
+    os.makedirs(csv)
+    shutil.copy(d / 'csv' / 'train.csv', csv / 'train.csv')
+    (csv / 'test.csv').write_text(open(d / 'csv' / 'test.csv').read() + 'x,12,34,0\n')  # a bad last row
+    p = run(['prepare_sudoku.py', '--csv_dir', str(csv), '--subsample_size', '10', '--output_dir', str(d)],
+            check=False)
+    assert_user_error(p, 'test.csv')
+    assert {s: files(d / s) for s in ('train', 'test')} == before
+    m = tmp_path / 'm'
+    run(['prepare_maze.py', '--generate', '6', '--size', '6', '--num_test', '3', '--min_path_len', '2',
+         '--output_dir', str(m)])
+    before = {s: files(m / s) for s in ('train', 'test')}
+    shutil.copy(m / 'csv' / 'train.csv', csv / 'train.csv')
+    (csv / 'test.csv').write_text(open(m / 'csv' / 'test.csv').read() + 'x,#S,#G,1\n')
+    p = run(['prepare_maze.py', '--csv_dir', str(csv), '--subsample_size', '3', '--output_dir', str(m)],
+            check=False)
+    assert_user_error(p, 'test.csv')
+    assert {s: files(m / s) for s in ('train', 'test')} == before
+    assert all(check_split(str(root), s) == [] for root in (d, m) for s in ('train', 'test'))
+
+
+def popen_train(data, out, *extra, args=FAST, env=None):
+    """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
+    e.pop('PJRT_DEVICE', None) if 'PJRT_DEVICE' not in (env or {}) else None
+    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
+                            + list(extra), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            bufsize=0, start_new_session=True)
+
+
+class Lines:
+    """The lines a process prints, read from its pipe's file descriptor without read-ahead: what has not been
+    read is still in the pipe, and `drain` drops what the process has written so far."""
+
+    def __init__(self, proc):
+        self.proc, self.fd, self.buf, self.seen = proc, proc.stdout.fileno(), b'', []
+
+    def _read(self, timeout):
+        if not select.select([self.fd], [], [], max(0.0, timeout))[0]:
+            return None
+        chunk = os.read(self.fd, 1 << 16)
+        self.buf += chunk
+        return chunk
+
+    def next(self, timeout=300):
+        deadline = time.time() + timeout
+        while b'\n' not in self.buf:
+            chunk = self._read(deadline - time.time())
+            if not chunk:  # EOF, or nothing within the time
+                return None
+        line, self.buf = self.buf.split(b'\n', 1)
+        self.seen.append(line.decode())
+        return self.seen[-1]
+
+    def until(self, prefix, timeout=300):
+        deadline = time.time() + timeout
+        while True:
+            line = self.next(deadline - time.time())
+            if line is None:
+                self.kill()
+                raise AssertionError(f"no line starting with {prefix!r}:\n" + '\n'.join(self.seen)[-3000:])
+            if line.startswith(prefix):
+                return line
+
+    def drain(self):
+        while self._read(0):
+            pass
+        *lines, self.buf = self.buf.split(b'\n')
+        self.seen += [l.decode() for l in lines]
+
+    def rest(self, timeout):
+        deadline = time.time() + timeout
+        while self.next(deadline - time.time()) is not None:
+            pass
+        try:
+            self.proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running {timeout} s on:\n" + '\n'.join(self.seen)[-3000:])
+        return '\n'.join(self.seen)
+
+    def kill(self):
+        with_group = lambda: os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            with_group()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_the_builder_says_so(tmp_path):
+    d, out = tmp_path / 'd', tmp_path / 'o'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(d)])
+    proc = popen_train(d, out, '--max_steps=6', '--log_interval=1', args=SUDOKU)
+    lines = Lines(proc)
+    lines.until('step 2/')
+    os.kill(proc.pid, signal.SIGSTOP)  # the rebuild happens between two of its steps
+    try:
+        p = run(['prepare_sudoku.py', '--generate', '40', '--size', '6', '--num_test', '7', '--output_dir', str(d)])
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    warning = [l for l in p.stdout.splitlines() if l.startswith('warning')]
+    assert warning and f'pid {proc.pid}' in warning[0] and str(out) in warning[0], p.stdout
+    text = lines.rest(300)
+    assert proc.returncode == 0 and 'Traceback' not in text, text[-3000:]
+    assert 'eval on 10:' in text  # the 4x4 test split it started with, not the 7 6x6 ones now there
+    assert json.load(open(out / 'results.json'))['final_eval']['count'] == 10
+    assert json.load(open(d / 'test' / 'dataset.json'))['seq_len'] == 36  # the rebuild itself went through
+    assert not [n for n in os.listdir(d) if n.startswith('.in_use')]  # the run's mark went with it
+
+
+def copy_dataset(toy, dest):
+    shutil.copytree(toy, dest)
+    return str(dest)
+
+
+def test_truncated_test_labels_fail_at_start(toy, tmp_path):
+    d = copy_dataset(toy, tmp_path / 'd')
+    path = os.path.join(d, 'test', 'all__labels.npy')
+    data = open(path, 'rb').read()
+    open(path, 'wb').write(data[:len(data) // 2])
+    p = train(d, tmp_path / 'o', check=False)
+    assert_user_error(p, 'all__labels.npy', 'start-up checks failed')
+    assert 'step 1/' not in p.stdout and not os.path.exists(tmp_path / 'o' / 'metrics.jsonl')
+
+
+def test_out_of_vocabulary_tokens_are_reported_with_file_and_row(toy, tmp_path):
+    d = copy_dataset(toy, tmp_path / 'd')
+    path = os.path.join(d, 'train', 'all__labels.npy')
+    labels = np.load(path)
+    labels[737, 3] = 99
+    np.save(path, labels)
+    p = train(d, tmp_path / 'o', check=False)
+    assert_user_error(p, 'train/all__labels.npy row 737, position 3: token 99 is outside the vocabulary [0, 6)')
+
+
+def test_invalid_dataset_json_names_the_file(toy, tmp_path):
+    d = copy_dataset(toy, tmp_path / 'd')
+    open(os.path.join(d, 'test', 'dataset.json'), 'w').write('{"pad_id": 0,')
+    p = train(d, tmp_path / 'o', check=False)
+    assert_user_error(p, os.path.join('test', 'dataset.json'))
+
+
+def test_empty_splits_are_refused_by_the_builders_and_the_trainer(toy, tmp_path):
+    p = run(['prepare_sudoku.py', '--generate', '0', '--size', '4', '--num_test', '10',
+             '--output_dir', str(tmp_path / 'g')], check=False)
+    assert_user_error(p, 'no examples')
+    p = run(['prepare_sudoku.py', '--generate', '40', '--size', '4', '--num_test', '0',
+             '--output_dir', str(tmp_path / 'h')], check=False)
+    assert_user_error(p, 'no examples')
+    # a dataset emptied by hand: the trainer stops at start with the path (it used to loop forever)
+    d = copy_dataset(toy, tmp_path / 'd')
+    meta = json.load(open(os.path.join(d, 'train', 'dataset.json')))
+    z = np.zeros((0, 8), np.int32)
+    np.save(os.path.join(d, 'train', 'all__inputs.npy'), z)
+    np.save(os.path.join(d, 'train', 'all__labels.npy'), z)
+    np.save(os.path.join(d, 'train', 'all__puzzle_identifiers.npy'), np.zeros(0, np.int32))
+    np.save(os.path.join(d, 'train', 'all__puzzle_indices.npy'), np.zeros(1, np.int32))
+    np.save(os.path.join(d, 'train', 'all__group_indices.npy'), np.zeros(1, np.int32))
+    assert meta['vocab_size'] == 6
+    p = train(d, tmp_path / 'o', check=False)
+    assert_user_error(p, 'holds no examples')
+
+
+def test_start_up_data_check_is_fast_on_a_sudoku_extreme_sized_dataset(tmp_path):
+    """1M examples of 81 tokens (the full Sudoku-Extreme train split's scale): the check runs through every
+    row and still finds a bad token in the last one. (Its time is printed by -s, never asserted.)"""
+    import time
+
+    from data import check_split
+    n, L = 1_000_000, 81
+    x = np.random.default_rng(0).integers(1, 11, (n, L), dtype=np.int32)
+    idx = np.arange(n + 1, dtype=np.int32)
+    write_split(str(tmp_path), 'train', x, x, np.zeros(n, np.int32), idx, idx, vocab_size=11)
+    t0 = time.perf_counter()
+    assert check_split(str(tmp_path), 'train') == []
+    print(f"\ncheck_split on {n:,} x {L}: {time.perf_counter() - t0:.2f} s")
+    labels = np.load(tmp_path / 'train' / 'all__labels.npy', mmap_mode='r+')
+    labels[-1, -1] = 11
+    labels.flush()
+    assert 'row 999999, position 80: token 11' in check_split(str(tmp_path), 'train')[0]

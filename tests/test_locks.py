@@ -1,0 +1,221 @@
+"""
+One run per out_dir: the local lock and the gs:// lock object with its lease, taken over when stale, removed at
+every exit. The bucket side runs against a small server that honours create-only-if-absent preconditions.
+"""
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from conftest import BUCKET, FAST, ROOT, assert_user_error, ckpts, train
+
+
+def start(data, out, *extra, args=FAST, **kw):
+    """train.py in the background (its own session, so a failed test can kill the whole group)."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT), **kw)
+    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
+                            + list(extra), cwd=ROOT, env=e, text=True, start_new_session=True, **kw)
+
+
+def read_until(proc, prefix, timeout=300):
+    """The lines proc printed up to and including the first that starts with prefix."""
+    lines, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return ''.join(lines)
+        assert time.time() < deadline, ''.join(lines)[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"no line starting with {prefix!r}:\n{''.join(lines)[-3000:]}")
+
+
+def finish(proc, timeout):
+    try:
+        rest = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"train.py still running {timeout} s after the signal")
+    return rest or ''
+
+
+def assert_unlocked(out):
+    assert not os.path.exists(os.path.join(out, 'run.lock')), 'the run left its lock behind'
+
+
+def test_one_run_per_out_dir_a_stale_lock_is_taken_over_and_every_exit_removes_it(toy, tmp_path):
+    out = tmp_path / 'o'
+    first = start(toy, out, '--epochs=200', '--log_interval=5')  # few lines: nobody reads them for a while
+    try:
+        read_until(first, 'step 5/')
+        p = train(toy, out, '--init_from=resume', '--max_steps=2', check=False)
+        assert_user_error(p, f'{out} is in use', socket.gethostname(), f'pid {first.pid}', 'since')
+        lock = json.load(open(out / 'run.lock'))
+        assert lock['pid'] == first.pid and lock['host'] == socket.gethostname()
+    finally:
+        first.send_signal(signal.SIGTERM)
+    assert 'stopped cleanly' in finish(first, 120) and first.returncode == 0
+    assert_unlocked(out)  # a SIGTERM stop
+    # the lock of a process that has ended (killed with SIGKILL, its host crashed) is taken over
+    gone = subprocess.Popen([sys.executable, '-c', 'pass'])
+    gone.wait()
+    lock = dict(lock, pid=gone.pid)
+    json.dump(lock, open(out / 'run.lock', 'w'))
+    step = torch.load(glob.glob(str(out / 'ckpt_*.pt'))[0], weights_only=True)['step']
+    # the first run's epochs: its stop may come after FAST's last step (40), a checkpoint past which is refused
+    p = train(toy, out, '--init_from=resume', '--epochs=200', f'--max_steps={step + 1}', '--checkpoint_interval=1')
+    assert f'pid {gone.pid}' in p.stdout and 'taking over' in p.stdout
+    assert_unlocked(out)  # a normal end
+    p = train(toy, out, '--init_from=resume', '--hidden_size=64', check=False)
+    assert_user_error(p, 'hidden_size=32')
+    assert_unlocked(out)  # a refusal through fail_together
+    p = train(toy, out, f"--init_from={out / ckpts(out)[-1]}", '--eval_only=True')
+    assert 'eval on 200' in p.stdout
+    assert_unlocked(out)  # eval_only
+
+
+class Preconditioned(BaseHTTPRequestHandler):
+    objects = {}
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code, body=b'', kind='application/json'):
+        self.send_response(code)
+        self.send_header('Content-Type', kind)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def name(self):
+        url = urllib.parse.urlparse(self.path)
+        q = urllib.parse.parse_qs(url.query)
+        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
+
+    def do_POST(self):  # a media upload
+        name, q = self.name()
+        data = self.rfile.read(int(self.headers['Content-Length']))
+        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
+            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
+        self.objects[name] = data
+        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
+
+    def do_GET(self):
+        name, _ = self.name()
+        if name not in self.objects:
+            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
+        self.reply(200, self.objects[name], 'application/octet-stream')
+
+    def do_DELETE(self):
+        name, _ = self.name()
+        self.reply(204 if self.objects.pop(name, None) is not None else 404)
+
+
+LOCKER = """
+import sys, guard
+print(guard.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
+sys.stdin.read()  # held until the test closes stdin (or kills this process)
+"""
+
+
+def serve(handler):
+    srv = ThreadingHTTPServer(('127.0.0.1', 0), handler)
+    threading.Thread(target=srv.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True).start()
+    return srv, f'127.0.0.1:{srv.server_address[1]}'
+
+
+def test_a_gs_out_dir_s_lock_object_admits_one_run_is_taken_over_when_stale_and_removed_at_exit(tmp_path):
+    srv, addr = serve(Preconditioned)
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT)
+    prefix, obj = f'gs://{BUCKET}/r2', 'r2/run.lock'
+
+    def locker():
+        p = subprocess.Popen([sys.executable, '-c', LOCKER, prefix, str(tmp_path)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        return p, p.stdout.readline()
+    try:
+        first, said = locker()
+        assert said.strip() == '[]' and json.loads(Preconditioned.objects[obj])['pid'] == first.pid, said
+        second, said = locker()  # the first still runs: refused, naming it
+        assert f'{prefix} is in use by the run on {socket.gethostname()}, pid {first.pid}' in said, said
+        second.communicate('', timeout=60)
+        first.kill()  # gone without removing its lock (SIGKILL, a crashed VM): the next run takes it over
+        first.wait()
+        third, said = locker()
+        assert 'taking over the lock of a run that is gone' in said and f'pid {first.pid}' in said, said
+        assert third.stdout.readline().strip() == '[]'
+        assert json.loads(Preconditioned.objects[obj])['pid'] == third.pid
+        third.communicate('', timeout=60)  # a normal exit removes the lock object
+        assert obj not in Preconditioned.objects
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_gs_lock_has_a_lease_its_run_renews_and_another_host_takes_over_once_it_ran_out(tmp_path):
+    srv, addr = serve(Preconditioned)
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT, TRM_LOCK_LEASE_S='3')
+    prefix, obj = f'gs://{BUCKET}/r9', 'r9/run.lock'
+
+    def locker():
+        p = subprocess.Popen([sys.executable, '-c', LOCKER, prefix, str(tmp_path)], env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        said = []
+        while not said or not said[-1].startswith('['):
+            said.append(p.stdout.readline())
+            assert said[-1], said
+        return p, ''.join(said)
+    procs = []
+    try:
+        first, said = locker()
+        procs.append(first)
+        assert said.strip() == '[]', said
+        renewed = json.loads(Preconditioned.objects[obj])['renewed']
+        time.sleep(3)  # a third of the lease: renewed once at least
+        assert json.loads(Preconditioned.objects[obj])['renewed'] > renewed
+        first.communicate('', timeout=60)
+        assert obj not in Preconditioned.objects
+
+        # the lock of a VM that was hard-stopped a moment ago (another host, a lease of 15 s)
+        dead = dict(host='old-vm', pid=4242, since='then', boot='x', renewed=time.time(), lease=15.0)
+        Preconditioned.objects[obj] = json.dumps(dead).encode()
+        second, said = locker()
+        procs.append(second)
+        assert 'old-vm' in said and 'waiting' in said and 'taking over' in said and said.endswith('[]\n'), said
+        assert json.loads(Preconditioned.objects[obj])['pid'] == second.pid
+
+        # a lock of another host that its run renews while this one waits: in use, not taken
+        alive = dict(dead, host='live-vm', renewed=time.time())
+        second.kill()
+        second.wait()
+        Preconditioned.objects[obj] = json.dumps(alive).encode()
+        stop = threading.Event()
+
+        def renew():  # the live run, every second
+            while not stop.wait(1.0):
+                Preconditioned.objects[obj] = json.dumps(dict(alive, renewed=time.time())).encode()
+        threading.Thread(target=renew, daemon=True).start()
+        try:
+            third, said = locker()
+        finally:
+            stop.set()
+        procs.append(third)
+        assert f'{prefix} is in use by the run on live-vm' in said, said
+        assert json.loads(Preconditioned.objects[obj])['host'] == 'live-vm'
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        srv.shutdown()
+        srv.server_close()

@@ -1,0 +1,119 @@
+"""
+Resuming and starting from weights: --init_from=resume continues where the checkpoint stopped or says in one
+line why it cannot (another model shape, batch, dataset, a run already at its end), and init_from=FILE never
+mixes into another run's folder. Real processes on real files.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import SUDOKU, assert_user_error, ckpt_paths, ckpts, run, train
+
+
+def files(folder):
+    return {n: open(os.path.join(folder, n), 'rb').read() for n in sorted(os.listdir(folder))
+            if os.path.isfile(os.path.join(folder, n))}
+
+
+def assert_unlocked(out):
+    assert not os.path.exists(os.path.join(out, 'run.lock')), 'the run left its lock behind'
+
+
+@pytest.fixture(scope='module')
+def sudoku4(tmp_path_factory):
+    """Generated 4x4 Sudokus (the builder's output): 60 train, 10 test."""
+    root = tmp_path_factory.mktemp('s4') / 'd'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(root)])
+    return str(root)
+
+
+@pytest.fixture(scope='module')
+def trained(sudoku4, tmp_path_factory):
+    """A finished 4-step run on the 4x4 Sudokus: ckpt_00000004.pt, metrics.jsonl, results.json. Read only."""
+    out = tmp_path_factory.mktemp('trained') / 'o'
+    train(sudoku4, out, '--max_steps=4', args=SUDOKU)
+    return str(out)
+
+
+def test_init_from_a_file_into_a_folder_of_checkpoints_is_refused_unless_overwrite(sudoku4, trained, tmp_path):
+    out = shutil.copytree(trained, tmp_path / 'o')
+    before, src = files(out), os.path.join(out, 'ckpt_00000004.pt')
+    p = train(sudoku4, out, f'--init_from={src}', '--max_steps=2', args=SUDOKU, check=False)
+    assert_user_error(p, str(out), 'already holds checkpoints', '--overwrite=True')
+    p = train(sudoku4, out, f'--init_from={src}', '--max_steps=2', '--overwrite=True', args=SUDOKU, check=False)
+    assert_user_error(p, src, 'copy it')  # --overwrite=True would delete the weights it starts from
+    assert files(out) == before  # every checkpoint, metrics.jsonl and results.json as they were
+    shutil.copy(src, tmp_path / 'src.pt')
+    train(sudoku4, out, f'--init_from={tmp_path}/src.pt', '--max_steps=2', '--overwrite=True', args=SUDOKU)
+    assert ckpts(out) == ['ckpt_00000002.pt']
+    assert_unlocked(out)
+
+
+def test_a_resume_onto_a_dataset_of_another_shape_is_one_line(toy, trained, tmp_path):
+    out = shutil.copytree(trained, tmp_path / 'o')
+    p = train(toy, out, '--init_from=resume', '--max_steps=8', args=SUDOKU, check=False)
+    assert_user_error(p, 'ckpt_00000004.pt', 'seq_len', '16', '8')
+    assert ckpts(out) == ['ckpt_00000004.pt']
+
+
+def test_max_steps_below_the_checkpoint_says_so_and_changes_nothing(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    before = {n: open(out / n, 'rb').read() for n in ('metrics.jsonl', 'ckpt_00000008.pt')}
+    for _ in range(2):  # every rerun says the same, and evaluates nothing
+        p = train(toy, out, '--init_from=resume', '--max_steps=4', check=False)
+        assert_user_error(p, 'step 8', '--max_steps=4')
+        assert 'eval on' not in p.stdout
+    assert {n: open(out / n, 'rb').read() for n in before} == before
+    assert not os.path.exists(out / 'run.lock')
+
+
+def test_scratch_into_a_folder_with_checkpoints_is_refused_unless_overwrite(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    p = train(toy, out, '--max_steps=4', check=False)
+    assert_user_error(p, str(out), '--init_from=resume', '--overwrite=True')
+    p = train(toy, out, '--max_steps=4', '--checkpoint_interval=4', '--overwrite=True')
+    assert [os.path.basename(c) for c in ckpt_paths(out)] == ['ckpt_00000004.pt']  # the old run's ckpt_8 is gone
+
+
+def test_resume_refuses_another_model_shape_or_batch_size_and_allows_a_lower_lr(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    p = train(toy, out, '--init_from=resume', '--global_batch_size=20', check=False)
+    assert_user_error(p, 'global_batch_size=50', 'global_batch_size=20')
+    p = train(toy, out, '--init_from=resume', '--hidden_size=64', check=False)
+    assert_user_error(p, 'hidden_size=32', 'hidden_size=64')
+    p = train(toy, out, '--init_from=resume', '--lr=1e-4', '--max_steps=12')
+    assert 'lr: 0.002 -> 0.0001' in p.stdout and 'saved' in p.stdout
+
+
+def test_resume_past_the_end_says_so(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    p = train(toy, out, '--init_from=resume', '--max_steps=8')
+    assert 'nothing to do' in p.stdout
+
+
+def test_init_from_files_that_are_not_checkpoints_of_this_model(toy, tmp_path):
+    text = tmp_path / 'notes.txt'
+    text.write_text('not a checkpoint')
+    p = train(toy, tmp_path / 'a', f'--init_from={text}', '--max_steps=2', check=False)
+    assert_user_error(p, 'notes.txt', 'corrupt or truncated')
+    lst = tmp_path / 'list.pt'
+    torch.save([1, 2, 3], lst)
+    p = train(toy, tmp_path / 'b', f'--init_from={lst}', '--max_steps=2', check=False)
+    assert_user_error(p, 'neither a checkpoint of this trainer nor a state dict')
+    train(toy, tmp_path / 'c', '--max_steps=4', '--checkpoint_interval=4')
+    other = ckpt_paths(tmp_path / 'c')[0]
+    p = train(toy, tmp_path / 'd', f'--init_from={other}', '--hidden_size=64', '--max_steps=2', check=False)
+    assert_user_error(p, 'not weights of this model', 'hidden_size')
+    p = train(toy, tmp_path / 'e', f'--init_from={tmp_path}/missing.pt', '--max_steps=2', check=False)
+    assert_user_error(p, 'missing.pt')
+
+
+def test_eval_only_needs_weights(toy, tmp_path):
+    p = train(toy, tmp_path / 'o', '--eval_only=True', check=False)
+    assert_user_error(p, 'eval_only=True needs')

@@ -1,0 +1,138 @@
+"""
+Local storage on a bad day: a full disk, a failed results write, torn or unwritable metrics, an out_dir that is
+a file, a build over a file size limit: one line naming the path, and nothing already saved is lost.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import FAST, SUDOKU, assert_user_error, ckpts, run, train
+from data import write_split
+
+
+def test_a_failed_results_write_is_a_warning_and_the_resume_writes_it(toy, tmp_path):
+    out = tmp_path / 'o'
+    os.makedirs(out / 'results.json.tmp')  # results.json cannot be written, as on a full disk
+    p = train(toy, out, '--max_steps=4')
+    assert 'warning' in p.stdout and 'results.json' in p.stdout and 'Traceback' not in p.stdout + p.stderr
+    assert ckpts(out) == ['ckpt_00000004.pt'] and not os.path.exists(out / 'results.json')
+    os.rmdir(out / 'results.json.tmp')  # space freed
+    p = train(toy, out, '--init_from=resume', '--max_steps=4')
+    assert 'nothing to do' not in p.stdout, p.stdout[-3000:]
+    assert json.load(open(out / 'results.json'))['step'] == 4
+    evals = [json.loads(l) for l in open(out / 'metrics.jsonl') if '"eval"' in l]
+    assert [e['step'] for e in evals] == [4]  # logged once
+
+
+def test_a_full_disk_while_appending_metrics_is_a_warning_and_training_goes_on(toy, tmp_path):
+    out = tmp_path / 'o'
+    os.makedirs(out)
+    limit = 1 << 21  # a checkpoint (about 1.1 MB) fits; metrics.jsonl, already near the limit, cannot grow
+    pad = json.dumps(dict(kind='note', step=0, text='x' * (limit - 300))) + '\n'
+    (out / 'metrics.jsonl').write_text(pad)
+    wrapper = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+               "sys.argv = ['train.py'] + sys.argv[1:]; runpy.run_path('train.py', run_name='__main__')")
+    p = run(['-c', wrapper, f'--data_path={toy}', f'--out_dir={out}', '--max_steps=8'] + FAST, check=False)
+    out_text = p.stdout + p.stderr
+    assert p.returncode == 0 and 'Traceback' not in out_text, out_text[-3000:]
+    assert 'warning' in p.stdout and 'metrics.jsonl' in p.stdout and 'step 8/8' in p.stdout
+    assert ckpts(out) == ['ckpt_00000008.pt'] and os.path.exists(out / 'results.json')
+
+
+@pytest.fixture(scope='module')
+def sudoku4(tmp_path_factory):
+    """Generated 4x4 Sudokus (the builder's output): 60 train, 10 test."""
+    root = tmp_path_factory.mktemp('s4') / 'd'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(root)])
+    return str(root)
+
+
+@pytest.fixture(scope='module')
+def trained(sudoku4, tmp_path_factory):
+    """A finished 4-step run on the 4x4 Sudokus: ckpt_00000004.pt, metrics.jsonl, results.json. Read only."""
+    out = tmp_path_factory.mktemp('trained') / 'o'
+    train(sudoku4, out, '--max_steps=4', args=SUDOKU)
+    return str(out)
+
+
+def test_a_torn_line_in_metrics_is_dropped_with_a_warning(sudoku4, trained, tmp_path):
+    out = shutil.copytree(trained, tmp_path / 'o')
+    lines = open(os.path.join(out, 'metrics.jsonl')).readlines()
+    lines.insert(1, '{"kind": "train", "step": 2, "lo\n')  # a line cut by a crash, then appended after
+    open(os.path.join(out, 'metrics.jsonl'), 'w').writelines(lines)
+    p = train(sudoku4, out, '--init_from=resume', '--max_steps=6', args=SUDOKU)
+    assert 'warning' in p.stdout and 'metrics.jsonl line 2' in p.stdout
+    rows = [json.loads(l) for l in open(os.path.join(out, 'metrics.jsonl'))]
+    assert rows[-1]['step'] == 6
+
+
+def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
+    """A dataset that says it holds side x side puzzles of `kind` (random tokens: shapes are what matter)."""
+    rng = np.random.default_rng(seed)
+    vocab = side + 2 if kind == 'sudoku' else 6
+    for split in splits:
+        x = rng.integers(1, vocab, (n, side * side))
+        write_split(str(root), split, x, x, np.zeros(n), np.arange(n + 1), np.arange(n + 1), vocab_size=vocab,
+                    extra=dict(puzzle_type=kind, grid_size=side))
+    return str(root)
+
+
+def test_solve_png_into_a_folder_and_a_model_of_another_puzzle(trained, tmp_path):
+    ckpt = os.path.join(trained, 'ckpt_00000004.pt')
+    folder = tmp_path / 'pics'
+    os.makedirs(folder)
+    p = run(['solve.py', f'--init_from={ckpt}', '--index=0', f'--png={folder}'], check=False)
+    assert_user_error(p, f'png={folder}', 'folder')
+    assert not os.path.exists(f'{folder}.png')
+    p = run(['solve.py', f'--init_from={ckpt}', '--index=0', f'--png={folder}/steps'])
+    assert f'wrote {folder}/steps.png' in p.stdout and os.path.exists(folder / 'steps.png')
+    mazes = write_like(tmp_path / 'maze4', 'maze', 4)
+    p = run(['solve.py', f'--init_from={ckpt}', '--index=0', f'--data_path={mazes}'])
+    warning = [l for l in p.stdout.splitlines() if l.startswith('warning')]
+    assert warning and '4x4 Sudoku' in warning[0] and '4x4 maze' in warning[0], p.stdout
+
+
+def limited(limit, script='train.py'):
+    """python -c arguments that run `script` under a file-size limit of `limit` bytes (a full disk's writes)."""
+    return ['-c', "import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            f"sys.argv = [{script!r}] + sys.argv[1:]; runpy.run_path({script!r}, run_name='__main__')"]
+
+
+def test_a_resume_onto_a_full_disk_is_one_line_that_keeps_the_run_s_files(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4')
+    files = lambda: {n: open(out / n, 'rb').read() for n in os.listdir(out) if n != 'train.log' and (out / n).is_file()}
+    before = files()
+    size = os.path.getsize(out / 'metrics.jsonl')
+    for limit in (40, size - 1):  # the lock's record does not fit; then metrics.jsonl's rewrite does not
+        p = run(limited(limit) + [f'--data_path={toy}', f'--out_dir={out}', '--init_from=resume',
+                                  '--max_steps=8'] + FAST, check=False)
+        assert_user_error(p, str(out))
+        assert 'File too large' in p.stdout + p.stderr
+        assert files() == before
+        assert not os.path.exists(out / 'run.lock')
+
+
+def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(toy, tmp_path):
+    f = tmp_path / 'file'
+    f.write_text('x')
+    for out in (f, f / 'sub'):
+        p = train(toy, out, '--max_steps=2', check=False)
+        assert_user_error(p, f'out_dir={out}')
+    assert f.read_text() == 'x'
+
+
+def test_a_build_over_a_file_size_limit_names_the_file(tmp_path):
+    d = tmp_path / 'd'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(d)])
+    before = {s: sorted(os.listdir(d / s)) for s in ('train', 'test')}
+    p = run(limited(2000, 'prepare_sudoku.py') + ['--csv_dir', str(d / 'csv'), '--output_dir', str(d)], check=False)
+    assert_user_error(p, 'all__inputs.npy', 'File too large')
+    assert len((p.stdout + p.stderr).strip().splitlines()) == 1, p.stdout + p.stderr
+    assert {s: sorted(os.listdir(d / s)) for s in ('train', 'test')} == before

@@ -1,0 +1,80 @@
+"""
+The watchdog: a hung rank is ended with its stacks and a non-zero exit, under torch_xla's launcher too, and the
+same command resumes; a slow evaluation that progresses is not ended.
+"""
+import json
+import os
+
+from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run
+
+
+def hang_at(tmp_path, what):
+    """The environment of a run that blocks for good at the watchdog's report `what` ('step 25', 'an evaluation
+    batch') once the watchdog is armed, as a rank stuck in a collective would: a sitecustomize.py on PYTHONPATH,
+    which Python runs first in every process the run starts (torch_xla's workers too), wraps Watchdog.progress."""
+    hook = tmp_path / 'hang'
+    hook.mkdir()
+    (hook / 'sitecustomize.py').write_text(f'''import sys, threading
+sys.path.insert(0, {ROOT!r})
+import guard
+progress = guard.Watchdog.progress
+
+def hang(self, what, step=None):
+    progress(self, what, step)
+    if what == {what!r} and not self.waiting:
+        threading.Event().wait()
+
+guard.Watchdog.progress = hang
+''')
+    return dict(PYTHONPATH=str(hook))
+
+
+def records(folder):
+    with open(os.path.join(folder, 'metrics.jsonl')) as f:
+        return [json.loads(l) for l in f]
+
+
+def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--max_steps=40',
+            '--checkpoint_interval=10', '--log_interval=10', '--init_from=resume', '--watchdog_minutes=0.05']
+    p = run(args, env=hang_at(tmp_path, 'step 25'), timeout=300, check=False)  # blocks for good at step 25
+    assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert 'watchdog: nothing finished for 0.' in p.stderr and '(watchdog_minutes=0.05; the last: step 25)' in p.stderr
+    assert 'Current thread' in p.stderr and 'in main' in p.stderr  # every thread's stack: the loop's, where it hangs
+    log = open(f'{out}/train.log').read()
+    assert 'watchdog: nothing finished' in log and 'Current thread' in log and 'in main' in log
+    hung = [r for r in records(out) if r['kind'] == 'watchdog']
+    assert len(hung) == 1 and hung[0]['step'] == 25 and hung[0]['last'] == 'step 25', hung
+    assert not os.path.exists(f'{out}/run.lock')
+    # the same command, run again, resumes from the last checkpoint and finishes
+    p = run(args, timeout=300)
+    assert f'resuming from {out}/ckpt_00000020.pt (step 20)' in p.stdout
+    assert json.load(open(f'{out}/results.json'))['step'] == 40
+
+
+def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(toy, tmp_path):
+    out = f'{tmp_path}/o'
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto', '--compile=False', '--max_steps=8',
+             '--log_interval=2', '--watchdog_minutes=0.05'], env=dict(XLA_ENV, **hang_at(tmp_path, 'step 4')),
+            timeout=600, check=False)  # the launcher's process, whose worker the watchdog ends
+    assert p.returncode == 75, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert 'the last: step 4)' in p.stderr and 'a training process ended abruptly; exiting with code 75' in p.stderr
+    assert 'Traceback' not in p.stderr and 'Current thread' in open(f'{out}/train.log').read()
+
+
+def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs(tmp_path):
+    data = make_reverse_dataset(str(tmp_path / 'data'), n_test=1000)
+    args = ['train.py', f'--data_path={data}', *TOY_ARGS, '--max_steps=6', '--log_interval=2', '--eval_batch_size=2',
+            '--watchdog_minutes=0.01']  # 500 evaluation batches against 0.6 s
+    out = f'{tmp_path}/o'
+    p = run(args + [f'--out_dir={out}'], timeout=600)
+    evals = [r for r in records(out) if r['kind'] == 'eval']
+    assert 'watchdog: nothing finished' not in p.stderr and len(evals) == 1 and evals[0]['step'] == 6
+    spent = json.load(open(f'{out}/results.json'))['wall_s']['eval']
+    assert spent > 0.6, spent  # the premise: the evaluation outlasted the watchdog's limit, progressing
+    # the same evaluation stuck at a batch: ended
+    p = run(args + [f'--out_dir={tmp_path}/hung'], env=hang_at(tmp_path, 'an evaluation batch'), timeout=300,
+            check=False)
+    assert p.returncode == 75 and '(watchdog_minutes=0.01; the last: an evaluation batch)' in p.stderr, p.stderr[-2000:]
+    assert 'in evaluate' in p.stderr and 'watchdog: nothing finished' in open(f'{tmp_path}/hung/train.log').read()
