@@ -56,14 +56,15 @@ def load_checkpoint(path, name=None):
     it (torch's own text advises weights_only=False, which would run whatever an unknown file holds)."""
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
-    except pickle.UnpicklingError as e:
-        m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
-        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:160]
-        raise CheckpointError(f"{name or path} holds objects other than tensors and plain values, or is no "
-                              f"PyTorch file at all ({why}); not loaded") from e
     except Exception as e:
+        m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
+        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200]
+        if isinstance(e, pickle.UnpicklingError) and why.startswith('Unsupported global'):
+            what = why.split(' was not an allowed global')[0].removeprefix('Unsupported global: ')
+            raise CheckpointError(f"{name or path} holds objects other than tensors and plain values ({what}); "
+                                  "not loaded") from e
         raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: "
-                              f"{' '.join(str(e).split())[:200]}") from e
+                              f"{why}") from e
 
 
 def weights_in(ckpt):
@@ -225,7 +226,7 @@ def set_aside_diverged(local, remote, uploader, first_bad):
 def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
     """(the newest checkpoint that every rank can load, its path), or (None, None); rank 0 picks the step.
     Non-zero ranks read the bucket copy (the same bytes as rank 0's); paths found unreadable are added to
-    `corrupt`. An unreadable newest checkpoint gives way to an older one only for training on: one at or past
+    `corrupt`. An unreadable newest checkpoint gives way to an older one only for training on: one at
     `last_step` (the run's final weights) or one to be evaluated (eval_only) is refused, never replaced by
     an earlier one. Checkpoints found but none loadable, or a bucket that cannot be listed, is an error:
     never a fresh start that would overwrite them."""
@@ -241,20 +242,21 @@ def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
             problems.append(f"cannot list the checkpoints in {remote} ({e}); retry when the bucket is "
                             "reachable")
     fail_together(dev, problems, 'init_from=resume')
-    candidates = sorted(found, reverse=True) if dev.master else []
+    candidates, newest = sorted(found, reverse=True) if dev.master else [], None
     for i in range(len(candidates) + 1 if dev.master else 10 ** 9):
         step = int(dev.agree([candidates[i] if i < len(candidates) else -1.0 if dev.master else 0.0])[0])
         if step < 0:
             break
+        if newest and (eval_only or newest[0] == last_step):  # an older one would be used in its place
+            what = 'the one to evaluate' if eval_only else f"this run's last (step {last_step})"
+            fail_together(dev, [f"{newest[1]}. It is the newest checkpoint, {what}: an older one is not used "
+                                "in its place; move it aside to use the one before"] if newest[1] else [],
+                          'init_from=resume')
         path = found.get(step) or f"{remote.rstrip('/')}/{checkpoint_name(step)}"
         ckpt, why = load_training_checkpoint(path, step, local, dev.rank)
         if dev.agree([float(ckpt is None)], 'max')[0] == 0:
             return ckpt, path
-        if i == 0 and (eval_only or step >= last_step):
-            what = 'the one to evaluate' if eval_only else f"this run's last (step {last_step})"
-            fail_together(dev, [f"{why}. It is the newest checkpoint, {what}: an older one is not used in "
-                                "its place; move it aside to use the one before"] if why else [],
-                          'init_from=resume')
+        newest = newest or (step, why)
         if why:
             print(f"warning: rank {dev.rank}: {why}; trying an older checkpoint")
             corrupt.append(path)

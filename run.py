@@ -99,6 +99,8 @@ class Run:
         if cfg['init_from'] == 'resume':
             ckpt, self.resumed_from = find_resume_checkpoint(self.dev, self.local, self.gs_out, self.corrupt,
                                                              last_step, cfg['eval_only'])
+            if ckpt is None and cfg['eval_only']:  # random weights are not a run's to evaluate
+                raise SystemExit(f"init_from=resume: no checkpoint in {cfg['out_dir']} to evaluate")
             if ckpt is None and self.master:
                 print(f"init_from=resume: no checkpoint in {cfg['out_dir']} yet, starting from scratch")
             if ckpt is not None:
@@ -279,8 +281,10 @@ class Run:
                 bucket = gcs.download_if_there(f"{self.gs_out.rstrip('/')}/results.json", local + '.bucket',
                                                "evaluating again")
                 there = bool(bucket) and results_step(bucket) == step
-                if bucket:
-                    os.replace(bucket, local) if there else os.remove(bucket)
+                if there:
+                    os.replace(bucket, local)
+                elif bucket:
+                    os.remove(bucket)
             missing = not there
         return self.dev.agree([float(missing)], 'max')[0] > 0
 
