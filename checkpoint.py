@@ -9,6 +9,7 @@ batch), rng, config, best, run_id, timing, data (the shape it trained on).
 """
 import os
 import glob
+import pickle
 import re
 import time
 
@@ -51,12 +52,19 @@ def save_atomic(obj, path):
 
 def load_checkpoint(path, name=None):
     """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code. name: what
-    errors call the file (the bucket URI of a downloaded copy)."""
+    errors call the file (the bucket URI of a downloaded copy). A file that does not load is one line naming
+    it (torch's own text advises weights_only=False, which would run whatever an unknown file holds)."""
     try:
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
+        m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
+        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200]
+        if isinstance(e, pickle.UnpicklingError) and why.startswith('Unsupported global'):
+            what = why.split(' was not an allowed global')[0].removeprefix('Unsupported global: ')
+            raise CheckpointError(f"{name or path} holds objects other than tensors and plain values ({what}); "
+                                  "not loaded") from e
         raise CheckpointError(f"checkpoint {name or path} is corrupt or truncated and was not loaded: "
-                              f"{e}") from e
+                              f"{why}") from e
 
 
 def weights_in(ckpt):
@@ -160,16 +168,22 @@ def delete_all_checkpoints(folders):
     return problems
 
 
-def load_weights(path, model, ema_model):
+def load_weights(path, model, ema_model, meta, data_path):
     """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
-    dict."""
+    dict; ours only on data of the shape and kind it trained on (a 4x4 Sudoku's weights fit a 4x4 maze's
+    tensors, not its puzzles)."""
     try:
-        found = weights_in(load_checkpoint(path))
+        ckpt = load_checkpoint(path)
     except CheckpointError as e:
         raise SystemExit(f"init_from: {e}")
+    found = weights_in(ckpt)
     if found is None:
         raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
                          f"reference implementation")
+    if found['config'] is not None:
+        for problem in data_problems(ckpt, path, meta, data_path, "Its weights learned that data: point "
+                                     "--data_path at a dataset of that kind, or train from scratch"):
+            raise SystemExit(f"init_from={problem}")
     sd = found['weights']
     try:
         model.load_state_dict(sd)
@@ -177,6 +191,20 @@ def load_weights(path, model, ema_model):
         raise SystemExit(f"init_from={path}: not weights of this model ({' '.join(str(e).split())[:300]}); "
                          f"check hidden_size, mlp_t, pos_encodings, L_layers against the run that saved it")
     ema_model.load_state_dict(sd)
+
+
+def data_problems(ckpt, path, meta, data_path, advice):
+    """[message] when a checkpoint of train.py was trained on data of another kind or shape than meta's (its
+    model, and a resume's carry, are bound to it). Checkpoints from before `data` was saved: the carry's
+    width is the sequence length."""
+    carry, saved = ckpt.get('carry'), ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
+    was = ckpt.get('data') or (dict(seq_len=int(carry['inputs'].shape[-1])) if isinstance(carry, dict)
+                               and 'inputs' in carry else None)
+    now = {k: v for k, v in data_shape(meta).items() if k in (was or {})}
+    if not was or was == now:
+        return []
+    return [f"{path} was trained on {describe_data(was)} (data_path={saved.get('data_path')!r}); "
+            f"{data_path} holds {describe_data(now)}. {advice}"]
 
 
 def set_aside_diverged(local, remote, uploader, first_bad):
@@ -195,11 +223,13 @@ def set_aside_diverged(local, remote, uploader, first_bad):
 # -----------------------------------------------------------------------------
 # resuming: the newest checkpoint every rank can load, checked against this run, its state loaded
 
-def find_resume_checkpoint(dev, local, remote, corrupt):
+def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
     """(the newest checkpoint that every rank can load, its path), or (None, None); rank 0 picks the step.
     Non-zero ranks read the bucket copy (the same bytes as rank 0's); paths found unreadable are added to
-    `corrupt`. Checkpoints found but none loadable, or a bucket that cannot be listed, is an error: never a
-    fresh start that would overwrite them."""
+    `corrupt`. An unreadable newest checkpoint gives way to an older one only for training on: one at
+    `last_step` (the run's final weights) or one to be evaluated (eval_only) is refused, never replaced by
+    an earlier one. Checkpoints found but none loadable, or a bucket that cannot be listed, is an error:
+    never a fresh start that would overwrite them."""
     found, problems = {}, []
     if os.path.isdir(local):
         found.update(list_checkpoints(local))
@@ -212,15 +242,24 @@ def find_resume_checkpoint(dev, local, remote, corrupt):
             problems.append(f"cannot list the checkpoints in {remote} ({e}); retry when the bucket is "
                             "reachable")
     fail_together(dev, problems, 'init_from=resume')
-    candidates = sorted(found, reverse=True) if dev.master else []
+    candidates, newest = sorted(found, reverse=True) if dev.master else [], None
     for i in range(len(candidates) + 1 if dev.master else 10 ** 9):
         step = int(dev.agree([candidates[i] if i < len(candidates) else -1.0 if dev.master else 0.0])[0])
         if step < 0:
             break
+        if newest and (eval_only or newest[0] == last_step):  # an older one would be used in its place
+            what = 'the one to evaluate' if eval_only else f"this run's last (step {last_step})"
+            fail_together(dev, [f"{newest[1]}. It is the newest checkpoint, {what}: an older one is not used "
+                                "in its place; move it aside to use the one before"] if newest[1] else [],
+                          'init_from=resume')
         path = found.get(step) or f"{remote.rstrip('/')}/{checkpoint_name(step)}"
-        ckpt = load_training_checkpoint(path, step, local, dev.rank, corrupt)
-        if dev.agree([float(ckpt is None)])[0] == 0:
+        ckpt, why = load_training_checkpoint(path, step, local, dev.rank)
+        if dev.agree([float(ckpt is None)], 'max')[0] == 0:
             return ckpt, path
+        newest = newest or (step, why)
+        if why:
+            print(f"warning: rank {dev.rank}: {why}; trying an older checkpoint")
+            corrupt.append(path)
     if found:
         fail_together(dev, [f"checkpoints found ({', '.join(found[s] for s in sorted(found))}) but none "
                             "could be loaded; nothing was overwritten"] if dev.master else [],
@@ -228,9 +267,9 @@ def find_resume_checkpoint(dev, local, remote, corrupt):
     return None, None
 
 
-def load_training_checkpoint(path, step, local, rank, corrupt):
-    """The checkpoint at path (downloaded first from a bucket, to a temporary file in `local` removed on
-    every path), or None with a warning when it cannot be used (its path added to `corrupt`)."""
+def load_training_checkpoint(path, step, local, rank):
+    """(the checkpoint at path, None) (downloaded first from a bucket, to a temporary file in `local` removed
+    on every path), or (None, why it cannot be used)."""
     dest = os.path.join(local, f'.rank{rank}_{checkpoint_name(step)}')
     try:
         if gcs.is_gcs(path):
@@ -242,13 +281,11 @@ def load_training_checkpoint(path, step, local, rank, corrupt):
         for k in ('model', 'step', 'carry', 'config', 'optimizer'):
             if k not in ckpt:
                 raise CheckpointError(f"{path} is not a training checkpoint of this trainer (no '{k}')")
-        return ckpt
+        return ckpt, None
     except gcs.Stopped as e:
         raise SystemExit(f"{e}; nothing was changed")
     except Exception as e:
-        print(f"warning: rank {rank}: {e}; trying an older checkpoint")
-        corrupt.append(path)
-        return None
+        return None, str(e)
     finally:
         if os.path.exists(dest):
             os.remove(dest)
@@ -257,8 +294,7 @@ def load_training_checkpoint(path, step, local, rank, corrupt):
 def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
     """The checkpoint at path against this run: it must have been saved with this run's `resume_fixed` keys
     and trained on data of this shape (its model and carry are bound to it), or every rank stops naming the
-    difference. Rank 0 says the keys that did change. (Checkpoints from before `data` was saved: the carry's
-    width is the sequence length.)"""
+    difference. Rank 0 says the keys that did change."""
     saved = ckpt['config']
     changed = [k for k in resume_fixed if k in saved and saved[k] != cfg[k]]
     fail_together(dev, [f"{path} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}; this "
@@ -268,12 +304,9 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
         other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
         print(f"resuming from {path} (step {ckpt['step']})"
               + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
-    was = ckpt.get('data') or dict(seq_len=int(ckpt['carry']['inputs'].shape[-1]))
-    now = {k: v for k, v in data_shape(meta).items() if k in was}
-    fail_together(dev, [f"{path} was trained on {describe_data(was)} (data_path={saved.get('data_path')!r}); "
-                        f"{data_path} holds {describe_data(now)}. A resume keeps the data's shape: point "
-                        "--data_path at that dataset, or start a new run (another out_dir)"] if was != now
-                  else [], 'resume')
+    fail_together(dev, data_problems(ckpt, path, meta, data_path, "A resume keeps the data's shape: point "
+                                     "--data_path at that dataset, or start a new run (another out_dir)"),
+                  'resume')
 
 
 def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):

@@ -26,7 +26,7 @@ import time
 
 import gcs
 from data import IN_USE, check_split, load_metadata
-from puzzles import puzzle_type
+from puzzles import puzzle_for, puzzle_type
 from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -416,10 +416,11 @@ def data_shape(meta):
 
 
 def describe_data(shape):
-    kind = f"{shape['puzzle_type']} puzzles" if shape.get('puzzle_type') else 'puzzles'
-    return f"{kind} of seq_len {shape['seq_len']}" + (f", vocab_size {shape['vocab_size']}"
-                                                      if 'vocab_size' in shape
-                                                        else '')
+    """A few words on data_shape's dict (or the part of it a checkpoint saved): '4x4 Sudokus of seq_len 16,
+    vocab_size 6'."""
+    kind = puzzle_for(shape) if shape.get('puzzle_type') else None
+    return (f"{kind.title + 's' if kind else 'puzzles'} of seq_len {shape['seq_len']}"
+            + (f", vocab_size {shape['vocab_size']}" if 'vocab_size' in shape else ''))
 
 
 def startup_problems(cfg, dev):

@@ -9,6 +9,8 @@ checkpoint.py holds the files and the resume, records.py the records and uploads
 (signals, locks, watchdog, verdicts every rank agrees on, start-up checks). Every method that more than rank 0
 needs is called by every rank at the same point.
 """
+import contextlib
+import json
 import os
 import secrets
 import threading
@@ -43,6 +45,7 @@ class Run:
         self.resumed_from = self.last_good = self.run_id = None
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
         self.verified = -1  # newest checkpoint step whose next step's loss was seen finite
+        self.results_dropped = False  # an older run's results.json removed, at this process's first save
         self.records = self.wandb = self.uploads = self.board = None
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
@@ -87,13 +90,17 @@ class Run:
             problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
         fail_together(dev, problems, 'overwrite')
 
-    def resume(self, model, ema_model, opt, loader, resume_fixed):
+    def resume(self, model, ema_model, opt, loader, resume_fixed, last_step):
         """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the
-        newest checkpoint every rank can read, refusing one saved with other `resume_fixed` keys; a file loads
-        its weights (ours, or a state dict of the reference implementation)."""
+        newest checkpoint every rank can read (never an older one in place of one at `last_step` or one to
+        evaluate), refusing one saved with other `resume_fixed` keys or on other data; a file loads its
+        weights (ours, or a state dict of the reference implementation)."""
         cfg, step, carry = self.cfg, 0, None
         if cfg['init_from'] == 'resume':
-            ckpt, self.resumed_from = find_resume_checkpoint(self.dev, self.local, self.gs_out, self.corrupt)
+            ckpt, self.resumed_from = find_resume_checkpoint(self.dev, self.local, self.gs_out, self.corrupt,
+                                                             last_step, cfg['eval_only'])
+            if ckpt is None and cfg['eval_only']:  # random weights are not a run's to evaluate
+                raise SystemExit(f"init_from=resume: no checkpoint in {cfg['out_dir']} to evaluate")
             if ckpt is None and self.master:
                 print(f"init_from=resume: no checkpoint in {cfg['out_dir']} yet, starting from scratch")
             if ckpt is not None:
@@ -104,7 +111,7 @@ class Run:
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
         elif cfg['init_from'] != 'scratch':
-            load_weights(cfg['init_from'], model, ema_model)
+            load_weights(cfg['init_from'], model, ema_model, self.meta, self.data_path)
             if self.master:
                 print(f"loaded weights from {cfg['init_from']}")
         self.run_id = self.run_id or secrets.token_hex(4)
@@ -131,6 +138,8 @@ class Run:
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
                          data=data_shape(self.meta))
             try:
+                if not self.results_dropped:
+                    self.drop_results()
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
                 if self.uploads:
@@ -244,16 +253,39 @@ class Run:
                       world_size=self.dev.world_size, config=self.cfg, eval=res)
         return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
 
-    def results_missing(self):
-        """Whether results.json is in neither the run's folder nor its bucket (rank 0 looks; every rank learns
-        it): a run that reached its last step without it (a stop during the final evaluation, a failed
-        write)."""
-        missing = self.master and not os.path.exists(os.path.join(self.local, 'results.json'))
-        if missing and self.gs_out:
+    def drop_results(self):
+        """Rank 0, before this process's first checkpoint: results.json of an earlier finish (local and in the
+        bucket) removed, since it would sit beside a checkpoint of another step; the end of this run writes
+        its own. A bucket that cannot delete it is a warning: a resume compares its step with the
+        checkpoint's."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.local, 'results.json'))
+        if self.gs_out:
+            uri = f"{self.gs_out.rstrip('/')}/results.json"
             try:
-                missing = not gcs.object_exists(f"{self.gs_out.rstrip('/')}/results.json")
+                gcs.delete_object(uri)
             except gcs.GCSError as e:
-                print(f"warning: cannot look for results.json in {self.gs_out} ({e}); evaluating again")
+                print(f"warning: cannot delete {uri} ({e}), an earlier finish's: it is not this run's result")
+        self.results_dropped = True
+
+    def results_missing(self, step):
+        """Whether the run lacks a results.json of checkpoint `step` in its folder and its bucket (rank 0
+        looks; every rank learns it): a run that reached its last step without it (a stop during the final
+        evaluation, a failed write), or one whose results.json is an earlier finish's (trained on, then
+        stopped)."""
+        missing = False
+        if self.master:
+            local = os.path.join(self.local, 'results.json')
+            there = results_step(local) == step
+            if not there and self.gs_out:  # a new machine: the bucket's copy, if it is this step's
+                bucket = gcs.download_if_there(f"{self.gs_out.rstrip('/')}/results.json", local + '.bucket',
+                                               "evaluating again")
+                there = bool(bucket) and results_step(bucket) == step
+                if there:
+                    os.replace(bucket, local)
+                elif bucket:
+                    os.remove(bucket)
+            missing = not there
         return self.dev.agree([float(missing)], 'max')[0] > 0
 
     def at_the_end(self, step, run_steps, end, evaluate):
@@ -267,10 +299,11 @@ class Run:
             raise SystemExit(f"{self.resumed_from} is at step {step}, past this run's last step {run_steps} "
                              f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate "
                              "it with --eval_only=True")
-        if self.results_missing():
+        if self.results_missing(step):
             self.open_records(step)
             if self.master:
-                print(f"the checkpoint is at the last step {step}, but results.json is missing: evaluating")
+                print(f"the checkpoint is at the last step {step}, but results.json of step {step} is missing: "
+                      "evaluating")
             done = evaluate()
         elif self.master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
@@ -294,3 +327,12 @@ class Run:
             finish.start()
             finish.join(timeout=4 if interrupted else 60)
         release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
+
+
+def results_step(path):
+    """The step a results.json belongs to, or None (no such file, or not readable as one)."""
+    try:
+        with open(path) as f:
+            return json.load(f).get('step')
+    except (OSError, ValueError, AttributeError):
+        return None

@@ -658,8 +658,9 @@ def run_evals(exps):
     eval_steps S, in K = max(eval_views) views (its first k views are a k-view evaluation, so one run gives
     every k): its command plus --eval_only=True --eval_views=K --eval_steps=S (with --init_from=resume: the
     newest checkpoint), which saves <out_dir>/evals/views{K}-steps{S}.json. Skipped when a file of S with K
-    views or more is there; unfinished runs are listed as skipped with their state. In turn, one at a time
-    (--slots does not apply). The exit code: 1 if an evaluation failed or the study was stopped."""
+    views or more, of the step results.json is of, is there; unfinished runs are listed as skipped with their
+    state. In turn, one at a time (--slots does not apply). The exit code: 1 if an evaluation failed or the
+    study was stopped."""
     lock_study()
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -671,11 +672,11 @@ def run_evals(exps):
             summary.append((e.run, '', 'skipped', f"not finished ({state(e)}): train it first (study.py "
                                                   "without --eval_only)"))
             continue
-        why = read_results(e)[1]
+        res, why = read_results(e)
         if why:
             summary.append((e.run, '', 'skipped', f"NOT REUSED: {why}"))
             continue
-        have = saved_evals(e)
+        have = saved_evals(e, res.get('step'))  # an evaluation of an earlier checkpoint is not this run's
         for S in dict.fromkeys(s or own_steps(e) for s in STEPS):
             more = [k for k, s in have if s == S and k >= K]
             if more:

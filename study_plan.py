@@ -484,9 +484,9 @@ def own_steps(e):
     return e.run_cfg['eval_steps'] or e.run_cfg['halt_max_steps']
 
 
-def saved_evals(e):
+def saved_evals(e, step=None):
     """{(views, steps): local path} of a run's saved re-evaluations, from its folder and, for a gs:// run, its
-    bucket (downloaded beside the local copies)."""
+    bucket (downloaded beside the local copies); with `step`, only those of the checkpoint of that step."""
     if gcs.is_gcs(e.out_dir):
         try:
             names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.list_objects(f"{e.out_dir}/evals/")]
@@ -498,7 +498,16 @@ def saved_evals(e):
     folder = os.path.join(e.local, 'evals')
     found = {}
     for n in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if m := EVAL_FILE.fullmatch(n):
+        if (m := EVAL_FILE.fullmatch(n)) and (step is None or evaluated_step(os.path.join(folder, n)) == step):
             found[int(m[1]), int(m[2])] = os.path.join(folder, n)
     return found
+
+
+def evaluated_step(path):
+    """The checkpoint step a saved re-evaluation evaluated, or None (unreadable)."""
+    try:
+        with open(path) as f:
+            return json.load(f).get('step')
+    except (OSError, ValueError, AttributeError):
+        return None
 

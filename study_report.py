@@ -256,13 +256,14 @@ def views_section(views):
              "vote; oracle@k: any view right (the ceiling). These are scored after the last of the S steps; "
              "the q_halt columns take each view's answer where its q_halt stopped it, "
              "within the S steps. FLOPs per puzzle: k x S x forward FLOPs per step (what the evaluation ran); "
-             "seconds: the whole evaluation in the most views (all k at once). report_views.csv has every "
-             "column (accepted@k too).\n",
-             "| run | views k | steps S | vote@k % | verified@k % | oracle@k % | q_halt stop: "
-             "vote / verified / oracle % | eval FLOPs per puzzle | seconds |", '|' + '---|' * 9]
+             "seconds: the whole evaluation in the most views (all k at once); checkpoint: the step of the "
+             "weights evaluated. report_views.csv has every column (accepted@k too).\n",
+             "| run | checkpoint | views k | steps S | vote@k % | verified@k % | oracle@k % | q_halt stop: "
+             "vote / verified / oracle % | eval FLOPs per puzzle | seconds |", '|' + '---|' * 10]
     for r in views:
         lines.append('| ' + ' | '.join([
-            r['run'], str(r['views']), str(r['steps']), pct(r['vote']),
+            r['run'], str(r['checkpoint_step'] if r['checkpoint_step'] is not None else '?'), str(r['views']),
+            str(r['steps']), pct(r['vote']),
             pct(r['verified']), pct(r['oracle']),
             ' / '.join(pct(r[m + '_q_halt']) for m in ('vote', 'verified', 'oracle')),
             f"{r['flops_per_puzzle']:.3g}", '' if r['seconds'] is None else f"{r['seconds']:.1f}"]) + ' |')

@@ -155,14 +155,18 @@ def read_sums(dev, sums, bad_step):
     return dict(zip(sums, host)), bad_at[0]
 
 
-def build(meta, dev, total_steps):
+def build(meta, dev, total_steps, data_path):
     """The model for this dataset on this device, its optimizer, its EMA copy (or itself), the step's
-    settings (the LR schedule, EMA, clipping, accumulation) and why this forward dtype."""
+    settings (the LR schedule, EMA, clipping, accumulation) and why this forward dtype; eval_views refused
+    where a batch in that many views would not fit in memory."""
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device)
+    row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
+    if problem := views_problem(puzzle_for(meta), eval_views, eval_batch_size or global_batch_size, row_bytes):
+        raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {data_path})")
     opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
     ema_model = copy.deepcopy(model) if ema else model
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
@@ -173,8 +177,7 @@ def build(meta, dev, total_steps):
 
 
 def evaluate_checkpoint(run, dev, run_eval, meta, step):
-    """--eval_only: init_from's weights on the whole test split, printed; rank 0 also writes the file a
-    study's re-evaluation reads (one per views and steps)."""
+    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves it for a study."""
     t_eval = time.time()
     res, example = run_eval(0, show_example=True)
     if dev.master:
@@ -182,8 +185,8 @@ def evaluate_checkpoint(run, dev, run_eval, meta, step):
         if example:
             print(render_example(meta, *example))
         if res:
-            name = f"views{eval_views}-steps{eval_steps or halt_max_steps}"
-            run.write_evaluation(res, step, time.time() - t_eval, name)
+            run.write_evaluation(res, step, time.time() - t_eval,
+                                 f"views{eval_views}-steps{eval_steps or halt_max_steps}")
     dev.shutdown()
 
 
@@ -193,27 +196,24 @@ def main(index=None):
     master = dev.master
     run = Run(config, dev, started=_T_START)
     loader = TrainLoader(run.data_path, global_batch_size, dev.rank, dev.world_size, seed)
-    meta = loader.meta
-    total_steps = loader.steps_for(epochs)
+    meta, total_steps = loader.meta, loader.steps_for(epochs)
     if total_steps < 1:
         raise SystemExit(f"config error: epochs={epochs} of {loader.n_groups} groups at global_batch_size="
                          f"{global_batch_size} is less than one step")
-    model, opt, ema_model, sc, dtype_why = build(meta, dev, total_steps)
+    model, opt, ema_model, sc, dtype_why = build(meta, dev, total_steps, run.data_path)
     dev.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
     eval_every = max(1, loader.steps_for(eval_interval))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
-    if problem := views_problem(puzzle_for(meta), eval_views, rows=eval_batch_size or global_batch_size,
-                                row_bytes=2 * model.config.total_len * hidden_size * model.forward_dtype.itemsize):  # y, z
-        raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {run.data_path})")
     if master:
-        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | {model.num_params():,} "
-              f"parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | {total_steps} steps "
-              f"({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), eval every {eval_every}")
+        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
+              f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | "
+              f"{total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), eval "
+              f"every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
-    step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED)
+    step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps)
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
     watchdog = guard.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
@@ -275,9 +275,8 @@ def main(index=None):
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
-    carry = model.initial_carry(prefetch.upcoming)
-    if carry_state is not None:
-        carry = {k: v.to(dev.device) for k, v in carry_state.items()}
+    carry = {k: v.to(dev.device) for k, v in carry_state.items()} if carry_state is not None else \
+        model.initial_carry(prefetch.upcoming)
     start_step, t0, last_step, stop_now = step, time.time(), step, False
     host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
     xla_then = dev.xla_counters()  # XLA: compilations counted from here (at each log line, after evaluations)

@@ -44,7 +44,11 @@ def test_resume_with_only_corrupt_checkpoints_is_an_error_that_keeps_them(toy, t
     for c in ckpt_paths(out):
         open(c, 'wb').write(os.urandom(500))
     before = {c: open(c, 'rb').read() for c in ckpt_paths(out)}
+    # at the run's last step the newest is refused outright (an older one would stand in for its final weights)
     p = train(toy, out, '--init_from=resume', check=False)
+    assert_user_error(p, 'ckpt_00000040.pt', 'an older one is not used')
+    # training on, the older ones are tried too
+    p = train(toy, out, '--init_from=resume', '--epochs=3', check=False)
     assert_user_error(p, 'none could be loaded', 'ckpt_00000040.pt')
     assert {c: open(c, 'rb').read() for c in ckpt_paths(out)} == before  # nothing overwritten
 
