@@ -205,7 +205,7 @@ def main(index=None):
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
     if problem := views_problem(puzzle_for(meta), eval_views, rows=eval_batch_size or global_batch_size,
-                                row_bytes=2 * cfg.total_len * hidden_size * getattr(torch, dtype).itemsize):  # y, z
+                                row_bytes=2 * model.config.total_len * hidden_size * model.forward_dtype.itemsize):  # y, z
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {run.data_path})")
     if master:
         print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | {model.num_params():,} "
