@@ -30,7 +30,6 @@ def phase_pid(parent, phase):
     return None
 
 
-@pytest.mark.xfail(strict=True, reason='fault 4: fixed after the restructuring')
 def test_a_smoke_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_path):
     out = tmp_path / 'o'
     cmd = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + SMOKE
