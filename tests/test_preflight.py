@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from conftest import ROOT, TOY_ARGS, run
 
