@@ -7,7 +7,6 @@ out_root is a small tmpfs, filled once the run is trained (root; skipped where i
 import os
 import shutil
 
-import pytest
 
 from conftest import ROOT, run
 from disks import fill_up, small_disk
