@@ -372,13 +372,12 @@ class Watchdog:
 
     def fire(self):
         idle, waiting = time.time() - self.last, self.awaited()
-        work = dict(command=sys.argv, waiting=waiting)
-        again = self.remember(work)
+        again = self.remember(dict(command=sys.argv, waiting=waiting))
         code = HUNG_AGAIN_EXIT if again else HUNG_EXIT
         then = (f"it fired on this same work in the last run of this command too: a rerun would repeat it, so "
                 f"the exit code is {code}, not {HUNG_EXIT}. A slow but healthy piece of work needs a larger "
-                f"--watchdog_minutes" if again else f"the same command with --init_from=resume continues from "
-                f"the last checkpoint")
+                "--watchdog_minutes" if again else "the same command with --init_from=resume continues from the "
+                "last checkpoint")
         print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; "
               f"the last: {self.what}) in pid {os.getpid()}, waiting for {waiting}: a hung host or collective. "
               f"Every thread's stack follows; exiting with code {code}: {then}", file=sys.stderr, flush=True)
@@ -399,22 +398,37 @@ class Watchdog:
         os._exit(code)  # the main thread is stuck: only a hard exit ends the process
 
     def remember(self, work):
-        """Whether the firing remembered in the folder was on `work` too; then `work` is remembered."""
+        """Whether the firing remembered in the folder was on `work` too; then `work` is remembered, with the
+        exit code (for a torch_xla launcher: ended_abruptly)."""
         if not self.folder:
             return False
         path = os.path.join(self.folder, 'watchdog.json')
         try:
             with open(path) as f:
-                again = json.load(f) == work
-        except (OSError, ValueError):
+                again = {k: v for k, v in json.load(f).items() if k in work} == work
+        except (OSError, ValueError, AttributeError):
             again = False
         try:
             with open(f'{path}.{os.getpid()}.tmp', 'w') as f:
-                json.dump(work, f)
+                json.dump(dict(work, exit_code=HUNG_AGAIN_EXIT if again else HUNG_EXIT), f)
             os.replace(f'{path}.{os.getpid()}.tmp', path)
         except OSError as e:
             print(f"watchdog: could not remember this firing in {path} ({e.strerror or e})", file=sys.stderr)
         return again
+
+
+def ended_abruptly(folder, since):
+    """A torch_xla launcher whose worker ended abruptly (the watchdog, a kill): says so, and returns the exit
+    code: the watchdog's, when it fired in `folder` after `since` (time.time()), else HUNG_EXIT."""
+    code = HUNG_EXIT
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if os.path.getmtime(os.path.join(folder, 'watchdog.json')) >= since:
+            with open(os.path.join(folder, 'watchdog.json')) as f:
+                code = int(json.load(f).get('exit_code', HUNG_EXIT))
+    then = ('the same command with --init_from=resume continues from the last checkpoint' if code == HUNG_EXIT
+            else 'the watchdog fired on the same work as in the last run: a rerun would repeat it')
+    print(f"a training process ended abruptly; exiting with code {code}: {then}", file=sys.stderr)
+    return code
 
 
 # -----------------------------------------------------------------------------

@@ -11,7 +11,6 @@ A new machine first: the same command with --smoke=True (two short runs, then on
 import contextlib
 import copy
 import os
-import sys
 import time
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
@@ -374,8 +373,7 @@ if __name__ == '__main__':
         try:
             torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same
         except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
-            print(f"a training process ended abruptly; exiting with code {guard.HUNG_EXIT}: the same "
-                  f"command with --init_from=resume continues from the last checkpoint", file=sys.stderr)
-            raise SystemExit(guard.HUNG_EXIT)
+            folder = (local_dir or guard.local_folder(out_dir)) if out_dir.startswith('gs://') else out_dir
+            raise SystemExit(guard.ended_abruptly(folder, _T_START))  # the watchdog's code, when it fired
     else:
         main()
