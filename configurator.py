@@ -21,6 +21,13 @@ import sys
 import tokenize
 import traceback
 
+# a stream closed outright (`>&-`: no file descriptor at all) is None in Python and its first print ends the
+# run: it goes to os.devnull instead, so the exit code says how the run ended, whatever its streams
+for _fd, _name in ((1, 'stdout'), (2, 'stderr')):
+    if getattr(sys, _name) is None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), _fd)
+        setattr(sys, _name, open(_fd, 'w', buffering=1, closefd=False))
+
 
 def read_config_block(path, section=None):
     """{key: (default, meaning)} of the config block of the script at `path`, in order. The block is

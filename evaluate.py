@@ -60,7 +60,7 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
 
 @torch.no_grad()
 def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
-             should_stop=None):
+             should_stop=None, progress=None):
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
     at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
     runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
@@ -71,7 +71,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
     (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
     point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
-    None) returned."""
+    None) returned. progress(i): told after every supervision step of a batch (a watchdog's heartbeat)."""
     predict = predict or model.predict
     K = getattr(loader, 'views', 1)
     ks = view_counts(K)
@@ -85,7 +85,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             return None, None
         inverse = batch.pop('views_inverse', None)
         b = dev.to_device(batch)
-        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps)
+        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps, progress=progress)
         if out is None:
             model.train(was_training)
             return None, None

@@ -34,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # train.py, so a new file is compared as soon as it is there
 CODE_FILES = sorted(glob.glob(os.path.join(HERE, '*.py')))
 HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
+HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; a rerun would loop
 
 # -----------------------------------------------------------------------------
 # stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
@@ -330,25 +331,30 @@ atexit.register(release_locks)
 # watchdog ends it, so a person or a relaunch loop can act
 
 class Watchdog:
-    """Watchdog(minutes, record): when `minutes` pass with no progress() (a finished training step or
-    evaluation batch), every thread's stack goes to stderr and train.log, record(values) is called (rank 0:
-    a line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT. It is armed
-    by the `warmup`-th report (the first steps compile their graphs) and pause(n) disarms it for the next n
-    reports (an evaluation's first batch may compile); minutes=0: off."""
+    """Watchdog(minutes, record, folder): when `minutes` pass with no progress() (a finished training step,
+    evaluation batch or evaluation supervision step), every thread's stack goes to stderr and train.log,
+    record(values) is called (rank 0: a line of metrics.jsonl), the out_dir's lock is removed and the process
+    exits with HUNG_EXIT, for a rerun. It is armed by the `warmup`-th report (the first steps compile their
+    graphs) and pause(n), at an evaluation's start, disarms it for the next n reports (its first graphs may
+    compile); minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as the
+    last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead, so
+    a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever."""
 
-    def __init__(self, minutes, record=None, warmup=2):
-        self.limit, self.record, self.waiting = 60.0 * minutes, record, warmup
-        self.last, self.what, self.step = time.time(), 'start-up', None
+    def __init__(self, minutes, record=None, warmup=2, folder=None):
+        self.limit, self.record, self.waiting, self.folder = 60.0 * minutes, record, warmup, folder
+        self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', None, False
         self.done = threading.Event()
         if self.limit > 0:
             threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
 
     def progress(self, what, step=None):
-        self.last, self.what, self.step = time.time(), what, self.step if step is None else step
-        self.waiting = max(0, self.waiting - 1)
+        """`what` finished; a training step gives its `step` (the evaluation it may start is another wait)."""
+        self.last, self.what, self.waiting = time.time(), what, max(0, self.waiting - 1)
+        if step is not None:
+            self.step, self.evaluating = step, False
 
     def pause(self, reports=1):
-        self.waiting = max(self.waiting, reports)
+        self.waiting, self.evaluating = max(self.waiting, reports), True
 
     def stop(self):
         self.done.set()
@@ -358,12 +364,23 @@ class Watchdog:
             if not self.waiting and time.time() - self.last > self.limit:
                 self.fire()
 
+    def awaited(self):
+        """What the run was waiting for, in words."""
+        if self.evaluating:
+            return 'the evaluation ' + (f'after step {self.step}' if self.step is not None else 'of the checkpoint')
+        return f'step {self.step + 1}' if self.step is not None else 'the first step'
+
     def fire(self):
-        idle = time.time() - self.last
+        idle, waiting = time.time() - self.last, self.awaited()
+        again = self.remember(dict(command=sys.argv, waiting=waiting))
+        code = HUNG_AGAIN_EXIT if again else HUNG_EXIT
+        then = (f"it fired on this same work in the last run of this command too: a rerun would repeat it, so "
+                f"the exit code is {code}, not {HUNG_EXIT}. A slow but healthy piece of work needs a larger "
+                "--watchdog_minutes" if again else "the same command with --init_from=resume continues from the "
+                "last checkpoint")
         print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; "
-              f"the last: {self.what}) in pid {os.getpid()}: a hung host or collective. Every thread's stack "
-              f"follows; exiting with code {HUNG_EXIT}: the same command with --init_from=resume continues "
-              f"from the last checkpoint", file=sys.stderr, flush=True)
+              f"the last: {self.what}) in pid {os.getpid()}, waiting for {waiting}: a hung host or collective. "
+              f"Every thread's stack follows; exiting with code {code}: {then}", file=sys.stderr, flush=True)
         for f in (sys.stderr, Tee.log):
             try:
                 f.flush()
@@ -373,12 +390,45 @@ class Watchdog:
         try:
             if self.record:
                 self.record(dict(step=self.step, idle_s=round(idle, 1), limit_min=self.limit / 60,
-                                 last=self.what, pid=os.getpid(), host=socket.gethostname()))
+                                 last=self.what, waiting=waiting, pid=os.getpid(), host=socket.gethostname(),
+                                 exit_code=code))
         except Exception as e:
             print(f"watchdog: could not record it ({e})", file=sys.stderr)
         release_locks()
-        os._exit(HUNG_EXIT)  # the main thread is stuck: only a hard exit ends the process
+        os._exit(code)  # the main thread is stuck: only a hard exit ends the process
 
+    def remember(self, work):
+        """Whether the firing remembered in the folder was on `work` too; then `work` is remembered, with the
+        exit code (for a torch_xla launcher: ended_abruptly)."""
+        if not self.folder:
+            return False
+        path = os.path.join(self.folder, 'watchdog.json')
+        try:
+            with open(path) as f:
+                again = {k: v for k, v in json.load(f).items() if k in work} == work
+        except (OSError, ValueError, AttributeError):
+            again = False
+        try:
+            with open(f'{path}.{os.getpid()}.tmp', 'w') as f:
+                json.dump(dict(work, exit_code=HUNG_AGAIN_EXIT if again else HUNG_EXIT), f)
+            os.replace(f'{path}.{os.getpid()}.tmp', path)
+        except OSError as e:
+            print(f"watchdog: could not remember this firing in {path} ({e.strerror or e})", file=sys.stderr)
+        return again
+
+
+def ended_abruptly(folder, since):
+    """A torch_xla launcher whose worker ended abruptly (the watchdog, a kill): says so, and returns the exit
+    code: the watchdog's, when it fired in `folder` after `since` (time.time()), else HUNG_EXIT."""
+    code = HUNG_EXIT
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if os.path.getmtime(os.path.join(folder, 'watchdog.json')) >= since:
+            with open(os.path.join(folder, 'watchdog.json')) as f:
+                code = int(json.load(f).get('exit_code', HUNG_EXIT))
+    then = ('the same command with --init_from=resume continues from the last checkpoint' if code == HUNG_EXIT
+            else 'the watchdog fired on the same work as in the last run: a rerun would repeat it')
+    print(f"a training process ended abruptly; exiting with code {code}: {then}", file=sys.stderr)
+    return code
 
 
 # -----------------------------------------------------------------------------

@@ -383,13 +383,15 @@ class TRM(nn.Module):
         return y, z, self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers))
 
     @torch.no_grad()
-    def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=0):
+    def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=0,
+                progress=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
         needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B], and with
         loss_at (a step's index) that step's loss of each row [B] against batch['labels'].
         step, start: what runs one step and the start (default self.predict_step and self.predict_start;
         compiled_predict passes compiled ones). should_stop: asked after every `chunk` steps while steps
-        remain (a verdict every rank reaches at the same step); when it says stop, None."""
+        remain (a verdict every rank reaches at the same step); when it says stop, None. progress: called with
+        the count of steps done after every step (a watchdog's heartbeat; no device read)."""
         step, start = step or self.predict_step, start or self.predict_start
         y, z, x = start(batch['inputs'], batch['puzzle_identifiers'])
         preds, q_halts, loss = [], [], None
@@ -402,6 +404,8 @@ class TRM(nn.Module):
                 y, z, pred, q_halt = step(y, z, x)
             preds.append(pred)
             q_halts.append(q_halt)
+            if progress is not None:
+                progress(i + 1)
         return (torch.stack(preds), torch.stack(q_halts)) + (() if loss_at is None else (loss,))
 
     # --- bookkeeping ------------------------------------------------------------------------------

@@ -57,6 +57,15 @@ def run_phase(n, args, env, log):
     return (None if told and not STOP['requested'] else rc), time.time() - t
 
 
+def read_records(local):
+    """The records in <local>/metrics.jsonl ([] when there is none)."""
+    path = os.path.join(local, 'metrics.jsonl')
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(l) for l in f if l.strip()]
+
+
 def tail(path, n=15):
     with open(path) as f:
         return ''.join(f.readlines()[-n:])
@@ -134,6 +143,9 @@ def preflight(cfg):
     local = os.path.join(cfg['local_dir'], 'smoke') if cfg['local_dir'] else \
         (local_folder(out) if gcs.is_gcs(out) else out)
     os.makedirs(local, exist_ok=True)
+    for name in ('metrics.jsonl', 'results.json'):  # an earlier smoke's: the verdict reads this smoke's alone
+        if os.path.exists(os.path.join(local, name)):
+            os.remove(os.path.join(local, name))
     env = dict(os.environ, PYTHONUNBUFFERED='1')
     alone = host_alone_env()
     env.update({k: v for k, v in alone.items() if v is not None})
@@ -156,19 +168,20 @@ def preflight(cfg):
         log = os.path.join(local, f'phase{n}.out')
         rc, secs = run_phase(n, common + extra, env, log)
         texts.append(open(log).read())
-        why = '' if rc == 0 else f" (over {PHASE_MINUTES} min)" if rc is None else f" (exit {rc})"
-        print(f"smoke: run {n} {'ended' if rc == 0 else 'FAILED'} in {secs:.0f} s{why}", flush=True)
-        if rc != 0 or STOP['requested']:
+        # its part done: its evaluation at its last step recorded (a run stopped early exits 0 too)
+        done = rc == 0 and any(r.get('kind') == 'eval' and r.get('step') == n * SMOKE_STEPS
+                               for r in read_records(local))
+        why = '' if done else f" (over {PHASE_MINUTES} min)" if rc is None else f" (exit {rc})" if rc else \
+            f" (exit 0, but no evaluation at step {n * SMOKE_STEPS}: stopped before its end)"
+        print(f"smoke: run {n} {'ended' if done else 'FAILED'} in {secs:.0f} s{why}", flush=True)
+        if not done or STOP['requested']:
             failed = f"run {n} ({'stopped' if STOP['requested'] else 'see below'})"
             print(tail(log))
             break
 
     # --- the verdict, from the runs' output and records -------------------------------------------------
     first = next((l for l in texts[0].splitlines() if l.startswith('device ')), '')
-    records = []
-    if os.path.exists(os.path.join(local, 'metrics.jsonl')):
-        with open(os.path.join(local, 'metrics.jsonl')) as f:
-            records = [json.loads(l) for l in f if l.strip()]
+    records = read_records(local)
     train = [r for r in records if r.get('kind') == 'train']
     evals = [r for r in records if r.get('kind') == 'eval']
     compiles = [m.group(1) for t in texts for m in [re.search(r'xla: (\d+) graph compilations', t)] if m]

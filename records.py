@@ -16,6 +16,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 
 import gcs
@@ -235,17 +236,17 @@ class TensorBoardWriter:
     """TensorBoard's event files of a run (rank 0), written by torch's SummaryWriter into <run>/tb: one file
     per process, which begins by purging the steps after the one it continues from (TensorBoard's reader drops
     them from the files before it), so a resumed run shows every step once, as metrics.jsonl does. A failure
-    (a full disk) is a warning; the run goes on without it."""
+    (a full or read-only disk) is one warning, and the run goes on without events; a tb/ deleted under the
+    run is made again, and the rest of the history goes into a new file there."""
 
     def __init__(self, writer):
         self.writer = writer
-        self.name = os.path.basename(writer.file_writer.event_writer._file_name)
+        self.path = writer.file_writer.event_writer._file_name
 
     @classmethod
     def open(cls, local, step, cfg):
         try:
-            from torch.utils.tensorboard import SummaryWriter
-            board = cls(SummaryWriter(os.path.join(local, 'tb'), purge_step=step + 1, flush_secs=30))
+            board = cls(cls.summary_writer(os.path.join(local, 'tb'), step + 1))
             if step == 0:  # the config once, as a table
                 board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
                     f'| {k} | {v!r} |' for k, v in cfg.items()]), 0)
@@ -256,19 +257,40 @@ class TensorBoardWriter:
                   "without them")
             return None
 
+    @staticmethod
+    def summary_writer(folder, purge_step):
+        from torch.utils.tensorboard import SummaryWriter
+        if threading.excepthook is not quiet_event_writers:
+            quiet_event_writers.default, threading.excepthook = threading.excepthook, quiet_event_writers
+        return SummaryWriter(folder, purge_step=purge_step, flush_secs=30)
+
     def log(self, groups, step):
+        if self.writer is None:
+            return
         try:
+            if not os.path.exists(self.path):  # tb/ (or its file) deleted under the run
+                folder = os.path.dirname(self.path)
+                self.close()
+                self.writer = self.summary_writer(folder, step)
+                self.path = self.writer.file_writer.event_writer._file_name
+                print(f"warning: {folder} was deleted under the run: made again, its TensorBoard events go on "
+                      f"from step {step} in {os.path.basename(self.path)}")
             for prefix, vals in groups.items():
                 for k, v in flat_scalars(vals):
                     self.writer.add_scalar(f'{prefix}/{k}', v, step)
         except Exception as e:
-            print(f"warning: TensorBoard log failed at step {step}: {e}")
+            print(f"warning: TensorBoard events cannot be written in {os.path.dirname(self.path)} at step "
+                  f"{step} ({e}); the run goes on without them")
+            self.close()
+            self.writer = None
 
     def snapshot(self, path):
         """A copy of the event file as written so far (flushed first), or None."""
+        if self.writer is None:
+            return None
         try:
             self.writer.flush()
-            shutil.copyfile(os.path.join(self.writer.log_dir, self.name), path)
+            shutil.copyfile(self.path, path)
             return path
         except Exception as e:
             print(f"warning: cannot copy the TensorBoard events for their upload ({e})")
@@ -277,6 +299,13 @@ class TensorBoardWriter:
     def close(self):
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+def quiet_event_writers(args):
+    """threading.excepthook: an event writer's thread that failed (a full disk) says nothing, as its writer's
+    next use raises that failure, which TensorBoardWriter says once; any other thread's goes on as before."""
+    if type(args.thread).__name__ != '_AsyncWriterThread':
+        quiet_event_writers.default(args)
 
 
 # -----------------------------------------------------------------------------

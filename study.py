@@ -33,6 +33,7 @@ study_report.py (tables, fits, plots; its FAMILY_PANELS says which plot draws a 
 The design, each scale's flags, the cost model, slots and pods, seeds, views and the report: docs/studies.md
 """
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -416,9 +417,13 @@ class Running:
     def __init__(self, cmd, log_path, display, env=None, cores=None, e=None, slot=None):
         self.e, self.slot, self.t0 = e, slot, time.time()
         self.tail, self.errors, self.progress, self.last_eval = deque(maxlen=30), deque(maxlen=60), '', ''
-        os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
-        self.log = open(log_path, 'ab')
-        self.log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
+        self.log_path, self.log = log_path, None
+        try:
+            os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
+            self.log = open(log_path, 'ab')
+        except OSError as ex:
+            self.log_failed(ex)
+        self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
         self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env=child_env(env), start_new_session=True,
@@ -443,8 +448,7 @@ class Running:
                     sys.stdout.flush()
                 except (OSError, ValueError):  # the reader of study.py's stdout is gone
                     sys.stdout.lost()
-            self.log.write(chunk)
-            self.log.flush()
+            self.write_log(chunk)
             *lines, rest = (self.bufs[fd] + chunk).split(b'\n') if chunk else [self.bufs[fd], b'']
             if chunk:
                 self.bufs[fd], got = rest, 'more'
@@ -462,6 +466,24 @@ class Running:
                     self.last_eval = line
         return got or ('' if self.bufs else 'eof')
 
+    def write_log(self, data):
+        """Appends to the log; a failed write (a full disk) is said once, and the log left as it is."""
+        if self.log is None:
+            return
+        try:
+            self.log.write(data)
+            self.log.flush()
+        except OSError as ex:
+            self.log_failed(ex)
+
+    def log_failed(self, ex):
+        print(f"\nstudy: cannot write {self.log_path} ({ex.strerror or ex}): the rest of this process's output "
+              "is not kept there", flush=True)
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                self.log.close()
+        self.log = None
+
     def error(self):
         """The process's error: the last line it wrote to stderr that is not a warning, a traceback's frame
         or torchrun's report around it (a SystemExit's message, a traceback's last line); '' if none."""
@@ -474,7 +496,9 @@ class Running:
         STOP['children'].discard(self.p)
         self.p.stdout.close()
         self.p.stderr.close()
-        self.log.close()
+        if self.log is not None:
+            with contextlib.suppress(OSError):  # what did not fit was said at its write
+                self.log.close()
         return rc, list(self.tail)
 
 
@@ -504,8 +528,11 @@ def lock_study():
         except OSError as ex:
             raise SystemExit(f"cannot create the lock {path}: {ex.strerror}; out_root must be a folder this "
                              "study can write")
-        with os.fdopen(fd, 'w') as f:
-            json.dump(lock_record(), f)
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as ex:  # a full disk: the lock is there, without its holder's name
+            print(f"study: cannot write the holder into the lock {path} ({ex.strerror or ex}); the lock holds")
         atexit.register(lambda: os.path.exists(path) and os.remove(path))
         return
 

@@ -11,7 +11,6 @@ A new machine first: the same command with --smoke=True (two short runs, then on
 import contextlib
 import copy
 import os
-import sys
 import time
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
@@ -216,8 +215,8 @@ def main(index=None):
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps)
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
-    watchdog = guard.Watchdog(watchdog_minutes, lambda v: run.log('watchdog', v, v['step'] or 0, {}),
-                              warmup=log_interval + 1)
+    watchdog = guard.Watchdog(watchdog_minutes, lambda v: run.records and run.log('watchdog', v, v['step'] or 0, {}),
+                              warmup=log_interval + 1, folder=run.local)  # no records in eval_only
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
@@ -230,11 +229,11 @@ def main(index=None):
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights, backend=dev.compile_backend) if (compile and dev.kind != 'cpu') \
             else None
-        watchdog.pause(2)  # asked before each batch: armed once the first batch (maybe a compile) is done
+        watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (maybe compiles) are done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
-            return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example,
-                            predict=predict,
-                            should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed())
+            return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example, predict=predict,
+                            should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
+                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'))
 
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
@@ -377,8 +376,7 @@ if __name__ == '__main__':
         try:
             torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same
         except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
-            print(f"a training process ended abruptly; exiting with code {guard.HUNG_EXIT}: the same "
-                  f"command with --init_from=resume continues from the last checkpoint", file=sys.stderr)
-            raise SystemExit(guard.HUNG_EXIT)
+            folder = (local_dir or guard.local_folder(out_dir)) if out_dir.startswith('gs://') else out_dir
+            raise SystemExit(guard.ended_abruptly(folder, _T_START))  # the watchdog's code, when it fired
     else:
         main()

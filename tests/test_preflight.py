@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run
@@ -32,7 +31,6 @@ def phase_pid(parent, phase):
     return None
 
 
-@pytest.mark.xfail(strict=True, reason='fault 4: fixed after the restructuring')
 def test_a_smoke_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_path):
     out = tmp_path / 'o'
     cmd = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + SMOKE

@@ -23,7 +23,6 @@ def train_closed(toy, out, redirect):
                           text=True, timeout=300)
 
 
-@pytest.mark.xfail(strict=True, reason='fault 9: fixed after the restructuring')
 @pytest.mark.parametrize('redirect', ['>&-', '2>&-'], ids=['stdout', 'stderr'])
 def test_a_run_with_a_closed_stream_trains_and_exits_0(toy, tmp_path, redirect):
     out = tmp_path / 'o'

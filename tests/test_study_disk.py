@@ -7,13 +7,11 @@ out_root is a small tmpfs, filled once the run is trained (root; skipped where i
 import os
 import shutil
 
-import pytest
 
 from conftest import ROOT, run
 from disks import fill_up, small_disk
 
 
-@pytest.mark.xfail(strict=True, reason='fault 8: fixed after the restructuring')
 def test_a_study_re_evaluation_on_a_full_disk_names_the_path_and_prints_its_summary(tmp_path):
     tmp, out = str(tmp_path), tmp_path / 'out'
     (tmp_path / 'cfg').mkdir()

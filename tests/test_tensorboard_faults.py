@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 
 from conftest import ROOT, TOY_ARGS, run
 from disks import small_disk
@@ -24,7 +23,6 @@ def warnings_about_tb(text):
     return [l for l in text.splitlines() if 'warning' in l.lower() and ('tb' in l or 'TensorBoard' in l)]
 
 
-@pytest.mark.xfail(strict=True, reason='fault 6: fixed after the restructuring')
 def test_a_full_tb_folder_is_one_warning_and_the_run_goes_on(toy, tmp_path):
     out = tmp_path / 'o'
     with small_disk(out / 'tb', '16k', fill=True):
@@ -35,7 +33,6 @@ def test_a_full_tb_folder_is_one_warning_and_the_run_goes_on(toy, tmp_path):
     assert len(warnings_about_tb(text)) == 1, warnings_about_tb(text)
 
 
-@pytest.mark.xfail(strict=True, reason='fault 6: fixed after the restructuring')
 def test_a_tb_folder_deleted_mid_run_is_made_again(toy, tmp_path):
     out = tmp_path / 'o'
     e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
