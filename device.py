@@ -421,13 +421,13 @@ class Device:
                 except Exception:
                     pass
             if name.lower() == 'cpu':
-                return f"XLA on the CPU: {self._cpu_name()}"
+                return f"XLA on the CPU: {cpu_name()}"
             return f"XLA {name} {accel}".strip()
         if self.kind == 'tpu':
             accel = os.environ.get('TPU_ACCELERATOR_TYPE', '')  # e.g. 'v6e-8', where the VM sets it
             return (f"TorchTPU {self.tpu.device_name()} {accel}".strip() if self.tpu.native
-                    else f"TorchTPU's code on the CPU ({self.tpu.backend}): {self._cpu_name()}")
-        return self._cpu_name()
+                    else f"TorchTPU's code on the CPU ({self.tpu.backend}): {cpu_name()}")
+        return cpu_name()
 
     def peak_tflops(self):
         """The chip's peak dense bf16 TFLOP/s, for MFU: None on a CPU (no meaningful figure) or a chip not
@@ -437,10 +437,10 @@ class Device:
             return None
         return peak_tflops_of(name)
 
-    @staticmethod
-    def _cpu_name():
-        model, ext = cpu_features()
-        return f"{model} [{' '.join(ext) or 'no AVX2'}], {torch.get_num_threads()} threads"
+
+def cpu_name():
+    model, ext = cpu_features()
+    return f"{model} [{' '.join(ext) or 'no AVX2'}], {torch.get_num_threads()} threads"
 
 
 def to_cpu(obj):

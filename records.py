@@ -469,3 +469,66 @@ def groups(line):
                        and k not in ('step', 'epoch', 'memory')},
                 perf={k: line[k] for k in perf if k in line},
                 xla={k[4:]: v for k, v in line.items() if k.startswith('xla_')})
+
+
+# -----------------------------------------------------------------------------
+# the run folder's log, leftovers and results.json
+
+def start_log(local, gs_out, resuming):
+    """Rank 0: stdout and stderr also into <local>/train.log; a gs:// run resumed on a new machine first
+    fetches the bucket's log, so it goes on with it."""
+    log = os.path.join(local, 'train.log')
+    if gs_out and resuming and not os.path.exists(log):
+        gcs.download_if_there(f"{gs_out.rstrip('/')}/train.log", log,
+                              "train.log starts anew here, and its upload replaces the bucket's")
+    Tee.log_to(log)
+
+
+def remove_unfinished(local):
+    """Rank 0: temporary files of saves and downloads that never finished."""
+    for name in os.listdir(local):
+        if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
+                os.path.isfile(os.path.join(local, name)):
+            os.remove(os.path.join(local, name))
+
+
+def results_step(path):
+    """The step a results.json belongs to, or None (no such file, or not readable as one)."""
+    try:
+        with open(path) as f:
+            return json.load(f).get('step')
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def results_of_step(local, gs_out, step):
+    """Whether the run's results.json is that of checkpoint `step`, here or (a new machine) in its bucket,
+    whose copy is then fetched."""
+    path = os.path.join(local, 'results.json')
+    if results_step(path) == step:
+        return True
+    if not gs_out:
+        return False
+    bucket = gcs.download_if_there(f"{gs_out.rstrip('/')}/results.json", path + '.bucket', "evaluating again")
+    if bucket and results_step(bucket) == step:
+        os.replace(bucket, path)
+        return True
+    if bucket:
+        os.remove(bucket)
+    return False
+
+
+def drop_results(local, gs_out):
+    """Rank 0, before a process's first checkpoint: results.json of an earlier finish (local and in the
+    bucket) removed, since it would sit beside a checkpoint of another step; the end of the run writes its
+    own. A bucket that cannot delete it is a warning: a resume compares its step with the checkpoint's.
+    Returns True (done)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(local, 'results.json'))
+    if gs_out:
+        uri = f"{gs_out.rstrip('/')}/results.json"
+        try:
+            gcs.delete_object(uri)
+        except gcs.GCSError as e:
+            print(f"warning: cannot delete {uri} ({e}), an earlier finish's: it is not this run's result")
+    return True

@@ -9,8 +9,6 @@ checkpoint.py holds the files and the resume, records.py the records and uploads
 (signals, locks, watchdog, verdicts every rank agrees on, start-up checks). Every method that more than rank 0
 needs is called by every rank at the same point.
 """
-import contextlib
-import json
 import os
 import secrets
 import threading
@@ -25,8 +23,8 @@ from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_pr
 from data import load_metadata
 from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
                    lock_bucket, lock_local, mark_data, release_locks, startup_problems)
-from records import (SNAPSHOTS, Records, TensorBoardWriter, Tee, Uploads, flat_scalars, save_evaluation,
-                     start_wandb, wandb_log_safe)
+from records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
+                     results_of_step, save_evaluation, start_log, start_wandb, wandb_log_safe)
 
 
 class Run:
@@ -75,16 +73,9 @@ class Run:
                 (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
-            log = os.path.join(self.local, 'train.log')
-            if self.gs_out and cfg['init_from'] == 'resume' and not os.path.exists(log):  # a new machine
-                gcs.download_if_there(f"{self.gs_out.rstrip('/')}/train.log", log,  # goes on with the log
-                                      "train.log starts anew here, and its upload replaces the bucket's")
-            Tee.log_to(log)
+            start_log(self.local, self.gs_out, cfg['init_from'] == 'resume')
             mark_data(self.data_path, cfg['out_dir'])
-            for name in os.listdir(self.local):  # temporary files of saves and downloads that never finished
-                if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
-                        os.path.isfile(os.path.join(self.local, name)):
-                    os.remove(os.path.join(self.local, name))
+            remove_unfinished(self.local)
         problems = []
         if self.master and cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
             problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
@@ -138,8 +129,8 @@ class Run:
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
                          data=data_shape(self.meta))
             try:
-                if not self.results_dropped:
-                    self.drop_results()
+                if not self.results_dropped:  # an earlier finish's results.json would sit beside this step
+                    self.results_dropped = drop_results(self.local, self.gs_out)
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
                 if self.uploads:
@@ -253,39 +244,12 @@ class Run:
                       world_size=self.dev.world_size, config=self.cfg, eval=res)
         return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
 
-    def drop_results(self):
-        """Rank 0, before this process's first checkpoint: results.json of an earlier finish (local and in the
-        bucket) removed, since it would sit beside a checkpoint of another step; the end of this run writes
-        its own. A bucket that cannot delete it is a warning: a resume compares its step with the
-        checkpoint's."""
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(self.local, 'results.json'))
-        if self.gs_out:
-            uri = f"{self.gs_out.rstrip('/')}/results.json"
-            try:
-                gcs.delete_object(uri)
-            except gcs.GCSError as e:
-                print(f"warning: cannot delete {uri} ({e}), an earlier finish's: it is not this run's result")
-        self.results_dropped = True
-
     def results_missing(self, step):
         """Whether the run lacks a results.json of checkpoint `step` in its folder and its bucket (rank 0
         looks; every rank learns it): a run that reached its last step without it (a stop during the final
         evaluation, a failed write), or one whose results.json is an earlier finish's (trained on, then
         stopped)."""
-        missing = False
-        if self.master:
-            local = os.path.join(self.local, 'results.json')
-            there = results_step(local) == step
-            if not there and self.gs_out:  # a new machine: the bucket's copy, if it is this step's
-                bucket = gcs.download_if_there(f"{self.gs_out.rstrip('/')}/results.json", local + '.bucket',
-                                               "evaluating again")
-                there = bool(bucket) and results_step(bucket) == step
-                if there:
-                    os.replace(bucket, local)
-                elif bucket:
-                    os.remove(bucket)
-            missing = not there
+        missing = self.master and not results_of_step(self.local, self.gs_out, step)
         return self.dev.agree([float(missing)], 'max')[0] > 0
 
     def at_the_end(self, step, run_steps, end, evaluate):
@@ -328,11 +292,3 @@ class Run:
             finish.join(timeout=4 if interrupted else 60)
         release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
 
-
-def results_step(path):
-    """The step a results.json belongs to, or None (no such file, or not readable as one)."""
-    try:
-        with open(path) as f:
-            return json.load(f).get('step')
-    except (OSError, ValueError, AttributeError):
-        return None

@@ -206,10 +206,9 @@ def main(index=None):
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
     if master:
-        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
-              f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | "
-              f"{total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), eval "
-              f"every {eval_every}")
+        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | {model.num_params():,}"
+              f" parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | {total_steps} steps "
+              f"({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps)
@@ -225,13 +224,12 @@ def main(index=None):
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
-        ev = held[subset]
         ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
-        predict = compiled_predict(weights, backend=dev.compile_backend) if (compile and dev.kind != 'cpu') \
-            else None
+        predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.kind != 'cpu' else None
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (maybe compiles) are done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
-            return evaluate(weights, ev, dev, n_eval_steps, halt_max_steps, verifier, show_example, predict=predict,
+            return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
+                            predict=predict,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
                             progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'))
 
