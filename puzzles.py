@@ -527,9 +527,9 @@ class ARC(Grid):
 
     @staticmethod
     def dihedral(grid, t):
-        g = np.asarray(grid)
-        return (g, np.rot90(g, 1), np.rot90(g, 2), np.rot90(g, 3), g[:, ::-1], g[::-1], g.T,
-                np.rot90(g, 1)[:, ::-1])[t]
+        g = np.asarray(grid)  # views by slicing: a build transforms millions of small grids
+        return (g if t == 0 else g[:, ::-1].T if t == 1 else g[::-1, ::-1] if t == 2 else g.T[:, ::-1] if t == 3
+                else g[:, ::-1] if t == 4 else g[::-1] if t == 5 else g.T if t == 6 else g[::-1, ::-1].T)
 
     @classmethod
     def augment(cls, grid, t, colours):
