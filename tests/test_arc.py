@@ -228,7 +228,10 @@ def test_synthetic_tasks_obey_their_rules_and_build_a_held_out_split(tmp_path):
     out = tmp_path / 'syn'
     assert prepare_arc.main(['--synthetic', '--canvas=10', '--num_tasks=18', '--num_eval_tasks=6', '--num_aug=4',
                              f'--output_dir={out}']) == 0
-    rules = {'crop': lambda x, y: (lambda r, c: (x[r.min():r.max() + 1, c.min():c.max() + 1] == y).all())(*np.nonzero(x)),
+    def cropped(x):
+        r, c = np.nonzero(x)
+        return x[r.min():r.max() + 1, c.min():c.max() + 1]
+    rules = {'crop': lambda x, y: (cropped(x) == y).all(),
              'scale2': lambda x, y: (np.kron(x, np.ones((2, 2), int)) == y).all()}
     seen = set()
     for subset in ('training', 'evaluation'):
