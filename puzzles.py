@@ -496,6 +496,8 @@ ARC_PALETTE = {'0': (0, 0, 0), '1': (0, 0.455, 0.851), '2': (1, 0.255, 0.212), '
                '4': (1, 0.863, 0), '5': (0.667, 0.667, 0.667), '6': (0.941, 0.071, 0.745),
                '7': (1, 0.522, 0.106), '8': (0.498, 0.859, 1), '9': (0.529, 0.047, 0.145)}
 EOS = 1
+_DIHEDRAL = (lambda g: g, lambda g: g[:, ::-1].T, lambda g: g[::-1, ::-1], lambda g: g.T[:, ::-1],  # views by
+             lambda g: g[:, ::-1], lambda g: g[::-1], lambda g: g.T, lambda g: g[::-1, ::-1].T)   # slicing: cheap
 DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # t -> the transform that undoes t
 
 
@@ -527,9 +529,7 @@ class ARC(Grid):
 
     @staticmethod
     def dihedral(grid, t):
-        g = np.asarray(grid)  # views by slicing: a build transforms millions of small grids
-        return (g if t == 0 else g[:, ::-1].T if t == 1 else g[::-1, ::-1] if t == 2 else g.T[:, ::-1] if t == 3
-                else g[:, ::-1] if t == 4 else g[::-1] if t == 5 else g.T if t == 6 else g[::-1, ::-1].T)
+        return _DIHEDRAL[t](np.asarray(grid))
 
     @classmethod
     def augment(cls, grid, t, colours):
