@@ -124,7 +124,7 @@ def building(root):
     old = os.path.join(root, '.previous')
     shutil.rmtree(old, ignore_errors=True)
     os.makedirs(old)
-    names = [n for n in ('train', 'test', 'identifiers.json') if os.path.exists(os.path.join(tmp, n))]
+    names = sorted(os.listdir(tmp))  # the splits, identifiers.json and whatever else the builder wrote
     for n in names:  # renames only: the old dataset goes aside, then the new one comes in
         if os.path.exists(os.path.join(root, n)):
             os.replace(os.path.join(root, n), os.path.join(old, n))

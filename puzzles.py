@@ -166,6 +166,7 @@ class Grid:
     # symmetries
 
     symmetric = False  # draw() gives more than the identity: augmentation and test-time views need it
+    stored_views = ''  # why fresh views are none, for a kind whose views are stored in its dataset
 
     def identity(self, k):
         return np.tile(np.arange(self.L), (k, 1)), np.tile(np.arange(self.vocab_size, dtype=np.uint8), (k, 1))
@@ -489,9 +490,147 @@ class Maze(Grid):
 
 
 # -----------------------------------------------------------------------------
+# ARC: PAD 0, EOS 1, colour c -> c + 2 (vocab 12); one grid of any shape up to n x n at the canvas's top-left
+
+ARC_PALETTE = {'0': (0, 0, 0), '1': (0, 0.455, 0.851), '2': (1, 0.255, 0.212), '3': (0.180, 0.800, 0.251),
+               '4': (1, 0.863, 0), '5': (0.667, 0.667, 0.667), '6': (0.941, 0.071, 0.745),
+               '7': (1, 0.522, 0.106), '8': (0.498, 0.859, 1), '9': (0.529, 0.047, 0.145)}
+EOS = 1
+_DIHEDRAL = (lambda g: g, lambda g: g[:, ::-1].T, lambda g: g[::-1, ::-1], lambda g: g.T[:, ::-1],  # views by
+             lambda g: g[:, ::-1], lambda g: g[::-1], lambda g: g.T, lambda g: g[::-1, ::-1].T)   # slicing: cheap
+DIHEDRAL_INVERSE = (0, 3, 2, 1, 4, 5, 6, 7)  # t -> the transform that undoes t
+
+
+class ARC(Grid):
+    """An ARC-AGI grid: h x w colours 0-9 (1 <= h, w <= n) at the top-left of an n x n canvas, EOS on the row
+    just below it and the column just right of it where they fall inside the canvas (the corner stays PAD).
+    The labels train that border too, so the model draws the output's size; crop() reads it back.
+    There is no verifier (an answer is right only when it is the task's output), and a fresh symmetry is no
+    view: a task's augmentations (a dihedral transform and a permutation of colours 1-9, 0 fixed) are stored
+    in the dataset, each with its own trained puzzle embedding, and an augmentation without one scores 0."""
+    name, noun = 'arc', 'ARC grid'
+    chars = '|0123456789'  # token 1 (EOS) shows as '|'
+    question_chars = '0123456789'
+    pad_char = '.'
+    sep = ''
+    colors = dict(ARC_PALETTE, **{'|': (1, 1, 1), '.': (0.85, 0.85, 0.85)})
+    correct = None  # no verifier: exact match against the label only
+    stored_views = "its views are the stored augmentations of the test split (fresh ones carry no trained " \
+                   "puzzle embedding)"
+
+    @property
+    def title(self):
+        return f"ARC grid on a {self.n}x{self.n} canvas"
+
+    # the augmentation: a dihedral transform t (0 identity, 1-3 rotations by 90 degrees counter-clockwise
+    # k times, 4 left-right flip, 5 up-down flip, 6 transpose, 7 anti-transpose; the numbering is the one the
+    # reference's dataset names carry) and a colour map (colours[c]: what colour c becomes), on grids of any
+    # shape, so an input and its differently shaped output go through the same augmentation
+
+    @staticmethod
+    def dihedral(grid, t):
+        return _DIHEDRAL[t](np.asarray(grid))
+
+    @classmethod
+    def augment(cls, grid, t, colours):
+        return cls.dihedral(np.asarray(colours, np.uint8)[np.asarray(grid)], t)
+
+    @classmethod
+    def unaugment(cls, grid, t, colours):
+        """The inverse of augment(., t, colours): the dihedral transform undone, then the colours."""
+        return np.argsort(colours).astype(np.uint8)[cls.dihedral(grid, DIHEDRAL_INVERSE[t])]
+
+    # canvas <-> grid
+
+    def to_canvas(self, grid, r=0, c=0):
+        """A grid of colours [h, w] -> tokens [n*n] (uint8) with the grid's top-left at (r, c)."""
+        g = np.asarray(grid)
+        h, w = g.shape
+        n = self.n
+        assert 0 <= r and r + h <= n and 0 <= c and c + w <= n, (g.shape, r, c, n)
+        canvas = np.zeros((n, n), np.uint8)
+        canvas[r:r + h, c:c + w] = g + 2
+        if r + h < n:
+            canvas[r + h, c:c + w] = EOS
+        if c + w < n:
+            canvas[r:r + h, c + w] = EOS
+        return canvas.ravel()
+
+    def crop(self, tokens):
+        """tokens [n*n] -> the grid of colours [h, w]: the largest top-left rectangle of colour tokens (the
+        area of a row-by-row scan that narrows to each row's first non-colour cell); [0, 0] when the first
+        cell holds none."""
+        t = np.asarray(tokens).reshape(self.n, self.n)
+        is_colour = (t >= 2) & (t <= 11)
+        width = np.minimum.accumulate(np.where(is_colour.all(1), self.n, is_colour.argmin(1)))
+        area = width * np.arange(1, self.n + 1)
+        h = int(area.argmax()) + 1 if area.max() > 0 else 0
+        return (t[:h, :width[h - 1] if h else 0] - 2).astype(np.uint8)
+
+    # a user's grid and its text
+
+    def text_shape(self):
+        return (f"rows of equal length, 1 to {self.n} of them, of 1 to {self.n} colour digits 0-9, joined by "
+                "'/' or newlines (or a JSON list of rows: [[0, 1], [2, 3]])")
+
+    def grid_from_text(self, text, where):
+        """A user's grid -> colours [h, w] (uint8); a bad text raises ValueError with one line."""
+        s = text.strip()
+        shape = f"an ARC grid has {self.text_shape()}"
+        if s.startswith('['):
+            s = s.replace(' ', '').replace('\n', '').replace('],[', '/').strip('[]')
+            s = s.replace(',', '')
+        rows = [r.replace(' ', '') for r in s.replace('\r', '').replace('/', '\n').split('\n')]
+        while rows and rows[-1] == '':
+            rows.pop()
+        if not rows or not rows[0]:
+            raise ValueError(f"{where}: an empty grid; {shape}")
+        if len(rows) > self.n:
+            raise ValueError(f"{where}: {plural(len(rows), 'row')}, over the canvas's {self.n}; {shape}")
+        for r, row in enumerate(rows):
+            if len(row) != len(rows[0]):
+                raise ValueError(f"{where}: row {r + 1} has {len(row)} cells and row 1 {len(rows[0])}; {shape}")
+            if len(row) > self.n:
+                raise ValueError(f"{where}: rows of {len(row)} cells, over the canvas's {self.n}; {shape}")
+            for c, ch in enumerate(row):
+                if ch not in self.question_chars:
+                    raise ValueError(f"{where}: character {ch!r} in row {r + 1}, column {c + 1}; {shape}")
+        return (np.frombuffer(''.join(rows).encode(), np.uint8) - ord('0')).reshape(len(rows), -1)
+
+    def parse(self, text, where):
+        return self.to_canvas(self.grid_from_text(text, where)).astype(np.int32)
+
+    def split_file(self, lines):
+        """[(text, first line, last line)]: blank-line-separated blocks, one grid each."""
+        blocks, cur = [], []
+        for i, line in enumerate(lines + ['']):
+            if line.strip():
+                cur.append((i + 1, line))
+            elif cur:
+                blocks.append(('\n'.join(l for _, l in cur), cur[0][0], cur[-1][0]))
+                cur = []
+        return blocks
+
+    def describe(self, tokens):
+        h, w = self.crop(tokens).shape
+        return f", {h}x{w}"
+
+    def render(self, tokens, before=None):
+        """The cropped grid as digits, one line a row; cells that differ from `before` (when its crop has the
+        same shape) get a trailing '*'."""
+        g = self.crop(tokens)
+        if g.size == 0:
+            return '(no grid: the canvas does not start with a colour)'
+        b = None if before is None else self.crop(before)
+        changed = (g != b) if b is not None and b.shape == g.shape else np.zeros(g.shape, bool)
+        return '\n'.join(''.join(f"{v}{'*' if m else ' '}" for v, m in zip(row, mrow)).rstrip()
+                         for row, mrow in zip(g, changed))
+
+
+# -----------------------------------------------------------------------------
 # a dataset's kind
 
-KINDS = {'sudoku': Sudoku, 'maze': Maze}  # name -> class; a kind added elsewhere registers here
+KINDS = {'sudoku': Sudoku, 'maze': Maze, 'arc': ARC}  # name -> class; a kind added elsewhere registers here
 
 
 def puzzle_for(meta):
@@ -512,6 +651,8 @@ def puzzle_for(meta):
         return Sudoku(n)
     if meta['vocab_size'] == len(Maze.chars) + 1:
         return Maze(n)
+    if meta['vocab_size'] == len(ARC.chars) + 1 and n == 30:
+        return ARC(n)
     return None
 
 
@@ -554,6 +695,8 @@ def views_problem(kind, K, rows=1, row_bytes=0, memory=None):
     if kind is None:
         return (f"{K} views need a known puzzle kind: this dataset's is unknown (its answers are only compared "
                 "with the labels), so views must be 1")
+    if kind.stored_views:
+        return f"{K} fresh views of an {kind.noun}: {kind.stored_views}, so views must be 1"
     if not kind.symmetric:
         return f"{article(kind.title)} has no symmetries to show it in other views, so views must be 1"
     per_view = rows * (kind.L * (8 + 8 + 8 + 4 + 4 + 4 + 4) + 2 * kind.vocab_size + row_bytes)
