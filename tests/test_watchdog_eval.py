@@ -9,7 +9,7 @@ import json
 import os
 
 from conftest import TOY_ARGS, run
-from test_first_hour import hang_at
+from test_watchdog import hang_at
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']
 # two evaluation batches of 100 rows at 400 supervision steps each: seconds a batch, a step in milliseconds
