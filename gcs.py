@@ -716,6 +716,15 @@ def upload_dataset(local_dir, uri):
         raise GCSError(f"the dataset was built in {local_dir}, but its upload to {uri} failed: {e}") from e
 
 
+def publish_dataset(local_dir, uri):
+    """Where a dataset a builder just wrote ends up: local_dir, or with a gs:// uri the whole folder uploaded
+    there for every host to fetch (said in one line)."""
+    if not uri:
+        return local_dir
+    print(f"uploaded {upload_dataset(local_dir, uri)} files to {uri}")
+    return uri
+
+
 def fetch_tree(uri, cache_dir):
     """A local copy of the folder under gs:// uri, made once: every object is downloaded into a temporary
     folder, its size checked against the listing, and only a complete copy is renamed to its final name,

@@ -539,14 +539,13 @@ def main(argv=None):
             subsets.append((CONCEPT, kaggle_subset(folder, CONCEPT, canvas)))
             test_subset = v['test']
         with building(out) as tmp:  # the previous dataset stays whole until this one is
-            build(subsets, test_subset, tmp, num_aug, args.seed, canvas)
-        if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
-            print(f"uploaded {gcs.upload_dataset(out, bucket_uri)} files to {bucket_uri}")
-            out = bucket_uri
+            built = build(subsets, test_subset, tmp, num_aug, args.seed, canvas)
+        out = gcs.publish_dataset(out, bucket_uri)  # built locally, then uploaded for every host
     except (ValueError, DownloadError, OSError, gcs.GCSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(f"wrote {out}")
+    print(f"wrote {out}: {built['identifiers']:,} puzzle identifiers, {built['train_rows']:,} train rows, "
+          f"{built['test_rows']:,} test rows")
     return 0
 
 

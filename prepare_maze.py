@@ -315,9 +315,7 @@ def main(argv=None):
         with building(out) as tmp:  # the previous dataset stays whole until this one is
             build_dataset(csv_dir, tmp, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
                           skip_bad=args.skip_bad)
-        if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
-            print(f"uploaded {gcs.upload_dataset(out, bucket_uri)} files to {bucket_uri}")
-            out = bucket_uri
+        out = gcs.publish_dataset(out, bucket_uri)  # built locally, then uploaded for every host
     except (ValueError, DownloadError, OSError, gcs.GCSError) as e:  # bad rows, an empty split, a failed
                                                                      # download or upload
         print(f"error: {e}", file=sys.stderr)

@@ -541,9 +541,7 @@ def main(argv=None):
         with building(args.output_dir) as tmp:  # the previous dataset stays whole until this one is
             build(csv_dir, tmp, args.size, args.subsample_size, args.min_difficulty, args.num_aug, args.seed,
                   args.skip_bad)
-        if bucket_uri:  # built locally, then the whole folder goes to the bucket for every host to fetch
-            print(f"uploaded {gcs.upload_dataset(args.output_dir, bucket_uri)} files to {bucket_uri}")
-            args.output_dir = bucket_uri
+        args.output_dir = gcs.publish_dataset(args.output_dir, bucket_uri)  # built here, then uploaded
     except (ValueError, DownloadError, RuntimeError, FileNotFoundError, gcs.GCSError) as e:  # CSVFormatError:
                                                                                              # a ValueError
         print(f"error: {e}", file=sys.stderr)

@@ -11,6 +11,7 @@ A new machine first: the same command with --smoke=True (two short runs, then on
 import contextlib
 import copy
 import os
+import sys
 import time
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
@@ -91,8 +92,7 @@ _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
-             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
-             eval_batch_size=_nonneg,
+             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos, eval_batch_size=_nonneg,
              log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg, global_batch_size=_pos,
              epochs=_pos, max_steps=_nonneg, hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos,
              H_cycles=_pos, L_cycles=_pos, halt_max_steps=_pos,

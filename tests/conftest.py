@@ -5,13 +5,18 @@ the TINY model config, the GCS emulator, local HTTP servers. Run all:  python -m
 import functools
 import glob
 import http.server
+import json
 import os
 import re
+import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+from http.server import BaseHTTPRequestHandler
 
 import numpy as np
 import pytest
@@ -254,3 +259,169 @@ def http_dir(tmp_path):
         server.shutdown()
         server.server_close()
         thread.join(5)
+
+
+# --- helpers shared by the run and fault tests ------------------------------------------------------------
+
+
+@pytest.fixture(scope='module')
+def sudoku4(tmp_path_factory):
+    """Generated 4x4 Sudokus (the builder's output): 60 train, 10 test."""
+    root = tmp_path_factory.mktemp('s4') / 'd'
+    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(root)])
+    return str(root)
+
+
+@pytest.fixture(scope='module')
+def trained(sudoku4, tmp_path_factory):
+    """A finished 4-step run on the 4x4 Sudokus: ckpt_00000004.pt, metrics.jsonl, results.json. Read only."""
+    out = tmp_path_factory.mktemp('trained') / 'o'
+    train(sudoku4, out, '--max_steps=4', args=SUDOKU)
+    return str(out)
+
+
+def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
+    """A dataset that says it holds side x side puzzles of `kind` (random tokens: shapes are what matter)."""
+    rng = np.random.default_rng(seed)
+    vocab = side + 2 if kind == 'sudoku' else 6
+    for split in splits:
+        x = rng.integers(1, vocab, (n, side * side))
+        write_split(str(root), split, x, x, np.zeros(n), np.arange(n + 1), np.arange(n + 1), vocab_size=vocab,
+                    extra=dict(puzzle_type=kind, grid_size=side))
+    return str(root)
+
+
+def start(data, out, *extra, args=FAST, **kw):
+    """train.py in the background (its own session, so a failed test can kill the whole group)."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT), **kw)
+    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
+                            + list(extra), cwd=ROOT, env=e, text=True, start_new_session=True, **kw)
+
+
+def read_until(proc, prefix, timeout=300):
+    """The lines proc printed up to and including the first that starts with prefix."""
+    lines, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith(prefix):
+            return ''.join(lines)
+        assert time.time() < deadline, ''.join(lines)[-3000:]
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"no line starting with {prefix!r}:\n{''.join(lines)[-3000:]}")
+
+
+def finish(proc, timeout):
+    try:
+        rest = proc.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"train.py still running {timeout} s after the signal")
+    return rest or ''
+
+
+def popen_train(data, out, *extra, args=FAST, env=None):
+    """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
+    e.pop('PJRT_DEVICE', None) if 'PJRT_DEVICE' not in (env or {}) else None
+    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
+                            + list(extra), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            bufsize=0, start_new_session=True)
+
+
+class Lines:
+    """The lines a process prints, read from its pipe's file descriptor without read-ahead: what has not been
+    read is still in the pipe, and `drain` drops what the process has written so far."""
+
+    def __init__(self, proc):
+        self.proc, self.fd, self.buf, self.seen = proc, proc.stdout.fileno(), b'', []
+
+    def _read(self, timeout):
+        if not select.select([self.fd], [], [], max(0.0, timeout))[0]:
+            return None
+        chunk = os.read(self.fd, 1 << 16)
+        self.buf += chunk
+        return chunk
+
+    def next(self, timeout=300):
+        deadline = time.time() + timeout
+        while b'\n' not in self.buf:
+            chunk = self._read(deadline - time.time())
+            if not chunk:  # EOF, or nothing within the time
+                return None
+        line, self.buf = self.buf.split(b'\n', 1)
+        self.seen.append(line.decode())
+        return self.seen[-1]
+
+    def until(self, prefix, timeout=300):
+        deadline = time.time() + timeout
+        while True:
+            line = self.next(deadline - time.time())
+            if line is None:
+                self.kill()
+                raise AssertionError(f"no line starting with {prefix!r}:\n" + '\n'.join(self.seen)[-3000:])
+            if line.startswith(prefix):
+                return line
+
+    def drain(self):
+        while self._read(0):
+            pass
+        *lines, self.buf = self.buf.split(b'\n')
+        self.seen += [l.decode() for l in lines]
+
+    def rest(self, timeout):
+        deadline = time.time() + timeout
+        while self.next(deadline - time.time()) is not None:
+            pass
+        try:
+            self.proc.wait(timeout=max(1.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"still running {timeout} s on:\n" + '\n'.join(self.seen)[-3000:])
+        return '\n'.join(self.seen)
+
+    def kill(self):
+        with_group = lambda: os.killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            with_group()
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+class Preconditioned(BaseHTTPRequestHandler):
+    objects = {}
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code, body=b'', kind='application/json'):
+        self.send_response(code)
+        self.send_header('Content-Type', kind)
+        self.send_header('Content-Length', str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def name(self):
+        url = urllib.parse.urlparse(self.path)
+        q = urllib.parse.parse_qs(url.query)
+        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
+
+    def do_POST(self):  # a media upload
+        name, q = self.name()
+        data = self.rfile.read(int(self.headers['Content-Length']))
+        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
+            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
+        self.objects[name] = data
+        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
+
+    def do_GET(self):
+        name, _ = self.name()
+        if name not in self.objects:
+            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
+        self.reply(200, self.objects[name], 'application/octet-stream')
+
+    def do_DELETE(self):
+        name, _ = self.name()
+        self.reply(204 if self.objects.pop(name, None) is not None else 404)

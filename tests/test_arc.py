@@ -12,7 +12,7 @@ import re
 import numpy as np
 import pytest
 
-from conftest import ROOT, FileHandler, assert_user_error, run
+from conftest import ROOT, FileHandler, run
 from data import check_split
 import prepare_arc
 from puzzles import ARC, puzzle_for, views_problem

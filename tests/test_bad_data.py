@@ -5,29 +5,14 @@ not match, a rebuild that fails halfway or happens under a running run: one line
 
 import json
 import os
-import select
 import shutil
 import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
 
-from conftest import FAST, ROOT, SUDOKU, assert_user_error, run, train
+from conftest import SUDOKU, assert_user_error, Lines, popen_train, run, train, write_like
 from data import check_split, write_split
-
-
-def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
-    """A dataset that says it holds side x side puzzles of `kind` (random tokens: shapes are what matter)."""
-    rng = np.random.default_rng(seed)
-    vocab = side + 2 if kind == 'sudoku' else 6
-    for split in splits:
-        x = rng.integers(1, vocab, (n, side * side))
-        write_split(str(root), split, x, x, np.zeros(n), np.arange(n + 1), np.arange(n + 1), vocab_size=vocab,
-                    extra=dict(puzzle_type=kind, grid_size=side))
-    return str(root)
 
 
 @pytest.fixture(scope='module')
@@ -77,75 +62,6 @@ def test_a_rebuild_that_fails_halfway_leaves_the_previous_dataset_whole(tmp_path
     assert_user_error(p, 'test.csv')
     assert {s: files(m / s) for s in ('train', 'test')} == before
     assert all(check_split(str(root), s) == [] for root in (d, m) for s in ('train', 'test'))
-
-
-def popen_train(data, out, *extra, args=FAST, env=None):
-    """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
-    e.pop('PJRT_DEVICE', None) if 'PJRT_DEVICE' not in (env or {}) else None
-    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            bufsize=0, start_new_session=True)
-
-
-class Lines:
-    """The lines a process prints, read from its pipe's file descriptor without read-ahead: what has not been
-    read is still in the pipe, and `drain` drops what the process has written so far."""
-
-    def __init__(self, proc):
-        self.proc, self.fd, self.buf, self.seen = proc, proc.stdout.fileno(), b'', []
-
-    def _read(self, timeout):
-        if not select.select([self.fd], [], [], max(0.0, timeout))[0]:
-            return None
-        chunk = os.read(self.fd, 1 << 16)
-        self.buf += chunk
-        return chunk
-
-    def next(self, timeout=300):
-        deadline = time.time() + timeout
-        while b'\n' not in self.buf:
-            chunk = self._read(deadline - time.time())
-            if not chunk:  # EOF, or nothing within the time
-                return None
-        line, self.buf = self.buf.split(b'\n', 1)
-        self.seen.append(line.decode())
-        return self.seen[-1]
-
-    def until(self, prefix, timeout=300):
-        deadline = time.time() + timeout
-        while True:
-            line = self.next(deadline - time.time())
-            if line is None:
-                self.kill()
-                raise AssertionError(f"no line starting with {prefix!r}:\n" + '\n'.join(self.seen)[-3000:])
-            if line.startswith(prefix):
-                return line
-
-    def drain(self):
-        while self._read(0):
-            pass
-        *lines, self.buf = self.buf.split(b'\n')
-        self.seen += [l.decode() for l in lines]
-
-    def rest(self, timeout):
-        deadline = time.time() + timeout
-        while self.next(deadline - time.time()) is not None:
-            pass
-        try:
-            self.proc.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"still running {timeout} s on:\n" + '\n'.join(self.seen)[-3000:])
-        return '\n'.join(self.seen)
-
-    def kill(self):
-        with_group = lambda: os.killpg(self.proc.pid, signal.SIGKILL)
-        try:
-            with_group()
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
 
 
 def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_the_builder_says_so(tmp_path):

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, run
+from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, Preconditioned, run
 
 FAST = TOY_ARGS + ['--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2']
 
@@ -251,43 +251,6 @@ def test_failed_uploads_counted_at_exit_are_the_files_still_only_local(toy, tmp_
     named = m.group(2).split(', ')
     kept = sorted(os.listdir(local))  # train.log too: its copy in the bucket failed as well
     assert sorted(named) == kept and int(m.group(1)) == len(named), (named, os.listdir(local))
-
-
-class Preconditioned(BaseHTTPRequestHandler):
-    objects = {}
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, code, body=b'', kind='application/json'):
-        self.send_response(code)
-        self.send_header('Content-Type', kind)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def name(self):
-        url = urllib.parse.urlparse(self.path)
-        q = urllib.parse.parse_qs(url.query)
-        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
-
-    def do_POST(self):  # a media upload
-        name, q = self.name()
-        data = self.rfile.read(int(self.headers['Content-Length']))
-        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
-            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
-        self.objects[name] = data
-        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
-
-    def do_GET(self):
-        name, _ = self.name()
-        if name not in self.objects:
-            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
-        self.reply(200, self.objects[name], 'application/octet-stream')
-
-    def do_DELETE(self):
-        name, _ = self.name()
-        self.reply(204 if self.objects.pop(name, None) is not None else 404)
 
 
 class SlowBucket(Preconditioned):

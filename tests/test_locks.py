@@ -11,42 +11,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import torch
 
-from conftest import BUCKET, FAST, ROOT, assert_user_error, ckpts, train
-
-
-def start(data, out, *extra, args=FAST, **kw):
-    """train.py in the background (its own session, so a failed test can kill the whole group)."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT), **kw)
-    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=e, text=True, start_new_session=True, **kw)
-
-
-def read_until(proc, prefix, timeout=300):
-    """The lines proc printed up to and including the first that starts with prefix."""
-    lines, deadline = [], time.time() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            return ''.join(lines)
-        assert time.time() < deadline, ''.join(lines)[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"no line starting with {prefix!r}:\n{''.join(lines)[-3000:]}")
-
-
-def finish(proc, timeout):
-    try:
-        rest = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"train.py still running {timeout} s after the signal")
-    return rest or ''
+from conftest import BUCKET, ROOT, Preconditioned, assert_user_error, ckpts, finish, read_until, start, train
 
 
 def assert_unlocked(out):
@@ -82,43 +51,6 @@ def test_one_run_per_out_dir_a_stale_lock_is_taken_over_and_every_exit_removes_i
     p = train(toy, out, f"--init_from={out / ckpts(out)[-1]}", '--eval_only=True')
     assert 'eval on 200' in p.stdout
     assert_unlocked(out)  # eval_only
-
-
-class Preconditioned(BaseHTTPRequestHandler):
-    objects = {}
-
-    def log_message(self, *args):
-        pass
-
-    def reply(self, code, body=b'', kind='application/json'):
-        self.send_response(code)
-        self.send_header('Content-Type', kind)
-        self.send_header('Content-Length', str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def name(self):
-        url = urllib.parse.urlparse(self.path)
-        q = urllib.parse.parse_qs(url.query)
-        return q['name'][0] if 'name' in q else urllib.parse.unquote(url.path.split('/o/', 1)[1]), q
-
-    def do_POST(self):  # a media upload
-        name, q = self.name()
-        data = self.rfile.read(int(self.headers['Content-Length']))
-        if q.get('ifGenerationMatch') == ['0'] and name in self.objects:
-            return self.reply(412, json.dumps(dict(error=dict(code=412, message='precondition'))).encode())
-        self.objects[name] = data
-        self.reply(200, json.dumps(dict(name=name, generation='1')).encode())
-
-    def do_GET(self):
-        name, _ = self.name()
-        if name not in self.objects:
-            return self.reply(404, json.dumps(dict(error=dict(code=404, message='no such object'))).encode())
-        self.reply(200, self.objects[name], 'application/octet-stream')
-
-    def do_DELETE(self):
-        name, _ = self.name()
-        self.reply(204 if self.objects.pop(name, None) is not None else 404)
 
 
 LOCKER = """

@@ -6,10 +6,9 @@ mixes into another run's folder. Real processes on real files.
 import os
 import shutil
 
-import pytest
 import torch
 
-from conftest import SUDOKU, assert_user_error, ckpt_paths, ckpts, run, train
+from conftest import SUDOKU, assert_user_error, ckpt_paths, ckpts, train
 
 
 def files(folder):
@@ -19,22 +18,6 @@ def files(folder):
 
 def assert_unlocked(out):
     assert not os.path.exists(os.path.join(out, 'run.lock')), 'the run left its lock behind'
-
-
-@pytest.fixture(scope='module')
-def sudoku4(tmp_path_factory):
-    """Generated 4x4 Sudokus (the builder's output): 60 train, 10 test."""
-    root = tmp_path_factory.mktemp('s4') / 'd'
-    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(root)])
-    return str(root)
-
-
-@pytest.fixture(scope='module')
-def trained(sudoku4, tmp_path_factory):
-    """A finished 4-step run on the 4x4 Sudokus: ckpt_00000004.pt, metrics.jsonl, results.json. Read only."""
-    out = tmp_path_factory.mktemp('trained') / 'o'
-    train(sudoku4, out, '--max_steps=4', args=SUDOKU)
-    return str(out)
 
 
 def test_init_from_a_file_into_a_folder_of_checkpoints_is_refused_unless_overwrite(sudoku4, trained, tmp_path):

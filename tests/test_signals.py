@@ -6,7 +6,6 @@ evaluation, under torch_xla's launcher, with a second signal, or with stdout's r
 import json
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
@@ -15,27 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, ROOT, XLA_ENV, ckpts, train
-
-
-def start(data, out, *extra, args=FAST, **kw):
-    """train.py in the background (its own session, so a failed test can kill the whole group)."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT), **kw)
-    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=e, text=True, start_new_session=True, **kw)
-
-
-def read_until(proc, prefix, timeout=300):
-    """The lines proc printed up to and including the first that starts with prefix."""
-    lines, deadline = [], time.time() + timeout
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith(prefix):
-            return ''.join(lines)
-        assert time.time() < deadline, ''.join(lines)[-3000:]
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise AssertionError(f"no line starting with {prefix!r}:\n{''.join(lines)[-3000:]}")
+from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, finish, popen_train, read_until, start, train
 
 
 def assert_unlocked(out):
@@ -64,16 +43,6 @@ def test_sigterm_while_stdout_is_a_closed_pipe_saves_the_stop_checkpoint(toy, tm
     assert torch.load(out / ckpts(out)[0], weights_only=True)['step'] == step
     assert f'step {step}/' in log
     assert_unlocked(out)
-
-
-def finish(proc, timeout):
-    try:
-        rest = proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"train.py still running {timeout} s after the signal")
-    return rest or ''
 
 
 def test_a_stop_during_an_evaluation_saves_its_step_at_once_and_the_resume_evaluates(toy, tmp_path):
@@ -110,75 +79,6 @@ def test_a_run_whose_stdout_reader_is_gone_from_the_start_trains_and_logs(toy, t
     assert p.returncode == 0 and 'Traceback' not in text, text[-3000:]
     assert ckpts(out) == ['ckpt_00000004.pt'] and os.path.exists(out / 'results.json')
     assert 'eval on 200' in open(out / 'train.log').read()
-
-
-def popen_train(data, out, *extra, args=FAST, env=None):
-    """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
-    e.pop('PJRT_DEVICE', None) if 'PJRT_DEVICE' not in (env or {}) else None
-    return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            bufsize=0, start_new_session=True)
-
-
-class Lines:
-    """The lines a process prints, read from its pipe's file descriptor without read-ahead: what has not been
-    read is still in the pipe, and `drain` drops what the process has written so far."""
-
-    def __init__(self, proc):
-        self.proc, self.fd, self.buf, self.seen = proc, proc.stdout.fileno(), b'', []
-
-    def _read(self, timeout):
-        if not select.select([self.fd], [], [], max(0.0, timeout))[0]:
-            return None
-        chunk = os.read(self.fd, 1 << 16)
-        self.buf += chunk
-        return chunk
-
-    def next(self, timeout=300):
-        deadline = time.time() + timeout
-        while b'\n' not in self.buf:
-            chunk = self._read(deadline - time.time())
-            if not chunk:  # EOF, or nothing within the time
-                return None
-        line, self.buf = self.buf.split(b'\n', 1)
-        self.seen.append(line.decode())
-        return self.seen[-1]
-
-    def until(self, prefix, timeout=300):
-        deadline = time.time() + timeout
-        while True:
-            line = self.next(deadline - time.time())
-            if line is None:
-                self.kill()
-                raise AssertionError(f"no line starting with {prefix!r}:\n" + '\n'.join(self.seen)[-3000:])
-            if line.startswith(prefix):
-                return line
-
-    def drain(self):
-        while self._read(0):
-            pass
-        *lines, self.buf = self.buf.split(b'\n')
-        self.seen += [l.decode() for l in lines]
-
-    def rest(self, timeout):
-        deadline = time.time() + timeout
-        while self.next(deadline - time.time()) is not None:
-            pass
-        try:
-            self.proc.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"still running {timeout} s on:\n" + '\n'.join(self.seen)[-3000:])
-        return '\n'.join(self.seen)
-
-    def kill(self):
-        with_group = lambda: os.killpg(self.proc.pid, signal.SIGKILL)
-        try:
-            with_group()
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
 
 
 def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_lose_the_save(toy, tmp_path):

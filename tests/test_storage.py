@@ -7,11 +7,8 @@ import json
 import os
 import shutil
 
-import numpy as np
-import pytest
 
-from conftest import FAST, SUDOKU, assert_user_error, ckpts, run, train
-from data import write_split
+from conftest import FAST, SUDOKU, assert_user_error, ckpts, run, train, write_like
 
 
 def test_a_failed_results_write_is_a_warning_and_the_resume_writes_it(toy, tmp_path):
@@ -44,22 +41,6 @@ def test_a_full_disk_while_appending_metrics_is_a_warning_and_training_goes_on(t
     assert ckpts(out) == ['ckpt_00000008.pt'] and os.path.exists(out / 'results.json')
 
 
-@pytest.fixture(scope='module')
-def sudoku4(tmp_path_factory):
-    """Generated 4x4 Sudokus (the builder's output): 60 train, 10 test."""
-    root = tmp_path_factory.mktemp('s4') / 'd'
-    run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(root)])
-    return str(root)
-
-
-@pytest.fixture(scope='module')
-def trained(sudoku4, tmp_path_factory):
-    """A finished 4-step run on the 4x4 Sudokus: ckpt_00000004.pt, metrics.jsonl, results.json. Read only."""
-    out = tmp_path_factory.mktemp('trained') / 'o'
-    train(sudoku4, out, '--max_steps=4', args=SUDOKU)
-    return str(out)
-
-
 def test_a_torn_line_in_metrics_is_dropped_with_a_warning(sudoku4, trained, tmp_path):
     out = shutil.copytree(trained, tmp_path / 'o')
     lines = open(os.path.join(out, 'metrics.jsonl')).readlines()
@@ -69,17 +50,6 @@ def test_a_torn_line_in_metrics_is_dropped_with_a_warning(sudoku4, trained, tmp_
     assert 'warning' in p.stdout and 'metrics.jsonl line 2' in p.stdout
     rows = [json.loads(l) for l in open(os.path.join(out, 'metrics.jsonl'))]
     assert rows[-1]['step'] == 6
-
-
-def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
-    """A dataset that says it holds side x side puzzles of `kind` (random tokens: shapes are what matter)."""
-    rng = np.random.default_rng(seed)
-    vocab = side + 2 if kind == 'sudoku' else 6
-    for split in splits:
-        x = rng.integers(1, vocab, (n, side * side))
-        write_split(str(root), split, x, x, np.zeros(n), np.arange(n + 1), np.arange(n + 1), vocab_size=vocab,
-                    extra=dict(puzzle_type=kind, grid_size=side))
-    return str(root)
 
 
 def test_solve_png_into_a_folder_and_a_model_of_another_puzzle(trained, tmp_path):

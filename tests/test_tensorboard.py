@@ -9,7 +9,6 @@ import glob
 import gzip
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
