@@ -243,6 +243,10 @@ class TensorBoardWriter:
         self.writer = writer
         self.path = writer.file_writer.event_writer._file_name
 
+    @property
+    def name(self):  # the event file's, under tb/ in the bucket too
+        return os.path.basename(self.path)
+
     @classmethod
     def open(cls, local, step, cfg):
         try:
