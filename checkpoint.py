@@ -198,8 +198,9 @@ def data_problems(ckpt, path, meta, data_path, advice):
     model, and a resume's carry, are bound to it). Checkpoints from before `data` was saved: the carry's
     width is the sequence length."""
     carry, saved = ckpt.get('carry'), ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
-    was = ckpt.get('data') or (dict(seq_len=int(carry['inputs'].shape[-1])) if isinstance(carry, dict)
-                               and 'inputs' in carry else None)
+    was = ckpt.get('data')
+    if not was and isinstance(carry, dict) and 'inputs' in carry:
+        was = dict(seq_len=int(carry['inputs'].shape[-1]))
     now = {k: v for k, v in data_shape(meta).items() if k in (was or {})}
     if not was or was == now:
         return []

@@ -176,7 +176,7 @@ def build(meta, dev, total_steps, data_path):
 
 
 def evaluate_checkpoint(run, dev, run_eval, meta, step):
-    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves it for a study."""
+    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves the result for a study."""
     t_eval = time.time()
     res, example = run_eval(0, show_example=True)
     if dev.master:
