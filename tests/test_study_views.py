@@ -66,7 +66,8 @@ def test_finished_runs_are_evaluated_in_views_and_steps_once_and_compared(tmp_pa
             assert float(r[m]) == v[m], (r, m)
         flops = res['eval_flops'] / res['count'] / 4 * int(r['views'])
         assert float(r['flops_per_puzzle']) == flops and float(r['seconds']) == recs[int(r['steps'])]['seconds']
-        line = f"| rec_L2 | {r['views']} | {r['steps']} | {100 * v['vote']:.1f} | " \
+        assert r['checkpoint_step'] == str(recs[int(r['steps'])]['step'])  # the weights it evaluated
+        line = f"| rec_L2 | {r['checkpoint_step']} | {r['views']} | {r['steps']} | {100 * v['vote']:.1f} | " \
                f"{100 * v['verified']:.1f} | {100 * v['oracle']:.1f} |"
         assert line in md, (line, md)
     assert int(rows[6]['steps']) == 8 and int(rows[6]['halt_max_steps']) == 4  # the run's own: twice its halt steps
