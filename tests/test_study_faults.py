@@ -84,12 +84,12 @@ def test_extra_may_not_set_what_the_runner_owns(grid, data_root):
 
 
 def test_a_failed_runs_reason_is_its_error_not_its_last_line(grid, data_root):
-    # a run that exits 0 without results.json: it evaluates and shows a board as its last lines
+    # a run that fails at start (eval_only with no checkpoint to evaluate): its one-line error, not a board
     with open(f'{grid}/cfg/rec_L2.py', 'a') as f:
         f.write("eval_only = True\n")
     p = run(args(grid, data_root), check=False)
     line = next(l for l in summary(p.stdout).splitlines() if 'rec_L2' in l)
-    assert 'FAILED' in line and 'exit code 0' in line and 'no results.json' in line, line
+    assert 'FAILED' in line and 'exit code 1' in line and 'no checkpoint' in line, line
     assert '|' not in line.split('(log:')[0], line  # not a board row
     # a run killed by a signal: the signal, not its last step line
     os.remove(f'{grid}/cfg/rec_L2.py')

@@ -81,7 +81,7 @@ def test_the_smoke_check_s_torchtpu_verdicts():
 def driver(args, toy, out, torchrun=False):
     launcher = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2'] if torchrun else []
     p = run(launcher + [DRIVER, f'--data={toy}', f'--out={out}'] + args, timeout=900)
-    lines = [json.loads(l) for l in p.stdout.splitlines() if l.startswith('{')]
+    lines = json_objects(p.stdout)
     return [l for l in lines if 'rank' in l], [l for l in lines if 'step' in l]
 
 
@@ -132,3 +132,16 @@ def test_every_torchtpu_call_lives_in_torchtpu_py():
     assert uses.pop('device.py') == {'torchtpu'}  # the room's only door
     uses.pop(os.path.join('tests', 'test_torchtpu.py'))  # this file names them, to look for them
     assert {f: u for f, u in uses.items() if u} == {}
+
+
+def json_objects(text):
+    """Every JSON object the ranks printed: two ranks writing at once can put two objects on one line (an
+    unbuffered print writes the object and its newline apart)."""
+    decoder, found = json.JSONDecoder(), []
+    for line in text.splitlines():
+        i = line.find('{')
+        while i != -1:
+            obj, end = decoder.raw_decode(line, i)
+            found.append(obj)
+            i = line.find('{', end)
+    return found
