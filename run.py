@@ -129,7 +129,7 @@ class Run:
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
                          data=data_shape(self.meta))
             try:
-                if not self.results_dropped:  # an earlier finish's results.json would sit beside this step
+                if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
                     self.results_dropped = drop_results(self.local, self.gs_out)
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
