@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run
+from conftest import XLA_ENV, run
 from data import EvalLoader
 from evaluate import ARCVotes, score_arc, wilson_interval
 from puzzles import ARC
@@ -175,3 +175,54 @@ def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synt
     assert 0 <= results['arc_pass@1'] <= results['arc_pass@2'] <= 1
     evals = [json.loads(l) for l in open(out / 'metrics.jsonl') if '"kind": "eval"' in l]
     assert evals[-1]['arc_pass@2'] == results['arc_pass@2']
+
+
+# -----------------------------------------------------------------------------
+# on XLA (the CPU's): the answers' gather and read add no graph after the first batch
+
+XLA_ARC = """
+import json, sys
+import torch_xla.debug.metrics as met
+from data import EvalLoader, load_metadata
+from device import Device
+from evaluate import ARCVotes, evaluate
+from model import TRM, TRMConfig
+from puzzles import puzzle_for
+from step import compiled_predict
+dev = Device('xla')
+meta = load_metadata(sys.argv[1], 'test')
+kind = puzzle_for(meta)
+model = TRM(TRMConfig.for_data(meta, hidden_size=16, num_heads=1, mlp_t=False, pos_encodings='rope', puzzle_emb_ndim=16,
+                               puzzle_emb_len=1, H_cycles=1, L_cycles=1, halt_max_steps=2,
+                               forward_dtype='float32')).to(dev.device)
+compiles = lambda: (met.metric_data('CompileTime') or [0])[0]
+
+class Counted(EvalLoader):  # notes the compilations so far as each batch is asked for
+    def __iter__(self):
+        for batch in super().__iter__():
+            self.seen.append(compiles())
+            yield batch
+        self.seen.append(compiles())
+
+out, arc = {}, ARCVotes.open(sys.argv[1], kind)
+for i in range(2):
+    loader = Counted(sys.argv[1], 6, kind=kind)
+    loader.seen, c0 = [], compiles()
+    res, _ = evaluate(model, loader, dev, 2, 2, predict=compiled_predict(model), arc=arc)
+    out[i] = [b - a for a, b in zip([c0] + loader.seen, loader.seen + [compiles()])]
+    out[f'score{i}'] = res['arc']['last']
+out['fallbacks'] = dev.xla_report()[1]
+print(json.dumps(out))
+"""
+
+
+def test_xla_arc_evaluation_adds_no_graphs_after_its_first_batch(synthetic):
+    pytest.importorskip('torch_xla')
+    p = run(['-c', XLA_ARC, synthetic], env=XLA_ENV)
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r.pop('fallbacks') == {}
+    first, second = r['0'], r['1']
+    assert len(first) == 3 + 2  # before the first batch, 3 batches of 6 rows (the last padded), the reduction
+    assert first[0] == 0 and first[1] > 0 and first[2] == first[3] == 0, r
+    assert second == [0] * 5, r  # nor does the next evaluation
+    assert r['score0'] == r['score1'] and r['score0']['tasks'] == 4 and r['score0']['views'] == 4
