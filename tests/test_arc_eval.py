@@ -5,11 +5,12 @@ final evaluation scores and submits every evaluation task. Seconds.
 """
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 
-from conftest import XLA_ENV, run
+from conftest import XLA_ENV, assert_user_error, run
 from data import EvalLoader
 from evaluate import ARCVotes, score_arc, wilson_interval
 from puzzles import ARC
@@ -151,13 +152,22 @@ def test_a_subset_of_an_arc_split_is_whole_tasks_and_only_they_are_scored(synthe
 # -----------------------------------------------------------------------------
 # a tiny training run on it
 
-def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synthetic, tmp_path):
-    out = tmp_path / 'o'
-    p = run(['train.py', f'--data_path={synthetic}', f'--out_dir={out}', '--hidden_size=32', '--num_heads=2',
-             '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32', '--puzzle_emb_len=2', '--H_cycles=1',
-             '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=16', '--lr=2e-3', '--lr_warmup_steps=1',
-             '--forward_dtype=float32', '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=',
-             '--max_steps=3', '--epochs=100', '--eval_interval=1000', '--log_interval=1', '--tensorboard=False'])
+TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
+            '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=16',
+            '--eval_batch_size=6', '--lr=2e-3', '--lr_warmup_steps=1', '--forward_dtype=float32',
+            '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--max_steps=3', '--epochs=100',
+            '--eval_interval=1000', '--log_interval=1', '--tensorboard=False']
+
+
+@pytest.fixture(scope='module')
+def tiny_run(synthetic, tmp_path_factory):
+    """3 steps of a tiny attention TRM on the synthetic tasks, one process: (its output, its folder)."""
+    out = tmp_path_factory.mktemp('run') / 'o'
+    return run(['train.py', f'--data_path={synthetic}', f'--out_dir={out}'] + TINY_ARC), out
+
+
+def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synthetic, tiny_run):
+    p, out = tiny_run
     line = next(l for l in p.stdout.splitlines() if l.strip().startswith('ARC '))
     assert line.strip().startswith('ARC 4 tasks (4 test outputs, 4 views): pass@1 ') and 'pass@2 ' in line
     assert 'pass@2 by views: 1:' in line
@@ -175,6 +185,26 @@ def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synt
     assert 0 <= results['arc_pass@1'] <= results['arc_pass@2'] <= 1
     evals = [json.loads(l) for l in open(out / 'metrics.jsonl') if '"kind": "eval"' in l]
     assert evals[-1]['arc_pass@2'] == results['arc_pass@2']
+
+
+def test_two_ranks_vote_as_one(synthetic, tiny_run, tmp_path):
+    """torchrun, gloo: each rank's answers gathered to every rank give the one-process run's vote exactly."""
+    out = tmp_path / 'o'
+    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--data_path={synthetic}',
+         f'--out_dir={out}'] + TINY_ARC)
+    one = tiny_run[1]
+    assert json.load(open(out / 'submission.json')) == json.load(open(one / 'submission.json'))
+    arc = [json.load(open(o / 'results.json'))['final_eval']['arc'] for o in (out, one)]
+    assert arc[0] == arc[1]
+
+
+def test_an_arc_dataset_without_its_test_views_is_refused_in_one_line(synthetic, tmp_path):
+    data = tmp_path / 'd'
+    shutil.copytree(synthetic, data)
+    os.remove(data / 'test_views.npz')
+    p = run(['train.py', f'--data_path={data}', f'--out_dir={tmp_path}/o'] + TINY_ARC, check=False)
+    assert_user_error(p, 'test_views.npz is missing', 'prepare_arc.py')
+    assert 'step 1' not in p.stdout  # refused before training
 
 
 # -----------------------------------------------------------------------------
