@@ -256,7 +256,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
             model.train(was_training)
             return None, None
         inverse = batch.pop('views_inverse', None)
-        rows_index = batch.pop('example_index')
+        rows_index = batch.pop('example_index', None)
         b = dev.to_device(batch)
         out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps, progress=progress)
         if out is None:
@@ -348,7 +348,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     if arc is not None:
         res['arc'] = arc.score()
         last = res['arc']['last']
-        res.update({f'arc_{k}': last[k] for k in ('pass@1', 'pass@2', 'pass@2_ci_low', 'pass@2_ci_high')})
+        res.update({f'arc_pass@{k}{s}': last[f'pass@{k}{s}'] for k in (1, 2) for s in ('', '_ci_low', '_ci_high')})
         res.update({f'arc_{k}_q_halt': res['arc']['q_halt'][k] for k in ('pass@1', 'pass@2')})
         res['arc_tasks'] = last['tasks']
     if K > 1:
@@ -373,9 +373,10 @@ def format_eval(r):
                                                  for i, a in enumerate(r['exact_by_steps']))
     if 'arc' in r:  # ARC's vote over the stored views
         a = r['arc']['last']
-        line += (f"\n  ARC {a['tasks']} tasks ({a['test_outputs']} test outputs, {a['views']} views): pass@1 "
-                 f"{a['pass@1']:.4f} | pass@2 {a['pass@2']:.4f} (95% CI {a['pass@2_ci_low']:.4f}-"
-                 f"{a['pass@2_ci_high']:.4f}) | with q_halt stop: pass@1 {r['arc']['q_halt']['pass@1']:.4f} pass@2 "
+        line += (f"\n  ARC {a['tasks']} tasks ({a['test_outputs']} test outputs, {a['views']} views): "
+                 + ' | '.join(f"pass@{k} {a[f'pass@{k}']:.4f} (95% CI {a[f'pass@{k}_ci_low']:.4f}-"
+                              f"{a[f'pass@{k}_ci_high']:.4f})" for k in (1, 2))
+                 + f" | with q_halt stop: pass@1 {r['arc']['q_halt']['pass@1']:.4f} pass@2 "
                  f"{r['arc']['q_halt']['pass@2']:.4f} | pass@2 by views: "
                  + ' '.join(f"{v['views']}:{v['pass@2']:.3f}" for v in r['arc']['by_views']))
     for v in r.get('by_views', []):  # test-time views: one line per view count

@@ -170,7 +170,7 @@ def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synt
     p, out = tiny_run
     line = next(l for l in p.stdout.splitlines() if l.strip().startswith('ARC '))
     assert line.strip().startswith('ARC 4 tasks (4 test outputs, 4 views): pass@1 ') and 'pass@2 ' in line
-    assert 'pass@2 by views: 1:' in line
+    assert 'pass@2 by views: 1:' in line and line.count('(95% CI ') == 2
     puzzles = json.load(open(os.path.join(synthetic, 'test_puzzles.json')))
     sub = json.load(open(out / 'submission.json'))
     assert list(sub) == list(puzzles)
@@ -183,6 +183,7 @@ def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synt
     results = json.load(open(out / 'results.json'))['final_eval']
     assert set(results['arc']) == {'last', 'q_halt', 'by_views'} and results['arc_tasks'] == 4
     assert 0 <= results['arc_pass@1'] <= results['arc_pass@2'] <= 1
+    assert results['arc_pass@2_ci_low'] <= results['arc_pass@2'] <= results['arc_pass@2_ci_high']
     evals = [json.loads(l) for l in open(out / 'metrics.jsonl') if '"kind": "eval"' in l]
     assert evals[-1]['arc_pass@2'] == results['arc_pass@2']
 
