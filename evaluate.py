@@ -185,8 +185,9 @@ class ARCVotes:
             if r < 0:
                 continue
             grid = self.kind.unaugment(self.kind.crop(a), self.dihedral[r], self.colours[r])
-            per = tally.setdefault((self.names[self.task[r]], int(self.test_index[r]), self.band[r]), {})
-            count, total = per.get(key := answer_key(grid), (0, 0.0))
+            per = tally.setdefault((self.names[self.task[r]], int(self.test_index[r]), int(self.band[r])), {})
+            key = answer_key(grid)
+            count, total = per.get(key, (0, 0.0))
             per[key] = (count + 1, total + c)
 
     def votes(self, mode, views=None):
