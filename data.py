@@ -311,7 +311,10 @@ class TrainLoader:
 
 class EvalLoader:
     """Sequential batches over a split's examples (or a fixed seeded subset of them). The last batch is
-    padded to full size with pad inputs, ignored labels and the blank identifier; `valid` marks real rows."""
+    padded to full size with pad inputs, ignored labels and the blank identifier; `valid` marks real rows.
+    'example_index' (host only, not for the device) is each row's example in the split (-1: padding). A kind
+    whose views are stored in the dataset (ARC: a task's augmentations vote together) takes its subset in
+    whole groups: the seeded groups' every example, until the subset's size is reached."""
 
     def __init__(self, root, global_batch_size, rank=0, world_size=1, split='test', subset=0, seed=0, views=1,
                  kind=None):
@@ -323,7 +326,12 @@ class EvalLoader:
         self.B, self.rank, self.local_B = global_batch_size, rank, global_batch_size // world_size
         n = len(self.arrays['inputs'])
         idx = np.arange(n)
-        if subset and subset < n:
+        if subset and subset < n and kind is not None and kind.stored_views:
+            starts = np.asarray(self.arrays['puzzle_indices'])[np.asarray(self.arrays['group_indices'])]
+            order = np.random.default_rng([seed, 7]).permutation(len(starts) - 1)
+            upto = int(np.searchsorted(np.cumsum(np.diff(starts)[order]), subset)) + 1  # the group that reaches it
+            idx = np.concatenate([np.arange(starts[g], starts[g + 1]) for g in np.sort(order[:upto])])
+        elif subset and subset < n:
             idx = np.sort(np.random.default_rng([seed, 7]).choice(n, subset, replace=False))
         self.example_idx = idx
         self.views, self.kind, self.seed = views, kind, seed  # test-time views: puzzles.Grid.views
@@ -344,6 +352,7 @@ class EvalLoader:
             pz = np.concatenate([pz, np.zeros(pad, dtype=pz.dtype)])
             batch = _to_batch(self.arrays, self.meta, ex, pz)
             valid = np.arange(self.B) < n_real
+            batch['example_index'] = np.where(valid, ex, -1).astype(np.int64)
             batch['inputs'][~valid] = self.meta['pad_id']
             batch['labels'][~valid] = IGNORE_LABEL_ID
             batch['puzzle_identifiers'][~valid] = self.meta['blank_identifier_id']

@@ -2,12 +2,16 @@
 One evaluation pass on every device (CPU, CUDA, XLA): `evaluate` runs each batch for a fixed number of
 supervision steps from fresh latents and sums the metrics over all ranks; with test-time views it scores the
 views' votes and the verifier's choice (`score_views`), and reports the exact accuracy with its Wilson
-interval. train.py, bench.py and solve.py share it, so each measures the same thing.
+interval. train.py, bench.py and solve.py share it, so each measures the same thing. An ARC dataset's test rows are
+its tasks' stored views: `ARCVotes` keeps every row's answer, mapped back to its task, and scores the vote per
+test input (pass@K, `score_arc`) and writes the ARC Prize submission.
 
 Everything on the device follows the rules that keep XLA (TPU) from recompiling: one fixed graph per batch,
 the same reads on every rank, the batch's sums added up on the host.
 """
+import json
 import math
+import os
 
 import numpy as np
 import torch
@@ -58,9 +62,173 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
     return out, picks
 
 
+# -----------------------------------------------------------------------------
+# ARC: the vote over a task's stored views, pass@K and the submission
+
+PASS_AT = (1, 2, 5, 10, 100, 1000)  # the reference's K of pass@K (capped at the views a test input has)
+ARC_MODES = ('last', 'q_halt')      # the answer after the last step; where q_halt first said stop
+
+
+def answer_key(grid):
+    """A grid of colours [h, w] (uint8) -> bytes that identify it, shape included (h, w <= 255)."""
+    g = np.ascontiguousarray(grid, np.uint8)
+    return bytes(g.shape) + g.tobytes()
+
+
+def key_grid(key):
+    """answer_key's bytes -> the grid as lists of ints (ARC's JSON); an empty grid as [[0]]."""
+    h, w = key[0], key[1]
+    if h == 0 or w == 0:
+        return [[0]]
+    return np.frombuffer(key[2:], np.uint8).reshape(h, w).tolist()
+
+
+def rank_answers(tally):
+    """{answer: (count, summed confidence)} of one test input -> its answers, best first: by count, then by mean
+    confidence (then by the answer's bytes, so equal keys order the same on every rank)."""
+    return sorted(tally, key=lambda a: (-tally[a][0], -tally[a][1] / tally[a][0], a))
+
+
+def score_arc(puzzles, votes, ks=PASS_AT):
+    """The vote's score over the tasks of `puzzles` ({task id: task}, test_puzzles.json's, the test outputs
+    inside), from votes {(task id, test index): {answer_key: (count, summed confidence)}}. A test input passes
+    at K when its output is among the K best-ranked answers (rank_answers); one without votes fails. pass@K
+    averages over tasks, a task scoring the share of its test inputs that pass (the reference's score), with
+    the Wilson interval over tasks; outputs_pass@K counts every test output once. K runs over ks up to the
+    most views a test input had (1 and 2 always). ranks: per task, each test input's rank of its output (0:
+    not among the answers)."""
+    ranks, views = {}, 1
+    for task_id, task in puzzles.items():
+        ranks[task_id] = []
+        for i, pair in enumerate(task['test']):
+            tally = votes.get((task_id, i), {})
+            views = max(views, sum(c for c, _ in tally.values()))
+            order = rank_answers(tally)
+            right = answer_key(np.asarray(pair['output'], np.uint8))
+            ranks[task_id].append(order.index(right) + 1 if right in order else 0)
+    ks = [k for k in ks if k <= max(2, views)]
+    T, outputs = len(ranks), [r for rs in ranks.values() for r in rs]
+    out = dict(tasks=T, test_outputs=len(outputs), views=views,
+               answered=sum(len(votes.get((t, i), {})) > 0 for t, rs in ranks.items() for i in range(len(rs))))
+    for k in ks:
+        per_task = sum(np.mean([0 < r <= k for r in rs]) for rs in ranks.values())
+        out[f'pass@{k}'] = float(per_task) / max(T, 1)
+        out[f'outputs_pass@{k}'] = sum(0 < r <= k for r in outputs) / max(len(outputs), 1)
+        if k in (1, 2):
+            out[f'pass@{k}_ci_low'], out[f'pass@{k}_ci_high'] = wilson_interval(float(per_task), T)
+    out['ranks'] = ranks
+    return out
+
+
+def arc_submission(puzzles, votes):
+    """The ARC Prize submission: {task id: [{'attempt_1': grid, 'attempt_2': grid}, one per test input in
+    order]}, the vote's two best answers; a lone answer is both attempts (as the reference writes it), a test
+    input without votes gets [[0]] for both."""
+    sub = {}
+    for task_id, task in puzzles.items():
+        sub[task_id] = []
+        for i in range(len(task['test'])):
+            order = rank_answers(votes.get((task_id, i), {}))[:2]
+            grids = [key_grid(a) for a in order] or [[[0]]]
+            sub[task_id].append(dict(attempt_1=grids[0], attempt_2=grids[-1]))
+    return sub
+
+
+class ARCVotes:
+    """Every answer of an ARC evaluation, kept compact for the vote: each test row's answer is cropped and
+    mapped back to its task on the host as its batch arrives (test_views.npz tells each row's task, test
+    input, augmentation and view number), then counted with its confidence (sigmoid of q_halt) per test
+    input, answer and band of view numbers (view 0, 1, 2-3, 4-7, ...: the first k views, k a power of two,
+    are whole bands), once for each of ARC_MODES. 385,815 rows of 900 tokens thus never sit in memory."""
+
+    def __init__(self, kind, views, puzzles):
+        """kind: puzzles.ARC of the canvas; views: test_views.npz's arrays; puzzles: test_puzzles.json's."""
+        self.kind, self.puzzles = kind, puzzles
+        self.names = [str(t) for t in views['tasks']]
+        self.task, self.test_index = np.asarray(views['task']), np.asarray(views['test_index'])
+        self.dihedral, self.colours = np.asarray(views['dihedral']), np.asarray(views['colours'])
+        self.band = np.array([int(v).bit_length() for v in np.asarray(views['view'])], np.int64)
+        self.start()
+
+    @classmethod
+    def open(cls, root, kind):
+        """The votes of an ARC dataset at root (prepare_arc.py's test_views.npz and test_puzzles.json)."""
+        paths = [os.path.join(root, n) for n in ('test_views.npz', 'test_puzzles.json')]
+        for p in paths:
+            if not os.path.exists(p):
+                raise SystemExit(f"{p} is missing: an ARC dataset's evaluation needs it; rebuild the dataset "
+                                 "with prepare_arc.py")
+        try:
+            with np.load(paths[0]) as f:
+                views = {k: f[k] for k in f.files}
+            with open(paths[1]) as f:
+                puzzles = json.load(f)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"cannot read the ARC test views of {root}: {e}")
+        missing = [t for t in views.get('tasks', []) if str(t) not in puzzles]
+        if 'tasks' not in views or missing:
+            raise SystemExit(f"{paths[0]} does not match {paths[1]} (tasks {missing[:3]} missing): rebuild the "
+                             "dataset with prepare_arc.py")
+        return cls(kind, views, puzzles)
+
+    def start(self, rows=None):
+        """Forget the answers; the tasks scored from now on are those of the test split's `rows` (None: all)."""
+        tasks = np.unique(self.task[rows]) if rows is not None else range(len(self.names))
+        self.scored = [self.names[t] for t in tasks]
+        self.tally = {m: {} for m in ARC_MODES}
+
+    def add(self, mode, rows, answers, confidence):
+        """One batch: rows [B] the test split's row of each answer (< 0: padding, skipped), answers [B, L]
+        tokens, confidence [B] in (0, 1)."""
+        tally = self.tally[mode]
+        for r, a, c in zip(np.asarray(rows).tolist(), answers, np.asarray(confidence, np.float64).tolist()):
+            if r < 0:
+                continue
+            grid = self.kind.unaugment(self.kind.crop(a), self.dihedral[r], self.colours[r])
+            per = tally.setdefault((self.names[self.task[r]], int(self.test_index[r]), int(self.band[r])), {})
+            key = answer_key(grid)
+            count, total = per.get(key, (0, 0.0))
+            per[key] = (count + 1, total + c)
+
+    def votes(self, mode, views=None):
+        """{(task id, test index): {answer: (count, summed confidence)}} over the rows whose view number is below
+        `views` (a power of two; None: every row)."""
+        out = {}
+        for (task, i, band), per in self.tally[mode].items():
+            if views is not None and (1 << band) > views:
+                continue
+            merged = out.setdefault((task, i), {})
+            for a, (c, s) in per.items():
+                c0, s0 = merged.get(a, (0, 0.0))
+                merged[a] = (c0 + c, s0 + s)
+        return out
+
+    def score(self):
+        """score_arc of both modes over the tasks scored, the ranks left out, and the nested curve: pass@1 and
+        pass@2 over the first k views, k = 1, 2, 4, ... and every view."""
+        puzzles = {t: self.puzzles[t] for t in self.scored}
+        out = {}
+        for mode in ARC_MODES:
+            out[mode] = {k: v for k, v in score_arc(puzzles, self.votes(mode)).items() if k != 'ranks'}
+        curve = []
+        for k in view_counts(out['last']['views']):
+            row = dict(views=k)
+            for mode in ARC_MODES:
+                s = score_arc(puzzles, self.votes(mode, None if k == out['last']['views'] else k), ks=(1, 2))
+                suffix = '' if mode == 'last' else '_' + mode
+                row.update({f'pass@1{suffix}': s['pass@1'], f'pass@2{suffix}': s['pass@2']})
+            curve.append(row)
+        out['by_views'] = curve
+        return out
+
+    def submission(self, mode='last'):
+        """arc_submission of the tasks scored."""
+        return arc_submission({t: self.puzzles[t] for t in self.scored}, self.votes(mode))
+
+
 @torch.no_grad()
 def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
-             should_stop=None, progress=None):
+             should_stop=None, progress=None, arc=None):
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
     at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
     runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
@@ -71,7 +239,10 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
     (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
     point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
-    None) returned. progress(i): told after every supervision step of a batch (a watchdog's heartbeat)."""
+    None) returned. progress(i): told after every supervision step of a batch (a watchdog's heartbeat).
+    arc: an ARCVotes of the loader's dataset: every row's answer after the last step and at q_halt's stop,
+    gathered from all ranks in the batch's one read, is counted there, and res gets its score (res['arc'],
+    and arc_pass@1, arc_pass@2 with its interval); arc.submission() then gives this evaluation's."""
     predict = predict or model.predict
     K = getattr(loader, 'views', 1)
     ks = view_counts(K)
@@ -79,11 +250,14 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
     sums, example, verified, by_views = {}, None, 0, {}
+    if arc is not None:
+        arc.start(loader.example_idx)
     for batch in loader:
         if should_stop is not None and should_stop():
             model.train(was_training)
             return None, None
         inverse = batch.pop('views_inverse', None)
+        rows_index = batch.pop('example_index', None)
         b = dev.to_device(batch)
         out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps, progress=progress)
         if out is None:
@@ -127,6 +301,15 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                 counts, _ = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)
                 for name, c in counts.items():
                     by_views[name + suffix] = by_views.get(name + suffix, 0) + c
+        elif arc is not None:  # every rank's answers on every rank, in the batch's one graph and read
+            at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
+            conf = torch.sigmoid(q_all.float())
+            parts = [preds_all[-1].to(torch.uint8), conf[-1], at_stop.to(torch.uint8),
+                     conf.gather(0, first_all[None])[0], torch.from_numpy(rows_index.astype(np.int32)).to(dev.device)]
+            *answers, got = dev.read([dev.all_gather(t) for t in parts] + [flat_part])
+            a_last, c_last, a_stop, c_stop, index = answers
+            arc.add('last', index, a_last, c_last)
+            arc.add('q_halt', index, a_stop, c_stop)
         elif verifier is not None:
             p, got = dev.read([preds[h], flat_part])  # one graph per batch, then a plain transfer
         else:
@@ -163,6 +346,12 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     # the cost: forward FLOPs of every step of every view of every puzzle
     res['views'] = K
     res['eval_flops'] = float(model.flops_per_example(train=False)) * n_steps * K * n
+    if arc is not None:
+        res['arc'] = arc.score()
+        last = res['arc']['last']
+        res.update({f'arc_pass@{k}{s}': last[f'pass@{k}{s}'] for k in (1, 2) for s in ('', '_ci_low', '_ci_high')})
+        res.update({f'arc_{k}_q_halt': res['arc']['q_halt'][k] for k in ('pass@1', 'pass@2')})
+        res['arc_tasks'] = last['tasks']
     if K > 1:
         names = sorted(by_views)
         res['by_views'] = [dict(views=k, **{m: float(s['views_' + m][j]) / max(n, 1) for m in names})
@@ -183,6 +372,14 @@ def format_eval(r):
     if len(r['exact_by_steps']) > r['steps']:
         line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}"
                                                  for i, a in enumerate(r['exact_by_steps']))
+    if 'arc' in r:  # ARC's vote over the stored views
+        a = r['arc']['last']
+        line += (f"\n  ARC {a['tasks']} tasks ({a['test_outputs']} test outputs, {a['views']} views): "
+                 + ' | '.join(f"pass@{k} {a[f'pass@{k}']:.4f} (95% CI {a[f'pass@{k}_ci_low']:.4f}-"
+                              f"{a[f'pass@{k}_ci_high']:.4f})" for k in (1, 2))
+                 + f" | with q_halt stop: pass@1 {r['arc']['q_halt']['pass@1']:.4f} pass@2 "
+                 f"{r['arc']['q_halt']['pass@2']:.4f} | pass@2 by views: "
+                 + ' '.join(f"{v['views']}:{v['pass@2']:.3f}" for v in r['arc']['by_views']))
     for v in r.get('by_views', []):  # test-time views: one line per view count
         line += (f"\n  {v['views']:>2} views: vote {v['vote']:.4f} | verified {v['verified']:.4f} | oracle "
                  f"{v['oracle']:.4f} (ceiling)" + (f" | accepted {v['accepted']:.4f}" if 'accepted' in v else '')

@@ -244,6 +244,11 @@ class Run:
                       world_size=self.dev.world_size, config=self.cfg, eval=res)
         return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
 
+    def write_submission(self, submission, name):
+        """Rank 0: an ARC evaluation's submission.json (the ARC Prize's format) as <out_dir>/name; a failed write
+        or upload is a warning."""
+        return save_evaluation(self.local, self.gs_out, name, submission, self.cfg['gcs_retries'])
+
     def results_missing(self, step):
         """Whether the run lacks a results.json of checkpoint `step` in its folder and its bucket (rank 0
         looks; every rank learns it): a run that reached its last step without it (a stop during the final

@@ -129,7 +129,7 @@ from checkpoint import checkpoint_tensors  # noqa: E402
 from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
 from run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from evaluate import evaluate, format_eval  # noqa: E402
+from evaluate import ARCVotes, evaluate, format_eval  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluation_steps  # noqa: E402
 from step import format_train, forward_loss, train_step  # noqa: E402
 
@@ -175,8 +175,9 @@ def build(meta, dev, total_steps, data_path):
     return model, opt, ema_model, sc, dtype_why
 
 
-def evaluate_checkpoint(run, dev, run_eval, meta, step):
-    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves the result for a study."""
+def evaluate_checkpoint(run, dev, run_eval, meta, step, arc):
+    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves the result for a study
+    (and an ARC dataset's submission beside it)."""
     t_eval = time.time()
     res, example = run_eval(0, show_example=True)
     if dev.master:
@@ -184,8 +185,10 @@ def evaluate_checkpoint(run, dev, run_eval, meta, step):
         if example:
             print(render_example(meta, *example))
         if res:
-            run.write_evaluation(res, step, time.time() - t_eval,
-                                 f"views{eval_views}-steps{eval_steps or halt_max_steps}")
+            name = f"views{eval_views}-steps{eval_steps or halt_max_steps}"
+            run.write_evaluation(res, step, time.time() - t_eval, name)
+            if arc is not None:
+                run.write_submission(arc.submission(), f'evals/{name}.submission.json')
     dev.shutdown()
 
 
@@ -218,9 +221,12 @@ def main(index=None):
                               warmup=log_interval + 1, folder=run.local)  # no records in eval_only
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
+    puzzle = puzzle_for(meta)
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
+                          subset=s, seed=seed, views=eval_views, kind=puzzle)
             for s in {0, eval_subset}}
+    # a kind whose views are stored (ARC): a task's test rows vote on the host, over all of its views
+    arc = ARCVotes.open(run.data_path, puzzle) if puzzle is not None and puzzle.stored_views else None
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
@@ -231,7 +237,8 @@ def main(index=None):
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
-                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'))
+                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'),
+                            arc=arc)
 
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
@@ -255,12 +262,14 @@ def main(index=None):
         save()
         if final and master and example:
             print(render_example(meta, *example))
+        if final and master and arc is not None:  # the final evaluation's vote, in the ARC Prize's format
+            run.write_submission(arc.submission(), 'submission.json')
         if final:
             run.finish(step, res, model.num_params(), model.flops_per_example())
         return True
 
     if eval_only:
-        return evaluate_checkpoint(run, dev, run_eval, meta, step)
+        return evaluate_checkpoint(run, dev, run_eval, meta, step, arc)
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
         return run.at_the_end(step, run_steps, end, lambda: evaluate_and_save(
