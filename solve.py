@@ -871,6 +871,8 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
                  for a in attempts]
         verdicts = ['' if right is None else (' (right)' if a == right else ' (wrong)') for a in attempts]
         titles = [f"attempt {k + 1}{v}" for k, v in enumerate(verdicts)]
+        if len(order) == 1:
+            titles[1] = 'attempt 2 = attempt 1'
         if solution is not None:
             grids, titles = grids + [np.asarray(solution)], titles + ['solution']
         print(side_by_side(grids, titles))
@@ -881,7 +883,8 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
                   + (f" (the solution is answer {rank} of {len(order)})" if rank else
                      " (no view gave the solution)"))
         drawn.append(dict(input=pair['input'], attempts=grids[:2], verdicts=verdicts, solution=solution,
-                          votes=[tally[a][0] for a in attempts], views=len(mine)))
+                          votes=[tally[a][0] for a in attempts], views=len(mine),
+                          lone=len(order) == 1))
     known = sum(p.get('output') is not None for p in t['test'])
     print(f"\ntask {task}: " + (f"{passed}/{known} test inputs solved in two attempts (score "
                                 f"{passed / max(known, 1):.2f})" if known else 'no solution known')
@@ -932,7 +935,9 @@ def draw_task_png(path, plt, demos, tests):
             panel(axes[r, 0], it['input'], f"test input {k + 1}")
             for j, (g, v) in enumerate(zip(it['attempts'], it['verdicts'])):
                 color = (0.05, 0.5, 0.15) if 'right' in v else (0.75, 0.1, 0.1) if 'wrong' in v else 'black'
-                panel(axes[r, 1 + j], g, f"attempt {j + 1}{v}\n{it['votes'][j]} of {it['views']} votes", color)
+                votes_ = f"{it['votes'][j]} of {it['views']} votes" if j == 0 or not it['lone'] else \
+                    '= attempt 1 (the only answer)'
+                panel(axes[r, 1 + j], g, f"attempt {j + 1}{v}\n{votes_}", color)
             col = 1 + len(it['attempts'])
             if it['solution'] is not None:
                 panel(axes[r, col], it['solution'], 'solution')
