@@ -70,6 +70,49 @@ def test_one_evaluation_task_is_solved_in_all_its_views_and_voted(arc_run, tmp_p
     assert f"wrote {png}" in out
 
 
+# solve.py with its model replaced by an oracle: each view answers its own row's label (so every view, mapped back,
+# gives the solution), except views 2, 5, 8, ... of a batch, which answer the batch's first row's label as drawn
+# (a wrong answer once mapped back through their own augmentation)
+ORACLE = '''
+import os, runpy, sys
+import numpy as np
+sys.path.insert(0, os.getcwd())
+root, sys.argv = sys.argv[1], ['solve.py'] + sys.argv[2:]
+g = runpy.run_path('solve.py', run_name='solve')
+from data import load_arrays
+a = load_arrays(root, 'test')
+inputs, labels = np.asarray(a['inputs']).astype(np.int32), np.asarray(a['labels']).astype(np.int32)
+
+def oracle(model, dev, x, ids, n_steps, every_step):
+    rows = [int(np.flatnonzero((inputs == r).all(1))[0]) for r in np.asarray(x)]
+    preds, q = labels[rows].copy(), np.full(len(rows), 2.2)
+    for j in range(2, len(rows), 3):
+        preds[j], q[j] = preds[0], 0.4
+    return preds[None], q[None], np.zeros(1)
+
+g['main'].__globals__['reason'] = oracle
+g['main']()
+'''
+
+
+def test_each_view_is_mapped_back_to_the_task_before_the_vote(arc_run):
+    data, ckpt = arc_run
+    views = np.load(os.path.join(data, 'test_views.npz'))
+    for t, task in enumerate(views['tasks']):
+        n = int((views['task'] == t).sum())
+        p = run(['-c', ORACLE, data, f'--init_from={ckpt}', f'--task={task}', '--device=cpu', '--threads=1'],
+                env=ENV)
+        lines = p.stdout.splitlines()
+        head = next(i for i, l in enumerate(lines) if l.split()[:3] == ['rank', 'answer', 'votes'])
+        first = lines[head + 1].split()
+        # the views that answered their own label all give the solution: the vote's first answer, right
+        assert first[0] == '1' and int(first[2]) == n - len(range(2, n, 3)) and first[4] == 'yes', p.stdout
+        assert f"{first[3]}" == '0.900'
+        assert 'test input 1: PASS@2 (the solution is answer 1 of' in p.stdout
+        assert 'attempt 1 (right)' in p.stdout
+        assert f"task {task}: 1/1 test inputs solved in two attempts (score 1.00)" in p.stdout
+
+
 def test_the_refusals_are_one_line(arc_run):
     data, ckpt = arc_run
     views = np.load(os.path.join(data, 'test_views.npz'))
