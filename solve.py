@@ -18,7 +18,7 @@ With --views=K each puzzle is solved in K views (view 0 as given, the others und
 from a fixed seed: the same on every run), one batch of K x the puzzles; each view's answer where it stops,
 mapped back to the puzzle, is checked by the verifier; shown are the distinct answers with the views that gave
 them, the vote's answer and the verifier's pick (an accepted answer where a view found one, else the vote's).
---task=ID (an ARC dataset, docs/solving.md): the task's demonstrations, then each test input solved in all its
+On an ARC dataset, --task=ID (docs/solving.md) shows the task's demonstrations, then each test input solved in all its
 stored views (the test split's rows of the task: test_views.npz), every view running all steps, its answer
 after the last one mapped back (ARC(n).crop, ARC.unaugment) and voted (evaluate.rank_answers: count, then mean
 sigmoid(q_halt)); the vote table and the two attempts, right or not where the solution is known.
@@ -101,6 +101,12 @@ def cpu_threads():
 def fail(message):
     """A user error: one line, no traceback."""
     raise SystemExit(' '.join(str(message).split()))
+
+
+def titles(kind):
+    """A kind's title in the plural: '6x6 Sudokus', 'ARC grids on a 30x30 canvas'."""
+    t = kind.title
+    return t.replace(' on a ', 's on a ', 1) if ' on a ' in t else t + 's'
 
 
 def short(e, limit=200):
@@ -585,7 +591,7 @@ def load_model(dev):
             f"the model keys (--hidden_size etc.) and {meta_from}"
         fail(mismatch_message(sd, model, cfg, init_from, where, ours))
     print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
-          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {puzzle_for(meta).title}s ({meta_from})")
+          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {titles(puzzle_for(meta))} ({meta_from})")
     warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)
     return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
 
@@ -606,7 +612,7 @@ def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
         learned = puzzle_for(dict(puzzle_type=trained_on['puzzle_type'], seq_len=trained_on['seq_len']))
         learned = learned.title if learned else f"{trained_on['puzzle_type']} puzzle"
         print(f"warning: {init_from} was trained on {learned}s (data_path={saved['data_path']!r}), not on "
-              f"{puzzle_for(meta).title}s: expect answers of a model that never learned them")
+              f"{titles(puzzle_for(meta))}: expect answers of a model that never learned them")
 
 
 def puzzles(kind, meta, dp, source):
@@ -807,7 +813,7 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     """--task: the demonstrations, then every test input solved in all its stored views and voted."""
     from evaluate import answer_key, key_grid, rank_answers
     if kind.name != 'arc':
-        fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.title}s (use --index or --count)")
+        fail(f"task={task}: --task solves ARC tasks; {dp} holds {titles(kind)} (use --index or --count)")
     names, views_, tasks = arc_files(dp)
     rows = task_rows(names, views_, tasks, dp)
     if task not in tasks:
