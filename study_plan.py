@@ -33,6 +33,17 @@ CPU_MAZE = dict(size=8, train=2400, num_test=100, batch=64, mlp_t=True, pos_enco
 # (shapes from the folder's name: puzzles.shape_from_name)
 SUDOKU_EXTREME = dict(num_puzzle_identifiers=1, test=422_786)
 MAZE_HARD = dict(num_puzzle_identifiers=1, groups=1000, test=1000, gpu_batch=128)  # gpu scale: 900-token rows
+# ARC-AGI-1 + ConceptARC (prepare_arc.py --version 1): 960 tasks (train groups), 400 of them evaluated; the sizes of
+# the builds measured at num_aug 10, 100 and 1000 (docs/arc.md): (identifiers, train rows, test rows). Another
+# num_aug is interpolated, per (num_aug + 1), linearly in log(num_aug) between the two nearest (beyond them: the
+# nearest's ratio): a task of few colours and symmetric grids has fewer distinct augmentations than asked, so the
+# counts grow a little slower than num_aug (at 1000: 91% of 960 x 1001 puzzles).
+ARC1_SIZES = {10: (10_559, 43_862, 4_607), 100: (95_993, 398_598, 41_907), 1000: (876_406, 3_633_410, 385_815)}
+ARC1 = dict(groups=960, seq_len=900, vocab_size=12)
+# the cpu twin of an ARC run: synthetic tasks on a 10x10 canvas (prepare_arc.py --synthetic), num_aug / aug_div
+# augmentations: 128 tasks (96 trained + 32 whose test outputs are held out) x (num_aug + 1) puzzles of about 3.75
+# rows; a 16th of the cpu scale's epochs (about 240 steps at batch 32)
+CPU_ARC = dict(canvas=10, num_tasks=96, num_eval_tasks=32, aug_div=10, mean=3.75, epochs_div=5)
 # differ between runs without changing what is trained
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')
 RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner sets them for every run
@@ -139,6 +150,26 @@ def dataset_for(cfg, meta, opts, read_built=True):
                      test=c['num_test'],
                      build=['prepare_maze.py', '--generate', str(c['train']), '--size', str(c['size']),
                             '--num_test', str(c['num_test']), '--output_dir', p])
+    m = re.fullmatch(r'arc1concept-aug-(\d+)', name)
+    if m:
+        A = int(m[1])
+        ids, train_rows, test_rows = arc1_sizes(A)
+        d.update(kind='arc', puzzles=ARC1['groups'], aug=A, groups=ARC1['groups'], seq_len=ARC1['seq_len'],
+                 vocab_size=ARC1['vocab_size'], num_puzzle_identifiers=ids, mean=train_rows / (ids - 1),
+                 test=test_rows)
+        if d['build'] is None:
+            d['build'] = ['prepare_arc.py', '--version', '1', '--concept_dir', '../shared/arc', '--num_aug', str(A),
+                          '--output_dir', path]
+        if opts.scale == 'cpu':
+            c = CPU_ARC
+            a = max(1, A // c['aug_div'])
+            p = f"{opts.data_root}/arc-synthetic-{c['canvas']}-aug-{a}"
+            tasks = c['num_tasks'] + c['num_eval_tasks']
+            d.update(path=p, puzzles=tasks, aug=a, groups=tasks, seq_len=c['canvas'] ** 2, mean=c['mean'],
+                     num_puzzle_identifiers=tasks * (a + 1) + 1, test=c['num_eval_tasks'] * (a + 1),
+                     build=['prepare_arc.py', '--synthetic', '--canvas', str(c['canvas']), '--num_tasks',
+                            str(c['num_tasks']), '--num_eval_tasks', str(c['num_eval_tasks']), '--num_aug', str(a),
+                            '--output_dir', p])
     metas = [os.path.join(d['path'], s, 'dataset.json') for s in ('train', 'test')]
     d['exists'] = all(os.path.exists(p) for p in metas)
     if d['exists'] and read_built:  # the real sizes
@@ -153,6 +184,24 @@ def dataset_for(cfg, meta, opts, read_built=True):
         if d['puzzles'] is None:
             d.update(puzzles=tr['total_groups'], aug=round(tr['total_puzzles'] / tr['total_groups']) - 1)
     return d
+
+
+def arc1_sizes(num_aug):
+    """(identifiers, train rows, test rows) of prepare_arc.py --version 1 at num_aug: measured (ARC1_SIZES), else
+    interpolated per (num_aug + 1) in log(num_aug) between the nearest measured builds."""
+    import math
+    if num_aug in ARC1_SIZES:
+        return ARC1_SIZES[num_aug]
+    known = sorted(ARC1_SIZES)
+    lo = max([k for k in known if k < num_aug] or known[:1])
+    hi = min([k for k in known if k > num_aug] or known[-1:])
+    t = 0.0 if lo == hi else (math.log(max(num_aug, 1)) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    t = min(max(t, 0.0), 1.0)
+    out = []
+    for i in range(3):
+        a, b = (ARC1_SIZES[lo][i] - (i == 0)) / (lo + 1), (ARC1_SIZES[hi][i] - (i == 0)) / (hi + 1)
+        out.append(round((a + t * (b - a)) * (num_aug + 1)) + (i == 0))
+    return tuple(out)
 
 
 def build_display(cmd):
@@ -226,7 +275,12 @@ class Experiment:
             # halt_max_steps / 4 (16 -> 4); below 4 kept (abl_halt1, abl_halt2), so abl_halt2 and abl_halt8
             # both train 2 steps at this scale
             o['halt_max_steps'] = c['halt_max_steps'] if c['halt_max_steps'] < 4 else c['halt_max_steps'] // 4
-            if not c['puzzle_emb_ndim'] and b['puzzle_emb_ndim']:
+            if self.data['kind'] == 'arc':
+                # ARC needs its puzzle embedding (a task is told only by it): kept ON at the width / 16; its
+                # synthetic tasks need fewer epochs (about 240 steps)
+                o['puzzle_emb_ndim'] = max(8, c['puzzle_emb_ndim'] // 16)
+                self.twin_note = 'cpu twin: synthetic 10x10 ARC tasks'
+            elif not c['puzzle_emb_ndim'] and b['puzzle_emb_ndim']:
                 # every cpu twin runs without the embedding, the base too: so the twin of a file that turns it
                 # off turns it on (at the width / 16), and the pair (cpu base, twin) shows the same contrast
                 # reversed
@@ -235,6 +289,8 @@ class Experiment:
                                   "against the cpu base's 0")
             o['eval_steps'] = 2 * o['halt_max_steps']  # test-time scaling: twice the trained steps
             o['epochs'] = max(1, round(c['epochs'] * CPU_FRACTION))
+            if self.data['kind'] == 'arc':
+                o['epochs'] = max(1, o['epochs'] // CPU_ARC['epochs_div'])
             o['eval_interval'] = max(1, o['epochs'] // 2)
         if self.data['path'] != c['data_path']:
             o['data_path'] = self.data['path']

@@ -44,7 +44,7 @@ def collect(exps):
                  out_dir=e.out_dir, lr=e.run_cfg['lr'], global_batch_size=e.run_cfg['global_batch_size'],
                  H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
                  hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
-                 puzzles=e.data['puzzles'], aug=e.data['aug'], status='not started')
+                 puzzles=e.data['puzzles'], aug=e.data['aug'], kind=e.data['kind'], status='not started')
         res, why = read_results(e)
         if res:
             fe, be = res['final_eval'], res.get('best_eval') or {}
@@ -58,6 +58,10 @@ def collect(exps):
                      best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
                      exact_by_steps=fe.get('exact_by_steps') or [], halt_max_steps=cfg.get('halt_max_steps'),
                      H_cycles=cfg.get('H_cycles', r['H_cycles']), L_cycles=cfg.get('L_cycles', r['L_cycles']))
+            if fe.get('arc_pass@2') is not None:  # an ARC run: the task-averaged vote over its stored views
+                r.update(arc_pass1=fe.get('arc_pass@1'), arc_pass2=fe['arc_pass@2'],
+                         arc_pass2_ci_low=fe.get('arc_pass@2_ci_low'), arc_pass2_ci_high=fe.get('arc_pass@2_ci_high'),
+                         arc_tasks=fe.get('arc_tasks'))
             wall = res.get('wall_s') or {}  # results.json of runs before it was recorded: none
             r.update(device_hours=res.get('device_hours'), world_size=res.get('world_size'),
                      **{f'wall_s_{k}': wall.get(k) for k in ('total', 'startup', 'train', 'eval')})
@@ -131,16 +135,26 @@ def write_tables(rows, folder, opts, views=()):
         head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)',
                 'verified %',
                 'token %', 'best exact % (step)', 'minutes', 'device-h', 'status']
+        arc = any(r.get('arc_pass2') is not None or r.get('kind') == 'arc' for r in rows)
+        if arc:  # ARC's score beside exact: pass@2 of the vote over each task's stored views
+            head.insert(head.index('exact % (95% CI)'), 'ARC pass@2 % (95% CI)')
         md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test "
                "puzzle. minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: "
-               "the run's wall time (start-up, training, evaluations) x its devices, from results.json.\n",
+               "the run's wall time (start-up, training, evaluations) x its devices, from results.json.\n"
+               + ("ARC runs: pass@2 is the ARC score, averaged over the evaluation tasks (a task scores the "
+                  "share of its test inputs whose output is among the vote's two best answers over its stored "
+                  "views), with its 95% Wilson interval over tasks; exact is per test row (one view).\n"
+                  if arc else ''),
                '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
         for r in rows:
             done = r['status'] == 'done'
+            arc_cell = ([f"{pct(r['arc_pass2'])} ({pct(r.get('arc_pass2_ci_low'))}-"
+                         f"{pct(r.get('arc_pass2_ci_high'))})" if done and r.get('arc_pass2') is not None
+                         else ''] if arc else [])
             md.append('| ' + ' | '.join([
                 r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
                 f"{r['train_flops']:.3g}" if r.get('train_flops') else '',
-                f"{r['steps']:,}" if r.get('steps') else '',
+                f"{r['steps']:,}" if r.get('steps') else '', *arc_cell,
                 f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
                 pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
                 f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None
@@ -188,6 +202,9 @@ def write_csv(rows, folder, seeds):
             'wall_s_startup', 'wall_s_train', 'wall_s_eval', 'device_hours', 'exact_mean', 'exact_std',
             'exact_min',
             'exact_max', 'seeds_done']
+    if any(r.get('kind') == 'arc' for r in rows):  # ARC's score beside exact (before the seed statistics)
+        cols[cols.index('exact'):cols.index('exact')] = ['arc_pass1', 'arc_pass2', 'arc_pass2_ci_low',
+                                                         'arc_pass2_ci_high', 'arc_tasks']
     stats = seed_stats(rows, seeds)
     with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
         w = csv.writer(f)

@@ -48,6 +48,9 @@ GRID = {
     'maze_rec': {f'L{n}': ({'L_cycles': n} if n != 4 else {}) for n in (2, 4, 6, 8, 10)},
     'maze_tn': {f'T{t}n{n}': {k: v for k, v in (('H_cycles', t), ('L_cycles', n)) if v != {'H_cycles': 3, 'L_cycles': 4}[k]}
                 for t, n in TN},
+    'arc_aug': {str(a): ({'data_path': f'data/arc1concept-aug-{a}'} if a != 1000 else {}) for a in (100, 300, 1000)},
+    'arc_rec': {f'L{n}': ({'L_cycles': n} if n != 4 else {}) for n in (2, 4, 6)},
+    'arc_emb_len': {str(k): ({'puzzle_emb_len': k} if k != 16 else {}) for k in (4, 16, 32)},
 }
 NAMES = [f'{fam}_{p}' for fam, pts in GRID.items() for p in pts]
 CPU_RUN = ['--scale=cpu', "--extra=--max_steps=40 --checkpoint_interval=10 --log_interval=10"]
@@ -73,12 +76,13 @@ def test_the_grid_is_one_file_per_experiment_each_its_base_plus_the_studied_keys
         cfg, scope = effective(f'config/study/{name}.py')
         assert set(k for k in scope if not k.startswith('_')) <= train_keys, name
         base_cfg, _ = effective(scope['_base'])
-        assert scope['_base'] == ('config/maze.py' if fam.startswith('maze') else 'config/baseline.py'), name
+        assert scope['_base'] == ('config/maze.py' if fam.startswith('maze') else 'config/arc1.py'
+                                  if fam.startswith('arc') else 'config/baseline.py'), name
         diff = {k: cfg[k] for k in cfg if cfg[k] != base_cfg[k] and k not in ('out_dir', 'wandb_run_name')}
         assert diff == GRID[fam][point], (name, diff)
         # the file holds only what the run changes: nothing it repeats from its base
         assert {k for k in scope if not k.startswith('_')} == {'out_dir', 'wandb_run_name'} | set(diff), name
-        shared = 'maze_base' if fam.startswith('maze') else 'base'
+        shared = 'maze_base' if fam.startswith('maze') else 'arc_base' if fam.startswith('arc') else 'base'
         same = {'tn_T3n4': 'rec_L4', 'maze_tn_T3n6': 'maze_rec_L6'}  # one configuration in two families: one run
         assert cfg['out_dir'] == f"out/study/{shared if not diff else same.get(name, name)}", name
         out_dirs.setdefault(cfg['out_dir'], []).append(name)
@@ -87,6 +91,7 @@ def test_the_grid_is_one_file_per_experiment_each_its_base_plus_the_studied_keys
         'out/study/base': ['size_d512', 'size_L2', 'rec_L6', 'tn_T3n6', 'data_1000', 'aug_1000', 'abl_halt16',
                            'lr_1e-4', 'bs_768'],
         'out/study/maze_base': ['maze_size_d512', 'maze_size_L2', 'maze_rec_L4', 'maze_tn_T3n4'],
+        'out/study/arc_base': ['arc_aug_1000', 'arc_rec_L4', 'arc_emb_len_16'],
         'out/study/rec_L4': ['rec_L4', 'tn_T3n4'], 'out/study/maze_rec_L6': ['maze_rec_L6', 'maze_tn_T3n6']}
     # and no configuration is trained twice under two out_dirs
     runs = {}
@@ -116,7 +121,7 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
     # say 'same run as'
     groups = [{'size_L2', 'rec_L6', 'tn_T3n6', 'data_1000', 'aug_1000', 'abl_halt16', 'size_d512', 'lr_1e-4', 'bs_768'},
               {'maze_size_L2', 'maze_rec_L4', 'maze_tn_T3n4', 'maze_size_d512'}, {'rec_L4', 'tn_T3n4'},
-              {'maze_rec_L6', 'maze_tn_T3n6'}]
+              {'maze_rec_L6', 'maze_tn_T3n6'}, {'arc_aug_1000', 'arc_rec_L4', 'arc_emb_len_16'}]
     shared = set().union(*groups)
     for name in NAMES:
         b = blocks[name]
@@ -136,7 +141,7 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
         in blocks['data_5000']
     assert 'prepare_maze.py --output_dir data/maze-30x30-hard-1k' in blocks['maze_rec_L2']
     assert '6,828,034 parameters' in blocks['abl_attn']
-    assert re.search(r'total: 53 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 66 files, 53 runs
+    assert re.search(r'total: 60 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 75 files, 60 runs
     assert '195,312 steps x batch 256' in blocks['bs_256'] and '--lr=5.77e-05' not in blocks['bs_256']  # in the file
     # without a speed figure it says so; the other scales print their flags
     p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', '--scale=gpu'])
@@ -390,7 +395,7 @@ def test_hosts_share_a_fixed_partition_balanced_by_cost():
         shares.append(re.findall(r'^  host (\d) slot 0: (\S+)', plan, re.M))
     assert shares[0] == shares[1] == shares[2]  # every host computes the same partition
     hosts = {name: int(h) for h, name in shares[0]}
-    assert len(hosts) == 53 and set(hosts.values()) == {0, 1, 2}
+    assert len(hosts) == 60 and set(hosts.values()) == {0, 1, 2}
     # balanced: the greedy longest-first puts the hosts' loads within one run's time of each other
     ends, longest = {}, 0
     for h, start, end in re.findall(r'^  host (\d) slot 0: \S+  starts about (.+), ends about (.+)$', plan, re.M):
