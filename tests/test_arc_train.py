@@ -38,8 +38,8 @@ def test_the_row_update_equals_the_whole_table_formula():
             ids = torch.randint(0, 30, (64,), generator=g, dtype=torch.int32)  # many duplicates
             ids[:3] = 0  # the blank identifier is a row like any other
             grads = torch.randn(64, 24, generator=g)
+            ids = torch.where(ids == 7, 8, ids)
             ids[10], ids[11], grads[11] = 7, 7, -grads[10]  # an id whose gradients cancel: decay only
-            ids[12:] = torch.where(ids[12:] == 7, 8, ids[12:])
             lr = torch.tensor(0.01 * (trial + 1))  # a device tensor, as the step's schedule gives it
             want = dense_sign_sgd(table.clone(), ids, grads, lr, 0.1)
             got = table.clone()
@@ -71,7 +71,8 @@ for call in range(3):  # other ids each call (other duplicates too), the same sh
     sign_sgd_update_(table, ids, grads, torch.tensor(0.01), 0.1)
     compiles.append(count('CompileTime'))
 fallbacks = [n for n in met.counter_names() if n.startswith('aten::')]
-print(json.dumps(dict(compiles=compiles, fallbacks=fallbacks, diff=(x.cpu() - table).abs().max().item())))
+close = torch.allclose(x.cpu(), table, rtol=1e-6, atol=1e-7)  # XLA may fuse a multiply and an add
+print(json.dumps(dict(compiles=compiles, fallbacks=fallbacks, close=close)))
 """
 
 
@@ -80,7 +81,7 @@ def test_the_row_update_is_one_xla_graph_whatever_the_ids():
     p = run(['-c', XLA_UPDATE], env=XLA_ENV)
     r = json.loads(p.stdout.strip().splitlines()[-1])
     assert r['compiles'][0] >= 1 and r['compiles'][1:] == [r['compiles'][0]] * 2, r  # no recompilation
-    assert r['fallbacks'] == [] and r['diff'] <= 1e-7, r
+    assert r['fallbacks'] == [] and r['close'], r  # and the same values as on the CPU, to float32's last bits
 
 
 PAPER_ARC = dict(pos_encodings='rope', mlp_t=False, hidden_size=512, num_heads=8, L_layers=2, H_cycles=3, L_cycles=4,
