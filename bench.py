@@ -18,8 +18,9 @@ puzzle embedding, EMA), on random batches or on a dataset:
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; 'arc1...' / 'arc2...' ->
 ARC-AGI's 30x30 canvas, 900 tokens, vocab 12, and its puzzle embedding table's rows; else 9x9 Sudoku, 81
-tokens, vocab 11); --seq_len / --vocab_size / --num_puzzle_identifiers override it. On CUDA and XLA the step and the evaluation are
-compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones train.py uses). On
+tokens, vocab 11); --seq_len / --vocab_size / --num_puzzle_identifiers override it. On CUDA and XLA the step
+and the evaluation are compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones
+train.py uses). On
 XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
 do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step;
 with vs_eager=True it measures the eager (lazy) step too, in the same run, and prints the ratio of the two
