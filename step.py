@@ -120,15 +120,18 @@ def sign_sgd_update_(table, ids, grads, lr, weight_decay):
     Duplicate ids are summed through each id's first position in the batch (an [N, N] comparison, N the
     global batch): index_add_ into [N, dim] adds each id's gradients in the batch's order, as a table-sized
     index_add_ would, and a matrix product would not be exact (a TPU multiplies float32 in bfloat16 passes
-    by default). Rows of one id then carry equal values, so index_copy_'s order over duplicates is moot."""
+    by default). The table then gets new - w at each id's first position and 0 at its repeats, added in place:
+    a compiled step (inductor) fuses the row reads into that write, so a repeat may read a row already
+    updated, and only a zero is safe to add from it (a plain index_copy_ of the new rows was decayed twice)."""
     ids = ids.long()
     n = ids.shape[0]
     pos = torch.arange(n, device=ids.device)
     first = torch.where(ids[:, None] == ids[None, :], pos[None, :], n).amin(dim=1)
     summed = torch.zeros(n, grads.shape[1], dtype=table.dtype, device=table.device).index_add_(
         0, first, grads.to(table.dtype)).index_select(0, first)
-    new = table.index_select(0, ids) * (1 - lr * weight_decay) - lr * torch.sign(summed)
-    table.index_copy_(0, ids, new)
+    rows = table.index_select(0, ids)
+    new = rows * (1 - lr * weight_decay) - lr * torch.sign(summed)
+    table.index_add_(0, ids, torch.where((first == pos)[:, None], new - rows, 0.0))
 
 
 def lr_at(step, base_lr, warmup_steps, total_steps, min_ratio):
