@@ -173,6 +173,7 @@ def test_a_tiny_arc1_run_trains_resumes_and_evaluates(tmp_path):
     assert 0 < int(trained.sum()) <= 3 * 8
 
     p = run(args + ['--max_steps=5', '--init_from=resume'])
+    assert 'resuming from' in p.stdout and 'ckpt_00000003.pt' in p.stdout
     assert [r['step'] for r in step_lines(p.stdout)] == [4, 5] and 'eval on' in p.stdout
     assert ckpts(out)[-1] == 'ckpt_00000005.pt'
     after = torch.load(out / 'ckpt_00000005.pt', weights_only=True)['model']['puzzle_emb']
