@@ -6,6 +6,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py config/baseline.py --global_batch_size=384  # any train.py config and batch
     python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
     python bench.py config/maze.py                              # the shape from the config: 900 tokens
+    python bench.py config/arc1.py --global_batch_size=8        # ARC-AGI-1: 900 tokens, an 876,406-row table
     python bench.py --compile=False                             # CUDA, XLA: eager (train.py compiles)
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
@@ -15,9 +16,11 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --eval_views=8                              # every evaluated puzzle in 8 views (train.py's)
     python bench.py config/baseline.py --steps=0 --eval_batches=0 --checkpoint_dir=gs://B/x  # save + upload
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
-from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; else 9x9 Sudoku, 81
-tokens, vocab 11); --seq_len / --vocab_size override it. On CUDA and XLA the step and the evaluation are
-compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones train.py uses). On
+from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; 'arc1...' / 'arc2...' ->
+ARC-AGI's 30x30 canvas, 900 tokens, vocab 12, and its puzzle embedding table's rows; else 9x9 Sudoku, 81
+tokens, vocab 11); --seq_len / --vocab_size / --num_puzzle_identifiers override it. On CUDA and XLA the step
+and the evaluation are compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones
+train.py uses). On
 XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
 do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step;
 with vs_eager=True it measures the eager (lazy) step too, in the same run, and prints the ratio of the two
@@ -25,7 +28,10 @@ steps' device times, and the median ratio with the two steps alternated one by o
 speed drifts).
 It prints ms/step, examples/s, tokens/s, model FLOPs, MFU against the device's peak dense bf16 rate, the time
 to the first step (compilation) apart from the timed steps, peak memory, evaluation puzzles/s, and on XLA the
-graph compilations and CPU fallbacks. The last line, `bench: key=value ...`, is for scripts.
+graph compilations and CPU fallbacks. With a puzzle embedding it also times the sign-SGD update of the table
+alone (step.sign_sgd_update_, emb_update_ms) on emb_update_batch ids, four examples per puzzle as in ARC's
+batches; emb_update_dense=True times the same update computed over the whole table as well (three table-sized
+temporaries: at ARC-AGI-1's 1.8 GB table, 5.4 GB more memory). The last line, `bench: key=value ...`, is for scripts.
 With train.py's eval_views=K the evaluation batches are those of train.py's K-view evaluation: each of the
 eval_batch_size puzzles in K views (puzzles.py's symmetries of the dataset's kind, view 0 the puzzle itself), one
 batch of K x eval_batch_size rows; puzzles/s counts puzzles, and the evaluation's FLOPs and MFU count every view.
@@ -48,7 +54,8 @@ global_batch_size = 0           # batch size; 0: 768 on a GPU or TPU, 64 on the 
 data_path = ''                  # dataset folder (shape, batches); if absent, its name says the shape
 seq_len = 0                     # tokens/example; 0: from the dataset or data_path's name (default 81, 9x9)
 vocab_size = 0                  # 0: likewise (Sudoku 9x9: 11, maze: 6)
-num_puzzle_identifiers = 1
+num_puzzle_identifiers = 0      # puzzle embedding rows; 0: the dataset's, or data_path's name (arc1: 876,406,
+                                # arc2: 1,191,730), else 1
 seq_align = 8                   # mlp_t pads its matmuls' sequence axis to a multiple of this (exact); 1: off
 steps = 20                      # timed train steps (0: none; with checkpoint_dir, only the checkpoint's)
 warmup_steps = 3                # untimed steps, the first timed alone: compile, autotune, allocator (XLA: 2+)
@@ -61,6 +68,8 @@ host_flush_mb = 0               # XLA on the CPU: read this many MiB after each 
 vs_eager = False                # XLA, compile=True: also time the eager step (host, device) after the
                                 # compiled one; prints device_vs_eager= (compiled device time / eager's) and
                                 # device_vs_eager_alternated= (the median ratio with the steps alternated)
+emb_update_batch = 0            # ids per timed sign-SGD update of the puzzle embedding (0: global_batch_size)
+emb_update_dense = False        # also time the update computed over the whole table (table-sized temporaries)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -74,7 +83,7 @@ from device import resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import puzzle_for, puzzle_type, shape_from_name, views_problem  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
-from step import train_step  # noqa: E402
+from step import sign_sgd_update_, train_step  # noqa: E402
 
 kind = resolve_device(device)
 dev = Device(kind)
@@ -111,6 +120,13 @@ else:
     shape = shape_from_name(data_path)
     if data_path:
         shape = shape[:2] + (shape[2] + '; no dataset there: random batches',)
+# ARC-AGI's builds (prepare_arc.py's default names), for a run without the dataset: the shape and the table
+ARC_IDENTIFIERS = {'arc1': 876406, 'arc2': 1191730}
+arc_ids = next((n for k, n in ARC_IDENTIFIERS.items()
+                if os.path.basename(os.path.normpath(data_path)).lower().startswith(k)), None) if data_path else None
+if arc_ids and not have_data:
+    shape = (900, 12, f"ARC-AGI 30x30 canvas, from data_path's name {data_path!r}; no dataset there: random "
+                      "batches")
 if seq_len or vocab_size:
     why = ', '.join(f"--{k}={v}" for k, v in (('seq_len', seq_len), ('vocab_size', vocab_size)) if v)
     shape = (seq_len or shape[0], vocab_size or shape[1], f"{why} as given; otherwise {shape[2]}")
@@ -122,6 +138,7 @@ seq_len, vocab_size = shape[0], shape[1]
 print(f"shape: {seq_len} tokens, vocab {vocab_size} ({shape[2]})")
 if not have_data:
     data_path = ''
+    num_puzzle_identifiers = num_puzzle_identifiers or arc_ids or 1
 eval_B = eval_batch_size or global_batch_size  # puzzles per evaluation batch; with views, K x as many rows
 n_eval_steps = eval_steps or halt_max_steps
 puzzle = puzzle_for(meta if data_path else dict(seq_len=seq_len, vocab_size=vocab_size))  # the views' kind
@@ -132,6 +149,9 @@ if problem := views_problem(puzzle, eval_views):
 if data_path:
     from data import EvalLoader, TrainLoader
     loader = TrainLoader(data_path, global_batch_size, seed=seed)
+    if num_puzzle_identifiers and num_puzzle_identifiers != loader.meta['num_puzzle_identifiers']:
+        print(f"note: num_puzzle_identifiers={num_puzzle_identifiers} ignored: the dataset has "
+              f"{loader.meta['num_puzzle_identifiers']:,}")
     vocab_size, seq_len, num_puzzle_identifiers = (loader.meta[k] for k in
                                                    ('vocab_size', 'seq_len', 'num_puzzle_identifiers'))
     host_train = [loader.next_batch() for _ in range(2)]
@@ -321,6 +341,46 @@ print(f"train: {dt * 1e3:.1f} ms/step | {ex_s:.2f} examples/s | {ex_s * seq_len:
       f"{warmup_s:.1f} s ({warmup_steps} step{'s' if warmup_steps > 1 else ''}, the first included) | "
       f"memory {mem / 2 ** 30:.2f} GiB ({mem_what}) | loss {float(loss.cpu()) / global_batch_size:.4f}")
 
+# --- the puzzle embedding's sign-SGD update alone (in the step above too), after the peak memory was read ---
+def dense_sign_sgd_update_(table, ids, grads, lr, weight_decay):
+    """step.sign_sgd_update_'s update computed over the whole table, for comparison: a table-sized scatter-add
+    of the gradients, a touched-row mask, the decayed table and the where that keeps untouched rows."""
+    grad_sum = torch.zeros_like(table).index_add_(0, ids.long(), grads.to(table.dtype))
+    touched = torch.zeros(table.shape[0], dtype=table.dtype, device=table.device).index_add_(
+        0, ids.long(), torch.ones_like(ids, dtype=table.dtype)) > 0
+    new = table * (1 - lr * weight_decay) - lr * torch.sign(grad_sum)
+    table.copy_(torch.where(touched[:, None], new, table))
+
+
+def time_emb_update(update, ids, grads, n=5):
+    """Median ms of n updates of the model's table, each waited for, after one untimed (XLA: compiles)."""
+    lr_t = torch.tensor(puzzle_emb_lr, device=dev.device)
+    times = []
+    for i in range(n + 1):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            update(model.puzzle_emb, ids, grads, lr_t, puzzle_emb_weight_decay)
+        dev.sync()
+        dev.wait()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times[1:]))
+
+
+emb_ms = emb_dense_ms = None
+if puzzle_emb_ndim > 0:
+    emb_B = emb_update_batch or global_batch_size
+    gen = torch.Generator().manual_seed(seed)
+    emb_ids = torch.randint(0, num_puzzle_identifiers, (-(-emb_B // 4),), generator=gen).repeat_interleave(4)
+    emb_ids = emb_ids[:emb_B].to(dev.device)
+    emb_grads = torch.randn(emb_B, puzzle_emb_ndim, generator=gen).to(dev.device)
+    emb_ms = time_emb_update(sign_sgd_update_, emb_ids, emb_grads)
+    if emb_update_dense:
+        emb_dense_ms = time_emb_update(dense_sign_sgd_update_, emb_ids, emb_grads)
+    print(f"emb update: sign-SGD of {emb_B} ids ({len(set(emb_ids.cpu().tolist()))} puzzles) on the "
+          f"{num_puzzle_identifiers:,} x {puzzle_emb_ndim} table ({model.puzzle_emb.numel() * 4 / 2 ** 30:.2f} "
+          f"GiB): {emb_ms:.2f} ms (step.sign_sgd_update_, the batch's rows only)"
+          + (f" | over the whole table {emb_dense_ms:.2f} ms" if emb_dense_ms is not None else ''))
+
 # --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (evaluate.evaluate's work) --
 eval_ps = eval_mfu = eval_warm_s = None
 eval_fallbacks = {}
@@ -426,7 +486,8 @@ print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_s
       f"fallbacks={len(set(fallbacks) | set(eval_fallbacks))} "
       f"host_ms_per_step={fmt(host_s and host_s * 1e3, '.2f')} host_flush_mb={host_flush_mb} "
       f"device_ms_per_step={fmt(device_s and device_s * 1e3, '.2f')} "
-      f"eval_first_batch_s={fmt(eval_warm_s, '.2f')} variant={variant.split(' (')[0].replace(' ', '_')} "
+      f"eval_first_batch_s={fmt(eval_warm_s, '.2f')} emb_update_ms={fmt(emb_ms, '.3f')} "
+      f"emb_update_dense_ms={fmt(emb_dense_ms, '.3f')} variant={variant.split(' (')[0].replace(' ', '_')} "
       f"device_vs_eager={fmt(eager_device_s and device_s / eager_device_s, '.3f')} "
       f"device_vs_eager_alternated={fmt(alternated, '.3f')} "
       f"eager_host_ms_per_step={fmt(eager_host_s and eager_host_s * 1e3, '.2f')} "

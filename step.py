@@ -114,13 +114,24 @@ def adam_atan2_(params, grads, m, v, t, lr, betas, weight_decay):
 @torch.no_grad()
 def sign_sgd_update_(table, ids, grads, lr, weight_decay):
     """Sign-SGD on the puzzle embedding rows a batch touched: w = w*(1 - lr*wd) - lr*sign(sum of grads
-    per id). ids [N] and grads [N, dim] are the GLOBAL batch's. Static shapes: a dense scatter-add
-    instead of the reference's unique(), whose output shape depends on the data."""
-    grad_sum = torch.zeros_like(table).index_add_(0, ids.long(), grads.to(table.dtype))
-    touched = torch.zeros(table.shape[0], dtype=table.dtype, device=table.device).index_add_(
-        0, ids.long(), torch.ones_like(ids, dtype=table.dtype)) > 0
-    new = table * (1 - lr * weight_decay) - lr * torch.sign(grad_sum)
-    table.copy_(torch.where(touched[:, None], new, table))
+    per id), each touched row decayed once, every other row unchanged. ids [N] and grads [N, dim] are the
+    GLOBAL batch's. Only the batch's rows are read and written, so no temporary is table-sized (ARC-1's
+    table is 876,406 rows), and every shape is static: the reference's unique() is data-dependent.
+    Duplicate ids are summed through each id's first position in the batch (an [N, N] comparison, N the
+    global batch): index_add_ into [N, dim] adds each id's gradients in the batch's order, as a table-sized
+    index_add_ would, and a matrix product would not be exact (a TPU multiplies float32 in bfloat16 passes
+    by default). The table then gets new - w at each id's first position and 0 at its repeats, added in place:
+    a compiled step (inductor) fuses the row reads into that write, so a repeat may read a row already
+    updated, and only a zero is safe to add from it (a plain index_copy_ of the new rows was decayed twice)."""
+    ids = ids.long()
+    n = ids.shape[0]
+    pos = torch.arange(n, device=ids.device)
+    first = torch.where(ids[:, None] == ids[None, :], pos[None, :], n).amin(dim=1)
+    summed = torch.zeros(n, grads.shape[1], dtype=table.dtype, device=table.device).index_add_(
+        0, first, grads.to(table.dtype)).index_select(0, first)
+    rows = table.index_select(0, ids)
+    new = rows * (1 - lr * weight_decay) - lr * torch.sign(summed)
+    table.index_add_(0, ids, torch.where((first == pos)[:, None], new - rows, 0.0))
 
 
 def lr_at(step, base_lr, warmup_steps, total_steps, min_ratio):
