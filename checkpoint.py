@@ -315,9 +315,9 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
     the ACT carry. A file that loads but whose parts do not fit this model (edited, or another trainer's):
     named, and every rank stops."""
     try:
-        model.load_state_dict(ckpt['model'])
-        if ema_model is not model:
+        if ema_model is not model:  # first: the puzzle embedding they share is the raw model's
             ema_model.load_state_dict(ckpt['ema'] or ckpt['model'])
+        model.load_state_dict(ckpt['model'])
         opt.load_state_dict(ckpt['optimizer'])
         loader.load_state_dict(ckpt['loader'])
         problems = []

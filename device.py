@@ -443,14 +443,18 @@ def cpu_name():
     return f"{model} [{' '.join(ext) or 'no AVX2'}], {torch.get_num_threads()} threads"
 
 
-def to_cpu(obj):
-    """A host copy of nested dicts / lists / tuples of tensors (what a checkpoint holds)."""
+def to_cpu(obj, _copies=None):
+    """A host copy of nested dicts / lists / tuples of tensors (what a checkpoint holds). A tensor met twice
+    (the puzzle embedding the EMA model shares) is copied once, so torch.save writes it once."""
+    copies = {} if _copies is None else _copies
     if torch.is_tensor(obj):
-        return obj.detach().cpu()
+        if id(obj) not in copies:
+            copies[id(obj)] = obj.detach().cpu()
+        return copies[id(obj)]
     if isinstance(obj, dict):
-        return {k: to_cpu(v) for k, v in obj.items()}
+        return {k: to_cpu(v, copies) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_cpu(v) for v in obj)
+        return type(obj)(to_cpu(v, copies) for v in obj)
     return obj
 
 

@@ -167,7 +167,9 @@ def build(meta, dev, total_steps, data_path):
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch_size or global_batch_size, row_bytes):
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {data_path})")
     opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
-    ema_model = copy.deepcopy(model) if ema else model
+    # the puzzle embedding is a buffer, never averaged: the EMA model reads the raw model's table, so a table of
+    # ARC's size is held (and saved) once
+    ema_model = copy.deepcopy(model, {id(model.puzzle_emb): model.puzzle_emb}) if ema else model
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
                     global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
@@ -230,7 +232,6 @@ def main(index=None):
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
-        ema_model.puzzle_emb.copy_(model.puzzle_emb)  # buffers are not averaged
         predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.kind != 'cpu' else None
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (maybe compiles) are done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)

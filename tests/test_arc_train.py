@@ -171,6 +171,8 @@ def test_a_tiny_arc1_run_trains_resumes_and_evaluates(tmp_path):
     assert table.shape == (meta['num_puzzle_identifiers'], 32)
     trained = table.abs().sum(1) > 0  # the rows of the 3 batches' puzzles, and only those, moved from 0
     assert 0 < int(trained.sum()) <= 3 * 8
+    # the EMA model reads the raw model's table: held once, saved once (one storage in the file), the trained one
+    assert first['ema']['puzzle_emb'].untyped_storage().data_ptr() == table.untyped_storage().data_ptr()
 
     p = run(args + ['--max_steps=5', '--init_from=resume'])
     assert 'resuming from' in p.stdout and 'ckpt_00000003.pt' in p.stdout
