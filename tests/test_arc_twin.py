@@ -1,8 +1,9 @@
 """
 The ARC CPU twin (config/arc_twin.py, docs/arc.md "The CPU twin"), small: the same synthetic families, canvas and
-model, trained for EPOCHS epochs instead of 600 (about two minutes on one core). It must learn: its pass@2 on the
-held-out test outputs is above FLOOR, which copying the input cannot reach (it scores 0 on these tasks: checked
-here), and submission.json holds every evaluation task.
+model, trained for EPOCHS epochs instead of 600 (about two minutes on one core). It must learn: its token accuracy
+on the held-out test outputs beats copying the input by a wide margin, its training loss falls, and submission.json
+holds every evaluation task. Copying the input scores pass@2 0 on these tasks (checked here); at this length the
+twin solves about one task of 24 (docs/arc.md), too few to assert on every CPU, so pass@K is the full twin's.
 """
 import json
 import os
@@ -10,13 +11,12 @@ import os
 import numpy as np
 import pytest
 
-from conftest import run
+from conftest import eval_lines, run, step_lines
 from evaluate import ARCVotes
 from puzzles import ARC
 
 DATA = ['--synthetic', '--canvas=6', '--num_tasks=60', '--num_eval_tasks=24', '--num_aug=7']  # the twin's set
 EPOCHS = 100  # 487 steps at batch 64
-FLOOR = 0.0   # pass@2 must be above it; copying the input scores 0 (asserted below)
 
 
 @pytest.fixture(scope='module')
@@ -39,7 +39,7 @@ def test_copying_the_input_scores_nothing(twin_data):
     for mode in ('last', 'q_halt'):
         votes.add(mode, rows, inputs, np.full(len(rows), 0.5))
     res = votes.score()['last']
-    assert res['tasks'] == 24 and res['pass@2'] <= FLOOR
+    assert res['tasks'] == 24 and res['pass@2'] == 0
 
 
 def test_the_small_twin_learns_and_submits_every_evaluation_task(twin_data, tmp_path):
@@ -50,7 +50,14 @@ def test_the_small_twin_learns_and_submits_every_evaluation_task(twin_data, tmp_
     assert line.startswith('ARC 24 tasks (24 test outputs, 8 views): pass@1 '), line
     final = json.load(open(out / 'results.json'))['final_eval']
     assert final['arc_tasks'] == 24
-    assert final['arc_pass@2'] > FLOOR, line
+    labels = np.load(os.path.join(twin_data, 'test', 'all__labels.npy'))
+    inputs = np.load(os.path.join(twin_data, 'test', 'all__inputs.npy'))
+    cells = labels > 0  # the colours and the EOS border (PAD is ignored)
+    copying = float((inputs == labels)[cells].mean())
+    token = float(eval_lines(p.stdout)[-1].split('token ')[1].split()[0])
+    assert token > copying + 0.1, (token, copying, line)
+    losses = [r['loss'] for r in step_lines(p.stdout)]
+    assert losses[-1] < 0.7 * losses[0], losses
     puzzles = json.load(open(os.path.join(twin_data, 'test_puzzles.json')))
     sub = json.load(open(out / 'submission.json'))
     assert list(sub) == list(puzzles) and len(sub) == 24
