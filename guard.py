@@ -469,7 +469,7 @@ def describe_data(shape):
     """A few words on data_shape's dict (or the part of it a checkpoint saved): '4x4 Sudokus of seq_len 16,
     vocab_size 6'."""
     kind = puzzle_for(shape) if shape.get('puzzle_type') else None
-    return (f"{kind.title + 's' if kind else 'puzzles'} of seq_len {shape['seq_len']}"
+    return (f"{kind.titles if kind else 'puzzles'} of seq_len {shape['seq_len']}"
             + (f", vocab_size {shape['vocab_size']}" if 'vocab_size' in shape else ''))
 
 

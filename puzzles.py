@@ -56,6 +56,11 @@ class Grid:
     def title(self):
         return f"{self.n}x{self.n} {self.noun}"
 
+    @property
+    def titles(self):
+        """The title in the plural: '6x6 Sudokus'."""
+        return self.title + 's'
+
     # characters
 
     @functools.cached_property
@@ -521,6 +526,10 @@ class ARC(Grid):
     @property
     def title(self):
         return f"ARC grid on a {self.n}x{self.n} canvas"
+
+    @property
+    def titles(self):
+        return f"ARC grids on a {self.n}x{self.n} canvas"
 
     # the augmentation: a dihedral transform t (0 identity, 1-3 rotations by 90 degrees counter-clockwise
     # k times, 4 left-right flip, 5 up-down flip, 6 transpose, 7 anti-transpose; the numbering is the one the

@@ -103,12 +103,6 @@ def fail(message):
     raise SystemExit(' '.join(str(message).split()))
 
 
-def titles(kind):
-    """A kind's title in the plural: '6x6 Sudokus', 'ARC grids on a 30x30 canvas'."""
-    t = kind.title
-    return t.replace(' on a ', 's on a ', 1) if ' on a ' in t else t + 's'
-
-
 def short(e, limit=200):
     text = ' '.join(str(e).split())
     return text if len(text) <= limit else text[:limit] + '...'
@@ -244,7 +238,7 @@ def parse_puzzle(text, kind, where):
     """text -> tokens [L], or a one-line error: another kind's puzzle, or not one of the checkpoint's."""
     guess = looks_like(text)
     if guess and not kind.guess(text):
-        fail(f"{where} looks like {article(guess)}, but the checkpoint solves {kind.title}s "
+        fail(f"{where} looks like {article(guess)}, but the checkpoint solves {kind.titles} "
              f"({kind.text_shape()}): use {article(guess.split()[-1])} checkpoint (and its --data_path), or "
              f"give {article(kind.title)}")
     try:
@@ -591,7 +585,7 @@ def load_model(dev):
             f"the model keys (--hidden_size etc.) and {meta_from}"
         fail(mismatch_message(sd, model, cfg, init_from, where, ours))
     print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
-          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {titles(puzzle_for(meta))} ({meta_from})")
+          f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {puzzle_for(meta).titles} ({meta_from})")
     warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)
     return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
 
@@ -612,7 +606,7 @@ def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
         learned = puzzle_for(dict(puzzle_type=trained_on['puzzle_type'], seq_len=trained_on['seq_len']))
         learned = learned.title if learned else f"{trained_on['puzzle_type']} puzzle"
         print(f"warning: {init_from} was trained on {learned}s (data_path={saved['data_path']!r}), not on "
-              f"{titles(puzzle_for(meta))}: expect answers of a model that never learned them")
+              f"{puzzle_for(meta).titles}: expect answers of a model that never learned them")
 
 
 def puzzles(kind, meta, dp, source):
@@ -813,7 +807,7 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     """--task: the demonstrations, then every test input solved in all its stored views and voted."""
     from evaluate import answer_key, key_grid, rank_answers
     if kind.name != 'arc':
-        fail(f"task={task}: --task solves ARC tasks; {dp} holds {titles(kind)} (use --index or --count)")
+        fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
     names, views_, tasks = arc_files(dp)
     rows = task_rows(names, views_, tasks, dp)
     if task not in tasks:

@@ -257,3 +257,24 @@ def test_xla_arc_evaluation_adds_no_graphs_after_its_first_batch(synthetic):
     assert first[0] == 0 and first[1] > 0 and first[2] == first[3] == 0, r
     assert second == [0] * 5, r  # nor does the next evaluation
     assert r['score0'] == r['score1'] and r['score0']['tasks'] == 4 and r['score0']['views'] == 4
+
+
+def test_the_checkpoint_evaluated_on_xla_votes_as_on_the_cpu(synthetic, tiny_run, tmp_path):
+    """The tiny run's last checkpoint re-evaluated with --eval_only on CPU-XLA: the same pass@K and submission."""
+    pytest.importorskip('torch_xla')
+    one = tiny_run[1]
+    out = tmp_path / 'x'
+    args = [a for a in TINY_ARC if a != '--device=cpu'] + ['--device=xla']
+    run(['train.py', f'--data_path={synthetic}', f'--out_dir={out}', f'--init_from={one}/ckpt_00000003.pt',
+         '--eval_only=True'] + args, env=XLA_ENV)
+    record = json.load(open(out / 'evals' / 'views1-steps3.json'))['eval']['arc']
+    assert record == json.load(open(one / 'results.json'))['final_eval']['arc']
+    assert (json.load(open(out / 'evals' / 'views1-steps3.submission.json'))
+            == json.load(open(one / 'submission.json')))
+
+
+def test_an_arc_checkpoint_on_a_sudoku_dataset_is_refused_in_one_line(tiny_run, sudoku4, tmp_path):
+    for script in (['train.py', f'--data_path={sudoku4}', f'--out_dir={tmp_path}/o', '--eval_only=True'],
+                   ['solve.py', f'--data_path={sudoku4}', '--count=2']):
+        p = run(script + [f'--init_from={tiny_run[1]}/ckpt_00000003.pt'], check=False)
+        assert_user_error(p, str(sudoku4))
