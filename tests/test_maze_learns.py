@@ -17,7 +17,7 @@ def test_a_small_maze_run_solves_held_out_mazes(tmp_path):
     exact = float(final.split('exact ')[1].split()[0])
     token = float(final.split('token ')[1].split()[0])
     assert final.startswith('eval on 200:'), final
-    assert exact > 0.6, final  # copying the input: 0; drawing no path cell caps the token accuracy near 0.75
+    assert exact > 0.6, final  # copying the input: 0; drawing no path cell caps the token accuracy near 0.8
     assert token > 0.9, final
     with open(tmp_path / 'out' / 'results.json') as f:
         assert abs(json.load(f)['final_eval']['exact_accuracy'] - exact) < 1e-4
