@@ -312,7 +312,8 @@ class TrainLoader:
 class EvalLoader:
     """Sequential batches over a split's examples (or a fixed seeded subset of them). The last batch is
     padded to full size with pad inputs, ignored labels and the blank identifier; `valid` marks real rows.
-    'example_index' (host only, not for the device) is each row's example in the split (-1: padding). A kind
+    'example_index' (host only, not for the device) is the GLOBAL batch's examples in the split, in rank order
+    (-1: padding), so answers gathered from all ranks need no indices of their own. A kind
     whose views are stored in the dataset (ARC: a task's augmentations vote together) takes its subset in
     whole groups: the seeded groups' every example, until the subset's size is reached."""
 
@@ -352,7 +353,6 @@ class EvalLoader:
             pz = np.concatenate([pz, np.zeros(pad, dtype=pz.dtype)])
             batch = _to_batch(self.arrays, self.meta, ex, pz)
             valid = np.arange(self.B) < n_real
-            batch['example_index'] = np.where(valid, ex, -1).astype(np.int64)
             batch['inputs'][~valid] = self.meta['pad_id']
             batch['labels'][~valid] = IGNORE_LABEL_ID
             batch['puzzle_identifiers'][~valid] = self.meta['blank_identifier_id']
@@ -366,6 +366,7 @@ class EvalLoader:
                 sym = pos[rows], token_map[rows]
                 # 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle
                 local = dict(in_views(local, self.kind, sym), views_inverse=self.kind.invert(sym))
+            local['example_index'] = np.where(valid, ex, -1)  # the global batch's: every rank knows them
             yield local
 
 

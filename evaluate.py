@@ -62,6 +62,13 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
     return out, picks
 
 
+def at_first(preds_all, q_all, first):
+    """Each row's answer [B, L] and q_halt [B] at its step first [B] (where q_halt first said stop), from every
+    step's preds_all [S, B, L] and q_all [S, B]."""
+    return (preds_all.gather(0, first[None, :, None].expand(1, *preds_all.shape[1:]))[0],
+            q_all.gather(0, first[None])[0])
+
+
 # -----------------------------------------------------------------------------
 # ARC: the vote over a task's stored views, pass@K and the submission
 
@@ -152,7 +159,10 @@ class ARCVotes:
 
     @classmethod
     def open(cls, root, kind):
-        """The votes of an ARC dataset at root (prepare_arc.py's test_views.npz and test_puzzles.json)."""
+        """The votes of an ARC dataset at root (prepare_arc.py's test_views.npz and test_puzzles.json); None for
+        a kind whose views are not stored in its dataset (whose rows are scored one by one)."""
+        if kind is None or not kind.stored_views:
+            return None
         paths = [os.path.join(root, n) for n in ('test_views.npz', 'test_puzzles.json')]
         for p in paths:
             if not os.path.exists(p):
@@ -292,8 +302,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         flat_part = torch.cat([part[k].reshape(-1).float() for k in keys])
         inp, v = batch['inputs'][:B], batch['valid'][:B]
         if K > 1:  # every view's answer after the last step and where q_halt stopped it: one graph, one read
-            at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
-            q_stop = q_all.gather(0, first_all[None])[0]
+            at_stop, q_stop = at_first(preds_all, q_all, first_all)
             p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, q_stop, preds[h],
                                                              flat_part])
             hrows = v & ((batch['labels'][:B] != IGNORE_LABEL_ID).sum(-1) > 0)
@@ -302,14 +311,13 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                 for name, c in counts.items():
                     by_views[name + suffix] = by_views.get(name + suffix, 0) + c
         elif arc is not None:  # every rank's answers on every rank, in the batch's one graph and read
-            at_stop = preds_all.gather(0, first_all[None, :, None].expand(1, *preds_all.shape[1:]))[0]
-            conf = torch.sigmoid(q_all.float())
-            parts = [preds_all[-1].to(torch.uint8), conf[-1], at_stop.to(torch.uint8),
-                     conf.gather(0, first_all[None])[0], torch.from_numpy(rows_index.astype(np.int32)).to(dev.device)]
+            at_stop, q_stop = at_first(preds_all, q_all, first_all)
+            parts = [preds_all[-1].to(torch.uint8), torch.sigmoid(q_all[-1].float()), at_stop.to(torch.uint8),
+                     torch.sigmoid(q_stop.float())]
             *answers, got = dev.read([dev.all_gather(t) for t in parts] + [flat_part])
-            a_last, c_last, a_stop, c_stop, index = answers
-            arc.add('last', index, a_last, c_last)
-            arc.add('q_halt', index, a_stop, c_stop)
+            a_last, c_last, a_stop, c_stop = answers
+            arc.add('last', rows_index, a_last, c_last)
+            arc.add('q_halt', rows_index, a_stop, c_stop)
         elif verifier is not None:
             p, got = dev.read([preds[h], flat_part])  # one graph per batch, then a plain transfer
         else:

@@ -222,11 +222,14 @@ class Run:
         if self.master and self.uploads:
             self.uploads.folder(path)
 
-    def finish(self, step, final_eval, parameters, flops_per_example):
+    def finish(self, step, final_eval, parameters, flops_per_example, arc=None):
         """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
-        phase over every process of the run, resumes adding theirs, and device-hours)."""
+        phase over every process of the run, resumes adding theirs, and device-hours); with an ARC evaluation's
+        votes (evaluate.ARCVotes), its submission.json first."""
         if not self.master:
             return
+        if arc is not None:
+            save_evaluation(self.local, self.gs_out, 'submission.json', arc.submission(), self.cfg['gcs_retries'])
         cfg, wall = self.cfg, self.timing_total()
         wall['total'] = sum(wall.values())
         self.records.finish(dict(
@@ -237,17 +240,16 @@ class Run:
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
             device_hours=wall['total'] * self.dev.world_size / 3600))
 
-    def write_evaluation(self, res, step, seconds, name):
+    def write_evaluation(self, res, step, seconds, name, arc=None):
         """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
-        reads for its test-time views and steps); a failed write or upload is a warning."""
+        reads for its test-time views and steps), and with an ARC evaluation's votes its submission beside it
+        (<name>.submission.json); a failed write or upload is a warning."""
+        if arc is not None:
+            save_evaluation(self.local, self.gs_out, f'evals/{name}.submission.json', arc.submission(),
+                            self.cfg['gcs_retries'])
         record = dict(step=step, checkpoint=self.resumed_from, seconds=seconds, device=self.dev.name(),
                       world_size=self.dev.world_size, config=self.cfg, eval=res)
         return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
-
-    def write_submission(self, submission, name):
-        """Rank 0: an ARC evaluation's submission.json (the ARC Prize's format) as <out_dir>/name; a failed write
-        or upload is a warning."""
-        return save_evaluation(self.local, self.gs_out, name, submission, self.cfg['gcs_retries'])
 
     def results_missing(self, step):
         """Whether the run lacks a results.json of checkpoint `step` in its folder and its bucket (rank 0

@@ -155,9 +155,9 @@ def read_sums(dev, sums, bad_step):
 
 
 def build(meta, dev, total_steps, data_path):
-    """The model for this dataset on this device, its optimizer, its EMA copy (or itself), the step's
-    settings (the LR schedule, EMA, clipping, accumulation) and why this forward dtype; eval_views refused
-    where a batch in that many views would not fit in memory."""
+    """The model for this dataset on this device, its optimizer, its EMA copy (or itself; the copy shares the
+    puzzle embedding, a buffer never averaged: an ARC table held once), the step's settings (the LR schedule,
+    EMA, clipping, accumulation) and why this forward dtype; eval_views refused where it would not fit in memory."""
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
@@ -167,8 +167,6 @@ def build(meta, dev, total_steps, data_path):
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch_size or global_batch_size, row_bytes):
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {data_path})")
     opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
-    # the puzzle embedding is a buffer, never averaged: the EMA model reads the raw model's table, so a table of
-    # ARC's size is held (and saved) once
     ema_model = copy.deepcopy(model, {id(model.puzzle_emb): model.puzzle_emb}) if ema else model
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
@@ -178,8 +176,7 @@ def build(meta, dev, total_steps, data_path):
 
 
 def evaluate_checkpoint(run, dev, run_eval, meta, step, arc):
-    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves the result for a study
-    (and an ARC dataset's submission beside it)."""
+    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves the result for a study."""
     t_eval = time.time()
     res, example = run_eval(0, show_example=True)
     if dev.master:
@@ -187,10 +184,8 @@ def evaluate_checkpoint(run, dev, run_eval, meta, step, arc):
         if example:
             print(render_example(meta, *example))
         if res:
-            name = f"views{eval_views}-steps{eval_steps or halt_max_steps}"
-            run.write_evaluation(res, step, time.time() - t_eval, name)
-            if arc is not None:
-                run.write_submission(arc.submission(), f'evals/{name}.submission.json')
+            run.write_evaluation(res, step, time.time() - t_eval,
+                                 f"views{eval_views}-steps{eval_steps or halt_max_steps}", arc)
     dev.shutdown()
 
 
@@ -223,12 +218,10 @@ def main(index=None):
                               warmup=log_interval + 1, folder=run.local)  # no records in eval_only
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
-    puzzle = puzzle_for(meta)
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                          subset=s, seed=seed, views=eval_views, kind=puzzle)
+                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
             for s in {0, eval_subset}}
-    # a kind whose views are stored (ARC): a task's test rows vote on the host, over all of its views
-    arc = ARCVotes.open(run.data_path, puzzle) if puzzle is not None and puzzle.stored_views else None
+    arc = ARCVotes.open(run.data_path, puzzle_for(meta))  # ARC: a task's test rows vote over its stored views
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
@@ -236,10 +229,9 @@ def main(index=None):
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (maybe compiles) are done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
-                            predict=predict,
+                            predict=predict, arc=arc,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
-                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'),
-                            arc=arc)
+                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'))
 
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
@@ -263,10 +255,8 @@ def main(index=None):
         save()
         if final and master and example:
             print(render_example(meta, *example))
-        if final and master and arc is not None:  # the final evaluation's vote, in the ARC Prize's format
-            run.write_submission(arc.submission(), 'submission.json')
         if final:
-            run.finish(step, res, model.num_params(), model.flops_per_example())
+            run.finish(step, res, model.num_params(), model.flops_per_example(), arc)
         return True
 
     if eval_only:
