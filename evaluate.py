@@ -154,7 +154,8 @@ class ARCVotes:
         self.names = [str(t) for t in views['tasks']]
         self.task, self.test_index = np.asarray(views['task']), np.asarray(views['test_index'])
         self.dihedral, self.colours = np.asarray(views['dihedral']), np.asarray(views['colours'])
-        self.band = np.array([int(v).bit_length() for v in np.asarray(views['view'])], np.int64)
+        self.view = np.asarray(views['view'])
+        self.band = np.array([int(v).bit_length() for v in self.view], np.int64)
         self.start()
 
     @classmethod
@@ -187,6 +188,10 @@ class ARCVotes:
         self.scored = [self.names[t] for t in tasks]
         self.tally = {m: {} for m in ARC_MODES}
 
+    def answer(self, row, tokens):
+        """Row `row`'s answer tokens [L], cropped and mapped back to its task: answer_key's bytes."""
+        return answer_key(self.kind.unaugment(self.kind.crop(tokens), self.dihedral[row], self.colours[row]))
+
     def add(self, mode, rows, answers, confidence):
         """One batch: rows [B] the test split's row of each answer (< 0: padding, skipped), answers [B, L]
         tokens, confidence [B] in (0, 1)."""
@@ -194,9 +199,8 @@ class ARCVotes:
         for r, a, c in zip(np.asarray(rows).tolist(), answers, np.asarray(confidence, np.float64).tolist()):
             if r < 0:
                 continue
-            grid = self.kind.unaugment(self.kind.crop(a), self.dihedral[r], self.colours[r])
             per = tally.setdefault((self.names[self.task[r]], int(self.test_index[r]), int(self.band[r])), {})
-            key = answer_key(grid)
+            key = self.answer(r, a)
             count, total = per.get(key, (0, 0.0))
             per[key] = (count + 1, total + c)
 

@@ -726,23 +726,15 @@ def main():
 # -----------------------------------------------------------------------------
 # --task: one ARC task of the dataset's test split, in all its stored views, voted
 
-def arc_files(dp):
-    """(identifiers.json's names, test_views.npz's arrays, test_puzzles.json's tasks) of an ARC dataset."""
+def arc_names(dp):
+    """identifiers.json's names of an ARC dataset."""
     import json
-    paths = [os.path.join(dp, n) for n in ('identifiers.json', 'test_views.npz', 'test_puzzles.json')]
-    for p in paths:
-        if not os.path.isfile(p):
-            fail(f"task={task}: {p} is missing: --task needs an ARC dataset built by prepare_arc.py")
+    path = os.path.join(dp, 'identifiers.json')
     try:
-        with open(paths[0]) as f:
-            names = json.load(f)
-        with np.load(paths[1]) as f:
-            views_ = {k: f[k] for k in f.files}
-        with open(paths[2]) as f:
-            tasks = json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except (OSError, ValueError) as e:
-        fail(f"task={task}: cannot read the ARC files of {dp} ({short(e)}): rebuild it with prepare_arc.py")
-    return names, views_, tasks
+        fail(f"task={task}: cannot read {path} ({short(e)}): --task needs an ARC dataset built by prepare_arc.py")
 
 
 def known_arc_task(task_id):
@@ -762,12 +754,12 @@ def known_arc_task(task_id):
     return None
 
 
-def task_rows(names, views_, tasks, dp):
+def task_rows(names, votes, dp):
     """The test split's rows of --task, or a one-line refusal: a training task (no stored test views), a task
     never trained (no puzzle embedding), an unknown ID."""
-    test_tasks = [str(t) for t in views_['tasks']]
+    test_tasks = votes.names
     if task in test_tasks:
-        return np.flatnonzero(np.asarray(views_['task']) == test_tasks.index(task))
+        return np.flatnonzero(votes.task == test_tasks.index(task))
     trained = {str(n).split('|||')[0] for n in names[1:]}
     some = ', '.join(test_tasks[:5]) + (f" ... ({len(test_tasks)} in all)" if len(test_tasks) > 5 else '')
     if task in trained:
@@ -805,14 +797,12 @@ def shape_of(g):
 
 def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     """--task: the demonstrations, then every test input solved in all its stored views and voted."""
-    from evaluate import answer_key, key_grid, rank_answers
+    from evaluate import ARCVotes, answer_key, key_grid, rank_answers
     if kind.name != 'arc':
         fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
-    names, views_, tasks = arc_files(dp)
-    rows = task_rows(names, views_, tasks, dp)
-    if task not in tasks:
-        fail(f"task={task}: not in {dp}/test_puzzles.json: rebuild the dataset with prepare_arc.py")
-    t = tasks[task]
+    votes = ARCVotes.open(dp, kind)  # test_views.npz and test_puzzles.json: how each row maps back, and votes
+    rows = task_rows(arc_names(dp), votes, dp)
+    t = votes.puzzles[task]
     print(f"task {task}: {plural(len(t['train']), 'demonstration')}, {plural(len(t['test']), 'test input')}; "
           f"{len(rows)} stored views in the test split of {dp}")
     for k, pair in enumerate(t['train']):
@@ -835,18 +825,15 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
         conf.append(sigmoid(qs[-1]))
     answers, conf = np.concatenate(answers), np.concatenate(conf)
     seconds = time.perf_counter() - t0
-    test_index, view_no = np.asarray(views_['test_index'])[rows], np.asarray(views_['view'])[rows]
-    dihedral, colours = np.asarray(views_['dihedral'])[rows], np.asarray(views_['colours'])[rows]
+    votes.start(rows)
+    votes.add('last', rows, answers, conf)  # as train.py's evaluation votes
+    tallies, test_index = votes.votes('last'), votes.test_index[rows]
     drawn, passed = [], 0
     for i, pair in enumerate(t['test']):
         mine = np.flatnonzero(test_index == i)
-        tally, seen = {}, {}
-        for r in mine:
-            grid = kind.unaugment(kind.crop(answers[r]), int(dihedral[r]), colours[r])
-            key = answer_key(grid)
-            c, s_ = tally.get(key, (0, 0.0))
-            tally[key] = (c + 1, s_ + float(conf[r]))
-            seen.setdefault(key, []).append(int(view_no[r]))
+        tally, seen = tallies.get((task, i), {}), {}
+        for j in mine:  # which views gave each answer
+            seen.setdefault(votes.answer(rows[j], answers[j]), []).append(int(votes.view[rows[j]]))
         order = rank_answers(tally)
         solution = pair.get('output')
         right = answer_key(np.asarray(solution, np.uint8)) if solution is not None else None
