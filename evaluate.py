@@ -204,6 +204,18 @@ class ARCVotes:
             count, total = per.get(key, (0, 0.0))
             per[key] = (count + 1, total + c)
 
+    def read(self, dev, preds_all, q_all, first, rows, flat):
+        """One batch of evaluate(): every rank's answers after the last step and at q_halt's stop, gathered to
+        every rank and read with `flat` (the batch's sums) in its one graph and read, then counted (rows: the
+        global batch's, as the loader gives them). Returns flat's host copy."""
+        at_stop, q_stop = at_first(preds_all, q_all, first)
+        parts = [preds_all[-1].to(torch.uint8), torch.sigmoid(q_all[-1].float()), at_stop.to(torch.uint8),
+                 torch.sigmoid(q_stop.float())]
+        a_last, c_last, a_stop, c_stop, got = dev.read([dev.all_gather(t) for t in parts] + [flat])
+        self.add('last', rows, a_last, c_last)
+        self.add('q_halt', rows, a_stop, c_stop)
+        return got
+
     def votes(self, mode, views=None):
         """{(task id, test index): {answer: (count, summed confidence)}} over the rows whose view number is below
         `views` (a power of two; None: every row)."""
@@ -235,9 +247,39 @@ class ARCVotes:
         out['by_views'] = curve
         return out
 
+    def results(self):
+        """evaluate()'s entries: 'arc' (score()) and the flat arc_pass@1, arc_pass@2 (with their intervals, and
+        at q_halt's stop) and arc_tasks that the logs, results.json and a study's report read."""
+        score = self.score()
+        last = score['last']
+        out = {f'arc_pass@{k}{s}': last[f'pass@{k}{s}'] for k in (1, 2) for s in ('', '_ci_low', '_ci_high')}
+        out.update({f'arc_{k}_q_halt': score['q_halt'][k] for k in ('pass@1', 'pass@2')})
+        return dict(out, arc=score, arc_tasks=last['tasks'])
+
     def submission(self, mode='last'):
         """arc_submission of the tasks scored."""
         return arc_submission({t: self.puzzles[t] for t in self.scored}, self.votes(mode))
+
+
+def batch_sums(preds, q_halt, row_loss, first, labels, valid, h):
+    """One batch's metric sums on the device (evaluate's): preds [S, B, L] and q_halt [S, B] at every step,
+    row_loss [B] at step h, first [B] the step where q_halt stopped each row, labels [B, L], valid [B]."""
+    valid_tok = labels != IGNORE_LABEL_ID
+    n_valid = valid_tok.sum(-1)
+    rows = (valid & (n_valid > 0)).float()
+    tok_ok = (preds == labels) & valid_tok
+    seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
+    return dict(
+        count=rows.sum(),
+        exact_per_step=(seq_ok.float() * rows).sum(-1),
+        token_accuracy=((tok_ok.sum(-1)[h].float() / n_valid.clamp_min(1)) * rows).sum(),
+        q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
+        exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
+        steps_q_halt=((first + 1).float() * rows).sum(),
+        lm_loss=(row_loss * rows).sum(),  # at halt_max_steps; with q_halt's as the training's loss
+        loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
+            q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
+    )
 
 
 @torch.no_grad()
@@ -254,9 +296,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
     point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
     None) returned. progress(i): told after every supervision step of a batch (a watchdog's heartbeat).
-    arc: an ARCVotes of the loader's dataset: every row's answer after the last step and at q_halt's stop,
-    gathered from all ranks in the batch's one read, is counted there, and res gets its score (res['arc'],
-    and arc_pass@1, arc_pass@2 with its interval); arc.submission() then gives this evaluation's."""
+    arc: the loader's dataset's ARCVotes, which count every row's answer (ARCVotes.read) and score the vote."""
     predict = predict or model.predict
     K = getattr(loader, 'views', 1)
     ks = view_counts(K)
@@ -283,23 +323,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         first_all = halt.int().argmax(0)  # the first step whose q_halt says stop
         B = preds_all.shape[1] // K  # view 0's rows: the puzzles as they are
         preds, q_halt, row_loss, first = preds_all[:, :B], q_all[:, :B], loss_all[:B], first_all[:B]
-        labels = b['labels'][:B]
-        valid_tok = labels != IGNORE_LABEL_ID
-        n_valid = valid_tok.sum(-1)
-        rows = (b['valid'][:B] & (n_valid > 0)).float()
-        tok_ok = (preds == labels) & valid_tok
-        seq_ok = tok_ok.sum(-1) == n_valid  # [S, B]
-        part = dict(
-            count=rows.sum(),
-            exact_per_step=(seq_ok.float() * rows).sum(-1),
-            token_accuracy=((tok_ok.sum(-1)[h].float() / n_valid.clamp_min(1)) * rows).sum(),
-            q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
-            exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
-            steps_q_halt=((first + 1).float() * rows).sum(),
-            lm_loss=(row_loss * rows).sum(),  # at halt_max_steps; with q_halt's as the training's loss
-            loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
-                q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
-        )
+        part = batch_sums(preds, q_halt, row_loss, first, b['labels'][:B], b['valid'][:B], h)
         # read with the batch's answers, in its one graph, and added up on the host: summed on the device, the
         # first batch's sums and the later ones' would be different graphs (a compilation at the second batch)
         keys = sorted(part)
@@ -314,14 +338,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                 counts, _ = score_views(answers, conf, inverse, inp, batch['labels'][:B], hrows, verifier, ks)
                 for name, c in counts.items():
                     by_views[name + suffix] = by_views.get(name + suffix, 0) + c
-        elif arc is not None:  # every rank's answers on every rank, in the batch's one graph and read
-            at_stop, q_stop = at_first(preds_all, q_all, first_all)
-            parts = [preds_all[-1].to(torch.uint8), torch.sigmoid(q_all[-1].float()), at_stop.to(torch.uint8),
-                     torch.sigmoid(q_stop.float())]
-            *answers, got = dev.read([dev.all_gather(t) for t in parts] + [flat_part])
-            a_last, c_last, a_stop, c_stop = answers
-            arc.add('last', rows_index, a_last, c_last)
-            arc.add('q_halt', rows_index, a_stop, c_stop)
+        elif arc is not None:
+            got = arc.read(dev, preds_all, q_all, first_all, rows_index, flat_part)
         elif verifier is not None:
             p, got = dev.read([preds[h], flat_part])  # one graph per batch, then a plain transfer
         else:
@@ -359,11 +377,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     res['views'] = K
     res['eval_flops'] = float(model.flops_per_example(train=False)) * n_steps * K * n
     if arc is not None:
-        res['arc'] = arc.score()
-        last = res['arc']['last']
-        res.update({f'arc_pass@{k}{s}': last[f'pass@{k}{s}'] for k in (1, 2) for s in ('', '_ci_low', '_ci_high')})
-        res.update({f'arc_{k}_q_halt': res['arc']['q_halt'][k] for k in ('pass@1', 'pass@2')})
-        res['arc_tasks'] = last['tasks']
+        res.update(arc.results())
     if K > 1:
         names = sorted(by_views)
         res['by_views'] = [dict(views=k, **{m: float(s['views_' + m][j]) / max(n, 1) for m in names})

@@ -224,8 +224,7 @@ class Run:
 
     def finish(self, step, final_eval, parameters, flops_per_example, arc=None):
         """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
-        phase over every process of the run, resumes adding theirs, and device-hours); with an ARC evaluation's
-        votes (evaluate.ARCVotes), its submission.json first."""
+        phase over every process of the run, resumes adding theirs, and device-hours); ARC's submission.json first."""
         if not self.master:
             return
         if arc is not None:
