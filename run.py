@@ -21,6 +21,8 @@ from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_pr
                         delete_all_checkpoints, find_resume_checkpoint, load_state, load_weights,
                         prune_checkpoints, set_aside_diverged, write_checkpoint)
 from data import load_metadata
+from evaluate import format_eval
+from puzzles import render_example
 from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
                    lock_bucket, lock_local, mark_data, release_locks, startup_problems)
 from records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
@@ -238,6 +240,20 @@ class Run:
             step=step, examples_seen=step * cfg['global_batch_size'],
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
             device_hours=wall['total'] * self.dev.world_size / 3600))
+
+    def evaluate_checkpoint(self, run_eval, meta, step, arc=None):
+        """--eval_only: init_from's weights on the whole test split (run_eval(0, show_example=True)), printed;
+        rank 0 saves the result for a study (write_evaluation)."""
+        cfg, t_eval = self.cfg, time.time()
+        res, example = run_eval(0, show_example=True)
+        if self.master:
+            print(format_eval(res) if res else "stopped during the evaluation")
+            if example:
+                print(render_example(meta, *example))
+            if res:
+                name = f"views{cfg['eval_views']}-steps{cfg['eval_steps'] or cfg['halt_max_steps']}"
+                self.write_evaluation(res, step, time.time() - t_eval, name, arc)
+        self.dev.shutdown()
 
     def write_evaluation(self, res, step, seconds, name, arc=None):
         """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study

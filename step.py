@@ -467,6 +467,16 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_los
     return {n: torch.cat([c[n] for c in carries]) for n in carries[0]}, torch.stack(losses).sum(), sums
 
 
+def read_sums(dev, sums, bad_step):
+    """The metric sums since the last log line, summed over ranks, and the first step whose loss was not
+    finite (< 0: none): one reduction, read on every rank."""
+    reduced = torch.cat([v.float().reshape(1) for v in sums.values()])
+    dev.all_reduce_sum_([reduced])
+    dev.all_reduce_([bad_step], 'max')
+    host, bad_at = dev.read([reduced, bad_step])
+    return dict(zip(sums, host)), bad_at[0]
+
+
 def format_train(line, run_steps, compiles=None):
     """A training log line; XLA's add the host's and the device's time per step and the compilations so
     far."""

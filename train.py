@@ -23,13 +23,13 @@ out_dir = 'out/sudoku'          # checkpoints and results: a local folder, or gs
 local_dir = ''                  # local copy of a gs:// out_dir ('': out/<bucket>/<prefix>, one per out_dir)
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
-init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file to start from (ours or the reference)
+init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file: ours or the reference's
 overwrite = False               # a new run (scratch or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)
 eval_subset = 0                 # seeded test examples of intermediate evaluations (0, and the final one: all)
 eval_steps = 0                  # supervision steps at evaluation (0: halt_max_steps); more: test-time scaling
-eval_views = 1                  # test-time breadth: each puzzle also in views-1 seeded symmetries of its kind; votes
+eval_views = 1                  # test-time breadth: each puzzle also in views-1 seeded symmetries, voting
 eval_batch_size = 0             # evaluation batch, split over ranks (0: global_batch_size)
 log_interval = 100              # steps between log lines (host reads of training metrics)
 checkpoint_interval = 0         # steps between extra checkpoints (0: at evaluations, the end, SIGTERM only)
@@ -57,7 +57,7 @@ pos_encodings = 'none'          # 'rope' | 'learned' | 'none'
 mlp_t = True                    # MLP-mixer over the sequence instead of attention (Sudoku)
 puzzle_emb_ndim = 512           # puzzle embedding width (0: none)
 puzzle_emb_len = 16             # prefix tokens reserved for the puzzle embedding
-forward_dtype = 'auto'          # 'auto' (bfloat16 where native, else float32) | 'bfloat16'|'float16'|'float32'
+forward_dtype = 'auto'          # 'auto' (bf16 where native, else fp32) | 'bfloat16' | 'float16' | 'float32'
 no_ACT_continue = True          # False: also learn q_continue against a bootstrapped target
 rms_norm_eps = 1e-5             # RMSNorm epsilon
 rope_theta = 10000.0            # RoPE base
@@ -77,11 +77,11 @@ ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_ra
 grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
 gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
-device = 'auto'                 # 'auto' (xla with PJRT_DEVICE, cuda with a GPU, else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
-compile = True                  # torch.compile the step and evaluation: CUDA, TorchTPU, XLA (step.xla_backend)
+device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
+compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
-smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out_dir>/smoke
+smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
 smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 # -----------------------------------------------------------------------------
@@ -92,30 +92,35 @@ _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
-             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos, eval_batch_size=_nonneg,
-             log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg, global_batch_size=_pos,
-             epochs=_pos, max_steps=_nonneg, hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos,
-             H_cycles=_pos, L_cycles=_pos, halt_max_steps=_pos,
-             halt_exploration_prob=(lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
+             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
+             eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
+             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg,
+             hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos, H_cycles=_pos, L_cycles=_pos,
+             halt_max_steps=_pos, halt_exploration_prob=(lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
              pos_encodings=_one_of('rope', 'learned', 'none'), puzzle_emb_ndim=_nonneg, puzzle_emb_len=_pos,
              forward_dtype=_one_of('auto', 'bfloat16', 'float16', 'float32'), rms_norm_eps=_pos,
              rope_theta=_pos, loss_type=_one_of('stablemax', 'softmax'),
-             loss_dtype=_one_of('auto', 'float64', 'float32'), lr=_pos,
-             lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg, beta1=_unit,
-             beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg, puzzle_emb_weight_decay=_nonneg,
-             ema_rate=_unit, grad_clip=_nonneg, gradient_accumulation_steps=_pos,
-             device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'),
-             gcs_retries=_pos, watchdog_minutes=_nonneg, smoke_phase=_one_of(0, 1, 2),
-             profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
+             loss_dtype=_one_of('auto', 'float64', 'float32'),
+             lr=_pos, lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg,
+             beta1=_unit, beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg,
+             puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
+             gradient_accumulation_steps=_pos,
+             device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
+             smoke_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 config = {k: globals()[k] for k in config_keys}
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
+bad += [why for broken, why in (  # keys that must agree with each other: the model's shape
+    (puzzle_emb_ndim > puzzle_emb_len * hidden_size, f"puzzle_emb_ndim={puzzle_emb_ndim} does not fit in "
+     f"puzzle_emb_len * hidden_size = {puzzle_emb_len} * {hidden_size}: lower it or raise puzzle_emb_len"),
+    (not mlp_t and hidden_size % num_heads,
+     f"hidden_size={hidden_size} is not divisible by num_heads={num_heads} (attention: mlp_t=False)"),
+    (eval_only and init_from == 'scratch', "eval_only=True needs --init_from=resume or a checkpoint file"),
+) if broken]
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
-if eval_only and init_from == 'scratch':
-    raise SystemExit("config error: eval_only=True needs --init_from=resume or a checkpoint file")
 # -----------------------------------------------------------------------------
 
 import torch  # noqa: E402  (after the config: --help and config errors answer at once)
@@ -131,7 +136,7 @@ from run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from evaluate import ARCVotes, evaluate, format_eval  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluation_steps  # noqa: E402
-from step import format_train, forward_loss, train_step  # noqa: E402
+from step import format_train, forward_loss, read_sums, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')]
@@ -144,27 +149,19 @@ if __name__ == '__mp_main__':
     guard.follow_launcher()  # signals come through the launcher, once; it dies with the launcher
 
 
-def read_sums(dev, sums, bad_step):
-    """The metric sums since the last log line, summed over ranks, and the first step whose loss was not
-    finite (< 0: none): one reduction, read on every rank."""
-    reduced = torch.cat([v.float().reshape(1) for v in sums.values()])
-    dev.all_reduce_sum_([reduced])
-    dev.all_reduce_([bad_step], 'max')
-    host, bad_at = dev.read([reduced, bad_step])
-    return dict(zip(sums, host)), bad_at[0]
-
-
 def build(meta, dev, total_steps, data_path):
     """The model for this dataset on this device, its optimizer, its EMA copy (or itself; the copy shares the
     puzzle embedding, a buffer never averaged: an ARC table held once), the step's settings (the LR schedule,
-    EMA, clipping, accumulation) and why this forward dtype; eval_views refused where it would not fit in memory."""
+    EMA, clipping, accumulation) and why this forward dtype; eval_views refused where it would not fit in
+    memory."""
     dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device)
     row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
-    if problem := views_problem(puzzle_for(meta), eval_views, eval_batch_size or global_batch_size, row_bytes):
+    eval_batch = eval_batch_size or global_batch_size
+    if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {data_path})")
     opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
     ema_model = copy.deepcopy(model, {id(model.puzzle_emb): model.puzzle_emb}) if ema else model
@@ -173,20 +170,6 @@ def build(meta, dev, total_steps, data_path):
                     global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
                     grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps)
     return model, opt, ema_model, sc, dtype_why
-
-
-def evaluate_checkpoint(run, dev, run_eval, meta, step, arc):
-    """--eval_only: init_from's weights on the whole test split, printed; rank 0 saves the result for a study."""
-    t_eval = time.time()
-    res, example = run_eval(0, show_example=True)
-    if dev.master:
-        print(format_eval(res) if res else "stopped during the evaluation")
-        if example:
-            print(render_example(meta, *example))
-        if res:
-            run.write_evaluation(res, step, time.time() - t_eval,
-                                 f"views{eval_views}-steps{eval_steps or halt_max_steps}", arc)
-    dev.shutdown()
 
 
 def main(index=None):
@@ -206,16 +189,17 @@ def main(index=None):
     eval_at = set(evaluation_steps(run_steps, eval_every))
     verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
     if master:
-        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | {model.num_params():,}"
-              f" parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per example-step | {total_steps} steps "
-              f"({epochs} epochs of {loader.n_groups} groups, batch {global_batch_size}), eval every {eval_every}")
+        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
+              f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
+              f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "
+              f"{global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps)
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
-    watchdog = guard.Watchdog(watchdog_minutes, lambda v: run.records and run.log('watchdog', v, v['step'] or 0, {}),
-                              warmup=log_interval + 1, folder=run.local)  # no records in eval_only
+    log_watchdog = lambda v: run.records and run.log('watchdog', v, v['step'] or 0, {})  # none in eval_only
+    watchdog = guard.Watchdog(watchdog_minutes, log_watchdog, warmup=log_interval + 1, folder=run.local)
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
@@ -225,13 +209,15 @@ def main(index=None):
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
-        predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.kind != 'cpu' else None
-        watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (maybe compiles) are done
+        compiled = compile and dev.kind != 'cpu'
+        predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
+        watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
-                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation batch'))
+                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation '
+                                                                 'batch'))
 
     def evaluate_and_save(step, save, log=True):
         """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
@@ -260,7 +246,7 @@ def main(index=None):
         return True
 
     if eval_only:
-        return evaluate_checkpoint(run, dev, run_eval, meta, step, arc)
+        return run.evaluate_checkpoint(run_eval, meta, step, arc)
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
         return run.at_the_end(step, run_steps, end, lambda: evaluate_and_save(
@@ -268,7 +254,7 @@ def main(index=None):
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
-    fwd = compiled_step(dev.kind, backend=dev.compile_backend) if compile else forward_loss  # as bench.py does
+    fwd = compiled_step(dev.kind, backend=dev.compile_backend) if compile else forward_loss  # as in bench.py
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)

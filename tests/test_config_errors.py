@@ -53,3 +53,17 @@ def test_each_config_rule_names_key_value_and_what_is_allowed(toy, tmp_path, fla
 def test_config_keys_is_not_a_key(toy, tmp_path):
     p = train(toy, tmp_path / 'o', '--config_keys=[]', check=False)
     assert_user_error(p, "unknown key 'config_keys'")
+
+
+
+@pytest.mark.parametrize('flags,words', [
+    (['config/arc1.py', '--hidden_size=16'], ['puzzle_emb_ndim=512 does not fit', '16 * 16']),
+    (['--mlp_t=False', '--hidden_size=30', '--num_heads=4'], ['hidden_size=30 is not divisible by num_heads=4']),
+])
+def test_keys_that_must_agree_are_a_config_error_before_torch(tmp_path, flags, words):
+    """Keys that contradict each other (the model's shape) are one line, said before torch is imported."""
+    p = run(['train.py', *flags, f'--out_dir={tmp_path}/o'], check=False, env=dict(PYTHONPROFILEIMPORTTIME='1'))
+    imported = {l.split('|')[-1].strip() for l in p.stderr.splitlines() if l.startswith('import time:')}
+    p.stderr = '\n'.join(l for l in p.stderr.splitlines() if not l.startswith('import time:'))
+    assert_user_error(p, 'config error', *words)
+    assert len(p.stderr.strip().splitlines()) == 1 and 'torch' not in imported, p.stderr
