@@ -28,7 +28,39 @@ ARRAY_NAMES = ('inputs', 'labels', 'puzzle_identifiers', 'puzzle_indices', 'grou
 IN_USE = '.in_use.'  # a running run's mark in its dataset's folder: .in_use.<host>.<pid>
 
 # -----------------------------------------------------------------------------
-# writing (used by prepare_sudoku.py and prepare_maze.py)
+# writing (used by the prepare_*.py builders)
+
+class WriteError(RuntimeError):
+    """A file a builder could not write (a full disk, a file-size limit): the message names it, one line."""
+
+
+def cannot_write(path, e):
+    return WriteError(f"cannot write {path}: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def writing(path, mode='w', **kw):
+    """open(path, mode) for a builder's output: an OSError while the file is opened, written or closed (the OS
+    error alone names no file) becomes a WriteError naming it."""
+    try:
+        with open(path, mode, **kw) as f:
+            yield f
+    except OSError as e:
+        raise cannot_write(path, e) from e
+
+
+class _Writes:
+    """A file that numpy writes through .write, in chunks: a real file it hands to ndarray.tofile, whose short
+    write under a file-size limit passes silently and leaves a truncated array."""
+    def __init__(self, f):
+        self.write = f.write
+
+
+def save_array(path, arr):
+    """np.save through writing(): a failed write names the file, and a short one is not silently passed."""
+    with writing(path, 'wb') as f:
+        np.lib.format.write_array(_Writes(f), np.asanyarray(arr), allow_pickle=False)
+
 
 def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices, group_indices,
                 vocab_size, pad_id=0, ignore_label_id=0, blank_identifier_id=0, num_puzzle_identifiers=1,
@@ -56,29 +88,14 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
                 total_groups=n_groups, mean_puzzle_examples=len(inputs) / max(1, n_puzzles),
                 total_puzzles=n_puzzles, sets=['all'])
     meta.update(extra or {})
-    path = d
-    try:  # a full disk or a file-size limit: the file named, one line (the builders print it)
-        for name, arr in arrays.items():  # one int32 copy at a time (none if already int32): a 1M-row build
-                                          # stays small
-            path = os.path.join(d, f'all__{name}.npy')
-            with open(path, 'wb') as f:
-                np.lib.format.write_array(_Writes(f), arr.astype(np.int32, copy=False), allow_pickle=False)
-        path = os.path.join(d, 'dataset.json')
-        with open(path, 'w') as f:
-            json.dump(meta, f)
-        path = os.path.join(root, 'identifiers.json')
-        with open(path, 'w') as f:
-            json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
-    except OSError as e:
-        raise RuntimeError(f"cannot write {path}: {e.strerror or e}") from e
+    for name, arr in arrays.items():  # one int32 copy at a time (none if int32 already): a 1M-row build
+                                      # stays small
+        save_array(os.path.join(d, f'all__{name}.npy'), arr.astype(np.int32, copy=False))
+    with writing(os.path.join(d, 'dataset.json')) as f:
+        json.dump(meta, f)
+    with writing(os.path.join(root, 'identifiers.json')) as f:
+        json.dump(['<blank>'] + [str(i) for i in range(1, int(num_puzzle_identifiers))], f)
     return meta
-
-
-class _Writes:
-    """A file that numpy writes through .write, in chunks: a real file it hands to ndarray.tofile, whose short
-    write under a file-size limit passes silently and leaves a truncated array."""
-    def __init__(self, f):
-        self.write = f.write
 
 
 def runs_holding(root):
@@ -105,17 +122,22 @@ def runs_holding(root):
 
 @contextlib.contextmanager
 def building(root):
-    """with building(root) as tmp: write the splits into tmp (a folder inside root). When the block ends
-    without an error they replace the dataset in root (the rest of root, its CSVs, stays); after an error the
-    previous dataset is untouched and tmp is removed. A build that fails halfway never leaves half a
-    dataset."""
+    """with building(root) as tmp: write everything the build makes into tmp (a folder inside root): the
+    splits and the files beside them, and the sources it generates (CSVs, tasks' JSON). When the block ends
+    without an error they replace their namesakes in root (the rest of root, a download cache, stays); after
+    an error the previous dataset is untouched, every file of it, and tmp is removed (root too, if this build
+    made it). A build that fails halfway never leaves half a dataset."""
     tmp = os.path.join(root, '.building')
     shutil.rmtree(tmp, ignore_errors=True)  # a build that was killed
+    new = not os.path.exists(root)
     os.makedirs(tmp)
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if new:  # a failed first build leaves no empty folder behind
+            with contextlib.suppress(OSError):
+                os.rmdir(root)
         raise
     for host, pid, out_dir in runs_holding(root):  # renames keep its open files: it goes on with the old data
         print(f"warning: {root} is in use by the run on {host}, pid {pid} (out_dir {out_dir}): it goes on "

@@ -25,7 +25,7 @@ from collections import Counter, deque
 import numpy as np
 
 import gcs
-from data import DownloadError, building, download, write_split
+from data import DownloadError, WriteError, building, download, write_split, writing
 from puzzles import GOAL, OPEN, PAD, PATH, START, WALL, Maze, shortest_path_length
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
@@ -229,13 +229,13 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
     than min_path_len steps from S (a new maze when there are none). Label: the BFS-parent shortest
     path. rating = path steps. No maze appears twice (so none of test is in train). Returns stats."""
     if size < 4:
-        raise ValueError("--size must be at least 4")
+        raise ValueError(f"--size {size}: a maze's side must be at least 4")
     thr = default_min_path_len(size) if min_path_len is None else min_path_len
     rnd = random.Random(seed)
     os.makedirs(csv_dir, exist_ok=True)
     t0, tried, multi, total_steps, seen = time.time(), 0, 0, 0, set()
     for split, count in (('train', num_train), ('test', num_test)):
-        with open(os.path.join(csv_dir, f'{split}.csv'), 'w', newline='') as f:
+        with writing(os.path.join(csv_dir, f'{split}.csv'), 'w', newline='') as f:
             writer = csv.writer(f, lineterminator='\n')
             writer.writerow(['source', 'question', 'answer', 'rating'])
             made, misses = 0, 0
@@ -252,9 +252,9 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
                 if not far or bytes(question) in seen:
                     misses += 1
                     if misses >= 1000:  # e.g. a threshold that this size (or loop_frac) cannot reach
-                        raise RuntimeError(f"1000 mazes in a row without a new one whose path is longer "
-                                           f"than {thr} steps at size {size}: lower --min_path_len or "
-                                           "--loop_frac")
+                        raise ValueError(f"1000 mazes in a row without a new one whose path is longer "
+                                         f"than {thr} steps at size {size}: lower --min_path_len or "
+                                         "--loop_frac")
                     continue
                 seen.add(bytes(question))
                 answer = bytearray(question)
@@ -279,6 +279,23 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
 
 # -----------------------------------------------------------------------------
 
+def option_problem(args):
+    """What is wrong with the options, in one line naming the option and what it allows; None when nothing
+    is. Checked before anything is generated or written."""
+    at_least = [('seed', 0), ('subsample_size', 1)]
+    if args.generate is not None:
+        at_least += [('generate', 1), ('num_test', 1), ('size', 4), ('min_path_len', 0)]
+        if args.csv_dir is not None:
+            return "--generate and --csv_dir exclude each other: generate mazes, or read them from CSVs"
+        if not 0 <= args.loop_frac <= 1:  # NaN fails both comparisons
+            return f"--loop_frac {args.loop_frac}: a fraction of the inner walls, from 0 to 1"
+    for name, low in at_least:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            return f"--{name} {value}: must be at least {low}"
+    return None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])
     p.add_argument('--output_dir', default=None, help="default data/maze-30x30-hard-1k, or "
@@ -286,38 +303,42 @@ def main(argv=None):
     p.add_argument('--csv_dir', default=None,
                    help="use DIR/train.csv and DIR/test.csv instead of downloading")
     p.add_argument('--base_url', default=BASE_URL, help="where {train,test}.csv are downloaded from")
-    p.add_argument('--generate', type=int, default=0, metavar='N', help="generate N train mazes offline")
+    p.add_argument('--generate', type=int, default=None, metavar='N', help="generate N train mazes offline")
     p.add_argument('--num_test', type=int, default=1000, help="test mazes to generate")
-    p.add_argument('--size', type=int, default=30, help="generated maze side")
+    p.add_argument('--size', type=int, default=30, help="generated maze side (at least 4)")
     p.add_argument('--min_path_len', type=int, default=None, help="keep generated mazes whose shortest "
                    "path is longer than this many steps (default 110 at 30x30, scaled with the area)")
-    p.add_argument('--loop_frac', type=float, default=0.05, help="fraction of inner walls knocked out")
+    p.add_argument('--loop_frac', type=float, default=0.05, help="fraction of inner walls knocked out (0-1)")
     p.add_argument('--aug', action='store_true', help="add the 7 other dihedral images of each train maze")
     p.add_argument('--subsample_size', type=int, default=None, help="seeded subset of train mazes")
     p.add_argument('--seed', type=int, default=0)
     p.add_argument('--skip_bad', action='store_true', help="skip and count malformed rows instead of failing")
     args = p.parse_args(argv)
+    problem = option_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
-    out = args.output_dir or (f'data/maze-gen-{args.size}x{args.size}' if args.generate
+    generate = args.generate is not None
+    out = args.output_dir or (f'data/maze-gen-{args.size}x{args.size}' if generate
                               else 'data/maze-30x30-hard-1k')
     bucket_uri = out if gcs.is_gcs(out) else ''
     if bucket_uri:
         out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
     try:
-        if args.generate:
-            csv_dir = os.path.join(out, 'csv')
-            generate_csvs(csv_dir, args.generate, args.num_test, args.size, args.min_path_len, args.seed,
-                          args.loop_frac)
-        elif args.csv_dir:
-            csv_dir = args.csv_dir
-        else:
+        csv_dir = args.csv_dir
+        if not generate and csv_dir is None:
             csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
-        with building(out) as tmp:  # the previous dataset stays whole until this one is
+        with building(out) as tmp:  # the previous dataset (its CSVs too) stays whole until this one is
+            if generate:
+                csv_dir = os.path.join(tmp, 'csv')  # in place as <out>/csv with the splits
+                generate_csvs(csv_dir, args.generate, args.num_test, args.size, args.min_path_len, args.seed,
+                              args.loop_frac)
             build_dataset(csv_dir, tmp, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
                           skip_bad=args.skip_bad)
         out = gcs.publish_dataset(out, bucket_uri)  # built locally, then uploaded for every host
-    except (ValueError, DownloadError, OSError, gcs.GCSError) as e:  # bad rows, an empty split, a failed
-                                                                     # download or upload
+    except (ValueError, DownloadError, WriteError, OSError, gcs.GCSError) as e:  # bad rows or options, an
+                                                    # empty split, a full disk, a failed download or upload
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

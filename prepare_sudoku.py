@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import gcs
-from data import DownloadError, building, download, write_split
+from data import DownloadError, building, download, write_split, writing
 from puzzles import BOXES, Sudoku
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
@@ -434,7 +434,7 @@ def generate_puzzles(count, n, seed=0, min_rating=0):
 
 def write_csv(path, puzzles, source):
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, 'w', newline='') as f:
+    with writing(path, 'w', newline='') as f:
         f.write(HEADER + '\n')
         f.writelines(f"{source},{q},{a},{r}\n" for q, a, r in puzzles)
 
@@ -522,28 +522,28 @@ def main(argv=None):
             p.error(f'--{name} must not be negative')
     t0 = time.time()
     try:
-        if args.generate is not None:
-            n = args.size or 9
-            num_test = args.num_test if args.num_test is not None else max(1, args.generate // 10)
-            puzzles = generate_puzzles(args.generate + num_test, n, args.seed, args.min_rating)
-            csv_dir = os.path.join(args.output_dir, 'csv')
-            write_csv(os.path.join(csv_dir, 'train.csv'), puzzles[:args.generate], f'generated_{n}x{n}')
-            write_csv(os.path.join(csv_dir, 'test.csv'), puzzles[args.generate:], f'generated_{n}x{n}')
-            print(f"generated {len(puzzles):,} {n}x{n} puzzles in {time.time() - t0:.1f} s -> {csv_dir}")
-        elif args.csv_dir is not None:
-            csv_dir = args.csv_dir
-        else:
+        csv_dir = args.csv_dir
+        if args.generate is None and csv_dir is None:
             csv_dir = args.download_dir
             official = args.base_url.rstrip('/') == BASE_URL  # row counts known for the official files only
             for split in ('train', 'test'):
                 download(f"{args.base_url.rstrip('/')}/{split}.csv", os.path.join(csv_dir, f'{split}.csv'),
                          EXPECTED_ROWS[split] if official else None)
-        with building(args.output_dir) as tmp:  # the previous dataset stays whole until this one is
+        with building(args.output_dir) as tmp:  # the previous dataset, CSVs too, stays whole till this one is
+            if args.generate is not None:
+                n = args.size or 9
+                num_test = args.num_test if args.num_test is not None else max(1, args.generate // 10)
+                puzzles = generate_puzzles(args.generate + num_test, n, args.seed, args.min_rating)
+                csv_dir = os.path.join(tmp, 'csv')  # in place as <output_dir>/csv with the splits
+                for split, rows in (('train', puzzles[:args.generate]), ('test', puzzles[args.generate:])):
+                    write_csv(os.path.join(csv_dir, f'{split}.csv'), rows, f'generated_{n}x{n}')
+                print(f"generated {len(puzzles):,} {n}x{n} puzzles in {time.time() - t0:.1f} s -> "
+                      f"{os.path.join(args.output_dir, 'csv')}")
             build(csv_dir, tmp, args.size, args.subsample_size, args.min_difficulty, args.num_aug, args.seed,
                   args.skip_bad)
         args.output_dir = gcs.publish_dataset(args.output_dir, bucket_uri)  # built here, then uploaded
-    except (ValueError, DownloadError, RuntimeError, FileNotFoundError, gcs.GCSError) as e:  # CSVFormatError:
-                                                                                             # a ValueError
+    except (ValueError, DownloadError, RuntimeError, OSError, gcs.GCSError) as e:  # CSVFormatError: a
+                                                  # ValueError; a full disk: data.WriteError, a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")
