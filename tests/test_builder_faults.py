@@ -1,0 +1,151 @@
+"""
+The builders against a hostile user: a full disk or a file-size limit in the middle of a build (the previous
+dataset stays whole, every file of it, and the one line names the file that could not be written), generator
+options out of range, a bad solutions file, and two tasks under one id.
+    OMP_NUM_THREADS=1 python -m pytest -q tests/test_builder_faults.py
+"""
+import json
+import os
+
+import pytest
+
+from conftest import run
+from disks import small_disk
+
+SYNTHETIC = ['--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3']
+
+
+def limited(limit, script, *args):
+    """`script` run as a user would, under a file-size limit of `limit` bytes (what a full disk does to a write)."""
+    code = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            f"sys.argv = [{script!r}] + sys.argv[1:]; runpy.run_path({script!r}, run_name='__main__')")
+    return run(['-c', code] + [str(a) for a in args], check=False)
+
+
+def tree(root):
+    """Every file under root: relative path -> bytes."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for n in names:
+            path = os.path.join(folder, n)
+            out[os.path.relpath(path, root)] = open(path, 'rb').read()
+    return out
+
+
+def one_line(p, *words):
+    """The build failed with one line on stderr holding the words, and no traceback."""
+    err = p.stderr.strip()
+    assert p.returncode != 0 and 'Traceback' not in p.stdout + p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
+    assert err.count('\n') == 0 and all(w in err for w in words), (words, err)
+    return err
+
+
+def test_a_failed_synthetic_rebuild_keeps_every_file_of_the_previous_dataset(tmp_path):
+    out = tmp_path / 'syn'
+    run(['prepare_arc.py'] + SYNTHETIC + [f'--output_dir={out}'])
+    before = tree(out)
+    assert 'json/arc-agi_training_challenges.json' in before and 'train/all__inputs.npy' in before
+    # 3,000 bytes: the tasks' JSON cannot be written; 7,000: it can, the train rows cannot
+    for limit in (3000, 7000):
+        p = limited(limit, 'prepare_arc.py', *SYNTHETIC, '--seed=5', f'--output_dir={out}')
+        assert p.returncode == 1 and tree(out) == before, limit
+        one_line(p, 'cannot write', 'File too large')
+        assert sorted(os.listdir(out)) == sorted({k.split(os.sep)[0] for k in before})  # no .building left
+
+
+def test_prepare_arc_on_a_full_disk_or_under_a_size_limit_names_the_file(tmp_path):
+    p = limited(7000, 'prepare_arc.py', *SYNTHETIC, f'--output_dir={tmp_path / "a"}')
+    err = one_line(p, 'cannot write', 'File too large')
+    assert os.path.join(str(tmp_path / 'a'), '.building', 'train', 'all__inputs.npy') in err, err
+    disk = tmp_path / 'disk'
+    with small_disk(disk, '24k'):
+        p = run(['prepare_arc.py'] + SYNTHETIC + [f'--output_dir={disk / "b"}'], check=False)
+        err = one_line(p, 'cannot write', 'No space left on device', str(disk / 'b'))
+        assert err.split(':')[1].strip().endswith(('.json', '.npy', '.npz')), err  # a file, not a folder
+        assert os.listdir(disk) == []  # nothing half-written stays: no partial folder
+
+
+def test_prepare_maze_generate_on_a_full_disk_or_under_a_size_limit_names_the_file(tmp_path):
+    gen = ['--generate=10', '--size=8', '--num_test=3', '--min_path_len=4']
+    p = limited(300, 'prepare_maze.py', *gen, f'--output_dir={tmp_path / "a"}')
+    err = one_line(p, 'cannot write', 'File too large', 'train.csv')
+    p = limited(2000, 'prepare_maze.py', *gen, f'--output_dir={tmp_path / "b"}')  # the CSVs fit, a split not
+    one_line(p, 'cannot write', 'File too large', 'all__inputs.npy')
+    assert not os.path.exists(tmp_path / 'a') and not os.path.exists(tmp_path / 'b')
+    disk = tmp_path / 'disk'
+    with small_disk(disk, '8k'):
+        p = run(['prepare_maze.py'] + gen + [f'--output_dir={disk / "c"}'], check=False)
+        one_line(p, 'cannot write', 'No space left on device', str(disk / 'c'))
+        assert os.listdir(disk) == []
+
+
+def test_prepare_sudoku_generate_under_a_size_limit_names_the_file(tmp_path):
+    p = limited(300, 'prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5', f'--output_dir={tmp_path}/s')
+    one_line(p, 'cannot write', 'File too large', 'train.csv')
+    assert not os.path.exists(tmp_path / 's')
+
+
+def test_a_maze_generator_that_cannot_reach_the_path_length_is_one_line(tmp_path):
+    p = run(['prepare_maze.py', '--generate=10', '--size=4', '--min_path_len=100', f'--output_dir={tmp_path}/m'],
+            check=False)
+    one_line(p, '1000 mazes in a row', 'longer than 100 steps at size 4', 'lower --min_path_len')
+    assert not os.path.exists(tmp_path / 'm')
+
+
+@pytest.mark.parametrize('option,value,allowed', [
+    ('min_path_len', '-3', 'at least 0'), ('loop_frac', '-1', 'from 0 to 1'), ('loop_frac', '5', 'from 0 to 1'),
+    ('loop_frac', 'nan', 'from 0 to 1'), ('generate', '-5', 'at least 1'), ('seed', '-1', 'at least 0'),
+    ('num_test', '0', 'at least 1'), ('size', '3', 'at least 4'), ('subsample_size', '-2', 'at least 1'),
+])
+def test_the_maze_generator_s_options_are_checked_at_start(tmp_path, option, value, allowed):
+    args = dict(generate='10', size='8', num_test='3', min_path_len='4', seed='0')
+    args[option] = value
+    p = run(['prepare_maze.py'] + [f'--{k}={v}' for k, v in args.items()] + [f'--output_dir={tmp_path}/m'],
+            check=False)
+    one_line(p, f'--{option}', value, allowed)
+    assert 'generated' not in p.stdout and not os.path.exists(tmp_path / 'm')
+
+
+def write_subset(folder, subset, tasks, solutions):
+    os.makedirs(folder, exist_ok=True)
+    for name, obj in (('challenges', tasks), ('solutions', solutions)):
+        with open(os.path.join(folder, f'arc-agi_{subset}_{name}.json'), 'w') as f:
+            json.dump(obj, f)
+
+
+def task(colour):
+    return dict(train=[dict(input=[[colour, 0]], output=[[0, colour]])], test=[dict(input=[[0, colour]])])
+
+
+def subsets(folder, evaluation=None, concept=None):
+    """Three subsets of one or two tasks each (training, evaluation, concept) with their solutions; the
+    evaluation and concept tasks as given, to make clashes."""
+    for subset, tasks in (('training', {'t1': task(1), 't2': task(2)}), ('evaluation', evaluation or {'e1': task(3)}),
+                          ('concept', concept or {'c1': task(5)})):
+        write_subset(folder, subset, tasks, {i: [[[9, 9]]] for i in tasks})  # one solution: identical copies
+    return ['prepare_arc.py', f'--json_dir={folder}', '--num_aug=2', '--canvas=4']
+
+
+def test_a_malformed_grid_in_the_solutions_file_is_named_in_the_solutions_file(tmp_path):
+    args = subsets(tmp_path / 'j')
+    write_subset(tmp_path / 'j', 'evaluation', {'e1': task(3)}, {'e1': [[[4, 12]]]})
+    p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
+    err = one_line(p, 'arc-agi_evaluation_solutions.json', 'task e1', '12', 'not a colour 0-9')
+    assert 'challenges' not in err, err
+    write_subset(tmp_path / 'j', 'evaluation', {'e1': task(3)}, {'e1': [[[4, 0, 0, 0, 0]]]})
+    p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
+    one_line(p, 'arc-agi_evaluation_solutions.json', 'task e1', 'over the 4x4 canvas')
+    assert not os.path.exists(tmp_path / 'o')
+
+
+def test_two_tasks_under_one_id_in_two_files_are_refused(tmp_path):
+    j = tmp_path / 'j'
+    args = subsets(j, concept={'c1': task(5), 't2': task(7)})  # concept's t2 is another task than training's
+    p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
+    one_line(p, 'task t2', str(j / 'arc-agi_training_challenges.json'), str(j / 'arc-agi_concept_challenges.json'))
+    args = subsets(j, evaluation={'t1': task(1)})  # the very same task in training and evaluation
+    p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
+    one_line(p, 'task t1', str(j / 'arc-agi_training_challenges.json'), str(j / 'arc-agi_evaluation_challenges.json'))
+    assert not os.path.exists(tmp_path / 'o')
+    run(subsets(j) + [f'--output_dir={tmp_path}/o'])  # no clash: built
