@@ -477,6 +477,8 @@ def _fetch(session, url, part):
                               f"{pct} {rate:.1f} MB/s", end='', file=sys.stderr, flush=True)
         except (requests.RequestException, ConnectionError) as e:  # dropped mid-stream: resume next try
             raise _Retryable(f"{type(e).__name__} after {done:,} bytes: {e}") from e
+        except OSError as e:  # a full disk: the file named
+            raise cannot_write(part, e) from e
         finally:
             if shown:
                 print(file=sys.stderr)

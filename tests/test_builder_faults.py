@@ -149,3 +149,15 @@ def test_two_tasks_under_one_id_in_two_files_are_refused(tmp_path):
     one_line(p, 'task t1', str(j / 'arc-agi_training_challenges.json'), str(j / 'arc-agi_evaluation_challenges.json'))
     assert not os.path.exists(tmp_path / 'o')
     run(subsets(j) + [f'--output_dir={tmp_path}/o'])  # no clash: built
+
+
+def test_a_download_onto_a_full_disk_names_the_file(server, tmp_path):
+    from conftest import FileHandler
+    for split in ('train', 'test'):  # 100 kB each, over the 64 kB disk
+        FileHandler.files[f'/m/{split}.csv'] = b'source,question,answer,rating\n' + b'x' * 100_000 + b'\n'
+    disk = tmp_path / 'disk'
+    with small_disk(disk, '64k'):
+        p = run(['prepare_maze.py', f'--base_url={server}/m', f'--output_dir={disk / "m"}'], check=False)
+        assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+        last = p.stderr.strip().splitlines()[-1]  # after the download's progress line
+        assert last == f"error: cannot write {disk / 'm' / 'raw' / 'train.csv.part'}: No space left on device", last
