@@ -89,7 +89,8 @@ def test_a_challenges_file_with_its_solutions_is_a_dataset_of_its_demonstrations
     for r in range(len(test['inputs'])):
         task_id = views['tasks'][views['task'][r]]
         k, t, colours = views['test_index'][r], views['dihedral'][r], views['colours'][r]
-        assert (kind.unaugment(kind.crop(test['inputs'][r]), t, colours) == challenges[task_id]['test'][k]['input']).all()
+        back = kind.unaugment(kind.crop(test['inputs'][r]), t, colours)  # the row mapped back to its task
+        assert (back == challenges[task_id]['test'][k]['input']).all()
         assert (kind.unaugment(kind.crop(test['labels'][r]), t, colours) == solutions[task_id][k]).all()
         assert puzzles[task_id]['test'][k]['output'] == solutions[task_id][k]
         name = names[test['puzzle_identifiers'][r]]  # the row's augmentation, by the identifier's name
@@ -139,7 +140,8 @@ def test_test_inputs_without_solutions_are_built_without_outputs_and_with_ignore
         for r in range(len(test['inputs'])):
             task_id, k = views['tasks'][views['task'][r]], views['test_index'][r]
             t, colours = views['dihedral'][r], views['colours'][r]
-            assert (kind.unaugment(kind.crop(test['inputs'][r]), t, colours) == tasks[task_id]['test'][k]['input']).all()
+            back = kind.unaugment(kind.crop(test['inputs'][r]), t, colours)
+            assert (back == tasks[task_id]['test'][k]['input']).all()
             if 'output' in puzzles[task_id]['test'][k]:
                 assert (kind.unaugment(kind.crop(test['labels'][r]), t, colours) ==
                         puzzles[task_id]['test'][k]['output']).all()
