@@ -197,6 +197,14 @@ def save_evaluation(local, remote, name, record, retries):
     return path
 
 
+def save_submission(local, remote, name, arc, step, retries):
+    """ARC's submission (arc: evaluate.ARCVotes) in <local>/name, the ARC Prize's format exactly, as
+    save_evaluation saves a record; returns what the record it belongs to says of it: its file (None: not
+    saved), the step of the checkpoint that answered, and the vote it follows."""
+    path = save_evaluation(local, remote, name, arc.submission(), retries)
+    return dict(file=name if path else None, step=step, vote=arc.submission_vote())
+
+
 # -----------------------------------------------------------------------------
 # W&B and TensorBoard: the same scalars, never a reason to lose a run
 
@@ -522,17 +530,19 @@ def results_of_step(local, gs_out, step):
     return False
 
 
-def drop_results(local, gs_out):
-    """Rank 0, before a process's first checkpoint: results.json of an earlier finish (local and in the
-    bucket) removed, since it would sit beside a checkpoint of another step; the end of the run writes its
-    own. A bucket that cannot delete it is a warning: a resume compares its step with the checkpoint's.
-    Returns True (done)."""
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(local, 'results.json'))
-    if gs_out:
-        uri = f"{gs_out.rstrip('/')}/results.json"
-        try:
-            gcs.delete_object(uri)
-        except gcs.GCSError as e:
-            print(f"warning: cannot delete {uri} ({e}), an earlier finish's: it is not this run's result")
+def drop_results(local, gs_out, submission=False):
+    """Rank 0, before a process's first checkpoint: results.json of an earlier finish (and with `submission`,
+    an ARC run's, the submission.json beside it) removed, local and in the bucket, since they would sit beside
+    a checkpoint of another step; the end of the run writes its own. A bucket that cannot delete one is a
+    warning: a resume compares results.json's step with the checkpoint's, and results.json names its
+    submission's step. Returns True (done)."""
+    for name in ('results.json',) + (('submission.json',) if submission else ()):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(local, name))
+        if gs_out:
+            uri = f"{gs_out.rstrip('/')}/{name}"
+            try:
+                gcs.delete_object(uri)
+            except gcs.GCSError as e:
+                print(f"warning: cannot delete {uri} ({e}), an earlier finish's: it is not this run's result")
     return True

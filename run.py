@@ -26,7 +26,8 @@ from puzzles import render_example
 from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
                    lock_bucket, lock_local, mark_data, release_locks, startup_problems)
 from records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
-                     results_of_step, save_evaluation, start_log, start_wandb, wandb_log_safe)
+                     results_of_step, save_evaluation, save_submission, start_log, start_wandb,
+                     wandb_log_safe)
 
 
 class Run:
@@ -46,7 +47,7 @@ class Run:
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
         self.verified = -1  # newest checkpoint step whose next step's loss was seen finite
         self.results_dropped = False  # an older run's results.json removed, at this process's first save
-        self.records = self.wandb = self.uploads = self.board = None
+        self.records = self.wandb = self.uploads = self.board = self.arc = None  # arc: ARC's votes (its pool)
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
@@ -83,12 +84,12 @@ class Run:
             problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
         fail_together(dev, problems, 'overwrite')
 
-    def resume(self, model, ema_model, opt, loader, resume_fixed, last_step):
+    def resume(self, model, ema_model, opt, loader, resume_fixed, last_step, arc=None):
         """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the
         newest checkpoint every rank can read (never an older one in place of one at `last_step` or one to
         evaluate), refusing one saved with other `resume_fixed` keys or on other data; a file loads its
-        weights (ours, or a state dict of the reference implementation)."""
-        cfg, step, carry = self.cfg, 0, None
+        weights (ours, or a state dict of the reference implementation). arc: ARC's votes, given its pool."""
+        cfg, step, carry, self.arc = self.cfg, 0, None, arc
         if cfg['init_from'] == 'resume':
             ckpt, self.resumed_from = find_resume_checkpoint(self.dev, self.local, self.gs_out, self.corrupt,
                                                              last_step, cfg['eval_only'])
@@ -99,6 +100,8 @@ class Run:
             if ckpt is not None:
                 check_resume(self.dev, ckpt, self.resumed_from, cfg, resume_fixed, self.meta, self.data_path)
                 carry = load_state(self.dev, ckpt, self.resumed_from, cfg, model, ema_model, opt, loader)
+                if arc is not None:
+                    arc.restore(ckpt.get('arc_pool'))
                 step, self.best = ckpt['step'], ckpt['best']
                 self.timing = dict(ckpt.get('timing') or {})
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
@@ -129,10 +132,10 @@ class Run:
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         data=data_shape(self.meta))
+                         data=data_shape(self.meta), **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
-                    self.results_dropped = drop_results(self.local, self.gs_out)
+                    self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
                 if self.uploads:
@@ -226,17 +229,17 @@ class Run:
 
     def finish(self, step, final_eval, parameters, flops_per_example, arc=None):
         """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
-        phase over every process of the run, resumes adding theirs, and device-hours); ARC's submission.json first."""
+        phase over every process of the run, resumes adding theirs, and device-hours); ARC's submission.json
+        first, which results.json names with its step and vote (the file itself is the ARC Prize's format)."""
         if not self.master:
             return
-        if arc is not None:
-            save_evaluation(self.local, self.gs_out, 'submission.json', arc.submission(), self.cfg['gcs_retries'])
-        cfg, wall = self.cfg, self.timing_total()
+        cfg, wall, local = self.cfg, self.timing_total(), self.local
+        sub = arc and save_submission(local, self.gs_out, 'submission.json', arc, step, cfg['gcs_retries'])
         wall['total'] = sum(wall.values())
         self.records.finish(dict(
             config=cfg, parameters=parameters, run_id=self.run_id, flops_per_example_step=flops_per_example,
             device=self.dev.name(), world_size=self.dev.world_size, final_eval=final_eval,
-            best_eval=self.best,
+            best_eval=self.best, **(dict(arc_submission=sub) if sub else {}),
             step=step, examples_seen=step * cfg['global_batch_size'],
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
             device_hours=wall['total'] * self.dev.world_size / 3600))
@@ -258,12 +261,13 @@ class Run:
     def write_evaluation(self, res, step, seconds, name, arc=None):
         """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
         reads for its test-time views and steps), and with an ARC evaluation's votes its submission beside it
-        (<name>.submission.json); a failed write or upload is a warning."""
-        if arc is not None:
-            save_evaluation(self.local, self.gs_out, f'evals/{name}.submission.json', arc.submission(),
-                            self.cfg['gcs_retries'])
+        (<name>.submission.json, which the record names with its step and vote); a failed write or upload is a
+        warning."""
+        sub = arc and save_submission(self.local, self.gs_out, f'evals/{name}.submission.json', arc, step,
+                                      self.cfg['gcs_retries'])
         record = dict(step=step, checkpoint=self.resumed_from, seconds=seconds, device=self.dev.name(),
                       world_size=self.dev.world_size, config=self.cfg, eval=res)
+        record.update(dict(submission=sub) if sub else {})
         return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
 
     def results_missing(self, step):

@@ -36,6 +36,16 @@ def timed_minutes(metrics_path, batch):
     return total / 60
 
 
+# an ARC run's report.csv columns <- its final evaluation's keys: per task (the reference's), per test output
+# (the ARC Prize's), and with a pooled vote the pool's
+ARC_COLUMNS = dict(arc_pass1='arc_pass@1', arc_pass2='arc_pass@2', arc_pass2_ci_low='arc_pass@2_ci_low',
+                   arc_pass2_ci_high='arc_pass@2_ci_high', arc_prize_pass1='arc_prize_pass@1',
+                   arc_prize_pass2='arc_prize_pass@2', arc_prize_pass2_ci_low='arc_prize_pass@2_ci_low',
+                   arc_prize_pass2_ci_high='arc_prize_pass@2_ci_high', arc_pooled_pass2='arc_pooled_pass@2',
+                   arc_pooled_prize_pass2='arc_pooled_prize_pass@2', arc_tasks='arc_tasks',
+                   arc_test_outputs='arc_test_outputs', arc_unscored='arc_unscored')
+
+
 def collect(exps):
     rows = []
     for e in exps:
@@ -58,10 +68,8 @@ def collect(exps):
                      best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
                      exact_by_steps=fe.get('exact_by_steps') or [], halt_max_steps=cfg.get('halt_max_steps'),
                      H_cycles=cfg.get('H_cycles', r['H_cycles']), L_cycles=cfg.get('L_cycles', r['L_cycles']))
-            if fe.get('arc_pass@2') is not None:  # an ARC run: the task-averaged vote over its stored views
-                r.update(arc_pass1=fe.get('arc_pass@1'), arc_pass2=fe['arc_pass@2'],
-                         arc_pass2_ci_low=fe.get('arc_pass@2_ci_low'), arc_pass2_ci_high=fe.get('arc_pass@2_ci_high'),
-                         arc_tasks=fe.get('arc_tasks'))
+            if 'arc_tasks' in fe:  # an ARC run: the vote over its stored views, per task and per test output
+                r.update({c: fe.get(k) for c, k in ARC_COLUMNS.items()})
             wall = res.get('wall_s') or {}  # results.json of runs before it was recorded: none
             r.update(device_hours=res.get('device_hours'), world_size=res.get('world_size'),
                      **{f'wall_s_{k}': wall.get(k) for k in ('total', 'startup', 'train', 'eval')})
@@ -135,22 +143,25 @@ def write_tables(rows, folder, opts, views=()):
         head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)',
                 'verified %',
                 'token %', 'best exact % (step)', 'minutes', 'device-h', 'status']
-        arc = any(r.get('arc_pass2') is not None or r.get('kind') == 'arc' for r in rows)
-        if arc:  # ARC's score beside exact: pass@2 of the vote over each task's stored views
-            head.insert(head.index('exact % (95% CI)'), 'ARC pass@2 % (95% CI)')
+        arc = any(r.get('arc_tasks') is not None or r.get('kind') == 'arc' for r in rows)
+        if arc:  # ARC's scores beside exact: pass@2 of the vote over each task's stored views
+            head[head.index('exact % (95% CI)'):head.index('exact % (95% CI)')] = [
+                'ARC Prize score pass@2 % (per output, 95% CI)', "ARC pass@2 % (95% CI), per task (the reference's)"]
         md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test "
                "puzzle. minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: "
                "the run's wall time (start-up, training, evaluations) x its devices, from results.json.\n"
-               + ("ARC runs: pass@2 is the ARC score, averaged over the evaluation tasks (a task scores the "
-                  "share of its test inputs whose output is among the vote's two best answers over its stored "
-                  "views), with its 95% Wilson interval over tasks; exact is per test row (one view).\n"
-                  if arc else ''),
+               + ("ARC runs: a test output passes at 2 when it is among the vote's two best answers over its "
+                  "stored views. The ARC Prize's score counts every test output once; the reference's (the "
+                  "paper's) averages over the evaluation tasks, a task scoring the share of its test outputs "
+                  "that pass. Each with its 95% Wilson interval (over test outputs, over tasks); test outputs "
+                  "without a known solution are not scored (report.csv: arc_unscored). exact is per test row "
+                  "(one view).\n" if arc else ''),
                '| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
         for r in rows:
             done = r['status'] == 'done'
-            arc_cell = ([f"{pct(r['arc_pass2'])} ({pct(r.get('arc_pass2_ci_low'))}-"
-                         f"{pct(r.get('arc_pass2_ci_high'))})" if done and r.get('arc_pass2') is not None
-                         else ''] if arc else [])
+            arc_cell = ([f"{pct(r[p + '2'])} ({pct(r.get(p + '2_ci_low'))}-{pct(r.get(p + '2_ci_high'))})"
+                         if done and r.get(p + '2') is not None else '' for p in ('arc_prize_pass', 'arc_pass')]
+                        if arc else [])
             md.append('| ' + ' | '.join([
                 r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
                 f"{r['train_flops']:.3g}" if r.get('train_flops') else '',
@@ -203,8 +214,7 @@ def write_csv(rows, folder, seeds):
             'exact_min',
             'exact_max', 'seeds_done']
     if any(r.get('kind') == 'arc' for r in rows):  # ARC's score beside exact (before the seed statistics)
-        cols[cols.index('exact'):cols.index('exact')] = ['arc_pass1', 'arc_pass2', 'arc_pass2_ci_low',
-                                                         'arc_pass2_ci_high', 'arc_tasks']
+        cols[cols.index('exact'):cols.index('exact')] = list(ARC_COLUMNS)
     stats = seed_stats(rows, seeds)
     with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
         w = csv.writer(f)

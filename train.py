@@ -31,6 +31,7 @@ eval_subset = 0                 # seeded test examples of intermediate evaluatio
 eval_steps = 0                  # supervision steps at evaluation (0: halt_max_steps); more: test-time scaling
 eval_views = 1                  # test-time breadth: each puzzle also in views-1 seeded symmetries, voting
 eval_batch_size = 0             # evaluation batch, split over ranks (0: global_batch_size)
+arc_pool_votes = False          # ARC: also the vote pooled over the run's evaluations (the reference's)
 log_interval = 100              # steps between log lines (host reads of training metrics)
 checkpoint_interval = 0         # steps between extra checkpoints (0: at evaluations, the end, SIGTERM only)
 keep_last_n = 2                 # checkpoints kept, plus the best (0: keep all)
@@ -195,7 +196,8 @@ def main(index=None):
               f"{global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
-    step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps)
+    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only)  # ARC: the vote
+    step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps, arc)
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
     log_watchdog = lambda v: run.records and run.log('watchdog', v, v['step'] or 0, {})  # none in eval_only
@@ -205,16 +207,15 @@ def main(index=None):
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
                           subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
             for s in {0, eval_subset}}
-    arc = ARCVotes.open(run.data_path, puzzle_for(meta))  # ARC: a task's test rows vote over its stored views
 
-    def run_eval(subset, show_example=False, weights=None):
+    def run_eval(subset, show_example=False, weights=None, pool_at=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         compiled = compile and dev.kind != 'cpu'
         predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
-                            predict=predict, arc=arc,
+                            predict=predict, arc=arc, arc_pool_at=pool_at,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
                             progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation '
                                                                  'batch'))
@@ -224,7 +225,7 @@ def main(index=None):
         when a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
         final = step == run_steps and not smoke_phase  # a smoke run's last evaluation is an intermediate one
         xla_before = dev.xla_counters()
-        res, example = run_eval(0 if final else eval_subset, show_example=final)
+        res, example = run_eval(0 if final else eval_subset, show_example=final, pool_at=step)
         # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
         raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
         if res is None or (ema and not final and raw is None):

@@ -172,8 +172,9 @@ def tiny_run(synthetic, tmp_path_factory):
 def test_a_tiny_arc_run_reports_pass_at_k_and_submits_every_evaluation_task(synthetic, tiny_run):
     p, out = tiny_run
     line = next(l for l in p.stdout.splitlines() if l.strip().startswith('ARC '))
-    assert line.strip().startswith('ARC 4 tasks (4 test outputs, 4 views): pass@1 ') and 'pass@2 ' in line
-    assert 'pass@2 by views: 1:' in line and line.count('(95% CI ') == 2
+    assert line.strip().startswith('ARC 4 tasks (4 test outputs, 4 views): ARC Prize score (per output) pass@1 ')
+    assert "| per task (the reference's) pass@1 " in line and 'pass@2 by views (per task): 1:' in line
+    assert line.count('(95% CI ') == 4
     puzzles = json.load(open(os.path.join(synthetic, 'test_puzzles.json')))
     sub = json.load(open(out / 'submission.json'))
     assert list(sub) == list(puzzles)

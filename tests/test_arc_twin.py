@@ -47,7 +47,7 @@ def test_the_small_twin_learns_and_submits_every_evaluation_task(twin_data, tmp_
     p = run(['train.py', 'config/arc_twin.py', f'--data_path={twin_data}', f'--out_dir={out}', f'--epochs={EPOCHS}',
              f'--eval_interval={EPOCHS}'], timeout=900)
     line = arc_line(p.stdout)
-    assert line.startswith('ARC 24 tasks (24 test outputs, 8 views): pass@1 '), line
+    assert line.startswith('ARC 24 tasks (24 test outputs, 8 views): ARC Prize score (per output) pass@1 '), line
     final = json.load(open(out / 'results.json'))['final_eval']
     assert final['arc_tasks'] == 24
     labels = np.load(os.path.join(twin_data, 'test', 'all__labels.npy'))
