@@ -38,7 +38,7 @@ def task(name, text=None):
 
 
 def validator(schema):
-    """SkyPilot's validator (sky/utils/validator.py): JSON Schema draft 7 and two enum keywords of its own."""
+    """SkyPilot's schema validator: JSON Schema draft 7 and two enum keywords of its own."""
     def enum(case):
         def check(validator, enums, instance, schema):
             if case(instance) not in [case(e) for e in enums]:
@@ -148,6 +148,20 @@ def test_every_task_file_passes_skypilot_s_schema_and_asks_for_what_the_docs_say
         assert '--out_root=gs://$BUCKET/studies/$RUN' in run and '--init_from' not in run  # study.py resumes
 
 
+def test_docs_spot_md_names_each_file_s_accelerators_envs_and_recovery_strategy():
+    page = open(os.path.join(ROOT, 'docs', 'spot.md')).read()
+    rows = {r[0].strip('` '): r for r in (l.split('|')[1:-1] for l in page.splitlines() if l.startswith('| `sky/'))}
+    assert sorted(f[len('sky/'):] for f in rows) == TASKS
+    for name in TASKS:
+        cfg, row = task(name), rows[f'sky/{name}']
+        res = cfg['resources']
+        assert row[3].strip(' `') == res['job_recovery']['strategy'], name
+        for acc in [res['accelerators']] if isinstance(res['accelerators'], str) else res['accelerators']:
+            assert (f'`{acc}`' if acc.startswith('tpu-') else acc) in row[2], (name, acc)
+        named = set(re.findall(r'`([A-Z_]+)`', page[page.index('The envs every file takes'):]))
+        assert set(cfg['envs']) <= named, (name, set(cfg['envs']) - named)
+
+
 MISSPELT = [('use_spot:', 'use_spots:'), ('max_restarts_on_errors:', 'max_restart_on_errors:'),
             ('recover_on_exit_codes:', 'recover_on_exitcodes:'), ('[75]', '[75, 300]'),
             ('strategy: FAILOVER', 'strategy: FAIL_OVER'), ('strategy: EAGER_NEXT_REGION', 'strategy: EAGER'),
@@ -168,7 +182,7 @@ def test_a_misspelt_field_or_name_is_refused(old, new):
 
 
 # -----------------------------------------------------------------------------
-# the task's setup and run, executed as SkyPilot executes them (sky/skylet/log_lib.py, make_task_bash_script)
+# the task's setup and run, executed as SkyPilot 0.14.1 executes them (the script its make_task_bash_script writes)
 
 class Node:
     """One VM of a SkyPilot cluster: its own home, with the workdir synced into ~/sky_workdir (the repository's
