@@ -11,10 +11,12 @@
 
 RUN=${RUN:-$SKYPILOT_TASK_ID}
 # A preemption notice is a SIGTERM to every process of the VM: the trainer saves a checkpoint and exits 0 before
-# its end, study.py exits 1. The shell waits for them, then job_exit says 75, so that a job whose VM outlives the
-# notice is run again rather than counted as done (exit 0) or failed (exit 1).
+# its end, study.py exits 1, pip in a setup dies. The shell waits for them, then says 75 (job_exit in a run, the
+# exit trap in a setup), so that a job whose VM outlives the notice is run again rather than counted as done
+# (exit 0) or failed (any other code).
 STOPPED=
 trap 'STOPPED=1' TERM INT
+trap 'code=$?; [ -n "$STOPPED" ] && [ "$code" != 0 ] && exit 75' EXIT
 
 gcs_call() {
   # exists URI | get URI | put URI TEXT | fetch URI CACHE: exit code 0, 1 when the object is not there, 2 when

@@ -136,6 +136,7 @@ def test_every_task_file_passes_skypilot_s_schema_and_asks_for_what_the_docs_say
     assert envs['BUCKET'] is None and envs['RUN'] == '' and cfg['workdir'] == '.'
     assert refusals(cfg) == ["env BUCKET is null: needs --env BUCKET=..."]  # a job without a bucket is refused
     assert want['setup'] in setup and setup.rstrip().endswith('dataset_once'), name
+    assert setup.startswith('source sky/job.sh'), name  # its traps first: a notice during pip exits 75
     assert want['command'] in ' '.join(run.split()) and run.count('source sky/job.sh') == 1, name
     assert run.rstrip().splitlines()[-1].startswith('job_exit $?'), name
     if name != 'study-pod.yaml':
@@ -407,6 +408,23 @@ def test_a_config_error_ends_the_job_and_the_watchdog_s_exit_runs_it_again(emu, 
         p = subprocess.run(['bash', '-c', f'source sky/job.sh; {cmd}'], cwd=ROOT, capture_output=True, text=True,
                            env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
         assert p.returncode == want, (cmd, p.stdout, p.stderr)
+
+
+def test_a_notice_during_setup_runs_the_job_again(emu, bin_dir, tmp_path):
+    """The notice can come while setup installs the packages (minutes on a new VM): SkyPilot then sees a failed
+    setup, which it runs again only for a code in recover_on_exit_codes."""
+    pip = os.path.join(bin_dir, 'pip')
+    with open(pip, 'a') as f:
+        f.write('sleep 120\n')  # a long download
+    node = one_node(tmp_path, 'vm', 'gpu.yaml', 'sky-managed-x_trm-gpu_4-0', SUDOKU4)
+    setup = node.start('setup', bin_dir)
+    deadline = time.time() + 60
+    while not os.path.exists(tmp_path / 'pip.log'):
+        assert time.time() < deadline and setup.proc.poll() is None, '\n'.join(setup.seen)
+        time.sleep(0.1)
+    signal_all(setup.proc.pid, signal.SIGTERM)
+    text, code = ran(setup, 60)
+    assert code == HUNG_EXIT, (code, text[-3000:])
 
 
 def bucket_text(uri, tmp_path):
