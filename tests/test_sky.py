@@ -163,6 +163,15 @@ def test_docs_spot_md_names_each_file_s_accelerators_envs_and_recovery_strategy(
         assert set(cfg['envs']) <= named, (name, set(cfg['envs']) - named)
 
 
+def test_the_trainer_imports_nothing_of_skypilot():
+    import ast
+    for f in sorted(f for f in os.listdir(ROOT) if f.endswith('.py')):
+        tree = ast.parse(open(os.path.join(ROOT, f)).read())
+        names = {a.name.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        names |= {n.module.split('.')[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+        assert 'sky' not in names, f
+
+
 MISSPELT = [('use_spot:', 'use_spots:'), ('max_restarts_on_errors:', 'max_restart_on_errors:'),
             ('recover_on_exit_codes:', 'recover_on_exitcodes:'), ('[75]', '[75, 300]'),
             ('strategy: FAILOVER', 'strategy: FAIL_OVER'), ('strategy: EAGER_NEXT_REGION', 'strategy: EAGER'),
@@ -397,10 +406,15 @@ def test_the_tpu_task_runs_under_torch_xla_s_launcher_and_resumes_after_a_notice
 
 
 def test_a_config_error_ends_the_job_and_the_watchdog_s_exit_runs_it_again(emu, bin_dir, tmp_path):
-    node = one_node(tmp_path, 'vm', 'gpu.yaml', 'sky-managed-x_trm-gpu_3-0', dict(SUDOKU4, ARGS='--lr=-1'))
-    setup, run = launch(node, bin_dir)
+    envs = dict(SUDOKU4, DATA='sudoku4-60-errors', ARGS='--lr=-1')
+    setup, run = launch(one_node(tmp_path, 'vm', 'gpu.yaml', 'sky-managed-x_trm-gpu_3-0', envs), bin_dir)
     text, code = ran(run)
     assert code == 1 and 'config error: lr=-1' in text and 'job: exit code 1: not run again' in text, text[-3000:]
+    # a dataset name whose marker says another command built it: setup stops with one line, and builds nothing
+    node = one_node(tmp_path, 'vm2', 'gpu.yaml', 'sky-managed-x_trm-gpu_3-0', dict(envs, BUILD=envs['BUILD'] + '0'))
+    text, code = ran(node.start('setup', bin_dir))
+    assert code == 1 and 'Traceback' not in text and 'job: building' not in text, text[-3000:]
+    assert f"gs://{BUCKET}/data/sudoku4-60-errors was built by '{envs['BUILD']}', not by this job's BUILD" in text
     # job_exit alone: the watchdog's codes pass as they are, a stop before the end becomes 75
     for cmd, want in ((f'job_exit {HUNG_EXIT}', HUNG_EXIT), (f'job_exit {HUNG_AGAIN_EXIT}', HUNG_AGAIN_EXIT),
                       ('job_exit 0 gs://test-bucket/nothing/results.json', HUNG_EXIT),
