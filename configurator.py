@@ -117,6 +117,12 @@ def parse_flags(text, defaults, where):
     return out
 
 
+def shown_path(path):
+    """A config file's path as a message names it: from the working folder when it lies below it."""
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if rel.startswith('..') else rel
+
+
 def _help(g, keys):
     script = g.get('__file__')
     doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now
@@ -165,7 +171,7 @@ def _configure(g, argv):
                 for key, value in keys.items():
                     check_key(key, path)
                     g[key] = check_type(key, value, path)
-                    set_by[key] = os.path.relpath(path) if os.path.isabs(path) else path
+                    set_by[key] = shown_path(path)
                 print(f"config: {os.path.relpath(path) if os.path.isabs(path) else path}")
         else:
             if '=' not in arg:

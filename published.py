@@ -145,7 +145,9 @@ def resolve_init_from(g):
     data_paths = cfg.get('data_paths') if isinstance(cfg.get('data_paths'), list) else []
     if g.get('data_path') == '' and data_paths and 'data_path' not in set_by:
         updates['data_path'] = str(data_paths[0])
-    print(f"init_from={shown}: the reference's layout ({init_from}); model config from {where}: "
+    cached = f", cached at {init_from}" if shown != init_from else ''
+    print(f"init_from={shown}: a checkpoint in the reference's published layout{cached}; model config from "
+          f"{where}: "
           + ', '.join(f"{k}={v!r}" for k, v in keys.items() if k not in kept)
           + ''.join(f"; {k}={g[k]!r} as set ({set_by[k]}), the run's {v!r}" for k, v in kept.items())
           + f"; trained on data_paths={data_paths}")
