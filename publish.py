@@ -42,6 +42,7 @@ if not os.path.isfile(init_from):
 # -----------------------------------------------------------------------------
 
 from checkpoint import CheckpointError, load_checkpoint  # noqa: E402
+from configurator import read_config_block  # noqa: E402
 from published import export, upload, what_it_holds  # noqa: E402
 
 try:
@@ -53,6 +54,9 @@ missing = [k for k in ('model', 'config', 'step') + (('optimizer',) if train_sta
 if missing:
     raise SystemExit(f"init_from={init_from} is not a checkpoint of train.py (no {', '.join(missing)}): it holds "
                      f"{what_it_holds(ckpt)}")
+# a checkpoint of an earlier train.py may lack keys added since: they had today's defaults then
+trainer = read_config_block(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'train.py'))
+ckpt['config'] = {**{k: v for k, (v, _) in trainer.items()}, **ckpt['config']}
 run_folder = os.path.dirname(os.path.abspath(init_from))
 folder = out_dir or os.path.join(os.path.dirname(init_from), 'published')
 paths = export(ckpt, folder, weights, train_state, forward_dtype)

@@ -224,3 +224,14 @@ def test_publish_refuses_bad_input_in_one_line(tmp_path):
     bad = tmp_path / 'bad.pt'
     bad.write_bytes(b'not a checkpoint')
     assert_user_error(publish(f'--init_from={bad}', check=False), str(bad), 'corrupt or truncated')
+
+
+def test_a_checkpoint_of_an_earlier_trainer_without_newer_keys_is_published(table_run, tmp_path):
+    """A checkpoint saved before a key existed (here rms_norm_eps and rope_theta) had its default: published."""
+    ckpt = torch.load(table_run['ckpt'], weights_only=True)
+    for k in ('rms_norm_eps', 'rope_theta', 'loss_type'):
+        del ckpt['config'][k]
+    torch.save(ckpt, tmp_path / 'old.pt')
+    publish(f'--init_from={tmp_path}/old.pt', f'--out_dir={tmp_path}/pub')
+    arch = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))['arch']
+    assert arch['loss']['loss_type'] == 'stablemax_cross_entropy' and 'rope_theta' not in arch
