@@ -39,8 +39,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py'), 'model').items()})
 # -----------------------------------------------------------------------------
 # config
-init_from = ''                  # checkpoint: train.py's (ckpt_*.pt; EMA weights), a reference state dict
-                                # (step_<N>; all_config.yaml beside it gives its model keys), or hf://OWNER/REPO/...
+init_from = ''                  # checkpoint: train.py's (ckpt_*.pt), the reference's (step_<N>), hf://OWNER/REPO/...
 data_path = ''                  # dataset root the checkpoint was trained on ('': the checkpoint's data_path)
 puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank;
                                 # maze rows joined by '/'; or a file
