@@ -118,7 +118,9 @@ def resolve_init_from(g):
     the config files and the command line set (`_set_by`), refused in one line where one contradicts it; a
     data_path left '' (solve.py: "the checkpoint's") becomes its first data_paths. Says where the config came
     from in one line. Without the YAML: nothing changes (the keys are the script's, as for any file)."""
-    init_from, set_by, updates = g.get('init_from', ''), g.get('_set_by') or {}, {}
+    init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
+    if g.get('forward_dtype') == 'checkpoint':  # solve.py's word for "the run's", typed or not
+        set_by.pop('forward_dtype', None)
     shown = init_from
     if HUB_RE.match(init_from or ''):
         updates['init_from'] = init_from = fetch(init_from)
