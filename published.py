@@ -179,7 +179,7 @@ def fetch_file(repo, revision, path, uri, optional=False):
     repository does not have. Every refusal of the hub, and a hub out of reach with nothing cached, is one
     line; out of reach with a copy cached for the revision, that copy (said)."""
     import httpx2
-    from huggingface_hub import constants, get_hf_file_metadata, hf_hub_url
+    from huggingface_hub import constants, get_hf_file_metadata, get_token, hf_hub_url
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
                                         RemoteEntryNotFoundError, RepositoryNotFoundError,
                                         RevisionNotFoundError)
@@ -204,7 +204,7 @@ def fetch_file(repo, revision, path, uri, optional=False):
              "that account")
     except RepositoryNotFoundError:
         fail(f"init_from={uri}: no repository {repo} at {endpoint}, or a private one this identity may not "
-             f"read ({'HF_TOKEN is set' if os.environ.get('HF_TOKEN') else 'set HF_TOKEN to a token that may'})")
+             f"read ({'the token in use may not' if get_token() else 'set HF_TOKEN to a token that may'})")
     except (httpx2.TransportError, OfflineModeIsEnabled, HfHubHTTPError) as e:
         status = getattr(getattr(e, 'response', None), 'status_code', None)
         if isinstance(e, HfHubHTTPError) and status and status < 500:
