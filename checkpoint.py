@@ -17,6 +17,7 @@ import torch
 
 import gcs
 from guard import data_shape, describe_data, fail_if_ranks_differ, fail_together
+from published import fill_absent_table, what_it_holds
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
@@ -179,12 +180,12 @@ def load_weights(path, model, ema_model, meta, data_path):
     found = weights_in(ckpt)
     if found is None:
         raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
-                         f"reference implementation")
+                         f"reference implementation: it holds {what_it_holds(ckpt)}")
     if found['config'] is not None:
         for problem in data_problems(ckpt, path, meta, data_path, "Its weights learned that data: point "
                                      "--data_path at a dataset of that kind, or train from scratch"):
             raise SystemExit(f"init_from={problem}")
-    sd = found['weights']
+    sd = fill_absent_table(found['weights'], model)  # a reference state dict of a model without puzzle table
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:

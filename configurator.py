@@ -9,7 +9,10 @@ values are parsed as Python literals and must keep the default's type (an int wh
 is fine). A config file may name the recipe it changes in `_base = 'config/baseline.py'` (a path from the
 repository root): that file is applied first, so each file holds only what it changes. Names starting with
 '_' are not keys. `read_config_block(path)` gives another script's keys (bench.py takes train.py's), and
-`config_files(path)` what a config file sets (study.py reads the experiments with it).
+`config_files(path)` what a config file sets (study.py reads the experiments with it). The script learns
+which keys were set, and where, in `_set_by` ({key: the config file or '--key=value'}): a value that only
+happens to equal the default was still chosen (published.py refuses a chosen model key that contradicts a
+published checkpoint's config, and takes the others from it).
 """
 import ast
 import builtins
@@ -114,6 +117,12 @@ def parse_flags(text, defaults, where):
     return out
 
 
+def shown_path(path):
+    """A config file's path as a message names it: from the working folder when it lies below it."""
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if rel.startswith('..') else rel
+
+
 def _help(g, keys):
     script = g.get('__file__')
     doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now
@@ -136,6 +145,7 @@ def _configure(g, argv):
     keys = list(g.get('config_keys') or [k for k, v in g.items() if not k.startswith('_')
                                           and isinstance(v, (int, float, bool, str))])
     known, defaults = set(keys), {k: g[k] for k in keys}  # the script's own defaults, before any flag
+    set_by = g['_set_by'] = {}
     if any(a in ('-h', '--help', 'help') for a in argv):
         _help(g, keys)
 
@@ -161,6 +171,7 @@ def _configure(g, argv):
                 for key, value in keys.items():
                     check_key(key, path)
                     g[key] = check_type(key, value, path)
+                    set_by[key] = shown_path(path)
                 print(f"config: {os.path.relpath(path) if os.path.isabs(path) else path}")
         else:
             if '=' not in arg:
@@ -168,6 +179,7 @@ def _configure(g, argv):
             key, text = arg[2:].split('=', 1)  # the value may itself contain '='
             check_key(key, arg)
             g[key] = check_type(key, parse_value(text, g[key]), arg)
+            set_by[key] = arg
             print(f"config: {key} = {g[key]!r}")
 
 

@@ -13,7 +13,9 @@ the step before marked with '*'), the halting head's probability sigmoid(q_halt)
 already correct (the verifier: any valid solution counts, the givens must be kept). Solving stops where
 the model halts (q_halt > 0) unless --all_steps=True; --steps above the model's halt_max_steps is
 test-time scaling. A checkpoint of train.py carries its model keys; a state dict of the reference
-implementation ('_orig_mod.model.inner.*' keys) needs --data_path and the model keys of its training run.
+implementation ('_orig_mod.model.inner.*' keys) takes them, and its data_path, from the all_config.yaml beside it
+(the published layout, docs/published.md; also hf://OWNER/REPO/PATH/step_<N> from the hub), else needs --data_path
+and the model keys of its training run.
 With --views=K each puzzle is solved in K views (view 0 as given, the others under symmetries of its kind drawn
 from a fixed seed: the same on every run), one batch of K x the puzzles; each view's answer where it stops,
 mapped back to the puzzle, is checked by the verifier; shown are the distinct answers with the views that gave
@@ -28,6 +30,7 @@ import re
 import time
 
 from configurator import read_config_block  # noqa: E402
+from published import fill_absent_table, resolve_init_from, what_it_holds  # noqa: E402
 
 # train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
 # carries its own); for such a state dict they must be those of its training run (the weights do not tell
@@ -36,7 +39,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py'), 'model').items()})
 # -----------------------------------------------------------------------------
 # config
-init_from = ''                  # checkpoint: train.py's (ckpt_*.pt; EMA weights) or a reference state dict
+init_from = ''                  # checkpoint: train.py's (ckpt_*.pt), the reference's (step_<N>), hf://OWNER/REPO/...
 data_path = ''                  # dataset root the checkpoint was trained on ('': the checkpoint's data_path)
 puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) characters, '.'/'0' blank;
                                 # maze rows joined by '/'; or a file
@@ -58,6 +61,7 @@ forward_dtype = 'checkpoint'    # 'checkpoint' (training run's) | 'auto' | 'bflo
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(_here, 'configurator.py')).read())
+globals().update(resolve_init_from(globals()))  # hf:// fetched; the model keys of an all_config.yaml beside it
 config = {k: globals()[k] for k in config_keys}
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0, 'a number >= 0'),
@@ -140,7 +144,7 @@ def read_checkpoint(path):
     found = weights_in(ckpt)
     if found is None:
         fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
-             "implementation")
+             f"implementation: it holds {what_it_holds(ckpt)}")
     if found['config'] is None:
         return found['weights'], None, 'state dict (reference format)', None
     step = f" of step {found['step']}" if found['step'] is not None else ''
@@ -579,7 +583,7 @@ def load_model(dev):
         fail(f"model config error: {short(e)}")
     model = TRM(cfg)
     try:
-        model.load_state_dict(sd)
+        model.load_state_dict(fill_absent_table(sd, model))
     except RuntimeError:
         where = f"the checkpoint's config and {meta_from}" if ours else \
             f"the model keys (--hidden_size etc.) and {meta_from}"

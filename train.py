@@ -13,6 +13,7 @@ import copy
 import os
 import sys
 import time
+from published import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
@@ -23,7 +24,7 @@ out_dir = 'out/sudoku'          # checkpoints and results: a local folder, or gs
 local_dir = ''                  # local copy of a gs:// out_dir ('': out/<bucket>/<prefix>, one per out_dir)
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
-init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint file: ours or the reference's
+init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint (ours, reference's) | hf://OWNER/REPO/..
 overwrite = False               # a new run (scratch or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)
@@ -111,6 +112,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
+globals().update(resolve_init_from(globals()))  # hf:// fetched; model keys of all_config.yaml beside it
 config = {k: globals()[k] for k in config_keys}
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
 bad += [why for broken, why in (  # keys that must agree with each other: the model's shape

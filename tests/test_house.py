@@ -17,10 +17,11 @@ from configurator import config_files, read_config_block
 from device import choose_dtype
 from model import MODEL_CHOICES, TRMConfig
 
-SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py', 'prepare_arc.py']
+SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py', 'prepare_arc.py',
+           'publish.py']
 LIBRARIES = ['model.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'records.py', 'guard.py', 'data.py',
              'puzzles.py', 'device.py', 'gcs.py', 'configurator.py', 'preflight.py', 'torchtpu.py',
-             'study_plan.py', 'study_report.py']
+             'study_plan.py', 'study_report.py', 'published.py']
 
 
 def train_defaults():

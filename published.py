@@ -1,0 +1,433 @@
+"""
+The reference implementation's published checkpoint layout, and the Hugging Face hub it is shared on.
+    PATH/step_<N>              torch.save of the reference's model state dict ('_orig_mod.model.inner.*' keys)
+    PATH/all_config.yaml       its training config (PretrainConfig): the model in `arch`, the data in data_paths
+    PATH/step_<N>_train_state.pt   (written on request) optimizer moments and raw weights, for a later resume
+Reading (train.py and solve.py, after the configurator): resolve_init_from() fetches an
+hf://OWNER/REPO[@REVISION]/PATH/step_<N> into a local cache (resumable, once per commit) and takes the model keys
+from the all_config.yaml beside the file, refusing a key the config files or the command line set to another
+value. Writing (publish.py): export() turns a checkpoint of train.py into the layout, upload() commits it to a
+hub repository. The hub's own client (huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN
+(or `hf auth login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
+Nothing here imports torch at import time: train.py resolves init_from before its config checks.
+"""
+import math
+import os
+import posixpath
+import re
+import shutil
+import sys
+import time
+import urllib.parse
+
+ARCH = 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
+LOSS = 'losses@ACTLossHead'
+LOSS_TYPES = dict(stablemax='stablemax_cross_entropy', softmax='softmax_cross_entropy')
+# the reference's TRM config fields this trainer has, with their types; the defaults are the reference's, for
+# the fields its all_config.yaml may leave out (None: it must hold them)
+ARCH_FIELDS = dict(hidden_size=(int, None), num_heads=(int, None), expansion=(float, None), H_cycles=(int, None),
+                   L_cycles=(int, None), L_layers=(int, None), halt_max_steps=(int, None),
+                   halt_exploration_prob=(float, None), pos_encodings=(str, None), puzzle_emb_ndim=(int, 0),
+                   puzzle_emb_len=(int, 16), mlp_t=(bool, False), forward_dtype=(str, 'bfloat16'),
+                   no_ACT_continue=(bool, True), rms_norm_eps=(float, 1e-5), rope_theta=(float, 10000.0))
+# what a resume may change (train.py's RESUME_FIXED leaves them out) may also differ from the published run's:
+# set explicitly, they win; every other model key set to another value than the run's is refused
+MAY_DIFFER = ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')
+HUB_RE = re.compile(r'hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>[^@]+)$')
+COMMIT_RE = re.compile(r'[0-9a-f]{40}')
+
+
+def fail(message):
+    """A user error: one line, no traceback."""
+    raise SystemExit(' '.join(str(message).split()))
+
+
+# -----------------------------------------------------------------------------
+# all_config.yaml <-> train.py's keys
+
+def all_config_beside(path):
+    """The all_config.yaml in the folder of `path`, or None."""
+    found = os.path.join(os.path.dirname(os.path.abspath(path)), 'all_config.yaml')
+    return found if os.path.isfile(found) else None
+
+
+def read_all_config(path):
+    """all_config.yaml as a dict; a file that is not YAML of a mapping is one line naming it."""
+    import yaml
+    try:
+        with open(path) as f:
+            cfg = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        fail(f"{path} cannot be read as the reference's all_config.yaml: {e}")
+    if not isinstance(cfg, dict) or not isinstance(cfg.get('arch'), dict):
+        fail(f"{path} is not the reference's all_config.yaml: it has no `arch:` block (the model's config)")
+    return cfg
+
+
+def typed(value, kind, field, where):
+    """value as `kind`, the way the reference's pydantic config accepts it (4 for 4.0, 4.0 for 4), or a
+    one-line refusal (an unresolved interpolation such as '${.hidden_size}' is not a number)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is bool and isinstance(value, bool) or kind is str and isinstance(value, str):
+        return value
+    if kind is float and number or kind is int and number and float(value).is_integer():
+        return kind(value)
+    fail(f"{where}: arch.{field}={value!r} is not {'an' if kind is int else 'a'} {kind.__name__}")
+
+
+def model_keys(cfg, where):
+    """The model keys of train.py that an all_config.yaml (as a dict) sets: {key: value}. Another architecture,
+    a loss or a number format this trainer does not have, or a layout the reference cannot run: one line."""
+    arch = cfg['arch']
+    if arch.get('name') != ARCH:
+        fail(f"{where}: arch.name is {arch.get('name')!r}; this trainer loads the reference's TRM ({ARCH}) only")
+    keys = {}
+    for field, (kind, default) in ARCH_FIELDS.items():
+        if field not in arch and default is None:
+            fail(f"{where}: arch.{field} is missing (the reference's TRM config requires it)")
+        keys[field] = typed(arch.get(field, default), kind, field, where)
+    loss = arch.get('loss') if isinstance(arch.get('loss'), dict) else {}
+    types = {v: k for k, v in LOSS_TYPES.items()}
+    if loss.get('name') != LOSS or loss.get('loss_type') not in types:
+        fail(f"{where}: arch.loss is {loss!r}; this trainer has {LOSS} with loss_type "
+             f"{' or '.join(types)}")
+    keys['loss_type'] = types[loss['loss_type']]
+    if keys['forward_dtype'] not in ('bfloat16', 'float16', 'float32'):
+        fail(f"{where}: arch.forward_dtype={keys['forward_dtype']!r}; this trainer runs bfloat16, float16 or "
+             "float32")
+    if keys['pos_encodings'] not in ('rope', 'learned'):
+        keys['pos_encodings'] = 'none'  # the reference adds no positions for any other value
+    ndim, length = keys['puzzle_emb_ndim'], keys.pop('puzzle_emb_len')
+    if ndim == 0 and length:
+        fail(f"{where}: arch.puzzle_emb_ndim is 0 with puzzle_emb_len {length}: the reference reserves {length} "
+             "positions that nothing fills, and its forward cannot add its inputs to them; not loadable")
+    if ndim:  # the reference's 0: as many prefix positions as the embedding needs
+        keys['puzzle_emb_len'] = length or math.ceil(ndim / keys['hidden_size'])
+    return keys
+
+
+def same(a, b):
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    return float(a) == float(b) if number(a) and number(b) else a == b
+
+
+def resolve_init_from(g):
+    """A script's config globals `g` after the configurator (train.py's, solve.py's): the updates that make
+    init_from a local file and its model keys those of the published run, {key: value}. init_from=hf://...:
+    fetched into the cache. With an all_config.yaml beside the file: its model keys, checked against the keys
+    the config files and the command line set (`_set_by`), refused in one line where one contradicts it; a
+    data_path left '' (solve.py: "the checkpoint's") becomes its first data_paths. Says where the config came
+    from in one line. Without the YAML: nothing changes (the keys are the script's, as for any file)."""
+    init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
+    if g.get('forward_dtype') == 'checkpoint':  # solve.py's word for "the run's", typed or not
+        set_by.pop('forward_dtype', None)
+    shown = init_from
+    if HUB_RE.match(init_from or ''):
+        updates['init_from'] = init_from = fetch(init_from)
+    elif init_from.startswith('hf://'):
+        fail(f"init_from={init_from}: a hub checkpoint is hf://OWNER/REPO/PATH/step_<N> (a revision: "
+             "hf://OWNER/REPO@REVISION/PATH/step_<N>)")
+    yaml_path = all_config_beside(init_from) if init_from and os.path.isfile(init_from) else None
+    if yaml_path is None:
+        if shown != init_from:
+            print(f"init_from={shown}: {init_from}; no all_config.yaml beside it in the repository: the model "
+                  "keys are this run's config, as for any state dict")
+        return updates
+    cfg = read_all_config(yaml_path)
+    where = posixpath.join(posixpath.dirname(shown), 'all_config.yaml') if shown != init_from else yaml_path
+    keys = {k: type(g[k])(v) if isinstance(g[k], float) else v
+            for k, v in model_keys(cfg, where).items() if k in g}
+    clash = [f"{k}={g[k]!r} ({set_by[k]}) but the published run has {k}={v!r}" for k, v in keys.items()
+             if k in set_by and k not in MAY_DIFFER and not same(g[k], v)]
+    if clash:
+        fail(f"config error: init_from={shown}: {'; '.join(clash)} ({where}). The weights were trained with "
+             "the run's values: drop the key (it is taken from there), or start from scratch to change it")
+    kept = {k: v for k, v in keys.items() if k in set_by and not same(g[k], v)}
+    updates.update({k: v for k, v in keys.items() if k not in set_by})
+    data_paths = cfg.get('data_paths') if isinstance(cfg.get('data_paths'), list) else []
+    if g.get('data_path') == '' and data_paths and 'data_path' not in set_by:
+        updates['data_path'] = str(data_paths[0])
+    cached = f", cached at {init_from}" if shown != init_from else ''
+    print(f"init_from={shown}: a checkpoint in the reference's published layout{cached}; model config from "
+          f"{where}: "
+          + ', '.join(f"{k}={v!r}" for k, v in keys.items() if k not in kept)
+          + ''.join(f"; {k}={g[k]!r} as set ({set_by[k]}), the run's {v!r}" for k, v in kept.items())
+          + f"; trained on data_paths={data_paths}")
+    return updates
+
+
+# -----------------------------------------------------------------------------
+# the hub: hf://OWNER/REPO[@REVISION]/PATH, fetched once per commit into the cache, resumable
+
+def hub_cache():
+    return os.path.expanduser(os.environ.get('TRM_HUB_CACHE') or '~/.cache/trm_hub')
+
+
+def fetch(uri):
+    """The local copy of the file at an hf:// URI, and beside it the all_config.yaml of the same commit when
+    the repository has one. A file already in the cache for the revision's commit is not downloaded again;
+    an interrupted download resumes where it stopped (this process's retries, or a later run)."""
+    m = HUB_RE.match(uri)
+    repo, revision, path = m['repo'], urllib.parse.unquote(m['rev'] or 'main'), m['path'].strip('/')
+    local, commit = fetch_file(repo, revision, path, uri)
+    fetch_file(repo, commit, posixpath.join(posixpath.dirname(path), 'all_config.yaml'), uri, optional=True)
+    return local
+
+
+def fetch_file(repo, revision, path, uri, optional=False):
+    """(local path, commit) of one file of a hub repository; (None, None) for an optional file the
+    repository does not have. Every refusal of the hub, and a hub out of reach with nothing cached, is one
+    line; out of reach with a copy cached for the revision, that copy (said)."""
+    import httpx2
+    from huggingface_hub import constants, get_hf_file_metadata, get_token, hf_hub_url
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, OfflineModeIsEnabled,
+                                        RemoteEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    folder = os.path.join(hub_cache(), repo.replace('/', '--'))
+    ref = os.path.join(folder, 'refs', urllib.parse.quote(revision, safe=''))
+    cached = lambda commit: os.path.join(folder, commit, *path.split('/'))
+    if COMMIT_RE.fullmatch(revision) and os.path.isfile(cached(revision)):
+        return cached(revision), revision
+    endpoint, url = constants.ENDPOINT, hf_hub_url(repo, path, revision=revision)
+    try:
+        if constants.is_offline_mode():
+            raise OfflineModeIsEnabled('HF_HUB_OFFLINE is set')
+        meta = get_hf_file_metadata(url)
+    except RemoteEntryNotFoundError:
+        if optional:
+            return None, None
+        fail(f"init_from={uri}: {repo} has no file {path} at revision {revision} ({endpoint})")
+    except RevisionNotFoundError:
+        fail(f"init_from={uri}: {repo} has no revision {revision!r} ({endpoint})")
+    except GatedRepoError:
+        fail(f"init_from={uri}: {repo} is gated: accept its terms on the hub, then set HF_TOKEN to a token of "
+             "that account")
+    except RepositoryNotFoundError:
+        fail(f"init_from={uri}: no repository {repo} at {endpoint}, or a private one this identity may not "
+             f"read ({'the token in use may not' if get_token() else 'set HF_TOKEN to a token that may'})")
+    except (httpx2.TransportError, OfflineModeIsEnabled, HfHubHTTPError) as e:
+        status = getattr(getattr(e, 'response', None), 'status_code', None)
+        if isinstance(e, HfHubHTTPError) and status and status < 500:
+            fail(f"init_from={uri}: the hub answered HTTP {status} for {path} ({short(e)})")
+        commit = open(ref).read().strip() if os.path.isfile(ref) else revision
+        if optional and COMMIT_RE.fullmatch(revision):  # beside a cached file: it had none
+            return None, None
+        if os.path.isfile(cached(commit)):
+            print(f"warning: cannot reach {endpoint} ({short(e)}): using the copy of {path} cached from "
+                  f"commit {commit[:12]} of {revision!r}")
+            return cached(commit), commit
+        fail(f"init_from={uri}: cannot reach {endpoint} ({short(e)}) and {path} is not cached in {folder}: "
+             "check the network (or HF_ENDPOINT), then rerun")
+    if not meta.commit_hash:
+        fail(f"init_from={uri}: {endpoint} does not answer as a Hugging Face hub (no X-Repo-Commit header for "
+             f"{url}): check HF_ENDPOINT")
+    if revision != meta.commit_hash:
+        os.makedirs(os.path.dirname(ref), exist_ok=True)
+        with open(ref, 'w') as f:
+            f.write(meta.commit_hash)
+    dest = cached(meta.commit_hash)
+    if not (os.path.isfile(dest) and meta.size in (None, os.path.getsize(dest))):
+        download(meta, url, dest, f"hf://{repo}@{meta.commit_hash[:12]}/{path}", uri)
+    return dest, meta.commit_hash
+
+
+def short(e, limit=160):
+    text = ' '.join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + '...'
+
+
+class LineProgress:
+    """A download's progress as a line at every tenth of the file or every 30 s: a log file or a pipe gets no
+    terminal bar. (The parts of tqdm that the hub client's download calls.)"""
+
+    def __init__(self, total=None, initial=0, desc='', **_):
+        self.total, self.done, self.desc, self.last = total, initial, desc, (time.time(), initial)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n):
+        self.done += n
+        t, d = self.last
+        if self.total and (self.done - d >= self.total / 10 or time.time() - t >= 30 or self.done == self.total):
+            print(f"  {self.desc}: {self.done / 1e6:.1f} of {self.total / 1e6:.1f} MB "
+                  f"({100 * self.done / self.total:.0f}%)", flush=True)
+            self.last = (time.time(), self.done)
+
+
+def download(meta, url, dest, name, uri):
+    """The file into dest through dest.incomplete, which a later run resumes from (one process at a time: a
+    lock beside it); its bytes counted against the size the hub announced."""
+    import httpx2
+    from filelock import FileLock
+    from huggingface_hub import constants, utils as hf_utils
+    from huggingface_hub.file_download import http_get
+    from huggingface_hub.errors import HfHubHTTPError
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    part = dest + '.incomplete'
+    with FileLock(dest + '.lock'):
+        if os.path.isfile(dest) and meta.size in (None, os.path.getsize(dest)):
+            return  # another process of this run fetched it meanwhile
+        have = os.path.getsize(part) if os.path.isfile(part) else 0
+        have = have if meta.size is None or have <= meta.size else 0
+        free = shutil.disk_usage(os.path.dirname(dest)).free
+        if meta.size and meta.size - have > free:
+            fail(f"init_from={uri}: {name} needs {(meta.size - have) / 1e6:.1f} MB more; "
+                 f"{os.path.dirname(dest)} has {free / 1e6:.1f} MB free (TRM_HUB_CACHE picks another place)")
+        size = f"{meta.size / 1e6:.1f} MB" if meta.size is not None else 'size not announced'
+        print(f"downloading {name} ({size}) into {dest}"
+              + (f", resuming after the {have / 1e6:.1f} MB fetched before" if have else ''), flush=True)
+        headers = hf_utils.build_hf_headers()  # HF_TOKEN, or the token `hf auth login` saved
+        origin = lambda u: urllib.parse.urlsplit(u)[:2]
+        if origin(meta.location) != origin(url):  # a storage host's signed URL: the token stays on the hub
+            headers.pop('authorization', None)
+        # what arrives reaches the file at once (unbuffered, in chunks of 1 MB instead of the client's 10 MB): a
+        # killed run loses little of what it fetched
+        constants.DOWNLOAD_CHUNK_SIZE = min(constants.DOWNLOAD_CHUNK_SIZE, 1 << 20)
+        try:
+            with open(part, 'r+b' if have else 'wb', buffering=0) as f:
+                f.seek(have)
+                f.truncate()
+                http_get(meta.location, f, resume_size=have, headers=headers, expected_size=meta.size,
+                         displayed_filename=name.rsplit('/', 1)[-1],
+                         tqdm_class=None if sys.stderr.isatty() else LineProgress)
+        except (httpx2.TransportError, HfHubHTTPError, OSError) as e:
+            got = os.path.getsize(part) if os.path.isfile(part) else 0
+            fail(f"init_from={uri}: the download of {name} stopped at {got / 1e6:.1f} MB of {size} "
+                 f"({short(e)}); rerun to resume it")
+        os.replace(part, dest)
+
+
+# -----------------------------------------------------------------------------
+# writing the layout from a checkpoint of train.py, and committing it to a hub repository
+
+def reference_weights(sd, cfg, forward_dtype):
+    """A state dict of this model as the reference's compiled, loss-wrapped model saves it: its names, no
+    puzzle table when puzzle_emb_ndim is 0 (the reference has none), H_init and L_init in the forward dtype
+    (the reference keeps them so; this model casts them to it at use, so nothing changes)."""
+    import torch
+    from model import to_reference_state_dict
+    sd = {k: v for k, v in sd.items() if not (k == 'puzzle_emb' and cfg['puzzle_emb_ndim'] == 0)}
+    for k in ('H_init', 'L_init'):
+        sd[k] = sd[k].to(getattr(torch, forward_dtype))
+    return to_reference_state_dict(sd)
+
+
+def all_config(cfg, folder, forward_dtype, arc):
+    """The reference's all_config.yaml (PretrainConfig's fields) of a run of train.py (its config dict)."""
+    ndim = cfg['puzzle_emb_ndim']
+    arch = dict(name=ARCH, loss=dict(name=LOSS, loss_type=LOSS_TYPES[cfg['loss_type']]), H_layers=0,
+                **{k: cfg[k] for k in ARCH_FIELDS if k not in ('rms_norm_eps', 'rope_theta')})
+    arch.update(forward_dtype=forward_dtype, expansion=float(cfg['expansion']),
+                puzzle_emb_len=cfg['puzzle_emb_len'] if ndim else 0)  # 0 and 0: no prefix, as this model
+    for k in ('rms_norm_eps', 'rope_theta'):  # written only where they are not the reference's fixed values
+        if not same(cfg[k], ARCH_FIELDS[k][1]):
+            arch[k] = cfg[k]
+    init = cfg.get('init_from', 'scratch')
+    return dict(arch=arch, data_paths=[cfg['data_path']], data_paths_test=[],
+                evaluators=[dict(name='arc@ARC')] if arc else [], checkpoint_path=folder,
+                checkpoint_every_eval=True, eval_interval=cfg['eval_interval'], min_eval_interval=0,
+                eval_save_outputs=[], freeze_weights=False,
+                load_checkpoint=None if init in ('scratch', 'resume') else init,
+                project_name=cfg.get('wandb_project'),
+                run_name=cfg.get('wandb_run_name') or os.path.basename(os.path.normpath(cfg['out_dir'])),
+                **{k: cfg[k] for k in ('global_batch_size', 'epochs', 'lr', 'lr_min_ratio', 'lr_warmup_steps',
+                                       'weight_decay', 'beta1', 'beta2', 'puzzle_emb_lr',
+                                       'puzzle_emb_weight_decay', 'seed', 'ema', 'ema_rate')})
+
+
+def train_state(ckpt, cfg):
+    """step_<N>_train_state.pt: what the reference's step_<N> lacks for a resume, in its names and its
+    optimizers' order: `weights` (the raw weights; the puzzle table is step_<N>'s, which the EMA never
+    averages), `optimizers` (torch.optim state dicts: the puzzle embedding's sign-SGD (no state) when there is
+    a table, then AdamATan2's moments with `step` for this trainer's `t`), `optimizer_lrs`, `param_names`
+    (AdamATan2's parameters in order) and `step`."""
+    from model import to_reference_state_dict
+    raw = {k: v for k, v in ckpt['model'].items() if k != 'puzzle_emb'}
+    names = [k for k in to_reference_state_dict(raw) if not k.endswith(('H_init', 'L_init'))]
+    opt = ckpt['optimizer']
+    renamed = lambda s: {('step' if k == 't' else k): v for k, v in s.items()}
+    adam = dict(state={i: renamed(s) for i, s in opt['state'].items()},
+                param_groups=[dict(g, lr=cfg['lr']) for g in opt['param_groups']])
+    held = len(adam['param_groups'][0]['params'])
+    if held != len(names):
+        fail(f"the checkpoint's optimizer holds {held} parameters, its model {len(names)}: not a checkpoint of "
+             "this trainer's model")
+    sign_sgd = dict(state={}, param_groups=[dict(  # its parameters: the table's weights, local_weights, local_ids
+        lr=cfg['puzzle_emb_lr'], weight_decay=cfg['puzzle_emb_weight_decay'], world_size=1, params=[0, 1, 2])])
+    table = cfg['puzzle_emb_ndim'] > 0
+    return dict(step=ckpt['step'], weights=to_reference_state_dict(raw), param_names=names,
+                optimizers=([sign_sgd] if table else []) + [adam],
+                optimizer_lrs=([cfg['puzzle_emb_lr']] if table else []) + [cfg['lr']])
+
+
+def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''):
+    """A loaded checkpoint of train.py written into `folder` in the reference's layout: step_<N> (the EMA's
+    weights, as the reference saves them, or `weights='model'`: the raw ones), all_config.yaml and, asked,
+    step_<N>_train_state.pt. forward_dtype: the one all_config.yaml names ('': the run's; its 'auto' is
+    bfloat16, what it picks on a GPU or TPU). Returns the paths written."""
+    import yaml
+    from checkpoint import save_atomic
+    cfg, step = ckpt['config'], ckpt['step']
+    dtype = forward_dtype or (cfg['forward_dtype'] if cfg['forward_dtype'] != 'auto' else 'bfloat16')
+    chosen = ckpt['ema'] if weights == 'ema' and ckpt.get('ema') else ckpt['model']
+    arc = (ckpt.get('data') or {}).get('puzzle_type') == 'arc'
+    os.makedirs(folder, exist_ok=True)
+    paths = [os.path.join(folder, f'step_{step}'), os.path.join(folder, 'all_config.yaml')]
+    save_atomic(reference_weights(chosen, cfg, dtype), paths[0])
+    with open(paths[1] + '.tmp', 'w') as f:
+        yaml.safe_dump(all_config(cfg, folder, dtype, arc), f)  # sorted keys, as the reference's yaml.dump
+    os.replace(paths[1] + '.tmp', paths[1])
+    if with_train_state:
+        paths.append(os.path.join(folder, f'step_{step}_train_state.pt'))
+        save_atomic(train_state(ckpt, cfg), paths[2])
+    return paths
+
+
+def upload(paths, repo, path_in_repo, revision='main', private=True, message=''):
+    """The files committed to a hub repository (created, private unless said otherwise, when it does not exist)
+    under path_in_repo; returns the commit's id. A refusal of the hub is one line."""
+    from huggingface_hub import CommitOperationAdd, HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError
+    import httpx2
+    api = HfApi()  # HF_ENDPOINT's hub, the token of HF_TOKEN or `hf auth login`
+    ops = [CommitOperationAdd(path_in_repo=posixpath.join(path_in_repo, os.path.basename(p)), path_or_fileobj=p)
+           for p in paths]
+    try:
+        api.create_repo(repo, private=private, exist_ok=True)
+        return api.create_commit(repo, ops, revision=revision,
+                                 commit_message=message or f"{path_in_repo}: a TRM checkpoint").oid
+    except HfHubHTTPError as e:
+        status = getattr(e.response, 'status_code', '?')
+        hint = ': set HF_TOKEN to a token with write access to it' if status in (401, 403) else ''
+        fail(f"upload to {repo} at {constants.ENDPOINT}: the hub answered HTTP {status} ({short(e)}){hint}")
+    except (httpx2.TransportError, OSError) as e:
+        fail(f"upload to {repo}: cannot reach {constants.ENDPOINT} ({short(e)}); nothing was committed")
+
+
+# -----------------------------------------------------------------------------
+# files that are none of these
+
+def what_it_holds(obj):
+    """A few words on a loaded file that is neither a checkpoint of train.py nor a reference state dict."""
+    if isinstance(obj, dict) and {'weights', 'optimizers', 'step'} <= set(obj):
+        return ("a train state (step_<N>_train_state.pt: optimizer moments and raw weights); the weights to "
+                "start from are step_<N> beside it")
+    if isinstance(obj, dict):
+        names = ', '.join(repr(k) for k in list(obj)[:6]) + (', ...' if len(obj) > 6 else '')
+        tensors = sum(type(v).__name__ in ('Tensor', 'Parameter') for v in obj.values())
+        return f"a dict of {len(obj)} entries ({names}), {tensors} of them tensors"
+    if hasattr(obj, 'shape'):
+        return f"a single tensor of shape {list(obj.shape)}"
+    return f"a {type(obj).__name__}"
+
+
+def fill_absent_table(sd, model):
+    """The reference has no puzzle table when puzzle_emb_ndim is 0; this model keeps a width-1 table of
+    zeros there, which a state dict without one leaves as it is."""
+    if 'puzzle_emb' not in sd and model.config.puzzle_emb_ndim == 0:
+        sd['puzzle_emb'] = model.puzzle_emb
+    return sd

@@ -1,0 +1,357 @@
+"""
+Checkpoints on a Hugging Face hub: publish.py commits the reference's layout to a repository, and
+--init_from=hf://OWNER/REPO[@REVISION]/PATH/step_<N> downloads it once into the cache, resumes an interrupted
+transfer, works from the cache when the hub is out of reach, and says in one line what is missing. Everything runs
+against a local server (FakeHub) that answers the hub's endpoints the client (huggingface_hub) calls, picked with
+HF_ENDPOINT: never the internet.
+    python -m pytest -q tests/test_hub.py
+"""
+import base64
+import hashlib
+import http.server
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+
+import pytest
+
+from conftest import ROOT, assert_user_error, eval_lines, run, train
+from test_published import TABLE_ARGS, make_ids_dataset
+
+TOKEN = 'hf_test_writer'
+
+
+class FakeHub(http.server.BaseHTTPRequestHandler):
+    """The hub's endpoints, as the client uses them: HEAD/GET /{repo}/resolve/{revision}/{path} (a large file
+    redirects to a storage host, here the second server at 127.0.0.2, serving byte ranges; a small one is served
+    at once), POST /api/repos/create, POST /api/models/{repo}/preupload/{revision}, the LFS batch API and its
+    upload URL, POST /api/models/{repo}/commit/{revision}. Private repositories answer only to TOKEN. Class
+    state, reset per test: `repos` {repo: dict(private, branches {name: commit}, commits {commit: {path:
+    ('lfs', oid) | ('regular', bytes)}})}, `objects` {oid: bytes}, `log` [(method, path, Range)], `drop_once`
+    (storage paths that send half their bytes, then close) and `stall` (path -> Event: send half, then wait)."""
+    repos, objects, log, drop_once, stall, hub, cdn = {}, {}, [], set(), {}, '', ''
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, status, body=b'', headers=None, kind='application/json'):
+        self.send_response(status)
+        for k, v in {'Content-Type': kind, 'Content-Length': str(len(body)), **(headers or {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        if self.command != 'HEAD':
+            self.wfile.write(body)
+
+    def error(self, status, code, message):
+        self.reply(status, json.dumps(dict(error=message)).encode(), {'X-Error-Code': code})
+
+    def authorized(self):
+        return self.headers.get('Authorization') == f'Bearer {TOKEN}'
+
+    def body(self):
+        if self.headers.get('Transfer-Encoding') == 'chunked':
+            data = b''
+            while (size := int(self.rfile.readline().strip(), 16)):
+                data += self.rfile.read(size)
+                self.rfile.readline()
+            self.rfile.readline()
+            return data
+        return self.rfile.read(int(self.headers.get('Content-Length') or 0))
+
+    # --- downloads ---------------------------------------------------------------------------------------
+
+    def do_HEAD(self):
+        self.do_GET()
+
+    def do_GET(self):
+        url = urllib.parse.urlsplit(self.path)
+        self.log.append((self.command, url.path, self.headers.get('Range')))
+        if url.path.startswith('/cdn/'):
+            return self.serve(self.objects[url.path[5:]], url.path)
+        m = re.fullmatch(r'/([^/]+/[^/]+)/resolve/([^/]+)/(.+)', url.path)
+        if not m:
+            return self.error(404, 'RepoNotFound', 'no such page')
+        repo, rev, path = m[1], urllib.parse.unquote(m[2]), urllib.parse.unquote(m[3])
+        r = self.repos.get(repo)
+        if r is None or r['private'] and not self.authorized():
+            return self.error(401, 'RepoNotFound', 'Repository not found')
+        commit = r['branches'].get(rev, rev if rev in r['commits'] else None)
+        if commit is None:
+            return self.error(404, 'RevisionNotFound', 'Invalid rev id')
+        files = r['commits'][commit]
+        if path not in files:
+            return self.reply(404, b'{}', {'X-Error-Code': 'EntryNotFound', 'X-Repo-Commit': commit})
+        kind, content = files[path]
+        if kind == 'lfs':  # as the hub does for a large file: a redirect to a signed URL of a storage host
+            return self.reply(302, b'', {'Location': f'{self.cdn}/cdn/{content}', 'X-Repo-Commit': commit,
+                                         'X-Linked-Etag': f'"{content}"', 'ETag': f'"{content}"',
+                                         'X-Linked-Size': str(len(self.objects[content]))})
+        self.serve(content, url.path, {'X-Repo-Commit': commit,
+                                       'ETag': f'"{hashlib.sha1(content).hexdigest()}"'})
+
+    def serve(self, data, path, headers=None):
+        headers, status = dict(headers or {}), 200
+        m = re.fullmatch(r'bytes=(\d+)-', self.headers.get('Range') or '')
+        if m:
+            start = int(m[1])
+            status, headers['Content-Range'] = 206, f'bytes {start}-{len(data) - 1}/{len(data)}'
+            data = data[start:]
+        if self.command == 'HEAD' or not (path in self.drop_once or path in self.stall) or m:
+            return self.reply(status, data, headers, 'application/octet-stream')
+        self.send_response(status)
+        self.send_header('Content-Length', str(len(data)))
+        self.end_headers()
+        self.wfile.write(data[:len(data) // 2])
+        self.wfile.flush()
+        if path in self.stall:  # a transfer that hangs until the test lets go (it kills the client first)
+            self.stall.pop(path).wait(60)
+        self.drop_once.discard(path)
+        self.close_connection = True
+
+    # --- uploads -------------------------------------------------------------------------------------------
+
+    def do_POST(self):
+        url, data = urllib.parse.urlsplit(self.path), self.body()
+        self.log.append(('POST', url.path, None))
+        if not self.authorized():
+            return self.error(401, 'Unauthorized', 'Invalid credentials in Authorization header')
+        if url.path == '/api/repos/create':
+            req = json.loads(data)
+            repo = f"{req['organization']}/{req['name']}"
+            if repo in self.repos:
+                return self.reply(409, json.dumps(dict(error='exists', url=f'{self.hub}/{repo}')).encode())
+            empty = hashlib.sha1(repo.encode()).hexdigest()
+            self.repos[repo] = dict(private=req.get('visibility', 'private') != 'public',
+                                    branches=dict(main=empty), commits={empty: {}})
+            return self.reply(200, json.dumps(dict(url=f'{self.hub}/{repo}')).encode())
+        if m := re.fullmatch(r'/([^/]+/[^/]+)\.git/info/lfs/objects/batch', url.path):
+            objects = [dict(o, actions=dict(upload=dict(href=f'{self.hub}/lfs-upload/{o["oid"]}')))
+                       if o['oid'] not in self.objects else dict(o) for o in json.loads(data)['objects']]
+            return self.reply(200, json.dumps(dict(transfer='basic', objects=objects)).encode())
+        m = re.fullmatch(r'/api/models/([^/]+/[^/]+)/(preupload|commit)/([^/]+)', url.path)
+        if not m or m[1] not in self.repos:
+            return self.error(404, 'RepoNotFound', 'Repository not found')
+        repo, rev = self.repos[m[1]], urllib.parse.unquote(m[3])
+        if rev not in repo['branches']:
+            return self.error(404, 'RevisionNotFound', 'Invalid rev id')
+        if m[2] == 'preupload':  # text files go into git, the rest to LFS (the hub decides by content)
+            files = [dict(path=f['path'], shouldIgnore=False,
+                          uploadMode='regular' if is_text(base64.b64decode(f['sample'])) else 'lfs')
+                     for f in json.loads(data)['files']]
+            return self.reply(200, json.dumps(dict(files=files)).encode())
+        files = dict(repo['commits'][repo['branches'][rev]])
+        for item in map(json.loads, data.decode().splitlines()):
+            v = item['value']
+            if item['key'] == 'file':
+                files[v['path']] = ('regular', base64.b64decode(v['content']))
+            elif item['key'] == 'lfsFile':
+                if v['oid'] not in self.objects:
+                    return self.error(400, 'BadRequest', f"LFS object {v['oid']} was never uploaded")
+                files[v['path']] = ('lfs', v['oid'])
+        commit = hashlib.sha1(repr(sorted(files.items())).encode()).hexdigest()
+        repo['commits'][commit], repo['branches'][rev] = files, commit
+        self.reply(200, json.dumps(dict(commitUrl=f'{self.hub}/{m[1]}/commit/{commit}', commitOid=commit,
+                                        pullRequestUrl=None)).encode())
+
+    def do_PUT(self):
+        url, data = urllib.parse.urlsplit(self.path), self.body()
+        self.log.append(('PUT', url.path, None))
+        oid = url.path.rsplit('/', 1)[-1]
+        if hashlib.sha256(data).hexdigest() != oid:
+            return self.reply(400, b'{"error": "checksum mismatch"}')
+        self.objects[oid] = data
+        self.reply(200)
+
+
+def is_text(sample):
+    try:
+        return b'\0' not in sample and bool(sample.decode('utf-8'))
+    except UnicodeDecodeError:
+        return False
+
+
+@pytest.fixture
+def refused():
+    """An endpoint that refuses every connection: a port held (bound, never listening) for the test, so that no
+    other process can take it meanwhile."""
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        yield f'http://127.0.0.1:{s.getsockname()[1]}'
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """FakeHub on 127.0.0.1 (the hub) and 127.0.0.2 (its storage host); yields the environment that points the
+    scripts at it, with a cache and a client home of their own (no token unless a test adds it)."""
+    FakeHub.repos, FakeHub.objects, FakeHub.log, FakeHub.drop_once, FakeHub.stall = {}, {}, [], set(), {}
+    servers = [http.server.ThreadingHTTPServer((host, 0), FakeHub) for host in ('127.0.0.1', '127.0.0.2')]
+    FakeHub.hub, FakeHub.cdn = (f'http://{s.server_address[0]}:{s.server_address[1]}' for s in servers)
+    threads = [threading.Thread(target=s.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
+               for s in servers]
+    for t in threads:
+        t.start()
+    for k in ('HF_TOKEN', 'HUGGING_FACE_HUB_TOKEN', 'HF_HUB_OFFLINE'):
+        monkeypatch.delenv(k, raising=False)
+    env = dict(HF_ENDPOINT=FakeHub.hub, HF_HOME=str(tmp_path / 'hf_home'), TRM_HUB_CACHE=str(tmp_path / 'cache'),
+               HF_HUB_DISABLE_TELEMETRY='1', HF_HUB_DISABLE_XET='1')  # (xet: a storage protocol of its own)
+    try:
+        yield env
+    finally:
+        for event in list(FakeHub.stall.values()):
+            event.set()
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+@pytest.fixture(scope='module')
+def table_run(tmp_path_factory):
+    """A 6-step run with a 12-row puzzle table. Read only."""
+    tmp = tmp_path_factory.mktemp('hub_table')
+    data = make_ids_dataset(tmp / 'data')
+    train(data, tmp / 'run', '--max_steps=6', args=TABLE_ARGS)
+    return dict(data=data, ckpt=str(tmp / 'run' / 'ckpt_00000006.pt'), tmp=tmp)
+
+
+def publish_to(hub, table_run, *extra, token=TOKEN, check=True):
+    env = dict(hub, **({'HF_TOKEN': token} if token else {}))
+    return run(['publish.py', f"--init_from={table_run['ckpt']}", '--repo=alice/trm-toy', '--path_in_repo=toy',
+                *extra], env=env, check=check)
+
+
+def evaluate(hub, table_run, out, init_from, *extra, check=True, env=None):
+    return run(['train.py', f"--data_path={table_run['data']}", f'--out_dir={out}', f'--init_from={init_from}',
+                '--eval_only=True', '--device=cpu', '--xla_cache_dir=', *extra], env=dict(hub, **(env or {})),
+               check=check)
+
+
+def gets(path_part):
+    return [e for e in FakeHub.log if e[0] == 'GET' and path_part in e[1]]
+
+
+def test_publish_commits_the_layout_and_hf_downloads_it_once(hub, table_run, tmp_path, refused):
+    p = publish_to(hub, table_run)
+    commit = FakeHub.repos['alice/trm-toy']['branches']['main']
+    assert f'committed to alice/trm-toy (revision main) as {commit}' in p.stdout
+    assert '--init_from=hf://alice/trm-toy/toy/step_6' in p.stdout
+    files = FakeHub.repos['alice/trm-toy']['commits'][commit]
+    assert files['toy/step_6'][0] == 'lfs' and files['toy/all_config.yaml'][0] == 'regular'
+    assert FakeHub.repos['alice/trm-toy']['private']  # created private: publish.py's default
+    local = os.path.join(os.path.dirname(table_run['ckpt']), 'published')
+    assert FakeHub.objects[files['toy/step_6'][1]] == open(f'{local}/step_6', 'rb').read()
+    assert files['toy/all_config.yaml'][1] == open(f'{local}/all_config.yaml', 'rb').read()
+
+    uri = 'hf://alice/trm-toy/toy/step_6'
+    there = evaluate(hub, table_run, tmp_path / 'a', uri, env=dict(HF_TOKEN=TOKEN))
+    here = evaluate(hub, table_run, tmp_path / 'b', f'{local}/step_6')
+    assert eval_lines(there.stdout) == eval_lines(here.stdout) and eval_lines(here.stdout)
+    cached = os.path.join(hub['TRM_HUB_CACHE'], 'alice--trm-toy', commit, 'toy', 'step_6')
+    said = next(l for l in there.stdout.splitlines() if l.startswith(f'init_from={uri}:'))
+    assert f'cached at {cached}' in said and 'model config from hf://alice/trm-toy/toy/all_config.yaml' in said
+    assert f"data_paths=['{table_run['data']}']" in said
+    assert 'downloading hf://alice/trm-toy@' in there.stdout and len(gets('/cdn/')) == 1
+
+    again = evaluate(hub, table_run, tmp_path / 'c', uri, env=dict(HF_TOKEN=TOKEN))
+    assert len(gets('/cdn/')) == 1 and 'downloading' not in again.stdout  # the cache: no second download
+    assert eval_lines(again.stdout) == eval_lines(here.stdout)
+    # the hub out of reach: the copy cached for the revision, said
+    gone = evaluate(hub, table_run, tmp_path / 'd', uri, env=dict(HF_ENDPOINT=refused))
+    assert f"warning: cannot reach {refused}" in gone.stdout and f"commit {commit[:12]} of 'main'" in gone.stdout
+    assert eval_lines(gone.stdout) == eval_lines(here.stdout)
+
+
+def test_a_revision_and_a_new_commit(hub, table_run, tmp_path):
+    publish_to(hub, table_run)
+    first = FakeHub.repos['alice/trm-toy']['branches']['main']
+    publish_to(hub, table_run, '--weights=model')  # the raw weights, a second commit on main
+    second = FakeHub.repos['alice/trm-toy']['branches']['main']
+    assert first != second
+    a = evaluate(hub, table_run, tmp_path / 'a', f'hf://alice/trm-toy@{first}/toy/step_6', env=dict(HF_TOKEN=TOKEN))
+    b = evaluate(hub, table_run, tmp_path / 'b', 'hf://alice/trm-toy/toy/step_6', env=dict(HF_TOKEN=TOKEN))
+    assert len(gets('/cdn/')) == 2  # two commits, two files
+    assert eval_lines(a.stdout) != eval_lines(b.stdout)  # the EMA's weights, then the raw ones
+    heads = len(FakeHub.log)
+    pinned = evaluate(hub, table_run, tmp_path / 'c', f'hf://alice/trm-toy@{first}/toy/step_6')
+    assert len(FakeHub.log) == heads  # a commit's files are cached for good: no request at all
+    assert eval_lines(pinned.stdout) == eval_lines(a.stdout)
+
+
+def test_an_interrupted_download_resumes(hub, tmp_path):
+    """A 5 MB checkpoint (a 40,000-row table): a connection that dies halfway is resumed within the run; a run
+    killed during the download leaves what it fetched (written as it arrives, a megabyte at a time), and the
+    next run asks only for the rest."""
+    data = make_ids_dataset(tmp_path / 'data', ids=40000)
+    train(data, tmp_path / 'run', '--max_steps=1', args=TABLE_ARGS)
+    big = dict(data=data, ckpt=str(tmp_path / 'run' / 'ckpt_00000001.pt'))
+    publish_to(hub, big)
+    commit = FakeHub.repos['alice/trm-toy']['branches']['main']
+    oid = FakeHub.repos['alice/trm-toy']['commits'][commit]['toy/step_1'][1]
+    size, uri, env = len(FakeHub.objects[oid]), 'hf://alice/trm-toy/toy/step_1', dict(hub, HF_TOKEN=TOKEN)
+    assert size > 5e6
+    FakeHub.drop_once.add(f'/cdn/{oid}')
+    p = evaluate(hub, big, tmp_path / 'a', uri, env=env)
+    first, then = [r for _, _, r in gets('/cdn/')]
+    assert first is None and 0 < int(then[6:-1]) <= size // 2 and eval_lines(p.stdout)  # whole megabytes kept
+    cached = os.path.join(hub['TRM_HUB_CACHE'], 'alice--trm-toy', commit, 'toy', 'step_1')
+    assert open(cached, 'rb').read() == FakeHub.objects[oid]
+    assert 'of 5.' in p.stdout  # the progress lines of a download into a log, not a terminal
+
+    cache = tmp_path / 'cache2'
+    release = FakeHub.stall[f'/cdn/{oid}'] = threading.Event()
+    proc = subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={tmp_path}/b',
+                             f'--init_from={uri}', '--eval_only=True', '--device=cpu'],
+                            cwd=ROOT, env=dict(os.environ, **dict(env, TRM_HUB_CACHE=str(cache))),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    part = cache / 'alice--trm-toy' / commit / 'toy' / 'step_1.incomplete'
+    deadline = time.time() + 120
+    while not (part.exists() and part.stat().st_size >= 2 ** 21):  # the stall comes after 2.5 MB
+        assert time.time() < deadline and proc.poll() is None, proc.stdout.read().decode()[-3000:]
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    release.set()
+    have = part.stat().st_size
+    p = evaluate(hub, big, tmp_path / 'c', uri, env=dict(env, TRM_HUB_CACHE=str(cache)))
+    assert f'resuming after the {have / 1e6:.1f} MB fetched before' in p.stdout
+    assert gets('/cdn/')[-1][2] == f'bytes={have}-' and not part.exists()
+    assert open(part.with_suffix(''), 'rb').read() == FakeHub.objects[oid] and eval_lines(p.stdout)
+
+
+def test_what_is_missing_or_out_of_reach_is_one_line(hub, table_run, tmp_path, refused):
+    publish_to(hub, table_run, '--private=False')
+    for uri, words in (('hf://alice/trm-toy/toy/step_7', 'alice/trm-toy has no file toy/step_7 at revision main'),
+                       ('hf://alice/trm-toy@v2/toy/step_6', "alice/trm-toy has no revision 'v2'"),
+                       ('hf://bob/nothing/toy/step_6', 'no repository bob/nothing at http://127.0.0.1:'),
+                       ('hf://alice/step_6', 'a hub checkpoint is hf://OWNER/REPO/PATH/step_<N>')):
+        assert_user_error(evaluate(hub, table_run, tmp_path / 'o', uri, check=False), f'init_from={uri}', words)
+    p = evaluate(hub, table_run, tmp_path / 'o', 'hf://alice/trm-toy/toy/step_6', check=False,
+                 env=dict(HF_ENDPOINT=refused))
+    assert_user_error(p, f'cannot reach {refused}', 'toy/step_6 is not cached in', 'check the network')
+    assert not gets('/cdn/')
+
+
+def test_a_private_repository_needs_the_token(hub, table_run, tmp_path):
+    assert_user_error(publish_to(hub, table_run, token=None, check=False), 'upload to alice/trm-toy',
+                      'HTTP 401', 'set HF_TOKEN to a token with write access')
+    publish_to(hub, table_run)
+    uri = 'hf://alice/trm-toy/toy/step_6'
+    assert_user_error(evaluate(hub, table_run, tmp_path / 'a', uri, check=False),
+                      'no repository alice/trm-toy', 'set HF_TOKEN')
+    assert eval_lines(evaluate(hub, table_run, tmp_path / 'b', uri, env=dict(HF_TOKEN=TOKEN)).stdout)
+
+
+def test_solve_takes_a_hub_checkpoint(hub, table_run, tmp_path):
+    """solve.py resolves hf:// the same way (here its dataset is not one solve.py knows: it says so after
+    loading the layout's keys and data_path)."""
+    publish_to(hub, table_run)
+    p = run(['solve.py', '--init_from=hf://alice/trm-toy/toy/step_6', '--index=0'], env=dict(hub, HF_TOKEN=TOKEN),
+            check=False)
+    assert 'init_from=hf://alice/trm-toy/toy/step_6: a checkpoint in the reference' in p.stdout
+    assert_user_error(p, f"dataset {table_run['data']} holds no puzzle kind that solve.py knows")

@@ -1,0 +1,237 @@
+"""
+The reference's published layout (step_<N> + all_config.yaml beside it), written by publish.py from runs of
+train.py and read back through --init_from: the files hold the reference's key names and config fields, round-trip
+bit for bit, and give the outputs of the checkpoint they came from with no model key typed; a model key typed
+against all_config.yaml, a broken or foreign all_config.yaml, and a file that is neither kind are one line each.
+(The same files checked with the reference's own code: tests/against_reference.py, docs/published.md.)
+    python -m pytest -q tests/test_published.py
+"""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from conftest import FAST, ROOT, TOY_ARGS, assert_user_error, eval_lines, run, train
+from data import load_metadata, write_split
+
+# the reference's PretrainConfig fields: all_config.yaml holds exactly these
+PRETRAIN_FIELDS = {'arch', 'data_paths', 'data_paths_test', 'evaluators', 'global_batch_size', 'epochs', 'lr',
+                   'lr_min_ratio', 'lr_warmup_steps', 'weight_decay', 'beta1', 'beta2', 'puzzle_emb_lr',
+                   'puzzle_emb_weight_decay', 'project_name', 'run_name', 'load_checkpoint', 'checkpoint_path',
+                   'seed', 'checkpoint_every_eval', 'eval_interval', 'min_eval_interval', 'eval_save_outputs',
+                   'ema', 'ema_rate', 'freeze_weights'}
+ARCH_FIELDS = {'name', 'loss', 'H_cycles', 'H_layers', 'L_cycles', 'L_layers', 'expansion', 'forward_dtype',
+               'halt_exploration_prob', 'halt_max_steps', 'hidden_size', 'mlp_t', 'no_ACT_continue', 'num_heads',
+               'pos_encodings', 'puzzle_emb_len', 'puzzle_emb_ndim'}
+# attention with RoPE and a puzzle table: the reference's ARC shape, tiny
+TABLE_ARGS = [a for a in FAST if not a.startswith(('--mlp_t', '--pos_encodings', '--puzzle_emb_ndim'))] + \
+    ['--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32', '--puzzle_emb_len=1', '--puzzle_emb_lr=0.1']
+MODEL_FLAGS = [a for a in TABLE_ARGS if a.split('=')[0][2:] in
+               ('hidden_size', 'num_heads', 'mlp_t', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len',
+                'H_cycles', 'L_cycles', 'halt_max_steps', 'forward_dtype', 'loss_dtype')]
+EVAL = ['--eval_only=True', '--device=cpu', '--xla_cache_dir=']
+
+
+def make_ids_dataset(root, n=300, ids=12, L=8, seed=0):
+    """The reverse task with `ids` puzzle identifiers, each puzzle one of them (so the table's rows matter)."""
+    rng = np.random.default_rng(seed)
+    for split in ('train', 'test'):
+        x = rng.integers(2, 6, (n, L))
+        write_split(root, split, x, x[:, ::-1], rng.integers(1, ids, n), np.arange(n + 1), np.arange(n + 1),
+                    vocab_size=6, num_puzzle_identifiers=ids)
+    return str(root)
+
+
+def publish(*args, check=True):
+    return run(['publish.py', *map(str, args)], check=check)
+
+
+@pytest.fixture(scope='module')
+def table_run(tmp_path_factory):
+    """A 6-step run with a puzzle table of 12 rows, published with its train state. Read only."""
+    tmp = tmp_path_factory.mktemp('table')
+    data = make_ids_dataset(tmp / 'data')
+    out = tmp / 'run'
+    train(data, out, '--max_steps=6', args=TABLE_ARGS)
+    ckpt = out / 'ckpt_00000006.pt'
+    p = publish(f'--init_from={ckpt}', '--train_state=True')
+    return dict(data=data, out=str(out), ckpt=str(ckpt), folder=str(out / 'published'), stdout=p.stdout,
+                tmp=tmp)
+
+
+def test_publish_writes_the_reference_layout_and_it_round_trips_bit_for_bit(table_run):
+    from model import from_reference_state_dict
+    folder, ckpt = table_run['folder'], torch.load(table_run['ckpt'], weights_only=True)
+    assert sorted(os.listdir(folder)) == ['all_config.yaml', 'step_6', 'step_6_train_state.pt']
+    assert f"--init_from={folder}/step_6" in table_run['stdout']
+    sd = torch.load(os.path.join(folder, 'step_6'), weights_only=True)
+    assert all(k.startswith('_orig_mod.model.inner.') for k in sd)  # the compiled, loss-wrapped model's names
+    assert sd['_orig_mod.model.inner.puzzle_emb.weights'].shape == (12, 32)
+    assert '_orig_mod.model.inner.L_level.layers.1.self_attn.qkv_proj.weight' in sd
+    back = from_reference_state_dict(sd)
+    assert back.keys() == ckpt['ema'].keys()
+    for k, v in ckpt['ema'].items():  # the EMA's weights, as the reference saves them, bit for bit
+        assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    assert not torch.equal(ckpt['ema']['lm_head.weight'], ckpt['model']['lm_head.weight'])  # (they differ)
+
+    text = open(os.path.join(folder, 'all_config.yaml')).read()
+    cfg = yaml.safe_load(text)
+    assert set(cfg) == PRETRAIN_FIELDS and set(cfg['arch']) == ARCH_FIELDS
+    tops = [line.split(':')[0] for line in text.splitlines() if line and not line.startswith((' ', '-'))]
+    assert tops == sorted(tops)  # yaml.dump's order, as the reference writes it
+    assert cfg['arch']['name'] == 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
+    assert cfg['arch']['loss'] == dict(name='losses@ACTLossHead', loss_type='stablemax_cross_entropy')
+    assert (cfg['arch']['hidden_size'], cfg['arch']['puzzle_emb_ndim'], cfg['arch']['puzzle_emb_len']) == (32, 32, 1)
+    assert (cfg['arch']['mlp_t'], cfg['arch']['pos_encodings'], cfg['arch']['forward_dtype']) == \
+        (False, 'rope', 'float32')
+    assert cfg['data_paths'] == [table_run['data']] and cfg['ema'] is True and cfg['puzzle_emb_lr'] == 0.1
+
+    state = torch.load(os.path.join(folder, 'step_6_train_state.pt'), weights_only=True)
+    assert state['step'] == 6 and state['optimizer_lrs'] == [0.1, 2e-3]
+    sign_sgd, adam = state['optimizers']
+    assert sign_sgd['state'] == {} and len(adam['param_groups'][0]['params']) == len(state['param_names'])
+    for i, moments in ckpt['optimizer']['state'].items():  # AdamATan2's moments, its `t` as torch's `step`
+        assert torch.equal(adam['state'][i]['exp_avg'], moments['exp_avg'])
+        assert torch.equal(adam['state'][i]['step'], moments['t'])
+    raw = from_reference_state_dict(state['weights'])
+    assert all(torch.equal(raw[k], ckpt['model'][k]) for k in raw) and 'puzzle_emb' not in raw  # step_6's table
+
+
+def test_the_layout_gives_the_outputs_of_its_checkpoint_with_no_model_key_typed(table_run, tmp_path):
+    from checkpoint import load_weights
+    from model import TRM, TRMConfig
+    from published import model_keys, read_all_config
+    data, folder = table_run['data'], table_run['folder']
+    ours = run(['train.py', f'--data_path={data}', f'--out_dir={tmp_path}/a', f'--init_from={table_run["ckpt"]}',
+                *MODEL_FLAGS, *EVAL])
+    theirs = run(['train.py', f'--data_path={data}', f'--out_dir={tmp_path}/b', f'--init_from={folder}/step_6',
+                  *EVAL])
+    assert eval_lines(theirs.stdout) == eval_lines(ours.stdout) and eval_lines(ours.stdout)
+    said = next(l for l in theirs.stdout.splitlines() if l.startswith(f'init_from={folder}/step_6'))
+    assert f'model config from {folder}/all_config.yaml' in said and f"data_paths=['{data}']" in said
+    assert 'hidden_size=32' in said and "pos_encodings='rope'" in said and 'puzzle_emb_len=1' in said
+
+    # the same predictions and halting logits, bit for bit, on every step of a test batch
+    meta = load_metadata(data, 'train')
+    ckpt = torch.load(table_run['ckpt'], weights_only=True)
+    a = TRM(TRMConfig.for_data(meta, **{k: v for k, v in ckpt['config'].items()
+                                        if k in TRMConfig.__dataclass_fields__}))
+    a.load_state_dict(ckpt['ema'])
+    keys = model_keys(read_all_config(f'{folder}/all_config.yaml'), 'all_config.yaml')
+    b = TRM(TRMConfig.for_data(meta, **keys, loss_dtype='float32'))
+    load_weights(f'{folder}/step_6', b, b, meta, data)
+    inputs = torch.from_numpy(np.load(f'{data}/test/all__inputs.npy')[:32]).int()
+    ids = torch.from_numpy(np.load(f'{data}/test/all__puzzle_identifiers.npy')[:32]).int()
+    batch = dict(inputs=inputs, puzzle_identifiers=ids, labels=inputs)
+    (pa, qa), (pb, qb) = a.eval().predict(batch, 4), b.eval().predict(batch, 4)
+    assert torch.equal(pa, pb) and torch.equal(qa, qb)
+    assert len(ids.unique()) > 5  # many rows of the table in play
+
+
+def test_a_model_key_that_contradicts_all_config_is_refused_in_one_line(table_run, tmp_path):
+    data, step = table_run['data'], f"{table_run['folder']}/step_6"
+    base = ['train.py', f'--data_path={data}', f'--out_dir={tmp_path}/o', f'--init_from={step}', *EVAL]
+    p = run(base + ['--L_cycles=3'], check=False)
+    assert_user_error(p, 'L_cycles=3 (--L_cycles=3) but the published run has L_cycles=2', 'all_config.yaml')
+    assert len(p.stderr.strip().splitlines()) == 1
+    recipe = tmp_path / 'recipe.py'
+    recipe.write_text("hidden_size = 64\nmlp_t = True\n")
+    p = run(base + [str(recipe)], check=False)
+    assert_user_error(p, f'hidden_size=64 ({recipe}) but the published run has hidden_size=32',
+                      f'mlp_t=True ({recipe}) but the published run has mlp_t=False')
+    # the same values typed agree; the number format may differ (a resume may change it too), and is said
+    p = run(base + ['--L_cycles=2', '--hidden_size=32', '--expansion=4', '--forward_dtype=bfloat16'])
+    assert "forward_dtype='bfloat16' as set (--forward_dtype=bfloat16), the run's 'float32'" in p.stdout
+    assert 'forward dtype bfloat16' in p.stdout and eval_lines(p.stdout)
+
+
+def test_without_all_config_the_keys_are_the_config_s_as_before(table_run, tmp_path):
+    shutil.copy(f"{table_run['folder']}/step_6", tmp_path / 'step_6')
+    base = ['train.py', f'--data_path={table_run["data"]}', f'--init_from={tmp_path}/step_6', *EVAL]
+    p = run(base + [f'--out_dir={tmp_path}/a'] + MODEL_FLAGS)
+    assert 'all_config.yaml' not in p.stdout and eval_lines(p.stdout)
+    assert_user_error(run(base + [f'--out_dir={tmp_path}/b'], check=False), 'not weights of this model')
+
+
+def test_a_file_neither_ours_nor_the_references_is_named_in_one_line(table_run, tmp_path, sudoku4):
+    lightning = tmp_path / 'model.ckpt'
+    torch.save({'state_dict': {'w': torch.zeros(2)}, 'epoch': 3}, lightning)
+    state = f"{table_run['folder']}/step_6_train_state.pt"
+    for path, words in ((lightning, "it holds a dict of 2 entries ('state_dict', 'epoch'), 0 of them tensors"),
+                        (state, 'it holds a train state')):
+        for script, extra in (('train.py', [f'--data_path={table_run["data"]}', f'--out_dir={tmp_path}/o',
+                                            *EVAL]),
+                              ('solve.py', [f'--data_path={sudoku4}', '--index=0'])):
+            assert_user_error(run([script, f'--init_from={path}', *extra], check=False), str(path), words)
+    p = publish(f'--init_from={table_run["folder"]}/step_6', check=False)
+    assert_user_error(p, 'is not a checkpoint of train.py (no model, config, step)', 'a dict of')
+
+
+@pytest.mark.parametrize('change,words', [
+    (lambda c: c['arch'].update(name='hrm@HierarchicalReasoningModel_ACTV1'), "arch.name is 'hrm@"),
+    (lambda c: c['arch'].update(puzzle_emb_ndim='${.hidden_size}'), "arch.puzzle_emb_ndim='${.hidden_size}' is not"),
+    (lambda c: c['arch'].pop('L_cycles'), 'arch.L_cycles is missing'),
+    (lambda c: c['arch']['loss'].update(loss_type='focal'), "loss_type stablemax_cross_entropy or"),
+    (lambda c: c['arch'].update(puzzle_emb_ndim=0, puzzle_emb_len=16), 'puzzle_emb_ndim is 0 with puzzle_emb_len'),
+    (lambda c: c.pop('arch'), 'has no `arch:` block'),
+])
+def test_a_broken_or_foreign_all_config_is_one_line(table_run, tmp_path, change, words):
+    shutil.copy(f"{table_run['folder']}/step_6", tmp_path / 'step_6')
+    cfg = yaml.safe_load(open(f"{table_run['folder']}/all_config.yaml"))
+    change(cfg)
+    (tmp_path / 'all_config.yaml').write_text(yaml.safe_dump(cfg))
+    p = run(['train.py', f'--data_path={table_run["data"]}', f'--out_dir={tmp_path}/o',
+             f'--init_from={tmp_path}/step_6', *EVAL], check=False)
+    assert_user_error(p, f'{tmp_path}/all_config.yaml', words)
+
+
+def test_a_table_of_other_rows_than_the_dataset_s_is_refused(table_run, tmp_path):
+    """The published table has 12 rows; a dataset with 5 identifiers is refused where checkpoints of this
+    trainer are (checkpoint.load_weights), in one line."""
+    other = make_ids_dataset(tmp_path / 'five', ids=5)
+    p = run(['train.py', f'--data_path={other}', f'--out_dir={tmp_path}/o',
+             f'--init_from={table_run["folder"]}/step_6', *EVAL], check=False)
+    assert_user_error(p, f'init_from={table_run["folder"]}/step_6', 'puzzle_emb')
+
+
+def test_a_model_without_puzzle_table_round_trips_and_solves_alike(trained, sudoku4, tmp_path):
+    """No table (puzzle_emb_ndim 0, the quick start's): the reference has no puzzle_emb then, and no prefix
+    (puzzle_emb_len 0); the state dict without it loads back, and solve.py answers alike with no key typed."""
+    publish(f'--init_from={trained}/ckpt_00000004.pt', f'--out_dir={tmp_path}/pub')
+    sd = torch.load(tmp_path / 'pub' / 'step_4', weights_only=True)
+    assert not any('puzzle_emb' in k for k in sd)
+    arch = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))['arch']
+    assert (arch['puzzle_emb_ndim'], arch['puzzle_emb_len']) == (0, 0)
+    ours = run(['solve.py', f'--init_from={trained}/ckpt_00000004.pt', '--count=5', '--quiet=True', '--steps=4'])
+    theirs = run(['solve.py', f'--init_from={tmp_path}/pub/step_4', '--count=5', '--quiet=True', '--steps=4'])
+    answers = lambda out: [l.split(' | ')[0] + l.split('answer')[-1] for l in out.splitlines()
+                           if l.startswith('puzzle ')]
+    assert answers(theirs.stdout) == answers(ours.stdout) and len(answers(ours.stdout)) == 5
+    assert f"data_paths=['{sudoku4}']" in theirs.stdout  # the dataset came from all_config.yaml
+    p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={tmp_path}/o', f'--init_from={tmp_path}/pub/step_4',
+             *EVAL])
+    assert 'loaded weights from' in p.stdout and eval_lines(p.stdout)
+
+
+def test_publish_refuses_bad_input_in_one_line(tmp_path):
+    assert_user_error(publish('--init_from=nowhere.pt', check=False), 'nowhere.pt', 'no such file')
+    assert_user_error(publish(check=False), "init_from=''")
+    assert_user_error(publish('--init_from=x.pt', '--weights=best', check=False), "weights='best'", "'ema'")
+    assert_user_error(publish('--init_from=x.pt', '--repo=nobody', check=False), "repo='nobody'", 'OWNER/REPO')
+    bad = tmp_path / 'bad.pt'
+    bad.write_bytes(b'not a checkpoint')
+    assert_user_error(publish(f'--init_from={bad}', check=False), str(bad), 'corrupt or truncated')
+
+
+def test_a_checkpoint_of_an_earlier_trainer_without_newer_keys_is_published(table_run, tmp_path):
+    """A checkpoint saved before a key existed (here rms_norm_eps and rope_theta) had its default: published."""
+    ckpt = torch.load(table_run['ckpt'], weights_only=True)
+    for k in ('rms_norm_eps', 'rope_theta', 'loss_type'):
+        del ckpt['config'][k]
+    torch.save(ckpt, tmp_path / 'old.pt')
+    publish(f'--init_from={tmp_path}/old.pt', f'--out_dir={tmp_path}/pub')
+    arch = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))['arch']
+    assert arch['loss']['loss_type'] == 'stablemax_cross_entropy' and 'rope_theta' not in arch
