@@ -439,7 +439,9 @@ class TRM(nn.Module):
 # loss: stablemax cross-entropy (the paper's default) or softmax, plus the ACT halting losses
 
 def log_stablemax(x, dim=-1):
-    s = torch.where(x < 0, 1 / (1 - x + 1e-30), x + 1)
+    # the negative branch clamped: where it is unused (x >= 0) its gradient would be 1 / (1 - x)^2, which
+    # overflows float32 at x = 1 (a common bfloat16 logit) and turns the masked-out 0 into NaN
+    s = torch.where(x < 0, 1 / (1 - x.clamp(max=0) + 1e-30), x + 1)
     return torch.log(s / s.sum(dim=dim, keepdim=True))
 
 

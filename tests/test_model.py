@@ -313,3 +313,15 @@ def test_lr_schedule_warmup_cosine_and_never_zero():
     assert abs(lr_at(99, 1.0, 10, 100, 0.1).item() - 0.1) < 1e-6
     assert abs(lr_at(54, 1.0, 10, 100, 0.1).item() - 0.55) < 1e-2
     assert lr_at(500, 1.0, 10, 100, 1.0).item() == 1.0  # the reference default: constant after warmup
+
+
+def test_stablemax_in_float32_has_a_finite_gradient_at_a_logit_of_one():
+    """bfloat16 logits land on exactly 1.0 often; the branch for negative logits, 1/(1 - x), is unused there but
+    its gradient (1e30 squared) overflows float32 and would turn the whole gradient into NaN."""
+    logits = torch.tensor([[[1.0, -0.5, 0.25, 2.0]]], requires_grad=True)
+    for dtype in ('float32', 'float64'):
+        loss = token_losses(logits, torch.tensor([[1]]), 'stablemax', dtype).sum()
+        grad, = torch.autograd.grad(loss, logits)
+        assert torch.isfinite(grad).all(), (dtype, grad)
+        s = torch.tensor([2.0, 1 / 1.5, 1.25, 3.0], dtype=torch.float64)  # s(x) of each logit
+        assert abs(loss.item() - float(-torch.log(s[1] / s.sum()))) < 1e-6
