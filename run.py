@@ -18,8 +18,8 @@ import torch
 
 import gcs
 from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_problems, checkpoint_tensors,
-                        delete_all_checkpoints, find_resume_checkpoint, load_state, load_weights,
-                        prune_checkpoints, set_aside_diverged, write_checkpoint)
+                        delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
+                        load_weights, prune_checkpoints, set_aside_diverged, write_checkpoint)
 from data import load_metadata
 from evaluate import format_eval
 from puzzles import render_example
@@ -62,6 +62,7 @@ class Run:
                       'start-up checks')
         hosts_differ(dev, self.cfg, self.data_path)
         self.meta = load_metadata(self.data_path, 'train')
+        self.identifiers = identifiers_of(self.data_path, self.meta)  # what the puzzle embedding's rows are
         if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
             return
         problems = []
@@ -103,10 +104,11 @@ class Run:
                 self.timing = dict(ckpt.get('timing') or {})
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
-        elif cfg['init_from'] != 'scratch':
-            load_weights(cfg['init_from'], model, ema_model, self.meta, self.data_path)
+        elif cfg['init_from'] != 'scratch':  # a training run onto other identifiers adapts the network
+            said = load_weights(cfg['init_from'], model, ema_model, self.meta, self.data_path,
+                                adapt=not cfg['eval_only'])
             if self.master:
-                print(f"loaded weights from {cfg['init_from']}")
+                print(said)
         self.run_id = self.run_id or secrets.token_hex(4)
         self.last_good = self.resumed_from
         gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
@@ -129,7 +131,7 @@ class Run:
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         data=data_shape(self.meta))
+                         data=data_shape(self.meta), identifiers=self.identifiers)
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
                     self.results_dropped = drop_results(self.local, self.gs_out)

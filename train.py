@@ -74,6 +74,7 @@ puzzle_emb_lr = 1e-4            # sign-SGD learning rate of the puzzle embedding
 puzzle_emb_weight_decay = 1.0   # its weight decay
 ema = True                      # evaluate and keep an EMA of the weights
 ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_rate, (1 + step) / (10 + step))
+freeze_weights = False          # True: train only the puzzle embedding (the network as init_from gave it)
 grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
 gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
@@ -118,6 +119,8 @@ bad += [why for broken, why in (  # keys that must agree with each other: the mo
     (not mlp_t and hidden_size % num_heads,
      f"hidden_size={hidden_size} is not divisible by num_heads={num_heads} (attention: mlp_t=False)"),
     (eval_only and init_from == 'scratch', "eval_only=True needs --init_from=resume or a checkpoint file"),
+    (freeze_weights and not puzzle_emb_ndim, "freeze_weights=True trains only the puzzle embedding, and "
+     "puzzle_emb_ndim=0 has none: nothing would train"),
 ) if broken]
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
@@ -158,7 +161,7 @@ def build(meta, dev, total_steps, data_path):
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
-    model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device)
+    model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
     row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):
@@ -168,7 +171,8 @@ def build(meta, dev, total_steps, data_path):
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
                     global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
-                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps)
+                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps,
+                    freeze_weights=freeze_weights)
     return model, opt, ema_model, sc, dtype_why
 
 
