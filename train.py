@@ -43,6 +43,7 @@ profile_steps = ''              # 'START:END': a profiler trace of steps START+1
 global_batch_size = 768         # examples per optimizer step, split over all ranks
 epochs = 50000                  # steps = epochs * groups * mean examples per puzzle / global_batch_size
 max_steps = 0                   # >0: stop after this many steps (the LR schedule still spans `epochs`)
+max_minutes = 0.0               # >0: wall-time budget: training stops in time for the final evaluation
 seed = 0                        # initial weights, data order, ACT exploration
 # model (the reference's names)
 hidden_size = 512               # D, the width
@@ -95,7 +96,7 @@ _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdig
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
-             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg,
+             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg,
              hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos, H_cycles=_pos, L_cycles=_pos,
              halt_max_steps=_pos, halt_exploration_prob=(lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
              pos_encodings=_one_of('rope', 'learned', 'none'), puzzle_emb_ndim=_nonneg, puzzle_emb_len=_pos,
@@ -210,13 +211,14 @@ def main(index=None):
                           subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
             for s in {0, eval_subset}}
     arc = ARCVotes.open(run.data_path, puzzle_for(meta))  # ARC: a task's test rows vote over its stored views
+    run.budget.plan(model, ema_model, held[0], held[eval_subset], n_eval_steps, run_steps, global_batch_size)
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         compiled = compile and dev.kind != 'cpu'
         predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
-        with run.clock.evaluating():  # a stop request abandons it: (None, None)
+        with run.evaluating(held[subset]):  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
@@ -297,7 +299,9 @@ def main(index=None):
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = run.stop_requested(step, start_step)
+        stop_now = run.stop_requested(step, start_step, at_eval)
+        if run.out_of_time:  # --max_minutes: this step is the run's last, its evaluation the final one
+            run_steps, at_eval = step, True
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)
