@@ -249,7 +249,7 @@ def load_weights(path, model, ema_model, meta, data_path, adapt):
                          f"evaluate it on the dataset it trained on, or adapt it to this one first "
                          f"(train.py --init_from={path} without --eval_only: a new table, trained)")
     old, want = sd.get('puzzle_emb'), model.puzzle_emb.shape
-    if why and old.shape[1:] == want[1:]:  # (another width is another model: refused below)
+    if why and old is not None and old.shape[1:] == want[1:]:  # (another width: another model, refused below)
         sd = dict(sd, puzzle_emb=old.mean(0, dtype=torch.float64).to(old.dtype).expand(want).contiguous())
     try:
         load_into(model, sd)

@@ -24,8 +24,9 @@ from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_pr
 from data import load_metadata
 from evaluate import format_eval
 from puzzles import render_example
-from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
-                   lock_bucket, lock_local, mark_data, release_locks, startup_problems)
+from guard import (STOP, Clock, data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint,
+                   hosts_differ, local_folder, lock_bucket, lock_local, mark_data, release_locks,
+                   startup_problems)
 from records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
                      results_of_step, save_evaluation, start_log, start_wandb, wandb_log_safe)
 
@@ -66,6 +67,9 @@ class Run:
         hosts_differ(dev, self.cfg, self.data_path)
         self.meta = load_metadata(self.data_path, 'train')
         self.identifiers = identifiers_of(self.data_path, self.meta)  # what the puzzle embedding's rows are
+        fail_if_ranks_differ(dev, [fingerprint(str(self.identifiers))], lambda _: (
+            f"the hosts' copies of {self.data_path} hold different identifiers.json: copy the same dataset to "
+            "every host"))
         if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
             return
         problems = []

@@ -16,6 +16,7 @@ import torch
 
 from conftest import XLA_ENV, assert_user_error, ckpts, run
 from model import to_reference_state_dict
+from test_dist import assert_all_ranks_stopped_with, torchrun
 
 TINY = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
         '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=8',
@@ -89,6 +90,18 @@ def test_a_dataset_rebuilt_with_more_augmentations_is_refused_naming_both_counts
     p = run(['solve.py', f'--init_from={ckpt}', f'--data_path={c}', '--index=0', '--device=cpu'], env=ENV,
             check=False)
     assert_user_error(p, 'table of 19 identifiers', f'the dataset {c} has 31')
+
+
+def test_hosts_whose_copies_of_the_dataset_name_other_identifiers_stop_at_start(sets, tmp_path):
+    a = sets[0]
+    for host in ('h0', 'h1'):
+        shutil.copytree(a, tmp_path / host / 'd')
+    names = json.load(open(tmp_path / 'h1' / 'd' / 'identifiers.json'))
+    json.dump(names[:1] + names[:0:-1], open(tmp_path / 'h1' / 'd' / 'identifiers.json', 'w'))  # only the names
+    wrapper = f"os.chdir({str(tmp_path / 'h1')!r} if os.environ['RANK'] == '1' else {str(tmp_path / 'h0')!r})"
+    p = torchrun(2, ['--data_path=d', f'--out_dir={tmp_path}/o', '--max_steps=2'] + TINY, wrapper=wrapper)
+    assert_all_ranks_stopped_with(p, "the hosts' copies of d hold different identifiers.json")
+    assert 'step 1/' not in p.stdout
 
 
 def test_a_checkpoint_saved_before_the_identifiers_were_recorded_still_resumes_and_says_so_once(sets, tmp_path):
