@@ -52,8 +52,7 @@ class Run:
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
-        self.budget = TimeBudget(cfg.get('max_minutes', 0), self.clock)
-        self.out_of_time = False  # --max_minutes: the ranks agreed that this step is the run's last
+        self.budget = TimeBudget(cfg.get('max_minutes', 0), self.clock)  # --max_minutes
         self.data_path = fetch_data(cfg['data_path'], cfg['data_cache_dir'], dev)
         self.check_start()
 
@@ -170,16 +169,10 @@ class Run:
     def stop_requested(self, step, start_step, at_eval=False):
         """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps
         (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable.
-        With --max_minutes the same reduction says whether any rank is out of time (checked at evaluation
-        steps too, `at_eval`: that evaluation must fit as well); then `out_of_time` is set on every rank and
-        this step becomes the run's last (a stop request wins: it saves and exits as always)."""
+        With --max_minutes the same reduction also says whether the budget ends the run (TimeBudget.agree)."""
         stop = False
         if self.budget.seconds and (step % self.stop_every == 0 or at_eval):
-            stop, late = self.dev.agree([float(STOP['requested']), float(self.budget.late(
-                step, self.stop_every, at_eval))], 'max') > 0
-            self.out_of_time = bool(late and not stop)
-            if self.out_of_time and self.master:
-                print(self.budget.verdict(step))
+            stop = self.budget.agree(self.dev, step, self.stop_every, at_eval)
         elif step % self.stop_every == 0:
             stop = self.stop_agreed()
         if step == start_step + 5:
@@ -188,15 +181,6 @@ class Run:
             pace = self.dev.agree([(time.time() - self.t_calibrate) / 5], 'max')[0]
             self.stop_every = max(1, int(2.0 / pace))
         return stop
-
-    @contextlib.contextmanager
-    def evaluating(self, loader):
-        """An evaluation of `loader`'s rows: its time counted as evaluation (Clock), and for --max_minutes
-        its pace per row."""
-        t = time.time()
-        with self.clock.evaluating():
-            yield
-        self.budget.evaluated(eval_rows(loader), time.time() - t)
 
     def stop_agreed(self):
         """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point
@@ -363,7 +347,7 @@ class TimeBudget:
     def __init__(self, minutes, clock):
         self.seconds, self.clock = minutes * 60, clock
         self.eval_pace = self.save_s = self.first = None
-        self.need = 0.0
+        self.need, self.out_of_time = 0.0, False
 
     def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
         """What a run's evaluations and saves hold: the final evaluation's and an intermediate one's loaders
@@ -378,8 +362,14 @@ class TimeBudget:
         carry = 2 * batch * model.config.total_len * model.config.hidden_size * 4  # y and z, float32 at most
         self.state_bytes = 4 * params + buffers + carry  # raw, EMA, the two moments; the table once
 
-    def evaluated(self, rows, seconds):
-        self.eval_pace = max(self.eval_pace or 0.0, seconds / rows)
+    @contextlib.contextmanager
+    def evaluating(self, loader):
+        """An evaluation of `loader`'s rows (an EvalLoader): its time counted as evaluation (Clock), its pace
+        per row kept."""
+        t = time.time()
+        with self.clock.evaluating():
+            yield
+        self.eval_pace = max(self.eval_pace or 0.0, (time.time() - t) / eval_rows(loader))
 
     def saved(self, seconds):
         self.save_s = max(self.save_s or 0.0, seconds)
@@ -406,9 +396,21 @@ class TimeBudget:
         pace = (train_s - t0) / (step - s0)
         self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
         wait = (check_every + 1) * pace
-        if at_eval and step < self.run_steps:
+        if at_eval:
             wait += self.evaluation_s(self.subset_rows, pace) + self.save_estimate()
         return time.time() - self.clock.started + wait + self.need >= self.seconds
+
+    def agree(self, dev, step, check_every, at_eval):
+        """Whether any rank got SIGTERM or Ctrl-C, and in the same reduction whether any rank is out of time:
+        then, unless a stop was requested (it saves and exits as always), `out_of_time` is set on every rank
+        at this step, the run's last. Called on every rank at the same steps (at evaluation steps too,
+        `at_eval`: that evaluation must fit as well); rank 0 says why the run stops."""
+        stop, late = dev.agree([float(STOP['requested']), float(self.late(step, check_every, at_eval))],
+                               'max') > 0
+        self.out_of_time = bool(late and not stop)
+        if self.out_of_time and dev.master:
+            print(self.verdict(step))
+        return bool(stop)
 
     def verdict(self, step):
         minutes = (time.time() - self.clock.started) / 60

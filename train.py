@@ -218,7 +218,7 @@ def main(index=None):
         compiled = compile and dev.kind != 'cpu'
         predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
-        with run.evaluating(held[subset]):  # a stop request abandons it: (None, None)
+        with run.budget.evaluating(held[subset]):  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
@@ -300,8 +300,7 @@ def main(index=None):
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
         stop_now = run.stop_requested(step, start_step, at_eval)
-        if run.out_of_time:  # --max_minutes: this step is the run's last, its evaluation the final one
-            run_steps, at_eval = step, True
+        run_steps, at_eval = (step, True) if run.budget.out_of_time else (run_steps, at_eval)  # --max_minutes
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)
