@@ -5,8 +5,11 @@ them at start (which checkpoint to resume, whether it fits this run, its state l
 weights checked sane, the carry gathered). run.Run calls these; solve.py and bench.py read and write the
 files.
 A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
-batch), rng, config, best, run_id, timing, data (the shape it trained on).
+batch), rng, config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the
+rows of its puzzle-embedding table are: identifiers_of).
 """
+import hashlib
+import json
 import os
 import glob
 import pickle
@@ -71,16 +74,69 @@ def load_checkpoint(path, name=None):
 def weights_in(ckpt):
     """What a loaded checkpoint file holds: dict(weights in this model's names (the EMA's when there are),
     config: the training run's or None, step, data: the shape it trained on, ema: whether they are the
-    EMA's), or None when it is neither a checkpoint of train.py nor a state dict (the reference's keys or
-    ours)."""
+    EMA's, identifiers: identifiers_of its dataset or None), or None when it is neither a checkpoint of
+    train.py nor a state dict (the reference's keys or ours)."""
     from model import from_reference_state_dict
     if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
         saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
         return dict(weights=dict(ckpt.get('ema') or ckpt['model']), config=saved, step=ckpt.get('step'),
-                    data=ckpt.get('data'), ema=bool(ckpt.get('ema')))
+                    data=ckpt.get('data'), ema=bool(ckpt.get('ema')), identifiers=ckpt.get('identifiers'))
     if isinstance(ckpt, dict) and ckpt and all(torch.is_tensor(v) for v in ckpt.values()):
-        return dict(weights=from_reference_state_dict(ckpt), config=None, step=None, data=None, ema=False)
+        return dict(weights=from_reference_state_dict(ckpt), config=None, step=None, data=None, ema=False,
+                    identifiers=None)
     return None
+
+
+# -----------------------------------------------------------------------------
+# the puzzle-embedding table: one row per identifier of the dataset it trained on
+
+def identifiers_of(data_path, meta):
+    """What a puzzle-embedding table is bound to: dict(count: the dataset's num_puzzle_identifiers, sha256: a
+    digest of the names in identifiers.json, or None where the dataset has no such file). A dataset rebuilt
+    with another seed keeps its count while its names (which augmentation each row stands for) change."""
+    try:
+        with open(os.path.join(data_path, 'identifiers.json')) as f:
+            names = json.load(f)
+        digest = hashlib.sha256(json.dumps(names, separators=(',', ':')).encode()).hexdigest()
+    except (OSError, ValueError):
+        digest = None
+    return dict(count=int(meta['num_puzzle_identifiers']), sha256=digest)
+
+
+def table_rows(weights):
+    """The rows of a state dict's puzzle-embedding table (our names), or None without one."""
+    t = weights.get('puzzle_emb')
+    return int(t.shape[0]) if torch.is_tensor(t) and t.dim() == 2 else None
+
+
+_NOTED = set()  # checkpoints said to carry no identifiers digest (once per process)
+
+
+def identifier_mismatch(found, path, data_path, meta, say=True):
+    """'' when the puzzle-embedding table of a checkpoint (found: weights_in's dict) belongs to the dataset in
+    data_path (meta: its train split's dataset.json), else one sentence naming the checkpoint, the dataset and
+    both identifier counts. A checkpoint of train.py records its dataset's identifiers (identifiers_of); one
+    saved before that, and a reference state dict, can only be checked by their table's row count, which is
+    said once (say=True)."""
+    ours, now = found.get('identifiers'), identifiers_of(data_path, meta)
+    rows = table_rows(found['weights'])
+    saved = ours['count'] if isinstance(ours, dict) else rows
+    if saved is None:
+        return ''
+    if saved != now['count']:
+        return (f"{path} holds a puzzle-embedding table of {saved} identifiers; the dataset {data_path} has "
+                f"{now['count']}")
+    if isinstance(ours, dict) and ours.get('sha256') and now['sha256'] and ours['sha256'] != now['sha256']:
+        return (f"{path} was trained on other puzzle identifiers than the dataset {data_path} holds ({saved} "
+                f"each, but identifiers.json names other puzzles: a rebuild with another --seed?), so its "
+                f"puzzle-embedding rows would each serve another puzzle")
+    if not isinstance(ours, dict) and say and path not in _NOTED:
+        _NOTED.add(path)
+        what = 'is a state dict, which records' if found.get('config') is None else \
+            'was saved before checkpoints recorded'
+        print(f"note: {path} {what} no dataset identifiers: only their count is checked ({saved}, as the "
+              f"dataset {data_path} has)")
+    return ''
 
 
 def list_checkpoints(folder):
@@ -169,10 +225,13 @@ def delete_all_checkpoints(folders):
     return problems
 
 
-def load_weights(path, model, ema_model, meta, data_path):
-    """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one) or a reference state
-    dict; ours only on data of the shape and kind it trained on (a 4x4 Sudoku's weights fit a 4x4 maze's
-    tensors, not its puzzles)."""
+def load_weights(path, model, ema_model, meta, data_path, adapt):
+    """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one, for the raw weights and
+    the EMA alike) or a reference state dict; ours only on data of the shape and kind it trained on (a 4x4
+    Sudoku's weights fit a 4x4 maze's tensors, not its puzzles). A table of another dataset's puzzle
+    identifiers (identifier_mismatch) is refused, or with `adapt` (a training run) replaced: the dataset's
+    size, every row the checkpoint's mean row (the reference's load_checkpoint does the same), so that new
+    puzzles start from what the trained ones share. Returns the line that says what was loaded."""
     try:
         ckpt = load_checkpoint(path)
     except CheckpointError as e:
@@ -186,12 +245,40 @@ def load_weights(path, model, ema_model, meta, data_path):
                                      "--data_path at a dataset of that kind, or train from scratch"):
             raise SystemExit(f"init_from={problem}")
     sd = fill_absent_table(found['weights'], model)  # a reference state dict of a model without puzzle table
+    why = identifier_mismatch(found, path, data_path, meta)
+    if why and not adapt:
+        raise SystemExit(f"init_from={why}. Its puzzle embedding answers for that dataset's puzzles: "
+                         f"evaluate it on the dataset it trained on, or adapt it to this one first "
+                         f"(train.py --init_from={path} without --eval_only: a new table, trained)")
+    old, want = sd.get('puzzle_emb'), model.puzzle_emb.shape
+    if why and old is not None and old.shape[1:] == want[1:]:  # (another width: another model, refused below)
+        sd = dict(sd, puzzle_emb=old.mean(0, dtype=torch.float64).to(old.dtype).expand(want).contiguous())
     try:
-        model.load_state_dict(sd)
+        load_into(model, sd)
     except RuntimeError as e:
         raise SystemExit(f"init_from={path}: not weights of this model ({' '.join(str(e).split())[:300]}); "
-                         f"check hidden_size, mlp_t, pos_encodings, L_layers against the run that saved it")
-    ema_model.load_state_dict(sd)
+                         "check hidden_size, mlp_t, pos_encodings, L_layers, puzzle_emb_ndim against the "
+                         "run that saved it")
+    load_into(ema_model, sd)
+    if not why:
+        return f"loaded weights from {path}"
+    origin = f"step {found['step']}" if found['step'] is not None else 'the reference state dict'
+    other = ' (of other puzzles)' if old.shape[0] == want[0] else ''
+    return (f"init_from={path}: network from {origin}{' (its EMA weights)' if found['ema'] else ''}; "
+            f"puzzle-embedding table replaced: {old.shape[0]} -> {want[0]} identifiers{other}, every row the "
+            "checkpoint's mean row")
+
+
+def load_into(module, sd):
+    """module.load_state_dict(sd), its checks and errors; on an XLA device every tensor then also gets fresh
+    device data from sd: torch_xla's dynamo bridge keeps a tensor that the compiled step only reads (H_init,
+    L_init) as a constant of its graph, and the output of the copy that load_state_dict ran is a placeholder
+    there, which crashed the first step ('an async operation is in flight')."""
+    module.load_state_dict(sd)
+    with torch.no_grad():
+        for name, t in module.state_dict(keep_vars=True).items():
+            if t.device.type == 'xla':
+                t.data = sd[name].to(t.device, t.dtype)
 
 
 def data_problems(ckpt, path, meta, data_path, advice):
@@ -309,6 +396,12 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
     fail_together(dev, data_problems(ckpt, path, meta, data_path, "A resume keeps the data's shape: point "
                                      "--data_path at that dataset, or start a new run (another out_dir)"),
                   'resume')
+    why = identifier_mismatch(weights_in(ckpt), path, data_path, meta, say=dev.master)
+    advice = ("Evaluate it on the dataset it trained on, or adapt it to this one first (train.py "
+              f"--init_from={path} in another out_dir: a new table, trained)") if cfg['eval_only'] else \
+        ("A resume keeps its table: point --data_path at the dataset it trained on, or adapt its network to "
+         f"this one in a new run (--init_from={path}, another out_dir)")
+    fail_together(dev, [f"{why}. {advice}"] if why else [], 'resume')
 
 
 def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):

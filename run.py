@@ -9,6 +9,7 @@ checkpoint.py holds the files and the resume, records.py the records and uploads
 (signals, locks, watchdog, verdicts every rank agrees on, start-up checks). Every method that more than rank 0
 needs is called by every rank at the same point.
 """
+import contextlib
 import os
 import secrets
 import threading
@@ -18,13 +19,14 @@ import torch
 
 import gcs
 from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_problems, checkpoint_tensors,
-                        delete_all_checkpoints, find_resume_checkpoint, load_state, load_weights,
-                        prune_checkpoints, set_aside_diverged, write_checkpoint)
+                        delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
+                        load_weights, prune_checkpoints, set_aside_diverged, write_checkpoint)
 from data import load_metadata
 from evaluate import format_eval
 from puzzles import render_example
-from guard import (STOP, Clock, data_shape, fail_together, fetch_data, hosts_differ, local_folder,
-                   lock_bucket, lock_local, mark_data, release_locks, startup_problems)
+from guard import (STOP, Clock, data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint,
+                   hosts_differ, local_folder, lock_bucket, lock_local, mark_data, release_locks,
+                   startup_problems)
 from records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
                      results_of_step, save_evaluation, save_submission, start_log, start_wandb,
                      wandb_log_safe)
@@ -51,6 +53,7 @@ class Run:
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
+        self.budget = TimeBudget(cfg.get('max_minutes', 0), self.clock)  # --max_minutes
         self.data_path = fetch_data(cfg['data_path'], cfg['data_cache_dir'], dev)
         self.check_start()
 
@@ -63,6 +66,10 @@ class Run:
                       'start-up checks')
         hosts_differ(dev, self.cfg, self.data_path)
         self.meta = load_metadata(self.data_path, 'train')
+        self.identifiers = identifiers_of(self.data_path, self.meta)  # what the puzzle embedding's rows are
+        fail_if_ranks_differ(dev, [fingerprint(str(self.identifiers))], lambda _: (
+            f"the hosts' copies of {self.data_path} hold different identifiers.json: copy the same dataset to "
+            "every host"))
         if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
             return
         problems = []
@@ -106,10 +113,11 @@ class Run:
                 self.timing = dict(ckpt.get('timing') or {})
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
-        elif cfg['init_from'] != 'scratch':
-            load_weights(cfg['init_from'], model, ema_model, self.meta, self.data_path)
+        elif cfg['init_from'] != 'scratch':  # a training run onto other identifiers adapts the network
+            said = load_weights(cfg['init_from'], model, ema_model, self.meta, self.data_path,
+                                adapt=not cfg['eval_only'])
             if self.master:
-                print(f"loaded weights from {cfg['init_from']}")
+                print(said)
         self.run_id = self.run_id or secrets.token_hex(4)
         self.last_good = self.resumed_from
         gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
@@ -121,7 +129,7 @@ class Run:
         checkpoint's path."""
         dev, keys = self.dev, sorted(carry)
         sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
-        path, problems = os.path.join(self.local, checkpoint_name(step)), []
+        path, problems, t_save = os.path.join(self.local, checkpoint_name(step)), [], time.time()
         if sane[0] == 0:
             problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
                         f"saved. The last good checkpoint is {self.last_good or 'none'}; continue from it "
@@ -132,7 +140,8 @@ class Run:
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         data=data_shape(self.meta), **(self.arc.pool_state() if self.arc else {}))
+                         data=data_shape(self.meta), identifiers=self.identifiers,
+                         **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
                     self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
@@ -145,6 +154,7 @@ class Run:
             except Exception as e:
                 problems = [f"saving {path} failed: {e}"]
         fail_together(dev, problems, f'checkpoint at step {step}')
+        self.budget.saved(time.time() - t_save)
         self.last_good = path
         return path
 
@@ -160,10 +170,15 @@ class Run:
 
     # --- stop requests and divergence -----------------------------------------------------------------
 
-    def stop_requested(self, step, start_step):
+    def stop_requested(self, step, start_step, at_eval=False):
         """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps
-        (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable."""
-        stop = self.stop_agreed() if step % self.stop_every == 0 else False
+        (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable.
+        With --max_minutes the same reduction also says whether the budget ends the run (TimeBudget.agree)."""
+        stop = False
+        if self.budget.seconds and (step % self.stop_every == 0 or at_eval):
+            stop = self.budget.agree(self.dev, step, self.stop_every, at_eval)
+        elif step % self.stop_every == 0:
+            stop = self.stop_agreed()
         if step == start_step + 5:
             self.t_calibrate = time.time()
         if step == start_step + 10:
@@ -318,3 +333,92 @@ class Run:
             finish.join(timeout=4 if interrupted else 60)
         release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
 
+
+
+def eval_rows(loader):
+    """The rows an evaluation of an EvalLoader runs, padding and test-time views included."""
+    return len(loader) * loader.B * loader.views
+
+
+class TimeBudget:
+    """--max_minutes: whether training must stop at this step so that the final evaluation and its save still
+    end within the budget, counted in wall seconds from the process's start. What they will take, erring
+    long: this process's slowest evaluation per row (x 1.25), or before any evaluation, the final one's
+    FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
+    warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
+    slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s. The steps to the next check
+    (~2 s) and an intermediate evaluation and save due now are added to the wait."""
+
+    def __init__(self, minutes, clock):
+        self.seconds, self.clock = minutes * 60, clock
+        self.eval_pace = self.save_s = self.first = None
+        self.need, self.out_of_time = 0.0, False
+
+    def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
+        """What a run's evaluations and saves hold: the final evaluation's and an intermediate one's loaders
+        (EvalLoader; an intermediate one runs twice with an EMA: its weights and the raw ones), the
+        supervision steps of an evaluation, the run's last step, the global batch."""
+        self.rows = eval_rows(final)
+        self.subset_rows = eval_rows(subset) * (2 if ema_model is not model else 1)
+        self.run_steps, self.row_flops = run_steps, model.flops_per_example(train=False) * eval_steps
+        self.step_flops = model.flops_per_example() * batch
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        carry = 2 * batch * model.config.total_len * model.config.hidden_size * 4  # y and z, float32 at most
+        self.state_bytes = 4 * params + buffers + carry  # raw, EMA, the two moments; the table once
+
+    @contextlib.contextmanager
+    def evaluating(self, loader):
+        """An evaluation of `loader`'s rows (an EvalLoader): its time counted as evaluation (Clock), its pace
+        per row kept."""
+        t = time.time()
+        with self.clock.evaluating():
+            yield
+        self.eval_pace = max(self.eval_pace or 0.0, (time.time() - t) / eval_rows(loader))
+
+    def saved(self, seconds):
+        self.save_s = max(self.save_s or 0.0, seconds)
+
+    def evaluation_s(self, rows, pace):
+        """An evaluation of `rows` rows, `pace` the training's seconds per step."""
+        if self.eval_pace is not None:
+            return 1.25 * self.eval_pace * rows
+        return 2 * rows * self.row_flops * pace / self.step_flops + self.first[1]
+
+    def save_estimate(self):
+        return 1.5 * self.save_s if self.save_s is not None else self.state_bytes / 50e6
+
+    def late(self, step, check_every, at_eval):
+        """Whether the wait to the next check, an intermediate evaluation and save due now, and the final
+        evaluation and save would end past the budget."""
+        if step >= self.run_steps:  # its final evaluation comes next in any case
+            return False
+        train_s = self.clock()['train']
+        self.first = self.first or (step, train_s)
+        s0, t0 = self.first
+        if step == s0:  # its seconds hold the compilations and warm-up: the pace is measured from here on
+            return False
+        pace = (train_s - t0) / (step - s0)
+        self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
+        wait = (check_every + 1) * pace
+        if at_eval:
+            wait += self.evaluation_s(self.subset_rows, pace) + self.save_estimate()
+        return time.time() - self.clock.started + wait + self.need >= self.seconds
+
+    def agree(self, dev, step, check_every, at_eval):
+        """Whether any rank got SIGTERM or Ctrl-C, and in the same reduction whether any rank is out of time:
+        then, unless a stop was requested (it saves and exits as always), `out_of_time` is set on every rank
+        at this step, the run's last. Called on every rank at the same steps (at evaluation steps too,
+        `at_eval`: that evaluation must fit as well); rank 0 says why the run stops."""
+        stop, late = dev.agree([float(STOP['requested']), float(self.late(step, check_every, at_eval))],
+                               'max') > 0
+        self.out_of_time = bool(late and not stop)
+        if self.out_of_time and dev.master:
+            print(self.verdict(step))
+        return bool(stop)
+
+    def verdict(self, step):
+        minutes = (time.time() - self.clock.started) / 60
+        return (f"time budget: stopping at step {step} of {self.run_steps} after {minutes:.1f} min to leave "
+                f"~{self.need:.{0 if self.need >= 10 else 1}f} s for the final evaluation (--max_minutes="
+                f"{self.seconds / 60:g})")

@@ -85,7 +85,7 @@ from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usa
 from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import seq_len_for_vocab, views_problem, vote  # noqa: E402
-from checkpoint import CheckpointError, load_checkpoint, weights_in  # noqa: E402
+from checkpoint import CheckpointError, identifier_mismatch, load_checkpoint, weights_in  # noqa: E402
 
 
 def cpu_threads():
@@ -124,7 +124,7 @@ def numpy_scalar_types():
 
 def read_checkpoint(path):
     """(state dict in our names, the training config or None, a few words on where the weights came from, the
-    shape of the data it was trained on or None)."""
+    shape of the data it was trained on or None, its dataset's identifiers or None)."""
     if not path:
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
     if not os.path.isfile(path):
@@ -146,11 +146,11 @@ def read_checkpoint(path):
         fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
              f"implementation: it holds {what_it_holds(ckpt)}")
     if found['config'] is None:
-        return found['weights'], None, 'state dict (reference format)', None
+        return found['weights'], None, 'state dict (reference format)', None, None
     step = f" of step {found['step']}" if found['step'] is not None else ''
     weights = 'EMA weights' if found['ema'] else 'model weights (it holds no EMA)'
     what = f"train.py checkpoint{step}, {weights}"
-    return found['weights'], found['config'], what, found['data']
+    return found['weights'], found['config'], what, found['data'], found['identifiers']
 
 
 def shapes_in(sd):
@@ -552,7 +552,7 @@ def png_file():
 def load_model(dev):
     """(model, its TRMConfig, the dataset's metadata, where that came from, the dataset root, the dtype's
     why)."""
-    sd, saved, what, trained_on = read_checkpoint(init_from)
+    sd, saved, what, trained_on, identifiers = read_checkpoint(init_from)
     ours = saved is not None
     dp = data_path or (saved or {}).get('data_path', '')
     if not dp and not ours:
@@ -574,6 +574,12 @@ def load_model(dev):
             trained = f" (the checkpoint was trained on data_path={saved.get('data_path')!r})" if ours else ''
             fail(f"data_path={dp!r}: {short(e)}{trained}; give --data_path=DATASET_ROOT")
         meta_from = f"the weights (no dataset at {dp})"
+    else:  # a table of another dataset's identifiers: each row would stand for another puzzle
+        why = identifier_mismatch(dict(weights=sd, identifiers=identifiers, config=saved), init_from, dp, meta)
+        if why:
+            fail(f"init_from={why}. Its puzzle embedding answers for that dataset's puzzles: give --data_path "
+                 f"the dataset it trained on, or adapt it to this one first (train.py --init_from={init_from} "
+                 f"--data_path={dp})")
     if puzzle_for(meta) is None:
         fail(f"{meta_from} holds no puzzle kind that solve.py knows (vocab_size {meta['vocab_size']}, "
              f"seq_len {meta['seq_len']}; it knows {', '.join(KINDS)})")

@@ -168,6 +168,8 @@ class StepConfig:
     ema_rate: float = None           # None: no EMA
     grad_clip: float = 0.0           # clip the global gradient norm to this (0: never, as the reference)
     gradient_accumulation_steps: int = 1  # micro-batches per step: the same update, less activation memory
+    freeze_weights: bool = False     # only the puzzle embedding trains: no gradient, update or EMA of the
+                                     # weights (the caller sets their requires_grad False: train.py does)
 
     def lr_at(self, step, base):
         return lr_at(step, base, self.warmup_steps, self.total_steps, self.min_ratio)
@@ -206,13 +208,17 @@ def apply_update(model, opt, ema_params, grads, ids, row_grads, step_t, sc):
     compiled ones): clipping, AdamATan2, sign-SGD on the puzzle embedding rows of the global batch (ids,
     row_grads; None without a puzzle embedding), the EMA, the step count. grads: the parameters' gradients in
     opt.params' order (None for a parameter without one). Returns the gradient's global norm before clipping
-    (a device tensor)."""
-    norm = clip_grads_([g for g in grads if g is not None], sc.grad_clip)
-    opt.step(grads, lr=sc.lr_at(step_t, sc.lr))
+    (a device tensor; 0 with sc.freeze_weights, which updates the puzzle embedding only: the weights have no
+    gradients then, and their EMA would only round them)."""
+    if sc.freeze_weights:
+        norm = torch.zeros((), device=step_t.device)
+    else:
+        norm = clip_grads_([g for g in grads if g is not None], sc.grad_clip)
+        opt.step(grads, lr=sc.lr_at(step_t, sc.lr))
     if row_grads is not None:  # sign-SGD: the sign of the summed gradient, so clipping would not change it
         sign_sgd_update_(model.puzzle_emb, ids, row_grads, sc.lr_at(step_t, sc.puzzle_emb_lr),
                          sc.puzzle_emb_weight_decay)
-    if sc.ema_rate is not None:
+    if sc.ema_rate is not None and not sc.freeze_weights:
         ema_update_(ema_params, list(model.parameters()), step_t, sc.ema_rate)
     step_t.add_(1)
     return norm
@@ -298,15 +304,16 @@ def xla_backend(gm, example_inputs):
     return run
 
 
-def _xla_grads(model, carry, batch, global_batch_size, rows_of):
+def _xla_grads(model, carry, batch, global_batch_size, rows_of, weights=True):
     """XLACompiledStep's forward and backward as ONE graph: on the rows [rows_of] of the carry and the batch
     (the micro-batch), the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients
-    of loss / global_batch_size (train_step's division: the same rounding) with respect to the parameters and the
-    puzzle rows (torch.func.grad, traced into the same graph). Nothing crosses from a forward graph to a backward
-    one, so the backward uses the forward's activations where they are, as the eager step's graph does: no
-    recomputation, no per-tensor bridge cost. Called under no_grad (torch.func.grad ignores it). Returns the
-    whole carry with those rows replaced, the loss, the metrics, the parameters' gradients by name and the
-    puzzle rows' (None without a puzzle embedding)."""
+    of loss / global_batch_size (train_step's division: the same rounding) with respect to the parameters (not
+    with weights=False: freeze_weights) and the puzzle rows (torch.func.grad, traced into the same graph).
+    Nothing crosses from a forward graph to a backward one, so the backward uses the forward's activations
+    where they are, as the eager step's graph does: no recomputation, no per-tensor bridge cost. Called under
+    no_grad (torch.func.grad ignores it). Returns the whole carry with those rows replaced, the loss, the
+    metrics, the parameters' gradients by name ({} with weights=False) and the puzzle rows' (None without a
+    puzzle embedding)."""
     a, b = rows_of
     whole = a == 0 and b == batch['inputs'].shape[0]
     c = carry if whole else {k: v[a:b] for k, v in carry.items()}
@@ -319,9 +326,10 @@ def _xla_grads(model, carry, batch, global_batch_size, rows_of):
         loss, metrics = act_loss(new_c, out, model.config)
         return loss / global_batch_size, (new_c, loss, metrics)
     params = dict(model.named_parameters())
-    grad = torch.func.grad(scaled_loss, argnums=(0, 1) if rows is not None else 0, has_aux=True)
+    argnums = 0 if rows is None else (0, 1) if weights else 1
+    grad = torch.func.grad(scaled_loss, argnums=argnums, has_aux=True)
     grads, (new_c, loss, metrics) = grad(params, rows)
-    grads, row_grads = grads if rows is not None else (grads, None)
+    grads, row_grads = (grads, None) if rows is None else grads if weights else ({}, grads)
     if not whole:
         new_c = {k: torch.cat([carry[k][:a], v, carry[k][b:]]) for k, v in new_c.items()}
     return new_c, loss, metrics, grads, row_grads
@@ -332,8 +340,8 @@ def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
     on those gradients, with no bridge between them. The gradients never become .grad (no graph outputs, no
     host work for them). Returns the new carry, the loss and the metrics with grad_norm."""
     carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, sc.global_batch_size,
-                                                        (0, batch['inputs'].shape[0]))
-    grads = [grads[n] for n, _ in model.named_parameters()]  # opt.params' order (XLACompiledStep checks)
+                                                        (0, batch['inputs'].shape[0]), not sc.freeze_weights)
+    grads = [grads.get(n) for n, _ in model.named_parameters()]  # opt.params' order (XLACompiledStep checks)
     norm = apply_update(model, opt, ema_params, grads, carry['puzzle_identifiers'], row_grads, step_t, sc)
     return carry, loss, dict(metrics, grad_norm=norm)
 
@@ -368,8 +376,9 @@ class XLACompiledStep:
         import torch_xla.runtime as xr
         one = sc.gradient_accumulation_steps == 1 and xr.world_size() == 1
         self.variant = self.ONE if one else self.TWO
+        frozen = sc.freeze_weights  # no gradients of the weights, no optimizer state
         if one:
-            if any(st is None for st in opt.state):  # the first step: every parameter's state, eagerly
+            if any(st is None for st in opt.state) and not frozen:  # the first step: every state, eagerly
                 params = list(model.parameters())
                 if len(params) != len(opt.params) or any(a is not b for a, b in zip(params, opt.params)):
                     raise ValueError("XLACompiledStep: the optimizer's parameters are not model.parameters() "
@@ -377,7 +386,7 @@ class XLACompiledStep:
                                      "AdamATan2(model.parameters(), ...)")
                 # every parameter gets a gradient from torch.func.grad; init_state reads only its shape
                 opt.init_state([p.detach() for p in params])
-            self._one_step_count(opt)
+            self._one_step_count(opt, frozen)
             with torch.no_grad():
                 return self.step(model, opt, ema_params, carry, batch, step_t, sc)
         k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
@@ -386,13 +395,13 @@ class XLACompiledStep:
         for i in range(k):
             with torch.no_grad():
                 carry, loss, metrics, grads, rg = self.grads(model, carry, batch, sc.global_batch_size,
-                                                             (i * B // k, (i + 1) * B // k))
+                                                             (i * B // k, (i + 1) * B // k), not frozen)
             for n, g in grads.items():  # micro-batches add up lazily, as autograd's accumulation does
                 named[n].grad = g if named[n].grad is None else named[n].grad + g
             losses.append(loss)
             row_grads.append(rg)
             sums = metrics if sums is None else {n: sums[n] + metrics[n] for n in sums}
-        if all_reduce_sum_ is not None:
+        if all_reduce_sum_ is not None and not frozen:
             all_reduce_sum_([p.grad for p in opt.params])
         ids_all = grads_all = None
         if row_grads[0] is not None:
@@ -401,14 +410,16 @@ class XLACompiledStep:
             ids_all = gather(carry['puzzle_identifiers'])
         grads = [p.grad for p in opt.params]
         opt.init_state(grads)  # eagerly: the compiled graph never sees the state appear
-        self._one_step_count(opt)
+        self._one_step_count(opt, frozen)
         with torch.no_grad():  # as xla_backend requires
             sums['grad_norm'] = self.update(model, opt, ema_params, grads, ids_all, grads_all, step_t, sc)
         opt.zero_grad()
         return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 
     @staticmethod
-    def _one_step_count(opt):
+    def _one_step_count(opt, frozen):
+        if frozen:  # AdamATan2 holds no state
+            return
         t = opt.state[0]['t']
         for st in opt.state[1:]:
             st['t'] = t  # one step count (equal values in any case)
@@ -452,7 +463,7 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_los
         if rows is not None:
             ids.append(i)
             row_grads.append(rows.grad)
-    if all_reduce_sum_ is not None:
+    if all_reduce_sum_ is not None and not sc.freeze_weights:
         all_reduce_sum_([p.grad for p in model.parameters()])
     ids_all = grads_all = None
     if row_grads:

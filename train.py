@@ -45,6 +45,7 @@ profile_steps = ''              # 'START:END': a profiler trace of steps START+1
 global_batch_size = 768         # examples per optimizer step, split over all ranks
 epochs = 50000                  # steps = epochs * groups * mean examples per puzzle / global_batch_size
 max_steps = 0                   # >0: stop after this many steps (the LR schedule still spans `epochs`)
+max_minutes = 0.0               # >0: wall-time budget: training stops in time for the final evaluation
 seed = 0                        # initial weights, data order, ACT exploration
 # model (the reference's names)
 hidden_size = 512               # D, the width
@@ -76,6 +77,7 @@ puzzle_emb_lr = 1e-4            # sign-SGD learning rate of the puzzle embedding
 puzzle_emb_weight_decay = 1.0   # its weight decay
 ema = True                      # evaluate and keep an EMA of the weights
 ema_rate = 0.999                # EMA decay, reached after a warm-up: min(ema_rate, (1 + step) / (10 + step))
+freeze_weights = False          # True: train only the puzzle embedding (the network as init_from gave it)
 grad_clip = 0.0                 # clip the global gradient norm to this (0: never, as the reference)
 gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of the ACT carry: the same update
 # system
@@ -96,7 +98,7 @@ _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdig
 RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
-             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg,
+             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg,
              hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos, H_cycles=_pos, L_cycles=_pos,
              halt_max_steps=_pos, halt_exploration_prob=(lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
              pos_encodings=_one_of('rope', 'learned', 'none'), puzzle_emb_ndim=_nonneg, puzzle_emb_len=_pos,
@@ -121,6 +123,8 @@ bad += [why for broken, why in (  # keys that must agree with each other: the mo
     (not mlp_t and hidden_size % num_heads,
      f"hidden_size={hidden_size} is not divisible by num_heads={num_heads} (attention: mlp_t=False)"),
     (eval_only and init_from == 'scratch', "eval_only=True needs --init_from=resume or a checkpoint file"),
+    (freeze_weights and not puzzle_emb_ndim, "freeze_weights=True trains only the puzzle embedding, and "
+     "puzzle_emb_ndim=0 has none: nothing would train"),
 ) if broken]
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
@@ -161,7 +165,7 @@ def build(meta, dev, total_steps, data_path):
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
-    model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device)
+    model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
     row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):
@@ -171,7 +175,8 @@ def build(meta, dev, total_steps, data_path):
     sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                     warmup_steps=lr_warmup_steps, total_steps=total_steps, min_ratio=lr_min_ratio,
                     global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None,
-                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps)
+                    grad_clip=grad_clip, gradient_accumulation_steps=gradient_accumulation_steps,
+                    freeze_weights=freeze_weights)
     return model, opt, ema_model, sc, dtype_why
 
 
@@ -209,13 +214,14 @@ def main(index=None):
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
                           subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
             for s in {0, eval_subset}}
+    run.budget.plan(model, ema_model, held[0], held[eval_subset], n_eval_steps, run_steps, global_batch_size)
 
     def run_eval(subset, show_example=False, weights=None, pool_at=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         compiled = compile and dev.kind != 'cpu'
         predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
         watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
-        with run.clock.evaluating():  # a stop request abandons it: (None, None)
+        with run.budget.evaluating(held[subset]):  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc, arc_pool_at=pool_at,
                             should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
@@ -296,7 +302,8 @@ def main(index=None):
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = run.stop_requested(step, start_step)
+        stop_now = run.stop_requested(step, start_step, at_eval)
+        run_steps, at_eval = (step, True) if run.budget.out_of_time else (run_steps, at_eval)  # --max_minutes
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)

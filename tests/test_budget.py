@@ -1,0 +1,82 @@
+"""
+--max_minutes: a run that would overrun its wall-time budget stops training at a step early enough to run its
+final evaluation there (results.json, and for ARC submission.json, as a finished run writes them) and exits 0,
+saying so in one line; a resume with more time trains on from that step; SIGTERM during a budgeted run saves
+and resumes as always. About a minute on one core.
+    python -m pytest -q tests/test_budget.py
+"""
+import json
+import os
+import re
+import signal
+
+from conftest import TOY_ARGS, Lines, assert_user_error, ckpts, popen_train, run, train
+from test_dist import torchrun
+
+TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
+            '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=8',
+            '--eval_batch_size=6', '--lr=2e-3', '--lr_warmup_steps=1', '--forward_dtype=float32',
+            '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--epochs=100000', '--eval_interval=20',
+            '--log_interval=10', '--tensorboard=False']
+ENV = {'OMP_NUM_THREADS': '1'}
+VERDICT = re.compile(r"time budget: stopping at step (\d+) of (\d+) after [\d.]+ min to leave ~([\d.]+) s for the "
+                     r"final evaluation")
+
+
+def test_a_time_budget_ends_the_run_with_its_final_evaluation_and_a_resume_trains_on(tmp_path):
+    data, out = tmp_path / 'arc', tmp_path / 'o'
+    run(['prepare_arc.py', '--synthetic', '--canvas=4', '--num_tasks=4', '--num_eval_tasks=2', '--num_aug=2',
+         f'--output_dir={data}'], env=ENV)
+    p = run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--max_minutes=0.15'] + TINY_ARC, env=ENV)
+    said = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
+    assert len(said) == 1, p.stdout[-3000:]
+    step, planned = int(said[0][1]), int(said[0][2])
+    assert 0 < step < planned
+    res = json.load(open(out / 'results.json'))  # the final evaluation of that step, as a finished run's
+    assert res['step'] == step and res['final_eval']['count'] == 6
+    assert set(json.load(open(out / 'submission.json'))) == set(json.load(open(data / 'test_puzzles.json')))
+    assert ckpts(out)[-1] == f'ckpt_{step:08d}.pt' and 'stopped cleanly' not in p.stdout
+    # more time: the run goes on from that step, and its next results.json is its own
+    p = run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--max_minutes=0.25', '--init_from=resume']
+            + TINY_ARC, env=ENV)
+    later = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
+    assert len(later) == 1 and int(later[0][1]) > step, p.stdout[-3000:]
+    assert json.load(open(out / 'results.json'))['step'] == int(later[0][1])
+
+
+def test_sigterm_during_a_budgeted_run_saves_and_resumes_as_always(toy, tmp_path):
+    out = tmp_path / 'o'
+    proc = popen_train(toy, out, '--epochs=200', '--log_interval=1', '--max_minutes=30')
+    lines = Lines(proc)
+    lines.until('step 30/')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert proc.returncode == 0, text[-3000:]
+    saved = [l for l in text.splitlines() if l.startswith('saved') and '(stop requested)' in l]
+    assert len(saved) == 1 and 'stopped cleanly' in text and 'time budget' not in text, text[-3000:]
+    step = int(re.search(r'ckpt_(\d{8})\.pt', saved[0]).group(1))
+    assert ckpts(out) == [f'ckpt_{step:08d}.pt'] and not os.path.exists(out / 'results.json')
+    p = train(toy, out, '--init_from=resume', '--epochs=200', f'--max_steps={step + 4}', '--max_minutes=30',
+              '--log_interval=1')
+    assert f'step {step + 1}/{step + 4}' in p.stdout and 'time budget' not in p.stdout, p.stdout[-3000:]
+    assert json.load(open(out / 'results.json'))['step'] == step + 4
+
+
+def test_the_ranks_stop_at_the_same_step_when_one_of_them_is_out_of_time(toy, tmp_path):
+    # rank 1's clock jumps a day ahead 10 s after its start: it alone finds the budget spent
+    wrapper = ("import time\nif os.environ['RANK'] == '1':\n    _t0, _real = time.time(), time.time\n"
+               "    time.time = lambda: _real() + (86400 if _real() - _t0 > 10 else 0)\n")
+    p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=500', '--log_interval=50',
+                     '--eval_interval=1000', '--global_batch_size=48', '--max_minutes=600', '--watchdog_minutes=0']
+                 + TOY_ARGS, wrapper=wrapper)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-3000:]
+    said = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
+    assert len(said) == 1, out[-3000:]  # rank 0 says it, for both
+    step = int(said[0][1])
+    assert json.load(open(tmp_path / 'o' / 'results.json'))['step'] == step < int(said[0][2])
+
+
+def test_a_negative_budget_is_a_config_error(toy, tmp_path):
+    p = train(toy, tmp_path / 'o', '--max_minutes=-1', check=False)
+    assert_user_error(p, 'max_minutes=-1', '>= 0')
