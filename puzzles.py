@@ -7,6 +7,8 @@ The trainer, solve.py and the prepare_*.py builders ask the object and never tes
     kind.correct(inputs, preds)    # bool [B]
     kind.parse(text, where)        # tokens [L]; a bad text raises ValueError with one line naming the problem
 
+draw_steps and draw_arc_task draw a puzzle's steps and an ARC task's attempts as pictures (solve.py --png).
+
 A kind's `name` is what dataset.json's puzzle_type and a checkpoint's `data` store. A new kind is one
 subclass of Grid (registered in KINDS under its name), a builder that writes it with
 data.write_split(..., extra=dict(puzzle_type=NAME, grid_size=n)) and a config (README: forking).
@@ -775,3 +777,131 @@ def render_example(meta, inputs, preds, correct):
             sep.join(cell(t) for t in preds[r * n:(r + 1) * n]) for r in range(n)]
     return ('held-out puzzle   ->   model answer (' + ('correct' if correct else 'WRONG') + ')\n'
             + '\n'.join(rows))
+
+
+# -----------------------------------------------------------------------------
+# pictures (solve.py --png): plt is matplotlib.pyplot, imported by the caller
+
+def draw_steps(path, plt, kind, items, title):
+    """One row of small boards per puzzle (wrapped every 6): the puzzle, then each step, changed cells
+    highlighted, titled with the step, the halt probability and correct / not. Sudoku: givens bold on grey,
+    the model's digits blue; red where a digit clashes with another of its row, column or box, or a given
+    was overwritten."""
+    from matplotlib.patches import Rectangle
+    per_row = 6
+    layout = []  # (puzzle item, first panel, panels)
+    for it in items:
+        panels = 1 + it['shown']
+        for start in range(0, panels, per_row):
+            layout.append((it, start, min(per_row, panels - start)))
+    ncols = min(per_row, max(p for _, _, p in layout))
+    fig, axes = plt.subplots(len(layout), ncols, figsize=(2.3 * ncols, 2.55 * len(layout) + 0.4),
+                             squeeze=False)
+    n = kind.n
+    for row, (it, start, count) in enumerate(layout):
+        for col in range(ncols):
+            ax = axes[row, col]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if col >= count:
+                ax.axis('off')
+                continue
+            k = start + col  # 0: the puzzle, k: step k
+            cur = it['inputs'] if k == 0 else it['preds'][k - 1]
+            prev = None if k == 0 else (it['inputs'] if k == 1 else it['preds'][k - 2])
+            grid = np.asarray(cur).reshape(n, n)
+            changed = np.zeros((n, n), bool) if prev is None else grid != np.asarray(prev).reshape(n, n)
+            given = np.asarray(it['inputs']).reshape(n, n)
+            if kind.colors:
+                img = np.array([[kind.colors.get(kind.cell(v), (0.9, 0.3, 0.9)) for v in r] for r in grid])
+                ax.imshow(img, interpolation='nearest', extent=(0, n, n, 0))
+                for r, c in zip(*np.nonzero(changed)):
+                    ax.add_patch(Rectangle((c + 0.08, r + 0.08), 0.84, 0.84, fill=False,
+                                           edgecolor=(1, 0.6, 0),
+                                           linewidth=1.2))
+            else:
+                br, bc = kind.box or (n, n)
+                bad = kind.clashes(grid)
+                ax.set_xlim(0, n)
+                ax.set_ylim(n, 0)
+                ax.set_aspect('equal')
+                for r in range(n):
+                    for c in range(n):
+                        face = (1, 0.85, 0.3) if changed[r, c] else (0.9, 0.9, 0.9) if given[r, c] > 1 \
+                            else (1, 1, 1)
+                        ax.add_patch(Rectangle((c, r), 1, 1, facecolor=face, edgecolor='none'))
+                        ch, is_given = kind.cell(grid[r, c]), given[r, c] > 1
+                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given lost
+                        if ch != '.':
+                            ax.text(c + 0.5, r + 0.54, ch, ha='center', va='center', fontsize=max(6, 60 // n),
+                                    color=(0.85, 0.1, 0.1) if red else 'black' if is_given
+                                    else (0.1, 0.3, 0.8),
+                                    fontweight='bold' if is_given else 'normal')
+                for i in range(n + 1):
+                    ax.axhline(i, color='black', linewidth=1.6 if i % br == 0 else 0.4)
+                    ax.axvline(i, color='black', linewidth=1.6 if i % bc == 0 else 0.4)
+            if k == 0:
+                ax.set_title(f"{it['label']}\n(given)", fontsize=8)
+            else:
+                ok = it['correct'][k - 1]
+                halt = ' (halt)' if k - 1 == it['halt'] else ''
+                ax.set_title(f"step {k}{halt}\nhalt p {it['prob'][k - 1]:.2f} | "
+                             f"{'correct' if ok else 'not correct'}", fontsize=8,
+                             color=(0.05, 0.5, 0.15) if ok else (0.75, 0.1, 0.1))
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def draw_arc_task(path, plt, demos, tests, title):
+    """The task as ARC draws it, under `title`: each demonstration (input, output), then each test input with the two
+    attempts (titled with their votes, right or wrong) and the solution when known, in the ARC palette."""
+    lut = np.array([ARC_PALETTE[str(c)] for c in range(10)])
+    per_row = 4
+    rows_ = [('demo', k, p) for k, p in enumerate(demos)]
+    rows_ = [rows_[i:i + 2] for i in range(0, len(rows_), 2)] + [[('test', i, x)] for i, x in enumerate(tests)]
+    fig, axes = plt.subplots(len(rows_), per_row, figsize=(2.4 * per_row, 2.6 * len(rows_) + 0.3), squeeze=False)
+
+    def panel(ax, grid, title, color='black'):
+        g = np.asarray(grid, np.int64)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if g.ndim != 2 or g.size == 0:
+            ax.text(0.5, 0.5, '(no grid)', ha='center', va='center', fontsize=8)
+        else:
+            h, w = g.shape
+            ax.imshow(lut[g], interpolation='nearest', extent=(0, w, h, 0))
+            for r in range(h + 1):
+                ax.axhline(r, color=(0.33, 0.33, 0.33), linewidth=0.4)
+            for c in range(w + 1):
+                ax.axvline(c, color=(0.33, 0.33, 0.33), linewidth=0.4)
+            ax.set_xlim(0, w)
+            ax.set_ylim(h, 0)
+        ax.set_title(title, fontsize=8, color=color)
+
+    for r, items in enumerate(rows_):
+        col = 0
+        for what, k, it in items:
+            if what == 'demo':
+                panel(axes[r, col], it['input'], f"demonstration {k + 1}: input")
+                panel(axes[r, col + 1], it['output'], f"demonstration {k + 1}: output")
+                col += 2
+                continue
+            panel(axes[r, 0], it['input'], f"test input {k + 1}")
+            for j, (g, v) in enumerate(zip(it['attempts'], it['verdicts'])):
+                color = (0.05, 0.5, 0.15) if 'right' in v else (0.75, 0.1, 0.1) if 'wrong' in v else 'black'
+                votes_ = f"{it['votes'][j]} of {it['views']} votes" if j == 0 or not it['lone'] else \
+                    '= attempt 1 (the only answer)'
+                panel(axes[r, 1 + j], g, f"attempt {j + 1}{v}\n{votes_}", color)
+            col = 1 + len(it['attempts'])
+            if it['solution'] is not None:
+                panel(axes[r, col], it['solution'], 'solution')
+                col += 1
+        for c in range(col, per_row):
+            axes[r, c].axis('off')
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+

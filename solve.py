@@ -46,7 +46,11 @@ puzzle = ''                     # one puzzle: a Sudoku of 81 (4x4: 16, 6x6: 36) 
 file = ''                       # puzzle file: one Sudoku a line; mazes: blank-line-separated blocks or lines
 index = -1                      # solve example N (from 0) of the dataset's test split
 count = 0                       # solve the first K examples of the dataset's test split
-task = ''                       # ARC: solve this task of the dataset's test split in all its stored views, voted
+task = ''                       # ARC: a task of the dataset's test split (its ID), or a JSON file of new tasks
+adapt_minutes = 2.0             # --task=FILE.json: the adaptation's time budget (train.py's max_minutes)
+adapt_aug = 7                   # --task=FILE.json: augmentations of each new task (prepare_arc.py's num_aug)
+adapt_args = ''                 # --task=FILE.json: more train.py flags for the adaptation ('--lr=1e-4 ...')
+adapt_dir = ''                  # --task=FILE.json: its dataset and adapted run ('': out/adapt/<file name>)
 steps = 0                       # max supervision steps (0: model's halt_max_steps); more: test-time scaling
 all_steps = False               # run every step, not stopping at the model's halt (the first q_halt > 0)
 quiet = False                   # only one summary line per puzzle (no boards)
@@ -68,7 +72,8 @@ RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0,
              index=(lambda v: v >= -1, '-1 (none) or an example number >= 0'),
              png_puzzles=(lambda v: v > 0, 'a number > 0'), batch_size=(lambda v: v > 0, 'a number > 0'),
              views=(lambda v: v >= 1, 'a number >= 1 (1: each puzzle as given)'),
-             threads=(lambda v: v >= 0, 'a number >= 0'),
+             threads=(lambda v: v >= 0, 'a number >= 0'), adapt_minutes=(lambda v: v > 0, 'minutes > 0'),
+             adapt_aug=(lambda v: v >= 0, 'a number >= 0'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
              forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'),
              pos_encodings=_one_of('rope', 'learned', 'none'))
@@ -84,7 +89,7 @@ from data import load_arrays, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
-from puzzles import seq_len_for_vocab, views_problem, vote  # noqa: E402
+from puzzles import draw_arc_task, draw_steps, seq_len_for_vocab, views_problem, vote  # noqa: E402
 from checkpoint import CheckpointError, identifier_mismatch, load_checkpoint, weights_in  # noqa: E402
 
 
@@ -372,78 +377,6 @@ def solve_in_views(model, dev, kind, x, ids, first, n_steps, wheres, labels):
     return items
 
 
-def draw_png(path, plt, kind, items, title):
-    """One row of small boards per puzzle (wrapped every 6): the puzzle, then each step, changed cells
-    highlighted, titled with the step, the halt probability and correct / not. Sudoku: givens bold on grey,
-    the model's digits blue; red where a digit clashes with another of its row, column or box, or a given
-    was overwritten."""
-    from matplotlib.patches import Rectangle
-    per_row = 6
-    layout = []  # (puzzle item, first panel, panels)
-    for it in items:
-        panels = 1 + it['shown']
-        for start in range(0, panels, per_row):
-            layout.append((it, start, min(per_row, panels - start)))
-    ncols = min(per_row, max(p for _, _, p in layout))
-    fig, axes = plt.subplots(len(layout), ncols, figsize=(2.3 * ncols, 2.55 * len(layout) + 0.4),
-                             squeeze=False)
-    n = kind.n
-    for row, (it, start, count) in enumerate(layout):
-        for col in range(ncols):
-            ax = axes[row, col]
-            ax.set_xticks([])
-            ax.set_yticks([])
-            if col >= count:
-                ax.axis('off')
-                continue
-            k = start + col  # 0: the puzzle, k: step k
-            cur = it['inputs'] if k == 0 else it['preds'][k - 1]
-            prev = None if k == 0 else (it['inputs'] if k == 1 else it['preds'][k - 2])
-            grid = np.asarray(cur).reshape(n, n)
-            changed = np.zeros((n, n), bool) if prev is None else grid != np.asarray(prev).reshape(n, n)
-            given = np.asarray(it['inputs']).reshape(n, n)
-            if kind.colors:
-                img = np.array([[kind.colors.get(kind.cell(v), (0.9, 0.3, 0.9)) for v in r] for r in grid])
-                ax.imshow(img, interpolation='nearest', extent=(0, n, n, 0))
-                for r, c in zip(*np.nonzero(changed)):
-                    ax.add_patch(Rectangle((c + 0.08, r + 0.08), 0.84, 0.84, fill=False,
-                                           edgecolor=(1, 0.6, 0),
-                                           linewidth=1.2))
-            else:
-                br, bc = kind.box or (n, n)
-                bad = kind.clashes(grid)
-                ax.set_xlim(0, n)
-                ax.set_ylim(n, 0)
-                ax.set_aspect('equal')
-                for r in range(n):
-                    for c in range(n):
-                        face = (1, 0.85, 0.3) if changed[r, c] else (0.9, 0.9, 0.9) if given[r, c] > 1 \
-                            else (1, 1, 1)
-                        ax.add_patch(Rectangle((c, r), 1, 1, facecolor=face, edgecolor='none'))
-                        ch, is_given = kind.cell(grid[r, c]), given[r, c] > 1
-                        red = bad[r, c] or (is_given and grid[r, c] != given[r, c])  # a clash, a given lost
-                        if ch != '.':
-                            ax.text(c + 0.5, r + 0.54, ch, ha='center', va='center', fontsize=max(6, 60 // n),
-                                    color=(0.85, 0.1, 0.1) if red else 'black' if is_given
-                                    else (0.1, 0.3, 0.8),
-                                    fontweight='bold' if is_given else 'normal')
-                for i in range(n + 1):
-                    ax.axhline(i, color='black', linewidth=1.6 if i % br == 0 else 0.4)
-                    ax.axvline(i, color='black', linewidth=1.6 if i % bc == 0 else 0.4)
-            if k == 0:
-                ax.set_title(f"{it['label']}\n(given)", fontsize=8)
-            else:
-                ok = it['correct'][k - 1]
-                halt = ' (halt)' if k - 1 == it['halt'] else ''
-                ax.set_title(f"step {k}{halt}\nhalt p {it['prob'][k - 1]:.2f} | "
-                             f"{'correct' if ok else 'not correct'}", fontsize=8,
-                             color=(0.05, 0.5, 0.15) if ok else (0.75, 0.1, 0.1))
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def report(it, kind):
     """A puzzle's steps (unless quiet) and its summary line."""
     k = it['shown']
@@ -670,14 +603,19 @@ def main():
     dev = Device(resolve_device(device))
     if dev.kind == 'cpu':
         torch.set_num_threads(cpu_threads())
+    if task.endswith('.json'):  # tasks never trained: adapted to first, then solved as the test split's are
+        adapt_to_new_tasks()
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
     per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
     row_bytes = 2 * cfg.total_len * cfg.hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
     if problem := views_problem(kind, views, rows=per, row_bytes=row_bytes):
         fail(f"views={views}: {problem}")
+    for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
+        globals()['task'] = name
+        solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt)
     if task:
-        return solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt)
+        return
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
     print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
@@ -727,10 +665,66 @@ def main():
                                   if views > 1 else '')
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
         try:
-            draw_png(png, plt, kind, drawn, title)
+            draw_steps(png, plt, kind, drawn, title)
         except OSError as e:
             fail(f"png={png}: cannot write it ({short(e)})")
         print(f"wrote {png_file()}")
+
+
+# -----------------------------------------------------------------------------
+# --task=FILE.json: new tasks, adapted to in a time budget by the trainer itself
+
+# train.py's keys an adaptation keeps from the checkpoint's run (besides the model's): how it learned
+RECIPE = ('lr', 'lr_min_ratio', 'lr_warmup_steps', 'beta1', 'beta2', 'weight_decay', 'puzzle_emb_lr',
+          'puzzle_emb_weight_decay', 'ema', 'ema_rate', 'grad_clip', 'global_batch_size', 'seed', 'compile')
+new_tasks = []  # --task=FILE.json's task ids, in the file's order
+
+
+def adapt_to_new_tasks():
+    """--task=FILE.json: one task ({'train': [...], 'test': [...]}, named after the file) or an ARC Prize
+    challenges file ({id: task}; a test pair's 'output', where given, is its solution). prepare_arc.py
+    --challenges builds their dataset, train.py --init_from adapts the checkpoint's network to it within
+    adapt_minutes (the puzzle-embedding table is the new tasks', every row the checkpoint's mean row at
+    first), with the run's own recipe (adapt_args on top); then init_from and data_path become the adapted
+    run's last checkpoint and its dataset, whose test split holds every test input in adapt_aug + 1 views."""
+    import json
+    import subprocess
+    import sys
+    try:
+        with open(task) as f:
+            tasks = json.load(f)
+    except (OSError, ValueError) as e:
+        fail(f"task={task}: cannot read it as JSON ({short(e, 160)})")
+    name = os.path.splitext(os.path.basename(task))[0]
+    if isinstance(tasks, dict) and 'train' in tasks and 'test' in tasks:
+        tasks = {name: tasks}
+    if not isinstance(tasks, dict) or not tasks:
+        fail(f"task={task}: expected one task ({{'train': [...], 'test': [...]}}) or {{task id: task}}")
+    if png and len(tasks) > 1:
+        fail(f"png={png} draws one task; {task} holds {len(tasks)}: drop --png or give one task")
+    new_tasks[:] = [str(t) for t in tasks]
+    _, saved, _, trained_on, _ = read_checkpoint(init_from)
+    seq_len = (trained_on or {}).get('seq_len') or 900  # an ARC-AGI canvas of 30 x 30 unless it says
+    folder = adapt_dir or os.path.join('out', 'adapt', re.sub(r'[^\w.-]+', '_', name))
+    os.makedirs(folder, exist_ok=True)
+    challenges = os.path.join(folder, 'challenges.json')
+    with open(challenges, 'w') as f:
+        json.dump(tasks, f)
+    data, out = os.path.join(folder, 'data'), os.path.join(folder, 'run')
+    steps_ = [['prepare_arc.py', f'--challenges={challenges}', f'--canvas={int(round(seq_len ** 0.5))}',
+               f'--num_aug={adapt_aug}', f'--output_dir={data}']]
+    keep = {k: v for k, v in (saved or {}).items() if k in MODEL_KEYS or k in RECIPE}
+    steps_.append(['train.py', *[f'--{k}={v}' for k, v in keep.items()], f'--init_from={init_from}',
+                   f'--data_path={data}', f'--out_dir={out}', '--overwrite=True', f'--max_minutes={adapt_minutes}',
+                   '--epochs=1000000', '--eval_interval=1000000', '--tensorboard=False', '--xla_cache_dir=']
+                  + ([f'--device={device}'] if device != 'auto' else []) + adapt_args.split())
+    print(f"task={task}: {plural(len(tasks), 'new task')}: its dataset built into {data} (prepare_arc.py "
+          f"--challenges), then the network adapted to it for up to {adapt_minutes:g} min into {out} (train.py)")
+    for cmd in steps_:
+        if subprocess.run([sys.executable, os.path.join(_here, cmd[0]), *cmd[1:]]).returncode:
+            fail(f"task={task}: {cmd[0]} failed (its message is above); nothing to solve")
+    last = sorted(f for f in os.listdir(out) if re.fullmatch(r'ckpt_\d{8}\.pt', f))[-1]
+    globals().update(init_from=os.path.join(out, last), data_path=data)
 
 
 # -----------------------------------------------------------------------------
@@ -779,8 +773,8 @@ def task_rows(names, votes, dp):
     if known or re.fullmatch(r'[0-9a-f]{8}', task):
         where = f" ({known})" if known else ''
         fail(f"task={task}{where} was never trained on {dp}: TRM's puzzle embedding for it was never trained "
-             f"(it is not in identifiers.json), so solving it needs test-time training on its demonstrations "
-             f"first; --task solves the test split's tasks, such as {some}")
+             f"(it is not in identifiers.json); give the task's JSON file instead (--task=TASK.json: adapted "
+             f"to in --adapt_minutes, then solved), or one of the test split's tasks, such as {some}")
     fail(f"task={task}: no such task in {dp}; its test split's tasks are {some}")
 
 
@@ -807,7 +801,7 @@ def shape_of(g):
 
 def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     """--task: the demonstrations, then every test input solved in all its stored views and voted."""
-    from evaluate import ARCVotes, answer_key, key_grid, rank_answers
+    from evaluate import ARCVotes, answer_key, confidence, key_grid, rank_answers
     if kind.name != 'arc':
         fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
     votes = ARCVotes.open(dp, kind)  # test_views.npz and test_puzzles.json: how each row maps back, and votes
@@ -832,7 +826,7 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     for b0 in range(0, len(rows), batch_size):
         preds, qs, _ = reason(model, dev, inputs[b0:b0 + batch_size], ids[b0:b0 + batch_size], n_steps, True)
         answers.append(preds[-1])
-        conf.append(sigmoid(qs[-1]))
+        conf.append(confidence(qs[-1]))  # float64, as train.py's evaluation: no ties from rounding
     answers, conf = np.concatenate(answers), np.concatenate(conf)
     seconds = time.perf_counter() - t0
     votes.start(rows)
@@ -888,63 +882,10 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
           + f" | {len(rows)} views in {seconds:.2f} s on {dev.kind}")
     if plt:
         try:
-            draw_task_png(png, plt, t['train'], drawn)
+            draw_arc_task(png, plt, t['train'], drawn, f"{os.path.basename(init_from)}: ARC task {task}")
         except OSError as e:
             fail(f"png={png}: cannot write it ({short(e)})")
         print(f"wrote {png_file()}")
-
-
-def draw_task_png(path, plt, demos, tests):
-    """The task as ARC draws it: each demonstration (input, output), then each test input with the two
-    attempts (titled with their votes, right or wrong) and the solution when known, in the ARC palette."""
-    from puzzles import ARC_PALETTE
-    lut = np.array([ARC_PALETTE[str(c)] for c in range(10)])
-    per_row = 4
-    rows_ = [('demo', k, p) for k, p in enumerate(demos)]
-    rows_ = [rows_[i:i + 2] for i in range(0, len(rows_), 2)] + [[('test', i, x)] for i, x in enumerate(tests)]
-    fig, axes = plt.subplots(len(rows_), per_row, figsize=(2.4 * per_row, 2.6 * len(rows_) + 0.3), squeeze=False)
-
-    def panel(ax, grid, title, color='black'):
-        g = np.asarray(grid, np.int64)
-        ax.set_xticks([])
-        ax.set_yticks([])
-        if g.ndim != 2 or g.size == 0:
-            ax.text(0.5, 0.5, '(no grid)', ha='center', va='center', fontsize=8)
-        else:
-            h, w = g.shape
-            ax.imshow(lut[g], interpolation='nearest', extent=(0, w, h, 0))
-            for r in range(h + 1):
-                ax.axhline(r, color=(0.33, 0.33, 0.33), linewidth=0.4)
-            for c in range(w + 1):
-                ax.axvline(c, color=(0.33, 0.33, 0.33), linewidth=0.4)
-            ax.set_xlim(0, w)
-            ax.set_ylim(h, 0)
-        ax.set_title(title, fontsize=8, color=color)
-
-    for r, items in enumerate(rows_):
-        col = 0
-        for what, k, it in items:
-            if what == 'demo':
-                panel(axes[r, col], it['input'], f"demonstration {k + 1}: input")
-                panel(axes[r, col + 1], it['output'], f"demonstration {k + 1}: output")
-                col += 2
-                continue
-            panel(axes[r, 0], it['input'], f"test input {k + 1}")
-            for j, (g, v) in enumerate(zip(it['attempts'], it['verdicts'])):
-                color = (0.05, 0.5, 0.15) if 'right' in v else (0.75, 0.1, 0.1) if 'wrong' in v else 'black'
-                votes_ = f"{it['votes'][j]} of {it['views']} votes" if j == 0 or not it['lone'] else \
-                    '= attempt 1 (the only answer)'
-                panel(axes[r, 1 + j], g, f"attempt {j + 1}{v}\n{votes_}", color)
-            col = 1 + len(it['attempts'])
-            if it['solution'] is not None:
-                panel(axes[r, col], it['solution'], 'solution')
-                col += 1
-        for c in range(col, per_row):
-            axes[r, c].axis('off')
-    fig.suptitle(f"{os.path.basename(init_from)}: ARC task {task}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == '__main__':

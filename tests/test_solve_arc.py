@@ -124,7 +124,7 @@ def test_the_refusals_are_one_line(arc_run):
     assert_user_error(p, training, 'training task', 'no stored test views', test_tasks[0])
     refused.append(p)
     p = solve(ckpt, '--task=007bbfb7', check=False)  # an ARC-AGI-1 training task this set never saw
-    assert_user_error(p, '007bbfb7', 'never trained', 'puzzle embedding', 'test-time training')
+    assert_user_error(p, '007bbfb7', 'never trained', 'puzzle embedding', '--task=TASK.json')
     refused.append(p)
     p = solve(ckpt, '--task=no-such-task', check=False)
     assert_user_error(p, 'no-such-task', 'no such task', test_tasks[0])
@@ -135,3 +135,34 @@ def test_the_refusals_are_one_line(arc_run):
     for q in refused:  # the refusal is one line (stdout holds only the config and the checkpoint's line)
         assert len([l for l in q.stderr.splitlines() if l.strip()]) == 1, q.stderr
         assert 'demonstration' not in q.stdout
+
+
+def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_path):
+    """--task=FILE.json: a task never trained (here a user's own, its solution given, and a second file without
+    one) gets its own dataset and an adaptation of the checkpoint's network in a small budget; then its test
+    input is solved in all the new dataset's views and voted, as --task does for the test split's tasks."""
+    data, ckpt = arc_run
+    grid = [[1, 2, 0], [0, 1, 2]]
+    recolour = lambda g: [[{1: 3, 2: 4}.get(v, v) for v in row] for row in g]
+    demos = [dict(input=g, output=recolour(g)) for g in (grid, [[2, 2], [1, 0]], [[0, 1], [1, 1], [2, 0]])]
+    mine = tmp_path / 'mine.json'
+    mine.write_text(json.dumps(dict(train=demos, test=[dict(input=[[2, 1, 1]], output=[[4, 3, 3]])])))
+    p = solve(ckpt, f'--task={mine}', '--adapt_minutes=0.1', '--adapt_aug=3', f'--adapt_dir={tmp_path}/a')
+    out = p.stdout
+    assert 'task=' in out and 'new task' in out and 'puzzle-embedding table replaced' in out, out[-3000:]
+    assert 'time budget' in out, out[-3000:]  # the adaptation ended by its budget, with its evaluation
+    assert 'task mine: 3 demonstrations, 1 test input; 4 stored views' in out, out[-3000:]
+    assert 'the vote: ' in out and 'attempt 1' in out and 'solution' in out
+    assert ('PASS@2' in out) or ('not solved in two attempts' in out)
+    assert os.path.exists(tmp_path / 'a' / 'run' / 'submission.json')
+
+    unsolved = tmp_path / 'hidden.json'  # the ARC Prize's layout, no solution: solved, not scored
+    unsolved.write_text(json.dumps({'t1': dict(train=demos, test=[dict(input=[[2, 1, 1]])])}))
+    p = solve(ckpt, f'--task={unsolved}', '--adapt_minutes=0.1', '--adapt_aug=1', f'--adapt_dir={tmp_path}/b')
+    assert 'task t1: 3 demonstrations, 1 test input; 2 stored views' in p.stdout, p.stdout[-3000:]
+    assert 'solution not known' in p.stdout and 'no solution known' in p.stdout
+
+    bad = tmp_path / 'bad.json'  # a colour outside 0-9: the builder's one line
+    bad.write_text(json.dumps(dict(train=[dict(input=[[12]], output=[[1]])], test=[dict(input=[[1]])])))
+    p = solve(ckpt, f'--task={bad}', f'--adapt_dir={tmp_path}/c', check=False)
+    assert_user_error(p, 'bad', 'not a colour 0-9', 'prepare_arc.py failed')
