@@ -48,6 +48,8 @@ import gcs
 from configurator import parse_flags
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from guard import holder_gone, local_folder, lock_record
+from puzzles import KINDS
+from records import Tee
 from study_plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
                         duration, flop_rate, has_results, load_experiments, order_runs, own_steps, partition,
                         read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
@@ -444,6 +446,7 @@ class Running:
             self.log_failed(ex)
         self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
+        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path)})  # a run's rank 0: not again
         self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env=child_env(env), start_new_session=True,
                                   preexec_fn=lambda: _child_setup(parent, cores))
@@ -486,10 +489,18 @@ class Running:
         return got or ('' if self.bufs else 'eof')
 
     def write_log(self, data):
-        """Appends to the log; a failed write (a full disk) is said once, and the log left as it is."""
+        """Appends to the log; a failed write (a full disk) is said once, and the log left as it is. A log
+        replaced meanwhile (a resumed gs:// run on a new machine fetches its train.log) is appended to anew."""
         if self.log is None:
             return
         try:
+            try:
+                replaced = os.stat(self.log_path).st_ino != os.fstat(self.log.fileno()).st_ino
+            except FileNotFoundError:
+                replaced = True
+            if replaced:
+                self.log.close()
+                self.log = open(self.log_path, 'ab')
             self.log.write(data)
             self.log.flush()
         except OSError as ex:
@@ -699,6 +710,14 @@ def finished(r, status, failed_data):
 
 # -----------------------------------------------------------------------------
 # test-time views and steps: finished runs evaluated again (--eval_only)
+
+def views_of(e, K):
+    """The views run e is evaluated in: K, or 1 where its kind's views are stored in its dataset (ARC: the test
+    split holds every augmentation of a task, and they vote in every evaluation; a fresh view would carry no
+    trained puzzle embedding)."""
+    kind = KINDS.get(e.data.get('kind') or '')
+    return 1 if kind is not None and kind.stored_views else K
+
 def run_evals(exps):
     """--eval_only: every finished run whose results.json the study reuses is evaluated again, once per
     eval_steps S, in K = max(eval_views) views (its first k views are a k-view evaluation, so one run gives
@@ -723,24 +742,26 @@ def run_evals(exps):
             summary.append((e.run, '', 'skipped', f"NOT REUSED: {why}"))
             continue
         have = saved_evals(e, res.get('step'))  # an evaluation of an earlier checkpoint is not this run's
+        views = views_of(e, K)
         for S in dict.fromkeys(s or own_steps(e) for s in STEPS):
-            more = [k for k, s in have if s == S and k >= K]
+            more = [k for k, s in have if s == S and k >= views]
             if more:
                 summary.append((e.run, S, 'done before', have[max(more), S]))
             else:
-                todo.append((e, S))
+                todo.append((e, S, views))
     print(f"study: scale {scale}, test-time evaluation of {len(mine)} run(s) in {K} view(s) (k = "
           f"{', '.join(map(str, VIEWS))}) at steps {', '.join(str(s) if s else 'own' for s in STEPS)}: "
           f"{sum(s == 'done before' for _, _, s, _ in summary)} done before, {len(todo)} to run, in {ROOT}")
-    for e, S in todo:
+    for e, S, views in todo:
         if STOP['requested']:
             summary.append((e.run, S, 'not run (stopped)', ''))
             continue
-        flags = ['--eval_only=True', f'--eval_views={K}', f'--eval_steps={S}']
+        flags = ['--eval_only=True', f'--eval_views={views}', f'--eval_steps={S}']
         display = ' '.join([e.display] + flags)
-        print(f"\nstudy: {e.run} [{e.varied_text()}]: evaluating in {K} view(s) at {S} steps\n  {display}",
-              flush=True)
-        t, path = time.time(), os.path.join(e.local, 'evals', f"views{K}-steps{S}.json")
+        stored = f" ({KINDS[e.data['kind']].stored_views}; not {K})" if views < K else ''
+        print(f"\nstudy: {e.run} [{e.varied_text()}]: evaluating in {views} view(s){stored} at {S} steps\n"
+              f"  {display}", flush=True)
+        t, path = time.time(), os.path.join(e.local, 'evals', f"views{views}-steps{S}.json")
         rc, _, err = run_process(e.cmd + flags, os.path.join(e.local, 'evals.log'), e.env, display)
         err = err[:300]
         if os.path.exists(path):
@@ -763,6 +784,19 @@ def run_evals(exps):
 
 # -----------------------------------------------------------------------------
 
+def write_report(exps):
+    """The report (study_report.make_report); one that cannot be written (a full disk, a file-size limit) is
+    a line, not a traceback: each run's own files hold its results. Whether it was written."""
+    folder = report_dir or LOCAL_ROOT
+    try:
+        make_report(exps, OPTS, folder)
+        return True
+    except OSError as ex:
+        print(f"\nstudy: the report cannot be written in {folder} ({ex.filename or 'a file there'}: "
+              f"{ex.strerror or ex}); each run's results stay in its own folder", flush=True)
+        return False
+
+
 if __name__ == '__main__':
     patterns = [p.strip() for p in pattern.split(',') if p.strip()]
     names, exps = load_experiments(patterns, OPTS)
@@ -773,14 +807,14 @@ if __name__ == '__main__':
     elif dry_run:
         print_dry_run(exps)
     elif report:
-        make_report(exps, OPTS, report_dir or LOCAL_ROOT)
+        sys.exit(0 if write_report(exps) else 1)
     elif eval_only:
         rc = run_evals(exps)
         print()
-        make_report(exps, OPTS, report_dir or LOCAL_ROOT)  # with the test-time table and plot
+        write_report(exps)  # with the test-time table and plot
         sys.exit(rc)
     else:
         rc = run_study(exps)
         print()
-        make_report(exps, OPTS, report_dir or LOCAL_ROOT)  # what is finished so far, compared
+        write_report(exps)  # what is finished so far, compared
         sys.exit(rc)
