@@ -61,12 +61,20 @@ def on_signal(signum, frame):
 
 def say(line):
     """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
-    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log."""
+    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log (also
+    where the parent that copied the output there is gone: Tee.parent_log)."""
+    data, told = (line + '\n').encode(), False
     for f in (sys.stdout, Tee.log):
         try:
-            os.write(f.fileno(), (line + '\n').encode())
+            os.write(f.fileno(), data)
+            told = told or f is sys.stdout
         except (OSError, ValueError, AttributeError):
             pass
+    if not told and Tee.log is None and Tee.parent_log:
+        with contextlib.suppress(OSError):
+            fd = os.open(Tee.parent_log, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, data)
+            os.close(fd)
 
 
 def install_signal_handlers():
