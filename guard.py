@@ -340,36 +340,63 @@ atexit.register(release_locks)
 
 class Watchdog:
     """Watchdog(minutes, record, folder): when `minutes` pass with no progress() (a finished training step,
-    evaluation batch or evaluation supervision step), every thread's stack goes to stderr and train.log,
-    record(values) is called (rank 0: a line of metrics.jsonl), the out_dir's lock is removed and the process
-    exits with HUNG_EXIT, for a rerun. It is armed by the `warmup`-th report (the first steps compile their
-    graphs) and pause(n), at an evaluation's start, disarms it for the next n reports (its first graphs may
-    compile); minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as the
-    last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead, so
-    a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever."""
+    evaluation batch or evaluation supervision step) or host() (an evaluation's work on the host: a batch's
+    views, its scoring), every thread's stack goes to stderr and train.log, record(values) is called (rank 0: a
+    line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT, for a rerun.
+    It is armed by the `warmup`-th report (the first steps compile their graphs); pause(), at an evaluation's
+    start, disarms it until the evaluation's first batch is done (its views, its graphs, all its steps), and
+    that batch is the evaluation's yardstick: for the rest of it, a unit of work up to SLOW_FACTOR x the
+    slowest of that batch's is no hang, whatever `minutes` says (a batch of many views may take a step longer
+    than the limit). minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as
+    the last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead,
+    so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever."""
+    SLOW_FACTOR = 3
 
     def __init__(self, minutes, record=None, warmup=2, folder=None):
         self.limit, self.record, self.waiting, self.folder = 60.0 * minutes, record, warmup, folder
         self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', None, False
+        self.paused, self.slowest = False, 0.0  # in an evaluation's first batch; its slowest unit (s)
         self.done = threading.Event()
         if self.limit > 0:
             threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
 
     def progress(self, what, step=None):
         """`what` finished; a training step gives its `step` (the evaluation it may start is another wait)."""
-        self.last, self.what, self.waiting = time.time(), what, max(0, self.waiting - 1)
-        if step is not None:
-            self.step, self.evaluating = step, False
+        self.report(what)
+        if not self.paused:
+            self.waiting = max(0, self.waiting - 1)
+        if step is not None:  # an evaluation, if any, is over
+            self.step, self.evaluating, self.paused, self.slowest = step, False, False, 0.0
 
-    def pause(self, reports=1):
-        self.waiting, self.evaluating = max(self.waiting, reports), True
+    def host(self, what, batch_done=False):
+        """An evaluation's host work finished: the views of a batch built, or (batch_done) a batch scored,
+        which ends it; the end of the first batch after pause() arms the watchdog."""
+        self.report(what)
+        if batch_done and self.paused:
+            self.paused, self.waiting = False, max(0, self.waiting - 1)
+
+    def report(self, what):
+        now = time.time()
+        if self.paused:
+            self.slowest = max(self.slowest, now - self.last)
+        self.last, self.what = now, what
+
+    def pause(self):
+        """At an evaluation's start: disarmed until its first batch is done (host(..., batch_done=True))."""
+        self.paused, self.evaluating, self.slowest, self.last = True, True, 0.0, time.time()
+        self.waiting = max(self.waiting, 1)
+
+    def allowed(self):
+        """Seconds without a report that make a hang: the limit, or within an evaluation SLOW_FACTOR x the
+        slowest unit of its first batch, when that is longer."""
+        return max(self.limit, self.SLOW_FACTOR * self.slowest) if self.evaluating else self.limit
 
     def stop(self):
         self.done.set()
 
     def watch(self):
         while not self.done.wait(min(30.0, self.limit / 4)):
-            if not self.waiting and time.time() - self.last > self.limit:
+            if not self.waiting and not self.paused and time.time() - self.last > self.allowed():
                 self.fire()
 
     def awaited(self):
@@ -386,7 +413,9 @@ class Watchdog:
                 f"the exit code is {code}, not {HUNG_EXIT}. A slow but healthy piece of work needs a larger "
                 "--watchdog_minutes" if again else "the same command with --init_from=resume continues from the "
                 "last checkpoint")
-        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; "
+        floor = f", and {self.SLOW_FACTOR} x the {self.slowest:.0f} s of this evaluation's slowest first unit" \
+            if self.allowed() > self.limit else ''
+        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}{floor}; "
               f"the last: {self.what}) in pid {os.getpid()}, waiting for {waiting}: a hung host or collective. "
               f"Every thread's stack follows; exiting with code {code}: {then}", file=sys.stderr, flush=True)
         for f in (sys.stderr, Tee.log):

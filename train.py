@@ -203,15 +203,15 @@ def main(index=None):
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
-            for s in {0, eval_subset}}
+                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta),
+                          progress=watchdog.host) for s in {0, eval_subset}}
     arc = ARCVotes.open(run.data_path, puzzle_for(meta))  # ARC: a task's test rows vote over its stored views
 
     def run_eval(subset, show_example=False, weights=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         compiled = compile and dev.kind != 'cpu'
         predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
-        watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
+        watchdog.pause()  # armed once the first batch (its views, compiles and steps) is done: its yardstick
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc,
