@@ -40,23 +40,43 @@ HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; 
 # stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
 # step
 
-STOP = dict(requested=False, signal=None, count=0)
+STOP = dict(requested=False, signal=None, count=0, at=None, acted=False)
+# a stop request that the run has not acted on this long after its signal (the step under way never reaches its
+# stop check) ends the process (Watchdog.bound_stop): a spot VM's notice is about 30 s
+STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
 
 
-def on_signal(signum, frame):
+def on_signal(signum):
     """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
-    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once."""
+    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once
+    (exit code 128 + the signal's number, as the signal's own default would)."""
     name = signal.Signals(signum).name
     STOP['count'] += 1
     if STOP['count'] == 1:
-        STOP.update(requested=True, signal=name)
+        STOP.update(requested=True, signal=name, at=time.time())
         say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
             "signal does not stop the save; a third ends the process at once, without it)")
-    else:
+    elif STOP['count'] == 2:
         say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
             "once, without the checkpoint")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    else:
+        say(f"pid {os.getpid()}: got {name} a third time: ending now, without the checkpoint")
+        release_locks(quick=True)
+        os._exit(128 + signum)
+
+
+def read_signals(fd):
+    """A thread's loop: every SIGTERM and SIGINT, as the interpreter writes it to the wakeup pipe the moment
+    it arrives, to on_signal. So a main thread blocked in one long call (a collective, a kernel: Python runs
+    its own handlers only between calls) still has its stop request said at once, and bounded."""
+    while True:
+        try:
+            got = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        for signum in got:
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                on_signal(signum)
 
 
 def say(line):
@@ -77,10 +97,23 @@ def say(line):
             os.close(fd)
 
 
+def acting(stop):
+    """The ranks' verdict at a stop check, passed on: True (they stop now, and save) ends the stop's bound."""
+    if stop:
+        STOP['acted'] = True
+    return stop
+
+
 def install_signal_handlers():
-    """In a process's main thread (torch_xla.launch runs the training in a worker thread)."""
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    """In a process's main thread (torch_xla.launch runs the training in a worker thread): SIGTERM and SIGINT
+    reach read_signals through the interpreter's wakeup pipe; their Python handlers do nothing (they only keep
+    the signals' default actions, ending the process, away)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    threading.Thread(target=read_signals, args=(r,), daemon=True, name='signals').start()
 
 
 def forward_signals():
@@ -89,11 +122,28 @@ def forward_signals():
     import multiprocessing
 
     def forward(signum, frame):
+        if STOP['at'] is None:
+            STOP.update(requested=True, signal=signal.Signals(signum).name, at=time.time())
         for p in multiprocessing.active_children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signum)
+
+    def backstop():
+        """Workers end by themselves (a save, or their stop's bound); one still there a minute after that
+        is beyond help (stuck in the kernel): killed, and the launcher leaves."""
+        while STOP['at'] is None or time.time() - STOP['at'] < STOP_GRACE_S + 60:
+            time.sleep(0.5)
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        say(f"pid {os.getpid()}: the training processes did not end {STOP_GRACE_S + 60:g} s after "
+            f"{STOP['signal']}: killed; exiting with code {HUNG_EXIT} (the same command with "
+            "--init_from=resume continues from the last checkpoint)")
+        os._exit(HUNG_EXIT)
+    signal.set_wakeup_fd(-1)  # the signals are the workers' to act on: no reading of its own here
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    threading.Thread(target=backstop, daemon=True, name='stop-backstop').start()
     os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
 
 
@@ -359,6 +409,15 @@ class Watchdog:
         self.done = threading.Event()
         if self.limit > 0:
             threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
+        threading.Thread(target=self.bound_stop, daemon=True, name='stop-bound').start()
+        previous = sys.excepthook
+
+        def broken(kind, value, tb):  # a rank's collective broken by a rank that ended at its stop's bound
+            if STOP['requested'] and not STOP['acted'] and not issubclass(kind, SystemExit):
+                self.end_unanswered(f": {self.awaited()} ended in {kind.__name__}: {' '.join(str(value).split())} "
+                                    "(another rank or host ended meanwhile)")
+            previous(kind, value, tb)
+        sys.excepthook = broken
 
     def progress(self, what, step=None):
         """`what` finished; a training step gives its `step` (the evaluation it may start is another wait)."""
@@ -381,6 +440,11 @@ class Watchdog:
             self.slowest = max(self.slowest, now - self.last)
         self.last, self.what = now, what
 
+    def checked(self, what, stop):
+        """progress(what) at a stop check whose verdict (every rank's) is `stop`; returns it (guard.acting)."""
+        self.progress(what)
+        return acting(stop)
+
     def pause(self):
         """At an evaluation's start: disarmed until its first batch is done (host(..., batch_done=True))."""
         self.paused, self.evaluating, self.slowest, self.last = True, True, 0.0, time.time()
@@ -398,6 +462,33 @@ class Watchdog:
         while not self.done.wait(min(30.0, self.limit / 4)):
             if not self.waiting and not self.paused and time.time() - self.last > self.allowed():
                 self.fire()
+
+    def bound_stop(self):
+        """A stop request that the run has not acted on STOP_GRACE_S after its signal (the step or evaluation
+        under way never reaches its stop check: a step thrashing a machine out of memory, a collective waiting
+        for a rank that is gone) ends the process: nothing can be saved in the middle of a step, so a line names
+        the last checkpoint kept, the out_dir's lock is removed, and the exit code is HUNG_EXIT, for a rerun
+        that resumes from it. A stop acted on in time saves and exits as it always did."""
+        while not self.done.wait(0.25):
+            if STOP['requested'] and not STOP['acted'] and time.time() - STOP['at'] >= STOP_GRACE_S:
+                self.end_unanswered(f" in {STOP_GRACE_S:g} s: {self.awaited()} never came to its stop check (the "
+                                    f"last thing finished: {self.what})")
+
+    def end_unanswered(self, why):
+        """The end of a stop request the run could not act on: said, the lock removed, exit HUNG_EXIT."""
+        from checkpoint import list_checkpoints
+        try:
+            kept = (lambda found: found[max(found)] if found else None)(list_checkpoints(self.folder))
+        except Exception:  # an unreadable folder, or none (eval_only)
+            kept = None
+        say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
+            f"reached{why}; ending now, with exit code {HUNG_EXIT}, without a checkpoint; the last checkpoint "
+            f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")
+        release_locks(quick=True)
+        flush = threading.Thread(target=lambda: [f.flush() for f in (sys.stdout, sys.stderr)], daemon=True)
+        flush.start()
+        flush.join(2)  # the main thread may hold a stream's lock for good
+        os._exit(HUNG_EXIT)
 
     def awaited(self):
         """What the run was waiting for, in words."""

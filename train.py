@@ -215,7 +215,7 @@ def main(index=None):
         with run.clock.evaluating():  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc,
-                            should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
+                            should_stop=lambda: watchdog.checked('an evaluation batch', run.stop_agreed()),
                             progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation '
                                                                  'batch'))
 
@@ -293,7 +293,7 @@ def main(index=None):
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = run.stop_requested(step, start_step)
+        stop_now = guard.acting(run.stop_requested(step, start_step))  # unreached: Watchdog.bound_stop
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at)
