@@ -26,6 +26,7 @@ import time
 
 import gcs
 from data import IN_USE, check_split, load_metadata
+from memory import describe, memory_headroom, memory_problem, need, resident_bytes, run_memory, size
 from puzzles import puzzle_for, puzzle_type
 from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
 
@@ -632,7 +633,43 @@ def startup_problems(cfg, dev):
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would "
                         "hold the checkpoints; use --out_dir=gs://BUCKET/...")
+    if len(shapes) == 2 and not problems:
+        problems += memory_problems(cfg, dev, load_metadata(root, 'train'))
     return problems
+
+
+def memory_problems(cfg, dev, meta):
+    """A CPU or CUDA run this machine cannot carry, found before anything is allocated: memory.run_memory of its
+    config, dataset and batch against what this process may still allocate (a CPU: the host's ranks share it)
+    or its GPU's free memory; [message]. Rank 0 says the estimate in a line. check_memory=False, XLA and
+    TorchTPU: not checked."""
+    if not cfg['check_memory'] or dev.kind not in ('cpu', 'cuda'):
+        return []
+    import torch
+    from device import choose_dtype, resolve_loss_dtype
+    from model import MODEL_KEYS, TRMConfig
+    shape = {k: cfg[k] for k in MODEL_KEYS}
+    shape.update(forward_dtype=choose_dtype(cfg['forward_dtype'], dev.kind)[0], seq_len=int(meta['seq_len']),
+                 loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], dev.kind), vocab_size=int(meta['vocab_size']),
+                 num_puzzle_identifiers=int(meta['num_puzzle_identifiers']))
+    shape['total_len'] = TRMConfig(**shape).total_len
+    W, train = dev.world_size, not cfg['eval_only']
+    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // W * cfg['eval_views']
+    parts = run_memory(shape, cfg['global_batch_size'] // W, eval_rows, cfg['eval_steps'] or cfg['halt_max_steps'],
+                       ema=cfg['ema'], train=train, accumulation=cfg['gradient_accumulation_steps'])
+    if dev.kind == 'cuda':
+        give, total = torch.cuda.mem_get_info(dev.device)
+        where, processes = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})", 1
+    else:
+        give, where = memory_headroom()
+        processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
+    if dev.master:
+        print(f"memory: about {size(need(parts))} more than the {size(resident_bytes())} this process holds "
+              f"({describe(parts)})" + (f", {processes} processes" if processes > 1 else '')
+              + (f"; {size(give)} {where}" if give is not None else ''))
+    problem = memory_problem(parts, processes, 'this run' if train else 'this evaluation', where, give,
+                             '--check_memory=False')
+    return [problem] if problem else []
 
 
 def hosts_differ(dev, cfg, data_path):

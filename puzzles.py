@@ -16,9 +16,10 @@ import itertools
 import math
 import os
 import re
-import resource
 
 import numpy as np
+
+from memory import memory_headroom
 
 
 def plural(k, word):
@@ -683,71 +684,6 @@ def seq_len_for_vocab(vocab_size):
     None."""
     n = vocab_size - 2
     return n * n if n in BOXES and vocab_size != len(Maze.chars) + 1 else None
-
-
-def available_memory():
-    """Bytes of memory this machine can still give (Linux: MemAvailable), or None where unknown."""
-    try:
-        with open('/proc/meminfo') as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:'))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
-def _read_int(path, key=None):
-    """An integer file of /proc or a cgroup ('max': None), or with `key` the value of that line; None if absent."""
-    try:
-        with open(path) as f:
-            text = f.read()
-        if key is not None:
-            text = next(l.split()[1] for l in text.splitlines() if l.split()[:1] == [key])
-        return None if text.strip() == 'max' else int(text.split()[0])
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
-def cgroup_headroom():
-    """(bytes, words) the memory limit of this process's cgroup leaves (v2 memory.max, v1
-    memory.limit_in_bytes, less the cgroup's usage without its reclaimable file cache), or None without a
-    limit. TRM_CGROUP_ROOT names another cgroup mount (tests: a fake tree)."""
-    root = os.environ.get('TRM_CGROUP_ROOT', '/sys/fs/cgroup')
-    try:
-        with open('/proc/self/cgroup') as f:
-            lines = [l.rstrip('\n').split(':', 2) for l in f]
-    except OSError:
-        lines = []
-    paths = {c: line[2] for line in lines if len(line) == 3 for c in line[1].split(',')}  # v2's controller: ''
-    v2 = [os.path.join(root, paths.get('', '/').lstrip('/')), root]
-    v1 = [os.path.join(root, 'memory', paths.get('memory', '/').lstrip('/')), os.path.join(root, 'memory')]
-    for folders, limit, usage, cache in ((v2, 'memory.max', 'memory.current', 'inactive_file'),
-                                         (v1, 'memory.limit_in_bytes', 'memory.usage_in_bytes',
-                                          'total_inactive_file')):
-        for folder in folders:
-            cap = _read_int(os.path.join(folder, limit))
-            if cap is None or cap >= 1 << 60:  # 'max', or v1's unlimited (a page-rounded 2**63)
-                continue
-            used = (_read_int(os.path.join(folder, usage)) or 0) - \
-                (_read_int(os.path.join(folder, 'memory.stat'), cache) or 0)
-            return max(0, cap - used), (f"the cgroup's {limit} {cap / 1e9:.1f} GB less the {used / 1e9:.1f} GB "
-                                        "its processes use")
-    return None
-
-
-def memory_headroom():
-    """(bytes this process may still allocate, what bounds it in words): the smallest of the machine's
-    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped) and what
-    its cgroup's memory limit leaves; (None, '') where none is known."""
-    found = []
-    if (free := available_memory()) is not None:
-        found.append((free, 'available on this machine (MemAvailable)'))
-    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if cap != resource.RLIM_INFINITY:
-        mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
-        found.append((max(0, cap - mapped), f"left by this process's address-space limit (RLIMIT_AS "
-                                            f"{cap / 1e9:.1f} GB, {mapped / 1e9:.1f} GB of it mapped)"))
-    if (cgroup := cgroup_headroom()) is not None:
-        found.append((cgroup[0], f"left by {cgroup[1]}"))
-    return min(found) if found else (None, '')
 
 
 def views_problem(kind, K, rows=1, row_bytes=0, memory=None):

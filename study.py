@@ -51,7 +51,7 @@ from guard import holder_gone, local_folder, lock_record
 from puzzles import KINDS
 from records import Tee
 from study_plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
-                        duration, flop_rate, has_results, load_experiments, order_runs, own_steps, partition,
+                        duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps, partition,
                         read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
 from study_report import make_report
 
@@ -82,6 +82,7 @@ host_index = -1                 # this host, 'share' (-1: TPU_WORKER_ID, CLOUD_T
 num_hosts = 0                   # hosts for 'share' (0: TPU_WORKER_HOSTNAMES, the TPU metadata, else 1)
 seeds = 1                       # runs per experiment: seeds 0 .. seeds-1 (seed s > 0 in <out_dir>-s<s>)
 status_every = 60.0             # with slots > 1: seconds between status lines (one line per running run)
+check_memory = True             # a run this host's memory (RAM, or a GPU's) cannot hold is not run (False: run it)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -132,6 +133,8 @@ except ValueError as ex:  # an unclosed quote
     raise SystemExit(f"config error: --extra={extra!r}: {ex} (allowed: --key=value flags, quoted as in a "
                      "shell)")
 EXTRA = parse_flags(extra, TRAIN_DEFAULTS, '--extra')
+if not check_memory:  # train.py's own check, too
+    EXTRA_ARGS, EXTRA = EXTRA_ARGS + ['--check_memory=False'], dict(EXTRA, check_memory=False)
 if [k for k in EXTRA if k in RUNNER_KEYS]:
     raise SystemExit(f"config error: --extra sets {', '.join(k for k in EXTRA if k in RUNNER_KEYS)}, which "
                      f"study.py sets for every run (not allowed in --extra: {', '.join(RUNNER_KEYS)}): the "
@@ -600,6 +603,7 @@ def run_study(exps):
           f"{len(mine) - len(todo)} finished before, {len(todo)} to run, in {ROOT}"
           + (f"; {slots} at once on {kind} "
              f"({', '.join(p['label'] for p in plans)})" if slots > 1 else ''))
+    todo = [e for e in todo if fits(e, kind, ids, status)] if check_memory else todo
     failed_data = build_datasets(todo)
     todo = order_runs(todo, [run_flops(e) for e in todo], slots)
     run_slots(todo, plans, status, failed_data)
@@ -617,6 +621,52 @@ def run_study(exps):
     elif bad:
         print(f"study: {len(bad)} run(s) did not finish: {', '.join(bad)}")
     return 1 if bad or STOP['requested'] else 0
+
+
+def fits(e, kind, ids, status):
+    """Whether this host can hold run e in memory (memory.run_memory of its config, at its batch, on its dataset's
+    sizes, known before the dataset is built), with a process of its own (Python and torch: as much as this one
+    holds now) for each of its nproc ranks: a CPU's headroom shared by the slots, or a GPU's free memory
+    (nvidia-smi). One that does not is said in one line and not run, before its dataset is built; TPU runs and
+    datasets of unknown size are not checked."""
+    d = e.data
+    if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
+        return True
+    from device import choose_dtype, resolve_loss_dtype
+    from memory import memory_headroom, memory_problem, resident_bytes, run_memory
+    from model import MODEL_KEYS, TRMConfig
+    c = e.run_cfg
+    if kind == 'cuda':
+        try:
+            out = subprocess.run(['nvidia-smi', '--query-gpu=index,memory.free,compute_cap', '--format=csv,noheader,'
+                                  'nounits'], capture_output=True, text=True, timeout=30).stdout
+            gpus = {i.strip(): (float(m) * 2 ** 20, tuple(map(int, cap.split('.'))))
+                    for i, m, cap in (l.split(',') for l in out.splitlines() if l.count(',') == 2)}
+            give, cap = min(gpus[g] for g in ids if g in gpus)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return True  # its train.py checks its GPU itself
+        where = 'free on its GPU (nvidia-smi)'
+    else:
+        give, where = memory_headroom()
+        cap = None
+        if slots > 1 and give is not None:
+            give, where = give // slots, f"{where}, a {slots}th of it for each of --slots={slots}"
+    shape = {k: c[k] for k in MODEL_KEYS}
+    shape.update(forward_dtype=choose_dtype(c['forward_dtype'], kind, cuda_capability=cap)[0],
+                 loss_dtype=resolve_loss_dtype(c['loss_dtype'], kind), seq_len=d['seq_len'],
+                 vocab_size=d['vocab_size'], num_puzzle_identifiers=d['num_puzzle_identifiers'])
+    shape['total_len'] = TRMConfig(**shape).total_len
+    eval_rows = (c['eval_batch_size'] or c['global_batch_size']) // nproc * c['eval_views']
+    parts = run_memory(shape, c['global_batch_size'] // nproc, eval_rows, c['eval_steps'] or c['halt_max_steps'],
+                       params=model_cost(c, d)[0], ema=c['ema'], accumulation=c['gradient_accumulation_steps'])
+    parts['process'] = resident_bytes()
+    steps = (cost(e) or {}).get('steps')
+    what = f"its train.py ({steps:,} steps at batch {c['global_batch_size']})" if steps else 'its train.py'
+    problem = memory_problem(parts, nproc if kind == 'cpu' else 1, what, where, give, '--check_memory=False (study.py)')
+    if problem:
+        status[e.run] = ('NOT RUN', problem)
+        print(f"study: {e.run}: not run (its dataset not built either): {problem}", flush=True)
+    return not problem
 
 
 def build_datasets(todo):

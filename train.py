@@ -84,6 +84,7 @@ gcs_retries = 8                 # attempts per GCS request (exponential backoff)
 smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
 smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
+check_memory = True             # refuse, before it starts, a CPU or CUDA run its memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
