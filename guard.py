@@ -26,8 +26,8 @@ import time
 
 import gcs
 from data import IN_USE, check_split, load_metadata
-from memory import describe, memory_headroom, memory_problem, need, resident_bytes, run_memory, size
-from puzzles import puzzle_for, puzzle_type
+from memory import DTYPE_BYTES, describe, memory_headroom, memory_problem, need, resident_bytes, run_memory, size
+from puzzles import puzzle_for, puzzle_type, views_problem
 from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -653,8 +653,11 @@ def memory_problems(cfg, dev, meta):
                  loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], dev.kind), vocab_size=int(meta['vocab_size']),
                  num_puzzle_identifiers=int(meta['num_puzzle_identifiers']))
     shape['total_len'] = TRMConfig(**shape).total_len
-    W, train = dev.world_size, not cfg['eval_only']
-    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // W * cfg['eval_views']
+    W, train, views = dev.world_size, not cfg['eval_only'], cfg['eval_views']
+    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // W * views
+    row_bytes = 2 * shape['total_len'] * shape['hidden_size'] * DTYPE_BYTES[shape['forward_dtype']]
+    if views_problem(puzzle_for(meta), views, eval_rows // views, row_bytes):
+        return []  # train.py refuses those views in their own words, before any allocation
     parts = run_memory(shape, cfg['global_batch_size'] // W, eval_rows, cfg['eval_steps'] or cfg['halt_max_steps'],
                        ema=cfg['ema'], train=train, accumulation=cfg['gradient_accumulation_steps'])
     if dev.kind == 'cuda':
