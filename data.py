@@ -381,9 +381,9 @@ class EvalLoader:
             # 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle
             return dict(in_views(local, self.kind, sym), views_inverse=self.kind.invert(sym))
         except MemoryError as e:
-            from puzzles import memory_headroom
+            from memory import memory_headroom, size
             free, what = memory_headroom()
-            left = f"; {free / 1e9:.1f} GB {what}" if free is not None else ''
+            left = f"; {size(free)} {what}" if free is not None else ''
             raise SystemExit(f"config error: eval_views={K}: building the views of a batch of {self.B} puzzles ran "
                              f"out of memory ({' '.join(str(e).split())}){left}: lower eval_views or "
                              "eval_batch_size") from None
