@@ -641,8 +641,8 @@ def startup_problems(cfg, dev):
 def memory_problems(cfg, dev, meta):
     """A CPU or CUDA run this machine cannot carry, found before anything is allocated: memory.run_memory of its
     config, dataset and batch against what this process may still allocate (a CPU: the host's ranks share it)
-    or its GPU's free memory; [message]. Rank 0 says the estimate in a line. check_memory=False, XLA and
-    TorchTPU: not checked."""
+    or its GPU's free memory; [message]. Rank 0 says the estimate in a line when it is over half of that.
+    check_memory=False, XLA and TorchTPU: not checked."""
     if not cfg['check_memory'] or dev.kind not in ('cpu', 'cuda'):
         return []
     import torch
@@ -666,10 +666,10 @@ def memory_problems(cfg, dev, meta):
     else:
         give, where = memory_headroom()
         processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
-    if dev.master:
+    if dev.master and give is not None and give / 2 < processes * need(parts) <= give:  # a close fit, said
         print(f"memory: about {size(need(parts))} more than the {size(resident_bytes())} this process holds "
               f"({describe(parts)})" + (f", {processes} processes" if processes > 1 else '')
-              + (f"; {size(give)} {where}" if give is not None else ''))
+              + f"; {size(give)} {where}")
     problem = memory_problem(parts, processes, 'this run' if train else 'this evaluation', where, give,
                              '--check_memory=False')
     return [problem] if problem else []
