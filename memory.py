@@ -9,8 +9,8 @@ the machine, out of memory and without swap, stops answering.
                                    memory, the address space RLIMIT_AS leaves and its cgroup's limit
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
 The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
-builds them (docs/reliability.md: how close the estimate came to measured runs). torch and model.py are
-imported only when a run is counted.
+builds them (docs/reliability.md: how close the estimate came to measured runs). Nothing here imports torch;
+model.py (which does) only when a run is counted.
 """
 import math
 import os
@@ -105,11 +105,16 @@ ALLOCATOR_SLACK = 0.3
 
 
 def model_parameters(shape):
-    """The parameters of the TRM of `shape` (TRMConfig's fields), counted on the meta device: no memory."""
-    import torch
-    from model import TRM, TRMConfig
-    with torch.device('meta'):
-        return TRM(TRMConfig(**{k: v for k, v in shape.items() if k in TRMConfig.__dataclass_fields__})).num_params()
+    """The parameter count of the TRM of `shape`, as model.py builds it (no model is built: on the meta device
+    that would import torch._dynamo, seconds at every start): the token embedding, the lm and q heads, learned
+    positions, and per block the sequence SwiGLU (mlp_t) or attention's qkv and o, then the channel SwiGLU.
+    tests/test_limits.py keeps it equal to TRM.num_params()."""
+    from model import swiglu_inter
+    T, D, V, e = shape['total_len'], shape['hidden_size'], shape['vocab_size'], shape['expansion']
+    swiglu = lambda d: 3 * d * swiglu_inter(d, e)  # gate-up (d -> 2 inner) and down (inner -> d)
+    mix = swiglu(T) if shape['mlp_t'] else 4 * D * D
+    return (2 * V * D + 2 * D + 2 + (T * D if shape['pos_encodings'] == 'learned' else 0)
+            + shape['L_layers'] * (mix + swiglu(D)))
 
 
 def block_bytes(shape, s):
