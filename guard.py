@@ -26,7 +26,8 @@ import time
 
 import gcs
 from data import IN_USE, check_split, load_metadata
-from memory import DTYPE_BYTES, describe, memory_headroom, memory_problem, need, resident_bytes, run_memory, size
+from memory import (DTYPE_BYTES, config_memory, config_shape, describe, memory_headroom, memory_problem, need,
+                    resident_bytes, size)
 from puzzles import puzzle_for, puzzle_type, views_problem
 from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
 
@@ -646,26 +647,19 @@ def memory_problems(cfg, dev, meta):
     if not cfg['check_memory'] or dev.kind not in ('cpu', 'cuda'):
         return []
     import torch
-    from device import choose_dtype, resolve_loss_dtype
-    from model import MODEL_KEYS, TRMConfig
-    shape = {k: cfg[k] for k in MODEL_KEYS}
-    shape.update(forward_dtype=choose_dtype(cfg['forward_dtype'], dev.kind)[0], seq_len=int(meta['seq_len']),
-                 loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], dev.kind), vocab_size=int(meta['vocab_size']),
-                 num_puzzle_identifiers=int(meta['num_puzzle_identifiers']))
-    shape['total_len'] = TRMConfig(**shape).total_len
-    W, train, views = dev.world_size, not cfg['eval_only'], cfg['eval_views']
-    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // W * views
-    row_bytes = 2 * shape['total_len'] * shape['hidden_size'] * DTYPE_BYTES[shape['forward_dtype']]
-    if views_problem(puzzle_for(meta), views, eval_rows // views, row_bytes):
+    views, train = cfg['eval_views'], not cfg['eval_only']
+    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // dev.world_size
+    shape = config_shape(cfg, meta, dev.kind)
+    row_bytes = 2 * shape['total_len'] * shape['hidden_size'] * DTYPE_BYTES[shape['forward_dtype']]  # y and z
+    if views_problem(puzzle_for(meta), views, eval_rows, row_bytes):
         return []  # train.py refuses those views in their own words, before any allocation
-    parts = run_memory(shape, cfg['global_batch_size'] // W, eval_rows, cfg['eval_steps'] or cfg['halt_max_steps'],
-                       ema=cfg['ema'], train=train, accumulation=cfg['gradient_accumulation_steps'])
+    processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.kind == 'cpu' else 1  # sharing its memory
+    parts = config_memory(cfg, meta, dev.kind, dev.world_size)
     if dev.kind == 'cuda':
         give, total = torch.cuda.mem_get_info(dev.device)
-        where, processes = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})", 1
+        where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
     else:
         give, where = memory_headroom()
-        processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
     if dev.master and give is not None and give / 2 < processes * need(parts) <= give:  # a close fit, said
         print(f"memory: about {size(need(parts))} more than the {size(resident_bytes())} this process holds "
               f"({describe(parts)})" + (f", {processes} processes" if processes > 1 else '')

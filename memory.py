@@ -4,7 +4,8 @@ and study.py refuse a run that would not fit (check_memory=False starts it anywa
 the machine, out of memory and without swap, stops answering.
     run_memory(shape, rows, ...)   the run's bytes by part: weights, gradients, optimizer moments, the EMA copy,
                                    the puzzle-embedding table, the ACT carry, a training step's activations, an
-                                   evaluation batch; need() adds them up at the peak
+                                   evaluation batch, the allocator's slack; need() adds them up at the peak;
+                                   config_memory(cfg, data, kind) the same from train.py's keys
     memory_headroom()              what this process may still allocate: the smallest of the machine's available
                                    memory, the address space RLIMIT_AS leaves and its cgroup's limit
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
@@ -134,6 +135,29 @@ def block_bytes(shape, s):
         rope = 2 * T * D * s if shape['pos_encodings'] == 'rope' else 0
         mix = T * D * s + 3 * T * D * s + rope + T * D * s + T * D * s + T * shape['num_heads'] * 4
     return norms + mlp + mix
+
+
+def config_shape(cfg, data, kind, cuda_capability=None):
+    """The shape run_memory counts (TRMConfig's fields and total_len) of a train.py run: cfg its config (train.py's
+    keys), data its dataset's seq_len, vocab_size and num_puzzle_identifiers, kind its device kind ('cpu',
+    'cuda'), whose number formats 'auto' resolves to (cuda_capability: a GPU's, when none is initialized here)."""
+    from device import choose_dtype, resolve_loss_dtype
+    from model import MODEL_KEYS, TRMConfig
+    shape = {k: cfg[k] for k in MODEL_KEYS}
+    shape.update(forward_dtype=choose_dtype(cfg['forward_dtype'], kind, cuda_capability=cuda_capability)[0],
+                 loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], kind), seq_len=int(data['seq_len']),
+                 vocab_size=int(data['vocab_size']), num_puzzle_identifiers=int(data['num_puzzle_identifiers']))
+    shape['total_len'] = TRMConfig(**shape).total_len
+    return shape
+
+
+def config_memory(cfg, data, kind, processes=1, cuda_capability=None, params=None):
+    """run_memory of one of `processes` processes (ranks) of a train.py run (config_shape's arguments)."""
+    shape = config_shape(cfg, data, kind, cuda_capability)
+    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // processes * cfg['eval_views']
+    return run_memory(shape, cfg['global_batch_size'] // processes, eval_rows,
+                      cfg['eval_steps'] or cfg['halt_max_steps'], params=params, ema=cfg['ema'],
+                      train=not cfg['eval_only'], accumulation=cfg['gradient_accumulation_steps'])
 
 
 def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=True, accumulation=1):

@@ -51,8 +51,8 @@ from guard import holder_gone, local_folder, lock_record
 from puzzles import KINDS
 from records import Tee
 from study_plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
-                        duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps, partition,
-                        read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
+                        duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps,
+                        partition, read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
 from study_report import make_report
 
 # -----------------------------------------------------------------------------
@@ -632,9 +632,7 @@ def fits(e, kind, ids, status):
     d = e.data
     if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
         return True
-    from device import choose_dtype, resolve_loss_dtype
-    from memory import memory_headroom, memory_problem, resident_bytes, run_memory
-    from model import MODEL_KEYS, TRMConfig
+    from memory import config_memory, memory_headroom, memory_problem, resident_bytes
     c = e.run_cfg
     if kind == 'cuda':
         try:
@@ -651,18 +649,12 @@ def fits(e, kind, ids, status):
         cap = None
         if slots > 1 and give is not None:
             give, where = give // slots, f"{where}, a {slots}th of it for each of --slots={slots}"
-    shape = {k: c[k] for k in MODEL_KEYS}
-    shape.update(forward_dtype=choose_dtype(c['forward_dtype'], kind, cuda_capability=cap)[0],
-                 loss_dtype=resolve_loss_dtype(c['loss_dtype'], kind), seq_len=d['seq_len'],
-                 vocab_size=d['vocab_size'], num_puzzle_identifiers=d['num_puzzle_identifiers'])
-    shape['total_len'] = TRMConfig(**shape).total_len
-    eval_rows = (c['eval_batch_size'] or c['global_batch_size']) // nproc * c['eval_views']
-    parts = run_memory(shape, c['global_batch_size'] // nproc, eval_rows, c['eval_steps'] or c['halt_max_steps'],
-                       params=model_cost(c, d)[0], ema=c['ema'], accumulation=c['gradient_accumulation_steps'])
+    parts = config_memory(c, d, kind, nproc, cuda_capability=cap, params=model_cost(c, d)[0])
     parts['process'] = resident_bytes()
     steps = (cost(e) or {}).get('steps')
     what = f"its train.py ({steps:,} steps at batch {c['global_batch_size']})" if steps else 'its train.py'
-    problem = memory_problem(parts, nproc if kind == 'cpu' else 1, what, where, give, '--check_memory=False (study.py)')
+    problem = memory_problem(parts, nproc if kind == 'cpu' else 1, what, where, give,
+                             '--check_memory=False (study.py)')
     if problem:
         status[e.run] = ('NOT RUN', problem)
         print(f"study: {e.run}: not run (its dataset not built either): {problem}", flush=True)
@@ -767,6 +759,7 @@ def views_of(e, K):
     trained puzzle embedding)."""
     kind = KINDS.get(e.data.get('kind') or '')
     return 1 if kind is not None and kind.stored_views else K
+
 
 def run_evals(exps):
     """--eval_only: every finished run whose results.json the study reuses is evaluated again, once per
