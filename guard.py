@@ -477,20 +477,23 @@ class Watchdog:
                                     f"last thing finished: {self.what})")
 
     def end_unanswered(self, why):
-        """The end of a stop request the run could not act on: said, the lock removed, exit HUNG_EXIT."""
+        """The end of a stop request the run could not act on: said, the lock removed, exit HUNG_EXIT after a
+        SIGTERM (a preemption: a launcher may run it again), 130 after a Ctrl-C (a person stopped it: a loop
+        that reruns on HUNG_EXIT ends)."""
         from checkpoint import list_checkpoints
         try:
             kept = (lambda found: found[max(found)] if found else None)(list_checkpoints(self.folder))
         except Exception:  # an unreadable folder, or none (eval_only)
             kept = None
+        code = HUNG_EXIT if STOP['signal'] == 'SIGTERM' else 128 + signal.SIGINT
         say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
-            f"reached{why}; ending now, with exit code {HUNG_EXIT}, without a checkpoint; the last checkpoint "
+            f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
             f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")
         release_locks(quick=True)
         flush = threading.Thread(target=lambda: [f.flush() for f in (sys.stdout, sys.stderr)], daemon=True)
         flush.start()
         flush.join(2)  # the main thread may hold a stream's lock for good
-        os._exit(HUNG_EXIT)
+        os._exit(code)
 
     def awaited(self):
         """What the run was waiting for, in words."""

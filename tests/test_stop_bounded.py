@@ -66,6 +66,14 @@ def test_a_stop_inside_a_step_that_does_not_end_ends_the_process_naming_the_last
     assert_ended_by_the_bound(text, out / 'ckpt_00000010.pt')
     assert ckpts(out) == ['ckpt_00000010.pt'] and not os.path.exists(out / 'run.lock')
     assert 'was not reached' in open(out / 'train.log').read()
+    # Ctrl-C: a person stopped it, and a loop that reruns on 75 must end: 130
+    proc = popen_train(toy, out, '--max_steps=200', '--checkpoint_interval=10', '--log_interval=1',
+                       '--init_from=resume', env=step_never_ends(tmp_path))
+    lines = Lines(proc)
+    lines.until('test hook: step 12 never ends')
+    proc.send_signal(signal.SIGINT)
+    text = lines.rest(60)
+    assert proc.returncode == 130 and 'with exit code 130' in text, (proc.returncode, text[-3000:])
 
 
 def test_a_stop_that_reaches_its_check_saves_and_exits_as_always_however_long_the_save(toy, tmp_path):
