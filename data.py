@@ -340,7 +340,7 @@ class EvalLoader:
     whole groups: the seeded groups' every example, until the subset's size is reached."""
 
     def __init__(self, root, global_batch_size, rank=0, world_size=1, split='test', subset=0, seed=0, views=1,
-                 kind=None):
+                 kind=None, progress=None):
         if global_batch_size % world_size:
             raise ValueError(f"eval batch size {global_batch_size} is not divisible by "
                              f"world_size={world_size}")
@@ -358,6 +358,9 @@ class EvalLoader:
             idx = np.sort(np.random.default_rng([seed, 7]).choice(n, subset, replace=False))
         self.example_idx = idx
         self.views, self.kind, self.seed = views, kind, seed  # test-time views: puzzles.Grid.views
+        # progress(what, batch_done): told when a batch's views are built, and when the evaluation asks for the
+        # next batch (the last one is done, its scoring included): a watchdog's heartbeat on the host's work
+        self.progress = progress or (lambda what, batch_done=False: None)
         # example -> puzzle, for the puzzle identifiers
         self.example_puzzle = np.searchsorted(np.asarray(self.arrays['puzzle_indices']), idx,
                                               side='right') - 1
@@ -381,15 +384,31 @@ class EvalLoader:
             batch['valid'] = valid
             sl = slice(self.rank * self.local_B, (self.rank + 1) * self.local_B)
             local = {k: v[sl] for k, v in batch.items()}
-            if self.views > 1:  # the global batch's views (the same on every rank), then the rank's rows of each
-                K = self.views
-                pos, token_map = self.kind.views(K, self.B, self.seed, b)
-                rows = (np.arange(K)[:, None] * self.B + np.arange(sl.start, sl.stop)[None]).ravel()
-                sym = pos[rows], token_map[rows]
-                # 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle
-                local = dict(in_views(local, self.kind, sym), views_inverse=self.kind.invert(sym))
+            if self.views > 1:
+                local = self.in_views(local, sl, b)
+                self.progress(f'the views of evaluation batch {b + 1} of {len(self)}')
             local['example_index'] = np.where(valid, ex, -1)  # the global batch's: every rank knows them
             yield local
+            self.progress(f'evaluation batch {b + 1} of {len(self)}', batch_done=True)
+
+    def in_views(self, local, sl, b):
+        """Batch b's views (the global batch's, the same on every rank), then the rank's rows (sl) of each. Out
+        of memory (the estimate before the run said they fit, and the memory went elsewhere): a config error in
+        one line, as the estimate's."""
+        K = self.views
+        try:
+            pos, token_map = self.kind.views(K, self.B, self.seed, b)
+            rows = (np.arange(K)[:, None] * self.B + np.arange(sl.start, sl.stop)[None]).ravel()
+            sym = pos[rows], token_map[rows]
+            # 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle
+            return dict(in_views(local, self.kind, sym), views_inverse=self.kind.invert(sym))
+        except MemoryError as e:
+            from memory import memory_headroom, size
+            free, what = memory_headroom()
+            left = f"; {size(free)} {what}" if free is not None else ''
+            raise SystemExit(f"config error: eval_views={K}: building the views of a batch of {self.B} puzzles ran "
+                             f"out of memory ({' '.join(str(e).split())}){left}: lower eval_views or "
+                             "eval_batch_size") from None
 
 
 def in_views(batch, kind, sym):

@@ -12,6 +12,7 @@ the same point (it syncs, then transfers); rank-0-only code does host work alone
 import contextlib
 import os
 import resource
+import signal
 
 import numpy as np
 import torch
@@ -56,7 +57,9 @@ def under_torchrun():
 def launch_tpu(script_args, tpu=None):
     """The parent of a TorchTPU run: TorchTPU's launch variables, then one process per TPU device of this host,
     each running script_args (a script and its arguments; it builds its Device under torchrun). Returns the
-    exit code. tpu: a TorchTPU (default: the real one; TorchTPU.on_cpu(n): n CPU processes with gloo)."""
+    exit code. tpu: a TorchTPU (default: the real one; TorchTPU.on_cpu(n): n CPU processes with gloo). The
+    signals are the processes' to act on (torchrun's agent passes them on): this one reads none itself."""
+    signal.set_wakeup_fd(-1)
     return torchtpu.launch(tpu or TorchTPU(), script_args)
 
 

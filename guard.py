@@ -26,7 +26,9 @@ import time
 
 import gcs
 from data import IN_USE, check_split, load_metadata
-from puzzles import puzzle_for, puzzle_type
+from memory import (DTYPE_BYTES, config_memory, config_shape, describe, memory_headroom, memory_problem, need,
+                    resident_bytes, size)
+from puzzles import puzzle_for, puzzle_type, views_problem
 from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,39 +42,80 @@ HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; 
 # stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
 # step
 
-STOP = dict(requested=False, signal=None, count=0)
+STOP = dict(requested=False, signal=None, count=0, at=None, acted=False)
+# a stop request that the run has not acted on this long after its signal (the step under way never reaches its
+# stop check) ends the process (Watchdog.bound_stop): a spot VM's notice is about 30 s
+STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
 
 
-def on_signal(signum, frame):
+def on_signal(signum):
     """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
-    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once."""
+    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once
+    (exit code 128 + the signal's number, as the signal's own default would)."""
     name = signal.Signals(signum).name
     STOP['count'] += 1
     if STOP['count'] == 1:
-        STOP.update(requested=True, signal=name)
+        STOP.update(requested=True, signal=name, at=time.time())
         say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
             "signal does not stop the save; a third ends the process at once, without it)")
-    else:
+    elif STOP['count'] == 2:
         say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
             "once, without the checkpoint")
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+    else:
+        say(f"pid {os.getpid()}: got {name} a third time: ending now, without the checkpoint")
+        release_locks(quick=True)
+        os._exit(128 + signum)
+
+
+def read_signals(fd):
+    """A thread's loop: every SIGTERM and SIGINT, as the interpreter writes it to the wakeup pipe the moment
+    it arrives, to on_signal. So a main thread blocked in one long call (a collective, a kernel: Python runs
+    its own handlers only between calls) still has its stop request said at once, and bounded."""
+    while True:
+        try:
+            got = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        for signum in got:
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                on_signal(signum)
 
 
 def say(line):
     """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
-    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log."""
+    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log (also
+    where the parent that copied the output there is gone: Tee.parent_log)."""
+    data, told = (line + '\n').encode(), False
     for f in (sys.stdout, Tee.log):
         try:
-            os.write(f.fileno(), (line + '\n').encode())
+            os.write(f.fileno(), data)
+            told = told or f is sys.stdout
         except (OSError, ValueError, AttributeError):
             pass
+    if not told and Tee.log is None and Tee.parent_log:
+        with contextlib.suppress(OSError):
+            fd = os.open(Tee.parent_log, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, data)
+            os.close(fd)
+
+
+def acting(stop):
+    """The ranks' verdict at a stop check, passed on: True (they stop now, and save) ends the stop's bound."""
+    if stop:
+        STOP['acted'] = True
+    return stop
 
 
 def install_signal_handlers():
-    """In a process's main thread (torch_xla.launch runs the training in a worker thread)."""
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    """In a process's main thread (torch_xla.launch runs the training in a worker thread): SIGTERM and SIGINT
+    reach read_signals through the interpreter's wakeup pipe; their Python handlers do nothing (they only keep
+    the signals' default actions, ending the process, away)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    threading.Thread(target=read_signals, args=(r,), daemon=True, name='signals').start()
 
 
 def forward_signals():
@@ -81,11 +124,28 @@ def forward_signals():
     import multiprocessing
 
     def forward(signum, frame):
+        if STOP['at'] is None:
+            STOP.update(requested=True, signal=signal.Signals(signum).name, at=time.time())
         for p in multiprocessing.active_children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signum)
+
+    def backstop():
+        """Workers end by themselves (a save, or their stop's bound); one still there a minute after that
+        is beyond help (stuck in the kernel): killed, and the launcher leaves."""
+        while STOP['at'] is None or time.time() - STOP['at'] < STOP_GRACE_S + 60:
+            time.sleep(0.5)
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        say(f"pid {os.getpid()}: the training processes did not end {STOP_GRACE_S + 60:g} s after "
+            f"{STOP['signal']}: killed; exiting with code {HUNG_EXIT} (the same command with "
+            "--init_from=resume continues from the last checkpoint)")
+        os._exit(HUNG_EXIT)
+    signal.set_wakeup_fd(-1)  # the signals are the workers' to act on: no reading of its own here
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    threading.Thread(target=backstop, daemon=True, name='stop-backstop').start()
     os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
 
 
@@ -332,37 +392,108 @@ atexit.register(release_locks)
 
 class Watchdog:
     """Watchdog(minutes, record, folder): when `minutes` pass with no progress() (a finished training step,
-    evaluation batch or evaluation supervision step), every thread's stack goes to stderr and train.log,
-    record(values) is called (rank 0: a line of metrics.jsonl), the out_dir's lock is removed and the process
-    exits with HUNG_EXIT, for a rerun. It is armed by the `warmup`-th report (the first steps compile their
-    graphs) and pause(n), at an evaluation's start, disarms it for the next n reports (its first graphs may
-    compile); minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as the
-    last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead, so
-    a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever."""
+    evaluation batch or evaluation supervision step) or host() (an evaluation's work on the host: a batch's
+    views, its scoring), every thread's stack goes to stderr and train.log, record(values) is called (rank 0: a
+    line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT, for a rerun.
+    It is armed by the `warmup`-th report (the first steps compile their graphs); pause(), at an evaluation's
+    start, disarms it until the evaluation's first batch is done (its views, its graphs, all its steps), and
+    that batch is the evaluation's yardstick: for the rest of it, a unit of work up to SLOW_FACTOR x the
+    slowest of that batch's is no hang, whatever `minutes` says (a batch of many views may take a step longer
+    than the limit). minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as
+    the last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead,
+    so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever."""
+    SLOW_FACTOR = 3
 
     def __init__(self, minutes, record=None, warmup=2, folder=None):
         self.limit, self.record, self.waiting, self.folder = 60.0 * minutes, record, warmup, folder
         self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', None, False
+        self.paused, self.slowest = False, 0.0  # in an evaluation's first batch; its slowest unit (s)
         self.done = threading.Event()
         if self.limit > 0:
             threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
+        threading.Thread(target=self.bound_stop, daemon=True, name='stop-bound').start()
+        previous = sys.excepthook
+
+        def broken(kind, value, tb):  # a rank's collective broken by a rank that ended at its stop's bound
+            if STOP['requested'] and not STOP['acted'] and not issubclass(kind, SystemExit):
+                self.end_unanswered(f": {self.awaited()} ended in {kind.__name__}: {' '.join(str(value).split())} "
+                                    "(another rank or host ended meanwhile)")
+            previous(kind, value, tb)
+        sys.excepthook = broken
 
     def progress(self, what, step=None):
         """`what` finished; a training step gives its `step` (the evaluation it may start is another wait)."""
-        self.last, self.what, self.waiting = time.time(), what, max(0, self.waiting - 1)
-        if step is not None:
-            self.step, self.evaluating = step, False
+        self.report(what)
+        if not self.paused:
+            self.waiting = max(0, self.waiting - 1)
+        if step is not None:  # an evaluation, if any, is over
+            self.step, self.evaluating, self.paused, self.slowest = step, False, False, 0.0
 
-    def pause(self, reports=1):
-        self.waiting, self.evaluating = max(self.waiting, reports), True
+    def host(self, what, batch_done=False):
+        """An evaluation's host work finished: the views of a batch built, or (batch_done) a batch scored,
+        which ends it; the end of the first batch after pause() arms the watchdog."""
+        self.report(what)
+        if batch_done and self.paused:
+            self.paused, self.waiting = False, max(0, self.waiting - 1)
+
+    def report(self, what):
+        now = time.time()
+        if self.paused:
+            self.slowest = max(self.slowest, now - self.last)
+        self.last, self.what = now, what
+
+    def checked(self, what, stop):
+        """progress(what) at a stop check whose verdict (every rank's) is `stop`; returns it (guard.acting)."""
+        self.progress(what)
+        return acting(stop)
+
+    def pause(self):
+        """At an evaluation's start: disarmed until its first batch is done (host(..., batch_done=True))."""
+        self.paused, self.evaluating, self.slowest, self.last = True, True, 0.0, time.time()
+        self.waiting = max(self.waiting, 1)
+
+    def allowed(self):
+        """Seconds without a report that make a hang: the limit, or within an evaluation SLOW_FACTOR x the
+        slowest unit of its first batch, when that is longer."""
+        return max(self.limit, self.SLOW_FACTOR * self.slowest) if self.evaluating else self.limit
 
     def stop(self):
         self.done.set()
 
     def watch(self):
         while not self.done.wait(min(30.0, self.limit / 4)):
-            if not self.waiting and time.time() - self.last > self.limit:
+            if not self.waiting and not self.paused and time.time() - self.last > self.allowed():
                 self.fire()
+
+    def bound_stop(self):
+        """A stop request that the run has not acted on STOP_GRACE_S after its signal (the step or evaluation
+        under way never reaches its stop check: a step thrashing a machine out of memory, a collective waiting
+        for a rank that is gone) ends the process: nothing can be saved in the middle of a step, so a line names
+        the last checkpoint kept, the out_dir's lock is removed, and the exit code is HUNG_EXIT, for a rerun
+        that resumes from it. A stop acted on in time saves and exits as it always did."""
+        while not self.done.wait(0.25):
+            if STOP['requested'] and not STOP['acted'] and time.time() - STOP['at'] >= STOP_GRACE_S:
+                self.end_unanswered(f" in {STOP_GRACE_S:g} s: {self.awaited()} never came to its stop check (the "
+                                    f"last thing finished: {self.what})")
+
+    def end_unanswered(self, why):
+        """The end of a stop request the run could not act on: said, the lock removed, exit HUNG_EXIT after a
+        SIGTERM (a preemption: a launcher may run it again), 130 after a Ctrl-C (a person stopped it: a loop
+        that reruns on HUNG_EXIT ends)."""
+        from checkpoint import list_checkpoints
+        try:
+            kept = (lambda found: found[max(found)] if found else None)(list_checkpoints(self.folder))
+        except Exception:  # an unreadable folder, or none (eval_only)
+            kept = None
+        code = HUNG_EXIT if STOP['signal'] == 'SIGTERM' else 128 + signal.SIGINT
+        say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
+            f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
+            f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")
+        release_locks(quick=True)
+        flush = threading.Thread(target=lambda: [f.flush() for f in (sys.stdout, sys.stderr)], daemon=True)
+        flush.start()
+        flush.join(2)  # the main thread may hold a stream's lock for good
+        os._exit(code)
 
     def awaited(self):
         """What the run was waiting for, in words."""
@@ -378,7 +509,9 @@ class Watchdog:
                 f"the exit code is {code}, not {HUNG_EXIT}. A slow but healthy piece of work needs a larger "
                 "--watchdog_minutes" if again else "the same command with --init_from=resume continues from the "
                 "last checkpoint")
-        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}; "
+        floor = f", and {self.SLOW_FACTOR} x the {self.slowest:.0f} s of this evaluation's slowest first unit" \
+            if self.allowed() > self.limit else ''
+        print(f"watchdog: nothing finished for {idle / 60:.1f} min (watchdog_minutes={self.limit / 60:g}{floor}; "
               f"the last: {self.what}) in pid {os.getpid()}, waiting for {waiting}: a hung host or collective. "
               f"Every thread's stack follows; exiting with code {code}: {then}", file=sys.stderr, flush=True)
         for f in (sys.stderr, Tee.log):
@@ -504,7 +637,39 @@ def startup_problems(cfg, dev):
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would "
                         "hold the checkpoints; use --out_dir=gs://BUCKET/...")
+    if len(shapes) == 2 and not problems:
+        problems += memory_problems(cfg, dev, load_metadata(root, 'train'))
     return problems
+
+
+def memory_problems(cfg, dev, meta):
+    """A CPU or CUDA run this machine cannot carry, found before anything is allocated: memory.run_memory of its
+    config, dataset and batch against what this process may still allocate (a CPU: the host's ranks share it)
+    or its GPU's free memory; [message]. Rank 0 says the estimate in a line when it is over half of that.
+    check_memory=False, XLA and TorchTPU: not checked."""
+    if not cfg['check_memory'] or dev.kind not in ('cpu', 'cuda'):
+        return []
+    import torch
+    views, train = cfg['eval_views'], not cfg['eval_only']
+    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // dev.world_size
+    shape = config_shape(cfg, meta, dev.kind)
+    row_bytes = 2 * shape['total_len'] * shape['hidden_size'] * DTYPE_BYTES[shape['forward_dtype']]  # y and z
+    if views_problem(puzzle_for(meta), views, eval_rows, row_bytes):
+        return []  # train.py refuses those views in their own words, before any allocation
+    processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.kind == 'cpu' else 1  # sharing its memory
+    parts = config_memory(cfg, meta, dev.kind, dev.world_size)
+    if dev.kind == 'cuda':
+        give, total = torch.cuda.mem_get_info(dev.device)
+        where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
+    else:
+        give, where = memory_headroom()
+    if dev.master and give is not None and give / 2 < processes * need(parts) <= give:  # a close fit, said
+        print(f"memory: about {size(need(parts))} more than the {size(resident_bytes())} this process holds "
+              f"({describe(parts)})" + (f", {processes} processes" if processes > 1 else '')
+              + f"; {size(give)} {where}")
+    problem = memory_problem(parts, processes, 'this run' if train else 'this evaluation', where, give,
+                             '--check_memory=False')
+    return [problem] if problem else []
 
 
 def hosts_differ(dev, cfg, data_path):

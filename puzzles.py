@@ -21,6 +21,8 @@ import re
 
 import numpy as np
 
+from memory import memory_headroom
+
 
 def plural(k, word):
     return f"{k} {word}{'s' * (k != 1)}"
@@ -686,15 +688,6 @@ def seq_len_for_vocab(vocab_size):
     return n * n if n in BOXES and vocab_size != len(Maze.chars) + 1 else None
 
 
-def available_memory():
-    """Bytes of memory this machine can still give (Linux: MemAvailable), or None where unknown."""
-    try:
-        with open('/proc/meminfo') as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:'))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
 def views_problem(kind, K, rows=1, row_bytes=0, memory=None):
     """Why a puzzle of this kind (None: unknown) cannot be shown in K views, or None when it can. A batch of
     `rows` puzzles in K views is K x rows rows at once: each holds its tokens and labels (with their int64
@@ -711,10 +704,10 @@ def views_problem(kind, K, rows=1, row_bytes=0, memory=None):
     if not kind.symmetric:
         return f"{article(kind.title)} has no symmetries to show it in other views, so views must be 1"
     per_view = rows * (kind.L * (8 + 8 + 8 + 4 + 4 + 4 + 4) + 2 * kind.vocab_size + row_bytes)
-    memory = available_memory() if memory is None else memory
+    memory, what = memory_headroom() if memory is None else (memory, 'available')
     if memory is not None and K * per_view > memory:
         return (f"{K} views of a batch of {plural(rows, 'puzzle')} need {K * per_view / 1e9:,.1f} GB of memory "
-                f"at least ({per_view / 1e6:.3g} MB a view), more than the {memory / 1e9:.1f} GB available: at most "
+                f"at least ({per_view / 1e6:.3g} MB a view), more than the {memory / 1e9:.1f} GB {what}: at most "
                 f"{max(1, memory // per_view):,} views at this batch size")
     return None
 

@@ -28,6 +28,10 @@ import gcs
 
 class Tee:
     log = None  # train.log, shared by stdout and stderr
+    # train.log when the parent process appends this process's output to it already (study.py names that file
+    # in OUTPUT_LOG_VAR): written from here only once the parent's reading end is gone, so each line is there once
+    parent_log = None
+    OUTPUT_LOG_VAR = 'TRM_OUTPUT_LOG'
 
     def __init__(self, stream):
         self.stream, self.closed_seen = stream, False
@@ -39,7 +43,16 @@ class Tee:
 
     @classmethod
     def log_to(cls, path):
-        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it)."""
+        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it), unless the
+        parent appends the output there itself."""
+        parent = os.environ.get(cls.OUTPUT_LOG_VAR)
+        if parent and os.path.realpath(parent) == os.path.realpath(path):
+            cls.parent_log = path
+        else:
+            cls.open_log(path)
+
+    @classmethod
+    def open_log(cls, path):
         try:
             cls.log = open(path, 'a')
             cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
@@ -48,17 +61,17 @@ class Tee:
             print(f"warning: cannot write {path} ({e}); the output is not logged there")
 
     def write(self, text):
+        if not self.closed_seen:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self.lost()
         if Tee.log is not None:
             try:
                 Tee.log.write(text)
                 Tee.log.flush()
             except (OSError, ValueError):  # a full disk: the terminal still has it
                 pass
-        if not self.closed_seen:
-            try:
-                self.stream.write(text)
-            except (OSError, ValueError):
-                self.lost()
         return len(text)
 
     def flush(self):
@@ -76,6 +89,8 @@ class Tee:
             os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
         except (OSError, ValueError):
             pass
+        if Tee.parent_log and Tee.log is None:  # the parent no longer copies the output to train.log
+            Tee.open_log(Tee.parent_log)
 
     def __getattr__(self, name):
         return getattr(self.stream, name)

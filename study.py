@@ -48,9 +48,11 @@ import gcs
 from configurator import parse_flags
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from guard import holder_gone, local_folder, lock_record
+from puzzles import KINDS
+from records import Tee
 from study_plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
-                        duration, flop_rate, has_results, load_experiments, order_runs, own_steps, partition,
-                        read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
+                        duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps,
+                        partition, read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
 from study_report import make_report
 
 # -----------------------------------------------------------------------------
@@ -80,6 +82,7 @@ host_index = -1                 # this host, 'share' (-1: TPU_WORKER_ID, CLOUD_T
 num_hosts = 0                   # hosts for 'share' (0: TPU_WORKER_HOSTNAMES, the TPU metadata, else 1)
 seeds = 1                       # runs per experiment: seeds 0 .. seeds-1 (seed s > 0 in <out_dir>-s<s>)
 status_every = 60.0             # with slots > 1: seconds between status lines (one line per running run)
+check_memory = True             # a run this host's memory (RAM, or a GPU's) cannot hold is not run (False: run it)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -130,6 +133,8 @@ except ValueError as ex:  # an unclosed quote
     raise SystemExit(f"config error: --extra={extra!r}: {ex} (allowed: --key=value flags, quoted as in a "
                      "shell)")
 EXTRA = parse_flags(extra, TRAIN_DEFAULTS, '--extra')
+if not check_memory:  # train.py's own check, too
+    EXTRA_ARGS, EXTRA = EXTRA_ARGS + ['--check_memory=False'], dict(EXTRA, check_memory=False)
 if [k for k in EXTRA if k in RUNNER_KEYS]:
     raise SystemExit(f"config error: --extra sets {', '.join(k for k in EXTRA if k in RUNNER_KEYS)}, which "
                      f"study.py sets for every run (not allowed in --extra: {', '.join(RUNNER_KEYS)}): the "
@@ -444,6 +449,7 @@ class Running:
             self.log_failed(ex)
         self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
+        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path)})  # a run's rank 0: not again
         self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env=child_env(env), start_new_session=True,
                                   preexec_fn=lambda: _child_setup(parent, cores))
@@ -486,10 +492,18 @@ class Running:
         return got or ('' if self.bufs else 'eof')
 
     def write_log(self, data):
-        """Appends to the log; a failed write (a full disk) is said once, and the log left as it is."""
+        """Appends to the log; a failed write (a full disk) is said once, and the log left as it is. A log
+        replaced meanwhile (a resumed gs:// run on a new machine fetches its train.log) is appended to anew."""
         if self.log is None:
             return
         try:
+            try:
+                replaced = os.stat(self.log_path).st_ino != os.fstat(self.log.fileno()).st_ino
+            except FileNotFoundError:
+                replaced = True
+            if replaced:
+                self.log.close()
+                self.log = open(self.log_path, 'ab')
             self.log.write(data)
             self.log.flush()
         except OSError as ex:
@@ -589,6 +603,7 @@ def run_study(exps):
           f"{len(mine) - len(todo)} finished before, {len(todo)} to run, in {ROOT}"
           + (f"; {slots} at once on {kind} "
              f"({', '.join(p['label'] for p in plans)})" if slots > 1 else ''))
+    todo = [e for e in todo if fits(e, kind, ids, status)] if check_memory else todo
     failed_data = build_datasets(todo)
     todo = order_runs(todo, [run_flops(e) for e in todo], slots)
     run_slots(todo, plans, status, failed_data)
@@ -606,6 +621,44 @@ def run_study(exps):
     elif bad:
         print(f"study: {len(bad)} run(s) did not finish: {', '.join(bad)}")
     return 1 if bad or STOP['requested'] else 0
+
+
+def fits(e, kind, ids, status):
+    """Whether this host can hold run e in memory (memory.run_memory of its config, at its batch, on its dataset's
+    sizes, known before the dataset is built), with a process of its own (Python and torch: as much as this one
+    holds now) for each of its nproc ranks: a CPU's headroom shared by the slots, or a GPU's free memory
+    (nvidia-smi). One that does not is said in one line and not run, before its dataset is built; TPU runs and
+    datasets of unknown size are not checked."""
+    d = e.data
+    if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
+        return True
+    from memory import config_memory, memory_headroom, memory_problem, resident_bytes
+    c = e.run_cfg
+    if kind == 'cuda':
+        try:
+            out = subprocess.run(['nvidia-smi', '--query-gpu=index,memory.free,compute_cap', '--format=csv,noheader,'
+                                  'nounits'], capture_output=True, text=True, timeout=30).stdout
+            gpus = {i.strip(): (float(m) * 2 ** 20, tuple(map(int, cap.split('.'))))
+                    for i, m, cap in (l.split(',') for l in out.splitlines() if l.count(',') == 2)}
+            give, cap = min(gpus[g] for g in ids if g in gpus)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            return True  # its train.py checks its GPU itself
+        where = 'free on its GPU (nvidia-smi)'
+    else:
+        give, where = memory_headroom()
+        cap = None
+        if slots > 1 and give is not None:
+            give, where = give // slots, f"{where}, a {slots}th of it for each of --slots={slots}"
+    parts = config_memory(c, d, kind, nproc, cuda_capability=cap, params=model_cost(c, d)[0])
+    parts['process'] = resident_bytes()
+    steps = (cost(e) or {}).get('steps')
+    what = f"its train.py ({steps:,} steps at batch {c['global_batch_size']})" if steps else 'its train.py'
+    problem = memory_problem(parts, nproc if kind == 'cpu' else 1, what, where, give,
+                             '--check_memory=False (study.py)')
+    if problem:
+        status[e.run] = ('NOT RUN', problem)
+        print(f"study: {e.run}: not run (its dataset not built either): {problem}", flush=True)
+    return not problem
 
 
 def build_datasets(todo):
@@ -699,6 +752,15 @@ def finished(r, status, failed_data):
 
 # -----------------------------------------------------------------------------
 # test-time views and steps: finished runs evaluated again (--eval_only)
+
+def views_of(e, K):
+    """The views run e is evaluated in: K, or 1 where its kind's views are stored in its dataset (ARC: the test
+    split holds every augmentation of a task, and they vote in every evaluation; a fresh view would carry no
+    trained puzzle embedding)."""
+    kind = KINDS.get(e.data.get('kind') or '')
+    return 1 if kind is not None and kind.stored_views else K
+
+
 def run_evals(exps):
     """--eval_only: every finished run whose results.json the study reuses is evaluated again, once per
     eval_steps S, in K = max(eval_views) views (its first k views are a k-view evaluation, so one run gives
@@ -723,24 +785,26 @@ def run_evals(exps):
             summary.append((e.run, '', 'skipped', f"NOT REUSED: {why}"))
             continue
         have = saved_evals(e, res.get('step'))  # an evaluation of an earlier checkpoint is not this run's
+        views = views_of(e, K)
         for S in dict.fromkeys(s or own_steps(e) for s in STEPS):
-            more = [k for k, s in have if s == S and k >= K]
+            more = [k for k, s in have if s == S and k >= views]
             if more:
                 summary.append((e.run, S, 'done before', have[max(more), S]))
             else:
-                todo.append((e, S))
+                todo.append((e, S, views))
     print(f"study: scale {scale}, test-time evaluation of {len(mine)} run(s) in {K} view(s) (k = "
           f"{', '.join(map(str, VIEWS))}) at steps {', '.join(str(s) if s else 'own' for s in STEPS)}: "
           f"{sum(s == 'done before' for _, _, s, _ in summary)} done before, {len(todo)} to run, in {ROOT}")
-    for e, S in todo:
+    for e, S, views in todo:
         if STOP['requested']:
             summary.append((e.run, S, 'not run (stopped)', ''))
             continue
-        flags = ['--eval_only=True', f'--eval_views={K}', f'--eval_steps={S}']
+        flags = ['--eval_only=True', f'--eval_views={views}', f'--eval_steps={S}']
         display = ' '.join([e.display] + flags)
-        print(f"\nstudy: {e.run} [{e.varied_text()}]: evaluating in {K} view(s) at {S} steps\n  {display}",
-              flush=True)
-        t, path = time.time(), os.path.join(e.local, 'evals', f"views{K}-steps{S}.json")
+        stored = f" ({KINDS[e.data['kind']].stored_views}; not {K})" if views < K else ''
+        print(f"\nstudy: {e.run} [{e.varied_text()}]: evaluating in {views} view(s){stored} at {S} steps\n"
+              f"  {display}", flush=True)
+        t, path = time.time(), os.path.join(e.local, 'evals', f"views{views}-steps{S}.json")
         rc, _, err = run_process(e.cmd + flags, os.path.join(e.local, 'evals.log'), e.env, display)
         err = err[:300]
         if os.path.exists(path):
@@ -763,6 +827,19 @@ def run_evals(exps):
 
 # -----------------------------------------------------------------------------
 
+def write_report(exps):
+    """The report (study_report.make_report); one that cannot be written (a full disk, a file-size limit) is
+    a line, not a traceback: each run's own files hold its results. Whether it was written."""
+    folder = report_dir or LOCAL_ROOT
+    try:
+        make_report(exps, OPTS, folder)
+        return True
+    except OSError as ex:
+        print(f"\nstudy: the report cannot be written in {folder} ({ex.filename or 'a file there'}: "
+              f"{ex.strerror or ex}); each run's results stay in its own folder", flush=True)
+        return False
+
+
 if __name__ == '__main__':
     patterns = [p.strip() for p in pattern.split(',') if p.strip()]
     names, exps = load_experiments(patterns, OPTS)
@@ -773,14 +850,14 @@ if __name__ == '__main__':
     elif dry_run:
         print_dry_run(exps)
     elif report:
-        make_report(exps, OPTS, report_dir or LOCAL_ROOT)
+        sys.exit(0 if write_report(exps) else 1)
     elif eval_only:
         rc = run_evals(exps)
         print()
-        make_report(exps, OPTS, report_dir or LOCAL_ROOT)  # with the test-time table and plot
+        write_report(exps)  # with the test-time table and plot
         sys.exit(rc)
     else:
         rc = run_study(exps)
         print()
-        make_report(exps, OPTS, report_dir or LOCAL_ROOT)  # what is finished so far, compared
+        write_report(exps)  # what is finished so far, compared
         sys.exit(rc)

@@ -51,7 +51,8 @@ RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner s
 # these is still the run the study asks for
 NOT_SHAPING = ('out_dir', 'local_dir', 'data_cache_dir', 'init_from', 'overwrite', 'eval_only',
                'eval_batch_size', 'log_interval', 'checkpoint_interval', 'keep_last_n', 'wandb_log',
-               'wandb_project', 'wandb_run_name', 'device', 'compile', 'xla_cache_dir', 'gcs_retries')
+               'wandb_project', 'wandb_run_name', 'device', 'compile', 'xla_cache_dir', 'gcs_retries',
+               'check_memory')
 EVAL_FILE = re.compile(r'views(\d+)-steps(\d+)\.json')  # train.py --eval_only's record in <out_dir>/evals
 
 

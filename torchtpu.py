@@ -26,16 +26,21 @@ def require():
     get it. Cheap when it is loaded already (a plain `import torch` loads it where it is installed)."""
     try:
         import torch_tpu  # noqa: F401
+        if not _device_registered():
+            # TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns off what `import torch` does where TorchTPU is installed: the
+            # entry point it declares for torch's autoload registers the device (when it finds a chip)
+            for ep in importlib.metadata.entry_points(group='torch.backends'):
+                if ep.name == 'torch_tpu':
+                    ep.load()()
     except ImportError as e:
         raise SystemExit(f"config error: device='tpu' needs TorchTPU, which cannot be imported here ({e}): on a "
                          f"TPU VM, in a fresh virtual environment, pip install -r {REQUIREMENTS} (torch_xla's "
                          f"environment cannot hold it; device='xla' uses that one)")
-    if not _device_registered():
-        # TORCH_DEVICE_BACKEND_AUTOLOAD=0 turns off what `import torch` does where TorchTPU is installed: the
-        # entry point it declares for torch's autoload registers the device (when it finds a chip)
-        for ep in importlib.metadata.entry_points(group='torch.backends'):
-            if ep.name == 'torch_tpu':
-                ep.load()()
+    except Exception as e:  # installed, but broken: a libtpu or a torch of another version than it was built for
+        why = ' '.join(str(e).split()) or 'no message'
+        raise SystemExit(f"config error: device='tpu': TorchTPU is installed but cannot be imported here "
+                         f"({type(e).__name__}: {why}): its libtpu or torch is not the version it was built for; "
+                         f"in a fresh virtual environment, pip install -r {REQUIREMENTS}")
     if not _device_registered():
         raise SystemExit(f"config error: device='tpu': TorchTPU is installed but found no TPU chip on this "
                          f"machine, so it registered no 'tpu' device; run on a TPU VM ({REQUIREMENTS} in a fresh "

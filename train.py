@@ -88,6 +88,7 @@ gcs_retries = 8                 # attempts per GCS request (exponential backoff)
 smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
 smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
+check_memory = True             # refuse, before it starts, a CPU or CUDA run its memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
@@ -212,19 +213,19 @@ def main(index=None):
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta))
-            for s in {0, eval_subset}}
+                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta),
+                          progress=watchdog.host) for s in {0, eval_subset}}
     run.budget.plan(model, ema_model, held[0], held[eval_subset], n_eval_steps, run_steps, global_batch_size)
 
     def run_eval(subset, show_example=False, weights=None, pool_at=None):
         weights = weights or ema_model  # the EMA's, or the raw model's
         compiled = compile and dev.kind != 'cpu'
         predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
-        watchdog.pause(halt_max_steps + 1)  # armed once the first batch's first steps (compiles) are done
+        watchdog.pause()  # armed once the first batch (its views, compiles and steps) is done: its yardstick
         with run.budget.evaluating(held[subset]):  # a stop request abandons it: (None, None)
             return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
                             predict=predict, arc=arc, arc_pool_at=pool_at,
-                            should_stop=lambda: watchdog.progress('an evaluation batch') or run.stop_agreed(),
+                            should_stop=lambda: watchdog.checked('an evaluation batch', run.stop_agreed()),
                             progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation '
                                                                  'batch'))
 
@@ -302,7 +303,7 @@ def main(index=None):
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = run.stop_requested(step, start_step, at_eval)
+        stop_now = guard.acting(run.stop_requested(step, start_step, at_eval))  # unreached: Watchdog.bound_stop
         run_steps, at_eval = (step, True) if run.budget.out_of_time else (run_steps, at_eval)  # --max_minutes
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank

@@ -304,6 +304,9 @@ def test_parallel_slots_give_the_sequential_results_and_a_killed_study_resumes(t
     p.communicate(timeout=60)
     wait_for(lambda: not any(os.path.exists(f'/proc/{k}') and open(f'/proc/{k}/stat').read().split()[2] != 'Z'
                              for k in kids), timeout=120)
+    for n in names:  # the study copied each run's output to its train.log; once gone, the run writes it itself
+        log = open(f'{tmp}/out2/{n}/train.log').read()
+        assert 'got SIGTERM' in log and re.search(r'saved .*ckpt_\d+\.pt .*\(stop requested\)', log), log[-3000:]
     p = run(two)
     assert '0 finished before, 2 to run' in p.stdout or '1 finished before, 1 to run' in p.stdout, p.stdout
     assert 'resuming from its checkpoint' in p.stdout

@@ -46,6 +46,19 @@ def test_device_tpu_with_a_torchtpu_that_finds_no_chip_stops_in_one_line(tmp_pat
     assert_refused_before_any_work(p, f'{tmp_path}/o', 'TorchTPU is installed but found no TPU chip')
 
 
+@no_torchtpu
+def test_device_tpu_with_a_torchtpu_whose_import_fails_stops_in_one_line(tmp_path):
+    # TorchTPU installed beside a libtpu of another version: its import raises RuntimeError, not ImportError
+    package = tmp_path / 'site' / 'torch_tpu'
+    package.mkdir(parents=True)
+    (package / '__init__.py').write_text('raise RuntimeError("libtpu version 0.0.9 does not match the 0.0.21 '
+                                         'this TorchTPU was built with")\n')
+    p = run(['train.py', 'config/quickstart.py', '--device=tpu', f'--out_dir={tmp_path}/o'],
+            env=dict(PYTHONPATH=str(tmp_path / 'site')), check=False)
+    assert_refused_before_any_work(p, f'{tmp_path}/o', 'cannot be imported here', 'libtpu version 0.0.9 does not '
+                                   'match', 'RuntimeError')
+
+
 def test_auto_still_chooses_torch_xla_with_pjrt_device_and_else_the_cpu_here(monkeypatch, tmp_path):
     monkeypatch.setenv('TRM_PCI_DEVICES', str(tmp_path))  # a PCI bus without TPU chips
     monkeypatch.delenv('PJRT_DEVICE', raising=False)

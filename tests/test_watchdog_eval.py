@@ -7,8 +7,9 @@ so a loop that reruns on 75 stops. Real processes on the toy task.
 """
 import json
 import os
+import shutil
 
-from conftest import TOY_ARGS, run
+from conftest import ROOT, SUDOKU, TOY_ARGS, run
 from test_watchdog import hang_at
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']
@@ -41,3 +42,38 @@ def test_a_second_firing_on_the_same_work_ends_the_rerun_loop(toy, tmp_path):
     # another command (another limit) is other work: the usual code
     third = run(cmd + ['--watchdog_minutes=0.03'], env=hung, timeout=300, check=False)
     assert third.returncode == 75, third.stderr[-2000:]
+
+
+def slow_steps(tmp_path, seconds):
+    """The environment of a run whose evaluation supervision steps each take `seconds` more (a slow device, or
+    a batch of many views): a sitecustomize.py on PYTHONPATH, which Python runs first, wraps TRM.predict_step."""
+    hook = tmp_path / 'slow'
+    hook.mkdir()
+    (hook / 'sitecustomize.py').write_text(f'''import sys, time
+sys.path.insert(0, {ROOT!r})
+import model
+step = model.TRM.predict_step
+
+
+def slow(self, *args, **kwargs):
+    time.sleep({seconds})
+    return step(self, *args, **kwargs)
+
+
+model.TRM.predict_step = slow
+''')
+    return dict(PYTHONPATH=str(hook))
+
+
+def test_an_evaluation_whose_every_step_outlasts_the_watchdog_finishes(trained, sudoku4, tmp_path):
+    # eval_only in 4 views at 8 supervision steps (twice halt_max_steps, as a cpu-scale study evaluates): two
+    # batches whose every step takes 1.5 s, against a watchdog of 1.2 s. The evaluation's first batch (its views
+    # built on the host, its graphs, all its steps) is its yardstick: a unit up to 3 x its slowest is no hang
+    out = tmp_path / 'o'
+    shutil.copytree(trained, out)
+    p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={out}', '--init_from=resume', '--eval_only=True',
+             '--eval_views=4', '--eval_batch_size=5', '--eval_steps=8', '--watchdog_minutes=0.02'] + SUDOKU,
+            env=slow_steps(tmp_path, 1.5), check=False)
+    text = p.stdout + p.stderr
+    assert p.returncode == 0 and 'watchdog:' not in text, (p.returncode, text[-3000:])
+    assert os.path.exists(out / 'evals' / 'views4-steps8.json')

@@ -1,0 +1,231 @@
+"""
+Memory: what a run needs, before it starts, and what this machine gives it. train.py (guard.startup_problems)
+and study.py refuse a run that would not fit (check_memory=False starts it anyway), instead of finding out when
+the machine, out of memory and without swap, stops answering.
+    run_memory(shape, rows, ...)   the run's bytes by part: weights, gradients, optimizer moments, the EMA copy,
+                                   the puzzle-embedding table, the ACT carry, a training step's activations, an
+                                   evaluation batch, the allocator's slack; need() adds them up at the peak;
+                                   config_memory(cfg, data, kind) the same from train.py's keys
+    memory_headroom()              what this process may still allocate: the smallest of the machine's available
+                                   memory, the address space RLIMIT_AS leaves and its cgroup's limit
+    memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
+The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
+builds them (docs/reliability.md: how close the estimate came to measured runs). Nothing here imports torch;
+model.py (which does) only when a run is counted.
+"""
+import math
+import os
+import resource
+
+GB = 1e9
+
+
+# -----------------------------------------------------------------------------
+# what this machine gives
+
+def available_memory():
+    """Bytes of memory this machine can still give (Linux: MemAvailable), or None where unknown."""
+    try:
+        with open('/proc/meminfo') as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:'))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _read_int(path, key=None):
+    """An integer file of /proc or a cgroup ('max': None), or with `key` the value of that line; None if absent."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        if key is not None:
+            text = next(l.split()[1] for l in text.splitlines() if l.split()[:1] == [key])
+        return None if text.strip() == 'max' else int(text.split()[0])
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def cgroup_headroom():
+    """(bytes, words) the memory limit of this process's cgroup leaves (v2 memory.max, v1
+    memory.limit_in_bytes, less the cgroup's usage without its reclaimable file cache), or None without a
+    limit. TRM_CGROUP_ROOT names another cgroup mount (tests: a fake tree)."""
+    root = os.environ.get('TRM_CGROUP_ROOT', '/sys/fs/cgroup')
+    try:
+        with open('/proc/self/cgroup') as f:
+            lines = [l.rstrip('\n').split(':', 2) for l in f]
+    except OSError:
+        lines = []
+    paths = {c: line[2] for line in lines if len(line) == 3 for c in line[1].split(',')}  # v2's controller: ''
+    v2 = [os.path.join(root, paths.get('', '/').lstrip('/')), root]
+    v1 = [os.path.join(root, 'memory', paths.get('memory', '/').lstrip('/')), os.path.join(root, 'memory')]
+    for folders, limit, usage, cache in ((v2, 'memory.max', 'memory.current', 'inactive_file'),
+                                         (v1, 'memory.limit_in_bytes', 'memory.usage_in_bytes',
+                                          'total_inactive_file')):
+        for folder in folders:
+            cap = _read_int(os.path.join(folder, limit))
+            if cap is None or cap >= 1 << 60:  # 'max', or v1's unlimited (a page-rounded 2**63)
+                continue
+            used = (_read_int(os.path.join(folder, usage)) or 0) - \
+                (_read_int(os.path.join(folder, 'memory.stat'), cache) or 0)
+            return max(0, cap - used), (f"the cgroup's {limit} {cap / GB:.1f} GB less the {used / GB:.1f} GB "
+                                        "its processes use")
+    return None
+
+
+def memory_headroom():
+    """(bytes this process may still allocate, what bounds it in words): the smallest of the machine's
+    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped) and what
+    its cgroup's memory limit leaves; (None, '') where none is known. TRM_MEMORY_AVAILABLE (bytes) stands in
+    for MemAvailable (tests: a smaller machine)."""
+    found = []
+    free = os.environ.get('TRM_MEMORY_AVAILABLE')
+    free = int(float(free)) if free else available_memory()
+    if free is not None:
+        found.append((free, 'available on this machine (MemAvailable)'))
+    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if cap != resource.RLIM_INFINITY:
+        mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
+        found.append((max(0, cap - mapped), f"left by this process's address-space limit (RLIMIT_AS "
+                                            f"{cap / GB:.1f} GB, {mapped / GB:.1f} GB of it mapped)"))
+    if (cgroup := cgroup_headroom()) is not None:
+        found.append((cgroup[0], f"left by {cgroup[1]}"))
+    return min(found) if found else (None, '')
+
+
+def resident_bytes():
+    """This process's resident memory now (Linux), or 0."""
+    return (_read_int('/proc/self/status', 'VmRSS:') or 0) * 1024
+
+
+# -----------------------------------------------------------------------------
+# what a run needs
+
+DTYPE_BYTES = dict(float32=4, bfloat16=2, float16=2, float64=8)
+# a process's memory beyond its live tensors at a step's or an evaluation's peak, as a share of them: 9-29% measured
+# on CPU runs (glibc's allocator keeps what it freed, and reuses it only in pieces that fit; docs/reliability.md)
+ALLOCATOR_SLACK = 0.3
+
+
+def model_parameters(shape):
+    """The parameter count of the TRM of `shape`, as model.py builds it (no model is built: on the meta device
+    that would import torch._dynamo, seconds at every start): the token embedding, the lm and q heads, learned
+    positions, and per block the sequence SwiGLU (mlp_t) or attention's qkv and o, then the channel SwiGLU.
+    tests/test_limits.py keeps it equal to TRM.num_params()."""
+    from model import swiglu_inter
+    T, D, V, e = shape['total_len'], shape['hidden_size'], shape['vocab_size'], shape['expansion']
+    swiglu = lambda d: 3 * d * swiglu_inter(d, e)  # gate-up (d -> 2 inner) and down (inner -> d)
+    mix = swiglu(T) if shape['mlp_t'] else 4 * D * D
+    return (2 * V * D + 2 * D + 2 + (T * D if shape['pos_encodings'] == 'learned' else 0)
+            + shape['L_layers'] * (mix + swiglu(D)))
+
+
+def block_bytes(shape, s):
+    """Bytes one block keeps for its backward pass per row (model.Block, as its ops save their inputs), s the
+    forward dtype's size: the residual stream's RMSNorms in float32, the SwiGLUs' gate-up, gate and product,
+    attention's qkv, its output and copy, the flash kernel's log-sum-exp (rope: its rotated q and k), or
+    mlp_t's padded input and sequence SwiGLU."""
+    from model import SEQ_ALIGN, swiglu_inter
+    T, D, e = shape['total_len'], shape['hidden_size'], shape['expansion']
+    I = swiglu_inter(D, e)
+    norms = 2 * (T * D * 4 + T * 4)
+    mlp = T * D * s + 4 * T * I * s  # its input (the first norm's output), gate-up, silu(gate), product
+    if shape['mlp_t']:
+        Tp, It = -(-T // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(T, e)
+        mix = D * Tp * s + 4 * D * It * s
+    else:
+        rope = 2 * T * D * s if shape['pos_encodings'] == 'rope' else 0
+        mix = T * D * s + 3 * T * D * s + rope + T * D * s + T * D * s + T * shape['num_heads'] * 4
+    return norms + mlp + mix
+
+
+def config_shape(cfg, data, kind, cuda_capability=None):
+    """The shape run_memory counts (TRMConfig's fields and total_len) of a train.py run: cfg its config (train.py's
+    keys), data its dataset's seq_len, vocab_size and num_puzzle_identifiers, kind its device kind ('cpu',
+    'cuda'), whose number formats 'auto' resolves to (cuda_capability: a GPU's, when none is initialized here)."""
+    from device import choose_dtype, resolve_loss_dtype
+    from model import MODEL_KEYS, TRMConfig
+    shape = {k: cfg[k] for k in MODEL_KEYS}
+    shape.update(forward_dtype=choose_dtype(cfg['forward_dtype'], kind, cuda_capability=cuda_capability)[0],
+                 loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], kind), seq_len=int(data['seq_len']),
+                 vocab_size=int(data['vocab_size']), num_puzzle_identifiers=int(data['num_puzzle_identifiers']))
+    shape['total_len'] = TRMConfig(**shape).total_len
+    return shape
+
+
+def config_memory(cfg, data, kind, processes=1, cuda_capability=None, params=None):
+    """run_memory of one of `processes` processes (ranks) of a train.py run (config_shape's arguments)."""
+    shape = config_shape(cfg, data, kind, cuda_capability)
+    eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // processes * cfg['eval_views']
+    return run_memory(shape, cfg['global_batch_size'] // processes, eval_rows,
+                      cfg['eval_steps'] or cfg['halt_max_steps'], params=params, ema=cfg['ema'],
+                      train=not cfg['eval_only'], accumulation=cfg['gradient_accumulation_steps'])
+
+
+def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=True, accumulation=1):
+    """{part: bytes} of one process of a run: shape is TRMConfig's fields (the dataset's included, dtypes
+    resolved: 'float32', ...) and total_len; rows the training batch rows of this process, eval_rows its
+    evaluation rows (views included), eval_steps the supervision steps an evaluation batch runs. params: the
+    parameter count (None: counted). train=False: an evaluation alone (--eval_only)."""
+    from model import swiglu_inter
+    s, loss = DTYPE_BYTES[shape['forward_dtype']], DTYPE_BYTES[shape['loss_dtype']]
+    T, D, L, V = shape['total_len'], shape['hidden_size'], shape['seq_len'], shape['vocab_size']
+    P = model_parameters(shape) if params is None else params
+    table = shape['num_puzzle_identifiers'] * max(shape['puzzle_emb_ndim'], 1) * 4
+    parts = dict(weights=4 * P, ema=4 * P if ema else 0, puzzle_embeddings=table)
+    per_call = shape['L_layers'] * block_bytes(shape, s)
+    widest = T * swiglu_inter(D, shape['expansion'])  # per row, a SwiGLU's widest tensor
+    if shape['mlp_t']:
+        widest = max(widest, D * swiglu_inter(T, shape['expansion']))
+    if train:
+        micro = math.ceil(rows / accumulation)
+        parts.update(gradients=4 * P, optimizer=8 * P,
+                     # y and z of every row, its tokens, labels, identifier, steps; the next batch on its way
+                     carry=rows * (2 * T * D * s + 2 * L * 4 + 13) + rows * (2 * L * 4 + 4),
+                     # the last round's L_cycles + 1 net calls keep theirs, the heads their input and the loss
+                     # its logits in float and loss dtype; in flight, the widest gradient of the backward pass
+                     # (a SwiGLU's gate-up)
+                     activations=micro * ((shape['L_cycles'] + 1) * per_call + 2 * widest * s + 2 * T * D * s
+                                          + L * V * (s + 5 * loss)))
+    # an evaluation batch: x, y, z, every step's answers and q_halt; in flight (no gradients kept), a SwiGLU's
+    # gate-up, gate and product and the RMSNorms' float32 copies
+    parts['evaluation'] = eval_rows * (3 * T * D * s + eval_steps * (L * 4 + 4) + 4 * widest * s + 4 * T * D * 4
+                                       + L * 40)  # the answers' host copies (views: mapped back, voted)
+    # the allocator holds more than the live tensors: freed blocks it keeps, pieces too small to reuse
+    parts['slack'] = ALLOCATOR_SLACK * max(parts.get('gradients', 0) + parts.get('activations', 0),
+                                           parts['evaluation'])
+    return parts
+
+
+def need(parts):
+    """The peak of a run's parts: what stays (weights, EMA, table, optimizer, carry, slack) and the larger of a
+    training step (gradients and activations) and an evaluation batch."""
+    step = parts.get('gradients', 0) + parts.get('activations', 0)
+    stays = sum(v for k, v in parts.items() if k not in ('gradients', 'activations', 'evaluation'))
+    return stays + max(step, parts['evaluation'])
+
+
+def size(n):
+    """Bytes in words: '1.44 GB', '27.2 MB', '231 kB'."""
+    for unit, scale in (('GB', GB), ('MB', 1e6), ('kB', 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def describe(parts):
+    names = dict(weights='weights', ema='EMA', puzzle_embeddings='puzzle embeddings', gradients='gradients',
+                 optimizer='optimizer moments', carry='ACT carry', activations="a step's activations",
+                 evaluation='an evaluation batch', process='the process itself (Python, torch)',
+                 slack=f"the allocator's slack ({ALLOCATOR_SLACK:.0%} of the larger)")
+    return ', '.join(f"{names[k]} {size(v)}" for k, v in parts.items() if v)
+
+
+def memory_problem(parts, processes, what, where, give, override):
+    """'' when `processes` processes of this need fit in `give` bytes, else one line: the need and its parts,
+    what the machine gives (`where`), and what to change or `override` to start anyway."""
+    total = processes * need(parts)
+    if give is None or total <= give:
+        return ''
+    each = f"{processes} processes x {size(need(parts))}" if processes > 1 else size(total)
+    return (f"{what} needs about {each} of memory ({describe(parts)}), more than the {size(give)} {where}: "
+            f"lower global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, "
+            f"run it on a larger machine, or set {override} to start it anyway")

@@ -1,0 +1,173 @@
+"""
+Memory limits: what a run may allocate is the smallest of the machine's available memory, the address space
+its RLIMIT_AS leaves (prlimit --as, a shared host's ulimit -v) and its cgroup's memory limit (a container's).
+Test-time views beyond it are refused in one line before anything runs, and a MemoryError while building them
+is the same kind of line; a run (train.py) or a study's run (study.py) whose estimated memory is beyond it is
+refused before it starts, its dataset unbuilt (check_memory=False starts it anyway); the estimate follows the
+tensors a real step and evaluation hold. Real train.py and study.py processes on the toy task and a 4-step 4x4
+Sudoku run; TRM_MEMORY_AVAILABLE and a fake cgroup tree stand in for smaller machines.
+    python -m pytest -q tests/test_limits.py
+"""
+import copy
+import dataclasses
+import os
+import re
+import shutil
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from conftest import FAST, ROOT, SUDOKU, TINY, assert_user_error, run
+from memory import run_memory
+
+LIMITED = ['-c', 'import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (n, n)); '
+           'os.execv(sys.executable, [sys.executable] + sys.argv[2:])']  # prlimit --as=N python ...
+
+
+def evaluate(trained, sudoku4, tmp_path, *extra, env=None, limit=None):
+    out = tmp_path / 'o'
+    shutil.copytree(trained, out)
+    cmd = ['train.py', f'--data_path={sudoku4}', f'--out_dir={out}', '--init_from=resume', '--eval_only=True']
+    cmd += SUDOKU + list(extra)
+    return run((LIMITED + [str(limit)] if limit else []) + cmd, env=env, check=False, timeout=900)
+
+
+def test_views_beyond_the_address_space_limit_are_refused_in_one_line(trained, sudoku4, tmp_path):
+    # 40,000 views of 50 puzzles: about 9.5 GB by the estimate, within this machine's memory but not within
+    # the 6 GB of address space (torch and its libraries map 4-5 GB of it at start-up)
+    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=40000', limit=6_000_000_000)
+    assert_user_error(p, 'config error: eval_views=40000', 'RLIMIT_AS 6.0 GB', 'views at this batch size')
+    assert not os.path.exists(tmp_path / 'o' / 'evals')
+
+
+def test_views_beyond_the_cgroup_s_limit_are_refused_in_one_line(trained, sudoku4, tmp_path):
+    cgroup = tmp_path / 'cgroup'  # a container's cgroup (v2) of 1 GB, 0.3 GB of it in use
+    cgroup.mkdir()
+    (cgroup / 'memory.max').write_text('1000000000\n')
+    (cgroup / 'memory.current').write_text('300000000\n')
+    (cgroup / 'memory.stat').write_text('anon 200000000\ninactive_file 100000000\n')
+    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=8000', env=dict(TRM_CGROUP_ROOT=str(cgroup)))
+    assert_user_error(p, 'config error: eval_views=8000', "the cgroup's memory.max 1.0 GB less the 0.2 GB")
+
+
+def test_a_memory_error_while_building_the_views_is_one_line(trained, sudoku4, tmp_path):
+    # the estimate said yes, then the memory went elsewhere (another process took it meanwhile): the allocation
+    # of the views fails, as numpy's does, in every process of the run (a sitecustomize.py on PYTHONPATH)
+    hook = tmp_path / 'hook'
+    hook.mkdir()
+    (hook / 'sitecustomize.py').write_text(f'''import sys
+sys.path.insert(0, {ROOT!r})
+import puzzles
+
+
+def views(self, K, B, seed, batch):
+    raise MemoryError(f"Unable to allocate 1.00 GiB for an array with shape ({{K * B}}, {{self.L}}) and data type int64")
+
+
+puzzles.Grid.views = views
+''')
+    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=4', env=dict(PYTHONPATH=str(hook)))
+    assert_user_error(p, 'eval_views=4', 'ran out of memory', 'Unable to allocate 1.00 GiB', 'lower eval_views')
+    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+
+
+# -----------------------------------------------------------------------------
+# a run its memory cannot hold is refused before it starts (train.py and study.py)
+
+def test_a_run_this_machine_cannot_hold_is_refused_before_it_starts(toy, tmp_path):
+    # a machine of 50 MB (TRM_MEMORY_AVAILABLE stands in for MemAvailable): the toy run needs about 0.3 GB at
+    # batch 500
+    cmd = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o'] + FAST + ['--max_steps=2',
+                                                                                  '--global_batch_size=500']
+    p = run(cmd, env=dict(TRM_MEMORY_AVAILABLE='5e7'), check=False)
+    assert_user_error(p, 'start-up checks failed: this run needs about', "a step's activations",
+                      'more than the 50 MB available on this machine (MemAvailable)', 'lower global_batch_size',
+                      '--check_memory=False')
+    assert not os.path.exists(tmp_path / 'o')  # nothing started
+    p = run(cmd + ['--check_memory=False'], env=dict(TRM_MEMORY_AVAILABLE='5e7'))  # the override
+    assert os.path.exists(tmp_path / 'o' / 'results.json') and 'needs about' not in p.stdout + p.stderr
+
+
+def test_a_run_beyond_its_address_space_limit_is_refused_before_it_allocates(toy, tmp_path):
+    # a real limit: 5.5 GB of address space, 4-5 GB of which torch and its libraries map at start-up; the toy
+    # model at batch 20,000 would need several GB for a step
+    cmd = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o'] + FAST + ['--max_steps=2', '--epochs=100',
+                                                                                  '--global_batch_size=20000']
+    p = run(LIMITED + ['5500000000'] + cmd, check=False)
+    assert_user_error(p, 'start-up checks failed: this run needs about', 'RLIMIT_AS 5.5 GB',
+                      '--check_memory=False')
+    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+
+
+def test_a_study_does_not_build_or_start_a_run_this_machine_cannot_hold(tmp_path):
+    tmp = str(tmp_path)
+    (tmp_path / 'cfg').mkdir()
+    shutil.copy(os.path.join(ROOT, 'config', 'study', 'rec_L2.py'), tmp_path / 'cfg')
+    study = ['study.py', '--pattern=rec_L2', '--scale=cpu', f'--config_dir={tmp}/cfg', f'--out_root={tmp}/out',
+             f'--data_root={tmp}/data', '--extra=--max_steps=4 --log_interval=2']
+    p = run(study, env=dict(TRM_MEMORY_AVAILABLE='1e8'), check=False)  # a machine of 100 MB
+    text = p.stdout + p.stderr
+    assert p.returncode == 1 and 'Traceback' not in text, text[-3000:]
+    refused = [l for l in p.stdout.splitlines() if l.startswith('study: rec_L2: not run')]
+    assert len(refused) == 1 and 'its train.py (4 steps at batch 32) needs about' in refused[0], p.stdout[-3000:]
+    assert 'the process itself (Python, torch)' in refused[0] and '--check_memory=False (study.py)' in refused[0]
+    assert re.search(r'rec_L2 +NOT RUN', p.stdout) and not os.path.exists(f'{tmp}/data'), p.stdout[-3000:]
+    p = run(study + ['--check_memory=False'], env=dict(TRM_MEMORY_AVAILABLE='1e8'))  # and train.py's own check
+    assert '--check_memory=False --init_from=resume' in p.stdout and re.search(r'rec_L2 +done', p.stdout)
+
+
+# -----------------------------------------------------------------------------
+# the estimate against the tensors a real step keeps
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes held by tensors made inside it (each storage counted once, until freed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = weakref.WeakKeyDictionary(), 0, 0
+
+    def free(self, n):
+        self.now -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage() not in self.live:
+                storage = t.untyped_storage()
+                self.live[storage] = n = storage.nbytes()
+                self.now += n
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(storage, self.free, n)
+        return out
+
+
+@pytest.mark.parametrize('over', [dict(), dict(mlp_t=True), dict(pos_encodings='rope', puzzle_emb_ndim=32),
+                                  dict(forward_dtype='bfloat16', loss_dtype='float64', pos_encodings='learned')])
+def test_the_estimate_follows_what_a_real_step_and_evaluation_hold(over):
+    from model import TRM, TRMConfig
+    from step import AdamATan2, StepConfig, train_step
+    cfg = TRMConfig(**dict(TINY, vocab_size=6, seq_len=24, hidden_size=64, num_heads=2, **over))
+    B, S = 64, 6
+    torch.manual_seed(0)
+    model = TRM(cfg)
+    opt = AdamATan2(model.parameters(), lr=1e-3)
+    ema = copy.deepcopy(model, {id(model.puzzle_emb): model.puzzle_emb})
+    batch = dict(inputs=torch.randint(2, 6, (B, cfg.seq_len), dtype=torch.int32),
+                 labels=torch.randint(2, 6, (B, cfg.seq_len), dtype=torch.int32),
+                 puzzle_identifiers=torch.zeros(B, dtype=torch.int32))
+    carry = model.initial_carry(batch)
+    sc = StepConfig(lr=1e-3, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.1, warmup_steps=1, total_steps=9,
+                    min_ratio=1.0, global_batch_size=B, ema_rate=0.9)
+    carry = train_step(model, opt, list(ema.parameters()), carry, batch, torch.zeros(()), sc)[0]  # moments made
+    with LiveBytes() as step:
+        train_step(model, opt, list(ema.parameters()), carry, batch, torch.zeros(()), sc)
+    with LiveBytes() as evaluation:
+        model.eval()
+        model.predict(batch, S, loss_at=cfg.halt_max_steps - 1)
+    parts = run_memory(dict(dataclasses.asdict(cfg), total_len=cfg.total_len), B, B, S)
+    assert parts['weights'] == 4 * model.num_params()
+    assert 0.95 < (parts['gradients'] + parts['activations']) / step.peak < 1.15, (parts, step.peak)
+    assert 0.85 < parts['evaluation'] / evaluation.peak < 1.15, (parts, evaluation.peak)

@@ -1,0 +1,168 @@
+"""
+A stop request always ends the run: one that the step under way does not reach within TRM_STOP_GRACE_S (20 s;
+a spot VM's notice is about 30) ends the process with a line naming the last checkpoint kept and exit code 75
+(the same command resumes from it), in one process, in every torchrun rank, under torch_xla's launcher; a stop
+that reaches its check saves and exits 0 as always, however long the save. A sitecustomize.py on PYTHONPATH
+stands in for a step that never ends (a paper-size step thrashing a machine without swap).
+    python -m pytest -q tests/test_stop_bounded.py
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, popen_train
+
+GRACE = 3  # seconds (TRM_STOP_GRACE_S), so the tests take seconds
+
+
+def hook(tmp_path, body):
+    folder = tmp_path / 'hook'
+    folder.mkdir(exist_ok=True)
+    (folder / 'sitecustomize.py').write_text(f"import os, sys, threading, time\nsys.path.insert(0, {ROOT!r})\n"
+                                             + body)
+    return dict(PYTHONPATH=str(folder), TRM_STOP_GRACE_S=str(GRACE))
+
+
+def step_never_ends(tmp_path, at=12, rank=None):
+    """Training step `at` of this process (of rank `rank` only, if given) never returns."""
+    return hook(tmp_path, f'''import step
+real, calls = step.train_step, [0]
+
+
+def train_step(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == {at} and os.environ.get('RANK', '0') in {[str(rank)] if rank is not None else ['0', '1']!r}:
+        print('test hook: step {at} never ends', flush=True)
+        threading.Event().wait()
+    return real(*args, **kwargs)
+
+
+step.train_step = train_step
+''')
+
+
+def assert_ended_by_the_bound(text, kept):
+    lines = [l for l in text.splitlines() if 'was not reached' in l]
+    assert lines, text[-3000:]
+    assert f'the last checkpoint kept: {kept}' in lines[0] and 'exit code 75' in lines[0], lines[0]
+
+
+def test_a_stop_inside_a_step_that_does_not_end_ends_the_process_naming_the_last_checkpoint(toy, tmp_path):
+    out = tmp_path / 'o'
+    proc = popen_train(toy, out, '--max_steps=200', '--checkpoint_interval=10', '--log_interval=1',
+                       env=step_never_ends(tmp_path))
+    lines = Lines(proc)
+    lines.until('test hook: step 12 never ends')
+    t = time.time()
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(60)
+    assert proc.returncode == 75, (proc.returncode, text[-3000:])
+    assert time.time() - t < GRACE + 20, time.time() - t
+    assert 'got SIGTERM' in text
+    assert_ended_by_the_bound(text, out / 'ckpt_00000010.pt')
+    assert ckpts(out) == ['ckpt_00000010.pt'] and not os.path.exists(out / 'run.lock')
+    assert 'was not reached' in open(out / 'train.log').read()
+    # Ctrl-C: a person stopped it, and a loop that reruns on 75 must end: 130
+    proc = popen_train(toy, out, '--max_steps=200', '--checkpoint_interval=10', '--log_interval=1',
+                       '--init_from=resume', env=step_never_ends(tmp_path))
+    lines = Lines(proc)
+    lines.until('test hook: step 12 never ends')
+    proc.send_signal(signal.SIGINT)
+    text = lines.rest(60)
+    assert proc.returncode == 130 and 'with exit code 130' in text, (proc.returncode, text[-3000:])
+
+
+def test_a_stop_that_reaches_its_check_saves_and_exits_as_always_however_long_the_save(toy, tmp_path):
+    out = tmp_path / 'o'
+    env = hook(tmp_path, '''import checkpoint
+real = checkpoint.write_checkpoint
+
+
+def write_checkpoint(state, path, tag='', *args, **kwargs):
+    if 'stop requested' in tag:
+        time.sleep(3 * float(os.environ['TRM_STOP_GRACE_S']))  # a large checkpoint on a slow disk
+    return real(state, path, tag, *args, **kwargs)
+
+
+checkpoint.write_checkpoint = write_checkpoint
+''')
+    proc = popen_train(toy, out, '--epochs=200', '--log_interval=1', env=env)
+    lines = Lines(proc)
+    lines.until('step 30/')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert proc.returncode == 0 and 'stopped cleanly' in text and 'not reached' not in text, text[-3000:]
+    assert len(ckpts(out)) == 1 and not os.path.exists(out / 'run.lock')
+
+
+def test_every_torchrun_rank_ends_when_one_rank_s_step_does_not(toy, tmp_path):
+    # rank 1's step 12 never ends, so rank 0 waits in that step's all-reduce: a VM's shutdown signals every
+    # process (torchrun and both ranks); each rank ends itself, before torchrun's own 30 s would kill it
+    out = tmp_path / 'o'
+    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **step_never_ends(tmp_path, rank='1'))
+    env.pop('PJRT_DEVICE', None)
+    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=200',
+                             '--checkpoint_interval=10', '--log_interval=1', '--global_batch_size=48']
+                            + [a for a in FAST if not a.startswith('--global_batch_size')],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                            start_new_session=True)
+    lines = Lines(proc)
+    lines.until('test hook: step 12 never ends')
+    time.sleep(1)
+    t = time.time()
+    for pid in [proc.pid] + descendants(proc.pid):
+        os.kill(pid, signal.SIGTERM)
+    text = lines.rest(120)
+    assert time.time() - t < GRACE + 20, (time.time() - t, text[-3000:])
+    assert proc.returncode != 0
+    # both ranks, each in a line of its own: rank 1 at its bound, rank 0 then or at once when its collective
+    # breaks (rank 1 is gone); no traceback of ours (torchrun prints its own for the signal it got)
+    assert text.count('was not reached') == 2, text[-3000:]
+    assert f'File "{ROOT}/' not in text, text[-3000:]
+    assert_ended_by_the_bound(text, out / 'ckpt_00000010.pt')
+    assert not os.path.exists(out / 'run.lock')
+
+
+@pytest.mark.skipif(not os.path.exists('/proc'), reason='reads /proc')
+def test_under_torch_xla_s_launcher_the_worker_ends_and_so_does_the_launcher(toy, tmp_path):
+    pytest.importorskip('torch_xla')
+    out = tmp_path / 'o'
+    xla = [a for a in FAST if a != '--device=cpu'] + ['--device=xla', '--compile=False']
+    proc = popen_train(toy, out, '--max_steps=200', '--checkpoint_interval=10', '--log_interval=1', args=xla,
+                       env=dict(XLA_ENV, **step_never_ends(tmp_path)))
+    lines = Lines(proc)
+    lines.until('test hook: step 12 never ends', timeout=600)
+    workers = [k for k in descendants(proc.pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
+    assert workers
+    proc.send_signal(signal.SIGTERM)  # the launcher's pid, as `kill PID` or a scheduler would
+    text = lines.rest(120)
+    assert proc.returncode == 75, (proc.returncode, text[-3000:])
+    assert_ended_by_the_bound(text, out / 'ckpt_00000010.pt')
+    deadline = time.time() + 30
+    while [w for w in workers if alive(w)] and time.time() < deadline:
+        time.sleep(0.2)
+    assert not [w for w in workers if alive(w)], 'a worker outlived its launcher'
+    assert 'Traceback' not in text and not os.path.exists(out / 'run.lock')
+
+
+def descendants(pid):
+    kids = []
+    for d in os.listdir('/proc'):
+        try:
+            if d.isdigit() and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == pid:
+                kids.append(int(d))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids + [k for kid in kids for k in descendants(kid)]
+
+
+def alive(pid):
+    try:
+        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
+    except OSError:
+        return False
