@@ -20,7 +20,6 @@ import torch
 
 import gcs
 from guard import data_shape, describe_data, fail_if_ranks_differ, fail_together
-from published import fill_absent_table, what_it_holds
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
@@ -452,3 +451,25 @@ def write_checkpoint(state, path, tag, keep_last_n, best_step, corrupt, protect)
     if path in corrupt:
         corrupt.remove(path)
     prune_checkpoints(os.path.dirname(path), keep_last_n, best_step, corrupt, protect=protect)
+
+
+def what_it_holds(obj):
+    """A few words on a loaded file that is neither a checkpoint of train.py nor a reference state dict."""
+    if isinstance(obj, dict) and {'weights', 'optimizers', 'step'} <= set(obj):
+        return ("a train state (step_<N>_train_state.pt: optimizer moments and raw weights); the weights to "
+                "start from are step_<N> beside it")
+    if isinstance(obj, dict):
+        names = ', '.join(repr(k) for k in list(obj)[:6]) + (', ...' if len(obj) > 6 else '')
+        tensors = sum(type(v).__name__ in ('Tensor', 'Parameter') for v in obj.values())
+        return f"a dict of {len(obj)} entries ({names}), {tensors} of them tensors"
+    if hasattr(obj, 'shape'):
+        return f"a single tensor of shape {list(obj.shape)}"
+    return f"a {type(obj).__name__}"
+
+
+def fill_absent_table(sd, model):
+    """The reference has no puzzle table when puzzle_emb_ndim is 0; this model keeps a width-1 table of
+    zeros there, which a state dict without one leaves as it is."""
+    if 'puzzle_emb' not in sd and model.config.puzzle_emb_ndim == 0:
+        sd['puzzle_emb'] = model.puzzle_emb
+    return sd

@@ -391,7 +391,7 @@ atexit.register(release_locks)
 # watchdog ends it, so a person or a relaunch loop can act
 
 class Watchdog:
-    """Watchdog(minutes, record, folder): when `minutes` pass with no progress() (a finished training step,
+    """Watchdog(minutes, record, folder, checkpoints): when `minutes` pass with no progress() (a finished training step,
     evaluation batch or evaluation supervision step) or host() (an evaluation's work on the host: a batch's
     views, its scoring), every thread's stack goes to stderr and train.log, record(values) is called (rank 0: a
     line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT, for a rerun.
@@ -401,11 +401,13 @@ class Watchdog:
     slowest of that batch's is no hang, whatever `minutes` says (a batch of many views may take a step longer
     than the limit). minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as
     the last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead,
-    so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever."""
+    so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever. checkpoints() gives the
+    run's {step: path}, to name the last one kept when a stop cannot be acted on."""
     SLOW_FACTOR = 3
 
-    def __init__(self, minutes, record=None, warmup=2, folder=None):
+    def __init__(self, minutes, record=None, warmup=2, folder=None, checkpoints=dict):
         self.limit, self.record, self.waiting, self.folder = 60.0 * minutes, record, warmup, folder
+        self.checkpoints = checkpoints
         self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', None, False
         self.paused, self.slowest = False, 0.0  # in an evaluation's first batch; its slowest unit (s)
         self.done = threading.Event()
@@ -480,9 +482,8 @@ class Watchdog:
         """The end of a stop request the run could not act on: said, the lock removed, exit HUNG_EXIT after a
         SIGTERM (a preemption: a launcher may run it again), 130 after a Ctrl-C (a person stopped it: a loop
         that reruns on HUNG_EXIT ends)."""
-        from checkpoint import list_checkpoints
         try:
-            kept = (lambda found: found[max(found)] if found else None)(list_checkpoints(self.folder))
+            kept = (lambda found: found[max(found)] if found else None)(self.checkpoints())
         except Exception:  # an unreadable folder, or none (eval_only)
             kept = None
         code = HUNG_EXIT if STOP['signal'] == 'SIGTERM' else 128 + signal.SIGINT

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data import IGNORE_LABEL_ID
+IGNORE_LABEL_ID = -100  # labels the loss skips: data.py maps each dataset's own ignore label to this value
 
 
 # the values a model's choice keys allow (train.py and solve.py list them too, before they import torch, with

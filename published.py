@@ -410,24 +410,3 @@ def upload(paths, repo, path_in_repo, revision='main', private=True, message='')
 
 # -----------------------------------------------------------------------------
 # files that are none of these
-
-def what_it_holds(obj):
-    """A few words on a loaded file that is neither a checkpoint of train.py nor a reference state dict."""
-    if isinstance(obj, dict) and {'weights', 'optimizers', 'step'} <= set(obj):
-        return ("a train state (step_<N>_train_state.pt: optimizer moments and raw weights); the weights to "
-                "start from are step_<N> beside it")
-    if isinstance(obj, dict):
-        names = ', '.join(repr(k) for k in list(obj)[:6]) + (', ...' if len(obj) > 6 else '')
-        tensors = sum(type(v).__name__ in ('Tensor', 'Parameter') for v in obj.values())
-        return f"a dict of {len(obj)} entries ({names}), {tensors} of them tensors"
-    if hasattr(obj, 'shape'):
-        return f"a single tensor of shape {list(obj.shape)}"
-    return f"a {type(obj).__name__}"
-
-
-def fill_absent_table(sd, model):
-    """The reference has no puzzle table when puzzle_emb_ndim is 0; this model keeps a width-1 table of
-    zeros there, which a state dict without one leaves as it is."""
-    if 'puzzle_emb' not in sd and model.config.puzzle_emb_ndim == 0:
-        sd['puzzle_emb'] = model.puzzle_emb
-    return sd

@@ -138,7 +138,7 @@ from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import launch_tpu, resolve_loss_dtype, under_torchrun  # noqa: E402
 from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
-from checkpoint import checkpoint_tensors  # noqa: E402
+from checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E402
 from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
 from run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
@@ -209,7 +209,8 @@ def main(index=None):
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
     log_watchdog = lambda v: run.records and run.log('watchdog', v, v['step'] or 0, {})  # none in eval_only
-    watchdog = guard.Watchdog(watchdog_minutes, log_watchdog, warmup=log_interval + 1, folder=run.local)
+    watchdog = guard.Watchdog(watchdog_minutes, log_watchdog, warmup=log_interval + 1, folder=run.local,
+                              checkpoints=lambda: list_checkpoints(run.local))
 
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,

@@ -38,6 +38,13 @@ def test_trmconfig_defaults_are_the_trainers():
         assert f.default == d[f.name], (f.name, f.default, d[f.name])
 
 
+def test_the_loss_skips_the_label_the_loader_writes_for_ignored_cells():
+    # model.py holds its own copy (the network imports nothing of the trainer's); the two must agree
+    import data
+    import model
+    assert model.IGNORE_LABEL_ID == data.IGNORE_LABEL_ID == -100
+
+
 def test_the_scripts_allow_the_model_s_choices():
     """train.py and solve.py check their keys before they import torch: their allowed values of a model key
     are TRMConfig's, after what the script resolves itself ('auto', 'checkpoint')."""
