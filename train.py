@@ -88,7 +88,7 @@ gcs_retries = 8                 # attempts per GCS request (exponential backoff)
 smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
 smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
-check_memory = True             # refuse, before it starts, a CPU or CUDA run its memory cannot hold (an estimate)
+check_memory = True             # refuse at start a CPU or CUDA run its memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
 # allowed values, checked before anything runs: key -> (test, what is allowed)
 _pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
@@ -304,7 +304,7 @@ def main(index=None):
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = guard.acting(run.stop_requested(step, start_step, at_eval))  # unreached: Watchdog.bound_stop
+        stop_now = guard.acting(run.stop_requested(step, start_step, at_eval))  # else: Watchdog.bound_stop
         run_steps, at_eval = (step, True) if run.budget.out_of_time else (run_steps, at_eval)  # --max_minutes
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank

@@ -45,6 +45,13 @@ def test_the_loss_skips_the_label_the_loader_writes_for_ignored_cells():
     assert model.IGNORE_LABEL_ID == data.IGNORE_LABEL_ID == -100
 
 
+def test_train_py_reads_top_to_bottom_in_lines_a_reader_would_write():
+    # the learning story in at most 380 lines, none of them joined past 110 characters to fit
+    lines = open(os.path.join(ROOT, 'train.py')).read().splitlines()
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > 110]
+    assert len(lines) <= 380 and not long, (len(lines), long)
+
+
 def test_the_scripts_allow_the_model_s_choices():
     """train.py and solve.py check their keys before they import torch: their allowed values of a model key
     are TRMConfig's, after what the script resolves itself ('auto', 'checkpoint')."""
