@@ -186,12 +186,21 @@ def bucket_checkpoints(out_dir, resume):
         return None, []
 
 
+def resume_parts(init_from):
+    """(whether the run resumes out_dir's newest checkpoint, the file whose weights it starts from otherwise:
+    '' for scratch). 'resume:FILE' resumes, and with no checkpoint yet starts from FILE (an adaptation that a
+    preempted job or a study reruns with the same command)."""
+    if init_from == 'resume' or init_from.startswith('resume:'):
+        return True, init_from[len('resume:'):]
+    return False, '' if init_from == 'scratch' else init_from
+
+
 def checkpoint_problems(cfg, dev, local):
     """Rank 0 at start: the checkpoints already in out_dir that this run would mix with or delete: [message].
     A new run (scratch, or a file's weights) stops at an earlier run's checkpoints unless --overwrite=True;
     a gs:// out_dir's listing is also the check that the bucket lets this run in."""
-    init_from, out_dir, problems = cfg['init_from'], cfg['out_dir'], []
-    fresh = init_from != 'resume' and not cfg['eval_only']  # a new run's files: scratch, or a file's weights
+    (resume, init_from), out_dir, problems = resume_parts(cfg['init_from']), cfg['out_dir'], []
+    fresh = not resume and not cfg['eval_only']  # a new run's files: scratch, or a file's weights
     if fresh and cfg['overwrite'] and dev.master and os.path.isfile(init_from) and CKPT_RE.search(init_from) \
             and os.path.isdir(local) and os.path.samefile(os.path.dirname(os.path.abspath(init_from)), local):
         problems.append(f"init_from={init_from} lies in {local}, whose checkpoints --overwrite=True deletes: "
@@ -199,7 +208,7 @@ def checkpoint_problems(cfg, dev, local):
     new_run = fresh and not cfg['overwrite'] and dev.master
     held = {local: list_checkpoints(local)} if new_run else {}
     if gcs.is_gcs(out_dir) and dev.master:
-        found, why = bucket_checkpoints(out_dir, init_from == 'resume')
+        found, why = bucket_checkpoints(out_dir, resume)
         problems += why
         if new_run and found:
             held[out_dir] = found

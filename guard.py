@@ -623,9 +623,10 @@ def startup_problems(cfg, dev):
                         f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
                         f"prepare_maze.py) or point data_path at one whose splits agree")
     init_from = cfg['init_from']
-    if init_from not in ('scratch', 'resume') and not os.path.isfile(init_from):
-        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume' or a checkpoint file on this "
-                        "host")
+    init_file = init_from[len('resume:'):] if init_from.startswith('resume:') else init_from
+    if init_file not in ('scratch', 'resume') and not os.path.isfile(init_file):
+        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume', a checkpoint file on this host or "
+                        "'resume:' and one")
     for what in ('global_batch_size', 'eval_batch_size'):
         B = cfg[what] or cfg['global_batch_size']
         if B % dev.world_size:

@@ -119,11 +119,14 @@ def resolve_init_from(g):
     data_path left '' (solve.py: "the checkpoint's") becomes its first data_paths. Says where the config came
     from in one line. Without the YAML: nothing changes (the keys are the script's, as for any file)."""
     init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
+    resume = 'resume:' if init_from.startswith('resume:') else ''  # resume, else start from the file after it
+    init_from = init_from[len(resume):]
     if g.get('forward_dtype') == 'checkpoint':  # solve.py's word for "the run's", typed or not
         set_by.pop('forward_dtype', None)
     shown = init_from
     if HUB_RE.match(init_from or ''):
-        updates['init_from'] = init_from = fetch(init_from)
+        init_from = fetch(init_from)
+        updates['init_from'] = resume + init_from
     elif init_from.startswith('hf://'):
         fail(f"init_from={init_from}: a hub checkpoint is hf://OWNER/REPO/PATH/step_<N> (a revision: "
              "hf://OWNER/REPO@REVISION/PATH/step_<N>)")

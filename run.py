@@ -18,7 +18,7 @@ import time
 import torch
 
 import gcs
-from checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_problems, checkpoint_tensors,
+from checkpoint import (MAX_WEIGHT, check_resume, resume_parts, checkpoint_name, checkpoint_problems, checkpoint_tensors,
                         delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
                         load_weights, prune_checkpoints, set_aside_diverged, write_checkpoint)
 from data import load_metadata
@@ -83,11 +83,11 @@ class Run:
                 (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
-            start_log(self.local, self.gs_out, cfg['init_from'] == 'resume')
+            start_log(self.local, self.gs_out, resume_parts(cfg['init_from'])[0])
             mark_data(self.data_path, cfg['out_dir'])
             remove_unfinished(self.local)
         problems = []
-        if self.master and cfg['overwrite'] and cfg['init_from'] != 'resume':  # the old run's files go
+        if self.master and cfg['overwrite'] and not resume_parts(cfg['init_from'])[0]:  # the old run's files go
             problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
         fail_together(dev, problems, 'overwrite')
 
@@ -95,15 +95,18 @@ class Run:
         """The starting point: (step, the carry of this rank's rows or None). init_from='resume' loads the
         newest checkpoint every rank can read (never an older one in place of one at `last_step` or one to
         evaluate), refusing one saved with other `resume_fixed` keys or on other data; a file loads its
-        weights (ours, or a state dict of the reference implementation). arc: ARC's votes, given its pool."""
-        cfg, step, carry, self.arc = self.cfg, 0, None, arc
-        if cfg['init_from'] == 'resume':
+        weights (ours, or a state dict of the reference implementation), and so does 'resume:FILE' where there
+        is nothing to resume yet. arc: ARC's votes, given its pool."""
+        cfg, step, carry, ckpt, self.arc = self.cfg, 0, None, None, arc
+        resume, init_file = resume_parts(cfg['init_from'])
+        if resume:
             ckpt, self.resumed_from = find_resume_checkpoint(self.dev, self.local, self.gs_out, self.corrupt,
                                                              last_step, cfg['eval_only'])
             if ckpt is None and cfg['eval_only']:  # random weights are not a run's to evaluate
                 raise SystemExit(f"init_from=resume: no checkpoint in {cfg['out_dir']} to evaluate")
             if ckpt is None and self.master:
-                print(f"init_from=resume: no checkpoint in {cfg['out_dir']} yet, starting from scratch")
+                print(f"init_from={cfg['init_from']}: no checkpoint in {cfg['out_dir']} yet, starting from "
+                      f"{init_file or 'scratch'}")
             if ckpt is not None:
                 check_resume(self.dev, ckpt, self.resumed_from, cfg, resume_fixed, self.meta, self.data_path)
                 carry = load_state(self.dev, ckpt, self.resumed_from, cfg, model, ema_model, opt, loader)
@@ -113,8 +116,8 @@ class Run:
                 self.timing = dict(ckpt.get('timing') or {})
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
-        elif cfg['init_from'] != 'scratch':  # a training run onto other identifiers adapts the network
-            said = load_weights(cfg['init_from'], model, ema_model, self.meta, self.data_path,
+        if init_file and ckpt is None:  # a training run onto other identifiers adapts the network
+            said = load_weights(init_file, model, ema_model, self.meta, self.data_path,
                                 adapt=not cfg['eval_only'])
             if self.master:
                 print(said)

@@ -731,6 +731,12 @@ def finished(r, status, failed_data):
     e = r.e
     rc, _ = r.close()
     took = time.time() - r.t0
+    if gcs.is_gcs(e.out_dir):  # the run uploaded its train.log before this study had copied its last lines there
+        try:
+            gcs.upload_file(os.path.join(e.local, 'train.log'), f"{e.out_dir.rstrip('/')}/train.log")
+        except (gcs.GCSError, OSError) as ex:
+            print(f"study: {e.run}: its train.log was not uploaded to {e.out_dir} ({ex}); it is in {e.local}",
+                  flush=True)
     if has_results(e):
         status[e.run] = ('done', f"in {duration(took)}")
     elif STOP['requested']:

@@ -241,8 +241,12 @@ class Experiment:
         nproc = opts.nproc
         launcher = ['train.py'] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}', 'train.py']
+        # every run resumes its own checkpoints; one whose file starts from a checkpoint (an adaptation) starts
+        # from it while it has none
+        start = self.cfg['init_from']
+        resume = start if start.startswith('resume') else 'resume' if start == 'scratch' else 'resume:' + start
         self.cmd = launcher + [path] + [f"--{k}={fmt_value(v)}" for k, v in self.flags.items()] + \
-            list(opts.extra_args) + ['--init_from=resume']
+            list(opts.extra_args) + [f'--init_from={resume}']
         shown = (['torchrun'] + self.cmd[2:]) if nproc > 1 else (['python'] + self.cmd)
         # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside
         # other jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2

@@ -24,7 +24,7 @@ out_dir = 'out/sudoku'          # checkpoints and results: a local folder, or gs
 local_dir = ''                  # local copy of a gs:// out_dir ('': out/<bucket>/<prefix>, one per out_dir)
 data_path = 'data/sudoku-extreme-1k-aug-1000'  # dataset root (prepare_sudoku.py / prepare_maze.py)
 data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:// data_path
-init_from = 'scratch'           # 'scratch' | 'resume' | a checkpoint (ours, reference's) | hf://OWNER/REPO/..
+init_from = 'scratch'           # scratch | resume | resume:CKPT | a checkpoint (ours, reference's) | hf://..
 overwrite = False               # a new run (scratch or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
 eval_interval = 5000            # epochs between evaluations (and checkpoints)

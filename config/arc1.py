@@ -19,3 +19,4 @@ pos_encodings = 'rope'
 weight_decay = 0.1
 puzzle_emb_lr = 1e-2
 puzzle_emb_weight_decay = 0.1
+arc_pool_votes = True         # the vote pooled over the run's evaluations, as the reference's evaluator reports

@@ -36,7 +36,8 @@ os.environ.setdefault('OMP_NUM_THREADS', '1')
 # The longest files first, so that the workers of pytest -n (--dist loadfile: a file runs whole on one worker)
 # finish together instead of one running the pod test alone at the end. Order seen on the 2-core machine.
 LONGEST_FIRST = ('test_pod.py', 'test_watchdog.py', 'test_train.py', 'test_maze_learns.py', 'test_signals.py',
-                 'test_solve.py', 'test_arc_twin.py',
+                 'test_solve.py', 'test_arc_twin.py', 'test_adapt.py', 'test_stop_bounded.py', 'test_arc_vote.py',
+                 'test_limits.py', 'test_study_adapt.py', 'test_published.py', 'test_budget.py',
                  'test_xla_trace.py', 'test_dist.py', 'test_torchtpu.py', 'test_xla.py', 'test_study.py',
                  'test_reevaluate.py', 'test_study_faults.py', 'test_views.py', 'test_resume.py', 'test_smoke.py')
 

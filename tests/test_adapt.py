@@ -198,3 +198,20 @@ def test_freeze_weights_on_xla_leaves_the_network_and_compiles_once(sets, tmp_pa
     compiles = [int(l.rsplit('compiles ', 1)[1]) for l in p.stdout.splitlines() if l.startswith('step ')]
     assert len(compiles) == 6 and compiles[2:] == [compiles[1]] * 4, compiles  # no new graph after step 2
     assert 'CPU fallbacks: none' in p.stdout
+
+
+def test_resume_or_start_from_a_file_starts_from_it_once_then_resumes_its_own_run(sets, tmp_path):
+    """init_from=resume:FILE (what a study or a preempted job reruns unchanged): the first start adapts from FILE,
+    every later one resumes the run's own newest checkpoint."""
+    a, b, c, ckpt = sets
+    out, again = tmp_path / 'c', f'--init_from=resume:{ckpt}'
+    p = train(c, out, again, '--max_steps=2')
+    lines = p.stdout.splitlines()
+    assert f"init_from=resume:{ckpt}: no checkpoint in {out} yet, starting from {ckpt}" in lines, p.stdout[-3000:]
+    assert any(l.startswith(f"init_from={ckpt}: network from step 3") and '19 -> 31 identifiers' in l for l in lines)
+    assert ckpts(out) == ['ckpt_00000002.pt']
+    p = train(c, out, again, '--max_steps=4')
+    assert 'resuming from' in p.stdout and 'ckpt_00000002.pt' in p.stdout and 'mean row' not in p.stdout
+    assert ckpts(out)[-1] == 'ckpt_00000004.pt'
+    p = train(c, tmp_path / 'x', f'--init_from=resume:{tmp_path}/none.pt', check=False)
+    assert_user_error(p, f"init_from='resume:{tmp_path}/none.pt' is not")

@@ -1,0 +1,13 @@
+# adapt_aug_7: the CPU twin (config/arc_twin.py, pretrained) adapted to 24 tasks it never saw.
+# Family adapt_aug_* -- augmentations: the new tasks' demonstrations in A+1 views, a 2-minute full fine-tune.
+#   first, once:  python prepare_arc.py --synthetic --canvas 6 --num_tasks 60 --num_eval_tasks 24 --num_aug 7 --new_tasks 24 --output_dir data/arc-twin && python train.py config/arc_twin.py
+#   the family:   python study.py --config_dir=config/adapt --pattern='adapt_aug_*' [--dry_run=True | --report=True]
+_base = 'config/arc_twin.py'  # the twin's model and recipe, applied first, then the lines below
+_prepare = 'prepare_arc.py --challenges data/arc-twin/json/arc-agi_new_challenges.json --solutions data/arc-twin/json/arc-agi_new_solutions.json --canvas 6 --num_aug 7 --output_dir data/arc-twin-new-aug-7'
+out_dir = 'out/adapt/adapt_full_2'  # the same run as adapt_full_2's: trained once
+init_from = 'out/arc_twin/ckpt_00002925.pt'  # the twin's last checkpoint; each run resumes its own after that
+epochs = 100000               # more than any budget here: max_minutes ends the run
+eval_interval = 100           # epochs: the pooled vote gathers every evaluation
+arc_pool_votes = True
+max_minutes = 2.0
+data_path = 'data/arc-twin-new-aug-7'  # <- studied

@@ -1,0 +1,14 @@
+# adapt_emb_5: the CPU twin (config/arc_twin.py, pretrained) adapted to 24 tasks it never saw.
+# Family adapt_emb_* -- embedding only: the CPU twin's network frozen (freeze_weights), its new rows trained for M minutes.
+#   first, once:  python prepare_arc.py --synthetic --canvas 6 --num_tasks 60 --num_eval_tasks 24 --num_aug 7 --new_tasks 24 --output_dir data/arc-twin && python train.py config/arc_twin.py
+#   the family:   python study.py --config_dir=config/adapt --pattern='adapt_emb_*' [--dry_run=True | --report=True]
+_base = 'config/arc_twin.py'  # the twin's model and recipe, applied first, then the lines below
+_prepare = 'prepare_arc.py --challenges data/arc-twin/json/arc-agi_new_challenges.json --solutions data/arc-twin/json/arc-agi_new_solutions.json --canvas 6 --num_aug 7 --output_dir data/arc-twin-new-aug-7'
+out_dir = 'out/adapt/adapt_emb_5'
+init_from = 'out/arc_twin/ckpt_00002925.pt'  # the twin's last checkpoint; each run resumes its own after that
+data_path = 'data/arc-twin-new-aug-7'
+epochs = 100000               # more than any budget here: max_minutes ends the run
+eval_interval = 100           # epochs: the pooled vote gathers every evaluation
+arc_pool_votes = True
+freeze_weights = True         # the network as pretrained; only the puzzle rows train
+max_minutes = 5.0              # <- studied
