@@ -501,6 +501,18 @@ class Profiler:
         self.dev, self.folder, self.start, self.end = dev, folder, start, end
         self.active, self.done, self.prof = False, False, None
 
+    @classmethod
+    def for_run(cls, dev, folder, profile_steps, step, run_steps):
+        """Rank 0's Profiler of the span profile_steps ('START:END'; '': none) of a run at `step` of
+        `run_steps`, or None; a span that holds none of the steps left is said, and profiles nothing."""
+        span = parse_steps(profile_steps) if profile_steps else None
+        if not (span and dev.master):
+            return None
+        if not (span[0] < run_steps and span[1] > step):
+            print(f"warning: profile_steps={profile_steps} holds none of this run's steps (after step {step} up "
+                  f"to step {run_steps}): no profile is taken")
+        return cls(dev, folder, *span)
+
     def begin(self, step):
         """Before the step after `step` (steps done so far): the trace starts at the range's first step."""
         if self.done or self.active or not self.start <= step < self.end:

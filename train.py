@@ -135,7 +135,7 @@ import torch  # noqa: E402  (after the config: --help and config errors answer a
 
 import guard  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
-from device import Device, Prefetcher, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
+from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device  # noqa: E402
 from device import launch_tpu, resolve_loss_dtype, under_torchrun  # noqa: E402
 from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
 from checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E402
@@ -274,11 +274,7 @@ def main(index=None):
     start_step, t0, last_step, stop_now = step, time.time(), step, False
     host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
     xla_then = dev.xla_counters()  # XLA: compilations counted from here (at each log line, after evaluations)
-    span = parse_steps(profile_steps) if profile_steps else None
-    if span and master and not (span[0] < run_steps and span[1] > step):
-        print(f"warning: profile_steps={profile_steps} holds none of this run's steps (after step {step} up "
-              f"to step {run_steps}): no profile is taken")
-    prof = Profiler(dev, os.path.join(run.local, 'profile'), *span) if (span and master) else None
+    prof = Profiler.for_run(dev, os.path.join(run.local, 'profile'), profile_steps, step, run_steps)
     phase = prof.phase if prof else (lambda name: contextlib.nullcontext())  # names a step's parts in a trace
     run.clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
