@@ -450,7 +450,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         inverse = batch.pop('views_inverse', None)
         rows_index = batch.pop('example_index', None)
         b = dev.to_device(batch)
-        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps, progress=progress)
+        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps,
+                      on_step=progress and (lambda i, pred, q_halt: progress(i + 1)))
         if out is None:
             model.train(was_training)
             return None, None

@@ -26,7 +26,7 @@ import time
 
 import gcs
 from data import IN_USE, check_split, load_metadata
-from memory import (DTYPE_BYTES, config_memory, config_shape, describe, memory_headroom, memory_problem, need,
+from memory import (config_memory, config_shape, describe, latent_bytes, memory_headroom, memory_problem, need,
                     resident_bytes, size)
 from puzzles import puzzle_for, puzzle_type, views_problem
 from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
@@ -655,7 +655,7 @@ def memory_problems(cfg, dev, meta):
     views, train = cfg['eval_views'], not cfg['eval_only']
     eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // dev.world_size
     shape = config_shape(cfg, meta, dev.kind)
-    row_bytes = 2 * shape['total_len'] * shape['hidden_size'] * DTYPE_BYTES[shape['forward_dtype']]  # y and z
+    row_bytes = latent_bytes(shape)
     if views_problem(puzzle_for(meta), views, eval_rows, row_bytes):
         return []  # train.py refuses those views in their own words, before any allocation
     processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.kind == 'cpu' else 1  # sharing its memory

@@ -167,6 +167,7 @@ def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=
     parameter count (None: counted). train=False: an evaluation alone (--eval_only)."""
     from model import swiglu_inter
     s, loss = DTYPE_BYTES[shape['forward_dtype']], DTYPE_BYTES[shape['loss_dtype']]
+    latents, grad_calls = latent_bytes(shape), trm_config(shape).net_calls()[1]
     T, D, L, V = shape['total_len'], shape['hidden_size'], shape['seq_len'], shape['vocab_size']
     P = model_parameters(shape) if params is None else params
     table = shape['num_puzzle_identifiers'] * max(shape['puzzle_emb_ndim'], 1) * 4
@@ -178,21 +179,32 @@ def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=
     if train:
         micro = math.ceil(rows / accumulation)
         parts.update(gradients=4 * P, optimizer=8 * P,
-                     # y and z of every row, its tokens, labels, identifier, steps; the next batch on its way
-                     carry=rows * (2 * T * D * s + 2 * L * 4 + 13) + rows * (2 * L * 4 + 4),
-                     # the last round's L_cycles + 1 net calls keep theirs, the heads their input and the loss
+                     # every row's latents, its tokens, labels, identifier, steps; the next batch on its way
+                     carry=rows * (latents + 2 * L * 4 + 13) + rows * (2 * L * 4 + 4),
+                     # the net calls with grad (the last round's) keep theirs, the heads their input and the loss
                      # its logits in float and loss dtype; in flight, the widest gradient of the backward pass
                      # (a SwiGLU's gate-up)
-                     activations=micro * ((shape['L_cycles'] + 1) * per_call + 2 * widest * s + 2 * T * D * s
+                     activations=micro * (grad_calls * per_call + 2 * widest * s + 2 * T * D * s
                                           + L * V * (s + 5 * loss)))
-    # an evaluation batch: x, y, z, every step's answers and q_halt; in flight (no gradients kept), a SwiGLU's
-    # gate-up, gate and product and the RMSNorms' float32 copies
-    parts['evaluation'] = eval_rows * (3 * T * D * s + eval_steps * (L * 4 + 4) + 4 * widest * s + 4 * T * D * 4
+    # an evaluation batch: x, the latents, every step's answers and q_halt; in flight (no gradients kept), a
+    # SwiGLU's gate-up, gate and product and the RMSNorms' float32 copies
+    parts['evaluation'] = eval_rows * (T * D * s + latents + eval_steps * (L * 4 + 4) + 4 * widest * s + 4 * T * D * 4
                                        + L * 40)  # the answers' host copies (views: mapped back, voted)
     # the allocator holds more than the live tensors: freed blocks it keeps, pieces too small to reuse
     parts['slack'] = ALLOCATOR_SLACK * max(parts.get('gradients', 0) + parts.get('activations', 0),
                                            parts['evaluation'])
     return parts
+
+
+def trm_config(shape):
+    """model.py's TRMConfig of a shape (run_memory's): what the model says of its latents and its recursion."""
+    from model import TRMConfig
+    return TRMConfig(**{k: shape[k] for k in TRMConfig.__dataclass_fields__ if k in shape})
+
+
+def latent_bytes(shape):
+    """One row's latents in the forward dtype, as model.py counts them, of a shape (run_memory's)."""
+    return trm_config(shape).latent_bytes(DTYPE_BYTES[shape['forward_dtype']])
 
 
 def need(parts):

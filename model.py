@@ -20,6 +20,13 @@ import torch.nn.functional as F
 
 IGNORE_LABEL_ID = -100  # labels the loss skips: data.py maps each dataset's own ignore label to this value
 
+# The latent state a supervision step carries, each [B, total_len, hidden_size]: y, the answer, and z, the
+# reasoning state (the reference's z_H and z_L). Every latent starts a fresh row from a fixed random vector, a
+# buffer under the reference's name. The carry, checkpoints, the memory check and solve.py go by these two
+# tables: a recursion with another set of latents changes them, TRM.recursion and the buffers in TRM.__init__.
+LATENTS = ('y', 'z')
+INIT_BUFFERS = dict(y='H_init', z='L_init')
+
 
 # the values a model's choice keys allow (train.py and solve.py list them too, before they import torch, with
 # 'auto' for the dtypes, which they resolve for the hardware; a house test keeps their lists equal to these)
@@ -73,6 +80,15 @@ class TRMConfig:
     @property
     def prefix_len(self):
         return self.total_len - self.seq_len
+
+    def latent_bytes(self, itemsize):
+        """The bytes of one row's latents (every name in LATENTS) at `itemsize` bytes per number."""
+        return len(LATENTS) * self.total_len * self.hidden_size * itemsize
+
+    def net_calls(self):
+        """The calls of `net` that TRM.recursion makes in one supervision step: (all of them, those with grad)."""
+        per_round = self.L_cycles + 1
+        return self.H_cycles * per_round, per_round
 
 
 # the TRMConfig fields a run chooses (train.py's keys); the others come from the dataset
@@ -173,17 +189,17 @@ class Attention(nn.Module):
         self.o_proj = CastedLinear(hidden_size, hidden_size)
 
     def forward(self, x, rope):
-        B, L, D = x.shape
-        qkv = self.qkv_proj(x).view(B, L, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.unbind(2)  # [B, L, H, hd]
+        B, S, D = x.shape
+        qkv = self.qkv_proj(x).view(B, S, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.unbind(2)  # [B, S, heads, hd]
         if rope is not None:
-            cos, sin = rope  # [L, hd] fp32
+            cos, sin = rope  # [S, hd] fp32
             cos, sin = cos[:, None, :], sin[:, None, :]
             q = (q.float() * cos + rotate_half(q.float()) * sin).to(x.dtype)
             k = (k.float() * cos + rotate_half(k.float()) * sin).to(x.dtype)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=False)
-        return self.o_proj(out.transpose(1, 2).reshape(B, L, D))
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, D))
 
 
 class Block(nn.Module):
@@ -203,8 +219,8 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg.hidden_size, cfg.expansion)
 
     def mix_sequence(self, h):
-        """mlp_t: [B, L, D] -> [B, L, D], a SwiGLU across positions, then RMSNorm over the sequence axis."""
-        h = h.transpose(1, 2)  # [B, D, L]
+        """mlp_t: [B, S, D] -> [B, S, D], a SwiGLU across positions, then RMSNorm over the sequence axis."""
+        h = h.transpose(1, 2)  # [B, D, S]
         x = F.pad(h, (0, self.seq_pad)) if self.seq_pad else h  # one copy, as the transpose needed one anyway
         return rms_norm(h + self.mlp_t(x, pad=self.seq_pad), self.eps).transpose(1, 2)
 
@@ -260,8 +276,8 @@ class TRM(nn.Module):
         # The puzzle embedding is trained by sign-SGD (step.sign_sgd_update_); H_init/L_init stay fixed.
         self.register_buffer('puzzle_emb',
                              torch.zeros(cfg.num_puzzle_identifiers, max(cfg.puzzle_emb_ndim, 1)))
-        self.register_buffer('H_init', trunc_normal_(torch.empty(D), std=1.0))
-        self.register_buffer('L_init', trunc_normal_(torch.empty(D), std=1.0))
+        for name in LATENTS:
+            self.register_buffer(INIT_BUFFERS[name], trunc_normal_(torch.empty(D), std=1.0))
 
     # --- one supervision step of the recursion -------------------------------------------------
 
@@ -280,9 +296,11 @@ class TRM(nn.Module):
     def rope(self):
         return (self.rope_cos, self.rope_sin) if self.config.pos_encodings == 'rope' else None
 
-    def recursion(self, y, z, x):
-        """T = H_cycles rounds of { L_cycles x z-update, then a y-update }; grad through the last only."""
+    def recursion(self, latents, x):
+        """T = H_cycles rounds of { n = L_cycles z-updates, then a y-update }; grad through the last only.
+        latents: {name: tensor} for every name in LATENTS; returns the next ones."""
         cfg, rope = self.config, self.rope()
+        y, z = latents['y'], latents['z']
         with torch.no_grad():
             for _ in range(cfg.H_cycles - 1):
                 for _ in range(cfg.L_cycles):
@@ -291,9 +309,11 @@ class TRM(nn.Module):
         for _ in range(cfg.L_cycles):
             z = self.net(z, y + x, rope)
         y = self.net(y, z, rope)
-        return y, z
+        return dict(y=y, z=z)
 
-    def heads(self, y):
+    def heads(self, latents):
+        """The answer's logits [B, seq_len, vocab] and the halting logits q_halt, q_continue [B], read off y."""
+        y = latents['y']
         logits = self.lm_head(y)[:, self.config.prefix_len:]
         q = self.q_head(y[:, 0]).float()
         return logits, q[..., 0], q[..., 1]
@@ -302,30 +322,27 @@ class TRM(nn.Module):
         return self.puzzle_emb[puzzle_identifiers.long()] if self.config.puzzle_emb_ndim > 0 else None
 
     def init_latents(self, B, device):
+        """Fresh latents of B rows: {name: [B, total_len, hidden_size]} for every name in LATENTS."""
         shape = (B, self.config.total_len, self.config.hidden_size)
         # contiguous, like every later carry: a compiled step then sees one layout from its first call on
-        y = self.H_init.to(self.forward_dtype).expand(shape).contiguous().to(device)
-        z = self.L_init.to(self.forward_dtype).expand(shape).contiguous().to(device)
-        return y, z
+        return {name: getattr(self, INIT_BUFFERS[name]).to(self.forward_dtype).expand(shape).contiguous().to(device)
+                for name in LATENTS}
 
     # --- ACT: one call = one supervision step -----------------------------------------------------
 
     def initial_carry(self, batch):
         """All rows halted, so the first call loads every row of its batch."""
-        B = batch['inputs'].shape[0]
-        y, z = self.init_latents(B, batch['inputs'].device)
-        return dict(y=y, z=z, steps=torch.zeros(B, dtype=torch.int32, device=y.device),
-                    halted=torch.ones(B, dtype=torch.bool, device=y.device),
+        B, device = batch['inputs'].shape[0], batch['inputs'].device
+        return dict(self.init_latents(B, device), steps=torch.zeros(B, dtype=torch.int32, device=device),
+                    halted=torch.ones(B, dtype=torch.bool, device=device),
                     **{k: torch.zeros_like(v) for k, v in batch.items()})
 
     def refill(self, carry, batch):
         """Halted rows restart: fresh latents, steps 0, and the new batch's row at the same index."""
         h = carry['halted']
-        y0, z0 = self.init_latents(h.shape[0], h.device)
-        new = dict(y=torch.where(h[:, None, None], y0, carry['y']),
-                   z=torch.where(h[:, None, None], z0, carry['z']),
-                   steps=torch.where(h, torch.zeros_like(carry['steps']), carry['steps']),
-                   halted=h)
+        new = {name: torch.where(h[:, None, None], fresh, carry[name])
+               for name, fresh in self.init_latents(h.shape[0], h.device).items()}
+        new.update(steps=torch.where(h, torch.zeros_like(carry['steps']), carry['steps']), halted=h)
         for k, v in batch.items():
             new[k] = torch.where(h.view(-1, *([1] * (v.dim() - 1))), v, carry[k])
         return new
@@ -338,8 +355,8 @@ class TRM(nn.Module):
         if puzzle_rows is None:
             puzzle_rows = self.puzzle_rows(carry['puzzle_identifiers'])
         x = self.input_embeddings(carry['inputs'], puzzle_rows)
-        y, z = self.recursion(carry['y'], carry['z'], x)
-        logits, q_halt, q_continue = self.heads(y)
+        latents = self.recursion({name: carry[name] for name in LATENTS}, x)
+        logits, q_halt, q_continue = self.heads(latents)
 
         steps = carry['steps'] + 1
         is_last = steps >= cfg.halt_max_steps
@@ -356,56 +373,57 @@ class TRM(nn.Module):
             if not cfg.no_ACT_continue:
                 # bootstrapped Q-learning target from one more (no-grad) step from the new latents
                 with torch.no_grad():
-                    y2, _ = self.recursion(y.detach(), z.detach(), x.detach())
-                    _, next_halt, next_cont = self.heads(y2)
+                    nxt = self.recursion({k: v.detach() for k, v in latents.items()}, x.detach())
+                    _, next_halt, next_cont = self.heads(nxt)
                 out['target_q_continue'] = torch.sigmoid(
                     torch.where(is_last, next_halt, torch.maximum(next_halt, next_cont)))
-        new_carry = dict(carry, y=y.detach(), z=z.detach(), steps=steps, halted=halted)
+        new_carry = dict(carry, **{k: v.detach() for k, v in latents.items()}, steps=steps, halted=halted)
         return new_carry, out
 
     # --- evaluation: a fixed number of steps from fresh latents, no halting -----------------------
 
-    def predict_step(self, y, z, x, labels=None):
+    def predict_step(self, latents, x, labels=None):
         """One evaluation supervision step: the next latents, the predictions [B, seq_len] and q_halt [B];
         given labels, also each row's loss [B] (its tokens' mean, the training's lm loss)."""
-        y, z = self.recursion(y, z, x)
-        logits, q_halt, _ = self.heads(y)
+        latents = self.recursion(latents, x)
+        logits, q_halt, _ = self.heads(latents)
         pred = logits.argmax(-1).to(torch.int32)
         if labels is None:
-            return y, z, pred, q_halt
+            return latents, pred, q_halt
         n_valid = (labels != IGNORE_LABEL_ID).sum(-1).clamp_min(1)
         loss = token_losses(logits, labels, self.config.loss_type, self.config.loss_dtype).sum(-1) / n_valid
-        return y, z, pred, q_halt, loss.float()
+        return latents, pred, q_halt, loss.float()
 
     def predict_start(self, inputs, puzzle_identifiers):
-        """An evaluation batch's fresh latents and its input embedding: (y, z, x)."""
-        y, z = self.init_latents(inputs.shape[0], inputs.device)
-        return y, z, self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers))
+        """An evaluation batch's fresh latents and its input embedding: (latents, x)."""
+        return (self.init_latents(inputs.shape[0], inputs.device),
+                self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers)))
 
     @torch.no_grad()
     def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=0,
-                progress=None):
+                on_step=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
         needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B], and with
         loss_at (a step's index) that step's loss of each row [B] against batch['labels'].
         step, start: what runs one step and the start (default self.predict_step and self.predict_start;
         compiled_predict passes compiled ones). should_stop: asked after every `chunk` steps while steps
-        remain (a verdict every rank reaches at the same step); when it says stop, None. progress: called with
-        the count of steps done after every step (a watchdog's heartbeat; no device read)."""
+        remain (a verdict every rank reaches at the same step); when it says stop, None: the batch is
+        abandoned. on_step(i, pred, q_halt): called after step i (a watchdog's heartbeat, solve.py's view of
+        each step); when it returns True the batch ends there, with the steps done so far."""
         step, start = step or self.predict_step, start or self.predict_start
-        y, z, x = start(batch['inputs'], batch['puzzle_identifiers'])
+        latents, x = start(batch['inputs'], batch['puzzle_identifiers'])
         preds, q_halts, loss = [], [], None
         for i in range(n_steps):
             if should_stop is not None and i and i % chunk == 0 and should_stop():
                 return None
             if i == loss_at:  # a graph of its own, with the loss: the other steps' stay as they are
-                y, z, pred, q_halt, loss = step(y, z, x, batch['labels'])
+                latents, pred, q_halt, loss = step(latents, x, batch['labels'])
             else:
-                y, z, pred, q_halt = step(y, z, x)
+                latents, pred, q_halt = step(latents, x)
             preds.append(pred)
             q_halts.append(q_halt)
-            if progress is not None:
-                progress(i + 1)
+            if on_step is not None and on_step(i, pred, q_halt):
+                break
         return (torch.stack(preds), torch.stack(q_halts)) + (() if loss_at is None else (loss,))
 
     # --- bookkeeping ------------------------------------------------------------------------------
@@ -417,17 +435,16 @@ class TRM(nn.Module):
         """Model FLOPs for one supervision step of one example: every net call of the recursion,
         no-grad passes included, plus heads; backward (2x forward) for the calls that carry grad.
         With train=False: forward only (one evaluation step)."""
-        cfg, D, L = self.config, self.config.hidden_size, self.config.total_len
+        cfg, D, S = self.config, self.config.hidden_size, self.config.total_len
         net = 0
         for name, p in self.net.named_parameters():
-            # a [out, in] weight costs 2*out*in per vector it is applied to: L vectors for channel
-            # layers, D vectors for the sequence-mixing mlp_t
-            net += 2 * p.numel() * (D if '.mlp_t.' in name else L)
+            # a [out, in] weight costs 2*out*in per vector it is applied to: S (positions) vectors for
+            # channel layers, D vectors for the sequence-mixing mlp_t
+            net += 2 * p.numel() * (D if '.mlp_t.' in name else S)
         if not cfg.mlp_t:
-            net += cfg.L_layers * 4 * L * L * D  # QK^T and AV
+            net += cfg.L_layers * 4 * S * S * D  # QK^T and AV
         heads = 2 * D * cfg.vocab_size * cfg.seq_len + 2 * D * 2
-        calls = cfg.H_cycles * (cfg.L_cycles + 1)
-        grad_calls = cfg.L_cycles + 1
+        calls, grad_calls = cfg.net_calls()
         fwd = calls * net + heads
         if not train:
             return fwd
@@ -446,7 +463,7 @@ def log_stablemax(x, dim=-1):
 
 
 def token_losses(logits, labels, loss_type, loss_dtype):
-    """Per-token cross-entropy [B, L], zero where labels are IGNORE_LABEL_ID."""
+    """Per-token cross-entropy [B, seq_len], zero where labels are IGNORE_LABEL_ID."""
     valid = labels != IGNORE_LABEL_ID
     safe = torch.where(valid, labels, torch.zeros_like(labels)).long()
     if loss_type == 'stablemax':

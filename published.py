@@ -309,12 +309,12 @@ def download(meta, url, dest, name, uri):
 
 def reference_weights(sd, cfg, forward_dtype):
     """A state dict of this model as the reference's compiled, loss-wrapped model saves it: its names, no
-    puzzle table when puzzle_emb_ndim is 0 (the reference has none), H_init and L_init in the forward dtype
+    puzzle table when puzzle_emb_ndim is 0 (the reference has none), the latents' init buffers in the forward dtype
     (the reference keeps them so; this model casts them to it at use, so nothing changes)."""
     import torch
-    from model import to_reference_state_dict
+    from model import INIT_BUFFERS, to_reference_state_dict
     sd = {k: v for k, v in sd.items() if not (k == 'puzzle_emb' and cfg['puzzle_emb_ndim'] == 0)}
-    for k in ('H_init', 'L_init'):
+    for k in INIT_BUFFERS.values():
         sd[k] = sd[k].to(getattr(torch, forward_dtype))
     return to_reference_state_dict(sd)
 
@@ -348,9 +348,9 @@ def train_state(ckpt, cfg):
     averages), `optimizers` (torch.optim state dicts: the puzzle embedding's sign-SGD (no state) when there is
     a table, then AdamATan2's moments with `step` for this trainer's `t`), `optimizer_lrs`, `param_names`
     (AdamATan2's parameters in order) and `step`."""
-    from model import to_reference_state_dict
+    from model import INIT_BUFFERS, to_reference_state_dict
     raw = {k: v for k, v in ckpt['model'].items() if k != 'puzzle_emb'}
-    names = [k for k in to_reference_state_dict(raw) if not k.endswith(('H_init', 'L_init'))]
+    names = [k for k in to_reference_state_dict(raw) if not k.endswith(tuple(INIT_BUFFERS.values()))]
     opt = ckpt['optimizer']
     renamed = lambda s: {('step' if k == 't' else k): v for k, v in s.items()}
     adam = dict(state={i: renamed(s) for i, s in opt['state'].items()},

@@ -367,7 +367,7 @@ class TimeBudget:
         self.step_flops = model.flops_per_example() * batch
         params = sum(p.numel() * p.element_size() for p in model.parameters())
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        carry = 2 * batch * model.config.total_len * model.config.hidden_size * 4  # y and z, float32 at most
+        carry = batch * model.config.latent_bytes(4)  # the latents, float32 at most
         self.state_bytes = 4 * params + buffers + carry  # raw, EMA, the two moments; the table once
 
     @contextlib.contextmanager

@@ -277,27 +277,24 @@ def read_puzzle_file(path, kind):
 # -----------------------------------------------------------------------------
 # the reasoning, one supervision step at a time
 
-@torch.no_grad()  # (not inference_mode: XLA tensors cannot be inference tensors)
 def reason(model, dev, inputs, ids, n_steps, every_step):
-    """model.predict's recursion from fresh latents, read after every step: predictions [S, B, L], q_halt
-    [S, B] and the seconds since the start at the end of each step [S]. Stops once every row has halted
-    (q_halt > 0) unless every_step."""
+    """model.predict from fresh latents, read after every step: predictions [S, B, seq_len], q_halt [S, B] and
+    the seconds since the start at the end of each step [S]. Stops once every row has halted (q_halt > 0)
+    unless every_step."""
     batch = dev.to_device(dict(inputs=inputs, puzzle_identifiers=ids))
     t0 = time.perf_counter()
-    y, z = model.init_latents(len(inputs), dev.device)
-    x = model.input_embeddings(batch['inputs'], model.puzzle_rows(batch['puzzle_identifiers']))
     preds, qs, times = [], [], []
     halted = np.zeros(len(inputs), bool)
-    for _ in range(n_steps):
-        y, z = model.recursion(y, z, x)
-        logits, q_halt, _ = model.heads(y)
-        p, q = dev.read([logits.argmax(-1).to(torch.int32), q_halt.float()])  # the step's only sync
+
+    def read(i, pred, q_halt):  # each step's only sync
+        p, q = dev.read([pred, q_halt.float()])
         preds.append(p)
         qs.append(q)
         times.append(time.perf_counter() - t0)
-        halted |= q > 0
-        if halted.all() and not every_step:
-            break
+        halted[:] |= q > 0
+        return halted.all() and not every_step
+
+    model.predict(batch, n_steps, on_step=read)
     return np.stack(preds), np.stack(qs), np.array(times)
 
 
@@ -609,7 +606,7 @@ def main():
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
     per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
-    row_bytes = 2 * cfg.total_len * cfg.hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
+    row_bytes = cfg.latent_bytes(getattr(torch, dtype).itemsize)
     if problem := views_problem(kind, views, rows=per, row_bytes=row_bytes):
         fail(f"views={views}: {problem}")
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:

@@ -251,7 +251,7 @@ def compiled_predict(model, mode='default', backend=None):
     runs them first as a graph of their own, one at the first batch, another at the later ones (a
     compilation more). Built once per model and mode, then reused."""
     cache = model.__dict__.setdefault('_compiled_predict', {})
-    xla = model.H_init.device.type == 'xla'
+    xla = model.lm_head.weight.device.type == 'xla'
     key = 'xla' if xla else backend or mode
     if key not in cache:
         kw = dict(backend=xla_backend) if xla else dict(backend=backend) if backend else dict(mode=mode)

@@ -167,7 +167,7 @@ def build(meta, dev, total_steps, data_path):
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
-    row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
+    row_bytes = model.config.latent_bytes(getattr(torch, dtype).itemsize)
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):
         raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the dataset in {data_path})")

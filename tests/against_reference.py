@@ -97,10 +97,10 @@ def our_outputs(model, batch, steps):
     model.eval()
     logits, q_halt = [], []
     with torch.no_grad():
-        y, z, x = model.predict_start(batch['inputs'], batch['puzzle_identifiers'])
+        latents, x = model.predict_start(batch['inputs'], batch['puzzle_identifiers'])
         for _ in range(steps):
-            y, z = model.recursion(y, z, x)
-            lg, qh, _ = model.heads(y)
+            latents = model.recursion(latents, x)
+            lg, qh, _ = model.heads(latents)
             logits.append(lg.float())
             q_halt.append(qh.float())
     return torch.stack(logits), torch.stack(q_halt)

@@ -100,12 +100,12 @@ def test_reference_checkpoint_loads_and_computes_the_reference_outputs(variant):
         m.load_state_dict(from_reference_state_dict(keys))
         preds, q_halt = m.predict(dict(inputs=inputs, puzzle_identifiers=ids), n_steps=2)
         # the model's own last logits: run heads on the same recursion
-        y, z = m.init_latents(3, 'cpu')
+        latents = m.init_latents(3, 'cpu')
         x = m.input_embeddings(inputs, m.puzzle_rows(ids))
         with torch.no_grad():
             for _ in range(2):
-                y, z = m.recursion(y, z, x)
-            logits, qh, qc = m.heads(y)
+                latents = m.recursion(latents, x)
+            logits, qh, qc = m.heads(latents)
         torch.testing.assert_close(logits.double(), want_logits, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(qh.double(), want_q[:, 0], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(qc.double(), want_q[:, 1], rtol=1e-4, atol=1e-4)
