@@ -1,6 +1,6 @@
 """
 Speed of TRM training and evaluation on the current device (CPU, CUDA GPU or XLA/TPU), with exactly the
-model and training step of train.py (step.train_step: forward_loss, backward, AdamATan2, sign-SGD on the
+model and training step of train.py (step.train_step: forward, loss, backward, AdamATan2, sign-SGD on the
 puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py                                             # the paper's Sudoku MLP model
     python bench.py config/baseline.py --global_batch_size=384  # any train.py config and batch
@@ -19,7 +19,7 @@ The task's shape (tokens per example, vocabulary): from the dataset's metadata w
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; 'arc1...' / 'arc2...' ->
 ARC-AGI's 30x30 canvas, 900 tokens, vocab 12, and its puzzle embedding table's rows; else 9x9 Sudoku, 81
 tokens, vocab 11); --seq_len / --vocab_size / --num_puzzle_identifiers override it. On CUDA and XLA the step
-and the evaluation are compiled (train.py's compile=True: step.compiled_step and step.compiled_predict, the ones
+and the evaluation are compiled (train.py's compile=True: step.step_form and step.compiled_predict, the ones
 train.py uses). On
 XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
 do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step;
@@ -82,7 +82,7 @@ from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  
 from device import resolve_loss_dtype  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import puzzle_for, puzzle_type, shape_from_name, views_problem  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
+from step import AdamATan2, Eager, StepConfig, compiled_predict, step_form  # noqa: E402
 from step import sign_sgd_update_, train_step  # noqa: E402
 
 kind = resolve_device(device)
@@ -184,7 +184,7 @@ opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=we
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA
                                                                                 # model's
 # train.py's step: compiled on CUDA and XLA with the same helper (forward + loss + its backward; the update)
-fwd = compiled_step(kind, compile_mode) if compiled else forward_loss
+form = step_form(kind, compiled, compile_mode)
 predict = compiled_predict(model, compile_mode) if compiled else model.predict
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
@@ -258,7 +258,7 @@ if checkpoint_dir:
 
 def one_step(i):
     global carry, loss
-    carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, fwd)
+    carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, form)
     dev.sync()  # one graph per step on XLA, cut where train.py cuts it
 
 
@@ -278,7 +278,7 @@ def run_steps(n):
     return time.perf_counter() - t0
 
 
-def host_and_device(n, step_fwd=None):
+def host_and_device(n, step_form=None):
     """XLA: the medians over n steps of the host's time per step (the step's Python and its sync: tracing,
     hashing, dispatch) and the device's (its executions: torch_xla's ExecuteTime). Each compiled graph is run
     alone and waited for, and the waits are taken off the host's time, as is an execution that XLA on the CPU
@@ -308,7 +308,7 @@ def host_and_device(n, step_fwd=None):
             finish()
             e0, w0, t0 = dev.execute_seconds(), waited[0], time.perf_counter()
             carry_loss = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc,
-                                    step_fwd or fwd)
+                                    step_form or form)
             t1 = time.perf_counter()
             dev.wait()
             t2 = time.perf_counter()
@@ -422,21 +422,21 @@ if vs_eager and kind == 'xla' and compiled:
         global carry
         for i in range(n):
             carry, _, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc,
-                                     forward_loss)
+                                     Eager())
             dev.sync()
         finish()
     t0 = time.perf_counter()
     run_eager(1)
     eager_first_s = time.perf_counter() - t0
     run_eager(warmup_steps - 1)
-    eager_host_s, eager_device_s = host_and_device(steps, forward_loss)
+    eager_host_s, eager_device_s = host_and_device(steps, Eager())
     # then the two steps alternated one by one: a shared machine's speed drifts within seconds, and the median of
     # per-round ratios sees both steps at the same moment
-    rounds = [host_and_device(1)[1] / max(host_and_device(1, forward_loss)[1], 1e-9) for _ in range(steps)]
+    rounds = [host_and_device(1)[1] / max(host_and_device(1, Eager())[1], 1e-9) for _ in range(steps)]
     alternated = float(np.median(rounds))
 elif vs_eager:
     print("note: vs_eager=True applies to XLA with compile=True; ignored")
-variant = getattr(fwd, 'variant', 'eager (lazy tracing every step)' if kind == 'xla' else
+variant = getattr(form, 'variant', 'eager (lazy tracing every step)' if kind == 'xla' else
                   f'inductor ({compile_mode})' if compiled else 'eager')
 
 if kind == 'xla':

@@ -61,7 +61,7 @@ class AdamATan2:
         adam_atan2_([self.params[i] for i in live], [grads[i] for i in live], m, v, t,
                     self.lr if lr is None else lr, self.betas, self.weight_decay)
         for i in live[1:]:
-            if self.state[i]['t'] is not t:  # XLACompiledStep makes them one tensor
+            if self.state[i]['t'] is not t:  # XLACompiled makes them one tensor
                 self.state[i]['t'].copy_(t)
 
     def zero_grad(self):
@@ -224,19 +224,58 @@ def apply_update(model, opt, ema_params, grads, ids, row_grads, step_t, sc):
     return norm
 
 
-class CompiledStep:
-    """train_step's `fwd` on CUDA and TorchTPU: forward_loss (the forward and, through AOTAutograd, its
-    backward) and apply_update (optimizer, sign-SGD, EMA: a few fused kernels instead of dozens of small ones),
-    each compiled once with static shapes, by inductor in `mode` or by the named torch.compile `backend`. The
-    backward call and the gradient all-reduce stay between them."""
+# --- the step's forms: what computes the gradients and what applies them, eager or compiled -----------------
+# train_step below is the one training step of every device; a form supplies its parts: `grads` (the forward,
+# the loss and the backward of one micro-batch) and `update` (apply_update), and `whole`, a whole step of one
+# micro-batch in one process as a single compiled graph, where the device has one (XLA).
+
+def rows_of_carry(carry, batch, rows):
+    """The micro-batch `rows` = (a, b) of the carry and the batch (the whole of them when it is all rows)."""
+    a, b = rows
+    if a == 0 and b == batch['inputs'].shape[0]:
+        return carry, batch
+    return {k: v[a:b] for k, v in carry.items()}, {k: v[a:b] for k, v in batch.items()}
+
+
+def with_rows(carry, rows, new):
+    """The carry with its rows (a, b) replaced by the micro-batch's new carry."""
+    a, b = rows
+    if a == 0 and b == carry['inputs'].shape[0]:
+        return new
+    return {k: torch.cat([carry[k][:a], v, carry[k][b:]]) for k, v in new.items()}
+
+
+class Eager:
+    """The step as written: forward_loss and autograd, then apply_update (the CPU's; the base of the others)."""
+    forward = staticmethod(forward_loss)
+    whole = None  # a compiled whole step (forward, backward, update: one graph), where a device has one
+
+    def grads(self, model, carry, batch, rows, sc):
+        """Forward, loss and backward of the micro-batch `rows` of the carry: the parameters' .grad add up.
+        Returns the whole carry with those rows' new state, their loss and metric sums, and the gradient of
+        their puzzle embedding rows (None without a puzzle embedding)."""
+        c, b = rows_of_carry(carry, batch, rows)
+        # the puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
+        ids = torch.where(c['halted'], b['puzzle_identifiers'], c['puzzle_identifiers'])
+        emb = model.puzzle_rows(ids).detach().requires_grad_(True) if model.config.puzzle_emb_ndim > 0 else None
+        new_c, loss, metrics = self.forward(model, c, b, emb)
+        (loss / sc.global_batch_size).backward()  # summed over all ranks' rows: a global mean; grads add up
+        return with_rows(carry, rows, new_c), loss.detach(), metrics, None if emb is None else emb.grad
+
+    def update(self, model, opt, ema_params, grads, ids, row_grads, step_t, sc):
+        return apply_update(model, opt, ema_params, grads, ids, row_grads, step_t, sc)
+
+
+class Compiled(Eager):
+    """CUDA's and TorchTPU's form: forward_loss (the forward and, through AOTAutograd, its backward) and
+    apply_update (optimizer, sign-SGD, EMA: a few fused kernels instead of dozens of small ones), each compiled
+    once with static shapes, by inductor in `mode` or by the named torch.compile `backend`. The backward call
+    and the gradient all-reduce stay between them."""
     def __init__(self, mode='default', backend=None):
         self.mode = mode
         kw = dict(backend=backend) if backend else dict(mode=mode)
         self.forward = torch.compile(forward_loss, dynamic=False, **kw)
         self._update = torch.compile(apply_update, dynamic=False, **kw)
-
-    def __call__(self, model, carry, batch, puzzle_rows):
-        return self.forward(model, carry, batch, puzzle_rows)
 
     def update(self, model, opt, ema_params, grads, ids, row_grads, step_t, sc):
         opt.init_state(grads)  # eagerly: the compiled graph never sees the state appear
@@ -304,61 +343,56 @@ def xla_backend(gm, example_inputs):
     return run
 
 
-def _xla_grads(model, carry, batch, global_batch_size, rows_of, weights=True):
-    """XLACompiledStep's forward and backward as ONE graph: on the rows [rows_of] of the carry and the batch
-    (the micro-batch), the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients
-    of loss / global_batch_size (train_step's division: the same rounding) with respect to the parameters (not
+def _xla_grads(model, carry, batch, global_batch_size, rows, weights=True):
+    """XLACompiled's forward and backward as ONE graph: on the micro-batch `rows` = (a, b) of the carry and the
+    batch, the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients of
+    loss / global_batch_size (train_step's division: the same rounding) with respect to the parameters (not
     with weights=False: freeze_weights) and the puzzle rows (torch.func.grad, traced into the same graph).
     Nothing crosses from a forward graph to a backward one, so the backward uses the forward's activations
     where they are, as the eager step's graph does: no recomputation, no per-tensor bridge cost. Called under
     no_grad (torch.func.grad ignores it). Returns the whole carry with those rows replaced, the loss, the
     metrics, the parameters' gradients by name ({} with weights=False) and the puzzle rows' (None without a
     puzzle embedding)."""
-    a, b = rows_of
-    whole = a == 0 and b == batch['inputs'].shape[0]
-    c = carry if whole else {k: v[a:b] for k, v in carry.items()}
-    x = batch if whole else {k: v[a:b] for k, v in batch.items()}
+    c, x = rows_of_carry(carry, batch, rows)
     c = model.refill(c, x)
-    rows = model.puzzle_rows(c['puzzle_identifiers'])  # the refilled rows' ids, as train_step's
+    emb = model.puzzle_rows(c['puzzle_identifiers'])  # the refilled rows' ids, as the eager form's
 
-    def scaled_loss(params, rows):  # forward_loss after its refill, the parameters as arguments
-        new_c, out = torch.func.functional_call(model, params, (c, rows))
+    def scaled_loss(params, emb):  # forward_loss after its refill, the parameters as arguments
+        new_c, out = torch.func.functional_call(model, params, (c, emb))
         loss, metrics = act_loss(new_c, out, model.config)
         return loss / global_batch_size, (new_c, loss, metrics)
     params = dict(model.named_parameters())
-    argnums = 0 if rows is None else (0, 1) if weights else 1
+    argnums = 0 if emb is None else (0, 1) if weights else 1
     grad = torch.func.grad(scaled_loss, argnums=argnums, has_aux=True)
-    grads, (new_c, loss, metrics) = grad(params, rows)
-    grads, row_grads = (grads, None) if rows is None else grads if weights else ({}, grads)
-    if not whole:
-        new_c = {k: torch.cat([carry[k][:a], v, carry[k][b:]]) for k, v in new_c.items()}
-    return new_c, loss, metrics, grads, row_grads
+    grads, (new_c, loss, metrics) = grad(params, emb)
+    grads, row_grads = (grads, None) if emb is None else grads if weights else ({}, grads)
+    return with_rows(carry, rows, new_c), loss, metrics, grads, row_grads
 
 
 def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
-    """XLACompiledStep's whole step as ONE graph (one process, one micro-batch): _xla_grads, then apply_update
+    """XLACompiled's whole step as ONE graph (one process, one micro-batch): _xla_grads, then apply_update
     on those gradients, with no bridge between them. The gradients never become .grad (no graph outputs, no
     host work for them). Returns the new carry, the loss and the metrics with grad_norm."""
     carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, sc.global_batch_size,
                                                         (0, batch['inputs'].shape[0]), not sc.freeze_weights)
-    grads = [grads.get(n) for n, _ in model.named_parameters()]  # opt.params' order (XLACompiledStep checks)
+    grads = [grads.get(n) for n, _ in model.named_parameters()]  # opt.params' order (XLACompiled checks)
     norm = apply_update(model, opt, ema_params, grads, carry['puzzle_identifiers'], row_grads, step_t, sc)
     return carry, loss, dict(metrics, grad_norm=norm)
 
 
-class XLACompiledStep:
-    """train_step on XLA traced once (xla_backend). One process with one micro-batch: the whole step
+class XLACompiled(Eager):
+    """train_step's form on XLA, traced once (xla_backend). One process with one micro-batch: the whole step
     (forward, loss, backward, clipping, AdamATan2, sign-SGD, EMA) is ONE graph (_xla_step), as the eager
     step's lazy graph is. Otherwise (a pod, or gradient accumulation) two: the forward + loss + backward
     (_xla_grads, once per micro-batch) and the update (apply_update), with the gradient all-reduce and gather
     between them: dynamo (torch_xla 2.9) traces neither the in-place list all-reduce that Device uses (only
     the one-tensor xm.all_reduce) nor xm.all_gather (it reads the device's ordinal while tracing), and one graph
     over k micro-batches would let XLA keep all k micro-batches' activations alive at once.
-    The same computation as train_step with forward_loss, up to float rounding, and the same device work: the
-    forward and backward graph holds the eager step's matrix products, one for one.
+    The same computation as the eager form up to float rounding, and the same device work: the forward and
+    backward graph holds the eager step's matrix products, one for one.
     What torch_xla 2.9's dynamo bridge needs, and gets here:
       - no compiled input with pending lazy IR (the bridge would run it first as a graph of its own,
-        blocking): the puzzle rows are looked up inside;
+        blocking): the puzzle rows are looked up inside, and a micro-batch's rows are cut inside;
       - no two mutated inputs that end with the same value (the bridge then writes outputs into the wrong
         inputs): AdamATan2's per-parameter step counts become one tensor, updated once."""
     ONE = 'one_graph (forward, backward and update one graph: torch.func.grad inside the compiled step)'
@@ -367,54 +401,43 @@ class XLACompiledStep:
     variant = ONE  # the path the last step took (TWO on pods and with gradient accumulation)
 
     def __init__(self):
-        self.step = torch.compile(_xla_step, backend=xla_backend, dynamic=False)
-        self.grads = torch.compile(_xla_grads, backend=xla_backend, dynamic=False)
-        self.update = torch.compile(apply_update, backend=xla_backend, dynamic=False)
+        self._whole = torch.compile(_xla_step, backend=xla_backend, dynamic=False)
+        self._grads = torch.compile(_xla_grads, backend=xla_backend, dynamic=False)
+        self._update = torch.compile(apply_update, backend=xla_backend, dynamic=False)
 
-    def train_step(self, model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_=None,
-                   all_gather=None):
+    def whole(self, model, opt, ema_params, carry, batch, step_t, sc):
+        """The whole step as one graph where it can be (one process, one micro-batch), else None."""
         import torch_xla.runtime as xr
         one = sc.gradient_accumulation_steps == 1 and xr.world_size() == 1
         self.variant = self.ONE if one else self.TWO
-        frozen = sc.freeze_weights  # no gradients of the weights, no optimizer state
-        if one:
-            if any(st is None for st in opt.state) and not frozen:  # the first step: every state, eagerly
-                params = list(model.parameters())
-                if len(params) != len(opt.params) or any(a is not b for a, b in zip(params, opt.params)):
-                    raise ValueError("XLACompiledStep: the optimizer's parameters are not model.parameters() "
-                                     "in order (_xla_step passes the gradients in that order); build "
-                                     "AdamATan2(model.parameters(), ...)")
-                # every parameter gets a gradient from torch.func.grad; init_state reads only its shape
-                opt.init_state([p.detach() for p in params])
-            self._one_step_count(opt, frozen)
-            with torch.no_grad():
-                return self.step(model, opt, ema_params, carry, batch, step_t, sc)
-        k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
-        named = dict(model.named_parameters())
-        losses, sums, row_grads = [], None, []
-        for i in range(k):
-            with torch.no_grad():
-                carry, loss, metrics, grads, rg = self.grads(model, carry, batch, sc.global_batch_size,
-                                                             (i * B // k, (i + 1) * B // k), not frozen)
-            for n, g in grads.items():  # micro-batches add up lazily, as autograd's accumulation does
-                named[n].grad = g if named[n].grad is None else named[n].grad + g
-            losses.append(loss)
-            row_grads.append(rg)
-            sums = metrics if sums is None else {n: sums[n] + metrics[n] for n in sums}
-        if all_reduce_sum_ is not None and not frozen:
-            all_reduce_sum_([p.grad for p in opt.params])
-        ids_all = grads_all = None
-        if row_grads[0] is not None:
-            gather = all_gather or (lambda x: x)
-            grads_all = gather(row_grads[0] if k == 1 else torch.cat(row_grads))
-            ids_all = gather(carry['puzzle_identifiers'])
-        grads = [p.grad for p in opt.params]
-        opt.init_state(grads)  # eagerly: the compiled graph never sees the state appear
-        self._one_step_count(opt, frozen)
+        if not one:
+            return None
+        if any(st is None for st in opt.state) and not sc.freeze_weights:  # the first step: every state, eagerly
+            params = list(model.parameters())
+            if len(params) != len(opt.params) or any(a is not b for a, b in zip(params, opt.params)):
+                raise ValueError("XLACompiled: the optimizer's parameters are not model.parameters() in order "
+                                 "(_xla_step passes the gradients in that order); build "
+                                 "AdamATan2(model.parameters(), ...)")
+            # every parameter gets a gradient from torch.func.grad; init_state reads only its shape
+            opt.init_state([p.detach() for p in params])
+        self._one_step_count(opt, sc.freeze_weights)
+        with torch.no_grad():
+            return self._whole(model, opt, ema_params, carry, batch, step_t, sc)
+
+    def grads(self, model, carry, batch, rows, sc):
         with torch.no_grad():  # as xla_backend requires
-            sums['grad_norm'] = self.update(model, opt, ema_params, grads, ids_all, grads_all, step_t, sc)
-        opt.zero_grad()
-        return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
+            carry, loss, metrics, grads, row_grads = self._grads(model, carry, batch, sc.global_batch_size, rows,
+                                                                 not sc.freeze_weights)
+        named = dict(model.named_parameters())
+        for n, g in grads.items():  # micro-batches add up lazily, as autograd's accumulation does
+            named[n].grad = g if named[n].grad is None else named[n].grad + g
+        return carry, loss, metrics, row_grads
+
+    def update(self, model, opt, ema_params, grads, ids, row_grads, step_t, sc):
+        opt.init_state(grads)  # eagerly: the compiled graph never sees the state appear
+        self._one_step_count(opt, sc.freeze_weights)
+        with torch.no_grad():  # as xla_backend requires
+            return self._update(model, opt, ema_params, grads, ids, row_grads, step_t, sc)
 
     @staticmethod
     def _one_step_count(opt, frozen):
@@ -425,57 +448,44 @@ class XLACompiledStep:
             st['t'] = t  # one step count (equal values in any case)
 
 
-def compiled_step(kind, mode='default', backend=None):
-    """The training step's `fwd` for train_step with compile=True: CUDA's CompiledStep (inductor, in `mode`),
-    TorchTPU's (the Device's compile_backend), XLA's XLACompiledStep; the CPU runs forward_loss eagerly
-    (compiling would not pay for itself there)."""
-    if kind in ('cuda', 'tpu'):
-        return CompiledStep(mode, backend)
-    return XLACompiledStep() if kind == 'xla' else forward_loss
+def step_form(kind, compile=True, mode='default', backend=None):
+    """The training step's form for a device kind: with compile=True, CUDA's and TorchTPU's Compiled
+    (inductor in `mode`, or the torch.compile `backend` named), XLA's XLACompiled; otherwise, and on the CPU
+    (where compiling would not pay for itself), Eager."""
+    if compile and kind in ('cuda', 'tpu'):
+        return Compiled(mode, backend)
+    return XLACompiled() if compile and kind == 'xla' else Eager()
 
 
-def train_step(model, opt, ema_params, carry, batch, step_t, sc, fwd=forward_loss,
-               all_reduce_sum_=None, all_gather=None):
+def train_step(model, opt, ema_params, carry, batch, step_t, sc, form=None, all_reduce_sum_=None,
+               all_gather=None):
     """One optimizer step = one supervision step: forward, loss, backward (in sc.gradient_accumulation_steps
     micro-batches, each with its own rows of the ACT carry), gradient all-reduce, clipping, AdamATan2,
     sign-SGD on the puzzle embedding, EMA. No host reads, static shapes (the XLA rules above).
     sc: the StepConfig (the EMA's decay rises to its ema_rate: min(ema_rate, (1 + step) / (10 + step))).
-    fwd: forward_loss, a CompiledStep, whose .update then replaces apply_update, or an XLACompiledStep, which
-    runs the whole step. Returns the new carry, the loss summed over this rank's rows, and the metric sums
-    (grad_norm included)."""
-    if hasattr(fwd, 'train_step'):
-        return fwd.train_step(model, opt, ema_params, carry, batch, step_t, sc, all_reduce_sum_, all_gather)
+    form: Eager (the default), Compiled or XLACompiled (step_form). Returns the new carry, the loss summed over
+    this rank's rows, and the metric sums (grad_norm included)."""
+    form = form or Eager()
+    if form.whole is not None and (done := form.whole(model, opt, ema_params, carry, batch, step_t, sc)):
+        return done
     k, B = sc.gradient_accumulation_steps, batch['inputs'].shape[0]
-    parts = [(carry, batch)] if k == 1 else [({n: v[i * B // k:(i + 1) * B // k] for n, v in carry.items()},
-                                              {n: v[i * B // k:(i + 1) * B // k] for n, v in batch.items()})
-                                             for i in range(k)]
-    carries, losses, sums, ids, row_grads = [], [], None, [], []
-    for c, b in parts:
-        # the puzzle embedding rows of the refilled carry, as a leaf whose gradient drives sign-SGD
-        i = torch.where(c['halted'], b['puzzle_identifiers'], c['puzzle_identifiers'])
-        rows = model.puzzle_rows(i).detach().requires_grad_(True) if model.config.puzzle_emb_ndim > 0 \
-            else None
-        new_c, loss, metrics = fwd(model, c, b, rows)
-        (loss / sc.global_batch_size).backward()  # summed over all ranks' rows: a global mean; grads add up
-        carries.append(new_c)
-        losses.append(loss.detach())
+    losses, sums, row_grads = [], None, []
+    for i in range(k):
+        carry, loss, metrics, rg = form.grads(model, carry, batch, (i * B // k, (i + 1) * B // k), sc)
+        losses.append(loss)
+        row_grads.append(rg)
         sums = metrics if sums is None else {n: sums[n] + metrics[n] for n in sums}
-        if rows is not None:
-            ids.append(i)
-            row_grads.append(rows.grad)
     if all_reduce_sum_ is not None and not sc.freeze_weights:
-        all_reduce_sum_([p.grad for p in model.parameters()])
+        all_reduce_sum_([p.grad for p in opt.params])
     ids_all = grads_all = None
-    if row_grads:
+    if row_grads[0] is not None:  # the refilled carry's identifiers are the rows the gradients belong to
         gather = all_gather or (lambda t: t)
-        ids_all, grads_all = gather(torch.cat(ids)), gather(torch.cat(row_grads))  # (k = 1: a cat of one)
-    update = getattr(fwd, 'update', apply_update)
-    grads = [p.grad for p in opt.params]
-    sums['grad_norm'] = update(model, opt, ema_params, grads, ids_all, grads_all, step_t, sc)
+        ids_all = gather(carry['puzzle_identifiers'])
+        grads_all = gather(row_grads[0] if k == 1 else torch.cat(row_grads))
+    sums['grad_norm'] = form.update(model, opt, ema_params, [p.grad for p in opt.params], ids_all, grads_all,
+                                    step_t, sc)
     opt.zero_grad()
-    if k == 1:
-        return carries[0], losses[0], sums
-    return {n: torch.cat([c[n] for c in carries]) for n in carries[0]}, torch.stack(losses).sum(), sums
+    return carry, losses[0] if k == 1 else torch.stack(losses).sum(), sums
 
 
 def read_sums(dev, sums, bad_step):

@@ -143,8 +143,8 @@ from records import device_figures, eval_line, groups, log_line, warn_recompiles
 from run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from evaluate import ARCVotes, evaluate, format_eval  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, compiled_step, evaluation_steps  # noqa: E402
-from step import format_train, forward_loss, read_sums, train_step  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, evaluation_steps, step_form  # noqa: E402
+from step import format_train, read_sums, train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')]
@@ -265,7 +265,7 @@ def main(index=None):
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
-    fwd = compiled_step(dev.kind, backend=dev.compile_backend) if compile else forward_loss  # as in bench.py
+    form = step_form(dev.kind, compile, backend=dev.compile_backend)  # as in bench.py
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
@@ -284,7 +284,7 @@ def main(index=None):
             prof.begin(step)
         t_step = time.time()
         with phase('train_step'):
-            carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, fwd,
+            carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, form,
                                               dev.all_reduce_sum_, dev.all_gather)
             metrics['loss'] = loss
             bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # this step's

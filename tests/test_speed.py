@@ -21,7 +21,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from model import TRM, TRMConfig, rms_norm, round_up, swiglu_inter  # noqa: E402
-from step import AdamATan2, CompiledStep, StepConfig, compiled_predict, forward_loss, train_step  # noqa: E402
+from step import AdamATan2, Compiled, Eager, StepConfig, compiled_predict, forward_loss, train_step  # noqa: E402
 
 # Sudoku's shape (81 tokens + 16 puzzle-embedding positions = 97, padded to 104) at a small width
 SUDOKU_SMALL = dict(vocab_size=11, seq_len=81, num_puzzle_identifiers=3, hidden_size=32, num_heads=2, H_cycles=2,
@@ -157,7 +157,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
     base = TRM(cfg)
     assert base.net.layers[0].seq_pad == 5
 
-    def run(model, fwd, check_graphs=None):
+    def run(model, form, check_graphs=None):
         torch.manual_seed(1)
         opt = AdamATan2(model.parameters(), lr=sc.lr, weight_decay=0.1)
         ema = [p.detach().clone() for p in model.parameters()]
@@ -165,7 +165,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
         carry = model.initial_carry(batches[0])
         trace = []
         for i, b in enumerate(batches):
-            carry, loss, metrics = train_step(model, opt, ema, carry, b, step_t, sc, fwd)
+            carry, loss, metrics = train_step(model, opt, ema, carry, b, step_t, sc, form)
             trace.append((loss.detach().clone(), carry['y'].clone(), carry['halted'].clone(),
                           {k: v.detach().clone() for k, v in metrics.items()}))
             if check_graphs is not None:
@@ -173,7 +173,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
         return trace, [p.detach().clone() for p in model.parameters()], ema, model.puzzle_emb.clone(), step_t
 
     eager_model, compiled_model = copy.deepcopy(base), copy.deepcopy(base)
-    want = run(eager_model, forward_loss)
+    want = run(eager_model, Eager())
 
     torch._dynamo.reset()
     counters.clear()
@@ -186,7 +186,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 
     with inductor_config.patch(fallback_random=True):  # compiled random draws (ACT exploration) = eager ones
         try:
-            got = run(compiled_model, CompiledStep(), check_graphs)
+            got = run(compiled_model, Compiled(), check_graphs)
         finally:
             torch._dynamo.config.error_on_recompile = False
     assert graphs == {0: 2, 1: 2, 2: 2, 3: 2}, graphs  # forward+loss, update: once, at the first step
@@ -223,7 +223,7 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 def test_train_and_bench_use_the_same_compiled_step():
     for name in ('train.py', 'bench.py'):
         src = open(os.path.join(ROOT, name)).read()
-        assert 'compiled_step(' in src and 'compiled_predict(' in src, name
+        assert 'step_form(' in src and 'compiled_predict(' in src, name
 
 
 # -----------------------------------------------------------------------------

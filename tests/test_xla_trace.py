@@ -1,5 +1,5 @@
 """
-The XLA training step is traced once (step.XLACompiledStep, torch.compile with the openxla backend), in one process
+The XLA training step is traced once (step.XLACompiled, torch.compile with the openxla backend), in one process
 with one micro-batch as ONE graph (forward, backward and update): after warm-up no step runs the network's Python
 (no lazy tracing of the H_cycles x (L_cycles + 1) net calls), whatever the recursion depth; it computes what the
 eager (lazy) step computes, with as many matrix products; nothing recompiles; nothing falls back to the CPU. The
@@ -76,12 +76,12 @@ for H, L in ((1, 1), (2, 3)):
             puzzle_identifiers=rng.integers(0, 3, 4, dtype=np.int32)).items()} for _ in range(2)]
         step_t = torch.zeros((), device=dev)
         carry = model.initial_carry(batches[0])
-        fwd = S.compiled_step('xla') if kind != 'eager' else S.forward_loss
+        form = S.step_form('xla', kind != 'eager')
         losses, per_step = [], []
         for i in range(6):
             c0, n0, g0 = count('CompileTime'), calls[0], lazy_nodes()
             executed.clear()
-            carry, loss, metrics = S.train_step(model, opt, ema, carry, batches[i % 2], step_t, sc, fwd)
+            carry, loss, metrics = S.train_step(model, opt, ema, carry, batches[i % 2], step_t, sc, form)
             live = [*model.parameters(), *model.buffers(), *ema, *carry.values(), *metrics.values(), loss,
                     step_t, *[t for st in opt.state if st for t in st.values()]]
             dots = sum(executed) + n_dots(live)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data import TrainLoader  # noqa: E402
 from device import Device, Prefetcher, TorchTPU, launch_tpu, to_cpu, under_torchrun  # noqa: E402
 from model import TRM, TRMConfig  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_step, train_step  # noqa: E402
+from step import AdamATan2, StepConfig, step_form, train_step  # noqa: E402
 
 DEVICES = 2  # the stand-in host's TPU devices: processes per host
 a = argparse.ArgumentParser()
@@ -59,13 +59,13 @@ if args.resume == 'True':
 prefetch = Prefetcher(loader, dev)
 carry = carry or model.initial_carry(prefetch.upcoming)
 step_t = torch.full((), float(step), device=dev.device)
-fwd = compiled_step(dev.kind, backend=dev.compile_backend)
+form = step_form(dev.kind, backend=dev.compile_backend)
 ema_params = list(ema_model.parameters())
 agreed = dev.agree([dev.rank], 'max')[0]  # a host verdict every rank reads: the highest rank
 print(json.dumps(dict(rank=dev.rank, world=dev.world_size, device=str(dev.device), agreed=agreed,
                       name=dev.name())), flush=True)
 for _ in range(args.steps):
-    carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, fwd,
+    carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, form,
                                       dev.all_reduce_sum_, dev.all_gather)
     total = loss.detach().reshape(1).clone()
     dev.all_reduce_sum_([total])
