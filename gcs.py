@@ -9,11 +9,7 @@ Spot TPU VMs can be preempted at any time, so checkpoints go to a GCS bucket:
     delete_object("gs://my-bucket/run1/ckpt_0500.pt")
 Uploader() does uploads on a background thread so training never waits on the network.
 
-Credentials, in order: none when STORAGE_EMULATOR_HOST is set (local emulator, used by
-the tests), else the service-account key file named by GOOGLE_APPLICATION_CREDENTIALS
-(any machine, e.g. a GPU cloud: a signed JWT is exchanged for a token, RS256 in pure
-Python), else the VM metadata server (TPU/GCE service account), else `gcloud auth
-print-access-token` (a workstation).
+Each request carries a token from credentials.py (none for a local emulator, STORAGE_EMULATOR_HOST).
 
 Every request has bounded waits: 10 s to connect, then 30 s without a byte from the server (60 s for the bytes
 of an upload or a download; GCS_READ_TIMEOUT=SECONDS sets the 30, the 60 is twice it). A request still not
@@ -26,8 +22,6 @@ import json
 import os
 import queue
 import random
-import re
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,9 +30,9 @@ import urllib.parse
 
 import requests
 
+import credentials
+
 GCS_ENDPOINT = "https://storage.googleapis.com"
-METADATA_HOST = os.environ.get("GCE_METADATA_HOST", "metadata.google.internal")
-METADATA_TOKEN_URL = f"http://{METADATA_HOST}/computeMetadata/v1/instance/service-accounts/default/token"
 MiB = 1 << 20
 ANNOUNCE_S = 5.0  # a request not done after this long says what it waits for
 
@@ -70,7 +64,7 @@ def _emulator_host():
     return host or None
 
 # -----------------------------------------------------------------------------
-# credentials
+# errors, and the credentials each request carries
 
 class GCSError(Exception):
     def __init__(self, msg, status=None):
@@ -88,211 +82,14 @@ class NotFoundError(GCSError, FileNotFoundError):
 class Stopped(GCSError):
     pass  # GCS.stop() said to stop while a request waited
 
-_token_lock = threading.Lock()
-_token = None
-_token_expiry = 0.0
-_token_source = None  # the key file the cached token came from (None: metadata/gcloud)
-
-def _token_from_metadata():
+def _auth_headers(force_refresh=False):
+    """The Authorization header for a request (none for an emulator); a credential problem is a GCSError like
+    any other, so callers catch one kind of error."""
     try:
-        r = requests.get(METADATA_TOKEN_URL, headers={"Metadata-Flavor": "Google"}, timeout=2)
-    except requests.RequestException:
-        return None  # not on a GCE/TPU VM
-    if r.status_code != 200:
-        return None  # e.g. VM without a service account
-    d = r.json()
-    return d["access_token"], float(d.get("expires_in", 300))
-
-def _token_from_gcloud():
-    try:
-        p = subprocess.run(["gcloud", "auth", "print-access-token"], capture_output=True, text=True,
-                           timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if p.returncode != 0 or not p.stdout.strip():
-        return None
-    # gcloud doesn't report the expiry; tokens live ~1h but may be partly used, so re-ask soon
-    return p.stdout.strip(), 300.0
-
-# --- service-account key files (GOOGLE_APPLICATION_CREDENTIALS) -----------------------------
-# OAuth2 JWT-bearer flow (RFC 7523): sign a short JWT with the key's RSA private key and trade
-# it at the key's token_uri for an access token. RS256 is done by hand below so the project
-# needs no crypto package: it is PKCS#1 v1.5 over SHA-256, a single modular exponentiation.
-
-GCS_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
-DEFAULT_TOKEN_URI = "https://oauth2.googleapis.com/token"  # what every Google key file names anyway
-_TOKEN_RETRY_DELAYS = (1.0, 2.0, 4.0)  # seconds between tries when the token endpoint is down or 5xx
-
-# DER of AlgorithmIdentifier{sha256, NULL} inside DigestInfo, then the OCTET STRING header of the
-# 32-byte digest: the fixed prefix PKCS#1 v1.5 (RFC 8017 sec. 9.2) puts before a SHA-256 hash
-_SHA256_DIGEST_INFO = bytes.fromhex("3031300d060960864801650304020105000420")
-_RSA_ENCRYPTION_OID = bytes.fromhex("2a864886f70d010101")  # 1.2.840.113549.1.1.1
-
-def _der_next(buf, pos):
-    """Read one DER tag-length-value at buf[pos]: (tag, value bytes, position after it)."""
-    if pos + 2 > len(buf):
-        raise ValueError("truncated DER")
-    tag, n = buf[pos], buf[pos + 1]
-    pos += 2
-    if n & 0x80:  # long form: the low 7 bits count the big-endian length bytes that follow
-        k = n & 0x7F
-        n = int.from_bytes(buf[pos:pos + k], "big")
-        pos += k
-    if pos + n > len(buf):
-        raise ValueError("truncated DER")
-    return tag, buf[pos:pos + n], pos + n
-
-def _der_sequence(buf):
-    """The elements [(tag, value)] of the DER SEQUENCE that buf holds."""
-    tag, body, _ = _der_next(buf, 0)
-    if tag != 0x30:
-        raise ValueError("expected a DER SEQUENCE")
-    items, pos = [], 0
-    while pos < len(body):
-        t, v, pos = _der_next(body, pos)
-        items.append((t, v))
-    return items
-
-def _rsa_key_from_pem(pem):
-    """RSA private key from PEM text: (n, e, d, p, q, dp, dq, qinv) as ints.
-    Takes 'PRIVATE KEY' (PKCS#8, what Google's key files hold) and 'RSA PRIVATE KEY' (PKCS#1)."""
-    m = re.search(r"-----BEGIN (RSA )?PRIVATE KEY-----(.*?)-----END \1?PRIVATE KEY-----", pem, re.S)
-    if not m:
-        kind = re.search(r"-----BEGIN ([A-Z ]+)-----", pem)
-        raise ValueError(f"expected a PEM 'PRIVATE KEY' or 'RSA PRIVATE KEY' block, found "
-                         f"{repr(kind.group(1)) if kind else 'no PEM block'} (encrypted keys are not "
-                         "supported)")
-    der = base64.b64decode("".join(m.group(2).split()), validate=True)
-    if not m.group(1):
-        # PKCS#8: SEQUENCE { version, AlgorithmIdentifier { OID, params }, OCTET STRING { PKCS#1 key } }
-        items = _der_sequence(der)
-        if len(items) < 3 or items[1][0] != 0x30 or items[2][0] != 0x04:
-            raise ValueError("malformed PKCS#8 private key")
-        oid_tag, oid, _ = _der_next(items[1][1], 0)
-        if oid_tag != 0x06 or oid != _RSA_ENCRYPTION_OID:
-            raise ValueError("not an RSA key (RS256 needs RSA)")
-        der = items[2][1]
-    # PKCS#1 RSAPrivateKey: SEQUENCE { version, n, e, d, p, q, d mod (p-1), d mod (q-1), q^-1 mod p }
-    items = _der_sequence(der)
-    if len(items) < 9 or any(t != 0x02 for t, _ in items[:9]):
-        raise ValueError("malformed RSA private key")
-    n, e, d, p, q, dp, dq, qinv = (int.from_bytes(v, "big", signed=True) for _, v in items[1:9])
-    if p * q != n:
-        raise ValueError("inconsistent RSA private key (p*q != n)")
-    return n, e, d, p, q, dp, dq, qinv
-
-def _rsa_sign_sha256(key, msg):
-    """RSASSA-PKCS1-v1_5 signature with SHA-256 (RS256) of msg, as bytes of the modulus' length."""
-    n, e, d, p, q, dp, dq, qinv = key
-    k = (n.bit_length() + 7) // 8
-    t = _SHA256_DIGEST_INFO + hashlib.sha256(msg).digest()
-    if k < len(t) + 11:
-        raise ValueError("RSA key too short for SHA-256 signatures")
-    em = b"\x00\x01" + b"\xff" * (k - len(t) - 3) + b"\x00" + t  # the padded message, k bytes
-    m = int.from_bytes(em, "big")
-    # m^d mod n via the Chinese remainder theorem: two exponentiations with half-size numbers
-    # (about 3x faster than pow(m, d, n)), recombined with Garner's formula
-    s1, s2 = pow(m, dp, p), pow(m, dq, q)
-    s = s2 + q * ((qinv * (s1 - s2)) % p)
-    # checking with the public exponent is cheap (e is small) and turns a corrupt key into a clear
-    # error here rather than a signature the token endpoint refuses
-    if pow(s, e, n) != m:
-        raise ValueError("RSA signature check failed: the private key's numbers are inconsistent")
-    return s.to_bytes(k, "big")
-
-def _b64url(b):
-    return base64.urlsafe_b64encode(b).rstrip(b"=").decode()  # JWTs use unpadded base64url
-
-def _load_service_account(path):
-    """The key file's dict, checked; every error names the file (never the key's contents)."""
-    where = f"GOOGLE_APPLICATION_CREDENTIALS={path}"
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise GCSError(f"{where}: cannot read the key file: {e.strerror or e}") from None
-    try:
-        info = json.loads(text)
-    except ValueError as e:
-        raise GCSError(f"{where}: the key file is not valid JSON ({e})") from None
-    if not isinstance(info, dict):
-        raise GCSError(f"{where}: the key file is not a JSON object")
-    kind = info.get("type")
-    if kind != "service_account":
-        hint = (" (user credentials from `gcloud auth application-default login`: unset "
-                "GOOGLE_APPLICATION_CREDENTIALS and the gcloud CLI's login is used instead)"
-                if kind == "authorized_user" else "")
-        raise GCSError(f"{where}: credentials of type {kind!r} are not supported; only service-account "
-                       f"key files (\"type\": \"service_account\") are{hint}")
-    missing = [k for k in ("client_email", "private_key", "private_key_id") if not info.get(k)]
-    if missing:
-        raise GCSError(f"{where}: the service-account key file lacks {', '.join(missing)}")
-    return info
-
-def _token_from_service_account(path):
-    """(access token, seconds it lives) from a service-account key file."""
-    info = _load_service_account(path)
-    where = f"GOOGLE_APPLICATION_CREDENTIALS={path}"
-    token_uri = info.get("token_uri") or DEFAULT_TOKEN_URI
-    try:
-        key = _rsa_key_from_pem(info["private_key"])
-    except ValueError as e:  # binascii.Error (bad base64) is a ValueError too
-        raise GCSError(f"{where}: private_key is not a usable RSA private key: {e}") from None
-    now = int(time.time())
-    header = {"alg": "RS256", "typ": "JWT", "kid": info["private_key_id"]}
-    claims = {"iss": info["client_email"], "scope": GCS_SCOPE, "aud": token_uri, "iat": now,
-              "exp": now + 3600}
-    signing_input = _b64url(json.dumps(header).encode()) + "." + _b64url(json.dumps(claims).encode())
-    jwt = signing_input + "." + _b64url(_rsa_sign_sha256(key, signing_input.encode()))
-    form = {"grant_type": "urn:ietf:params:oauth:grant-type:jwt-bearer", "assertion": jwt}
-    for i in range(len(_TOKEN_RETRY_DELAYS) + 1):
-        if i:
-            time.sleep(_TOKEN_RETRY_DELAYS[i - 1])
-        try:
-            r = requests.post(token_uri, data=form, timeout=30)
-        except requests.RequestException as e:  # network trouble: worth another try
-            problem = f"cannot reach {token_uri}: {e}"
-            continue
-        if r.status_code == 200:
-            try:
-                d = r.json()
-                return d["access_token"], float(d.get("expires_in", 3600))
-            except (ValueError, KeyError, TypeError):
-                raise GCSError(f"{where}: {token_uri} answered 200 without an access_token: "
-                               f"{r.text.strip()[:300]}") from None
-        try:  # OAuth2 errors are {"error": "invalid_grant", "error_description": "..."}
-            d = r.json()
-            detail = ": ".join(str(d[k]) for k in ("error", "error_description") if d.get(k)) or r.text
-        except ValueError:
-            detail = r.text
-        problem = (f"{token_uri} refused the token request: HTTP {r.status_code} "
-                   f"{detail.strip()[:300]}").rstrip()
-        if not _is_transient(r.status_code):
-            raise GCSError(f"{where}: {problem}", r.status_code)  # e.g. a revoked key or clock skew
-    raise GCSError(f"{where}: {problem} (after {len(_TOKEN_RETRY_DELAYS) + 1} tries)")
-
-def get_token(force_refresh=False):
-    """OAuth2 access token for GCS, or None when talking to an emulator. Cached until ~2 min before expiry."""
-    global _token, _token_expiry, _token_source
-    if _emulator_host():
-        return None
-    key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip() or None
-    with _token_lock:
-        # a token is reused only while the same source would be asked (the variable can change)
-        if force_refresh or _token is None or key_file != _token_source or time.time() > _token_expiry - 120:
-            if key_file:  # set: use it or fail loudly, never fall back to another identity
-                got = _token_from_service_account(key_file)
-            else:
-                got = _token_from_metadata() or _token_from_gcloud()
-            if got is None:
-                raise GCSError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM "
-                               "metadata server is unreachable (not on a GCE/TPU VM?) and `gcloud auth "
-                               "print-access-token` failed; set GOOGLE_APPLICATION_CREDENTIALS to a "
-                               "service-account key file, run `gcloud auth login`, or set "
-                               "STORAGE_EMULATOR_HOST to use a local emulator")
-            _token, ttl = got
-            _token_expiry, _token_source = time.time() + ttl, key_file
-        return _token
+        token = credentials.get_token(force_refresh)
+    except credentials.CredentialsError as e:
+        raise GCSError(str(e), e.status) from None
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 # -----------------------------------------------------------------------------
 # client
@@ -358,12 +155,10 @@ class GCS:
         refreshed, err, t0 = False, None, time.time()
         for i in range(self.retries + 1):
             try:
-                token = get_token()
-                return self._attempt(what, attempt, {"Authorization": f"Bearer {token}"} if token else {},
-                                     watch or i > 0, f"attempt {i + 1} of {self.retries + 1}", err, t0)
+                return self._attempt(what, attempt, _auth_headers(), watch or i > 0, f"attempt {i + 1} of {self.retries + 1}", err, t0)
             except _BadStatus as e:
                 if e.status == 401 and not refreshed and not _emulator_host():
-                    get_token(force_refresh=True)  # token revoked or expired early
+                    _auth_headers(force_refresh=True)  # token revoked or expired early
                     refreshed, err = True, e
                     continue
                 if not _is_transient(e.status):

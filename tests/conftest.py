@@ -136,7 +136,7 @@ def free_port():
 
 # -----------------------------------------------------------------------------
 # GCS, against a real emulator server (pip package gcp-storage-emulator). Only 127.0.0.1 is ever
-# contacted: every test runs with STORAGE_EMULATOR_HOST set, which also keeps gcs.get_token() away
+# contacted: every test runs with STORAGE_EMULATOR_HOST set, which also keeps credentials.get_token() away
 # from the metadata server and gcloud.
 
 @pytest.fixture(autouse=True)

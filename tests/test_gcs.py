@@ -15,8 +15,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import requests
 
-import gcs
 import checkpoint
+import credentials
+import gcs
 from conftest import BUCKET, TOY_ARGS, run
 
 
@@ -123,7 +124,7 @@ def test_paths():
 
 
 def test_no_token_with_emulator(emu):
-    assert gcs.get_token() is None
+    assert credentials.get_token() is None
 
 
 def test_roundtrip(emu, tmp_path):

@@ -1,8 +1,8 @@
 """
-gcs.get_token() with GOOGLE_APPLICATION_CREDENTIALS service-account key files, end to end without
-mocks: a real RSA key made by the openssl CLI, gcs.py's hand-written RS256 signature checked by
-openssl, and a real OAuth2 token server on 127.0.0.1 that verifies the JWT before it answers.
-Nothing outside 127.0.0.1 is contacted. Self-contained: needs only pytest, requests and `openssl`.
+credentials.get_token() with GOOGLE_APPLICATION_CREDENTIALS service-account key files, end to end without
+mocks: a real RSA key made by the openssl CLI, the JWT google-auth signs with it, and a real OAuth2 token
+server on 127.0.0.1 that verifies the JWT's signature with openssl before it answers. Nothing outside
+127.0.0.1 is contacted. Needs pytest, requests, google-auth and `openssl`.
 """
 import base64
 import http.server
@@ -21,11 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import credentials  # noqa: E402
 import gcs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
+# the audience Google's token endpoint requires of a JWT, wherever the key file's token_uri points
+AUDIENCE = "https://oauth2.googleapis.com/token"
 EMAIL = "trainer@my-project.iam.gserviceaccount.com"
 KEY_ID = "0123456789abcdef0123456789abcdef01234567"
 
@@ -135,7 +138,7 @@ class TokenServer:
             return "bad signature"
         if header != {"alg": "RS256", "typ": "JWT", "kid": KEY_ID}:
             return f"bad header {header}"
-        if (claims.get("iss"), claims.get("scope"), claims.get("aud")) != (EMAIL, SCOPE, self.token_uri):
+        if (claims.get("iss"), claims.get("scope"), claims.get("aud")) != (EMAIL, SCOPE, AUDIENCE):
             return f"bad iss/scope/aud {claims}"
         if claims["exp"] - claims["iat"] != 3600 or abs(claims["iat"] - time.time()) > 60:
             return f"bad iat/exp {claims}"
@@ -154,11 +157,12 @@ def clean_env(monkeypatch):
     credential source: the metadata URL points nowhere and gcloud must not be run."""
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
-    monkeypatch.setattr(gcs, "_token", None)
-    monkeypatch.setattr(gcs, "_token_expiry", 0.0)
-    monkeypatch.setattr(gcs, "_token_source", None)
-    monkeypatch.setattr(gcs, "METADATA_TOKEN_URL", "http://127.0.0.1:9/unreachable")  # port 9: discard, closed
-    monkeypatch.setattr(gcs, "_token_from_gcloud", lambda: pytest.fail("gcloud must not be asked in these tests"))
+    monkeypatch.setattr(credentials, "_token", None)
+    monkeypatch.setattr(credentials, "_token_expiry", 0.0)
+    monkeypatch.setattr(credentials, "_token_source", None)
+    monkeypatch.setattr(credentials, "METADATA_TOKEN_URL", "http://127.0.0.1:9/unreachable")  # port 9: closed
+    monkeypatch.setattr(credentials, "_token_from_gcloud",
+                        lambda: pytest.fail("gcloud must not be asked in these tests"))
     return monkeypatch
 
 
@@ -185,11 +189,11 @@ def write_key(path, pem_path=None, token_uri=None, **overrides):
 def test_service_account_token_is_fetched_and_cached(clean_env, token_server, rsa_key, tmp_path):
     key = write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri)
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", key)
-    assert gcs.get_token() == "token-1", token_server.rejections
-    assert gcs.get_token() == "token-1"  # cached: the endpoint was asked once
+    assert credentials.get_token() == "token-1", token_server.rejections
+    assert credentials.get_token() == "token-1"  # cached: the endpoint was asked once
     assert token_server.hits == 1 and token_server.rejections == []
-    assert gcs._token_expiry - time.time() == pytest.approx(3600, abs=30)
-    assert gcs.get_token(force_refresh=True) == "token-2"
+    assert credentials._token_expiry - time.time() == pytest.approx(3600, abs=30)
+    assert credentials.get_token(force_refresh=True) == "token-2"
     assert token_server.hits == 2 and len(token_server.claims) == 2
     assert token_server.metadata_hits == 0
 
@@ -207,26 +211,27 @@ def test_token_refreshed_shortly_before_expiry(clean_env, token_server, rsa_key,
     token_server.expires_in = 60  # inside get_token's 2-minute safety margin: every call asks again
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS",
                      write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri))
-    assert [gcs.get_token(), gcs.get_token()] == ["token-1", "token-2"], token_server.rejections
+    assert [credentials.get_token(), credentials.get_token()] == ["token-1", "token-2"], token_server.rejections
 
 
 def test_pkcs1_key_in_key_file_works(clean_env, token_server, rsa_key, tmp_path):
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS",
                      write_key(tmp_path / "sa.json", rsa_key["pkcs1"], token_server.token_uri))
-    assert gcs.get_token() == "token-1", token_server.rejections
+    assert credentials.get_token() == "token-1", token_server.rejections
 
 
 def test_refused_exchange_names_key_file_and_error(clean_env, token_server, rsa_key, tmp_path):
     token_server.refuse = True
     key = write_key(tmp_path / "refused.json", rsa_key["pkcs8"], token_server.token_uri)
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", key)
-    with pytest.raises(gcs.GCSError) as e:
-        gcs.get_token()
+    with pytest.raises(credentials.CredentialsError) as e:
+        credentials.get_token()
     msg = str(e.value)
     assert key in msg and "HTTP 400" in msg and "invalid_grant" in msg and "Invalid JWT Signature" in msg, msg
+    assert "\n" not in msg
     assert e.value.status == 400
     assert token_server.hits == 1  # a refusal is final: not retried
-    assert gcs._token is None
+    assert credentials._token is None
 
 
 def test_wrong_key_is_refused_by_a_verifying_server(clean_env, token_server, tmp_path):
@@ -235,36 +240,48 @@ def test_wrong_key_is_refused_by_a_verifying_server(clean_env, token_server, tmp
     _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:1024", "-out", str(other))
     key = write_key(tmp_path / "other.json", other, token_server.token_uri)
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", key)
-    with pytest.raises(gcs.GCSError, match="bad signature") as e:
-        gcs.get_token()
+    with pytest.raises(credentials.CredentialsError, match="bad signature") as e:
+        credentials.get_token()
     assert key in str(e.value) and token_server.rejections == ["bad signature"]
 
 
 def test_token_endpoint_outage_is_retried(clean_env, token_server, rsa_key, tmp_path):
-    clean_env.setattr(gcs, "_TOKEN_RETRY_DELAYS", (0.01, 0.01, 0.01))
+    clean_env.setattr(credentials, "_TOKEN_RETRY_DELAYS", (0.01, 0.01, 0.01))
     key = write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri)
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", key)
     token_server.fail_next = 2
-    assert gcs.get_token() == "token-3", token_server.rejections
+    assert credentials.get_token() == "token-3", token_server.rejections
     token_server.fail_next = 10
-    with pytest.raises(gcs.GCSError) as e:
-        gcs.get_token(force_refresh=True)
+    with pytest.raises(credentials.CredentialsError) as e:
+        credentials.get_token(force_refresh=True)
     assert key in str(e.value) and "HTTP 503" in str(e.value) and "4 tries" in str(e.value)
     assert token_server.hits == 3 + 4
 
 
 def test_unreachable_token_endpoint(clean_env, rsa_key, tmp_path):
-    clean_env.setattr(gcs, "_TOKEN_RETRY_DELAYS", (0.01,))
+    clean_env.setattr(credentials, "_TOKEN_RETRY_DELAYS", (0.01,))
     key = write_key(tmp_path / "sa.json", rsa_key["pkcs8"], "http://127.0.0.1:9/token")
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", key)
-    with pytest.raises(gcs.GCSError, match="cannot reach http://127.0.0.1:9/token") as e:
-        gcs.get_token()
+    with pytest.raises(credentials.CredentialsError, match="cannot reach http://127.0.0.1:9/token") as e:
+        credentials.get_token()
     assert key in str(e.value)
+
+
+def one_line_error(path):
+    """The CredentialsError get_token() raises for the key file at path: one line that names the file and no key
+    material."""
+    with pytest.raises(credentials.CredentialsError) as e:
+        credentials.get_token()
+    msg = str(e.value)
+    assert str(path) in msg and "\n" not in msg, msg
+    assert "BEGIN PRIVATE KEY" not in msg and "MII" not in msg  # never echo key material
+    return msg
 
 
 @pytest.mark.parametrize("content, expected", [
     (None, "cannot read the key file"),
     ("{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not UTF-8 text"),
     ("[1, 2]", "not a JSON object"),
     (json.dumps({"type": "authorized_user", "client_id": "x", "client_secret": "y", "refresh_token": "z"}),
      "type 'authorized_user' are not supported; only service-account key files"),
@@ -272,24 +289,44 @@ def test_unreachable_token_endpoint(clean_env, rsa_key, tmp_path):
     (json.dumps({"private_key": "x"}), "type None are not supported"),
     (json.dumps({"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----\n"}),
      "lacks client_email, private_key_id"),
+    (json.dumps({"type": "service_account", "client_email": EMAIL, "private_key_id": KEY_ID}),
+     "lacks private_key"),
+    (json.dumps({"type": "service_account", "client_email": EMAIL, "private_key_id": KEY_ID, "private_key": 5}),
+     "private_key must be text"),
 ])
 def test_bad_key_files_say_what_is_wrong(clean_env, tmp_path, content, expected):
     path = tmp_path / "key.json"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
-    with pytest.raises(gcs.GCSError) as e:
-        gcs.get_token()
-    assert str(path) in str(e.value) and expected in str(e.value), str(e.value)
-    assert "BEGIN PRIVATE KEY" not in str(e.value)  # never echo key material
+    assert expected in one_line_error(path)
+
+
+def test_a_bad_key_file_is_one_gcs_error_for_the_client(clean_env, token_server, rsa_key, tmp_path):
+    # the GCS client's callers catch gcs.GCSError: a credential problem reaches them as one, with its status
+    client = gcs.GCS(endpoint=token_server.url, retries=0)
+    path = tmp_path / "key.json"
+    path.write_text("{not json")
+    clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
+    with pytest.raises(gcs.GCSError, match="not valid JSON") as e:
+        client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    assert str(path) in str(e.value) and e.value.status is None and not e.value.refused
+    token_server.refuse = True
+    clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS",
+                     write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri))
+    with pytest.raises(gcs.GCSError, match="Invalid JWT Signature") as e:
+        client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    assert e.value.status == 400 and e.value.refused and token_server.gcs_auth == []
 
 
 def test_authorized_user_message_says_what_to_do(clean_env, tmp_path):
     path = tmp_path / "adc.json"
     path.write_text(json.dumps({"type": "authorized_user", "refresh_token": "secret-refresh-token"}))
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
-    with pytest.raises(gcs.GCSError) as e:
-        gcs.get_token()
+    with pytest.raises(credentials.CredentialsError) as e:
+        credentials.get_token()
     msg = str(e.value)
     assert '"type": "service_account"' in msg and "unset GOOGLE_APPLICATION_CREDENTIALS" in msg
     assert "secret-refresh-token" not in msg
@@ -298,61 +335,37 @@ def test_authorized_user_message_says_what_to_do(clean_env, tmp_path):
 def test_unusable_private_keys(clean_env, rsa_key, tmp_path):
     ec = tmp_path / "ec.pem"
     _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:P-256", "-out", str(ec))
+    truncated = "-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n"
     for pem, expected in [(ec.read_text(), "not an RSA key"),
                           ("hello", "no PEM block"),
                           ("-----BEGIN ENCRYPTED PRIVATE KEY-----\nAAAA\n-----END ENCRYPTED PRIVATE KEY-----\n",
                            "'ENCRYPTED PRIVATE KEY'"),
-                          ("-----BEGIN PRIVATE KEY-----\nMIIB\n-----END PRIVATE KEY-----\n", "truncated DER")]:
+                          (truncated, ""),  # google-auth's own words say what is wrong with the bytes
+                          (rsa_key["pkcs8"].read_text()[:200] + "\n-----END PRIVATE KEY-----\n", "")]:
         path = tmp_path / "k.json"
         write_key(path, private_key=pem, token_uri="http://127.0.0.1:9/token")
         clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
-        with pytest.raises(gcs.GCSError) as e:
-            gcs.get_token()
-        assert str(path) in str(e.value) and "private_key is not a usable RSA private key" in str(e.value)
-        assert expected in str(e.value), str(e.value)
+        msg = one_line_error(path)
+        assert "private_key is not a usable RSA private key" in msg and expected in msg, msg
 
 
 def test_credential_order(clean_env, token_server, rsa_key, tmp_path):
-    clean_env.setattr(gcs, "METADATA_TOKEN_URL", token_server.url + "/metadata")
+    clean_env.setattr(credentials, "METADATA_TOKEN_URL", token_server.url + "/metadata")
     # no key file: the metadata server is used
-    assert gcs.get_token() == "from-metadata" and token_server.metadata_hits == 1
+    assert credentials.get_token() == "from-metadata" and token_server.metadata_hits == 1
     # a key file comes before the metadata server (and replaces the token cached from it)
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS",
                      write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri))
-    assert gcs.get_token() == "token-1" and token_server.metadata_hits == 1
+    assert credentials.get_token() == "token-1" and token_server.metadata_hits == 1
     # a broken key file is an error, never a silent fall-back to another identity
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
-    with pytest.raises(gcs.GCSError, match="missing.json"):
-        gcs.get_token()
+    with pytest.raises(credentials.CredentialsError, match="missing.json"):
+        credentials.get_token()
     assert token_server.metadata_hits == 1
     # the emulator comes first of all: no token, the key file isn't even read
     clean_env.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:9")
-    assert gcs.get_token() is None
+    assert credentials.get_token() is None
     # an empty variable counts as unset
     clean_env.delenv("STORAGE_EMULATOR_HOST")
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
-    assert gcs.get_token() == "from-metadata" and token_server.metadata_hits == 2
-
-
-def test_both_pem_forms_sign_identically_and_match_openssl(rsa_key):
-    k8 = gcs._rsa_key_from_pem(rsa_key["pkcs8"].read_text())
-    k1 = gcs._rsa_key_from_pem(rsa_key["pkcs1"].read_text())
-    assert k8 == k1
-    n = int(_openssl("rsa", "-in", str(rsa_key["pkcs8"]), "-noout", "-modulus").decode().strip().split("=")[1], 16)
-    assert k8[0] == n and k8[1] == 65537 and n.bit_length() == 2048
-    for msg in [b"", b"header.claims", os.urandom(1000)]:
-        sig = gcs._rsa_sign_sha256(k8, msg)
-        assert sig == gcs._rsa_sign_sha256(k1, msg)
-        assert len(sig) == 256
-        # PKCS#1 v1.5 is deterministic: the signature must equal openssl's, byte for byte
-        assert sig == _openssl("dgst", "-sha256", "-sign", str(rsa_key["pkcs1"]), input=msg)
-        assert _openssl_verifies(rsa_key["pub"], msg, sig, rsa_key["dir"])
-        assert not _openssl_verifies(rsa_key["pub"], msg + b"x", sig, rsa_key["dir"])
-
-
-def test_signing_is_fast(rsa_key):
-    key = gcs._rsa_key_from_pem(rsa_key["pkcs8"].read_text())
-    t = time.perf_counter()
-    for _ in range(10):
-        gcs._rsa_sign_sha256(key, b"x")
-    assert (time.perf_counter() - t) / 10 < 0.5  # CRT keeps it to milliseconds; a token lasts an hour
+    assert credentials.get_token() == "from-metadata" and token_server.metadata_hits == 2

@@ -1,0 +1,218 @@
+"""
+Access tokens for Google Cloud Storage: gcs.py asks get_token() before each request.
+
+Sources, in order: none when STORAGE_EMULATOR_HOST is set (a local emulator, what the tests use), else the
+service-account key file named by GOOGLE_APPLICATION_CREDENTIALS (any machine, e.g. a GPU cloud: google-auth
+signs a JWT with the key and trades it at the key's token_uri for a token), else the VM metadata server (a
+TPU/GCE VM's service account), else `gcloud auth print-access-token` (a workstation). A token is reused until
+2 minutes before it expires. A key file that is named is used or reported in one line naming the file (never
+its key), never replaced by another identity.
+"""
+import datetime
+import json
+import os
+import re
+import subprocess
+import threading
+import time
+
+import requests
+
+try:  # only a service-account key file needs google-auth; an environment made before it was required may lack it
+    from google.auth import exceptions as auth_errors
+    from google.auth.transport.requests import Request
+    from google.oauth2 import service_account
+except ImportError:
+    service_account = None
+
+METADATA_HOST = os.environ.get("GCE_METADATA_HOST", "metadata.google.internal")
+METADATA_TOKEN_URL = f"http://{METADATA_HOST}/computeMetadata/v1/instance/service-accounts/default/token"
+GCS_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
+DEFAULT_TOKEN_URI = "https://oauth2.googleapis.com/token"  # what every Google key file names anyway
+TOKEN_TIMEOUT_S = 30  # one wait for the token endpoint's answer
+_TOKEN_RETRY_DELAYS = (1.0, 2.0, 4.0)  # seconds between tries when the token endpoint is down or 5xx
+
+
+class CredentialsError(Exception):
+    def __init__(self, msg, status=None):
+        super().__init__(msg)
+        self.status = status  # the token endpoint's HTTP status, or None for a key file or network problem
+
+
+_token_lock = threading.Lock()
+_token = None
+_token_expiry = 0.0
+_token_source = None  # the key file the cached token came from (None: metadata/gcloud)
+
+
+def _transient(status):
+    return status in (408, 429) or status >= 500
+
+
+def _token_from_metadata():
+    try:
+        r = requests.get(METADATA_TOKEN_URL, headers={"Metadata-Flavor": "Google"}, timeout=2)
+    except requests.RequestException:
+        return None  # not on a GCE/TPU VM
+    if r.status_code != 200:
+        return None  # e.g. VM without a service account
+    d = r.json()
+    return d["access_token"], float(d.get("expires_in", 300))
+
+
+def _token_from_gcloud():
+    try:
+        p = subprocess.run(["gcloud", "auth", "print-access-token"], capture_output=True, text=True,
+                           timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if p.returncode != 0 or not p.stdout.strip():
+        return None
+    # gcloud doesn't report the expiry; tokens live ~1h but may be partly used, so re-ask soon
+    return p.stdout.strip(), 300.0
+
+# -----------------------------------------------------------------------------
+# service-account key files (GOOGLE_APPLICATION_CREDENTIALS)
+
+def _load_service_account(path):
+    """The key file's dict, checked; every error names the file (never the key's contents)."""
+    where = f"GOOGLE_APPLICATION_CREDENTIALS={path}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise CredentialsError(f"{where}: cannot read the key file: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise CredentialsError(f"{where}: the key file is not UTF-8 text") from None
+    try:
+        info = json.loads(text)
+    except ValueError as e:
+        raise CredentialsError(f"{where}: the key file is not valid JSON ({e})") from None
+    if not isinstance(info, dict):
+        raise CredentialsError(f"{where}: the key file is not a JSON object")
+    kind = info.get("type")
+    if kind != "service_account":
+        hint = (" (user credentials from `gcloud auth application-default login`: unset "
+                "GOOGLE_APPLICATION_CREDENTIALS and the gcloud CLI's login is used instead)"
+                if kind == "authorized_user" else "")
+        raise CredentialsError(f"{where}: credentials of type {kind!r} are not supported; only service-account "
+                               f"key files (\"type\": \"service_account\") are{hint}")
+    missing = [k for k in ("client_email", "private_key", "private_key_id") if not info.get(k)]
+    if missing:
+        raise CredentialsError(f"{where}: the service-account key file lacks {', '.join(missing)}")
+    wrong = [k for k in ("client_email", "private_key", "private_key_id", "token_uri")
+             if k in info and not isinstance(info[k], str)]
+    if wrong:
+        raise CredentialsError(f"{where}: in the key file, {', '.join(wrong)} must be text")
+    return {**info, "token_uri": info.get("token_uri") or DEFAULT_TOKEN_URI}
+
+
+def _signing_credentials(info, where):
+    """google-auth's credentials for the key, with the storage scope, checked by signing once: a key google-auth
+    cannot sign with is named here rather than failing inside the token exchange."""
+    if service_account is None:
+        raise CredentialsError(f"{where}: a service-account key file needs the google-auth package "
+                               "(pip install -r requirements.txt)")
+    # the PEM block's name, read before google-auth parses the key, says what an unusable key is
+    block = re.search(r"-----BEGIN ([A-Z ]+)-----", info["private_key"])
+    if not block or block.group(1) not in ("PRIVATE KEY", "RSA PRIVATE KEY"):
+        raise CredentialsError(f"{where}: private_key is not a usable RSA private key: expected a PEM 'PRIVATE "
+                               f"KEY' or 'RSA PRIVATE KEY' block, found "
+                               f"{repr(block.group(1)) if block else 'no PEM block'} (encrypted keys are not "
+                               "supported)")
+    try:
+        creds = service_account.Credentials.from_service_account_info(info, scopes=[GCS_SCOPE])
+    except (ValueError, auth_errors.GoogleAuthError) as e:
+        raise CredentialsError(f"{where}: private_key is not a usable RSA private key: {e}") from None
+    try:
+        creds.sign_bytes(b"")  # google-auth takes any PEM key here and finds out only when it signs
+    except TypeError:  # an EC or Ed25519 key's sign() takes other arguments than RSA's
+        raise CredentialsError(f"{where}: private_key is not a usable RSA private key: not an RSA key "
+                               "(RS256 needs RSA)") from None
+    return creds
+
+
+class _Answer(Exception):
+    def __init__(self, status, body):
+        super().__init__(f"HTTP {status}")
+        self.status, self.body = status, body
+
+
+class _OneRequest:
+    """The transport google-auth refreshes through: its own `requests` transport with a bounded wait, where
+    every answer but a 200 comes back as _Answer before google-auth's retry loop sees it. So which answers are
+    retried, how often, and what a refusal says (with its HTTP status, which google-auth's errors lack) are
+    decided here, as gcs.py decides them for every GCS request."""
+
+    def __init__(self):
+        self.transport = Request()
+
+    def __call__(self, url, method="GET", body=None, headers=None, timeout=None, **kwargs):
+        r = self.transport(url, method=method, body=body, headers=headers, timeout=TOKEN_TIMEOUT_S, **kwargs)
+        if r.status != 200:
+            raise _Answer(r.status, r.data)
+        return r
+
+
+def _refusal(token_uri, answer):
+    """One line for a token endpoint's answer other than 200 (OAuth2: {"error": ..., "error_description": ...})."""
+    text = answer.body.decode("utf-8", "replace") if isinstance(answer.body, bytes) else str(answer.body)
+    try:
+        d = json.loads(text)
+        detail = ": ".join(str(d[k]) for k in ("error", "error_description") if d.get(k)) or text
+    except (ValueError, TypeError, AttributeError):
+        detail = text
+    detail = " ".join(detail.split())[:300]  # a body on several lines stays one line
+    return f"{token_uri} refused the token request: HTTP {answer.status} {detail}".rstrip()
+
+
+def _token_from_service_account(path):
+    """(access token, seconds it lives) from a service-account key file (the JWT bearer grant, RFC 7523)."""
+    where = f"GOOGLE_APPLICATION_CREDENTIALS={path}"
+    info = _load_service_account(path)
+    creds, token_uri = _signing_credentials(info, where), info["token_uri"]
+    for i in range(len(_TOKEN_RETRY_DELAYS) + 1):
+        if i:
+            time.sleep(_TOKEN_RETRY_DELAYS[i - 1])
+        try:
+            creds.refresh(_OneRequest())
+        except auth_errors.TransportError as e:  # network trouble: worth another try
+            problem = f"cannot reach {token_uri}: {e}"
+            continue
+        except _Answer as a:
+            problem = _refusal(token_uri, a)
+            if not _transient(a.status):
+                raise CredentialsError(f"{where}: {problem}", a.status) from None  # a revoked key, clock skew
+            continue
+        except (auth_errors.RefreshError, ValueError) as e:  # a 200 without a token, or an unreadable expiry
+            raise CredentialsError(f"{where}: {token_uri} answered without a usable access token: "
+                                   f"{e.args[0] if e.args else e}") from None
+        if creds.expiry is None:
+            return creds.token, 3600.0
+        # google-auth's expiry is a naive datetime in UTC
+        return creds.token, creds.expiry.replace(tzinfo=datetime.timezone.utc).timestamp() - time.time()
+    raise CredentialsError(f"{where}: {problem} (after {len(_TOKEN_RETRY_DELAYS) + 1} tries)")
+
+
+def get_token(force_refresh=False):
+    """OAuth2 access token for GCS, or None when talking to an emulator. Cached until ~2 min before expiry."""
+    global _token, _token_expiry, _token_source
+    if os.environ.get("STORAGE_EMULATOR_HOST", "").strip().rstrip("/"):
+        return None
+    key_file = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS", "").strip() or None
+    with _token_lock:
+        # a token is reused only while the same source would be asked (the variable can change)
+        if force_refresh or _token is None or key_file != _token_source or time.time() > _token_expiry - 120:
+            if key_file:  # set: use it or fail loudly, never fall back to another identity
+                got = _token_from_service_account(key_file)
+            else:
+                got = _token_from_metadata() or _token_from_gcloud()
+            if got is None:
+                raise CredentialsError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM "
+                                       "metadata server is unreachable (not on a GCE/TPU VM?) and `gcloud auth "
+                                       "print-access-token` failed; set GOOGLE_APPLICATION_CREDENTIALS to a "
+                                       "service-account key file, run `gcloud auth login`, or set "
+                                       "STORAGE_EMULATOR_HOST to use a local emulator")
+            _token, ttl = got
+            _token_expiry, _token_source = time.time() + ttl, key_file
+        return _token
