@@ -213,9 +213,9 @@ if checkpoint_dir:
     import shutil
     import tempfile
 
-    import gcs
+    from runkeep import gcs
     from device import to_cpu
-    from checkpoint import CheckpointError, save_atomic
+    from runkeep.checkpoint import CheckpointError, save_atomic
     for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in
                                   # the file
         p.grad = torch.zeros_like(p)

@@ -184,6 +184,6 @@ def _configure(g, argv):
 
 
 if __name__ != 'configurator':  # exec'd by a script (imported as a module, it only lends read_config_block)
-    from records import Tee as _Tee  # a closed stdout never stops the script, from its first line on
+    from runkeep.records import Tee as _Tee  # a closed stdout never stops the script, from its first line on
     _Tee.install()
     _configure(globals(), sys.argv[1:])

@@ -17,8 +17,8 @@ import signal
 import numpy as np
 import torch
 
-import torchtpu
-from torchtpu import TorchTPU  # the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
+from runkeep import torchtpu
+from runkeep.torchtpu import TorchTPU  # the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
 
 
 def usable_cores():

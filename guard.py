@@ -24,17 +24,18 @@ import sys
 import threading
 import time
 
-import gcs
+from runkeep import gcs
 from data import IN_USE, check_split, load_metadata
-from memory import (config_memory, config_shape, describe, latent_bytes, memory_headroom, memory_problem, need,
+from runkeep.memory import (config_memory, config_shape, describe, latent_bytes, memory_headroom, memory_problem, need,
                     resident_bytes, size)
 from puzzles import puzzle_for, puzzle_type, views_problem
-from records import Tee  # the script's output (and rank 0's train.log), installed at its first line
+from runkeep.records import Tee  # the script's output (and rank 0's train.log), installed at its first line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # the code whose copies every host must share (a pod runs one command on every host): every file beside
-# train.py, so a new file is compared as soon as it is there
-CODE_FILES = sorted(glob.glob(os.path.join(HERE, '*.py')))
+# train.py and in its packages, so a new file is compared as soon as it is there
+CODE_FILES = sorted(glob.glob(os.path.join(HERE, '*.py')) + [
+    f for f in glob.glob(os.path.join(HERE, '*', '*.py')) if os.path.isfile(os.path.join(os.path.dirname(f), '__init__.py'))])
 HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
 HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; a rerun would loop
 

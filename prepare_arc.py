@@ -47,7 +47,7 @@ import time
 
 import numpy as np
 
-import gcs
+from runkeep import gcs
 from data import METADATA_FIELDS, DownloadError, WriteError, building, cannot_write, download, save_array, writing
 from puzzles import ARC
 

@@ -24,7 +24,7 @@ from collections import Counter, deque
 
 import numpy as np
 
-import gcs
+from runkeep import gcs
 from data import DownloadError, WriteError, building, download, write_split, writing
 from puzzles import GOAL, OPEN, PAD, PATH, START, WALL, Maze, shortest_path_length
 

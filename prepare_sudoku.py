@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-import gcs
+from runkeep import gcs
 from data import DownloadError, building, download, write_split, writing
 from puzzles import BOXES, Sudoku
 

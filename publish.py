@@ -41,9 +41,9 @@ if not os.path.isfile(init_from):
                      "first, e.g. with gcloud storage cp)")
 # -----------------------------------------------------------------------------
 
-from checkpoint import CheckpointError, load_checkpoint, what_it_holds  # noqa: E402
+from runkeep.checkpoint import CheckpointError, load_checkpoint, what_it_holds  # noqa: E402
 from configurator import read_config_block  # noqa: E402
-from published import export, upload  # noqa: E402
+from runkeep.hub import export, upload  # noqa: E402
 
 try:
     ckpt = load_checkpoint(init_from)

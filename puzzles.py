@@ -21,7 +21,7 @@ import re
 
 import numpy as np
 
-from memory import memory_headroom
+from runkeep.memory import memory_headroom
 
 
 def plural(k, word):

@@ -30,7 +30,7 @@ import re
 import time
 
 from configurator import read_config_block  # noqa: E402
-from published import resolve_init_from  # noqa: E402
+from runkeep.hub import resolve_init_from  # noqa: E402
 
 # train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
 # carries its own); for such a state dict they must be those of its training run (the weights do not tell
@@ -90,8 +90,8 @@ from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usa
 from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import draw_arc_task, draw_steps, seq_len_for_vocab, views_problem, vote  # noqa: E402
-from checkpoint import CheckpointError, identifier_mismatch, load_checkpoint, weights_in  # noqa: E402
-from checkpoint import fill_absent_table, what_it_holds  # noqa: E402
+from runkeep.checkpoint import CheckpointError, identifier_mismatch, load_checkpoint, weights_in  # noqa: E402
+from runkeep.checkpoint import fill_absent_table, what_it_holds  # noqa: E402
 
 
 def cpu_threads():

@@ -44,16 +44,16 @@ import sys
 import time
 from collections import deque
 
-import gcs
+from runkeep import gcs
 from configurator import parse_flags
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from guard import holder_gone, local_folder, lock_record
 from puzzles import KINDS
-from records import Tee
-from study_plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
+from runkeep.records import Tee
+from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
                         duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps,
                         partition, read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
-from study_report import make_report
+from studies.report import make_report
 
 # -----------------------------------------------------------------------------
 # config
@@ -632,7 +632,7 @@ def fits(e, kind, ids, status):
     d = e.data
     if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
         return True
-    from memory import config_memory, memory_headroom, memory_problem, resident_bytes
+    from runkeep.memory import config_memory, memory_headroom, memory_problem, resident_bytes
     c = e.run_cfg
     if kind == 'cuda':
         try:

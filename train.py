@@ -13,7 +13,7 @@ import copy
 import os
 import sys
 import time
-from published import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
+from runkeep.hub import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
@@ -138,9 +138,9 @@ from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device  # noqa: E402
 from device import launch_tpu, resolve_loss_dtype, under_torchrun  # noqa: E402
 from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
-from checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E402
-from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
-from run import Run  # noqa: E402
+from runkeep.checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E402
+from runkeep.records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
+from runkeep.run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from evaluate import ARCVotes, evaluate, format_eval  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, evaluation_steps, step_form  # noqa: E402
@@ -357,7 +357,7 @@ def xla_worker(index):
 if __name__ == '__main__':
     kind = resolve_device(device)  # a device that cannot run here says so now, in one line
     if smoke:  # two short runs of this command, in processes of their own, then a verdict
-        from preflight import preflight
+        from runkeep.preflight import preflight
         raise SystemExit(preflight(config))
     if kind == 'tpu' and not under_torchrun():  # TorchTPU: one process per TPU device, through torchrun
         raise SystemExit(launch_tpu(sys.argv))

@@ -23,7 +23,7 @@ gcs_call() {
   # the bucket did not answer or refused (said on stderr)
   python - "$@" <<'EOF'
 import sys
-import gcs
+from runkeep import gcs
 what, uri, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
 try:
     if what == 'exists':

@@ -121,7 +121,7 @@ def ours_to_reference(args, data, variant, keys, dtype):
     import yaml
     from pretrain import PretrainConfig, load_checkpoint
     from models.sparse_embedding import CastedSparseEmbeddingSignSGD_Distributed
-    from checkpoint import load_checkpoint as load_ours
+    from runkeep.checkpoint import load_checkpoint as load_ours
     from model import TRM, TRMConfig
     out = os.path.join(args.work, 'ours', slug(variant, dtype))
     flags = [f'--{k}={v}' for k, v in dict(TINY, **keys).items()]
@@ -177,9 +177,9 @@ def reference_to_ours(args, data, variant, keys, dtype):
     import hydra
     import pretrain
     from pretrain import PretrainConfig, save_code_and_config
-    from checkpoint import load_weights
+    from runkeep.checkpoint import load_weights
     from model import TRM, TRMConfig
-    from published import model_keys, read_all_config
+    from runkeep.hub import model_keys, read_all_config
     folder = os.path.join(args.work, 'reference', slug(variant, dtype))
     arch = dict(TINY, **keys, forward_dtype=dtype)
     if arch['puzzle_emb_ndim']:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, assert_user_error, ckpts, finish, read_until, run, start
 from device import Device
 from evaluate import ARCVotes, format_eval

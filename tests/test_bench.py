@@ -54,7 +54,7 @@ def test_bench_writes_and_uploads_a_checkpoint_as_train_writes_one(emu, tmp_path
     moments, the carry of the whole batch), written into a folder, or uploaded to the bucket (the emulator)."""
     import torch
     from conftest import BUCKET
-    from gcs import GCS
+    from runkeep.gcs import GCS
     tiny = [a for a in BENCH_TINY if not a.startswith(('--steps=', '--eval_batches='))]
     p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir={tmp_path}/ck'] + tiny)
     line = [l for l in p.stdout.splitlines() if l.startswith('bench: checkpoint_mb=')][-1]

@@ -17,7 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, Preconditioned, run
 
 FAST = TOY_ARGS + ['--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2']

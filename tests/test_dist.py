@@ -118,7 +118,7 @@ def test_wandb_trouble_never_stops_a_run(toy, tmp_path, ranks, how):
 # a dataset in a bucket: built once, fetched by one process per host, never half used
 
 def test_dataset_in_a_bucket_is_built_uploaded_fetched_and_trained_on(emu, tmp_path):
-    import gcs
+    from runkeep import gcs
     from conftest import BUCKET
     uri = f'gs://{BUCKET}/datasets/s4'
     run(['prepare_sudoku.py', '--generate', '200', '--size', '4', '--num_test', '20', '--num_aug', '1',
@@ -135,7 +135,7 @@ def test_dataset_in_a_bucket_is_built_uploaded_fetched_and_trained_on(emu, tmp_p
 
 
 def test_an_interrupted_fetch_is_redone_and_never_leaves_a_dataset_that_loads(emu, tmp_path, toy, monkeypatch):
-    import gcs
+    from runkeep import gcs
     from conftest import BUCKET
     from data import load_metadata
     uri = f'gs://{BUCKET}/datasets/toy'
@@ -170,7 +170,7 @@ def test_a_local_out_dir_is_refused_when_the_world_spans_hosts(toy, tmp_path):
 
 
 def test_resume_refuses_an_unlistable_bucket_and_a_bucket_of_corrupt_checkpoints(emu, toy, tmp_path):
-    import gcs
+    from runkeep import gcs
     from conftest import BUCKET, free_port
     args = [f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/runs/bad', f'--local_dir={tmp_path}/local',
             '--init_from=resume', '--max_steps=4', '--gcs_retries=1'] + FAST

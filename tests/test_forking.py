@@ -63,7 +63,7 @@ def test_a_third_latent_is_a_change_to_model_py_alone(tmp_path, sudoku4, trained
     assert os.path.exists(out / 'ckpt_00000005.pt')
 
     # the memory check counts one more latent per row of the carry and of an evaluation
-    count = ("import json, sys; from memory import config_memory; cfg, data = json.loads(sys.argv[1]); "
+    count = ("import json, sys; from runkeep.memory import config_memory; cfg, data = json.loads(sys.argv[1]); "
              "print(json.dumps(config_memory(cfg, data, 'cpu')))")
     data = dict(seq_len=16, vocab_size=6, num_puzzle_identifiers=1)
     parts = {name: json.loads(subprocess.run([sys.executable, '-c', count, json.dumps([ckpt['config'], data])],

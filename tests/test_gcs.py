@@ -15,9 +15,9 @@ from urllib.parse import parse_qs, urlsplit
 import pytest
 import requests
 
-import checkpoint
-import credentials
-import gcs
+from runkeep import checkpoint
+from runkeep import credentials
+from runkeep import gcs
 from conftest import BUCKET, TOY_ARGS, run
 
 

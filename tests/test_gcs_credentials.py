@@ -21,8 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import credentials  # noqa: E402
-import gcs  # noqa: E402
+from runkeep import credentials  # noqa: E402
+from runkeep import gcs  # noqa: E402
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

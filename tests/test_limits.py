@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from conftest import FAST, ROOT, SUDOKU, TINY, assert_user_error, run
-from memory import run_memory
+from runkeep.memory import run_memory
 
 LIMITED = ['-c', 'import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (n, n)); '
            'os.execv(sys.executable, [sys.executable] + sys.argv[2:])']  # prlimit --as=N python ...

@@ -12,7 +12,7 @@ import sys
 import time
 
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run
 
 SMOKE = TOY_ARGS + ['--smoke=True', '--eval_subset=20', '--log_interval=1']

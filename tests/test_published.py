@@ -101,9 +101,9 @@ def test_publish_writes_the_reference_layout_and_it_round_trips_bit_for_bit(tabl
 
 
 def test_the_layout_gives_the_outputs_of_its_checkpoint_with_no_model_key_typed(table_run, tmp_path):
-    from checkpoint import load_weights
+    from runkeep.checkpoint import load_weights
     from model import TRM, TRMConfig
-    from published import model_keys, read_all_config
+    from runkeep.hub import model_keys, read_all_config
     data, folder = table_run['data'], table_run['folder']
     ours = run(['train.py', f'--data_path={data}', f'--out_dir={tmp_path}/a', f'--init_from={table_run["ckpt"]}',
                 *MODEL_FLAGS, *EVAL])

@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 import yaml
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, Lines, free_port
 from guard import HUNG_AGAIN_EXIT, HUNG_EXIT
 

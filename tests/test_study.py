@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, run
 from configurator import config_files, read_config_block
 

@@ -12,7 +12,7 @@ import re
 import shutil
 import time
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, assert_user_error, run
 
 STUDY = os.path.join(ROOT, 'config', 'study')

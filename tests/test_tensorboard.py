@@ -19,7 +19,7 @@ import pytest
 import requests
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import gcs
+from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, free_port, run
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=1', '--log_interval=4']  # 40 steps; evaluations: 20, 40

@@ -77,7 +77,7 @@ def test_a_tpu_chip_s_number_format_and_peak():
 
 
 def test_the_smoke_check_s_torchtpu_verdicts():
-    from preflight import SMOKE_STEPS, torchtpu_rows
+    from runkeep.preflight import SMOKE_STEPS, torchtpu_rows
     half = SMOKE_STEPS // 2
     train = [dict(step=half, xla_compiles_total=3), dict(step=SMOKE_STEPS, xla_compiles_total=3),
              dict(step=SMOKE_STEPS + half, xla_compiles_total=3), dict(step=2 * SMOKE_STEPS, xla_compiles_total=5)]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TOY_ARGS, eval_lines, run, step_lines
-from checkpoint import CheckpointError, load_checkpoint
+from runkeep.checkpoint import CheckpointError, load_checkpoint
 
 
 def test_a_tiny_trm_learns_and_its_ema_evaluates_at_least_as_well_as_its_raw_weights(toy, tmp_path):

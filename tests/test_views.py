@@ -15,7 +15,7 @@ import torch
 
 import prepare_maze as pm
 import prepare_sudoku as ps
-import checkpoint
+from runkeep import checkpoint
 from conftest import TOY_ARGS, assert_user_error, make_reverse_dataset, run
 from data import EvalLoader, load_arrays, load_metadata, write_split
 from device import Device

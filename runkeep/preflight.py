@@ -16,15 +16,15 @@ import subprocess
 import sys
 import time
 
-import gcs
+from . import gcs
 from device import tpu_chips, tpu_host_alone_env
-from checkpoint import list_checkpoints
+from .checkpoint import list_checkpoints
 from guard import STOP, local_folder
 
 SMOKE_STEPS = 10        # training steps of each of the two runs
 SMOKE_EVAL = 1000       # seeded test examples evaluated at the end of each (eval_subset, when smaller)
 PHASE_MINUTES = 15      # a run that takes longer is stopped (SIGTERM, then SIGKILL): the check fails
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
 
 def host_alone_env():

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-import gcs
-from checkpoint import (MAX_WEIGHT, check_resume, resume_parts, checkpoint_name, checkpoint_problems, checkpoint_tensors,
+from . import gcs
+from .checkpoint import (MAX_WEIGHT, check_resume, resume_parts, checkpoint_name, checkpoint_problems, checkpoint_tensors,
                         delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
                         load_weights, prune_checkpoints, set_aside_diverged, write_checkpoint)
 from data import load_metadata
@@ -27,7 +27,7 @@ from puzzles import render_example
 from guard import (STOP, Clock, data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint,
                    hosts_differ, local_folder, lock_bucket, lock_local, mark_data, release_locks,
                    startup_problems)
-from records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
+from .records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
                      results_of_step, save_evaluation, save_submission, start_log, start_wandb,
                      wandb_log_safe)
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-import gcs
+from . import gcs
 from guard import data_shape, describe_data, fail_if_ranks_differ, fail_together
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at

@@ -30,7 +30,7 @@ import urllib.parse
 
 import requests
 
-import credentials
+from . import credentials
 
 GCS_ENDPOINT = "https://storage.googleapis.com"
 MiB = 1 << 20

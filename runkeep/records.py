@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 
-import gcs
+from . import gcs
 
 # -----------------------------------------------------------------------------
 # a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed

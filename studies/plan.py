@@ -10,12 +10,12 @@ import re
 import shlex
 from dataclasses import dataclass
 
-import gcs
+from runkeep import gcs
 from configurator import config_files, read_config_block
 from puzzles import shape_from_name
-from checkpoint import list_checkpoints
+from runkeep.checkpoint import list_checkpoints
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'train.py')).items()}
 SCALE_ROOTS = dict(full='out/study', gpu='out/study-gpu', cpu='out/study-cpu')
 GPU_FRACTION = 0.1              # of epochs, eval_interval and lr_warmup_steps at the gpu scale

@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from study_plan import checkpoint_steps, cost, fetch, read_results, saved_evals
+from .plan import checkpoint_steps, cost, fetch, read_results, saved_evals
 
 
 # -----------------------------------------------------------------------------

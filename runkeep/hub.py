@@ -373,7 +373,7 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     step_<N>_train_state.pt. forward_dtype: the one all_config.yaml names ('': the run's; its 'auto' is
     bfloat16, what it picks on a GPU or TPU). Returns the paths written."""
     import yaml
-    from checkpoint import save_atomic
+    from .checkpoint import save_atomic
     cfg, step = ckpt['config'], ckpt['step']
     dtype = forward_dtype or (cfg['forward_dtype'] if cfg['forward_dtype'] != 'auto' else 'bfloat16')
     chosen = ckpt['ema'] if weights == 'ema' and ckpt.get('ema') else ckpt['model']
