@@ -189,6 +189,41 @@ def load_arrays(root, split, set_name='all'):
     return arrays
 
 
+def load_json(path, keys=None):
+    """A JSON file's value, or a ValueError in one line that names the file: missing, unreadable, not complete
+    JSON, or an object that holds a key twice (JSON readers keep only the last, so what the first held would
+    vanish without a word: a task of a challenges file, a solution). keys: what the top-level object's keys
+    are, for that line ('task id')."""
+    seen, twice = [0], []  # objects read so far (inner ones first, the top level last); the first key twice
+
+    def unique(pairs):
+        seen[0] += 1
+        obj = {}
+        for k, v in pairs:
+            if k in obj and not twice:
+                twice.append((seen[0], k))
+            obj[k] = v
+        return obj
+    try:
+        with open(path) as f:
+            value = json.load(f, object_pairs_hook=unique)
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not complete JSON ({e.msg} at line {e.lineno}, column {e.colno}): a partial file "
+                         "or download?") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it ({e})") from None
+    if twice:
+        at, k = twice[0]
+        top = at == seen[0] and isinstance(value, dict)
+        raise ValueError(f"{path}: " + (f"{keys} {k} twice" if top and keys else f"the key {k!r} twice in "
+                                        + ('its top-level object' if top else 'one of its objects'))
+                         + " (JSON readers keep only the last, so the first would be lost without a word): give "
+                         "each its own key")
+    return value
+
+
 def check_split(root, split, chunk=1 << 20):
     """Problems that would stop a run hours in, found now: [] when the split opens, is not empty, its arrays
     agree with dataset.json and each other, and every token, label and identifier is inside its range.

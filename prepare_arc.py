@@ -42,13 +42,15 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import time
 
 import numpy as np
 
 from runkeep import gcs
-from data import METADATA_FIELDS, DownloadError, WriteError, building, cannot_write, download, save_array, writing
+from data import METADATA_FIELDS, DownloadError, WriteError, building, cannot_write, download, load_json, save_array
+from data import writing
 from puzzles import ARC
 
 ARC_MAX = 30  # the side of ARC-AGI's largest grid, and of its canvas
@@ -127,19 +129,6 @@ def read_tasks(tasks, source, canvas, keys=None, unsolved=False):
     return out
 
 
-def load_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ValueError(f"{path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not complete JSON ({e.msg} at line {e.lineno}, column {e.colno}): a partial file "
-                         "or download?") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it ({e})") from None
-
-
 def put_solutions(tasks, sols, sols_path, canvas, partial=False):
     """Each test input's solution from sols ({id: [grid per test input]}) put into tasks (the challenges' JSON)
     as its 'output', each grid checked and named in sols_path. partial (an ARC Prize challenges file): a task or
@@ -168,10 +157,10 @@ def kaggle_subset(folder, subset, canvas):
     without a solutions file gets the dummy output [[0]] for its test inputs (a hidden test set), as the
     reference does."""
     path = os.path.join(folder, f'arc-agi_{subset}_challenges.json')
-    tasks = load_json(path)
+    tasks = load_json(path, keys='task id')
     sols_path = os.path.join(folder, f'arc-agi_{subset}_solutions.json')
     if os.path.exists(sols_path):
-        put_solutions(tasks, load_json(sols_path), sols_path, canvas)
+        put_solutions(tasks, load_json(sols_path, keys='task id'), sols_path, canvas)
     else:
         print(f"{sols_path}: no such file: the test inputs of {subset} get the dummy output [[0]]", file=sys.stderr)
         for task in tasks.values() if isinstance(tasks, dict) else ():
@@ -186,9 +175,9 @@ def challenges_subset(path, sols_path, canvas):
     """An ARC Prize challenges file ({id: {'train': [pairs], 'test': [{'input': grid}, ...]}}) -> [Task] in its
     order, with the solutions sols_path holds (None: none, the hidden set's case): a test input without one has
     no output (NO_OUTPUT; no 'output' in test_puzzles.json)."""
-    tasks = load_json(path)
+    tasks = load_json(path, keys='task id')
     if sols_path:
-        put_solutions(tasks, load_json(sols_path), sols_path, canvas, partial=True)
+        put_solutions(tasks, load_json(sols_path, keys='task id'), sols_path, canvas, partial=True)
     return read_tasks(tasks, path, canvas, unsolved=True)
 
 
@@ -686,6 +675,9 @@ def main(argv=None):
     except (ValueError, DownloadError, WriteError, OSError, gcs.GCSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C, or solve.py passing it on: the build's files are gone (data.building)
+        print(f"stopped by SIGINT: {out} is as it was before this build", file=sys.stderr)
+        return 128 + signal.SIGINT
     print(f"wrote {out}: {built['identifiers']:,} puzzle identifiers, {built['train_rows']:,} train rows, "
           f"{built['test_rows']:,} test rows; {built['solved']:,} of {built['test_inputs']:,} test inputs with "
           "solutions")

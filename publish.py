@@ -9,7 +9,9 @@ It writes step_<N> (the EMA's weights under the reference's names, as the refere
 asked, step_<N>_train_state.pt (raw weights and optimizer moments). The reference's own code loads step_<N>
 (pretrain.py's load_checkpoint); train.py and solve.py load it with --init_from=PATH/step_<N>, or from the hub
 with --init_from=hf://OWNER/REPO/PATH/step_<N>, and take the model keys from all_config.yaml. HF_ENDPOINT names
-another hub server; HF_TOKEN (or `hf auth login`) the identity that may write the repository.
+another hub server; HF_TOKEN (or `hf auth login`) the identity that may write the repository. A folder that holds
+another run's step files (one all_config.yaml answers for all of them) is refused, and a write that fails leaves
+the folder as it was (published.export).
 """
 import os
 

@@ -31,12 +31,14 @@ import time
 
 from configurator import read_config_block  # noqa: E402
 from runkeep.hub import resolve_init_from  # noqa: E402
+from rules import problems  # noqa: E402
 
 # train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
 # carries its own); for such a state dict they must be those of its training run (the weights do not tell
 # H_cycles or L_cycles)
 _here = os.path.dirname(os.path.abspath(__file__))
-globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py'), 'model').items()})
+_model_keys = read_config_block(os.path.join(_here, 'train.py'), 'model')
+globals().update({k: v for k, (v, _) in _model_keys.items()})
 # -----------------------------------------------------------------------------
 # config
 init_from = ''                  # checkpoint: train.py's (ckpt_*.pt), the reference's (step_<N>), hf://OWNER/REPO/...
@@ -50,7 +52,7 @@ task = ''                       # ARC: a task of the dataset's test split (its I
 adapt_minutes = 2.0             # --task=FILE.json: the adaptation's time budget (train.py's max_minutes)
 adapt_aug = 7                   # --task=FILE.json: augmentations of each new task (prepare_arc.py's num_aug)
 adapt_args = ''                 # --task=FILE.json: more train.py flags for the adaptation ('--lr=1e-4 ...')
-adapt_dir = ''                  # --task=FILE.json: its dataset and adapted run ('': out/adapt/<file name>)
+adapt_dir = ''                  # --task=FILE.json: its dataset and adapted run ('': out/adapt/<name>-<key>)
 steps = 0                       # max supervision steps (0: model's halt_max_steps); more: test-time scaling
 all_steps = False               # run every step, not stopping at the model's halt (the first q_halt > 0)
 quiet = False                   # only one summary line per puzzle (no boards)
@@ -61,6 +63,7 @@ views = 1                       # solve each puzzle in K views (symmetries of th
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla, else cuda if any, else cpu) | 'cpu'/'cuda'/'xla'
 threads = 0                     # CPU threads (0: cores other processes leave idle, by 1-minute load average)
 forward_dtype = 'checkpoint'    # 'checkpoint' (training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
+check_memory = True             # refuse a model and batch this machine's memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
@@ -75,9 +78,9 @@ RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0,
              threads=(lambda v: v >= 0, 'a number >= 0'), adapt_minutes=(lambda v: v > 0, 'minutes > 0'),
              adapt_aug=(lambda v: v >= 0, 'a number >= 0'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
-             forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'),
-             pos_encodings=_one_of('rope', 'learned', 'none'))
+             forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'))
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
+bad += problems({k: config[k] for k in _model_keys if k != 'forward_dtype'})  # train.py's rules (rules.py)
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
 # -----------------------------------------------------------------------------
@@ -85,7 +88,7 @@ if bad:
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from data import load_arrays, load_metadata  # noqa: E402
+from data import load_arrays, load_json, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
@@ -491,6 +494,8 @@ def load_model(dev):
              "on) and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
     if ours:
         model_cfg = {k: saved[k] for k in MODEL_KEYS if k in saved}
+        if bad := problems(model_cfg):  # a checkpoint made or changed by hand
+            fail(f"init_from={init_from}: its config breaks train.py's rules: {'; '.join(bad)}")
     else:
         model_cfg = {k: config[k] for k in MODEL_KEYS if k != 'forward_dtype'}
     requested = forward_dtype if forward_dtype != 'checkpoint' else model_cfg.get('forward_dtype', 'auto')
@@ -518,6 +523,7 @@ def load_model(dev):
         cfg = TRMConfig.for_data(meta, **model_cfg)
     except (TypeError, ValueError) as e:
         fail(f"model config error: {short(e)}")
+    refuse_what_memory_cannot_hold(cfg, meta, dev, dtype)
     model = TRM(cfg)
     try:
         model.load_state_dict(fill_absent_table(sd, model))
@@ -529,6 +535,31 @@ def load_model(dev):
           f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {puzzle_for(meta).titles} ({meta_from})")
     warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)
     return model.to(dev.device).eval(), cfg, meta, dp, dtype, dtype_why
+
+
+def refuse_what_memory_cannot_hold(cfg, meta, dev, dtype):
+    """Before the model is built: views that a batch cannot hold (views_problem), then the model and its largest
+    batch (views included, every step's answers kept) against what this process may still allocate (memory.py's
+    estimate, as train.py's start-up check), each refused in one line with the numbers. check_memory=False: the
+    model is not checked."""
+    per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
+    row_bytes = cfg.latent_bytes(getattr(torch, dtype).itemsize)
+    if problem := views_problem(puzzle_for(meta), views, rows=per, row_bytes=row_bytes):
+        fail(f"views={views}: {problem}")
+    if not check_memory or dev.kind not in ('cpu', 'cuda'):
+        return
+    from runkeep.memory import describe, memory_headroom, need, run_memory, size
+    rows = per * views
+    shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=dtype)
+    parts = run_memory(shape, 0, rows, steps or cfg.halt_max_steps, ema=False, train=False)
+    if dev.kind == 'cuda':
+        give, where = torch.cuda.mem_get_info(dev.device)[0], 'free on its GPU'
+    else:
+        give, where = memory_headroom()
+    if give is not None and need(parts) > give:
+        fail(f"init_from={init_from}: this model and a batch of {rows} rows need about {size(need(parts))} of "
+             f"memory ({describe(parts)}), more than the {size(give)} {where}: lower --batch_size (or --views), "
+             "run it on a larger machine, or set --check_memory=False to try anyway")
 
 
 def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
@@ -605,10 +636,12 @@ def main():
         adapt_to_new_tasks()
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
+    if kind.correct is None and not task:  # ARC: an answer is right only as a task's output; no verifier
+        some = ', '.join(arc_test_tasks(dp)[:3])
+        fail(f"--{sources[0]} on {kind.titles} ({dp}): ARC has no verifier, and a grid alone is no task (each "
+             f"task's puzzle embedding is trained): solve a task of its test split with --task=ID"
+             + (f" (such as {some})" if some else '') + ", or new tasks with --task=FILE.json (adapted to first)")
     per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
-    row_bytes = cfg.latent_bytes(getattr(torch, dtype).itemsize)
-    if problem := views_problem(kind, views, rows=per, row_bytes=row_bytes):
-        fail(f"views={views}: {problem}")
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
         solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt)
@@ -672,30 +705,24 @@ def main():
 # -----------------------------------------------------------------------------
 # --task=FILE.json: new tasks, adapted to in a time budget by the trainer itself
 
-# train.py's keys an adaptation keeps from the checkpoint's run (besides the model's): how it learned
-RECIPE = ('lr', 'lr_min_ratio', 'lr_warmup_steps', 'beta1', 'beta2', 'weight_decay', 'puzzle_emb_lr',
-          'puzzle_emb_weight_decay', 'ema', 'ema_rate', 'grad_clip', 'global_batch_size', 'seed', 'compile')
 new_tasks = []  # --task=FILE.json's task ids, in the file's order
 
 
 def adapt_to_new_tasks():
     """--task=FILE.json: one task ({'train': [...], 'test': [...]}, named after the file) or an ARC Prize
     challenges file ({id: task}; a test pair's 'output', where given, is its solution). prepare_arc.py
-    --challenges builds their dataset, train.py --init_from adapts the checkpoint's network to it within
-    adapt_minutes (the puzzle-embedding table is the new tasks', every row the checkpoint's mean row at
-    first), with the run's own recipe (adapt_args on top); then init_from and data_path become the adapted
-    run's last checkpoint and its dataset, whose test split holds every test input in adapt_aug + 1 views."""
-    import json
-    import subprocess
-    import sys
+    --challenges builds their dataset, train.py adapts the checkpoint's network to it within adapt_minutes (the
+    puzzle-embedding table is the new tasks', every row the checkpoint's mean row at first), with the run's own
+    recipe (adapt_args on top), in a folder of this adaptation's own (adaptation.py); then init_from and
+    data_path become the adapted run's last checkpoint and its dataset, whose test split holds every test input
+    in adapt_aug + 1 views."""
+    from adaptation import adapt
     try:
-        with open(task) as f:
-            tasks = json.load(f)
-    except (OSError, ValueError) as e:
-        fail(f"task={task}: cannot read it as JSON ({short(e, 160)})")
-    name = os.path.splitext(os.path.basename(task))[0]
+        tasks = load_json(task)  # a key twice is refused: JSON readers keep only the last
+    except ValueError as e:
+        fail(e)  # the file named first
     if isinstance(tasks, dict) and 'train' in tasks and 'test' in tasks:
-        tasks = {name: tasks}
+        tasks = {os.path.splitext(os.path.basename(task))[0]: tasks}
     if not isinstance(tasks, dict) or not tasks:
         fail(f"task={task}: expected one task ({{'train': [...], 'test': [...]}}) or {{task id: task}}")
     if png and len(tasks) > 1:
@@ -703,26 +730,9 @@ def adapt_to_new_tasks():
     new_tasks[:] = [str(t) for t in tasks]
     _, saved, _, trained_on, _ = read_checkpoint(init_from)
     seq_len = (trained_on or {}).get('seq_len') or 900  # an ARC-AGI canvas of 30 x 30 unless it says
-    folder = adapt_dir or os.path.join('out', 'adapt', re.sub(r'[^\w.-]+', '_', name))
-    os.makedirs(folder, exist_ok=True)
-    challenges = os.path.join(folder, 'challenges.json')
-    with open(challenges, 'w') as f:
-        json.dump(tasks, f)
-    data, out = os.path.join(folder, 'data'), os.path.join(folder, 'run')
-    steps_ = [['prepare_arc.py', f'--challenges={challenges}', f'--canvas={int(round(seq_len ** 0.5))}',
-               f'--num_aug={adapt_aug}', f'--output_dir={data}']]
-    keep = {k: v for k, v in (saved or {}).items() if k in MODEL_KEYS or k in RECIPE}
-    steps_.append(['train.py', *[f'--{k}={v}' for k, v in keep.items()], f'--init_from={init_from}',
-                   f'--data_path={data}', f'--out_dir={out}', '--overwrite=True', f'--max_minutes={adapt_minutes}',
-                   '--epochs=1000000', '--eval_interval=1000000', '--tensorboard=False', '--xla_cache_dir=']
-                  + ([f'--device={device}'] if device != 'auto' else []) + adapt_args.split())
-    print(f"task={task}: {plural(len(tasks), 'new task')}: its dataset built into {data} (prepare_arc.py "
-          f"--challenges), then the network adapted to it for up to {adapt_minutes:g} min into {out} (train.py)")
-    for cmd in steps_:
-        if subprocess.run([sys.executable, os.path.join(_here, cmd[0]), *cmd[1:]]).returncode:
-            fail(f"task={task}: {cmd[0]} failed (its message is above); nothing to solve")
-    last = sorted(f for f in os.listdir(out) if re.fullmatch(r'ckpt_\d{8}\.pt', f))[-1]
-    globals().update(init_from=os.path.join(out, last), data_path=data)
+    adapted, data = adapt(task, tasks, init_from, saved, int(round(seq_len ** 0.5)), adapt_minutes, adapt_aug,
+                          adapt_args, adapt_dir, device)
+    globals().update(init_from=adapted, data_path=data)
 
 
 # -----------------------------------------------------------------------------
@@ -737,6 +747,14 @@ def arc_names(dp):
             return json.load(f)
     except (OSError, ValueError) as e:
         fail(f"task={task}: cannot read {path} ({short(e)}): --task needs an ARC dataset built by prepare_arc.py")
+
+
+def arc_test_tasks(dp):
+    """The ids of an ARC dataset's test-split tasks (test_views.npz), or [] where it cannot be read."""
+    try:
+        return [str(t) for t in np.load(os.path.join(dp, 'test_views.npz'))['tasks']]
+    except (OSError, ValueError, KeyError):
+        return []
 
 
 def known_arc_task(task_id):

@@ -14,6 +14,7 @@ import os
 import sys
 import time
 from runkeep.hub import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
+from rules import problems  # (torch-free)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
@@ -90,39 +91,13 @@ smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is ev
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 check_memory = True             # refuse at start a CPU or CUDA run its memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
-# allowed values, checked before anything runs: key -> (test, what is allowed)
-_pos, _nonneg = (lambda v: v > 0, '> 0'), (lambda v: v >= 0, '>= 0')
-_unit = (lambda v: 0 <= v < 1, 'in [0, 1)')
-_one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
-_range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
-                               and int(v.split(':')[0]) < int(v.split(':')[1]))
-RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
-             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
-             eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
-             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg,
-             hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos, H_cycles=_pos, L_cycles=_pos,
-             halt_max_steps=_pos, halt_exploration_prob=(lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
-             pos_encodings=_one_of('rope', 'learned', 'none'), puzzle_emb_ndim=_nonneg, puzzle_emb_len=_pos,
-             forward_dtype=_one_of('auto', 'bfloat16', 'float16', 'float32'), rms_norm_eps=_pos,
-             rope_theta=_pos, loss_type=_one_of('stablemax', 'softmax'),
-             loss_dtype=_one_of('auto', 'float64', 'float32'),
-             lr=_pos, lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg,
-             beta1=_unit, beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg,
-             puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
-             gradient_accumulation_steps=_pos,
-             device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
-             smoke_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 globals().update(resolve_init_from(globals()))  # hf:// fetched; model keys of all_config.yaml beside it
 config = {k: globals()[k] for k in config_keys}
-bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
-bad += [why for broken, why in (  # keys that must agree with each other: the model's shape
-    (puzzle_emb_ndim > puzzle_emb_len * hidden_size, f"puzzle_emb_ndim={puzzle_emb_ndim} does not fit in "
-     f"puzzle_emb_len * hidden_size = {puzzle_emb_len} * {hidden_size}: lower it or raise puzzle_emb_len"),
-    (not mlp_t and hidden_size % num_heads,
-     f"hidden_size={hidden_size} is not divisible by num_heads={num_heads} (attention: mlp_t=False)"),
+bad = problems(config)  # rules.py: every key's allowed values, and the model's shape
+bad += [why for broken, why in (  # keys that must agree with each other
     (eval_only and init_from == 'scratch', "eval_only=True needs --init_from=resume or a checkpoint file"),
     (freeze_weights and not puzzle_emb_ndim, "freeze_weights=True trains only the puzzle embedding, and "
      "puzzle_emb_ndim=0 has none: nothing would train"),

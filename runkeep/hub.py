@@ -6,11 +6,13 @@ The reference implementation's published checkpoint layout, and the Hugging Face
 Reading (train.py and solve.py, after the configurator): resolve_init_from() fetches an
 hf://OWNER/REPO[@REVISION]/PATH/step_<N> into a local cache (resumable, once per commit) and takes the model keys
 from the all_config.yaml beside the file, refusing a key the config files or the command line set to another
-value. Writing (publish.py): export() turns a checkpoint of train.py into the layout, upload() commits it to a
-hub repository. The hub's own client (huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN
-(or `hf auth login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
+value, and the model keys that break train.py's rules (rules.py). Writing (publish.py): export() turns a
+checkpoint of train.py into the layout, all or nothing, and never over another run's files (one all_config.yaml
+answers for every step_<N> beside it); upload() commits it to a hub repository. The hub's own client
+(huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN (or `hf auth login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
 Nothing here imports torch at import time: train.py resolves init_from before its config checks.
 """
+import contextlib
 import math
 import os
 import posixpath
@@ -19,6 +21,8 @@ import shutil
 import sys
 import time
 import urllib.parse
+
+from rules import problems
 
 ARCH = 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
 LOSS = 'losses@ACTLossHead'
@@ -101,8 +105,10 @@ def model_keys(cfg, where):
     if ndim == 0 and length:
         fail(f"{where}: arch.puzzle_emb_ndim is 0 with puzzle_emb_len {length}: the reference reserves {length} "
              "positions that nothing fills, and its forward cannot add its inputs to them; not loadable")
-    if ndim:  # the reference's 0: as many prefix positions as the embedding needs
+    if ndim and keys['hidden_size'] > 0:  # the reference's 0: as many prefix positions as the embedding needs
         keys['puzzle_emb_len'] = length or math.ceil(ndim / keys['hidden_size'])
+    if bad := problems(keys):  # train.py's rules, as for the same keys on a command line
+        fail(f"{where}: " + '; '.join(f"arch.{b}" for b in bad))
     return keys
 
 
@@ -367,27 +373,107 @@ def train_state(ckpt, cfg):
                 optimizer_lrs=([cfg['puzzle_emb_lr']] if table else []) + [cfg['lr']])
 
 
+# all_config.yaml answers for every step_<N> beside it: these fields of it are the run's (a resume may change none
+# of them), so a checkpoint whose run has other values is another run's; the others (lr, epochs, ...) a resume may
+# change, and all_config.yaml takes the newest checkpoint's, said
+RUN_FIELDS = ('arch', 'data_paths', 'global_batch_size', 'seed', 'run_name')
+
+
+def folder_problem(folder, config, weights, step):
+    """Why `folder` cannot take step_<step> (the state dict `weights`) and the all_config.yaml `config` (a
+    dict), in one line, or '': it holds step files of another run (RUN_FIELDS differ, or no all_config.yaml
+    says whose they are), or a step_<step> of other weights. Fields a resume may change are replaced, said."""
+    import torch
+    import yaml
+    steps = sorted((n for n in os.listdir(folder) if re.fullmatch(r'step_\d+', n)), key=lambda n: int(n[5:])) \
+        if os.path.isdir(folder) else []
+    path = os.path.join(folder, 'all_config.yaml')
+    then = "publish into another folder (--out_dir=...), or move those files aside first"
+    there = f"{', '.join(steps[:3])}{' ...' if len(steps) > 3 else ''}"
+    theirs = None
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                theirs = yaml.safe_load(f)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+            return f"out_dir={folder}: its all_config.yaml cannot be read ({short(e)}): {then}"
+    if steps and not isinstance(theirs, dict):
+        return f"out_dir={folder} holds {there} with no all_config.yaml to say whose they are: {then}"
+    if not isinstance(theirs, dict):
+        return ''
+    run = f"the run {theirs.get('run_name')!r} (data_paths {theirs.get('data_paths')})"
+    differ = lambda a, b: [k for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))] \
+        if isinstance(a, dict) and isinstance(b, dict) else None
+    fixed = [(f"arch.{k}", (theirs['arch'] or {}).get(k), config['arch'].get(k))
+             for k in differ(theirs.get('arch'), config['arch']) or ()]
+    fixed += [(k, theirs.get(k), config.get(k)) for k in RUN_FIELDS if k != 'arch' and not same(theirs.get(k),
+                                                                                             config.get(k))]
+    if steps and fixed:
+        return (f"out_dir={folder} holds {there} of {run}, whose all_config.yaml has "
+                + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this checkpoint's would have "
+                + ', '.join(f"{k}={b!r}" for k, _, b in fixed) + "; it answers for every step_<N> beside it (they "
+                f"would load with the new values): {then}")
+    mine = os.path.join(folder, f'step_{step}')
+    if os.path.isfile(mine):
+        try:
+            old = torch.load(mine, map_location='cpu', weights_only=True)
+        except Exception as e:  # noqa: BLE001 (any file that is not a state dict)
+            return f"out_dir={folder}: its step_{step} does not load ({short(e)}): {then}"
+        if not (isinstance(old, dict) and old.keys() == weights.keys() and
+                all(old[k].dtype == v.dtype and torch.equal(old[k], v) for k, v in weights.items())):
+            return (f"out_dir={folder} holds a step_{step} of other weights (of {run}: another run, or other "
+                    f"weights of this one, --weights): {then}")
+    changed = differ(theirs, config)
+    if changed:
+        print(f"{path} replaced by this checkpoint's: " + ', '.join(f"{k} {theirs.get(k)!r} -> {config.get(k)!r}"
+                                                                  for k in changed))
+    return ''
+
+
 def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''):
     """A loaded checkpoint of train.py written into `folder` in the reference's layout: step_<N> (the EMA's
     weights, as the reference saves them, or `weights='model'`: the raw ones), all_config.yaml and, asked,
     step_<N>_train_state.pt. forward_dtype: the one all_config.yaml names ('': the run's; its 'auto' is
-    bfloat16, what it picks on a GPU or TPU). Returns the paths written."""
+    bfloat16, what it picks on a GPU or TPU). Returns the paths written. A folder of another run's files is
+    refused (folder_problem); every file is written into folder/.publishing first and renamed into place once
+    all are whole, so a failed write (a full disk, a file-size limit) leaves the folder as it was, and no folder
+    where there was none. Each refusal and failure is one line."""
     import yaml
-    from .checkpoint import save_atomic
+    from .checkpoint import CheckpointError, save_atomic
     cfg, step = ckpt['config'], ckpt['step']
     dtype = forward_dtype or (cfg['forward_dtype'] if cfg['forward_dtype'] != 'auto' else 'bfloat16')
     chosen = ckpt['ema'] if weights == 'ema' and ckpt.get('ema') else ckpt['model']
     arc = (ckpt.get('data') or {}).get('puzzle_type') == 'arc'
-    os.makedirs(folder, exist_ok=True)
-    paths = [os.path.join(folder, f'step_{step}'), os.path.join(folder, 'all_config.yaml')]
-    save_atomic(reference_weights(chosen, cfg, dtype), paths[0])
-    with open(paths[1] + '.tmp', 'w') as f:
-        yaml.safe_dump(all_config(cfg, folder, dtype, arc), f)  # sorted keys, as the reference's yaml.dump
-    os.replace(paths[1] + '.tmp', paths[1])
-    if with_train_state:
-        paths.append(os.path.join(folder, f'step_{step}_train_state.pt'))
-        save_atomic(train_state(ckpt, cfg), paths[2])
-    return paths
+    sd, config = reference_weights(chosen, cfg, dtype), all_config(cfg, folder, dtype, arc)
+    if problem := folder_problem(folder, config, sd, step):
+        fail(problem)
+    names = [f'step_{step}', 'all_config.yaml'] + ([f'step_{step}_train_state.pt'] if with_train_state else [])
+    made, up = [], os.path.abspath(folder)
+    while not os.path.lexists(up):  # the folders this publish makes, deepest first: gone again if it fails
+        made.append(up)
+        up = os.path.dirname(up)
+    stage = os.path.join(folder, '.publishing')
+    try:
+        os.makedirs(stage, exist_ok=True)
+        save_atomic(sd, os.path.join(stage, names[0]))
+        with open(os.path.join(stage, names[1]), 'w') as f:
+            yaml.safe_dump(config, f)  # sorted keys, as the reference's yaml.dump
+        if with_train_state:
+            save_atomic(train_state(ckpt, cfg), os.path.join(stage, names[2]))
+        for n in names:
+            os.replace(os.path.join(stage, n), os.path.join(folder, n))
+    except (CheckpointError, OSError) as e:
+        shutil.rmtree(stage, ignore_errors=True)
+        for d in made:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        if isinstance(e, (FileExistsError, NotADirectoryError)) and not os.path.isdir(folder):
+            fail(f"out_dir={folder} is not a folder, and cannot be made one ({e.strerror}): give a folder")
+        why = str(e).replace(stage + os.sep, folder + os.sep) if isinstance(e, CheckpointError) else \
+            f"could not write {os.path.join(folder, os.path.basename(e.filename or names[1]))}: {e.strerror or e}"
+        fail(f"publish: {why}; nothing was published, and {folder} is as it was before")
+    os.rmdir(stage)
+    return [os.path.join(folder, n) for n in names]
 
 
 def upload(paths, repo, path_in_repo, revision='main', private=True, message=''):

@@ -162,6 +162,8 @@ def test_test_inputs_without_solutions_are_built_without_outputs_and_with_ignore
     ('solution_colour', ['s.json', 'task aa01', 'solution 1', "holds -1, not a colour 0-9"]),
     ('solution_task', ['s.json', 'task zz99', 'does not hold']),
     ('solution_count', ['s.json', 'task bb02', '3 solution grids for its 2 test inputs']),
+    ('duplicate', ['task id bb02 twice', 'keep only the last']),  # JSON readers keep the last of a key
+    ('solution_duplicate', ['s.json', 'task id aa01 twice']),
 ])
 def test_a_malformed_challenges_or_solutions_file_is_one_line_and_writes_nothing(tmp_path, case, words):
     challenges, solutions, tasks, sols = small_challenges(tmp_path)
@@ -192,6 +194,11 @@ def test_a_malformed_challenges_or_solutions_file_is_one_line_and_writes_nothing
     if case != 'json':
         write_json(challenges, tasks)
         write_json(solutions, sols)
+    twice = lambda obj, key, other: '{' + json.dumps(key) + ': ' + json.dumps(other) + ', ' + json.dumps(obj)[1:]
+    if case == 'duplicate':  # bb02 first as another task, then as itself
+        open(challenges, 'w').write(twice(tasks, 'bb02', tasks['aa01']))
+    elif case == 'solution_duplicate':
+        open(solutions, 'w').write(twice(sols, 'aa01', [[[1]]]))
     for out in (old, tmp_path / 'fresh'):
         p = run(args + [canvas, f'--output_dir={out}'], check=False)
         err = p.stderr.strip()

@@ -59,6 +59,7 @@ def test_config_keys_is_not_a_key(toy, tmp_path):
 @pytest.mark.parametrize('flags,words', [
     (['config/arc1.py', '--hidden_size=16'], ['puzzle_emb_ndim=512 does not fit', '16 * 16']),
     (['--mlp_t=False', '--hidden_size=30', '--num_heads=4'], ['hidden_size=30 is not divisible by num_heads=4']),
+    (['--mlp_t=False', '--num_heads=0'], ['num_heads=0 (allowed: > 0)']),
 ])
 def test_keys_that_must_agree_are_a_config_error_before_torch(tmp_path, flags, words):
     """Keys that contradict each other (the model's shape) are one line, said before torch is imported."""

@@ -270,7 +270,8 @@ def test_publish_commits_the_layout_and_hf_downloads_it_once(hub, table_run, tmp
 def test_a_revision_and_a_new_commit(hub, table_run, tmp_path):
     publish_to(hub, table_run)
     first = FakeHub.repos['alice/trm-toy']['branches']['main']
-    publish_to(hub, table_run, '--weights=model')  # the raw weights, a second commit on main
+    # the raw weights, a second commit on main (from a folder of their own: the first one's step_6 stays)
+    publish_to(hub, table_run, '--weights=model', f'--out_dir={tmp_path}/raw')
     second = FakeHub.repos['alice/trm-toy']['branches']['main']
     assert first != second
     a = evaluate(hub, table_run, tmp_path / 'a', f'hf://alice/trm-toy@{first}/toy/step_6', env=dict(HF_TOKEN=TOKEN))

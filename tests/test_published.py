@@ -177,6 +177,11 @@ def test_a_file_neither_ours_nor_the_references_is_named_in_one_line(table_run, 
     (lambda c: c['arch']['loss'].update(loss_type='focal'), "loss_type stablemax_cross_entropy or"),
     (lambda c: c['arch'].update(puzzle_emb_ndim=0, puzzle_emb_len=16), 'puzzle_emb_ndim is 0 with puzzle_emb_len'),
     (lambda c: c.pop('arch'), 'has no `arch:` block'),
+    # train.py's rules, as for the same keys on its command line (attention: num_heads divides hidden_size)
+    (lambda c: c['arch'].update(num_heads=0), 'arch.num_heads=0 (allowed: > 0)'),
+    (lambda c: c['arch'].update(L_cycles=-1), 'arch.L_cycles=-1 (allowed: > 0)'),
+    (lambda c: c['arch'].update(halt_max_steps=0), 'arch.halt_max_steps=0 (allowed: > 0)'),
+    (lambda c: c['arch'].update(hidden_size=30, num_heads=4), 'hidden_size=30 is not divisible by num_heads=4'),
 ])
 def test_a_broken_or_foreign_all_config_is_one_line(table_run, tmp_path, change, words):
     shutil.copy(f"{table_run['folder']}/step_6", tmp_path / 'step_6')
@@ -186,6 +191,21 @@ def test_a_broken_or_foreign_all_config_is_one_line(table_run, tmp_path, change,
     p = run(['train.py', f'--data_path={table_run["data"]}', f'--out_dir={tmp_path}/o',
              f'--init_from={tmp_path}/step_6', *EVAL], check=False)
     assert_user_error(p, f'{tmp_path}/all_config.yaml', words)
+    p = run(['solve.py', f'--init_from={tmp_path}/step_6', '--index=0', '--device=cpu'], check=False)
+    assert_user_error(p, f'{tmp_path}/all_config.yaml', words)
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_a_published_model_too_large_for_the_machine_is_refused_by_solve_in_one_line(trained, tmp_path):
+    """all_config.yaml's hidden_size of ten million: weights of petabytes. solve.py's memory check refuses them
+    in one line with the numbers, before anything is allocated (as train.py's does)."""
+    publish(f'--init_from={trained}/ckpt_00000004.pt', f'--out_dir={tmp_path}/pub')
+    cfg = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))
+    cfg['arch']['hidden_size'] = 10_000_000
+    (tmp_path / 'pub' / 'all_config.yaml').write_text(yaml.safe_dump(cfg))
+    p = run(['solve.py', f'--init_from={tmp_path}/pub/step_4', '--count=1', '--device=cpu'], check=False)
+    assert_user_error(p, 'of memory', 'weights', 'available', '--check_memory=False')
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
 def test_a_table_of_other_rows_than_the_dataset_s_is_refused(table_run, tmp_path):
@@ -235,3 +255,72 @@ def test_a_checkpoint_of_an_earlier_trainer_without_newer_keys_is_published(tabl
     publish(f'--init_from={tmp_path}/old.pt', f'--out_dir={tmp_path}/pub')
     arch = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))['arch']
     assert arch['loss']['loss_type'] == 'stablemax_cross_entropy' and 'rope_theta' not in arch
+
+
+def tree(root):
+    """Every file under root: relative path -> bytes."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for n in names:
+            path = os.path.join(folder, n)
+            out[os.path.relpath(path, root)] = open(path, 'rb').read()
+    return out
+
+
+def test_a_folder_holding_another_run_s_steps_is_refused_and_left_as_it_was(table_run, tmp_path):
+    """all_config.yaml answers for every step_<N> beside it: a checkpoint of another run is refused in one line
+    naming the folder, the run there and what to do, whether it brings another config (here L_cycles, which
+    changes no weight's shape: the files there would load with it unnoticed; or the same model, another seed)
+    or other weights under the same step (here the raw weights of the run's EMA step); the folder stays as it
+    was, byte for byte. The steps of one run go side by side."""
+    data = table_run['data']
+    pub = tmp_path / 'pub'
+    shutil.copytree(table_run['folder'], pub)  # step_6 (and its train state) of the run 'run'
+    before = tree(pub)
+    longer = tmp_path / 'longer'  # L_cycles 3: its step_4 and its step_6
+    train(data, longer, '--max_steps=6', '--checkpoint_interval=2', '--L_cycles=3', args=TABLE_ARGS)
+    seeded = tmp_path / 'seeded'  # the same model, another seed
+    train(data, seeded, '--max_steps=6', '--seed=1', args=TABLE_ARGS)
+    for ckpt, extra, words in ((longer / 'ckpt_00000004.pt', [], ['L_cycles=2', 'L_cycles=3']),
+                               (longer / 'ckpt_00000006.pt', [], ['L_cycles=2', 'L_cycles=3']),
+                               (seeded / 'ckpt_00000006.pt', [], ['seed=0', 'seed=1']),
+                               (table_run['ckpt'], ['--weights=model'], ['step_6', 'other weights'])):
+        p = publish(f'--init_from={ckpt}', f'--out_dir={pub}', *extra, check=False)
+        assert_user_error(p, str(pub), "'run'", '--out_dir', *words)
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert tree(pub) == before, ckpt
+    mine = tmp_path / 'mine'
+    for ckpt in ('ckpt_00000004.pt', 'ckpt_00000006.pt', 'ckpt_00000004.pt'):  # the last: again, the same bytes
+        publish(f'--init_from={longer / ckpt}', f'--out_dir={mine}')
+    assert sorted(os.listdir(mine)) == ['all_config.yaml', 'step_4', 'step_6']
+    assert yaml.safe_load(open(mine / 'all_config.yaml'))['arch']['L_cycles'] == 3
+
+
+def limited(limit, *args):
+    """publish.py under a file-size limit of `limit` bytes (what a full disk does to a write)."""
+    code = ("import resource, runpy, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit})); "
+            "sys.argv = ['publish.py'] + sys.argv[1:]; runpy.run_path('publish.py', run_name='__main__')")
+    return run(['-c', code] + [str(a) for a in args], check=False)
+
+
+def test_a_publish_that_cannot_write_is_one_line_and_leaves_nothing_behind(table_run, tmp_path):
+    ckpt, folder = table_run['ckpt'], table_run['folder']
+    taken = tmp_path / 'afile'
+    taken.write_text('mine')
+    for out in (taken, taken / 'sub'):  # a file, a folder under a file
+        p = publish(f'--init_from={ckpt}', f'--out_dir={out}', check=False)
+        assert_user_error(p, str(out), 'not a folder')
+        assert len(p.stderr.strip().splitlines()) == 1 and taken.read_text() == 'mine', p.stderr
+    step = os.path.getsize(f'{folder}/step_6')
+    state = os.path.getsize(f'{folder}/step_6_train_state.pt')
+    assert step < state
+    kept = tmp_path / 'kept'
+    kept.mkdir()
+    (kept / 'notes.txt').write_text('mine')
+    for limit, failing in ((step // 2, 'step_6'), ((step + state) // 2, 'step_6_train_state.pt')):
+        for out in (tmp_path / 'new' / 'pub', kept):  # a first publish (two folders made), a folder of the user's
+            p = limited(limit, f'--init_from={ckpt}', f'--out_dir={out}', '--train_state=True')
+            assert_user_error(p, f'{out}/{failing}', 'File too large')
+            assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert not (tmp_path / 'new').exists() and tree(kept) == {'notes.txt': b'mine'}

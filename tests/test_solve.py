@@ -208,6 +208,11 @@ def test_reference_state_dict(sudoku4):
     assert msg.endswith('Check --hidden_size')
     user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--mlp_t=False',
                      f'--puzzle={sudoku4.puzzles[0]}', check=False), 'Check --mlp_t')
+    # the model keys pass train.py's rules, as on its command line: one line each, before the model is built
+    for bad, words in ((['--mlp_t=False', '--num_heads=0'], 'num_heads=0 (allowed: > 0)'),
+                       (['--L_cycles=-1'], 'L_cycles=-1 (allowed: > 0)')):
+        user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, *bad,
+                         f'--puzzle={sudoku4.puzzles[0]}', check=False), 'config error', words)
 
 
 def test_checkpoint_without_its_dataset(sudoku4):

@@ -5,11 +5,14 @@ refusals (a training task, a task never trained, an unknown ID, --views > 1), ea
 """
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from conftest import assert_user_error, run
+from conftest import ROOT, Lines, assert_user_error, ckpts, run
 
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
             '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=16',
@@ -132,6 +135,10 @@ def test_the_refusals_are_one_line(arc_run):
     p = solve(ckpt, f'--task={test_tasks[0]}', '--views=4', check=False)
     assert_user_error(p, 'views=4', 'stored augmentations', 'views must be 1')
     refused.append(p)
+    for source in ('--index=0', '--count=2', '--puzzle=[[1,2],[3,4]]'):  # ARC has no verifier: tasks, not grids
+        p = solve(ckpt, source, check=False)
+        assert_user_error(p, source.split('=')[0], 'no verifier', '--task=ID', test_tasks[0], '--task=FILE.json')
+        refused.append(p)
     for q in refused:  # the refusal is one line (stdout holds only the config and the checkpoint's line)
         assert len([l for l in q.stderr.splitlines() if l.strip()]) == 1, q.stderr
         assert 'demonstration' not in q.stdout
@@ -166,3 +173,122 @@ def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_pat
     bad.write_text(json.dumps(dict(train=[dict(input=[[12]], output=[[1]])], test=[dict(input=[[1]])])))
     p = solve(ckpt, f'--task={bad}', f'--adapt_dir={tmp_path}/c', check=False)
     assert_user_error(p, 'bad', 'not a colour 0-9', 'prepare_arc.py failed')
+
+
+def write_task(path, test_input):
+    """A task file of three recolouring demonstrations and one test input (its solution given)."""
+    recolour = lambda g: [[{1: 3, 2: 4}.get(v, v) for v in row] for row in g]
+    demos = [dict(input=g, output=recolour(g)) for g in ([[1, 2, 0], [0, 1, 2]], [[2, 2], [1, 0]], [[0, 1], [1, 1]])]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'w') as f:
+        json.dump(dict(train=demos, test=[dict(input=test_input, output=recolour(test_input))]), f)
+    return str(path)
+
+
+def solve_in(cwd, ckpt, *args, check=True):
+    """solve.py run from the folder cwd (its default adaptation folder, out/adapt/..., lies there)."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **ENV)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}', '--device=cpu',
+                        '--threads=1', *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
+    if check and p.returncode:
+        raise AssertionError(f"solve.py {args} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def files(folder):
+    """Every file under folder: relative path -> bytes."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            out[os.path.relpath(os.path.join(d, n), folder)] = open(os.path.join(d, n), 'rb').read()
+    return out
+
+
+def test_task_files_of_one_name_keep_their_own_adaptations(arc_run, tmp_path):
+    """a/task.json and b/task.json: each gets its own adaptation folder (out/adapt/ names it from the file's
+    content and the checkpoint), so neither replaces the other; the same command again solves with the
+    adaptation it made, training nothing; an --adapt_dir that holds another task's adaptation is refused in one
+    line and left as it was."""
+    data, ckpt = arc_run
+    a, b = write_task(tmp_path / 'a' / 'task.json', [[2, 1, 1]]), write_task(tmp_path / 'b' / 'task.json', [[1, 1]])
+    adapt = ['--adapt_minutes=0.05', '--adapt_aug=1']
+    first = solve_in(tmp_path, ckpt, f'--task={a}', *adapt)
+    adaptations = tmp_path / 'out' / 'adapt'
+    (mine,) = os.listdir(adaptations)
+    kept = files(adaptations / mine)
+    assert ckpts(adaptations / mine / 'run'), first.stdout[-3000:]
+    solve_in(tmp_path, ckpt, f'--task={b}', *adapt)
+    assert len(os.listdir(adaptations)) == 2 and files(adaptations / mine) == kept
+    again = solve_in(tmp_path, ckpt, f'--task={a}', *adapt)
+    assert f'adapted before in {os.path.join("out", "adapt", mine)}' in again.stdout, again.stdout[-3000:]
+    assert 'step 1/' not in again.stdout and files(adaptations / mine) == kept
+    verdict = lambda out: [l.split(' | ')[0] for l in out.splitlines() if l.startswith('task task: ')]
+    assert verdict(again.stdout) == verdict(first.stdout) and verdict(first.stdout)
+    p = solve_in(tmp_path, ckpt, f'--task={b}', *adapt, f'--adapt_dir={adaptations / mine}', check=False)
+    assert_user_error(p, f'adapt_dir={adaptations / mine}', 'holds the adaptation of another')
+    assert len(p.stderr.strip().splitlines()) == 1 and files(adaptations / mine) == kept, p.stderr
+
+
+def test_a_task_id_twice_in_a_task_file_is_refused_before_anything_is_built(arc_run, tmp_path):
+    data, ckpt = arc_run
+    task = json.dumps(dict(train=[dict(input=[[1]], output=[[2]])], test=[dict(input=[[1]])]))
+    twice = tmp_path / 'twice.json'
+    twice.write_text('{"t1": ' + task + ', "t2": ' + task + ', "t1": ' + task + '}')
+    p = solve(ckpt, f'--task={twice}', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/a', check=False)
+    assert_user_error(p, str(twice), "the key 't1' twice")
+    assert not os.path.exists(tmp_path / 'a')
+
+
+def start_adapting(cwd, ckpt, task, folder):
+    """solve.py adapting to a task for minutes, in its own session (a terminal's process group): (its process,
+    its output's Lines), once train.py has done a step."""
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **ENV)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}', '--device=cpu',
+                             '--threads=1', f'--task={task}', '--adapt_minutes=10', '--adapt_aug=1',
+                             '--adapt_args=--log_interval=1', f'--adapt_dir={folder}'], cwd=cwd, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+    lines = Lines(proc)
+    lines.until('step ')
+    return proc, lines
+
+
+def test_ctrl_c_while_adapting_saves_the_adaptation_says_so_in_one_line_and_a_rerun_goes_on(arc_run, tmp_path):
+    """Ctrl-C (SIGINT to the terminal's process group) while train.py adapts: train.py gets it once, saves its
+    stop checkpoint and ends; solve.py says so in one line and exits 130, with no traceback and no lock left;
+    the same command again continues the adaptation from that checkpoint, then solves."""
+    data, ckpt = arc_run
+    task, folder = write_task(tmp_path / 'task.json', [[2, 1, 1]]), tmp_path / 'ad'
+    proc, lines = start_adapting(tmp_path, ckpt, task, folder)
+    os.killpg(proc.pid, signal.SIGINT)
+    text = lines.rest(120)
+    assert proc.returncode == 130 and 'Traceback' not in text, (proc.returncode, text[-3000:])
+    saved = ckpts(folder / 'run')
+    assert saved and not os.path.exists(folder / 'run' / 'run.lock'), text[-3000:]
+    assert text.count('got SIGINT') == 1, text[-3000:]  # once: not a second signal that ends the save
+    end = text.strip().splitlines()[-1]
+    assert 'SIGINT' in end and saved[-1] in end and 'rerun' in end, end
+    p = solve_in(tmp_path, ckpt, f'--task={task}', '--adapt_minutes=0.05', '--adapt_aug=1',
+                 '--adapt_args=--log_interval=1', f'--adapt_dir={folder}')
+    assert f'resuming from {folder / "run" / saved[-1]}' in p.stdout, p.stdout[-3000:]
+    assert 'task task: ' in p.stdout
+
+
+def test_sigterm_to_solve_alone_reaches_train_py_which_saves_and_ends_with_it(arc_run, tmp_path):
+    """A SIGTERM to solve.py only (a job scheduler's): train.py gets it, saves and ends before solve.py does
+    (no orphan left training), and solve.py exits 75, as a stopped train.py's stop that a rerun continues."""
+    data, ckpt = arc_run
+    task, folder = write_task(tmp_path / 'task.json', [[2, 1, 1]]), tmp_path / 'ad'
+    proc, lines = start_adapting(tmp_path, ckpt, task, folder)
+    trainer = json.load(open(folder / 'run' / 'run.lock'))['pid']
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        text = lines.rest(120)
+        assert proc.returncode == 75 and 'Traceback' not in text, (proc.returncode, text[-3000:])
+        assert not os.path.exists(f'/proc/{trainer}'), 'train.py still runs after solve.py ended'
+        assert ckpts(folder / 'run') and not os.path.exists(folder / 'run' / 'run.lock'), text[-3000:]
+        assert 'SIGTERM' in text.strip().splitlines()[-1], text[-3000:]
+    finally:
+        try:
+            os.kill(trainer, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
