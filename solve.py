@@ -31,7 +31,7 @@ import time
 
 from configurator import read_config_block  # noqa: E402
 from runkeep.hub import resolve_init_from  # noqa: E402
-from rules import problems  # noqa: E402
+from configurator import config_problems  # noqa: E402
 
 # train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
 # carries its own); for such a state dict they must be those of its training run (the weights do not tell
@@ -80,7 +80,7 @@ RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0,
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
              forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'))
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
-bad += problems({k: config[k] for k in _model_keys if k != 'forward_dtype'})  # train.py's rules (rules.py)
+bad += config_problems({k: config[k] for k in _model_keys if k != 'forward_dtype'})  # train.py's rules (configurator.py)
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
 # -----------------------------------------------------------------------------
@@ -494,7 +494,7 @@ def load_model(dev):
              "on) and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
     if ours:
         model_cfg = {k: saved[k] for k in MODEL_KEYS if k in saved}
-        if bad := problems(model_cfg):  # a checkpoint made or changed by hand
+        if bad := config_problems(model_cfg):  # a checkpoint made or changed by hand
             fail(f"init_from={init_from}: its config breaks train.py's rules: {'; '.join(bad)}")
     else:
         model_cfg = {k: config[k] for k in MODEL_KEYS if k != 'forward_dtype'}
@@ -713,10 +713,10 @@ def adapt_to_new_tasks():
     challenges file ({id: task}; a test pair's 'output', where given, is its solution). prepare_arc.py
     --challenges builds their dataset, train.py adapts the checkpoint's network to it within adapt_minutes (the
     puzzle-embedding table is the new tasks', every row the checkpoint's mean row at first), with the run's own
-    recipe (adapt_args on top), in a folder of this adaptation's own (adaptation.py); then init_from and
+    recipe (adapt_args on top), in a folder of this adaptation's own (runkeep/adapt.py); then init_from and
     data_path become the adapted run's last checkpoint and its dataset, whose test split holds every test input
     in adapt_aug + 1 views."""
-    from adaptation import adapt
+    from runkeep.adapt import adapt
     try:
         tasks = load_json(task)  # a key twice is refused: JSON readers keep only the last
     except ValueError as e:

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from runkeep.hub import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
-from rules import problems  # (torch-free)
+from configurator import config_problems  # (torch-free)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
@@ -96,7 +96,7 @@ config_keys = [k for k, v in globals().items()
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 globals().update(resolve_init_from(globals()))  # hf:// fetched; model keys of all_config.yaml beside it
 config = {k: globals()[k] for k in config_keys}
-bad = problems(config)  # rules.py: every key's allowed values, and the model's shape
+bad = config_problems(config)  # configurator.py: every key's allowed values, and the model's shape
 bad += [why for broken, why in (  # keys that must agree with each other
     (eval_only and init_from == 'scratch', "eval_only=True needs --init_from=resume or a checkpoint file"),
     (freeze_weights and not puzzle_emb_ndim, "freeze_weights=True trains only the puzzle embedding, and "

@@ -6,7 +6,7 @@ The reference implementation's published checkpoint layout, and the Hugging Face
 Reading (train.py and solve.py, after the configurator): resolve_init_from() fetches an
 hf://OWNER/REPO[@REVISION]/PATH/step_<N> into a local cache (resumable, once per commit) and takes the model keys
 from the all_config.yaml beside the file, refusing a key the config files or the command line set to another
-value, and the model keys that break train.py's rules (rules.py). Writing (publish.py): export() turns a
+value, and the model keys that break train.py's rules (configurator.py). Writing (publish.py): export() turns a
 checkpoint of train.py into the layout, all or nothing, and never over another run's files (one all_config.yaml
 answers for every step_<N> beside it); upload() commits it to a hub repository. The hub's own client
 (huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN (or `hf auth login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.parse
 
-from rules import problems
+from configurator import config_problems
 
 ARCH = 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
 LOSS = 'losses@ACTLossHead'
@@ -107,7 +107,7 @@ def model_keys(cfg, where):
              "positions that nothing fills, and its forward cannot add its inputs to them; not loadable")
     if ndim and keys['hidden_size'] > 0:  # the reference's 0: as many prefix positions as the embedding needs
         keys['puzzle_emb_len'] = length or math.ceil(ndim / keys['hidden_size'])
-    if bad := problems(keys):  # train.py's rules, as for the same keys on a command line
+    if bad := config_problems(keys):  # train.py's rules, as for the same keys on a command line
         fail(f"{where}: " + '; '.join(f"arch.{b}" for b in bad))
     return keys
 

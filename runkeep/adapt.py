@@ -22,13 +22,14 @@ import signal
 import subprocess
 import sys
 
-from runkeep.checkpoint import list_checkpoints
 from guard import HUNG_EXIT
 from model import MODEL_KEYS
 from puzzles import plural
-from runkeep.records import results_step
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from .checkpoint import list_checkpoints
+from .records import results_step
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RECORD = 'adapt.json'
 # train.py's keys an adaptation keeps from the checkpoint's run (besides the model's): how it learned
 RECIPE = ('lr', 'lr_min_ratio', 'lr_warmup_steps', 'beta1', 'beta2', 'weight_decay', 'puzzle_emb_lr',
