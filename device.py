@@ -120,12 +120,30 @@ def cpu_features():
     return model, [label for flag, label in names if flag in flags]
 
 
+# the levels of torch's own kernels (ATEN_CPU_CAPABILITY) and of oneDNN's (ONEDNN_MAX_CPU_ISA) without bfloat16
+# instructions: torch held to one of them emulates bf16, as on a CPU without it
+ATEN_WITHOUT_BF16 = ('DEFAULT', 'AVX2')
+ONEDNN_WITHOUT_BF16 = ('SSE41', 'AVX', 'AVX2', 'AVX2_VNNI', 'AVX2_VNNI_2', 'AVX512_CORE', 'AVX512_CORE_VNNI')
+
+
+def cpu_bf16_capped():
+    """The variable that holds torch below bfloat16 instructions, as 'NAME=value' ('' where none does):
+    ATEN_CPU_CAPABILITY=avx2 or default (torch's own kernels: the norms, the elementwise ops) or
+    ONEDNN_MAX_CPU_ISA below oneDNN's bf16 sets (the matmuls). So a machine with native bf16 chooses what an
+    AVX2 machine chooses: `ATEN_CPU_CAPABILITY=avx2 python -m pytest ...`."""
+    for name, levels in (('ATEN_CPU_CAPABILITY', ATEN_WITHOUT_BF16), ('ONEDNN_MAX_CPU_ISA', ONEDNN_WITHOUT_BF16),
+                         ('DNNL_MAX_CPU_ISA', ONEDNN_WITHOUT_BF16)):
+        if os.environ.get(name, '').upper() in levels:
+            return f"{name}={os.environ[name]}"
+    return ''
+
+
 def cpu_has_native_bf16():
-    """True where the CPU computes bfloat16 matmuls in hardware (AVX512_BF16, AMX, Arm BF16); elsewhere
-    torch emulates bf16 and a step runs many times slower than float32."""
+    """True where the CPU computes bfloat16 matmuls in hardware (AVX512_BF16, AMX, Arm BF16) and torch may use
+    them (cpu_bf16_capped); elsewhere torch emulates bf16 and a step runs many times slower than float32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and any(
-            x in cpu_features()[1] for x in ('AVX512_BF16', 'AMX-BF16', 'ARM-BF16'))
+            x in cpu_features()[1] for x in ('AVX512_BF16', 'AMX-BF16', 'ARM-BF16')) and not cpu_bf16_capped()
     except Exception:
         return False
 
@@ -146,7 +164,9 @@ def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
         native, hw = tuple(cap) >= (8, 0), f"GPU of compute capability {cap[0]}.{cap[1]}"
     else:
         native = cpu_has_native_bf16() if native_cpu_bf16 is None else native_cpu_bf16
-        hw = 'CPU ' + ('with' if native else 'without') + ' native bf16'
+        capped = cpu_bf16_capped()
+        hw = 'CPU ' + ('with' if native else 'without') + ' native bf16' + (f" under {capped}"
+                                                                          if capped and not native else '')
     if requested == 'auto':
         return ('bfloat16', f"auto: bfloat16 ({hw})") if native else ('float32', f"auto: float32 ({hw})")
     if requested == 'bfloat16' and not native:

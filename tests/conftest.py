@@ -87,6 +87,30 @@ def ckpt_paths(folder):
     return sorted(glob.glob(os.path.join(folder, 'ckpt_*.pt')))
 
 
+def site_hook(folder, body, root=ROOT):
+    """The environment whose Python processes run `body` first (a sitecustomize.py in `folder` on PYTHONPATH),
+    with the trainer in `root` importable: how a test puts an event into a real run (a step that never ends, a
+    signal at a given step) without a line of the trainer changed."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, 'sitecustomize.py'), 'w') as f:
+        f.write(f"import os, signal, sys, threading, time\nsys.path.insert(0, {str(root)!r})\n" + body)
+    return dict(PYTHONPATH=str(folder))
+
+
+# where this Python's packages live (a .venv inside the checkout holds torch's files under the root too)
+ENVIRONMENT = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix)}
+
+
+def our_frames(text):
+    """The traceback frames in `text` whose file is one of this repository's own, not the Python environment's
+    (site-packages, the venv) wherever that lives."""
+    def ours(path):
+        path = os.path.realpath(path)
+        return (path.startswith(os.path.realpath(ROOT) + os.sep) and {'site-packages', 'dist-packages'}.isdisjoint(
+            path.split(os.sep)) and not any(path.startswith(env + os.sep) for env in ENVIRONMENT))
+    return [f for f in re.findall(r'File "([^"]+)", line \d+', text) if os.path.isabs(f) and ours(f)]
+
+
 def assert_user_error(p, *words):
     """Exit code != 0, a message naming the problem (the words), no traceback."""
     out = p.stdout + p.stderr

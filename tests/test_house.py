@@ -191,11 +191,23 @@ def test_the_number_format_on_a_tpu_is_bfloat16(monkeypatch):
     assert choose_dtype('auto', 'xla', native_cpu_bf16=False)[0] == 'float32'
 
 
+def one_step(toy, tmp_path):
+    """train.py for one step of a tiny model with the default number format ('auto')."""
+    return ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--device=cpu', '--max_steps=1',
+            '--hidden_size=32', '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1',
+            '--halt_max_steps=2', '--global_batch_size=10', '--xla_cache_dir=']
+
+
 def test_train_says_which_format_it_chose_on_this_cpu(toy, tmp_path):
     from device import cpu_has_native_bf16
-    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--device=cpu', '--max_steps=1',
-             '--hidden_size=32', '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1',
-             '--halt_max_steps=2', '--global_batch_size=10', '--xla_cache_dir='])
+    p = run(one_step(toy, tmp_path))
     first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
     want = 'bfloat16' if cpu_has_native_bf16() else 'float32'
     assert f'forward dtype auto: {want} (CPU with' in first, first
+
+
+def test_torch_held_to_avx2_chooses_float32_as_an_avx2_machine_does_and_says_why(toy, tmp_path):
+    # on any machine: how a machine with native bf16 runs the suite as a newcomer's AVX2 machine does (README)
+    p = run(one_step(toy, tmp_path), env=dict(ATEN_CPU_CAPABILITY='avx2'))
+    first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
+    assert 'forward dtype auto: float32 (CPU without native bf16 under ATEN_CPU_CAPABILITY=avx2)' in first, first

@@ -112,9 +112,10 @@ def test_a_gs_lock_has_a_lease_its_run_renews_and_another_host_takes_over_once_i
         first, said = locker()
         procs.append(first)
         assert said.strip() == '[]', said
-        renewed = json.loads(Preconditioned.objects[obj])['renewed']
-        time.sleep(3)  # a third of the lease: renewed once at least
-        assert json.loads(Preconditioned.objects[obj])['renewed'] > renewed
+        renewed, deadline = json.loads(Preconditioned.objects[obj])['renewed'], time.time() + 3
+        while json.loads(Preconditioned.objects[obj])['renewed'] == renewed:  # every third of the lease
+            assert time.time() < deadline, 'the lock was not renewed within its lease of 3 s'
+            time.sleep(0.05)
         first.communicate('', timeout=60)
         assert obj not in Preconditioned.objects
 

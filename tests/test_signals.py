@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, finish, popen_train, read_until, start, train
+from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, finish, popen_train, read_until, site_hook, start, train
 
 
 def assert_unlocked(out):
@@ -27,7 +27,10 @@ def test_sigterm_while_stdout_is_a_closed_pipe_saves_the_stop_checkpoint(toy, tm
     proc = start(toy, out, '--epochs=200', '--log_interval=1', stderr=err)
     read_until(proc, 'step 2/')
     proc.stdout.close()  # the reader is gone: `train.py | head -3`, a lost tee, a closed SSH session
-    time.sleep(1)
+    logged, deadline = logged_steps(out), time.time() + 120
+    while logged_steps(out) < logged + 2:  # a line printed after the close: the run wrote on into the closed pipe
+        assert proc.poll() is None and time.time() < deadline, open(tmp_path / 'stderr').read()[-3000:]
+        time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     try:
         rc = proc.wait(timeout=120)
@@ -43,6 +46,15 @@ def test_sigterm_while_stdout_is_a_closed_pipe_saves_the_stop_checkpoint(toy, tm
     assert torch.load(out / ckpts(out)[0], weights_only=True)['step'] == step
     assert f'step {step}/' in log
     assert_unlocked(out)
+
+
+def logged_steps(out):
+    """The step lines in a run's train.log so far."""
+    try:
+        with open(os.path.join(out, 'train.log')) as f:
+            return sum(line.startswith('step ') for line in f)
+    except FileNotFoundError:
+        return 0
 
 
 def test_a_stop_during_an_evaluation_saves_its_step_at_once_and_the_resume_evaluates(toy, tmp_path):
@@ -87,7 +99,10 @@ def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_los
     lines = Lines(proc)
     lines.until('step 30/')  # past the calibration: the ranks agree on stop requests every ~2 s from here
     os.kill(proc.pid, signal.SIGSTOP)
-    time.sleep(0.5)
+    deadline = time.time() + 60
+    while not stopped(proc.pid):  # every thread of it, so nothing more is written until SIGCONT
+        assert time.time() < deadline
+        time.sleep(0.01)
     lines.drain()  # every line printed before the signal
     partial = bool(lines.buf)
     os.kill(proc.pid, signal.SIGTERM)
@@ -107,16 +122,42 @@ def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_los
 
 def test_a_stop_during_one_long_evaluation_batch_is_honoured_between_chunks_of_its_steps(toy, tmp_path):
     out = tmp_path / 'o'
-    # the final evaluation: one batch of all 200 examples for 2000 supervision steps (many minutes here)
-    proc = popen_train(toy, out, '--max_steps=3', '--eval_batch_size=200', '--eval_steps=2000', '--log_interval=1')
+    # the final evaluation: one batch of all 200 examples for 2000 supervision steps (many minutes here); a
+    # sitecustomize.py says when the batch's 10th step is done: its stop check before the batch has passed
+    said = site_hook(tmp_path / 'hook', """import model
+real, calls = model.TRM.predict_step, [0]
+
+
+def predict_step(self, *args, **kwargs):
+    out = real(self, *args, **kwargs)
+    calls[0] += 1
+    if calls[0] == 10:
+        print('test hook: evaluation step 10 done', flush=True)
+    return out
+
+
+model.TRM.predict_step = predict_step
+""")
+    proc = popen_train(toy, out, '--max_steps=3', '--eval_batch_size=200', '--eval_steps=2000', '--log_interval=1',
+                       env=said)
     lines = Lines(proc)
-    lines.until('step 3/3')
-    time.sleep(3)  # inside the batch: its stop check before it has passed
+    lines.until('test hook: evaluation step 10 done')
     proc.send_signal(signal.SIGTERM)
     text = lines.rest(90)  # the whole batch would take far longer
     assert proc.returncode == 0, text[-3000:]
     assert 'eval on' not in text and 'stopped cleanly' in text, text[-3000:]
     assert ckpts(out) == ['ckpt_00000003.pt'] and not os.path.exists(out / 'results.json')
+
+
+def stopped(pid):
+    """Whether every thread of process pid is stopped (SIGSTOP)."""
+    states = []
+    for task in os.listdir(f'/proc/{pid}/task'):
+        try:
+            states.append(open(f'/proc/{pid}/task/{task}/stat').read().rsplit(')', 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return all(s in 'Tt' for s in states)
 
 
 def children(pid):

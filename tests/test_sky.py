@@ -3,7 +3,8 @@ The SkyPilot task files in sky/: each one passes SkyPilot's schema and asks for 
 run here runs as SkyPilot runs it (bash -i on a script that enters the workdir and exports the task's envs and
 SkyPilot's variables), on this CPU with tiny datasets and the GCS emulator as the bucket. A preemption is a
 SIGTERM to every process of a node (the notice) or every process killed at once (the VM is gone); the next launch
-is a new node (a fresh home and workdir), as after SkyPilot's recovery.
+is a new node (a fresh home and workdir), as after SkyPilot's recovery; a run that is stopped or lost trains at a
+real model's pace and holds after a checkpoint until the test has acted (Node.hold_after): the stop comes mid-run.
     python -m pytest -q tests/test_sky.py
 SkyPilot itself cannot share the test environment (skypilot 0.14.1 pins click < 8.2, wandb 0.31 needs click >=
 8.2): its task and resources schemas are vendored in sky/skypilot_schema.json by sky/check_with_skypilot.py, which
@@ -25,7 +26,7 @@ import pytest
 import yaml
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, Lines, free_port
+from conftest import BUCKET, ROOT, TOY_ARGS, Lines, free_port, site_hook
 from guard import HUNG_AGAIN_EXIT, HUNG_EXIT
 
 SKY = os.path.join(ROOT, 'sky')
@@ -207,7 +208,7 @@ class Node:
         self.task = task(task_file)
         self.envs = {k: '' if v is None else str(v) for k, v in self.task['envs'].items()}
         self.envs.update(self.task.get('secrets') or {}, **envs)
-        self.sky_vars, self.log = sky_vars, []
+        self.sky_vars, self.log, self.run_env = sky_vars, [], {}
 
     def script(self, what, extra):
         lines = ['#!/bin/bash', '[ -f ~/.bashrc ] && source ~/.bashrc', 'export PYTHONUNBUFFERED=1',
@@ -219,16 +220,57 @@ class Node:
             f.write('\n'.join(lines))
         return path
 
+    def hold_after(self, name):
+        """The node's run trains at a real model's pace, STEP_S a step at least, and holds before the step after
+        its first checkpoint whose path holds `name` until the test has given its notice (notice()): whatever
+        the machine's speed, the notice comes well before the run's end, and the stop it asks for (agreed every
+        ~2 s of steps: 2 / STEP_S of them at most) too."""
+        self.held, self.noticed = os.path.join(self.home, 'held'), os.path.join(self.home, 'noticed')
+        self.run_env = dict(site_hook(os.path.join(self.home, 'hook'), HOLD, root=self.workdir), TEST_HOLD_AFTER=name,
+                            TEST_HELD=self.held, TEST_NOTICED=self.noticed)
+        return self
+
     def start(self, what, bin_dir):
         extra = dict(SKYPILOT_SETUP_NODE_RANK=self.sky_vars['SKYPILOT_NODE_RANK'],
                      SKYPILOT_SETUP_NODE_IPS=self.sky_vars['SKYPILOT_NODE_IPS']) if what == 'setup' else {}
         env = {k: v for k, v in os.environ.items() if not k.startswith(('SKYPILOT_', 'PJRT_', 'TPU_'))}
-        env.update(HOME=self.home, PATH=f"{bin_dir}:{env['PATH']}", WANDB_MODE='disabled', OMP_NUM_THREADS='1')
+        env.update(HOME=self.home, PATH=f"{bin_dir}:{env['PATH']}", WANDB_MODE='disabled', OMP_NUM_THREADS='1',
+                   **(self.run_env if what == 'run' else {}))
         proc = subprocess.Popen(['/bin/bash', '-i', self.script(what, extra)], cwd=self.home, env=env,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 bufsize=0, start_new_session=True)
         self.log.append(Lines(proc))
         return self.log[-1]
+
+
+# Node.hold_after's sitecustomize.py: a run that is preempted or lost mid-run, on every machine. A notice sent
+# after a line the run printed races the run to its end: it asks for a stop the ranks agree on only every ~2 s of
+# steps, and 40 tiny steps take less than that on a fast machine
+STEP_S = 0.1
+HOLD = f'''
+if sys.argv[0].endswith('train.py') or sys.argv[-1] == '--multiprocessing-fork':  # a trainer, or its worker
+    from runkeep import checkpoint, step
+    real_write, real_step, held = checkpoint.write_checkpoint, step.train_step, []
+
+    def write_checkpoint(state, path, *args, **kwargs):
+        out = real_write(state, path, *args, **kwargs)
+        if os.environ['TEST_HOLD_AFTER'] in str(path) and not held:
+            held.append(str(path))
+        return out
+
+    def train_step(*args, **kwargs):
+        t = time.time()
+        if held and not os.path.exists(os.environ['TEST_NOTICED']):
+            with open(os.environ['TEST_HELD'], 'w') as f:
+                f.write(held[0])
+            while not os.path.exists(os.environ['TEST_NOTICED']):
+                time.sleep(0.05)
+        out = real_step(*args, **kwargs)
+        time.sleep(max(0.0, {STEP_S} - (time.time() - t)))
+        return out
+
+    checkpoint.write_checkpoint, step.train_step = write_checkpoint, train_step
+'''
 
 
 def tree(pid):
@@ -320,6 +362,27 @@ def wait_for_checkpoint(prefix, after, *nodes, timeout=180):
                          + '\n'.join(nodes[0].seen)[-3000:])
 
 
+def until_held(node, *nodes, timeout=300):
+    """Waits, reading the nodes' output meanwhile, until the node's run holds after its checkpoint (hold_after);
+    returns that checkpoint's path."""
+    deadline = time.time() + timeout
+    while not os.path.exists(node.held):
+        for lines in nodes:
+            lines.drain()
+            assert lines.proc.poll() is None and time.time() < deadline, '\n'.join(lines.seen)[-3000:]
+        time.sleep(0.05)
+    return open(node.held).read()
+
+
+def notice(node, *nodes):
+    """The preemption notice, once the node's run holds after its checkpoint: SIGTERM to every process of the
+    nodes, then the run goes on."""
+    until_held(node, *nodes)
+    for lines in nodes:
+        signal_all(lines.proc.pid, signal.SIGTERM)
+    open(node.noticed, 'w').close()
+
+
 def final_lines(text, run):
     """A finished run's final evaluation and what follows it, up to job.sh's verdict, its name made RUN."""
     return text[text.rindex('\neval on'):text.rindex('\njob: finished')].replace(run, 'RUN')
@@ -359,20 +422,20 @@ def test_the_gpu_task_resumes_after_a_preemption_notice_and_after_a_lost_vm(emu,
     job_id = 'sky-managed-2026-11-25-11-00-00-000002_trm-gpu_2-0'  # SKYPILOT_TASK_ID: one through the recoveries
     out = f'runs/{job_id}'
     # 1. the notice: SIGTERM to every process of the node; the checkpoint is saved, the job exits 75 (run again)
-    first = one_node(tmp_path, 'vm1', 'gpu.yaml', job_id, SUDOKU4)
+    first = one_node(tmp_path, 'vm1', 'gpu.yaml', job_id, SUDOKU4).hold_after('ckpt_')
     setup, run = launch(first, bin_dir)
     assert 'job: dataset gs://test-bucket/data/sudoku4-60 is there' in setup and 'building' not in setup
-    run.until('saved', timeout=300)
-    signal_all(run.proc.pid, signal.SIGTERM)
+    notice(first, run)
     text, code = ran(run, 120)
     assert code == HUNG_EXIT and 'stopped cleanly' in text and 'job: stopped before the end' in text, text[-3000:]
     stopped_at = last_checkpoint(out)
     saved = [l for l in text.splitlines() if l.startswith('saved') and '(stop requested)' in l]
     assert 'results.json' not in objects(out) and f'ckpt_{stopped_at:08d}.pt' in saved[0], text[-3000:]
     # 2. a new VM resumes it; then the VM is gone at once (no notice): its last checkpoint is what the bucket has
-    second = one_node(tmp_path, 'vm2', 'gpu.yaml', job_id, SUDOKU4)
+    second = one_node(tmp_path, 'vm2', 'gpu.yaml', job_id, SUDOKU4).hold_after('ckpt_')
     setup, run = launch(second, bin_dir)
     assert run.until('resuming from', timeout=300).endswith(f'(step {stopped_at})')
+    until_held(second, run)
     lost_at = wait_for_checkpoint(out, stopped_at, run)
     vm_gone(run)
     # 3. a third VM resumes from the bucket and ends as the uninterrupted job did
@@ -392,10 +455,10 @@ def test_the_tpu_task_runs_under_torch_xla_s_launcher_and_resumes_after_a_notice
     envs = dict(SUDOKU4, DATA='sudoku4-60-xla', PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1', ARGS=args)
     job_id = 'sky-managed-2026-11-25-16-00-00-000001_trm-tpu-pod_1-0'
     out = f'runs/{job_id}'
-    setup, run = launch(one_node(tmp_path, 'vm1', 'tpu-pod.yaml', job_id, envs), bin_dir)
+    first = one_node(tmp_path, 'vm1', 'tpu-pod.yaml', job_id, envs).hold_after('ckpt_')
+    setup, run = launch(first, bin_dir)
     assert run.until('device xla x1', timeout=300)
-    wait_for_checkpoint(out, 0, run)
-    signal_all(run.proc.pid, signal.SIGTERM)
+    notice(first, run)
     text, code = ran(run, 120)
     assert code == HUNG_EXIT and 'stopped cleanly' in text and 'job: stopped before the end' in text, text[-3000:]
     stopped_at = last_checkpoint(out)
@@ -468,18 +531,18 @@ def test_the_study_task_resumes_its_runs_after_a_notice_and_after_a_lost_vm(emu,
 
     job_id = 'sky-managed-2026-11-25-13-00-00-000002_trm-study_2-0'
     out = f'studies/{job_id}'
-    first = one_node(tmp_path, 'vm1', 'study-pod.yaml', job_id, STUDY)
+    first = one_node(tmp_path, 'vm1', 'study-pod.yaml', job_id, STUDY).hold_after(f'/{order[0]}/ckpt_')
     setup, run = launch(first, bin_dir)
     assert 'is there' in setup and 'job: building' not in setup
-    wait_for_checkpoint(f'{out}/{order[0]}', 0, run)
-    signal_all(run.proc.pid, signal.SIGTERM)
+    notice(first, run)
     text, code = ran(run, 120)
     assert code == HUNG_EXIT and 'study: stopped' in text and 'job: stopped before the end' in text, text[-3000:]
 
-    second = one_node(tmp_path, 'vm2', 'study-pod.yaml', job_id, STUDY)
+    second = one_node(tmp_path, 'vm2', 'study-pod.yaml', job_id, STUDY).hold_after(f'/{order[1]}/ckpt_')
     setup, run = launch(second, bin_dir)
     assert 'resuming from its checkpoint' in run.until(f'study: {order[0]} [', timeout=300)
-    wait_for_checkpoint(f'{out}/{order[1]}', 0, run)  # the first run finished, the second under way
+    until_held(second, run)  # the first run finished, the second under way
+    wait_for_checkpoint(f'{out}/{order[1]}', 0, run)
     vm_gone(run)
 
     third = one_node(tmp_path, 'vm3', 'study-pod.yaml', job_id, STUDY)
@@ -519,17 +582,18 @@ def test_the_multi_node_task_resumes_on_two_nodes_after_a_notice_and_after_lost_
 
     job_id = 'sky-managed-2026-11-25-15-00-00-000002_trm-gpu-nodes_2-0'
     out = f'runs/{job_id}'
-    runs = launch_all(two_nodes(tmp_path, 'vm1', job_id, envs), bin_dir)
-    wait_for_checkpoint(out, 0, *runs)
-    for r in runs:
-        signal_all(r.proc.pid, signal.SIGTERM)
+    nodes = [n.hold_after('ckpt_') for n in two_nodes(tmp_path, 'vm1', job_id, envs)]  # rank 0's node saves
+    runs = launch_all(nodes, bin_dir)
+    notice(nodes[0], *runs)
     for r in runs:
         text, code = ran(r, 120)
         assert code == HUNG_EXIT and 'job: stopped before the end' in text, text[-3000:]
     stopped_at = last_checkpoint(out)
 
-    runs = launch_all(two_nodes(tmp_path, 'vm2', job_id, envs), bin_dir)
+    nodes = [n.hold_after('ckpt_') for n in two_nodes(tmp_path, 'vm2', job_id, envs)]
+    runs = launch_all(nodes, bin_dir)
     assert runs[0].until('resuming from', timeout=300).endswith(f'(step {stopped_at})')
+    until_held(nodes[0], *runs)
     wait_for_checkpoint(out, stopped_at, *runs)
     vm_gone(*runs)
 

@@ -8,12 +8,9 @@ mounted).
 import glob
 import os
 import shutil
-import subprocess
-import sys
-import time
+import signal
 
-
-from conftest import ROOT, TOY_ARGS, run
+from conftest import TOY_ARGS, Lines, popen_train, run
 from disks import small_disk
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=2']
@@ -35,17 +32,15 @@ def test_a_full_tb_folder_is_one_warning_and_the_run_goes_on(toy, tmp_path):
 
 def test_a_tb_folder_deleted_mid_run_is_made_again(toy, tmp_path):
     out = tmp_path / 'o'
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    with open(tmp_path / 'log', 'w') as log:
-        proc = subprocess.Popen([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}'] + FAST,
-                                cwd=ROOT, env=e, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 300
-        while not glob.glob(str(out / 'tb' / 'events*')) and proc.poll() is None and time.time() < deadline:
-            time.sleep(0.05)
-        time.sleep(1)
+    proc = popen_train(toy, out, args=FAST)
+    lines = Lines(proc)
+    lines.until('step 10/')  # its board written to; 30 steps and the evaluation to come
+    os.kill(proc.pid, signal.SIGSTOP)  # held still while its board goes: mid-run, whatever the machine's speed
+    try:
         shutil.rmtree(out / 'tb')
-        proc.wait(timeout=600)
-    text = open(tmp_path / 'log').read()
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    text = lines.rest(600)
     assert proc.returncode == 0, text[-3000:]
     assert len(warnings_about_tb(text)) <= 1, warnings_about_tb(text)
     events = glob.glob(str(out / 'tb' / 'events*'))

@@ -5,7 +5,7 @@ same command resumes; a slow evaluation that progresses is not ended.
 import json
 import os
 
-from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run
+from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
 
 
 def hang_at(tmp_path, what):
@@ -63,12 +63,26 @@ def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(
     assert 'Traceback' not in p.stderr and 'Current thread' in open(f'{out}/train.log').read()
 
 
+# every evaluation supervision step takes 1 ms more: 500 batches of 4 steps outlast 0.6 s on the fastest machine
+AT_LEAST_1_MS = """import model
+real = model.TRM.predict_step
+
+
+def predict_step(self, *args, **kwargs):
+    time.sleep(0.001)
+    return real(self, *args, **kwargs)
+
+
+model.TRM.predict_step = predict_step
+"""
+
+
 def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs(tmp_path):
     data = make_reverse_dataset(str(tmp_path / 'data'), n_test=1000)
     args = ['train.py', f'--data_path={data}', *TOY_ARGS, '--max_steps=6', '--log_interval=2', '--eval_batch_size=2',
             '--watchdog_minutes=0.01']  # 500 evaluation batches against 0.6 s
     out = f'{tmp_path}/o'
-    p = run(args + [f'--out_dir={out}'], timeout=600)
+    p = run(args + [f'--out_dir={out}'], timeout=600, env=site_hook(tmp_path / 'slow', AT_LEAST_1_MS))
     evals = [r for r in records(out) if r['kind'] == 'eval']
     assert 'watchdog: nothing finished' not in p.stderr and len(evals) == 1 and evals[0]['step'] == 6
     spent = json.load(open(f'{out}/results.json'))['wall_s']['eval']
