@@ -214,6 +214,16 @@ def resume_parts(init_from):
     return False, '' if init_from == 'scratch' else init_from
 
 
+def start_file_missing(cfg, nothing_to_resume):
+    """[message] when init_from=resume:FILE finds no checkpoint of the run to resume and FILE is missing on this
+    host (with a checkpoint to resume, FILE is not needed: it may be gone)."""
+    resume, init_file = resume_parts(cfg['init_from'])
+    if not (resume and init_file and nothing_to_resume) or os.path.isfile(init_file):
+        return []
+    return [f"init_from={cfg['init_from']}: {init_file} is missing (no such file on this host), and "
+            f"{cfg['out_dir']} holds no checkpoint of the run to resume instead"]
+
+
 def checkpoint_problems(cfg, dev, local):
     """Rank 0 at start: the checkpoints already in out_dir that this run would mix with or delete: [message].
     A new run (scratch, or a file's weights) stops at an earlier run's checkpoints unless --overwrite=True;

@@ -20,7 +20,7 @@ import torch
 import gcs
 from checkpoint import (MAX_WEIGHT, check_resume, resume_parts, checkpoint_name, checkpoint_problems, checkpoint_tensors,
                         delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
-                        load_weights, prune_checkpoints, set_aside_diverged, write_checkpoint)
+                        load_weights, prune_checkpoints, set_aside_diverged, start_file_missing, write_checkpoint)
 from data import load_metadata
 from evaluate import format_eval
 from puzzles import render_example
@@ -105,10 +105,7 @@ class Run:
                                                              last_step, cfg['eval_only'])
             if ckpt is None and cfg['eval_only']:  # random weights are not a run's to evaluate
                 raise SystemExit(f"init_from=resume: no checkpoint in {cfg['out_dir']} to evaluate")
-            missing = ckpt is None and init_file and not os.path.isfile(init_file)
-            fail_together(self.dev, [f"init_from={cfg['init_from']}: {init_file} is missing (no such file on this "
-                                     f"host), and {cfg['out_dir']} holds no checkpoint of the run to resume instead"
-                                     ] if missing else [], 'resuming')
+            fail_together(self.dev, start_file_missing(cfg, ckpt is None), 'resuming')
             if ckpt is None and self.master:
                 print(f"init_from={cfg['init_from']}: no checkpoint in {cfg['out_dir']} yet, starting from "
                       f"{init_file or 'scratch'}")
