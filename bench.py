@@ -41,7 +41,10 @@ import os
 import time
 
 import numpy as np
-import torch
+
+from runkeep.memory import import_torch
+
+torch = import_torch()  # where an address-space limit leaves it no room: one line
 
 from configurator import read_config_block  # noqa: E402
 

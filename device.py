@@ -15,10 +15,14 @@ import resource
 import signal
 
 import numpy as np
-import torch
 
-from runkeep import torchtpu
-from runkeep.torchtpu import TorchTPU  # the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
+from runkeep.memory import import_torch
+
+torch = import_torch()  # where an address-space limit leaves it no room: one line
+
+from runkeep import torchtpu  # noqa: E402
+# the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
+from runkeep.torchtpu import TorchTPU  # noqa: E402
 
 
 def usable_cores():

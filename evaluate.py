@@ -173,11 +173,13 @@ class ARCVotes:
     900 tokens thus never sit in memory.
     With `pooling`, the pool also keeps the 'last' answers of every evaluation of the run so far (the
     reference's vote: its last evaluation votes over every checkpoint's answers); a checkpoint carries it
-    (pool_state), so a resumed run continues it."""
+    (pool_state), so a resumed run continues it. `schedule`, the steps the run evaluates at: those up to an
+    evaluation that the pool lacks (a run resumed from a checkpoint that did not pool) are named with its
+    scores (pooled_missing)."""
 
-    def __init__(self, kind, views, puzzles, pooling=False):
+    def __init__(self, kind, views, puzzles, pooling=False, schedule=()):
         """kind: puzzles.ARC of the canvas; views: test_views.npz's arrays; puzzles: test_puzzles.json's."""
-        self.kind, self.puzzles, self.pooling = kind, puzzles, pooling
+        self.kind, self.puzzles, self.pooling, self.schedule = kind, puzzles, pooling, sorted(schedule)
         self.names = [str(t) for t in views['tasks']]
         self.task, self.test_index = np.asarray(views['task']), np.asarray(views['test_index'])
         self.dihedral, self.colours = np.asarray(views['dihedral']), np.asarray(views['colours'])
@@ -187,7 +189,7 @@ class ARCVotes:
         self.start()
 
     @classmethod
-    def open(cls, root, kind, pooling=False):
+    def open(cls, root, kind, pooling=False, schedule=()):
         """The votes of an ARC dataset at root (prepare_arc.py's test_views.npz and test_puzzles.json), checked
         against its test split; None for a kind whose views are not stored in its dataset (whose rows are
         scored one by one)."""
@@ -209,7 +211,7 @@ class ARCVotes:
         if problem := views_problem(views, puzzles, split, kind, os.path.join(root, 'test')):
             raise SystemExit(f"{paths[0]} {problem}: it is not this test split's (another build's, or one stopped "
                              "between its renames); rebuild the dataset with prepare_arc.py")
-        return cls(kind, views, puzzles, pooling)
+        return cls(kind, views, puzzles, pooling, schedule)
 
     def start(self, rows=None):
         """Forget the answers; the tasks scored from now on are those of the test split's `rows` (None: all)."""
@@ -297,7 +299,13 @@ class ARCVotes:
         out['by_views'] = curve
         if pooled:
             out['pooled_steps'] = list(self.pool_steps)
+            out['pooled_missing'] = self.missing()
         return out
+
+    def missing(self):
+        """The steps of the run's schedule, up to its newest pooled evaluation, whose answers the pool lacks."""
+        last = max(self.pool_steps, default=-1)
+        return [s for s in self.schedule if s <= last and s not in self.pool_steps]
 
     def results(self, pool_at=None):
         """evaluate()'s entries: 'arc' (score()) and the flat ones that the logs, results.json, W&B,
@@ -329,7 +337,9 @@ class ARCVotes:
     def submission_vote(self):
         """Which vote submission() follows, in words (results.json and an evaluation's record keep it)."""
         if self.pooling and self.pool_steps:
-            return f"pooled over the evaluations at steps {', '.join(map(str, self.pool_steps))}"
+            missing = self.missing()
+            lacks = f" (missing: step{'s' * (len(missing) > 1)} {', '.join(map(str, missing))})" if missing else ''
+            return f"pooled over the evaluations at steps {', '.join(map(str, self.pool_steps))}{lacks}"
         return 'this checkpoint'
 
     # --- the pool in a checkpoint: one entry per test input and distinct answer, in flat arrays ---
@@ -560,6 +570,12 @@ def format_eval(r):
             steps = arc['pooled_steps']
             line += (f"\n  ARC pooled over {len(steps)} evaluation{'s' * (len(steps) > 1)} (step"
                      f"{'s' * (len(steps) > 1)} {', '.join(map(str, steps))}; " + arc_scores(arc['pooled'])[1:])
+            if missing := arc.get('pooled_missing'):
+                many, it = 's' * (len(missing) > 1), 'them' if len(missing) > 1 else 'it'
+                line += (f"\n  ARC pooled vote misses the evaluation{many} at step{many} "
+                         f"{', '.join(map(str, missing))} of this run's schedule: the checkpoint it resumed held "
+                         f"no answers of {it} (--arc_pool_votes turned on at a resume, or a stop during {it} "
+                         f"saved by an older trainer); its submission is pooled without {it}")
     for v in r.get('by_views', []):  # test-time views: one line per view count
         line += (f"\n  {v['views']:>2} views: vote {v['vote']:.4f} | verified {v['verified']:.4f} | oracle "
                  f"{v['oracle']:.4f} (ceiling)" + (f" | accepted {v['accepted']:.4f}" if 'accepted' in v else '')

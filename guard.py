@@ -418,6 +418,8 @@ class Watchdog:
         previous = sys.excepthook
 
         def broken(kind, value, tb):  # a rank's collective broken by a rank that ended at its stop's bound
+            if out_of_memory(kind, value):  # the estimate at start let it in: what failed, in one line
+                return self.out_of_memory(value)
             if STOP['requested'] and not STOP['acted'] and not issubclass(kind, SystemExit):
                 self.end_unanswered(f": {self.awaited()} ended in {kind.__name__}: {' '.join(str(value).split())} "
                                     "(another rank or host ended meanwhile)")
@@ -497,6 +499,16 @@ class Watchdog:
         flush.join(2)  # the main thread may hold a stream's lock for good
         os._exit(code)
 
+    def out_of_memory(self, error):
+        """An allocation failed (on this machine, or this process's address-space limit): one line on stderr (and
+        train.log), then the process ends with exit code 1; its checkpoints are as they were."""
+        text = ' '.join(str(error).split())
+        text = text[text.find('DefaultCPUAllocator'):] if 'DefaultCPUAllocator' in text else text  # its own words
+        print(f"out of memory in {self.awaited()}: {text[:300]}. The start-up estimate (--check_memory) let it "
+              "in: lower global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, "
+              "or run on a larger machine; the same command with --init_from=resume continues from the last "
+              "checkpoint", file=sys.stderr, flush=True)
+
     def awaited(self):
         """What the run was waiting for, in words."""
         if self.evaluating:
@@ -574,6 +586,14 @@ def fingerprint(text):
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], 'big')
 
 
+def out_of_memory(kind, value):
+    """Whether an exception is a failed allocation: Python's or numpy's MemoryError, torch's CPU allocator
+    (can't allocate memory), a GPU's out of memory."""
+    text = str(value)
+    return issubclass(kind, MemoryError) or (issubclass(kind, RuntimeError) and (
+        "can't allocate memory" in text or 'out of memory' in text.lower()))
+
+
 def fail_together(dev, problems, what):
     """Every rank learns whether any rank has a problem, and then all exit with one message (the out_dir's
     lock removed first: a torch_xla worker process ends without running atexit)."""
@@ -623,11 +643,7 @@ def startup_problems(cfg, dev):
         problems.append(f"{root}: the train split holds {describe_data(shapes['train'])}, the test split "
                         f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
                         f"prepare_maze.py) or point data_path at one whose splits agree")
-    init_from = cfg['init_from']
-    init_file = init_from[len('resume:'):] if init_from.startswith('resume:') else init_from
-    if init_file not in ('scratch', 'resume') and not os.path.isfile(init_file):
-        problems.append(f"init_from={init_from!r} is not 'scratch', 'resume', a checkpoint file on this host or "
-                        "'resume:' and one")
+    problems += init_from_problems(cfg['init_from'])
     for what in ('global_batch_size', 'eval_batch_size'):
         B = cfg[what] or cfg['global_batch_size']
         if B % dev.world_size:
@@ -643,6 +659,24 @@ def startup_problems(cfg, dev):
     if len(shapes) == 2 and not problems:
         problems += memory_problems(cfg, dev, load_metadata(root, 'train'))
     return problems
+
+
+def init_from_problems(init_from):
+    """[message] when init_from names nothing a run can start from: a file missing on this host or a folder, or
+    'resume:' followed by no file. A missing FILE of 'resume:FILE' is no problem yet: the run's own checkpoints,
+    when out_dir holds any, are resumed without it (Run.resume says when it is needed and missing)."""
+    allowed = "init_from is 'scratch', 'resume', a checkpoint file, 'resume:FILE' or hf://OWNER/REPO/PATH/step_<N>"
+    if init_from.startswith('resume:'):
+        after = init_from[len('resume:'):]
+        if after in ('', 'scratch', 'resume') or after.startswith('resume:'):
+            return [f"init_from={init_from!r}: 'resume:' is followed by the checkpoint file to start from while "
+                    "out_dir holds no checkpoint of the run; to resume out_dir's checkpoints alone use "
+                    "--init_from=resume"]
+        return [f"init_from={init_from}: {after} is a folder, not a checkpoint file"] if os.path.isdir(after) else []
+    if init_from in ('scratch', 'resume') or os.path.isfile(init_from):
+        return []
+    what = 'a folder, not a checkpoint file' if os.path.isdir(init_from) else 'no such file on this host'
+    return [f"init_from={init_from}: {what} ({allowed})"]
 
 
 def memory_problems(cfg, dev, meta):

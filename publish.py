@@ -43,6 +43,9 @@ if not os.path.isfile(init_from):
                      "first, e.g. with gcloud storage cp)")
 # -----------------------------------------------------------------------------
 
+from runkeep.memory import import_torch  # noqa: E402
+
+import_torch()  # where an address-space limit leaves it no room: one line
 from runkeep.checkpoint import CheckpointError, load_checkpoint, what_it_holds  # noqa: E402
 from configurator import read_config_block  # noqa: E402
 from runkeep.hub import export, upload  # noqa: E402

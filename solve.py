@@ -86,7 +86,9 @@ if bad:
 # -----------------------------------------------------------------------------
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
+from runkeep.memory import import_torch  # noqa: E402
+
+torch = import_torch()  # where an address-space limit leaves it no room: one line
 
 from data import load_arrays, load_json, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402

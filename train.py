@@ -13,6 +13,7 @@ import copy
 import os
 import sys
 import time
+from runkeep.memory import import_torch  # (torch-free: torch is loaded after the config checks)
 from runkeep.hub import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
 from configurator import config_problems  # (torch-free)
 
@@ -106,7 +107,7 @@ if bad:
     raise SystemExit("config error: " + '; '.join(bad))
 # -----------------------------------------------------------------------------
 
-import torch  # noqa: E402  (after the config: --help and config errors answer at once)
+torch = import_torch()  # after the config: --help and config errors answer at once
 
 import guard  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
@@ -179,7 +180,7 @@ def main(index=None):
               f"{global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
-    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only)  # ARC: the vote
+    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only, eval_at)  # ARC
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps, arc)
     # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
     # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
@@ -214,7 +215,7 @@ def main(index=None):
         # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
         raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
         if res is None or (ema and not final and raw is None):
-            save(' (stop requested)')
+            save(' (stop requested)', owed=True)  # its resume evaluates this step first
             return False
         if master:
             print(format_eval(res))
@@ -236,7 +237,7 @@ def main(index=None):
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
         return run.at_the_end(step, run_steps, end, lambda: evaluate_and_save(
-            step, lambda tag='': None, log=not (master and run.logged('eval', step))))
+            step, lambda *a, **k: None, log=not (master and run.logged('eval', step))))
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
@@ -246,7 +247,9 @@ def main(index=None):
     prefetch = Prefetcher(loader, dev)
     carry = {k: v.to(dev.device) for k, v in carry_state.items()} if carry_state is not None else \
         model.initial_carry(prefetch.upcoming)
-    start_step, t0, last_step, stop_now = step, time.time(), step, False
+    save = lambda *a, **k: run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, *a, **k)
+    stop_now = run.owed and not evaluate_and_save(step, save)  # the evaluation a stop interrupted, done first
+    start_step, t0, last_step = step, time.time(), step
     host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
     xla_then = dev.xla_counters()  # XLA: compilations counted from here (at each log line, after evaluations)
     prof = Profiler.for_run(dev, os.path.join(run.local, 'profile'), profile_steps, step, run_steps)
@@ -254,7 +257,7 @@ def main(index=None):
     run.clock.loop_start = t0
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
-    while step < run_steps:
+    while step < run_steps and not stop_now:
         if prof:
             prof.begin(step)
         t_step = time.time()
@@ -270,7 +273,6 @@ def main(index=None):
         watchdog.progress(f'step {step}', step)
         if prof:
             run.upload_folder(prof.finish(step))
-        save = lambda tag='': run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, tag)
 
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
@@ -294,7 +296,7 @@ def main(index=None):
             xla_then = dev.xla_counters()
 
         if stop_now:  # SIGTERM or Ctrl-C on any rank
-            save(' (stop requested)')
+            save(' (stop requested)', owed=at_eval)
         elif at_eval:
             stop_now = not evaluate_and_save(step, save)  # a stop request during it: its step was saved
         elif at_ckpt:

@@ -6,7 +6,8 @@ weights checked sane, the carry gathered). run.Run calls these; solve.py and ben
 files.
 A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
 batch), rng, config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the
-rows of its puzzle-embedding table are: identifiers_of).
+rows of its puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its step's evaluation was
+done: the resume evaluates it first), and with a pooled ARC vote arc_pool.
 """
 import hashlib
 import json
@@ -89,17 +90,26 @@ def weights_in(ckpt):
 # -----------------------------------------------------------------------------
 # the puzzle-embedding table: one row per identifier of the dataset it trained on
 
+def identifiers_digest(data_path):
+    """(a digest of the names in the dataset's identifiers.json, ''), or (None, why there is none: the file
+    missing, or unreadable and why)."""
+    path = os.path.join(data_path, 'identifiers.json')
+    try:
+        with open(path) as f:
+            names = json.load(f)
+    except FileNotFoundError:
+        return None, f"{path} is missing"
+    except (OSError, ValueError) as e:
+        return None, f"{path} cannot be read ({' '.join((getattr(e, 'strerror', None) or str(e)).split())})"
+    return hashlib.sha256(json.dumps(names, separators=(',', ':')).encode()).hexdigest(), ''
+
+
 def identifiers_of(data_path, meta):
     """What a puzzle-embedding table is bound to: dict(count: the dataset's num_puzzle_identifiers, sha256: a
-    digest of the names in identifiers.json, or None where the dataset has no such file). A dataset rebuilt
-    with another seed keeps its count while its names (which augmentation each row stands for) change."""
-    try:
-        with open(os.path.join(data_path, 'identifiers.json')) as f:
-            names = json.load(f)
-        digest = hashlib.sha256(json.dumps(names, separators=(',', ':')).encode()).hexdigest()
-    except (OSError, ValueError):
-        digest = None
-    return dict(count=int(meta['num_puzzle_identifiers']), sha256=digest)
+    digest of the names in identifiers.json, or None where the dataset has no readable such file). A dataset
+    rebuilt with another seed keeps its count while its names (which augmentation each row stands for)
+    change."""
+    return dict(count=int(meta['num_puzzle_identifiers']), sha256=identifiers_digest(data_path)[0])
 
 
 def table_rows(weights):
@@ -115,8 +125,10 @@ def identifier_mismatch(found, path, data_path, meta, say=True):
     """'' when the puzzle-embedding table of a checkpoint (found: weights_in's dict) belongs to the dataset in
     data_path (meta: its train split's dataset.json), else one sentence naming the checkpoint, the dataset and
     both identifier counts. A checkpoint of train.py records its dataset's identifiers (identifiers_of); one
-    saved before that, and a reference state dict, can only be checked by their table's row count, which is
-    said once (say=True)."""
+    saved before that, one trained on a dataset without a readable identifiers.json, and a reference state
+    dict can only be checked by their table's row count, which is said once (say=True). A checkpoint that
+    records the names, against a dataset whose identifiers.json is missing or unreadable, is refused (SystemExit):
+    the count alone cannot tell a dataset rebuilt with another seed."""
     ours, now = found.get('identifiers'), identifiers_of(data_path, meta)
     rows = table_rows(found['weights'])
     saved = ours['count'] if isinstance(ours, dict) else rows
@@ -125,14 +137,21 @@ def identifier_mismatch(found, path, data_path, meta, say=True):
     if saved != now['count']:
         return (f"{path} holds a puzzle-embedding table of {saved} identifiers; the dataset {data_path} has "
                 f"{now['count']}")
-    if isinstance(ours, dict) and ours.get('sha256') and now['sha256'] and ours['sha256'] != now['sha256']:
+    recorded = isinstance(ours, dict) and ours.get('sha256')
+    if recorded and not now['sha256']:
+        raise SystemExit(f"{path} records which puzzles its puzzle-embedding rows stand for, but "
+                         f"{identifiers_digest(data_path)[1]}: the dataset {data_path} cannot be checked to hold "
+                         f"the same ones (a rebuild with another --seed keeps their count, {saved}). Restore "
+                         "identifiers.json, or rebuild the dataset with the command that built it")
+    if recorded and ours['sha256'] != now['sha256']:
         return (f"{path} was trained on other puzzle identifiers than the dataset {data_path} holds ({saved} "
                 f"each, but identifiers.json names other puzzles: a rebuild with another --seed?), so its "
                 f"puzzle-embedding rows would each serve another puzzle")
-    if not isinstance(ours, dict) and say and path not in _NOTED:
+    if not recorded and say and path not in _NOTED:
         _NOTED.add(path)
         what = 'is a state dict, which records' if found.get('config') is None else \
-            'was saved before checkpoints recorded'
+            'was saved before checkpoints recorded' if not isinstance(ours, dict) else \
+            'was trained on a dataset without a readable identifiers.json: it records'
         print(f"note: {path} {what} no dataset identifiers: only their count is checked ({saved}, as the "
               f"dataset {data_path} has)")
     return ''
@@ -193,6 +212,16 @@ def resume_parts(init_from):
     if init_from == 'resume' or init_from.startswith('resume:'):
         return True, init_from[len('resume:'):]
     return False, '' if init_from == 'scratch' else init_from
+
+
+def start_file_missing(cfg, nothing_to_resume):
+    """[message] when init_from=resume:FILE finds no checkpoint of the run to resume and FILE is missing on this
+    host (with a checkpoint to resume, FILE is not needed: it may be gone)."""
+    resume, init_file = resume_parts(cfg['init_from'])
+    if not (resume and init_file and nothing_to_resume) or os.path.isfile(init_file):
+        return []
+    return [f"init_from={cfg['init_from']}: {init_file} is missing (no such file on this host), and "
+            f"{cfg['out_dir']} holds no checkpoint of the run to resume instead"]
 
 
 def checkpoint_problems(cfg, dev, local):

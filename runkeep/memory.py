@@ -7,7 +7,9 @@ the machine, out of memory and without swap, stops answering.
                                    evaluation batch, the allocator's slack; need() adds them up at the peak;
                                    config_memory(cfg, data, kind) the same from train.py's keys
     memory_headroom()              what this process may still allocate: the smallest of the machine's available
-                                   memory, the address space RLIMIT_AS leaves and its cgroup's limit
+                                   memory, the address space RLIMIT_AS leaves (less what the run's threads will
+                                   reserve of it) and its cgroup's limit
+    import_torch()                 torch, or one line where an address-space limit leaves it no room to load
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
 The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
 builds them (docs/reliability.md: how close the estimate came to measured runs). Nothing here imports torch;
@@ -16,8 +18,16 @@ model.py (which does) only when a run is counted.
 import math
 import os
 import resource
+import sys
 
 GB = 1e9
+# Under an address-space limit (RLIMIT_AS) a process is charged for what it maps, not for what it touches: every
+# thread that allocates gets a malloc arena of its own (glibc, 64-bit: 64 MB reserved each, up to 8 per core or
+# MALLOC_ARENA_MAX) and a stack (RLIMIT_STACK's size). A run's threads: its compute threads and the trainer's own
+# (the signals' reader, the watchdog, the stop's bound, the batch prefetcher, uploads, the lock's renewal), of
+# which about TRAINER_THREADS allocate.
+ARENA_BYTES = 64 * 2 ** 20
+TRAINER_THREADS = 4
 
 
 # -----------------------------------------------------------------------------
@@ -71,11 +81,36 @@ def cgroup_headroom():
     return None
 
 
+def compute_threads():
+    """The threads torch computes with: its own count where it is loaded, else OMP_NUM_THREADS or this
+    process's cores."""
+    torch = sys.modules.get('torch')
+    if torch is not None and hasattr(torch, 'get_num_threads'):
+        return torch.get_num_threads()
+    try:
+        return int(os.environ.get('OMP_NUM_THREADS', '')) or len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):
+        return os.cpu_count() or 1
+
+
+def thread_reserve():
+    """Address space a run's threads reserve beyond the bytes they use (see ARENA_BYTES): a malloc arena for each
+    thread but the main one, a stack for each."""
+    threads = compute_threads() + TRAINER_THREADS
+    try:
+        arenas = int(os.environ.get('MALLOC_ARENA_MAX', ''))
+    except ValueError:
+        arenas = 8 * (os.cpu_count() or 1)
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 8 * 2 ** 20 if stack == resource.RLIM_INFINITY else stack
+    return min(threads - 1, arenas) * ARENA_BYTES + threads * stack
+
+
 def memory_headroom():
     """(bytes this process may still allocate, what bounds it in words): the smallest of the machine's
-    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped) and what
-    its cgroup's memory limit leaves; (None, '') where none is known. TRM_MEMORY_AVAILABLE (bytes) stands in
-    for MemAvailable (tests: a smaller machine)."""
+    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped and what
+    the run's threads will reserve: thread_reserve) and what its cgroup's memory limit leaves; (None, '')
+    where none is known. TRM_MEMORY_AVAILABLE (bytes) stands in for MemAvailable (tests: a smaller machine)."""
     found = []
     free = os.environ.get('TRM_MEMORY_AVAILABLE')
     free = int(float(free)) if free else available_memory()
@@ -84,8 +119,11 @@ def memory_headroom():
     cap = resource.getrlimit(resource.RLIMIT_AS)[0]
     if cap != resource.RLIM_INFINITY:
         mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
-        found.append((max(0, cap - mapped), f"left by this process's address-space limit (RLIMIT_AS "
-                                            f"{cap / GB:.1f} GB, {mapped / GB:.1f} GB of it mapped)"))
+        reserve = thread_reserve()
+        found.append((max(0, cap - mapped - reserve), f"left by this process's address-space limit (RLIMIT_AS "
+                                                      f"{cap / GB:.1f} GB, {mapped / GB:.1f} GB of it mapped, "
+                                                      f"{reserve / GB:.2f} GB for its threads' malloc arenas and "
+                                                      "stacks)"))
     if (cgroup := cgroup_headroom()) is not None:
         found.append((cgroup[0], f"left by {cgroup[1]}"))
     return min(found) if found else (None, '')
@@ -241,3 +279,22 @@ def memory_problem(parts, processes, what, where, give, override):
     return (f"{what} needs about {each} of memory ({describe(parts)}), more than the {size(give)} {where}: "
             f"lower global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, "
             f"run it on a larger machine, or set {override} to start it anyway")
+
+
+# -----------------------------------------------------------------------------
+# torch itself
+
+def import_torch():
+    """torch, imported; where an address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) leaves no room for
+    torch and the libraries it maps, one line naming the limit instead of the loader's traceback."""
+    try:
+        import torch
+    except (ImportError, OSError, RuntimeError, MemoryError) as e:
+        cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+        words = ('failed to map', 'bad_alloc', 'allocate memory', 'Cannot allocate', 'out of memory')
+        if cap == resource.RLIM_INFINITY or not (isinstance(e, MemoryError) or any(w in str(e) for w in words)):
+            raise
+        raise SystemExit(f"cannot load torch within this process's address-space limit (RLIMIT_AS {cap / GB:.1f} "
+                         f"GB, ulimit -v): {' '.join(str(e).split())[:200]}. torch and its libraries map several "
+                         "GB at start-up: raise the limit (ulimit -v unlimited) or run where it is larger") from None
+    return torch

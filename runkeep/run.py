@@ -20,7 +20,7 @@ import torch
 from . import gcs
 from .checkpoint import (MAX_WEIGHT, check_resume, resume_parts, checkpoint_name, checkpoint_problems, checkpoint_tensors,
                         delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
-                        load_weights, prune_checkpoints, set_aside_diverged, write_checkpoint)
+                        load_weights, prune_checkpoints, set_aside_diverged, start_file_missing, write_checkpoint)
 from data import load_metadata
 from evaluate import format_eval
 from puzzles import render_example
@@ -46,6 +46,7 @@ class Run:
         gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
+        self.owed = False   # the checkpoint resumed was saved by a stop before its step's evaluation was done
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
         self.verified = -1  # newest checkpoint step whose next step's loss was seen finite
         self.results_dropped = False  # an older run's results.json removed, at this process's first save
@@ -104,6 +105,7 @@ class Run:
                                                              last_step, cfg['eval_only'])
             if ckpt is None and cfg['eval_only']:  # random weights are not a run's to evaluate
                 raise SystemExit(f"init_from=resume: no checkpoint in {cfg['out_dir']} to evaluate")
+            fail_together(self.dev, start_file_missing(cfg, ckpt is None), 'resuming')
             if ckpt is None and self.master:
                 print(f"init_from={cfg['init_from']}: no checkpoint in {cfg['out_dir']} yet, starting from "
                       f"{init_file or 'scratch'}")
@@ -116,6 +118,10 @@ class Run:
                 self.timing = dict(ckpt.get('timing') or {})
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
+                self.owed = bool(ckpt.get('eval_owed')) and step < last_step and not cfg['eval_only']
+                if self.owed and self.master:  # at the last step: at_the_end evaluates it, results.json missing
+                    print(f"{self.resumed_from}: a stop came before its evaluation at step {step} was done: "
+                          "evaluating it before training on")
         if init_file and ckpt is None:  # a training run onto other identifiers adapts the network
             said = load_weights(init_file, model, ema_model, self.meta, self.data_path,
                                 adapt=not cfg['eval_only'])
@@ -126,10 +132,11 @@ class Run:
         gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
         return step, carry
 
-    def save(self, step, model, ema_model, opt, carry, loader_state, tag=''):
+    def save(self, step, model, ema_model, opt, carry, loader_state, tag='', owed=False):
         """Every rank calls it: the carry gather and the sanity check are collectives, read on every rank;
-        then rank 0 writes, prunes and uploads, and every rank learns whether that worked. Returns the
-        checkpoint's path."""
+        then rank 0 writes, prunes and uploads, and every rank learns whether that worked. owed: a stop came
+        before this step's evaluation was done (the checkpoint says so: its resume evaluates it first, so a
+        pooled vote loses none). Returns the checkpoint's path."""
         dev, keys = self.dev, sorted(carry)
         sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
         path, problems, t_save = os.path.join(self.local, checkpoint_name(step)), [], time.time()
@@ -143,7 +150,7 @@ class Run:
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         data=data_shape(self.meta), identifiers=self.identifiers,
+                         data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
                          **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it

@@ -18,16 +18,25 @@ STOPPED=
 trap 'STOPPED=1' TERM INT
 trap 'code=$?; [ -n "$STOPPED" ] && [ "$code" != 0 ] && exit 75' EXIT
 
+# The bucket's name, checked before anything uses it: an empty one would make every URI gs:///... Exit code 1:
+# the job is not run again.
+if ! [[ ${BUCKET:-} =~ ^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$ ]]; then
+  echo "job: BUCKET='${BUCKET:-}' is not a bucket name: --env BUCKET=NAME, the name alone (lowercase letters," \
+    "digits, '-', '_', '.'; e.g. my-trm-bucket, not gs://my-trm-bucket)" >&2
+  exit 1
+fi
+
 gcs_call() {
-  # exists URI | get URI | put URI TEXT | fetch URI CACHE: exit code 0, 1 when the object is not there, 2 when
-  # the bucket did not answer or refused (said on stderr)
+  # exists URI | get URI | put URI TEXT | fetch URI CACHE: exit code 0; 3 when the object is not there; any other
+  # when the call failed: 2 when the bucket did not answer or refused or anything else went wrong (said on stderr
+  # in one line), another code when Python itself did not run to its end
   python - "$@" <<'EOF'
 import sys
 from runkeep import gcs
 what, uri, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
 try:
     if what == 'exists':
-        sys.exit(0 if gcs.object_exists(uri) else 1)
+        sys.exit(0 if gcs.object_exists(uri) else 3)
     if what == 'get':
         import tempfile
         with tempfile.TemporaryDirectory() as tmp:
@@ -38,17 +47,18 @@ try:
     elif what == 'fetch':
         print(gcs.fetch_tree(uri, rest[0]))
 except gcs.NotFoundError:
-    sys.exit(1)
-except (gcs.GCSError, OSError) as e:
-    print(f"job: {what} {uri} failed: {e}", file=sys.stderr)
+    sys.exit(3)
+except Exception as e:  # also what no one expected (a URI the client refuses, a marker that is not text)
+    print(f"job: {what} {uri} failed: {type(e).__name__}: {' '.join(str(e).split())}", file=sys.stderr)
     sys.exit(2)
 EOF
 }
 
 dataset_once() {
   [ "${SKYPILOT_SETUP_NODE_RANK:-0}" = 0 ] || return 0  # the other nodes read it from the bucket
-  local uri="gs://$BUCKET/data/$DATA" built
-  if built=$(gcs_call get "$uri.built"); then
+  local uri="gs://$BUCKET/data/$DATA" built found=0
+  built=$(gcs_call get "$uri.built") || found=$?
+  if [ "$found" = 0 ]; then
     if [ "$built" != "$BUILD" ]; then
       echo "job: $uri was built by '$built', not by this job's BUILD '$BUILD': give DATA another name, or" \
         "delete $uri.built to build it again" >&2
@@ -56,7 +66,9 @@ dataset_once() {
     fi
     echo "job: dataset $uri is there (built by: $built)"
     return 0
-  elif [ $? = 2 ]; then
+  elif [ "$found" != 3 ]; then  # a failed look is not an absent marker: building would replace the dataset
+    echo "job: cannot tell whether $uri is built (reading $uri.built failed, exit code $found): not building" \
+      "it; launch again once the bucket answers, or delete $uri.built if it is damaged" >&2
     return 1
   fi
   echo "job: building dataset $uri: $BUILD"
@@ -72,10 +84,18 @@ fetch_dataset() {
 job_exit() {
   # job_exit CODE [URI]: CODE, the command's exit code; URI, the object a finished run leaves in the bucket
   # (without one, exit code 0 is the end)
-  local code=$1 done_uri=${2:-}
-  if [ "$code" = 0 ] && { [ -z "$done_uri" ] || gcs_call exists "$done_uri"; }; then
+  local code=$1 done_uri=${2:-} found=0
+  if [ "$code" = 0 ] && [ -n "$done_uri" ]; then
+    gcs_call exists "$done_uri" || found=$?
+  fi
+  if [ "$code" = 0 ] && [ "$found" = 0 ]; then
     echo "job: finished${done_uri:+ ($done_uri is there)}"
     return 0
+  fi
+  if [ "$code" = 0 ] && [ "$found" != 3 ]; then
+    echo "job: cannot tell whether $done_uri is there (exit code $found): exiting with 75, which this task's" \
+      "job_recovery runs again; a finished run's rerun finds it done"
+    return 75
   fi
   if [ "$code" = 0 ] || [ -n "$STOPPED" ]; then
     echo "job: stopped before the end (exit code $code${STOPPED:+, after a SIGTERM or SIGINT}): exiting with" \

@@ -76,6 +76,31 @@ def test_a_dataset_rebuilt_with_another_seed_is_refused_by_resume_eval_only_and_
     assert_user_error(p, 'other puzzle identifiers', data, ckpt)
 
 
+@pytest.mark.parametrize('damage', ['missing', 'unreadable'])
+def test_a_rebuilt_dataset_whose_identifiers_json_cannot_be_read_is_refused_not_only_counted(tmp_path, damage):
+    data, out = build(tmp_path / 'd'), tmp_path / 'o'
+    train(data, out, '--max_steps=3')
+    build(data, '--seed=1')  # other names, the same count: only identifiers.json tells them apart
+    ids, ckpt = os.path.join(data, 'identifiers.json'), str(out / 'ckpt_00000003.pt')
+    if damage == 'missing':
+        os.remove(ids)
+    else:
+        open(ids, 'w').write('["<blank>", "a0')  # cut short
+    p = train(data, out, '--init_from=resume', '--max_steps=5', check=False)
+    assert_user_error(p, f"{ckpt} records which puzzles", ids, 'cannot be checked')
+    assert ckpts(out) == ['ckpt_00000003.pt'] and 'step 4/' not in p.stdout
+    for init in ('resume', ckpt):
+        p = train(data, out, '--eval_only=True', f'--init_from={init}', check=False)
+        assert_user_error(p, f"{ckpt} records which puzzles", ids)
+        assert 'eval on' not in p.stdout
+    # a run trained on that dataset records no names: its resume checks only their count, and says so once
+    fresh = tmp_path / 'fresh'
+    train(data, fresh, '--max_steps=2')
+    p = train(data, fresh, '--init_from=resume', '--max_steps=3')
+    said = [l for l in p.stdout.splitlines() if 'only their count is checked' in l]
+    assert len(said) == 1 and 'identifiers.json' in said[0], p.stdout[-3000:]
+
+
 def test_a_dataset_rebuilt_with_more_augmentations_is_refused_naming_both_counts(sets, tmp_path):
     a, _, c, ckpt = sets
     out = tmp_path / 'o'
@@ -213,5 +238,37 @@ def test_resume_or_start_from_a_file_starts_from_it_once_then_resumes_its_own_ru
     p = train(c, out, again, '--max_steps=4')
     assert 'resuming from' in p.stdout and 'ckpt_00000002.pt' in p.stdout and 'mean row' not in p.stdout
     assert ckpts(out)[-1] == 'ckpt_00000004.pt'
-    p = train(c, tmp_path / 'x', f'--init_from=resume:{tmp_path}/none.pt', check=False)
-    assert_user_error(p, f"init_from='resume:{tmp_path}/none.pt' is not")
+
+
+def test_resume_from_a_file_that_is_gone_resumes_the_run_s_own_checkpoints_and_else_says_it_is_missing(sets,
+                                                                                                      tmp_path):
+    a, b, c, ckpt = sets
+    src, out = tmp_path / 'pretrained.pt', tmp_path / 'c'
+    shutil.copy(ckpt, src)
+    again = f'--init_from=resume:{src}'
+    train(c, out, again, '--max_steps=2')
+    os.remove(src)  # the pretrained file is gone (a cleaned cache, a new VM): the run's own checkpoints go on
+    p = train(c, out, again, '--max_steps=4')
+    assert f"resuming from {out / 'ckpt_00000002.pt'}" in p.stdout and ckpts(out)[-1] == 'ckpt_00000004.pt'
+    new = tmp_path / 'x'  # no checkpoint of its own yet, and the file gone: one line naming the file
+    p = train(c, new, again, check=False)
+    assert_user_error(p, f"init_from=resume:{src}: {src} is missing", f"{new} holds no checkpoint")
+    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+    assert 'step 1/' not in p.stdout and not ckpts(new)
+
+
+@pytest.mark.parametrize('init', ['resume:resume', 'resume:', 'resume:scratch', 'resume:resume:{ckpt}'])
+def test_resume_followed_by_no_file_is_refused_in_one_line(sets, tmp_path, init):
+    a, b, c, ckpt = sets
+    init = init.format(ckpt=ckpt)
+    p = train(c, tmp_path / 'o', f'--init_from={init}', check=False)
+    assert_user_error(p, f"init_from={init!r}", "'resume:' is followed by the checkpoint file", '--init_from=resume')
+    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+    assert 'corrupt' not in p.stderr and not os.path.exists(tmp_path / 'o')
+
+
+def test_a_missing_or_folder_init_from_names_what_it_is(sets, tmp_path):
+    a, b, c, ckpt = sets
+    for init, what in ((tmp_path / 'none.pt', 'no such file'), (tmp_path, 'a folder, not a checkpoint file')):
+        p = train(c, tmp_path / 'o', f'--init_from={init}', check=False)
+        assert_user_error(p, f"init_from={init}: {what}")

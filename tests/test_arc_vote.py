@@ -351,3 +351,37 @@ def test_the_pooled_vote_is_reported_beside_the_checkpoint_s_and_a_resume_contin
     assert pools[0].keys() == pools[1].keys()
     for k, v in pools[0].items():
         assert torch.equal(v, pools[1][k]) if isinstance(v, torch.Tensor) else v == pools[1][k], k
+
+
+def test_a_stop_during_a_pooled_evaluation_is_redone_by_the_resume_and_the_pool_is_whole(synthetic, tmp_path):
+    straight, split = tmp_path / 'straight', tmp_path / 'split'
+    train(synthetic, straight, '--max_steps=6', args=POOL)
+    train(synthetic, split, '--max_steps=2', args=POOL)
+    # the evaluation at step 4 made long (one row a batch, 3000 supervision steps): SIGTERM once it has begun
+    proc = start(synthetic, split, '--max_steps=6', '--init_from=resume', '--eval_batch_size=1',
+                 '--eval_steps=3000', args=POOL)
+    read_until(proc, 'step 4/6')
+    proc.send_signal(signal.SIGTERM)
+    text = finish(proc, 120)
+    assert proc.returncode == 0 and 'stopped cleanly' in text and 'eval on' not in text, text[-3000:]
+    assert torch.load(split / 'ckpt_00000004.pt', weights_only=True)['arc_pool']['steps'] == [2]
+    # the resume evaluates step 4 first, then trains on: the pool holds every evaluation, as the straight run's
+    p = train(synthetic, split, '--max_steps=6', '--init_from=resume', args=POOL)
+    assert 'evaluating it before training on' in p.stdout and 'missing' not in p.stdout, p.stdout[-3000:]
+    a, b = (json.load(open(o / 'results.json')) for o in (straight, split))
+    assert b['final_eval']['arc']['pooled_steps'] == [2, 4, 6], b['final_eval']['arc']['pooled_steps']
+    assert a['final_eval']['arc'] == b['final_eval']['arc'] and a['arc_submission'] == b['arc_submission']
+    assert json.load(open(straight / 'submission.json')) == json.load(open(split / 'submission.json'))
+    evals = [json.loads(l)['step'] for l in open(split / 'metrics.jsonl') if '"kind": "eval"' in l]
+    assert evals == [2, 4, 6], evals
+
+
+def test_a_pool_that_lacks_an_evaluation_says_so_in_one_line(synthetic, tmp_path):
+    out = tmp_path / 'o'
+    train(synthetic, out, '--max_steps=2', args=POOL + ['--arc_pool_votes=False'])  # evaluated at 2, not pooled
+    p = train(synthetic, out, '--max_steps=4', '--init_from=resume', args=POOL)
+    said = [l for l in p.stdout.splitlines() if 'ARC pooled vote' in l and 'misses' in l]
+    assert len(said) == 1 and 'step 2' in said[0], p.stdout[-3000:]
+    res = json.load(open(out / 'results.json'))
+    assert res['final_eval']['arc']['pooled_steps'] == [4] and res['final_eval']['arc']['pooled_missing'] == [2]
+    assert res['arc_submission']['vote'] == 'pooled over the evaluations at steps 4 (missing: step 2)'

@@ -53,7 +53,7 @@ def test_a_file_only_one_host_has_stops_every_rank_at_start(toy, tmp_path):
     wrapper = f"os.chdir({str(other)!r} if os.environ['RANK'] == '1' else {str(tmp_path)!r})"
     p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/b', '--init_from=w.pt', '--max_steps=8'] + FAST,
                  wrapper=wrapper)
-    assert_all_ranks_stopped_with(p, 'start-up checks failed on rank(s) [1]', "init_from='w.pt'")
+    assert_all_ranks_stopped_with(p, 'start-up checks failed on rank(s) [1]', 'init_from=w.pt: no such file on this host')
     assert p.stdout.count('start-up checks failed on rank(s) [1]') + p.stderr.count('start-up checks failed on rank(s) [1]') == 2
 
 

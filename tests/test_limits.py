@@ -102,6 +102,56 @@ def test_a_run_beyond_its_address_space_limit_is_refused_before_it_allocates(toy
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
 
 
+def toy_need(toy, batch):
+    """The estimate the start-up check makes of the toy run (FAST) at `batch`: memory.need of config_memory."""
+    from configurator import parse_flags, read_config_block
+    from data import load_metadata
+    from runkeep.memory import config_memory, need
+    defaults = {k: v for k, (v, _) in read_config_block(os.path.join(ROOT, 'train.py')).items()}
+    cfg = dict(defaults, **dict(parse_flags(' '.join(FAST), defaults, 'FAST'), global_batch_size=batch))
+    return need(config_memory(cfg, load_metadata(toy, 'train'), 'cpu'))
+
+
+def test_a_run_the_check_passes_under_an_address_space_limit_runs_and_one_beyond_it_fails_in_one_line(toy,
+                                                                                                      tmp_path):
+    # MemAvailable and the cgroup set aside: the address-space limit is what bounds these runs
+    env = dict(TRM_MEMORY_AVAILABLE='1e13', TRM_CGROUP_ROOT=str(tmp_path / 'no-cgroup'))
+    cmd = lambda out, batch: ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path / out}'] + FAST + [
+        '--max_steps=2', '--epochs=100', f'--global_batch_size={batch}']
+    # what the check leaves under a limit (it refuses a far larger run, naming it): `held` is what it holds back
+    probe = 8_000_000_000
+    p = run(LIMITED + [str(probe)] + cmd('probe', 100_000), env=env, check=False)
+    m = re.search(r"more than the ([\d.]+) (GB|MB) left by this process's address-space limit", p.stderr)
+    assert m, p.stderr[-3000:]
+    held = probe - float(m[1]) * (1e9 if m[2] == 'GB' else 1e6)
+    # a limit that leaves the check 0.5 GB, and a run it estimates at 90% of that: it must run to its end
+    limit, batch = int(held + 0.5e9), 50
+    while toy_need(toy, batch + 50) <= 0.9 * 0.5e9:
+        batch += 50
+    p = run(LIMITED + [str(limit)] + cmd('o', batch), env=env, check=False)
+    assert p.returncode == 0 and 'Traceback' not in p.stderr, (batch, p.stderr[-3000:])
+    assert os.path.exists(tmp_path / 'o' / 'results.json')
+    # four times that batch, the check overridden: the allocation that fails is one line, not a traceback
+    p = run(LIMITED + [str(limit)] + cmd('x', 4 * batch) + ['--check_memory=False'], env=env, check=False)
+    assert_user_error(p, 'out of memory in the first step', 'lower global_batch_size', '--init_from=resume')
+    assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+
+
+SCRIPTS = [['train.py', '--data_path=data/none', '--out_dir=out/none'], ['bench.py'], ['study.py'],
+           ['solve.py', '--init_from=out/none.pt'], ['publish.py', '--init_from=README.md']]
+
+
+@pytest.mark.parametrize('script', SCRIPTS, ids=[s[0] for s in SCRIPTS])
+def test_torch_that_cannot_load_within_the_address_space_limit_is_one_line(script):
+    # a limit below what `import torch` maps on this machine (its libraries fail to load part-way)
+    mapped = int(run(['-c', 'import re, torch; print(re.search(r"VmSize:\\s+(\\d+)", '
+                            'open("/proc/self/status").read())[1])']).stdout) * 1024
+    for limit in (int(0.3 * mapped), int(0.7 * mapped)):
+        p = run(LIMITED + [str(limit)] + script, check=False)
+        assert_user_error(p, 'cannot load torch within', f'RLIMIT_AS {limit / 1e9:.1f} GB', 'ulimit -v')
+        assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, (limit, p.stderr[-3000:])
+
+
 def test_a_study_does_not_build_or_start_a_run_this_machine_cannot_hold(tmp_path):
     tmp = str(tmp_path)
     (tmp_path / 'cfg').mkdir()

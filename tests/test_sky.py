@@ -482,9 +482,46 @@ def test_a_config_error_ends_the_job_and_the_watchdog_s_exit_runs_it_again(emu, 
     for cmd, want in ((f'job_exit {HUNG_EXIT}', HUNG_EXIT), (f'job_exit {HUNG_AGAIN_EXIT}', HUNG_AGAIN_EXIT),
                       ('job_exit 0 gs://test-bucket/nothing/results.json', HUNG_EXIT),
                       ('kill -TERM $$; job_exit 1', HUNG_EXIT), ('job_exit 0', 0)):
-        p = subprocess.run(['bash', '-c', f'source sky/job.sh; {cmd}'], cwd=ROOT, capture_output=True, text=True,
-                           env=dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}"))
-        assert p.returncode == want, (cmd, p.stdout, p.stderr)
+        assert sourced(cmd, bin_dir).returncode == want, cmd
+
+
+def sourced(cmd, bin_dir, bucket=BUCKET):
+    """cmd in a bash that sourced sky/job.sh, as a task's setup and run do, with --env BUCKET=bucket."""
+    return subprocess.run(['bash', '-c', f'source sky/job.sh; {cmd}'], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, BUCKET=bucket, PATH=f"{bin_dir}:{os.environ['PATH']}"))
+
+
+@pytest.mark.parametrize('bucket', ['', 'gs://test-bucket', 'Test Bucket', 'test-bucket/data'])
+def test_an_empty_or_malformed_bucket_is_refused_at_the_start_in_one_line(emu, bin_dir, tmp_path, bucket):
+    node = one_node(tmp_path, 'vm', 'gpu.yaml', 'sky-managed-x_trm-gpu_5-0', dict(SUDOKU4, BUCKET=bucket))
+    for what in ('setup', 'run'):
+        text, code = ran(node.start(what, bin_dir))
+        assert code == 1 and 'Traceback' not in text and 'job: building' not in text, (what, text[-3000:])
+        said = [l for l in text.splitlines() if l.startswith('job:')]
+        assert len(said) == 1 and said[0].startswith(f"job: BUCKET={bucket!r} is not a bucket name"), text
+        assert 'config:' not in text, text  # train.py never started
+    assert not os.path.exists(tmp_path / 'pip.log')  # refused before the set-up installs anything
+
+
+def test_gcs_call_tells_an_absent_object_from_a_failed_call_and_setup_builds_nothing_after_a_failure(
+        emu, bin_dir, tmp_path):
+    assert sourced(f'gcs_call put gs://{BUCKET}/sky/there x', bin_dir).returncode == 0
+    assert sourced(f'gcs_call get gs://{BUCKET}/sky/there', bin_dir).stdout.strip() == 'x'
+    for what in ('get', 'exists'):
+        absent = sourced(f'gcs_call {what} gs://{BUCKET}/sky/none', bin_dir)
+        assert absent.returncode == 3 and absent.stderr == '', (what, absent.stderr)
+    assert sourced(f'gcs_call exists gs://{BUCKET}/sky/there', bin_dir).returncode == 0
+    # an unexpected error (a URI the client refuses: ValueError) is a failure in one line, not "absent"
+    p = sourced('gcs_call exists gs:///data/x.built', bin_dir)
+    assert p.returncode == 2 and p.stderr.startswith('job: exists gs:///data/x.built failed'), p.stderr[-3000:]
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    # a dataset's marker that cannot be read as text (UnicodeDecodeError): setup stops, and builds nothing
+    gcs.GCS(endpoint=emu).put(f'gs://{BUCKET}/data/sudoku4-60-marker.built', b'\xff\xfe')
+    node = one_node(tmp_path, 'vm', 'gpu.yaml', 'sky-managed-x_trm-gpu_6-0', dict(SUDOKU4, DATA='sudoku4-60-marker'))
+    text, code = ran(node.start('setup', bin_dir))
+    assert code == 1 and 'job: building' not in text and 'Traceback' not in text, text[-3000:]
+    assert 'job: cannot tell whether gs://test-bucket/data/sudoku4-60-marker is built' in text, text[-3000:]
+    assert objects('data/sudoku4-60-marker') == [], objects('data/sudoku4-60-marker')
 
 
 def test_a_notice_during_setup_runs_the_job_again(emu, bin_dir, tmp_path):
