@@ -106,7 +106,7 @@ def test_results_json_always_belongs_to_the_last_checkpoint(toy, tmp_path):
     assert json.load(open(out / 'results.json'))['step'] == 8
     # trained on, and killed right after a checkpoint past the finished step (SIGKILL, sent by the run itself:
     # however fast the machine, the run is gone before its end)
-    kill = site_hook(tmp_path / 'hook', """import checkpoint
+    kill = site_hook(tmp_path / 'hook', """from runkeep import checkpoint
 real = checkpoint.write_checkpoint
 
 

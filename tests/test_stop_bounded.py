@@ -78,7 +78,7 @@ def test_a_stop_inside_a_step_that_does_not_end_ends_the_process_naming_the_last
 
 def test_a_stop_that_reaches_its_check_saves_and_exits_as_always_however_long_the_save(toy, tmp_path):
     out = tmp_path / 'o'
-    env = hook(tmp_path, '''import checkpoint
+    env = hook(tmp_path, '''from runkeep import checkpoint
 real = checkpoint.write_checkpoint
 
 
