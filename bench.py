@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from runkeep.memory import import_torch
+from configurator import import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 

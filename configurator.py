@@ -19,6 +19,7 @@ import builtins
 import difflib
 import io
 import os
+import resource
 import shlex
 import sys
 import tokenize
@@ -31,6 +32,28 @@ for _fd, _name in ((1, 'stdout'), (2, 'stderr')):
         os.dup2(os.open(os.devnull, os.O_WRONLY), _fd)
         setattr(sys, _name, open(_fd, 'w', buffering=1, closefd=False))
 
+
+# -----------------------------------------------------------------------------
+# torch itself, loaded after the config checks (--help and a config error answer at once)
+
+def import_torch():
+    """torch, imported; where an address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) leaves no room for
+    torch and the libraries it maps, one line naming the limit instead of the loader's traceback."""
+    try:
+        import torch
+    except (ImportError, OSError, RuntimeError, MemoryError) as e:
+        cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+        words = ('failed to map', 'bad_alloc', 'allocate memory', 'Cannot allocate', 'out of memory')
+        if cap == resource.RLIM_INFINITY or not (isinstance(e, MemoryError) or any(w in str(e) for w in words)):
+            raise
+        raise SystemExit(f"cannot load torch within this process's address-space limit (RLIMIT_AS {cap / 1e9:.1f} "
+                         f"GB, ulimit -v): {' '.join(str(e).split())[:200]}. torch and its libraries map several "
+                         "GB at start-up: raise the limit (ulimit -v unlimited) or run where it is larger") from None
+    return torch
+
+
+# -----------------------------------------------------------------------------
+# config files and flags
 
 def read_config_block(path, section=None):
     """{key: (default, meaning)} of the config block of the script at `path`, in order. The block is
@@ -149,7 +172,14 @@ def _configure(g, argv):
     if any(a in ('-h', '--help', 'help') for a in argv):
         _help(g, keys)
 
-    def check_key(key, where):
+    renamed = g.get('_renamed') or {}  # {old key: (its new name, a note)}: the script's keys of earlier releases
+
+    def check_key(key, where, value=None):
+        if key in renamed and key not in known:
+            new, note = renamed[key]
+            write = f"--{new}={value}" if where.startswith('--') else f"{new} = ..."
+            raise SystemExit(f"config error: '{key}' in {where} is now called {new}{f' ({note})' if note else ''}: "
+                             f"write {write}")
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else "; --help lists every key"
@@ -177,7 +207,7 @@ def _configure(g, argv):
             if '=' not in arg:
                 raise SystemExit(f"config error: {arg} should look like --key=value (--help lists the keys)")
             key, text = arg[2:].split('=', 1)  # the value may itself contain '='
-            check_key(key, arg)
+            check_key(key, arg, text)
             g[key] = check_type(key, parse_value(text, g[key]), arg)
             set_by[key] = arg
             print(f"config: {key} = {g[key]!r}")
@@ -194,7 +224,7 @@ _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
-             eval_interval=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
+             eval_every_epochs=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
              global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg,
              hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos, H_cycles=_pos, L_cycles=_pos,
@@ -208,7 +238,7 @@ TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/
              puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
              gradient_accumulation_steps=_pos,
              device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
-             smoke_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
+             preflight_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 
 
 def config_problems(cfg):

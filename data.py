@@ -283,7 +283,7 @@ def _to_batch(arrays, meta, example_idx, puzzle_idx):
 
 def steps_for(epochs, groups, mean_puzzle_examples, global_batch_size):
     """Optimizer steps of `epochs` passes over a split's groups (a group gives mean_puzzle_examples examples a
-    pass): the run's length, and in epochs its eval_interval."""
+    pass): the run's length, and in epochs its eval_every_epochs."""
     return int(epochs * (groups * mean_puzzle_examples) // global_batch_size)
 
 
@@ -291,7 +291,7 @@ class TrainLoader:
     """Training batches sampled by groups, as the reference does: each epoch visits every group once
     in random order; a group gives one random puzzle (e.g. one augmentation), whose examples (in random
     order) fill the batch. Batches run on across epoch boundaries (the reference concatenates
-    eval_interval epochs) and always hold exactly global_batch_size rows; each rank takes its slice.
+    eval_every_epochs epochs) and always hold exactly global_batch_size rows; each rank takes its slice.
 
     Reproducible and resumable: the epoch's group order comes from (seed, epoch) and a batch's random
     draws from (seed, batch_index), so the position (epoch, cursor, batch_index) is the whole state."""

@@ -16,7 +16,7 @@ import signal
 
 import numpy as np
 
-from runkeep.memory import import_torch
+from configurator import import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 

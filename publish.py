@@ -43,7 +43,7 @@ if not os.path.isfile(init_from):
                      "first, e.g. with gcloud storage cp)")
 # -----------------------------------------------------------------------------
 
-from runkeep.memory import import_torch  # noqa: E402
+from configurator import import_torch  # noqa: E402
 
 import_torch()  # where an address-space limit leaves it no room: one line
 from runkeep.checkpoint import CheckpointError, load_checkpoint, what_it_holds  # noqa: E402

@@ -86,7 +86,7 @@ if bad:
 # -----------------------------------------------------------------------------
 
 import numpy as np  # noqa: E402
-from runkeep.memory import import_torch  # noqa: E402
+from configurator import import_torch  # noqa: E402
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 

@@ -5,7 +5,7 @@ before they run, run in turn or N at once (resumable), and compared in one table
     python study.py                                            # the families and their experiments
     python study.py --pattern='rec_*' --dry_run=True           # each run's command, parameters, FLOPs, time
     python study.py --pattern='rec_*'                          # build missing datasets, then run them in turn
-    python study.py --pattern='rec_*,tn_*' --scale=cpu         # the CPU smoke twin of the same families
+    python study.py --pattern='rec_*,tn_*' --scale=cpu         # the CPU twin of the same families
     python study.py --pattern='rec_*,tn_*' --scale=cpu --slots=2       # two runs at once, a core each
     python study.py --pattern='*' --scale=gpu --examples_per_s=2500 --dry_run=True
     python study.py --pattern='rec_*,tn_*' --scale=cpu --report=True   # table (md, csv) and PNGs
@@ -20,7 +20,7 @@ alone; any other run resumes its newest checkpoint (--init_from=resume). Rerun t
 stop or a crash to continue. One study at a time runs into an out_root (study.lock names it).
 
 Scales (--scale), flags applied after the file's: full (the files as they are; out/study), gpu (one GPU, a
-tenth of the epochs; out/study-gpu), cpu (a smoke twin: generated 4x4 Sudoku and 8x8 mazes, a model 16
+tenth of the epochs; out/study-gpu), cpu (a CPU twin: generated 4x4 Sudoku and 8x8 mazes, a model 16
 times narrower, 250 steps, one thread a run; out/study-cpu). --slots=N runs N at once here, each on its own
 GPUs, TPU chip or CPU cores; --hosts_mode=share gives each pod host its own share of the runs; --seeds=K
 trains every point K times; --eval_only=True evaluates finished runs again in k views at S supervision
@@ -47,7 +47,8 @@ from collections import deque
 from runkeep import gcs
 from configurator import parse_flags
 from device import tpu_chips, tpu_host_alone_env, usable_cores
-from guard import holder_gone, local_folder, lock_record
+from runkeep.locks import holder_gone, lock_record
+from runkeep.startup import local_folder
 from puzzles import KINDS
 from runkeep.records import Tee
 from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
@@ -58,7 +59,7 @@ from studies.report import make_report
 # -----------------------------------------------------------------------------
 # config
 pattern = ''                    # experiments: name globs ('rec_*', 'size_d*,tn_*', '*'); '': list families
-scale = 'full'                  # 'full' (files as they are) | 'gpu' (one GPU) | 'cpu' (smoke); docs/studies.md
+scale = 'full'                  # 'full' (files as they are) | 'gpu' (one GPU) | 'cpu' (the CPU twin); docs/studies.md
 dry_run = False                 # print each run's command, parameters, FLOPs and time estimate; run nothing
 list_only = False               # print each selected experiment's varied keys, out_dir and state; run nothing
 report = False                  # collect selected runs' results into report.md, report.csv, PNGs; run nothing
@@ -276,7 +277,7 @@ def print_families(names):
     for f, pts in fams.items():
         print(f"  {f + '_*':<14} {' '.join(pts)}")
     print("\npython study.py --pattern='rec_*' --dry_run=True     commands and costs\n"
-          "python study.py --pattern='rec_*,tn_*' --scale=cpu  run (a CPU smoke twin), then --report=True\n"
+          "python study.py --pattern='rec_*,tn_*' --scale=cpu  run (a CPU twin), then --report=True\n"
           "python study.py --help                            every key, the scales, the design")
 
 

@@ -17,7 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 STEPS = 200  # 25 epochs of 400 puzzles at batch 50; the final evaluation is at the last step
-TRAIN_ARGS = ['--device=cpu', '--epochs=25', '--eval_interval=25', '--log_interval=25',
+TRAIN_ARGS = ['--device=cpu', '--epochs=25', '--eval_every_epochs=25', '--log_interval=25',
               '--global_batch_size=50',
               '--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none',
               '--puzzle_emb_ndim=0',

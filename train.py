@@ -6,16 +6,20 @@ several GPUs (or CPU processes, gloo) on one node:
 TPU (one process per local chip; on a pod the same command on every host):
     PJRT_DEVICE=TPU python train.py config/baseline.py --out_dir=gs://BUCKET/run1
 Resume after a stop or preemption: the same command with --init_from=resume.
-A new machine first: the same command with --smoke=True (two short runs, then one screen of verdicts).
+A new machine first: the same command with --preflight=True (two short runs, then one screen of verdicts).
+
+The story: the config; the set-up (device, start-up checks, data, model, optimizers); the starting point
+(a checkpoint to resume, weights to start from, or scratch); the loop (one supervision step = one optimizer step,
+the same on CPU, CUDA and XLA), with its evaluations and checkpoints; the finish. What keeps the run alive on a
+rented machine (checks, locks, records, uploads, signals, the watchdog) is runkeep's Run.
 """
 import contextlib
 import copy
 import os
-import sys
 import time
-from runkeep.memory import import_torch  # (torch-free: torch is loaded after the config checks)
-from runkeep.hub import resolve_init_from  # (torch-free: init_from is resolved before the config checks)
-from configurator import config_problems  # (torch-free)
+
+from configurator import config_problems, import_torch  # (torch-free: the config is checked before torch)
+from runkeep.hub import resolve_init_from  # (torch-free)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
@@ -29,7 +33,7 @@ data_cache_dir = '~/.cache/trm_data'  # where each host keeps its copy of a gs:/
 init_from = 'scratch'           # scratch | resume | resume:CKPT | a checkpoint (ours, reference's) | hf://..
 overwrite = False               # a new run (scratch or init_from=FILE) may replace the checkpoints in out_dir
 eval_only = False               # evaluate init_from's weights and exit
-eval_interval = 5000            # epochs between evaluations (and checkpoints)
+eval_every_epochs = 5000        # epochs between evaluations (and checkpoints)
 eval_subset = 0                 # seeded test examples of intermediate evaluations (0, and the final one: all)
 eval_steps = 0                  # supervision steps at evaluation (0: halt_max_steps); more: test-time scaling
 eval_views = 1                  # test-time breadth: each puzzle also in views-1 seeded symmetries, voting
@@ -87,50 +91,56 @@ device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cp
 compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
-smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
-smoke_phase = 0                 # set by smoke: 1|2, a run whose last eval is eval_subset's, no results.json
+preflight = False               # True: check this machine in minutes instead: two short runs in <out>/preflight
+preflight_phase = 0             # set by preflight: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
 check_memory = True             # refuse at start a CPU or CUDA run its memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+_renamed = dict(eval_interval=('eval_every_epochs', 'it counts epochs'), smoke=('preflight', ''),
+                smoke_phase=('preflight_phase', ''))  # old names: refused with the new one
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
-globals().update(resolve_init_from(globals()))  # hf:// fetched; model keys of all_config.yaml beside it
+
+
+def config_errors(config):
+    """Every key's allowed values and the model's shape (configurator.py's rules), then the keys that must agree
+    with each other."""
+    return config_problems(config) + [why for broken, why in (
+        (config['eval_only'] and config['init_from'] == 'scratch',
+         "eval_only=True needs --init_from=resume or a checkpoint file"),
+        (config['freeze_weights'] and not config['puzzle_emb_ndim'],
+         "freeze_weights=True trains only the puzzle embedding, and puzzle_emb_ndim=0 has none: nothing would train"),
+    ) if broken]
+
+
 config = {k: globals()[k] for k in config_keys}
-bad = config_problems(config)  # configurator.py: every key's allowed values, and the model's shape
-bad += [why for broken, why in (  # keys that must agree with each other
-    (eval_only and init_from == 'scratch', "eval_only=True needs --init_from=resume or a checkpoint file"),
-    (freeze_weights and not puzzle_emb_ndim, "freeze_weights=True trains only the puzzle embedding, and "
-     "puzzle_emb_ndim=0 has none: nothing would train"),
-) if broken]
-if bad:
+if bad := config_errors(config):
     raise SystemExit("config error: " + '; '.join(bad))
+config.update(resolve_init_from(dict(config, _set_by=_set_by)))  # hf:// fetched; all_config.yaml's model keys
+if bad := config_errors(config):  # what the published run's keys make of the rest
+    raise SystemExit("config error: " + '; '.join(bad))
+globals().update(config)
 # -----------------------------------------------------------------------------
 
 torch = import_torch()  # after the config: --help and config errors answer at once
 
-import guard  # noqa: E402
+import runkeep  # noqa: E402  (the shell's front: Run, launch, start_worker)
+from arc import ARCVotes  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
-from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device  # noqa: E402
-from device import launch_tpu, resolve_loss_dtype, under_torchrun  # noqa: E402
-from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
-from runkeep.checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E402
-from runkeep.records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
-from runkeep.run import Run  # noqa: E402
+from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
+from evaluate import evaluate  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from evaluate import ARCVotes, evaluate, format_eval  # noqa: E402
-from step import AdamATan2, StepConfig, compiled_predict, evaluation_steps, step_form  # noqa: E402
-from step import format_train, read_sums, train_step  # noqa: E402
+from puzzles import puzzle_for, verifier_for, views_problem  # noqa: E402
+from step import AdamATan2, StepConfig, compiled_predict, evaluation_steps, read_sums, step_form  # noqa: E402
+from step import train_step  # noqa: E402
 
 # what a resume may not change: the model's shape and the meaning of the step counter and the saved carry
 RESUME_FIXED = [k for k in MODEL_KEYS if k not in ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')]
 RESUME_FIXED += ['global_batch_size', 'seed']
 
-
-if __name__ in ('__main__', '__mp_main__'):  # the script, or a torch_xla worker re-importing it
-    guard.install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
-if __name__ == '__mp_main__':
-    guard.follow_launcher()  # signals come through the launcher, once; it dies with the launcher
+if __name__ == '__mp_main__':  # a torch_xla worker re-importing this file, in its main thread
+    runkeep.start_worker()  # its signals come through the launcher, once; it dies with the launcher
 
 
 def build(meta, dev, total_steps, data_path):
@@ -157,11 +167,44 @@ def build(meta, dev, total_steps, data_path):
     return model, opt, ema_model, sc, dtype_why
 
 
+def evaluation(run, weights, loader, arc, show_example=False, pool_at=None):
+    """evaluate() of `weights` (the EMA's, or the raw model's) on `loader`, an EvalLoader, watched by the run
+    (stop requests between batches, the watchdog, the time budget): (results, example), or (None, None) when a
+    stop request abandons it. pool_at: the step whose answers join a pooling ARC run's pool."""
+    dev = run.dev
+    predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.kind != 'cpu' else None
+    with run.evaluating(loader) as watch:
+        return evaluate(weights, loader, dev, eval_steps or halt_max_steps, halt_max_steps, verifier_for(loader.meta),
+                        show_example, predict=predict, arc=arc, arc_pool_at=pool_at, should_stop=watch.should_stop,
+                        progress=watch.progress)
+
+
+def evaluate_and_save(run, step, last_step, model, ema_model, loaders, arc, save=None, log=True):
+    """The evaluation at `step` (at the run's last step the whole test split, else eval_subset's), logged, then
+    the checkpoint (save(); None: none), and at the last step results.json. False when a stop request came
+    during it: it is abandoned, and the checkpoint of `step` saved as owing it (its resume evaluates it first)."""
+    final = step == last_step and not preflight_phase  # a pre-flight run's last evaluation is an intermediate one
+    xla_before = run.dev.xla_counters()
+    res, example = evaluation(run, ema_model, loaders[0 if final else eval_subset], arc, final, pool_at=step)
+    # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
+    raw = evaluation(run, model, loaders[eval_subset], arc)[0] if res and ema and not final else None
+    if res is None or (ema and not final and raw is None):
+        if save:
+            save(' (stop requested)', owed=True)
+        return False
+    run.log_eval(step, res, raw, xla_before, log)
+    run.new_best(step, res)
+    if save:
+        save()
+    if final:
+        run.finish(step, res, example, model.num_params(), model.flops_per_example(), arc)
+    return True
+
+
 def main(index=None):
     # --- set-up: the device, the start-up checks every rank agrees on, data, model, optimizers --------------
     dev = Device(resolve_device(device), xla_cache_dir)
-    master = dev.master
-    run = Run(config, dev, started=_T_START)
+    run = runkeep.Run(config, dev, started=_T_START)
     loader = TrainLoader(run.data_path, global_batch_size, dev.rank, dev.world_size, seed)
     meta, total_steps = loader.meta, loader.steps_for(epochs)
     if total_steps < 1:
@@ -170,74 +213,31 @@ def main(index=None):
     model, opt, ema_model, sc, dtype_why = build(meta, dev, total_steps, run.data_path)
     dev.manual_seed(seed + dev.rank)  # from here on the rank offset decorrelates ACT exploration
     run_steps = min(total_steps, max_steps) if max_steps > 0 else total_steps
-    eval_every = max(1, loader.steps_for(eval_interval))
+    eval_every = max(1, loader.steps_for(eval_every_epochs))
     eval_at = set(evaluation_steps(run_steps, eval_every))
-    verifier, n_eval_steps = verifier_for(meta), eval_steps or halt_max_steps
-    if master:
+    if dev.master:
         print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
               f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
               f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "
               f"{global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
-    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only, eval_at)  # ARC
+    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only, eval_at)  # ARC's vote
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps, arc)
-    # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
-    # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
-    log_watchdog = lambda v: run.records and run.log('watchdog', v, v['step'] or 0, {})  # none in eval_only
-    watchdog = guard.Watchdog(watchdog_minutes, log_watchdog, warmup=log_interval + 1, folder=run.local,
-                              checkpoints=lambda: list_checkpoints(run.local))
-
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
-    held = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
-                          subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta),
-                          progress=watchdog.host) for s in {0, eval_subset}}
-    run.budget.plan(model, ema_model, held[0], held[eval_subset], n_eval_steps, run_steps, global_batch_size)
-
-    def run_eval(subset, show_example=False, weights=None, pool_at=None):
-        weights = weights or ema_model  # the EMA's, or the raw model's
-        compiled = compile and dev.kind != 'cpu'
-        predict = compiled_predict(weights, backend=dev.compile_backend) if compiled else None
-        watchdog.pause()  # armed once the first batch (its views, compiles and steps) is done: its yardstick
-        with run.budget.evaluating(held[subset]):  # a stop request abandons it: (None, None)
-            return evaluate(weights, held[subset], dev, n_eval_steps, halt_max_steps, verifier, show_example,
-                            predict=predict, arc=arc, arc_pool_at=pool_at,
-                            should_stop=lambda: watchdog.checked('an evaluation batch', run.stop_agreed()),
-                            progress=lambda i: watchdog.progress(f'supervision step {i} of an evaluation '
-                                                                 'batch'))
-
-    def evaluate_and_save(step, save, log=True):
-        """The evaluation at `step`, logged, then its checkpoint, and at the last step results.json. False
-        when a stop request came during it: it is abandoned, and the checkpoint of `step` saved."""
-        final = step == run_steps and not smoke_phase  # a smoke run's last evaluation is an intermediate one
-        xla_before = dev.xla_counters()
-        res, example = run_eval(0 if final else eval_subset, show_example=final, pool_at=step)
-        # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
-        raw = run_eval(eval_subset, weights=model)[0] if (res and ema and not final) else None
-        if res is None or (ema and not final and raw is None):
-            save(' (stop requested)', owed=True)  # its resume evaluates this step first
-            return False
-        if master:
-            print(format_eval(res))
-            if raw:
-                print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
-        if log:
-            values, scalars = eval_line(step, res, raw, xla_since(dev.xla_counters(), xla_before))
-            run.log('eval', values, step, scalars)
-        run.new_best(step, res)
-        save()
-        if final and master and example:
-            print(render_example(meta, *example))
-        if final:
-            run.finish(step, res, model.num_params(), model.flops_per_example(), arc)
-        return True
-
+    loaders = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,
+                             subset=s, seed=seed, views=eval_views, kind=puzzle_for(meta),
+                             progress=run.host_progress) for s in {0, eval_subset}}
+    run.plan_budget(model, ema_model, loaders[0], loaders[eval_subset], eval_steps or halt_max_steps, run_steps,
+                    global_batch_size)
     if eval_only:
-        return run.evaluate_checkpoint(run_eval, meta, step, arc)
+        return run.evaluate_checkpoint(lambda: evaluation(run, ema_model, loaders[0], arc, show_example=True),
+                                       step, arc)
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
-        return run.at_the_end(step, run_steps, end, lambda: evaluate_and_save(
-            step, lambda *a, **k: None, log=not (master and run.logged('eval', step))))
+        done = run.finished_before(step, run_steps, end) or evaluate_and_save(
+            run, step, step, model, ema_model, loaders, arc, log=not run.logged('eval', step))
+        return run.end(stopped=not done)
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
@@ -247,14 +247,16 @@ def main(index=None):
     prefetch = Prefetcher(loader, dev)
     carry = {k: v.to(dev.device) for k, v in carry_state.items()} if carry_state is not None else \
         model.initial_carry(prefetch.upcoming)
-    save = lambda *a, **k: run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, *a, **k)
-    stop_now = run.owed and not evaluate_and_save(step, save)  # the evaluation a stop interrupted, done first
-    start_step, t0, last_step = step, time.time(), step
-    host_s, exec_s = 0.0, dev.execute_seconds()  # XLA: the host's and the device's seconds since the last log
-    xla_then = dev.xla_counters()  # XLA: compilations counted from here (at each log line, after evaluations)
+
+    def save(tag='', owed=False):
+        return run.save(step, model, ema_model, opt, carry, prefetch.consumed_state, tag, owed)
+
+    # the evaluation a stop interrupted, done first
+    stop_now = run.owed and not evaluate_and_save(run, step, run_steps, model, ema_model, loaders, arc, save)
+    start_step = step
     prof = Profiler.for_run(dev, os.path.join(run.local, 'profile'), profile_steps, step, run_steps)
     phase = prof.phase if prof else (lambda name: contextlib.nullcontext())  # names a step's parts in a trace
-    run.clock.loop_start = t0
+    run.loop_started(step)
     acc, bad_step = None, torch.full((1,), -1.0, device=dev.device)  # the first step with a non-finite loss
     model.train()
     while step < run_steps and not stop_now:
@@ -268,84 +270,42 @@ def main(index=None):
             bad_step = torch.where(torch.isfinite(loss) | (bad_step >= 0), bad_step, step_t)  # this step's
             acc = metrics if acc is None else {k: acc[k] + metrics[k] for k in metrics}
         dev.sync()  # outside the phase: XLA cuts the graph here, which a profiler's scope must not span
-        host_s += time.time() - t_step  # tracing and dispatch (XLA: the device runs the graph on its own)
         step += 1
-        watchdog.progress(f'step {step}', step)
+        run.step_done(step, time.time() - t_step)  # the host's part (XLA: the device runs the graph on its own)
         if prof:
             run.upload_folder(prof.finish(step))
 
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = guard.acting(run.stop_requested(step, start_step, at_eval))  # else: Watchdog.bound_stop
-        run_steps, at_eval = (step, True) if run.budget.out_of_time else (run_steps, at_eval)  # --max_minutes
+        stop_now = run.stop_requested(step, start_step, at_eval)  # SIGTERM or Ctrl-C on any rank
+        if run.out_of_time:  # --max_minutes: this step is the last, in time for the final evaluation
+            run_steps, at_eval = step, True
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
-            m, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
-            run.check_divergence(bad_at)
-            run.verified = step - 1
-            line = log_line(m, step, step - last_step, time.time() - t0, loader.epochs_done,
-                            float(sc.lr_at(step - 1, sc.lr)), global_batch_size, not no_ACT_continue)
-            line.update(device_figures(dev, step - last_step, host_s, exec_s,
-                                       model.flops_per_example() * line['examples_per_s'], xla_then))
-            if master:
-                print(format_train(line, run_steps, dev.xla_report()[0] if dev.kind == 'xla' else None))
-                if last_step >= start_step + 10:  # past the warm-up's graphs
-                    warn_recompiles(line, last_step + 1, step)
-            run.log('train', line, step, groups(line))
-            acc, t0, last_step, host_s, exec_s = None, time.time(), step, 0.0, dev.execute_seconds()
-            xla_then = dev.xla_counters()
-
-        if stop_now:  # SIGTERM or Ctrl-C on any rank
+            sums, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
+            run.check_divergence(bad_at, step)
+            run.log_train(sums, step, run_steps, loader.epochs_done, float(sc.lr_at(step - 1, sc.lr)),
+                          model.flops_per_example())
+            acc = None
+        if stop_now:
             save(' (stop requested)', owed=at_eval)
         elif at_eval:
-            stop_now = not evaluate_and_save(step, save)  # a stop request during it: its step was saved
+            stop_now = not evaluate_and_save(run, step, run_steps, model, ema_model, loaders, arc, save)
         elif at_ckpt:
             save()
-        if at_eval or at_ckpt or stop_now:  # their graphs are not the training's: not in the next line
-            xla_then = dev.xla_counters()
-        if stop_now:
-            break
-        if step == start_step + 1 and dev.kind == 'xla':
-            dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # the save's graph now, not at SIGTERM
+        if step == start_step + 1:
+            run.warm_save(model, ema_model, carry)  # XLA: the save's graph now, not at SIGTERM
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
-    watchdog.stop()
     if prof:
         run.upload_folder(prof.finish(step, last=True))
-    run.close(stop_now)
-    if dev.kind == 'xla' and master:
+    if dev.kind == 'xla' and dev.master:
         compiles, fallbacks = dev.xla_report()
         print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")
-    dev.shutdown()
-    if stop_now and master:
+    run.end(stop_now)
+    if stop_now and dev.master:
         print("stopped cleanly; rerun with --init_from=resume to continue")
 
 
-def xla_worker(index):
-    """main() in a torch_xla worker process; one whose launcher died then exits (not waiting for work)."""
-    try:
-        main(index)
-    except BaseException:
-        guard.exit_if_orphaned(1)
-        raise
-    guard.exit_if_orphaned(0)
-
-
 if __name__ == '__main__':
-    kind = resolve_device(device)  # a device that cannot run here says so now, in one line
-    if smoke:  # two short runs of this command, in processes of their own, then a verdict
-        from runkeep.preflight import preflight
-        raise SystemExit(preflight(config))
-    if kind == 'tpu' and not under_torchrun():  # TorchTPU: one process per TPU device, through torchrun
-        raise SystemExit(launch_tpu(sys.argv))
-    if kind == 'xla':
-        import torch_xla
-        from concurrent.futures.process import BrokenProcessPool
-        guard.forward_signals()  # to the worker processes, which train and hold the out_dir
-        try:
-            torch_xla.launch(xla_worker)  # one process per local chip; every host of a pod runs the same
-        except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
-            folder = (local_dir or guard.local_folder(out_dir)) if out_dir.startswith('gs://') else out_dir
-            raise SystemExit(guard.ended_abruptly(folder, _T_START))  # the watchdog's code, when it fired
-    else:
-        main()
+    raise SystemExit(runkeep.launch(main, config, _T_START))

@@ -8,7 +8,7 @@ device = 'cpu'
 compile = False
 seed = 0
 epochs = 600                 # 600 x 84 groups x 3.71 rows / 64 = 2,925 steps
-eval_interval = 200
+eval_every_epochs = 200
 log_interval = 100
 global_batch_size = 64
 hidden_size = 64

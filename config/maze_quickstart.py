@@ -4,7 +4,7 @@ data_path = 'data/maze8'
 out_dir = 'out/maze_quickstart'
 device = 'cpu'
 epochs = 24                  # 24 x 4000 mazes / 64 = 1500 steps
-eval_interval = 4
+eval_every_epochs = 4
 log_interval = 100
 global_batch_size = 64
 hidden_size = 64

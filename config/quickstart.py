@@ -4,7 +4,7 @@ data_path = 'data/sudoku6'
 out_dir = 'out/quickstart'
 device = 'cpu'
 epochs = 30                  # 30 x 3000 puzzles / 128 = 703 steps
-eval_interval = 10
+eval_every_epochs = 10
 log_interval = 50
 global_batch_size = 128
 hidden_size = 64

@@ -11,7 +11,7 @@ data_path = 'data/sudoku9-3k-aug100'
 out_dir = 'out/sudoku-tta'
 wandb_run_name = 'sudoku-tta'
 epochs = 400                  # steps = 400 epochs x 3,000 groups (1 example each) / batch 768 = 1,562
-eval_interval = 400           # epochs between evaluations: one, at the end
+eval_every_epochs = 400           # epochs between evaluations: one, at the end
 lr = 3e-4                     # the short schedule
 lr_warmup_steps = 100
 ema = False                   # a short run: the weights themselves, not an EMA that trails them

@@ -22,12 +22,12 @@ import signal
 import subprocess
 import sys
 
-from guard import HUNG_EXIT
 from model import MODEL_KEYS
 from puzzles import plural
 
 from .checkpoint import list_checkpoints
 from .records import results_step
+from .signals import HUNG_EXIT
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RECORD = 'adapt.json'
@@ -197,7 +197,7 @@ def adapt(task, tasks, init_from, saved, canvas, minutes, aug, extra, adapt_dir,
     keep = {k: v for k, v in (saved or {}).items() if k in RECIPE or k in MODEL_KEYS}
     steps.append(('train.py', [*[f'--{k}={v}' for k, v in keep.items()], f'--init_from=resume:{init_from}',
                                f'--data_path={data}', f'--out_dir={out}', f'--max_minutes={minutes}',
-                               '--epochs=1000000', '--eval_interval=1000000', '--tensorboard=False',
+                               '--epochs=1000000', '--eval_every_epochs=1000000', '--tensorboard=False',
                                '--xla_cache_dir='] + ([f'--device={device}'] if device != 'auto' else [])
                   + extra.split()))
     last = newest(out)

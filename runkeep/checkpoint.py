@@ -20,7 +20,7 @@ import time
 import torch
 
 from . import gcs
-from guard import data_shape, describe_data, fail_if_ranks_differ, fail_together
+from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_together
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large

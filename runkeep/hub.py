@@ -338,7 +338,7 @@ def all_config(cfg, folder, forward_dtype, arc):
     init = cfg.get('init_from', 'scratch')
     return dict(arch=arch, data_paths=[cfg['data_path']], data_paths_test=[],
                 evaluators=[dict(name='arc@ARC')] if arc else [], checkpoint_path=folder,
-                checkpoint_every_eval=True, eval_interval=cfg['eval_interval'], min_eval_interval=0,
+                checkpoint_every_eval=True, eval_interval=cfg['eval_every_epochs'], min_eval_interval=0,
                 eval_save_outputs=[], freeze_weights=False,
                 load_checkpoint=None if init in ('scratch', 'resume') else init,
                 project_name=cfg.get('wandb_project'),

@@ -1,5 +1,5 @@
 """
-Memory: what a run needs, before it starts, and what this machine gives it. train.py (guard.startup_problems)
+Memory: what a run needs, before it starts, and what this machine gives it. train.py (startup.startup_problems)
 and study.py refuse a run that would not fit (check_memory=False starts it anyway), instead of finding out when
 the machine, out of memory and without swap, stops answering.
     run_memory(shape, rows, ...)   the run's bytes by part: weights, gradients, optimizer moments, the EMA copy,
@@ -9,7 +9,6 @@ the machine, out of memory and without swap, stops answering.
     memory_headroom()              what this process may still allocate: the smallest of the machine's available
                                    memory, the address space RLIMIT_AS leaves (less what the run's threads will
                                    reserve of it) and its cgroup's limit
-    import_torch()                 torch, or one line where an address-space limit leaves it no room to load
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
 The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
 builds them (docs/reliability.md: how close the estimate came to measured runs). Nothing here imports torch;
@@ -279,22 +278,3 @@ def memory_problem(parts, processes, what, where, give, override):
     return (f"{what} needs about {each} of memory ({describe(parts)}), more than the {size(give)} {where}: "
             f"lower global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, "
             f"run it on a larger machine, or set {override} to start it anyway")
-
-
-# -----------------------------------------------------------------------------
-# torch itself
-
-def import_torch():
-    """torch, imported; where an address-space limit (RLIMIT_AS: ulimit -v, prlimit --as) leaves no room for
-    torch and the libraries it maps, one line naming the limit instead of the loader's traceback."""
-    try:
-        import torch
-    except (ImportError, OSError, RuntimeError, MemoryError) as e:
-        cap = resource.getrlimit(resource.RLIMIT_AS)[0]
-        words = ('failed to map', 'bad_alloc', 'allocate memory', 'Cannot allocate', 'out of memory')
-        if cap == resource.RLIM_INFINITY or not (isinstance(e, MemoryError) or any(w in str(e) for w in words)):
-            raise
-        raise SystemExit(f"cannot load torch within this process's address-space limit (RLIMIT_AS {cap / GB:.1f} "
-                         f"GB, ulimit -v): {' '.join(str(e).split())[:200]}. torch and its libraries map several "
-                         "GB at start-up: raise the limit (ulimit -v unlimited) or run where it is larger") from None
-    return torch

@@ -1,8 +1,8 @@
 """
-`python train.py ... --smoke=True`: a new machine's first check, before a long run, in bounded time. Two short
-runs of the same command: the first trains SMOKE_STEPS steps, evaluates a small seeded subset of the test
+`python train.py ... --preflight=True`: a new machine's first check, before a long run, in bounded time. Two short
+runs of the same command: the first trains PREFLIGHT_STEPS steps, evaluates a small seeded subset of the test
 split and saves; the second resumes from that checkpoint in a new process and does it again. Both use this
-host's chips alone (a pod worker started by itself waits for no other) and write into <out_dir>/smoke, so
+host's chips alone (a pod worker started by itself waits for no other) and write into <out_dir>/preflight, so
 out_dir itself is left as it was. Then one screen: the device and its chips, the step time (host and device
 on XLA), the graph compilations, the bucket written and read, W&B and TensorBoard.
 train.py calls preflight(config); nothing here touches a device (the runs do, in their own processes).
@@ -19,10 +19,11 @@ import time
 from . import gcs
 from device import tpu_chips, tpu_host_alone_env
 from .checkpoint import list_checkpoints
-from guard import STOP, local_folder
+from .signals import STOP
+from .startup import local_folder
 
-SMOKE_STEPS = 10        # training steps of each of the two runs
-SMOKE_EVAL = 1000       # seeded test examples evaluated at the end of each (eval_subset, when smaller)
+PREFLIGHT_STEPS = 10        # training steps of each of the two runs
+PREFLIGHT_EVAL = 1000       # seeded test examples evaluated at the end of each (eval_subset, when smaller)
 PHASE_MINUTES = 15      # a run that takes longer is stopped (SIGTERM, then SIGKILL): the check fails
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
@@ -35,7 +36,7 @@ def host_alone_env():
         from torch_xla._internal import tpu
         return tpu_host_alone_env() if tpu.num_tpu_workers() > 1 else {}
     except Exception as e:
-        print(f"smoke: cannot read the TPU metadata ({e}); the runs use the VM's topology as it is")
+        print(f"preflight: cannot read the TPU metadata ({e}); the runs use the VM's topology as it is")
         return {}
 
 
@@ -73,15 +74,15 @@ def tail(path, n=15):
 
 def bucket_check(prefix):
     """gs:// out_dir: a small object written, read back and deleted; '' or the problem."""
-    uri, local = f"{prefix.rstrip('/')}/smoke/_probe", os.path.join(HERE, f'.smoke_probe.{os.getpid()}')
+    uri, local = f"{prefix.rstrip('/')}/preflight/_probe", os.path.join(HERE, f'.preflight_probe.{os.getpid()}')
     try:
         with open(local, 'w') as f:
-            f.write('smoke')
+            f.write('preflight')
         gcs.upload_file(local, uri)
         os.remove(local)
         gcs.download_file(uri, local)
         with open(local) as f:
-            if f.read() != 'smoke':
+            if f.read() != 'preflight':
                 return f"{uri} read back different bytes"
         gcs.delete_object(uri)
         return ''
@@ -120,7 +121,7 @@ def torchtpu_rows(device_line, train):
     first line and train records: the graphs torch.compile compiled in each run (a count that grows after
     the first steps is a recompilation), and whether the collectives ran across the chips."""
     runs = []
-    for in_run in (lambda step: step <= SMOKE_STEPS, lambda step: step > SMOKE_STEPS):
+    for in_run in (lambda step: step <= PREFLIGHT_STEPS, lambda step: step > PREFLIGHT_STEPS):
         seen = [(r['step'], r['xla_compiles_total']) for r in train
                 if in_run(r['step']) and 'xla_compiles_total' in r]
         if seen:
@@ -139,11 +140,11 @@ def torchtpu_rows(device_line, train):
 def preflight(cfg):
     """The check for train.py's config cfg (its command line: sys.argv). Returns the exit code."""
     t0 = time.time()
-    out = cfg['out_dir'].rstrip('/') + '/smoke'
-    local = os.path.join(cfg['local_dir'], 'smoke') if cfg['local_dir'] else \
+    out = cfg['out_dir'].rstrip('/') + '/preflight'
+    local = os.path.join(cfg['local_dir'], 'preflight') if cfg['local_dir'] else \
         (local_folder(out) if gcs.is_gcs(out) else out)
     os.makedirs(local, exist_ok=True)
-    for name in ('metrics.jsonl', 'results.json'):  # an earlier smoke's: the verdict reads this smoke's alone
+    for name in ('metrics.jsonl', 'results.json'):  # an earlier pre-flight's: the verdict reads this one's alone
         if os.path.exists(os.path.join(local, name)):
             os.remove(os.path.join(local, name))
     env = dict(os.environ, PYTHONUNBUFFERED='1')
@@ -151,29 +152,29 @@ def preflight(cfg):
     env.update({k: v for k, v in alone.items() if v is not None})
     for k in [k for k, v in alone.items() if v is None]:
         env.pop(k, None)
-    subset = min(cfg['eval_subset'], SMOKE_EVAL) if cfg['eval_subset'] else SMOKE_EVAL
+    subset = min(cfg['eval_subset'], PREFLIGHT_EVAL) if cfg['eval_subset'] else PREFLIGHT_EVAL
     watch = min(cfg['watchdog_minutes'], 5) if cfg['watchdog_minutes'] else 0
     common = [a for a in sys.argv[1:]] + [
-        '--smoke=False', f'--out_dir={out}', f'--eval_subset={subset}', '--checkpoint_interval=0',
-        f'--log_interval={SMOKE_STEPS // 2}', '--wandb_log=False', f'--watchdog_minutes={watch}']
+        '--preflight=False', f'--out_dir={out}', f'--eval_subset={subset}', '--checkpoint_interval=0',
+        f'--log_interval={PREFLIGHT_STEPS // 2}', '--wandb_log=False', f'--watchdog_minutes={watch}']
     if cfg['local_dir']:
         common.append(f'--local_dir={local}')
-    print(f"smoke: 2 runs of {SMOKE_STEPS} steps into {out} (their output: {local}/phase1.out, phase2.out)"
+    print(f"preflight: 2 runs of {PREFLIGHT_STEPS} steps into {out} (their output: {local}/phase1.out, phase2.out)"
           + (f", this host's chips alone ({alone.get('TPU_ACCELERATOR_TYPE', '?')} host)" if alone else ''),
           flush=True)
-    phases = [['--smoke_phase=1', f'--max_steps={SMOKE_STEPS}', '--init_from=scratch', '--overwrite=True'],
-              ['--smoke_phase=2', f'--max_steps={2 * SMOKE_STEPS}', '--init_from=resume']]
+    phases = [['--preflight_phase=1', f'--max_steps={PREFLIGHT_STEPS}', '--init_from=scratch', '--overwrite=True'],
+              ['--preflight_phase=2', f'--max_steps={2 * PREFLIGHT_STEPS}', '--init_from=resume']]
     texts, failed = [], ''
     for n, extra in enumerate(phases, 1):
         log = os.path.join(local, f'phase{n}.out')
         rc, secs = run_phase(n, common + extra, env, log)
         texts.append(open(log).read())
         # its part done: its evaluation at its last step recorded (a run stopped early exits 0 too)
-        done = rc == 0 and any(r.get('kind') == 'eval' and r.get('step') == n * SMOKE_STEPS
+        done = rc == 0 and any(r.get('kind') == 'eval' and r.get('step') == n * PREFLIGHT_STEPS
                                for r in read_records(local))
         why = '' if done else f" (over {PHASE_MINUTES} min)" if rc is None else f" (exit {rc})" if rc else \
-            f" (exit 0, but no evaluation at step {n * SMOKE_STEPS}: stopped before its end)"
-        print(f"smoke: run {n} {'ended' if done else 'FAILED'} in {secs:.0f} s{why}", flush=True)
+            f" (exit 0, but no evaluation at step {n * PREFLIGHT_STEPS}: stopped before its end)"
+        print(f"preflight: run {n} {'ended' if done else 'FAILED'} in {secs:.0f} s{why}", flush=True)
         if not done or STOP['requested']:
             failed = f"run {n} ({'stopped' if STOP['requested'] else 'see below'})"
             print(tail(log))
@@ -185,7 +186,7 @@ def preflight(cfg):
     train = [r for r in records if r.get('kind') == 'train']
     evals = [r for r in records if r.get('kind') == 'eval']
     compiles = [m.group(1) for t in texts for m in [re.search(r'xla: (\d+) graph compilations', t)] if m]
-    resumed = len(texts) > 1 and f'(step {SMOKE_STEPS})' in texts[1] and 'resuming from' in texts[1]
+    resumed = len(texts) > 1 and f'(step {PREFLIGHT_STEPS})' in texts[1] and 'resuming from' in texts[1]
     rows = [('device', first.split(' | ')[0][len('device '):] or 'unknown (no run started)'),
             ('TPU chips on the PCI bus', str(tpu_chips()))]
     if train:
@@ -202,7 +203,7 @@ def preflight(cfg):
         e = evals[-1]
         rows.append(('evaluation', f"{int(e.get('count', subset))} seeded test examples at step {e['step']}: "
                                    f"exact {e['exact_accuracy']:.4f}"))
-    rows.append(('save and resume', (f"saved at step {SMOKE_STEPS}, resumed in a new process" if resumed
+    rows.append(('save and resume', (f"saved at step {PREFLIGHT_STEPS}, resumed in a new process" if resumed
                                      else 'NOT checked (a run failed first)' if failed else 'NOT resumed')))
     if gcs.is_gcs(out):
         problem = bucket_check(cfg['out_dir'])
@@ -218,8 +219,8 @@ def preflight(cfg):
     rows.append(('W&B', wandb_check()))
     rows.append(('TensorBoard', 'importable' if importlib.util.find_spec('tensorboard') else 'not installed'))
     failed = failed or ('' if resumed else 'the resume')
-    print(f"\n=== smoke check ({time.time() - t0:.0f} s): {'FAILED: ' + failed if failed else 'OK'} ===")
+    print(f"\n=== pre-flight check ({time.time() - t0:.0f} s): {'FAILED: ' + failed if failed else 'OK'} ===")
     for k, v in rows:
         print(f"  {k:<26} {v}")
-    print(f"  {'out_dir':<26} {cfg['out_dir']} untouched; the smoke runs are in {out} (safe to delete)")
+    print(f"  {'out_dir':<26} {cfg['out_dir']} untouched; the pre-flight runs are in {out} (safe to delete)")
     return 1 if failed else 0

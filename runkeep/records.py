@@ -6,6 +6,7 @@ A run's records: what a person or a study reads of it, during the run and after.
     start_wandb, TensorBoardWriter   the same scalars in W&B and TensorBoard, never fatal
     Uploads                  a gs:// run's records (and checkpoints) sent to its bucket, with bounded waits
     log_line, device_figures, groups   a training log line's values, and how W&B and TensorBoard group them
+    RunRecords               all of these for one run (rank 0 writes; every rank calls), behind Run's verbs
 Nothing here imports torch: configurator.py installs the Tee before a script's config is checked.
 """
 import atexit
@@ -561,3 +562,157 @@ def drop_results(local, gs_out, submission=False):
             except gcs.GCSError as e:
                 print(f"warning: cannot delete {uri} ({e}), an earlier finish's: it is not this run's result")
     return True
+
+
+# -----------------------------------------------------------------------------
+# one run's records, as Run (run.py) keeps them: rank 0 writes, every rank calls at the same points
+
+class LogWindow:
+    """The steps since the last training log line: when it began, the host's seconds in them (XLA: tracing and
+    dispatch), the device's execution seconds and XLA's counters at its start (an evaluation's or a save's
+    graphs are skipped: not the training's)."""
+
+    def __init__(self):
+        self.dev, self.start_step = None, 0
+
+    def start(self, dev, step):
+        self.dev, self.start_step = dev, step
+        self.reset(step)
+
+    def reset(self, step):
+        self.t0, self.last_step, self.host_s = time.time(), step, 0.0
+        self.exec_s, self.then = self.dev.execute_seconds(), self.dev.xla_counters()
+
+    def skip_graphs(self):
+        if self.dev is not None:
+            self.then = self.dev.xla_counters()
+
+
+class RunRecords:
+    """A run's records as one object: metrics.jsonl, W&B, TensorBoard and a gs:// run's uploads, open from
+    open() on rank 0 (every rank calls; other ranks hold none), the training line's window, results.json and an
+    --eval_only record."""
+
+    def __init__(self, cfg, dev, local, gs_out):
+        self.cfg, self.dev, self.master, self.local, self.gs_out = cfg, dev, dev.master, local, gs_out
+        self.records = self.wandb = self.uploads = self.board = None
+        self.window = LogWindow()
+
+    def open(self, step, run_id, prune):
+        """Rank 0: metrics.jsonl from `step` on, W&B, TensorBoard, and a gs:// run's uploads (after each upload
+        of a checkpoint, prune() prunes the bucket like the local folder); [] or [the problem]."""
+        if not self.master:
+            return []
+        try:
+            self.records = Records(self.local, self.gs_out, step)
+        except OSError as e:  # a full disk: its metrics.jsonl is kept as it was
+            return [f"cannot write {e.filename or self.local} ({e.strerror or e}); free some space and rerun with "
+                    "--init_from=resume"]
+        if self.cfg['wandb_log']:
+            self.wandb = start_wandb(self.cfg, self.local, run_id)
+        if self.cfg['tensorboard']:
+            self.board = TensorBoardWriter.open(self.local, step, self.cfg)
+        if self.gs_out:
+            self.uploads = Uploads(self.local, self.gs_out, prune)
+        return []
+
+    def log(self, kind, values, step, groups):
+        """Rank 0: a line of metrics.jsonl, and the scalars of `groups` ({prefix: dict}) in W&B and
+        TensorBoard."""
+        if not self.master:
+            return
+        self.records.log(kind, values)
+        for prefix, vals in groups.items():
+            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in flat_scalars(vals)}, step)
+        if self.board:
+            self.board.log(groups, step)
+
+    def log_watchdog(self, values):
+        """The watchdog's firing, a line of metrics.jsonl where the records are open (not in --eval_only)."""
+        if self.records:
+            self.log('watchdog', values, values['step'] or 0, {})
+
+    def train_line(self, sums, step, epoch, lr, flops_per_example):
+        """A training line's values over the window's steps, from the metric sums of every rank."""
+        w, cfg = self.window, self.cfg
+        n = step - w.last_step
+        line = log_line(sums, step, n, time.time() - w.t0, epoch, lr, cfg['global_batch_size'],
+                        not cfg['no_ACT_continue'])
+        line.update(device_figures(self.dev, n, w.host_s, w.exec_s, flops_per_example * line['examples_per_s'],
+                                   w.then))
+        return line
+
+    def log_train(self, line, step):
+        """The line logged, XLA's compilations past the warm-up said, and the next window begun."""
+        w = self.window
+        if self.master and w.last_step >= w.start_step + 10:  # past the warm-up's graphs
+            warn_recompiles(line, w.last_step + 1, step)
+        self.log('train', line, step, groups(line))
+        w.reset(step)
+
+    def log_eval(self, step, res, raw, xla_before):
+        values, scalars = eval_line(step, res, raw, xla_since(self.dev.xla_counters(), xla_before))
+        self.log('eval', values, step, scalars)
+
+    def uploaded(self, path):
+        """Rank 0: a checkpoint written at path goes to the bucket, with the records so far."""
+        if self.uploads:
+            self.uploads.submit(path)
+            self.uploads.log()
+            self.uploads.board(self.board)
+
+    def upload_folder(self, path):
+        if self.master and self.uploads:
+            self.uploads.folder(path)
+
+    def finish(self, step, final_eval, best, run_id, wall, parameters, flops_per_example, arc=None):
+        """Rank 0: results.json (wall: seconds by phase over every process of the run), and ARC's submission.json
+        first, which results.json names with its step and vote (the file itself is the ARC Prize's format)."""
+        if not self.master:
+            return
+        cfg, dev = self.cfg, self.dev
+        sub = arc and save_submission(self.local, self.gs_out, 'submission.json', arc, step, cfg['gcs_retries'])
+        wall = dict(wall, total=sum(wall.values()))
+        self.records.finish(dict(
+            config=cfg, parameters=parameters, run_id=run_id, flops_per_example_step=flops_per_example,
+            device=dev.name(), world_size=dev.world_size, final_eval=final_eval, best_eval=best,
+            **(dict(arc_submission=sub) if sub else {}), step=step, examples_seen=step * cfg['global_batch_size'],
+            train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
+            device_hours=wall['total'] * dev.world_size / 3600))
+
+    def write_evaluation(self, res, step, seconds, checkpoint, arc=None):
+        """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
+        reads for its test-time views and steps), and with an ARC evaluation's votes its submission beside it
+        (<name>.submission.json, which the record names with its step and vote); a failed write or upload is a
+        warning."""
+        cfg, dev = self.cfg, self.dev
+        name = f"views{cfg['eval_views']}-steps{cfg['eval_steps'] or cfg['halt_max_steps']}"
+        sub = arc and save_submission(self.local, self.gs_out, f'evals/{name}.submission.json', arc, step,
+                                      cfg['gcs_retries'])
+        record = dict(step=step, checkpoint=checkpoint, seconds=seconds, device=dev.name(),
+                      world_size=dev.world_size, config=cfg, eval=res)
+        record.update(dict(submission=sub) if sub else {})
+        return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, cfg['gcs_retries'])
+
+    def results_missing(self, step):
+        """Whether the run lacks a results.json of checkpoint `step` in its folder and its bucket (rank 0
+        looks; every rank learns it): a run that reached its last step without it (a stop during the final
+        evaluation, a failed write), or one whose results.json is an earlier finish's (trained on, then
+        stopped)."""
+        missing = self.master and not results_of_step(self.local, self.gs_out, step)
+        return self.dev.agree([float(missing)], 'max')[0] > 0
+
+    def logged(self, kind, step):
+        """Rank 0: whether metrics.jsonl holds a `kind` line of this step."""
+        return bool(self.records) and self.records.logged(kind, step)
+
+    def close(self, interrupted):
+        """Rank 0: bounded waits for the uploads and for W&B (what did not reach it stays for `wandb sync`)."""
+        if self.board:
+            self.board.close()
+        if self.uploads:
+            self.uploads.finish(interrupted, self.records, self.board)
+        if self.wandb:
+            finish = threading.Thread(target=self.wandb.finish, daemon=True)
+            finish.start()
+            finish.join(timeout=4 if interrupted else 60)

@@ -1,35 +1,46 @@
 """
-One training run as train.py sees it: the rooms below composed, so the learning story calls plain verbs.
+One training run as train.py sees it: the rooms of this package composed behind plain verbs, so the learning
+story reads as a story. Every method that more than rank 0 needs is called by every rank at the same point.
     run = Run(config, dev)                  start-up checks on every rank, host agreement, the out_dir's lock
-    step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights)
+    step, carry = run.resume(model, ...)    the newest checkpoint every rank can load (or init_from's weights);
+                                            from here the watchdog and the bound on a stop request watch the run
+    with run.evaluating(loader) as watch:   an evaluation, watched (stop requests between batches, the watchdog)
+    run.step_done(step, host_s)             a training step finished
+    run.stop_requested(step, ...)           every rank's verdict: stop now (SIGTERM, Ctrl-C, --max_minutes)
+    run.log_train(...) / run.log_eval(...)  a line on the terminal, metrics.jsonl, W&B and TensorBoard
     run.save(step, ...)                     a checkpoint only of sane weights, written atomically, uploaded
-    run.log(kind, line, step, groups)       metrics.jsonl (+ the bucket's copy), W&B and TensorBoard
-    run.close()                             bounded waits for uploads and W&B, the out_dir's lock removed
-checkpoint.py holds the files and the resume, records.py the records and uploads, guard.py the safety net
-(signals, locks, watchdog, verdicts every rank agrees on, start-up checks). Every method that more than rank 0
-needs is called by every rank at the same point.
+    run.end(stopped)                        bounded waits for uploads and W&B, the out_dir's lock removed
+launch(main, config) starts the process (or the processes) a run needs: signals, a launcher's workers, the
+pre-flight.
 """
 import contextlib
+import functools
 import os
 import secrets
-import threading
+import sys
 import time
 
 import torch
 
-from . import gcs
-from .checkpoint import (MAX_WEIGHT, check_resume, resume_parts, checkpoint_name, checkpoint_problems, checkpoint_tensors,
-                        delete_all_checkpoints, find_resume_checkpoint, identifiers_of, load_state,
-                        load_weights, prune_checkpoints, set_aside_diverged, start_file_missing, write_checkpoint)
 from data import load_metadata
+from device import launch_tpu, resolve_device, under_torchrun
 from evaluate import format_eval
 from puzzles import render_example
-from guard import (STOP, Clock, data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint,
-                   hosts_differ, local_folder, lock_bucket, lock_local, mark_data, release_locks,
-                   startup_problems)
-from .records import (Records, TensorBoardWriter, Tee, Uploads, drop_results, flat_scalars, remove_unfinished,
-                     results_of_step, save_evaluation, save_submission, start_log, start_wandb,
-                     wandb_log_safe)
+from step import format_train
+
+from . import gcs
+from .budget import Clock, TimeBudget
+from .checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_problems, checkpoint_tensors,
+                         delete_all_checkpoints, find_resume_checkpoint, identifiers_of, list_checkpoints, load_state,
+                         load_weights, prune_checkpoints, resume_parts, set_aside_diverged, start_file_missing,
+                         write_checkpoint)
+from .locks import lock_bucket, lock_local, mark_data, release_locks
+from .records import RunRecords, Tee, drop_results, remove_unfinished, start_log
+from .signals import (STOP, StopBound, ended_abruptly, exit_if_orphaned, follow_launcher, forward_signals,
+                      install_signal_handlers)
+from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,
+                      local_folder, startup_problems)
+from .watchdog import Watchdog
 
 
 class Run:
@@ -50,13 +61,15 @@ class Run:
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
         self.verified = -1  # newest checkpoint step whose next step's loss was seen finite
         self.results_dropped = False  # an older run's results.json removed, at this process's first save
-        self.records = self.wandb = self.uploads = self.board = self.arc = None  # arc: ARC's votes (its pool)
+        self.arc = None  # ARC's votes (its pool)
+        self.watchdog = self.bound = None  # from resume() on: the watchdog, the bound on a stop request
         self.stop_every, self.t_calibrate = 1, None
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
         self.budget = TimeBudget(cfg.get('max_minutes', 0), self.clock)  # --max_minutes
         self.data_path = fetch_data(cfg['data_path'], cfg['data_cache_dir'], dev)
         self.check_start()
+        self.records = RunRecords(cfg, dev, self.local, self.gs_out)  # rank 0's metrics.jsonl, W&B, TensorBoard
 
     def check_start(self):
         """All start-up checks before the first step, then every host's config, data and code compared; then
@@ -130,7 +143,48 @@ class Run:
         self.run_id = self.run_id or secrets.token_hex(4)
         self.last_good = self.resumed_from
         gcs.default_client().stop = None  # from here a stop saves a checkpoint, and its upload gets its time
+        # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
+        # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
+        self.watchdog = Watchdog(cfg['watchdog_minutes'], self.records.log_watchdog, warmup=cfg['log_interval'] + 1,
+                                 folder=self.local)
+        self.bound = StopBound(self.watchdog.waiting, lambda: list_checkpoints(self.local))
         return step, carry
+
+    # --- what the run is doing, for the watchdog, the stop's bound and the time budget --------------------
+
+    def plan_budget(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
+        """--max_minutes: what the run's evaluations and saves will hold (TimeBudget.plan)."""
+        self.budget.plan(model, ema_model, final, subset, eval_steps, run_steps, batch)
+
+    def host_progress(self, what, batch_done=False):
+        """An evaluation's host work finished (an EvalLoader's views built, a batch scored): the watchdog's."""
+        self.watchdog.host(what, batch_done)
+
+    @contextlib.contextmanager
+    def evaluating(self, loader):
+        """An evaluation of `loader` (an EvalLoader): its time counted as evaluation, the watchdog armed once its
+        first batch (its views, compiles and steps) is done, that batch its yardstick. Yields what the evaluation
+        asks between batches (should_stop(): every rank's verdict on a stop request) and after each supervision
+        step (progress(i))."""
+        self.watchdog.pause()
+        with self.budget.evaluating(loader):
+            yield Watched(self)
+        self.records.window.skip_graphs()  # the evaluation's graphs are not the training's
+
+    def loop_started(self, step):
+        """The training loop begins at `step`: its clock, and its first log line's window."""
+        self.clock.loop_start = time.time()
+        self.records.window.start(self.dev, step)
+
+    def step_done(self, step, host_s):
+        """A training step finished; host_s: the host's seconds in it (XLA: tracing and dispatch)."""
+        self.watchdog.progress(f'step {step}', step)
+        self.records.window.host_s += host_s
+
+    @property
+    def out_of_time(self):
+        """--max_minutes: the step just agreed on is the run's last (TimeBudget.agree)."""
+        return self.budget.out_of_time
 
     def save(self, step, model, ema_model, opt, carry, loader_state, tag='', owed=False):
         """Every rank calls it: the carry gather and the sanity check are collectives, read on every rank;
@@ -157,16 +211,19 @@ class Run:
                     self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
-                if self.uploads:
-                    self.uploads.submit(path)
-                    self.uploads.log()
-                    self.uploads.board(self.board)
+                self.records.uploaded(path)
             except Exception as e:
                 problems = [f"saving {path} failed: {e}"]
         fail_together(dev, problems, f'checkpoint at step {step}')
         self.budget.saved(time.time() - t_save)
+        self.records.window.skip_graphs()  # the save's graphs are not the training's
         self.last_good = path
         return path
+
+    def warm_save(self, model, ema_model, carry):
+        """XLA: the save's graph compiled now, after the first step, not in a spot VM's last seconds."""
+        if self.dev.kind == 'xla':
+            self.dev.read(checkpoint_tensors(self.dev, model, ema_model, carry))
 
     def timing_total(self):
         """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this
@@ -194,21 +251,23 @@ class Run:
         if step == start_step + 10:
             pace = self.dev.agree([(time.time() - self.t_calibrate) / 5], 'max')[0]
             self.stop_every = max(1, int(2.0 / pace))
-        return stop
+        return self.bound.acted(stop)  # acted on now: the stop's bound ends
 
     def stop_agreed(self):
         """Whether any rank got SIGTERM or Ctrl-C: a reduction, so every rank calls it at the same point
         (between steps, between evaluation batches; the rank that got the signal said so at once)."""
         return self.dev.agree([float(STOP['requested'])], 'max')[0] > 0
 
-    def check_divergence(self, bad_at):
-        """bad_at: the first step whose loss was not finite (every rank's read), or < 0. Divergence: the
-        weights after step k-1 gave a non-finite loss at step k, so checkpoints from k-1 on are set aside."""
+    def check_divergence(self, bad_at, step):
+        """bad_at: the first step up to `step` whose loss was not finite (every rank's read), or < 0. Divergence:
+        the weights after step k-1 gave a non-finite loss at step k, so checkpoints from k-1 on are set aside;
+        otherwise the checkpoints up to step - 1 are known good."""
         if bad_at < 0:
+            self.verified = step - 1
             return
         k = int(bad_at)
         if self.master:
-            self.last_good = set_aside_diverged(self.local, self.gs_out, self.uploads, k - 1)
+            self.last_good = set_aside_diverged(self.local, self.gs_out, self.records.uploads, k - 1)
         raise SystemExit(f"loss became NaN or inf at step {k}; stopping. Checkpoints from step {k - 1} on "
                          f"were set aside (*.diverged). Last good checkpoint: {self.last_good or 'none'}; "
                          f"continue from it with --init_from=resume and a lower --lr (now {self.cfg['lr']})")
@@ -216,219 +275,150 @@ class Run:
     # --- records: metrics.jsonl, results.json, W&B, TensorBoard; uploads -------------------------------
 
     def open_records(self, step):
-        """Rank 0: metrics.jsonl from `step` on, W&B, TensorBoard, and a gs:// run's uploads (after each
-        upload of a checkpoint the bucket is pruned like the local folder)."""
-        problems = []
-        if self.master:
-            try:
-                self.records = Records(self.local, self.gs_out, step)
-            except OSError as e:  # a full disk: its metrics.jsonl is kept as it was
-                problems = [f"cannot write {e.filename or self.local} ({e.strerror or e}); free some space "
-                            f"and rerun with --init_from=resume"]
+        """metrics.jsonl from `step` on, W&B, TensorBoard, and a gs:// run's uploads (rank 0; every rank learns
+        whether it could)."""
+        problems = self.records.open(step, self.run_id, lambda: prune_checkpoints(
+            self.gs_out, self.cfg['keep_last_n'], self.best['step']))
         fail_together(self.dev, problems, 'opening the records')
-        if not self.master:
-            return
-        if self.cfg['wandb_log']:
-            self.wandb = start_wandb(self.cfg, self.local, self.run_id)
-        if self.cfg['tensorboard']:
-            self.board = TensorBoardWriter.open(self.local, step, self.cfg)
-        if self.gs_out:
-            self.uploads = Uploads(self.local, self.gs_out, lambda: prune_checkpoints(
-                self.gs_out, self.cfg['keep_last_n'], self.best['step']))
 
-    def log(self, kind, values, step, groups):
-        """Rank 0: a line of metrics.jsonl, and the scalars of `groups` ({prefix: dict}) in W&B and
-        TensorBoard."""
-        if not self.master:
-            return
-        self.records.log(kind, values)
-        for prefix, vals in groups.items():
-            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in flat_scalars(vals)}, step)
-        if self.board:
-            self.board.log(groups, step)
+    def log_train(self, sums, step, run_steps, epoch, lr, flops_per_example):
+        """A training line over the steps since the last one (the metric sums of every rank): printed by rank 0
+        (with a warning where XLA compiled past the warm-up), and in metrics.jsonl, W&B and TensorBoard."""
+        line = self.records.train_line(sums, step, epoch, lr, flops_per_example)
+        if self.master:
+            print(format_train(line, run_steps, self.dev.xla_report()[0] if self.dev.kind == 'xla' else None))
+        self.records.log_train(line, step)
+
+    def log_eval(self, step, res, raw=None, xla_before=None, log=True):
+        """An evaluation's lines (the raw weights' too, when evaluated) printed by rank 0, and with `log` in
+        metrics.jsonl, W&B and TensorBoard; xla_before: the device's counters before it."""
+        if self.master:
+            print(format_eval(res))
+            if raw:
+                print(format_eval(raw).replace('eval on', 'eval of the raw weights (not the EMA) on', 1))
+        if log:
+            self.records.log_eval(step, res, raw, xla_before)
 
     def upload_folder(self, path):
         """Rank 0: every file under the run's folder `path` (a profile) to the same place under out_dir."""
-        if self.master and self.uploads:
-            self.uploads.folder(path)
+        self.records.upload_folder(path)
 
-    def finish(self, step, final_eval, parameters, flops_per_example, arc=None):
-        """Rank 0: results.json, what a study reads of a finished run (its cost included: wall seconds by
-        phase over every process of the run, resumes adding theirs, and device-hours); ARC's submission.json
-        first, which results.json names with its step and vote (the file itself is the ARC Prize's format)."""
-        if not self.master:
-            return
-        cfg, wall, local = self.cfg, self.timing_total(), self.local
-        sub = arc and save_submission(local, self.gs_out, 'submission.json', arc, step, cfg['gcs_retries'])
-        wall['total'] = sum(wall.values())
-        self.records.finish(dict(
-            config=cfg, parameters=parameters, run_id=self.run_id, flops_per_example_step=flops_per_example,
-            device=self.dev.name(), world_size=self.dev.world_size, final_eval=final_eval,
-            best_eval=self.best, **(dict(arc_submission=sub) if sub else {}),
-            step=step, examples_seen=step * cfg['global_batch_size'],
-            train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
-            device_hours=wall['total'] * self.dev.world_size / 3600))
+    def finish(self, step, final_eval, example, parameters, flops_per_example, arc=None):
+        """Rank 0: a held-out puzzle with the model's answer, then results.json (what a study reads of a finished
+        run: its cost included, wall seconds by phase over every process of the run and device-hours), with
+        ARC's submission.json first."""
+        if self.master and example:
+            print(render_example(self.meta, *example))
+        self.records.finish(step, final_eval, self.best, self.run_id, self.timing_total(), parameters,
+                            flops_per_example, arc)
 
-    def evaluate_checkpoint(self, run_eval, meta, step, arc=None):
-        """--eval_only: init_from's weights on the whole test split (run_eval(0, show_example=True)), printed;
-        rank 0 saves the result for a study (write_evaluation)."""
-        cfg, t_eval = self.cfg, time.time()
-        res, example = run_eval(0, show_example=True)
+    def evaluate_checkpoint(self, evaluate, step, arc=None):
+        """--eval_only: init_from's weights on the whole test split (evaluate(): (results, example)), printed;
+        rank 0 saves the result for a study (evals/<name>.json); then every rank leaves."""
+        t_eval = time.time()
+        res, example = evaluate()
         if self.master:
             print(format_eval(res) if res else "stopped during the evaluation")
             if example:
-                print(render_example(meta, *example))
+                print(render_example(self.meta, *example))
             if res:
-                name = f"views{cfg['eval_views']}-steps{cfg['eval_steps'] or cfg['halt_max_steps']}"
-                self.write_evaluation(res, step, time.time() - t_eval, name, arc)
-        self.dev.shutdown()
+                self.records.write_evaluation(res, step, time.time() - t_eval, self.resumed_from, arc)
+        self.end(res is None)
 
-    def write_evaluation(self, res, step, seconds, name, arc=None):
-        """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
-        reads for its test-time views and steps), and with an ARC evaluation's votes its submission beside it
-        (<name>.submission.json, which the record names with its step and vote); a failed write or upload is a
-        warning."""
-        sub = arc and save_submission(self.local, self.gs_out, f'evals/{name}.submission.json', arc, step,
-                                      self.cfg['gcs_retries'])
-        record = dict(step=step, checkpoint=self.resumed_from, seconds=seconds, device=self.dev.name(),
-                      world_size=self.dev.world_size, config=self.cfg, eval=res)
-        record.update(dict(submission=sub) if sub else {})
-        return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, self.cfg['gcs_retries'])
-
-    def results_missing(self, step):
-        """Whether the run lacks a results.json of checkpoint `step` in its folder and its bucket (rank 0
-        looks; every rank learns it): a run that reached its last step without it (a stop during the final
-        evaluation, a failed write), or one whose results.json is an earlier finish's (trained on, then
-        stopped)."""
-        missing = self.master and not results_of_step(self.local, self.gs_out, step)
-        return self.dev.agree([float(missing)], 'max')[0] > 0
-
-    def at_the_end(self, step, run_steps, end, evaluate):
-        """A checkpoint at or past this run's last step (`end`: the key that sets it): past it, nothing to
-        train, said as an error; at it, evaluate() (which writes results.json) when results.json is missing,
-        else nothing to do. Then the records are closed and every rank leaves."""
-        done = True
+    def finished_before(self, step, run_steps, end):
+        """A checkpoint at or past this run's last step (`end`: the key that sets it). Past it: nothing to
+        train, said as an error. At it: False when its results.json is missing (the final evaluation is owed:
+        a stop during it, a failed write, or an earlier finish's results.json), else True, said so."""
         if step > run_steps:  # evaluating it again would change nothing
-            self.close(False)
-            self.dev.shutdown()
+            self.end(False)
             raise SystemExit(f"{self.resumed_from} is at step {step}, past this run's last step {run_steps} "
                              f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate "
                              "it with --eval_only=True")
-        if self.results_missing(step):
+        if self.records.results_missing(step):
             self.open_records(step)
             if self.master:
                 print(f"the checkpoint is at the last step {step}, but results.json of step {step} is missing: "
                       "evaluating")
-            done = evaluate()
-        elif self.master:
+            return False
+        if self.master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
                   f"(raise --max_steps or --epochs to train on)")
-        self.close(not done)
-        self.dev.shutdown()
+        return True
 
     def logged(self, kind, step):
         """Rank 0: whether metrics.jsonl holds a `kind` line of this step."""
-        return bool(self.records) and self.records.logged(kind, step)
+        return self.records.logged(kind, step)
 
-    def close(self, interrupted):
-        """Rank 0: bounded waits for the uploads (after SIGTERM a spot VM has ~30 s: the checkpoint gets most
-        of it) and for W&B (what did not reach it stays for `wandb sync`)."""
-        if self.board:
-            self.board.close()
-        if self.uploads:
-            self.uploads.finish(interrupted, self.records, self.board)
-        if self.wandb:
-            finish = threading.Thread(target=self.wandb.finish, daemon=True)
-            finish.start()
-            finish.join(timeout=4 if interrupted else 60)
-        release_locks(quick=interrupted)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
+    def end(self, stopped):
+        """The run's end on every rank: the watchdog and the stop's bound stopped, bounded waits for the uploads
+        (after SIGTERM a spot VM has ~30 s: the checkpoint gets most of it) and for W&B, the out_dir's lock
+        removed, the device's processes left together."""
+        for watcher in (self.watchdog, self.bound):
+            if watcher:
+                watcher.stop()
+        self.records.close(stopped)
+        release_locks(quick=stopped)  # after a stop: 18 + 4 + 5 s at most, inside a spot VM's 30 s
+        self.dev.shutdown()
 
 
+class Watched:
+    """What an evaluation under Run.evaluating asks of the run: should_stop() between batches (every rank's
+    verdict on a stop request), progress(i) after each supervision step (the watchdog's heartbeat)."""
 
-def eval_rows(loader):
-    """The rows an evaluation of an EvalLoader runs, padding and test-time views included."""
-    return len(loader) * loader.B * loader.views
+    def __init__(self, run):
+        self.run = run
+
+    def should_stop(self):
+        stop = self.run.stop_agreed()
+        self.run.watchdog.progress('an evaluation batch')
+        return self.run.bound.acted(stop)
+
+    def progress(self, i):
+        self.run.watchdog.progress(f'supervision step {i} of an evaluation batch')
 
 
-class TimeBudget:
-    """--max_minutes: whether training must stop at this step so that the final evaluation and its save still
-    end within the budget, counted in wall seconds from the process's start. What they will take, erring
-    long: this process's slowest evaluation per row (x 1.25), or before any evaluation, the final one's
-    FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
-    warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
-    slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s. The steps to the next check
-    (~2 s) and an intermediate evaluation and save due now are added to the wait."""
+# -----------------------------------------------------------------------------
+# the run's process, or processes
 
-    def __init__(self, minutes, clock):
-        self.seconds, self.clock = minutes * 60, clock
-        self.eval_pace = self.save_s = self.first = None
-        self.need, self.out_of_time = 0.0, False
+def launch(main, config, started):
+    """train.py's process: SIGTERM and Ctrl-C become stop requests; then with preflight=True two short runs of
+    this command and a verdict instead (preflight.py); a TorchTPU run's launcher (one process per TPU device,
+    through torchrun); torch_xla's launcher (one worker per local chip, each running main(index) and following
+    the launcher); else main() itself. started: the process's start (time.time()). Returns the exit code."""
+    kind = resolve_device(config['device'])  # a device that cannot run here says so now, in one line
+    install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
+    if config['preflight']:
+        from .preflight import preflight
+        return preflight(config)
+    if kind == 'tpu' and not under_torchrun():
+        return launch_tpu(sys.argv)
+    if kind == 'xla':
+        import torch_xla
+        from concurrent.futures.process import BrokenProcessPool
+        forward_signals()  # to the worker processes, which train and hold the out_dir
+        try:
+            torch_xla.launch(functools.partial(xla_worker, main))  # every host of a pod runs the same
+        except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
+            out_dir = config['out_dir']
+            folder = (config['local_dir'] or local_folder(out_dir)) if gcs.is_gcs(out_dir) else out_dir
+            return ended_abruptly(folder, started)  # the watchdog's code, when it fired
+        return 0
+    main()
+    return 0
 
-    def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
-        """What a run's evaluations and saves hold: the final evaluation's and an intermediate one's loaders
-        (EvalLoader; an intermediate one runs twice with an EMA: its weights and the raw ones), the
-        supervision steps of an evaluation, the run's last step, the global batch."""
-        self.rows = eval_rows(final)
-        self.subset_rows = eval_rows(subset) * (2 if ema_model is not model else 1)
-        self.run_steps, self.row_flops = run_steps, model.flops_per_example(train=False) * eval_steps
-        self.step_flops = model.flops_per_example() * batch
-        params = sum(p.numel() * p.element_size() for p in model.parameters())
-        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        carry = batch * model.config.latent_bytes(4)  # the latents, float32 at most
-        self.state_bytes = 4 * params + buffers + carry  # raw, EMA, the two moments; the table once
 
-    @contextlib.contextmanager
-    def evaluating(self, loader):
-        """An evaluation of `loader`'s rows (an EvalLoader): its time counted as evaluation (Clock), its pace
-        per row kept."""
-        t = time.time()
-        with self.clock.evaluating():
-            yield
-        self.eval_pace = max(self.eval_pace or 0.0, (time.time() - t) / eval_rows(loader))
+def start_worker():
+    """In a torch_xla worker, as it imports the script (its main thread): its stop requests come through the
+    launcher, once, and it dies with the launcher."""
+    install_signal_handlers()
+    follow_launcher()
 
-    def saved(self, seconds):
-        self.save_s = max(self.save_s or 0.0, seconds)
 
-    def evaluation_s(self, rows, pace):
-        """An evaluation of `rows` rows, `pace` the training's seconds per step."""
-        if self.eval_pace is not None:
-            return 1.25 * self.eval_pace * rows
-        return 2 * rows * self.row_flops * pace / self.step_flops + self.first[1]
-
-    def save_estimate(self):
-        return 1.5 * self.save_s if self.save_s is not None else self.state_bytes / 50e6
-
-    def late(self, step, check_every, at_eval):
-        """Whether the wait to the next check, an intermediate evaluation and save due now, and the final
-        evaluation and save would end past the budget."""
-        if step >= self.run_steps:  # its final evaluation comes next in any case
-            return False
-        train_s = self.clock()['train']
-        self.first = self.first or (step, train_s)
-        s0, t0 = self.first
-        if step == s0:  # its seconds hold the compilations and warm-up: the pace is measured from here on
-            return False
-        pace = (train_s - t0) / (step - s0)
-        self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
-        wait = (check_every + 1) * pace
-        if at_eval:
-            wait += self.evaluation_s(self.subset_rows, pace) + self.save_estimate()
-        return time.time() - self.clock.started + wait + self.need >= self.seconds
-
-    def agree(self, dev, step, check_every, at_eval):
-        """Whether any rank got SIGTERM or Ctrl-C, and in the same reduction whether any rank is out of time:
-        then, unless a stop was requested (it saves and exits as always), `out_of_time` is set on every rank
-        at this step, the run's last. Called on every rank at the same steps (at evaluation steps too,
-        `at_eval`: that evaluation must fit as well); rank 0 says why the run stops."""
-        stop, late = dev.agree([float(STOP['requested']), float(self.late(step, check_every, at_eval))],
-                               'max') > 0
-        self.out_of_time = bool(late and not stop)
-        if self.out_of_time and dev.master:
-            print(self.verdict(step))
-        return bool(stop)
-
-    def verdict(self, step):
-        minutes = (time.time() - self.clock.started) / 60
-        return (f"time budget: stopping at step {step} of {self.run_steps} after {minutes:.1f} min to leave "
-                f"~{self.need:.{0 if self.need >= 10 else 1}f} s for the final evaluation (--max_minutes="
-                f"{self.seconds / 60:g})")
+def xla_worker(main, index):
+    """main(index) in a torch_xla worker; one whose launcher died then exits (not waiting for work)."""
+    try:
+        main(index)
+    except BaseException:
+        exit_if_orphaned(1)
+        raise
+    exit_if_orphaned(0)

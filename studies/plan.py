@@ -18,7 +18,7 @@ from runkeep.checkpoint import list_checkpoints
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'train.py')).items()}
 SCALE_ROOTS = dict(full='out/study', gpu='out/study-gpu', cpu='out/study-cpu')
-GPU_FRACTION = 0.1              # of epochs, eval_interval and lr_warmup_steps at the gpu scale
+GPU_FRACTION = 0.1              # of epochs, eval_every_epochs and lr_warmup_steps at the gpu scale
 CPU_FRACTION = 0.0008           # of epochs at the cpu scale (50,000 -> 40)
 CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xla_cache_dir='',
                  global_batch_size=32,
@@ -260,7 +260,7 @@ class Experiment:
         c, o, scale = self.cfg, {}, self.opts.scale
         if scale == 'gpu':
             o['epochs'] = max(1, round(c['epochs'] * GPU_FRACTION))
-            o['eval_interval'] = max(1, round(c['eval_interval'] * GPU_FRACTION))
+            o['eval_every_epochs'] = max(1, round(c['eval_every_epochs'] * GPU_FRACTION))
             o['lr_warmup_steps'] = round(c['lr_warmup_steps'] * GPU_FRACTION)
             if self.data.get('gpu_batch'):
                 o['global_batch_size'] = min(c['global_batch_size'], self.data['gpu_batch'])
@@ -296,7 +296,7 @@ class Experiment:
             o['epochs'] = max(1, round(c['epochs'] * CPU_FRACTION))
             if self.data['kind'] == 'arc':
                 o['epochs'] = max(1, o['epochs'] // CPU_ARC['epochs_div'])
-            o['eval_interval'] = max(1, o['epochs'] // 2)
+            o['eval_every_epochs'] = max(1, o['epochs'] // 2)
         if self.data['path'] != c['data_path']:
             o['data_path'] = self.data['path']
         return {k: v for k, v in o.items() if v != c[k]}
@@ -449,7 +449,7 @@ def cost(e, data=None):
     B = c['global_batch_size']
     total = steps_for(c['epochs'], d['groups'], d['mean'], B)
     steps = min(total, c['max_steps']) if c['max_steps'] > 0 else total
-    every = max(1, steps_for(c['eval_interval'], d['groups'], d['mean'], B))
+    every = max(1, steps_for(c['eval_every_epochs'], d['groups'], d['mean'], B))
     middle = len(evaluation_steps(steps, every)) - 1  # and the final one
     sub = min(c['eval_subset'] or d['test'], d['test'])
     eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])

@@ -126,7 +126,7 @@ def ours_to_reference(args, data, variant, keys, dtype):
     out = os.path.join(args.work, 'ours', slug(variant, dtype))
     flags = [f'--{k}={v}' for k, v in dict(TINY, **keys).items()]
     subprocess.run([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu',
-                    '--max_steps=6', '--global_batch_size=24', '--epochs=50', '--eval_interval=1000',
+                    '--max_steps=6', '--global_batch_size=24', '--epochs=50', '--eval_every_epochs=1000',
                     f'--forward_dtype={dtype}', '--xla_cache_dir=', '--overwrite=True',
                     '--lr_warmup_steps=2', '--lr=1e-2', '--puzzle_emb_lr=1e-1'] + flags,
                    cwd=ROOT, check=True, capture_output=True)

@@ -58,8 +58,8 @@ TOY_ARGS = ['--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encoding
 XLA_ENV = dict(PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1')  # torch_xla on the CPU
 
 BUCKET = "test-bucket"  # created in the GCS emulator
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']  # the toy task in seconds
-SUDOKU = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000', '--log_interval=4']
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4']  # the toy task in seconds
+SUDOKU = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_every_epochs=1000', '--log_interval=4']
 
 
 def run(args, timeout=600, env=None, check=True):

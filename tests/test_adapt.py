@@ -21,7 +21,7 @@ from test_dist import assert_all_ranks_stopped_with, torchrun
 TINY = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
         '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=8',
         '--eval_batch_size=6', '--lr=2e-3', '--lr_warmup_steps=1', '--forward_dtype=float32',
-        '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--epochs=100', '--eval_interval=1000',
+        '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--epochs=100', '--eval_every_epochs=1000',
         '--log_interval=1', '--tensorboard=False']
 ENV = {'OMP_NUM_THREADS': '1'}
 

@@ -159,7 +159,7 @@ TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodin
             '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=16',
             '--eval_batch_size=6', '--lr=2e-3', '--lr_warmup_steps=1', '--forward_dtype=float32',
             '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--max_steps=3', '--epochs=100',
-            '--eval_interval=1000', '--log_interval=1', '--tensorboard=False']
+            '--eval_every_epochs=1000', '--log_interval=1', '--tensorboard=False']
 
 
 @pytest.fixture(scope='module')

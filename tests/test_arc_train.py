@@ -106,7 +106,7 @@ def test_the_row_update_is_one_xla_graph_whatever_the_ids():
 
 PAPER_ARC = dict(pos_encodings='rope', mlp_t=False, hidden_size=512, num_heads=8, L_layers=2, H_cycles=3, L_cycles=4,
                  halt_max_steps=16, puzzle_emb_ndim=512, puzzle_emb_len=16, global_batch_size=768, epochs=100000,
-                 eval_interval=10000, lr=1e-4, lr_warmup_steps=2000, lr_min_ratio=1.0, puzzle_emb_lr=1e-2,
+                 eval_every_epochs=10000, lr=1e-4, lr_warmup_steps=2000, lr_min_ratio=1.0, puzzle_emb_lr=1e-2,
                  weight_decay=0.1, puzzle_emb_weight_decay=0.1, ema=True, ema_rate=0.999, beta1=0.9, beta2=0.95,
                  arc_pool_votes=True)
 

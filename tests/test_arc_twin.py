@@ -35,7 +35,7 @@ def twin_data(tmp_path_factory):
 def small_twin(twin_data, tmp_path_factory):
     out = tmp_path_factory.mktemp('arctwin') / 'o'
     p = run(['train.py', 'config/arc_twin.py', f'--data_path={twin_data}', f'--out_dir={out}', f'--epochs={EPOCHS}',
-             f'--eval_interval={EPOCHS}'], timeout=900)
+             f'--eval_every_epochs={EPOCHS}'], timeout=900)
     return out, p.stdout
 
 
@@ -92,6 +92,6 @@ def test_the_small_twin_adapts_to_new_tasks_it_never_saw(twin_data, small_twin, 
                            '--max_steps=1'], timeout=600).stdout
     assert 'puzzle-embedding table replaced: 673 -> 193 identifiers, every row the checkpoint\'s mean row' in before
     after = run(common + [f'--out_dir={tmp_path}/after', f'--epochs={ADAPT_EPOCHS}',
-                          f'--eval_interval={ADAPT_EPOCHS}'], timeout=900).stdout
+                          f'--eval_every_epochs={ADAPT_EPOCHS}'], timeout=900).stdout
     assert arc_line(after).startswith('ARC 24 tasks (24 test outputs, 8 views)'), arc_line(after)
     assert token_accuracy(after) > token_accuracy(before) + 0.05, (eval_lines(before), eval_lines(after))

@@ -27,7 +27,7 @@ ARGS = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=r
         '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=16',
         '--eval_batch_size=6', '--lr=2e-3', '--lr_warmup_steps=1', '--forward_dtype=float32',
         '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--log_interval=1', '--tensorboard=False']
-ONCE = ARGS + ['--eval_interval=1000']  # the synthetic set: 2.25 steps an epoch; one evaluation, at the end
+ONCE = ARGS + ['--eval_every_epochs=1000']  # the synthetic set: 2.25 steps an epoch; one evaluation, at the end
 
 
 @pytest.fixture(scope='module')
@@ -319,7 +319,7 @@ def test_the_pool_adds_each_evaluation_once():
                               'score (per output) pass@1 0.0000'), line
 
 
-POOL = ARGS + ['--arc_pool_votes=True', '--eval_interval=1', '--epochs=100']  # evaluations every 2 steps
+POOL = ARGS + ['--arc_pool_votes=True', '--eval_every_epochs=1', '--epochs=100']  # evaluations every 2 steps
 
 
 def test_the_pooled_vote_is_reported_beside_the_checkpoint_s_and_a_resume_continues_it_exactly(synthetic,

@@ -20,7 +20,7 @@ import pytest
 from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, Preconditioned, run
 
-FAST = TOY_ARGS + ['--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2']
+FAST = TOY_ARGS + ['--epochs=1', '--eval_every_epochs=100', '--log_interval=2', '--checkpoint_interval=2']
 
 
 def train_args(toy, out, local, *extra):

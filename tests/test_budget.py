@@ -16,7 +16,7 @@ from test_dist import torchrun
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
             '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=8',
             '--eval_batch_size=6', '--lr=2e-3', '--lr_warmup_steps=1', '--forward_dtype=float32',
-            '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--epochs=100000', '--eval_interval=20',
+            '--loss_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--epochs=100000', '--eval_every_epochs=20',
             '--log_interval=10', '--tensorboard=False']
 ENV = {'OMP_NUM_THREADS': '1'}
 VERDICT = re.compile(r"time budget: stopping at step (\d+) of (\d+) after [\d.]+ min to leave ~([\d.]+) s for the "
@@ -67,7 +67,7 @@ def test_the_ranks_stop_at_the_same_step_when_one_of_them_is_out_of_time(toy, tm
     wrapper = ("import time\nif os.environ['RANK'] == '1':\n    _t0, _real = time.time(), time.time\n"
                "    time.time = lambda: _real() + (86400 if _real() - _t0 > 10 else 0)\n")
     p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=500', '--log_interval=50',
-                     '--eval_interval=1000', '--global_batch_size=48', '--max_minutes=600', '--watchdog_minutes=0']
+                     '--eval_every_epochs=1000', '--global_batch_size=48', '--max_minutes=600', '--watchdog_minutes=0']
                  + TOY_ARGS, wrapper=wrapper)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]

@@ -38,7 +38,7 @@ def test_a_type_error_names_train_py_s_default_not_an_earlier_flag(toy, tmp_path
 
 RULE_CASES = [('--lr=-1', 'lr=-1'), ('--H_cycles=0', 'H_cycles=0'), ('--L_cycles=0', 'L_cycles=0'),
               ('--ema_rate=2.0', 'ema_rate=2.0'), ('--halt_exploration_prob=5', 'halt_exploration_prob=5'),
-              ('--eval_interval=0', 'eval_interval=0'), ('--global_batch_size=0', 'global_batch_size=0'),
+              ('--eval_every_epochs=0', 'eval_every_epochs=0'), ('--global_batch_size=0', 'global_batch_size=0'),
               ('--global_batch_size=-4', 'global_batch_size=-4'), ('--hidden_size=-1', 'hidden_size=-1'),
               ('--halt_max_steps=0', 'halt_max_steps=0'), ('--pos_encodings=alibi', "pos_encodings='alibi'"),
               ('--keep_last_n=-1', 'keep_last_n=-1'), ('--forward_dtype=int8', "forward_dtype='int8'")]

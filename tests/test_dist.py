@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, TOY_ARGS, free_port, our_frames, run
 from data import write_split
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4', '--global_batch_size=48']
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4', '--global_batch_size=48']
 
 
 def torchrun(n, script_args, env=None, wrapper=None, timeout=300):

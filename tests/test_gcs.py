@@ -273,7 +273,7 @@ def test_checkpoint_files_locally_and_in_a_bucket(emu, tmp_path):
 
 def test_training_to_a_bucket_resumes_from_it(emu, toy, tmp_path):
     args = ['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/runs/r1', f'--local_dir={tmp_path}/local',
-            '--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2', '--keep_last_n=2'] + TOY_ARGS
+            '--epochs=1', '--eval_every_epochs=100', '--log_interval=2', '--checkpoint_interval=2', '--keep_last_n=2'] + TOY_ARGS
     env = dict(STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
     run(args + ['--max_steps=6'], env=env)
     names = sorted(u for u, _ in gcs.list_objects(f'gs://{BUCKET}/runs/r1/ckpt_'))  # the run's records are there too
@@ -289,7 +289,7 @@ def test_training_to_a_bucket_resumes_from_it(emu, toy, tmp_path):
 def test_failed_uploads_do_not_stop_training(toy, tmp_path):
     # the autouse fixture points STORAGE_EMULATOR_HOST at a closed port: every upload fails
     p = run(['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/down', f'--local_dir={tmp_path}/local',
-             '--epochs=1', '--eval_interval=100', '--log_interval=2', '--checkpoint_interval=2', '--max_steps=4',
+             '--epochs=1', '--eval_every_epochs=100', '--log_interval=2', '--checkpoint_interval=2', '--max_steps=4',
              '--gcs_retries=2'] + TOY_ARGS)
     assert 'step 4/' in p.stdout and 'upload(s) to gs://test-bucket/down failed' in p.stdout
     assert 'ckpt_00000002.pt' in p.stderr  # each failure is logged with the object

@@ -54,8 +54,9 @@ def test_one_run_per_out_dir_a_stale_lock_is_taken_over_and_every_exit_removes_i
 
 
 LOCKER = """
-import sys, guard
-print(guard.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
+import sys
+from runkeep import locks
+print(locks.lock_bucket(sys.argv[1], sys.argv[2]), flush=True)
 sys.stdin.read()  # held until the test closes stdin (or kills this process)
 """
 

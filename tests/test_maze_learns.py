@@ -12,7 +12,7 @@ def test_a_small_maze_run_solves_held_out_mazes(tmp_path):
     data = tmp_path / 'maze6'
     run(['prepare_maze.py', '--generate', '2000', '--num_test', '200', '--size', '6', '--output_dir', str(data)])
     p = run(['train.py', 'config/maze_quickstart.py', f'--data_path={data}', f'--out_dir={tmp_path}/out',
-             '--epochs=12', '--eval_interval=12', '--log_interval=50'], timeout=900)
+             '--epochs=12', '--eval_every_epochs=12', '--log_interval=50'], timeout=900)
     final = eval_lines(p.stdout)[-1]
     exact = float(final.split('exact ')[1].split()[0])
     token = float(final.split('token ')[1].split()[0])

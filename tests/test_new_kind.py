@@ -60,7 +60,7 @@ def test_a_latin_square_defined_here_trains_evaluates_verifies_and_solves(tmp_pa
     data, out = tmp_path / 'latin4', tmp_path / 'out'
     questions, answers = latin_dataset(data, kind)
     p = with_latin('train.py', f'--data_path={data}', f'--out_dir={out}', *TOY_ARGS, '--epochs=40',
-                   '--eval_interval=20', '--log_interval=50')
+                   '--eval_every_epochs=20', '--log_interval=50')
     evals = [l for l in p.stdout.splitlines() if l.startswith('eval on 60:')]
     assert evals and all(' | verified ' in l for l in evals), p.stdout[-3000:]  # the kind's verifier ran
     assert 'held-out puzzle   ->   model answer' in p.stdout

@@ -65,7 +65,7 @@ if os.environ.get('TRM_POD_ROLE') and 'resource_tracker' not in ' '.join(sys.ori
         def train_step(*args, **kwargs):
             calls[0] += 1
             if calls[0] == sigterm_at:  # a real signal to this process; its handler runs in the main thread
-                stop = sys.modules['guard'].STOP
+                stop = sys.modules['runkeep.signals'].STOP
                 print(f"pod harness: rank {RANK} sends itself SIGTERM in training step {calls[0]}", flush=True)
                 os.kill(os.getpid(), signal.SIGTERM)
                 deadline = time.time() + 60
@@ -171,8 +171,9 @@ def executed_graphs(path, rank, world=WORLD):
         norm, gathers = _normalise(hlo, rank, world)
         frames = re.findall(r'^\s+(\S+) \((\S+?):(\d+)\)$', info, re.M)
         mine = [f"{fn} ({os.path.basename(f)}:{ln})" for fn, f, ln in frames
-                if os.path.basename(f) in ('train.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'guard.py',
-                                            'records.py', 'model.py', 'device.py', 'data.py')]
+                if os.path.basename(f) in ('train.py', 'step.py', 'evaluate.py', 'arc.py', 'run.py', 'checkpoint.py',
+                                            'startup.py', 'budget.py', 'records.py', 'model.py', 'device.py',
+                                            'data.py')]
         graphs.append(dict(fp=hashlib.sha1(norm.encode()).hexdigest()[:12], gathers=gathers,
                            collectives={c: len(re.findall(rf' {c}(?:-start)?\(', norm)) for c in COLLECTIVES},
                            where=mine[0] if mine else (frames[0][0] if frames else '?')))
@@ -270,14 +271,14 @@ TINY_POD = ['--device=xla', '--hidden_size=32', '--num_heads=2', '--puzzle_emb_n
 
 def test_the_ranks_of_a_pod_execute_the_same_graphs(sudoku4, tmp_path):
     """Training with logs, checkpoints, an intermediate and a final evaluation, a SIGTERM stop and a resume,
-    as rank 0 and as rank 1 of a world of 2. 100 groups / batch 32: eval_interval=2 epochs is 6 steps.
+    as rank 0 and as rank 1 of a world of 2. 100 groups / batch 32: eval_every_epochs=2 epochs is 6 steps.
     Run 1: checkpoint at 4, evaluation + checkpoint at 6, SIGTERM in step 7 -> agreed stop, checkpoint at 7.
     Run 2 (resume from 7): checkpoints at 8 and 16, evaluation + checkpoint at 12, final evaluation at 17, the
     step-time agreement at 17 (10 steps after the start), the closing barrier."""
     harness(tmp_path)
     out = tmp_path / 'out'
     args = TINY_POD + [f'--data_path={sudoku4}', f'--out_dir={out}', '--epochs=6', '--max_steps=17',
-                       '--eval_interval=2', '--log_interval=4', '--checkpoint_interval=4']
+                       '--eval_every_epochs=2', '--log_interval=4', '--checkpoint_interval=4']
     runs = {}
     for run, extra, sigterm_at in (('run1', [], 7), ('run2', ['--init_from=resume'], 0)):
         res = run_roles(tmp_path, run, args + extra, sigterm_at=sigterm_at)

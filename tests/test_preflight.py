@@ -1,7 +1,7 @@
 """
---smoke=True's verdict reads only what this smoke's runs wrote, and a run that did not finish its part is a
+--preflight=True's verdict reads only what this pre-flight's runs wrote, and a run that did not finish its part is a
 failure: its second run stopped by SIGTERM before it evaluates makes the check FAIL (exit != 0), after an
-earlier smoke into the same out_dir passed. Real processes on the toy task.
+earlier pre-flight into the same out_dir passed. Real processes on the toy task.
     python -m pytest -q tests/test_preflight.py
 """
 import json
@@ -15,27 +15,27 @@ import time
 from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run
 
-SMOKE = TOY_ARGS + ['--smoke=True', '--eval_subset=20', '--log_interval=1']
+SMOKE = TOY_ARGS + ['--preflight=True', '--eval_subset=20', '--log_interval=1']
 
 
 def phase_pid(parent, phase):
-    """The pid of the smoke run `phase` that `parent` started, or None."""
+    """The pid of the pre-flight run `phase` that `parent` started, or None."""
     for pid in filter(str.isdigit, os.listdir('/proc')):
         try:
             cmd = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\0')
             stat = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
         except OSError:
             continue
-        if f'--smoke_phase={phase}'.encode() in cmd and int(stat[1]) == parent:
+        if f'--preflight_phase={phase}'.encode() in cmd and int(stat[1]) == parent:
             return int(pid)
     return None
 
 
-def test_a_smoke_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_path):
+def test_a_preflight_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_path):
     out = tmp_path / 'o'
     cmd = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + SMOKE
     first = run(cmd, timeout=600)
-    assert '=== smoke check' in first.stdout and 'OK ===' in first.stdout, first.stdout[-3000:]
+    assert '=== pre-flight check' in first.stdout and 'OK ===' in first.stdout, first.stdout[-3000:]
     e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
     proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
@@ -43,8 +43,8 @@ def test_a_smoke_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_p
     while pid is None and proc.poll() is None and time.time() < deadline:
         pid = phase_pid(proc.pid, 2)
         time.sleep(0.02)
-    assert pid, 'the second smoke run did not start'
-    log = out / 'smoke' / 'phase2.out'
+    assert pid, 'the second pre-flight run did not start'
+    log = out / 'preflight' / 'phase2.out'
     while proc.poll() is None and time.time() < deadline and 'resuming from' not in (
             log.read_text() if log.exists() else ''):
         time.sleep(0.01)
@@ -54,7 +54,7 @@ def test_a_smoke_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_p
     os.kill(pid, signal.SIGTERM)  # a stop before its evaluation: it saves and exits 0
     os.kill(pid, signal.SIGCONT)
     text = proc.communicate(timeout=300)[0]
-    assert proc.returncode != 0 and 'FAILED' in text.split('=== smoke check')[-1], text[-3000:]
+    assert proc.returncode != 0 and 'FAILED' in text.split('=== pre-flight check')[-1], text[-3000:]
 
 
 def records(folder):
@@ -62,9 +62,10 @@ def records(folder):
         return [json.loads(l) for l in f]
 
 
-def check_smoke(p, out, xla):
-    """The verdict of a smoke run that passed, its two runs in out/smoke, and out itself left for a real run."""
-    verdict = p.stdout.split('=== smoke check', 1)[1]
+def check_preflight(p, out, xla):
+    """The verdict of a pre-flight that passed, its two runs in out/preflight, and out itself left for a real
+    run."""
+    verdict = p.stdout.split('=== pre-flight check', 1)[1]
     assert ': OK ===' in verdict.splitlines()[0], p.stdout[-3000:]
     for row in ('device ', 'TPU chips on the PCI bus   0', 'step time', 'evaluation                 200 seeded',
                 'saved at step 10, resumed in a new process', 'bucket                     none (out_dir is local)',
@@ -73,35 +74,35 @@ def check_smoke(p, out, xla):
     assert ('xla x1' in verdict and '(host ' in verdict and 'XLA graph compilations' in verdict) if xla \
         else 'cpu x1' in verdict
     assert len(verdict.splitlines()) < 20  # one screen
-    smoke = os.path.join(out, 'smoke')
-    evals = [(r['step'], r['count']) for r in records(smoke) if r['kind'] == 'eval']
-    assert evals == [(10, 200), (20, 200)] and not os.path.exists(f'{smoke}/results.json')
-    assert sorted(os.listdir(out)) == ['smoke'] and not os.path.exists(f'{smoke}/run.lock')
+    folder = os.path.join(out, 'preflight')
+    evals = [(r['step'], r['count']) for r in records(folder) if r['kind'] == 'eval']
+    assert evals == [(10, 200), (20, 200)] and not os.path.exists(f'{folder}/results.json')
+    assert sorted(os.listdir(out)) == ['preflight'] and not os.path.exists(f'{folder}/run.lock')
 
 
-def test_smoke_on_the_cpu_ends_with_its_verdict_and_leaves_out_dir_usable(toy, tmp_path):
+def test_preflight_on_the_cpu_ends_with_its_verdict_and_leaves_out_dir_usable(toy, tmp_path):
     out = f'{tmp_path}/o'
     args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS]
-    check_smoke(run(args + ['--smoke=True'], timeout=600), out, xla=False)
+    check_preflight(run(args + ['--preflight=True'], timeout=600), out, xla=False)
     p = run(args + ['--max_steps=5', '--init_from=resume'])  # a real run then starts in out_dir
     assert 'no checkpoint in' in p.stdout and json.load(open(f'{out}/results.json'))['step'] == 5
 
 
-def test_smoke_into_a_bucket_writes_and_reads_it_and_a_second_check_replaces_the_first(emu, toy, tmp_path):
+def test_preflight_into_a_bucket_writes_and_reads_it_and_a_second_check_replaces_the_first(emu, toy, tmp_path):
     args = ['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/first', f'--local_dir={tmp_path}/local',
-            *TOY_ARGS, '--smoke=True', '--eval_subset=100']
+            *TOY_ARGS, '--preflight=True', '--eval_subset=100']
     for _ in range(2):
         p = run(args, timeout=600)
         assert ': OK ===' in p.stdout and 'evaluation                 100 seeded' in p.stdout, p.stdout[-3000:]
         assert 'bucket                     written and read; checkpoints there: [10, 20]' in p.stdout
-    assert f'gs://{BUCKET}/first/smoke/metrics.jsonl' in [u for u, _ in gcs.list_objects(f'gs://{BUCKET}/first/')]
+    assert f'gs://{BUCKET}/first/preflight/metrics.jsonl' in [u for u, _ in gcs.list_objects(f'gs://{BUCKET}/first/')]
 
 
-def test_smoke_on_cpu_xla_ends_with_its_verdict_and_compiles_are_no_hang(toy, tmp_path):
+def test_preflight_on_cpu_xla_ends_with_its_verdict_and_compiles_are_no_hang(toy, tmp_path):
     out = f'{tmp_path}/o'
     args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto']
     # a watchdog of 6 s, far below the compile of the first steps and evaluations: they are not counted
-    p = run(args + ['--smoke=True', '--watchdog_minutes=0.1'], env=XLA_ENV, timeout=900)
-    check_smoke(p, out, xla=True)
+    p = run(args + ['--preflight=True', '--watchdog_minutes=0.1'], env=XLA_ENV, timeout=900)
+    check_preflight(p, out, xla=True)
     for n in (1, 2):
-        assert 'watchdog: nothing finished' not in open(f'{out}/smoke/phase{n}.out').read()
+        assert 'watchdog: nothing finished' not in open(f'{out}/preflight/phase{n}.out').read()

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import ROOT, TOY_ARGS, assert_user_error, run, site_hook
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']  # 40 steps of batch 50 on the toy task
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4']  # 40 steps of batch 50 on the toy task
 
 
 def train(data, out, *extra, args=FAST, check=True, env=None):
@@ -81,13 +81,13 @@ def sudoku_and_maze(tmp_path_factory):
     run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(sudoku)])
     run(['prepare_maze.py', '--generate', '20', '--size', '4', '--num_test', '5', '--min_path_len', '2',
          '--output_dir', str(maze)])
-    train(sudoku, out, '--max_steps=4', args=TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000'])
+    train(sudoku, out, '--max_steps=4', args=TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_every_epochs=1000'])
     return sudoku, maze, out
 
 
 def test_a_sudoku_checkpoint_is_refused_on_maze_data_on_every_path(sudoku_and_maze, tmp_path):
     sudoku, maze, out = sudoku_and_maze
-    args = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000']
+    args = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_every_epochs=1000']
     ckpt = out / 'ckpt_00000004.pt'
     p = train(maze, out, '--init_from=resume', '--eval_only=True', args=args, check=False)
     assert_user_error(p, 'maze')  # the resume path refuses it already

@@ -13,7 +13,7 @@ import pytest
 from conftest import TOY_ARGS, assert_user_error, run
 from disks import small_disk
 
-ARGS = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000', '--log_interval=2']
+ARGS = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_every_epochs=1000', '--log_interval=2']
 
 
 @pytest.fixture(scope='module')

@@ -27,7 +27,7 @@ import yaml
 
 from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, Lines, free_port, site_hook
-from guard import HUNG_AGAIN_EXIT, HUNG_EXIT
+from runkeep.signals import HUNG_AGAIN_EXIT, HUNG_EXIT
 
 SKY = os.path.join(ROOT, 'sky')
 TASKS = sorted(f for f in os.listdir(SKY) if f.endswith('.yaml'))
@@ -391,7 +391,7 @@ def final_lines(text, run):
 # 60 generated 4x4 Sudokus and a tiny model: 120 steps of batch 50, a checkpoint every 20
 SUDOKU4 = dict(DATA='sudoku4-60', BUILD='python prepare_sudoku.py --generate 60 --size 4 --num_test 10',
                CHECKPOINT_INTERVAL='20',
-               ARGS=' '.join(TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_interval=1000', '--log_interval=4']))
+               ARGS=' '.join(TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_every_epochs=1000', '--log_interval=4']))
 
 
 def one_node(tmp_path, name, task_file, task_id, envs, **sky_vars):

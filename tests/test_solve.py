@@ -83,7 +83,7 @@ def sudoku4(tmp_path_factory):
     run('prepare_sudoku.py', '--generate', 400, '--size', 4, '--num_test', 100, '--num_aug', 1, '--output_dir', data)
     run('train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32', '--num_heads=2',
         '--puzzle_emb_ndim=0', '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=3', '--global_batch_size=64',
-        '--epochs=40', '--eval_interval=20', '--log_interval=50', '--lr=2e-3', '--lr_warmup_steps=10',
+        '--epochs=40', '--eval_every_epochs=20', '--log_interval=50', '--lr=2e-3', '--lr_warmup_steps=10',
         '--forward_dtype=float32', '--xla_cache_dir=')
     ckpts = sorted(glob.glob(str(out / 'ckpt_*.pt')))
     with open(data / 'csv' / 'test.csv') as f:
@@ -106,7 +106,7 @@ def maze8(tmp_path_factory):
     run('prepare_maze.py', '--generate', 20, '--num_test', 5, '--size', 8, '--min_path_len', 4, '--output_dir', data)
     run('train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32', '--num_heads=2',
         '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2', '--global_batch_size=16',
-        '--epochs=1', '--eval_interval=1', '--forward_dtype=float32', '--xla_cache_dir=')
+        '--epochs=1', '--eval_every_epochs=1', '--forward_dtype=float32', '--xla_cache_dir=')
     with open(data / 'csv' / 'test.csv') as f:
         questions = [r['question'] for r in csv.DictReader(f)]
     return SimpleNamespace(tmp=tmp, data=data, ckpt=sorted(glob.glob(str(out / 'ckpt_*.pt')))[-1], questions=questions)

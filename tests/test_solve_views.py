@@ -59,7 +59,7 @@ def sudoku4(tmp_path_factory):
          '--output_dir', str(data)])
     run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32', '--num_heads=2',
          '--puzzle_emb_ndim=0', '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=3', '--global_batch_size=64',
-         '--epochs=20', '--eval_interval=20', '--log_interval=50', '--lr=2e-3', '--lr_warmup_steps=10',
+         '--epochs=20', '--eval_every_epochs=20', '--log_interval=50', '--lr=2e-3', '--lr_warmup_steps=10',
          '--forward_dtype=float32', '--xla_cache_dir='])
     with open(data / 'csv' / 'test.csv') as f:
         questions = [r['question'] for r in csv.DictReader(f)]

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import ROOT, TOY_ARGS
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4', '--max_steps=4']
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4', '--max_steps=4']
 
 
 def train_closed(toy, out, redirect):

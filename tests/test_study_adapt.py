@@ -25,7 +25,7 @@ def test_a_family_of_adaptations_starts_each_run_from_the_checkpoint_and_reports
     base = tmp_path / 'tiny.py'
     base.write_text(''.join(f"{k} = {v!r}\n" for k, v in TINY.items()))
     run(['train.py', str(base), f'--data_path={data}', f'--out_dir={tmp_path}/pre_run', '--max_steps=3',
-         '--epochs=100', '--eval_interval=1000'], env=ENV)
+         '--epochs=100', '--eval_every_epochs=1000'], env=ENV)
     ckpt = f'{tmp_path}/pre_run/ckpt_00000003.pt'
     new = tmp_path / 'new'
     prepare = (f"prepare_arc.py --challenges {data}/json/arc-agi_new_challenges.json --solutions "
@@ -34,7 +34,7 @@ def test_a_family_of_adaptations_starts_each_run_from_the_checkpoint_and_reports
     for name, extra in (('ad_full_1', ''), ('ad_emb_1', 'freeze_weights = True\n')):
         (cfg / f'{name}.py').write_text(
             f"_base = {str(base)!r}\n_prepare = {prepare!r}\nout_dir = 'out/{name}'\ninit_from = {ckpt!r}\n"
-            f"data_path = {str(new)!r}\nepochs = 100000\neval_interval = 20\narc_pool_votes = True\n"
+            f"data_path = {str(new)!r}\nepochs = 100000\neval_every_epochs = 20\narc_pool_votes = True\n"
             f"max_minutes = 0.15\n{extra}")
     args = ['study.py', f'--config_dir={cfg}', '--pattern=ad_*', f'--out_root={out}']
     p = run(args, env=ENV, timeout=600)

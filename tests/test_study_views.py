@@ -88,7 +88,7 @@ def test_a_bucket_out_root_s_saved_evaluations_are_found_skipped_and_reported(em
     (a finished run made by hand, as train.py writes it: no training here)."""
     cfg, made = tmp_path / 'cfg', tmp_path / 'made'
     prefix = f"views_{os.getpid()}_{int(time.time() * 1000)}"
-    out, local = f'gs://{BUCKET}/{prefix}', os.path.join(ROOT, 'out', BUCKET, prefix)  # local: guard.local_folder
+    out, local = f'gs://{BUCKET}/{prefix}', os.path.join(ROOT, 'out', BUCKET, prefix)  # local: runkeep.startup.local_folder
     cfg.mkdir()
     (cfg / 'up_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/up_p0'\nhalt_max_steps = 4\n")
     (made / 'evals').mkdir(parents=True)

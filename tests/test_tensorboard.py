@@ -21,7 +21,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from runkeep import gcs
 from conftest import BUCKET, TOY_ARGS, XLA_ENV, free_port, run, site_hook
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=1', '--log_interval=4']  # 40 steps; evaluations: 20, 40
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=1', '--log_interval=4']  # 40 steps; evaluations: 20, 40
 
 
 def train(toy, out, *extra, env=None):
@@ -121,7 +121,7 @@ def train_step(*args, **kwargs):
     calls[0] += 1
     if calls[0] == 8:  # a real signal; its handler runs in the main thread, then the step goes on
         os.kill(os.getpid(), signal.SIGTERM)
-        while not sys.modules['guard'].STOP['requested']:
+        while not sys.modules['runkeep.signals'].STOP['requested']:
             time.sleep(0.005)
     return real(*args, **kwargs)
 
@@ -134,7 +134,7 @@ def stopped_and_resumed(toy, out):
     """A run stopped by SIGTERM in step 8 (checkpoints 5 and the stop's), whose stop checkpoint is then
     lost (a preemption before its save): the resume continues from step 5, past the steps already logged."""
     args = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + TOY_ARGS + \
-        ['--epochs=2', '--eval_interval=1', '--log_interval=1', '--checkpoint_interval=5']
+        ['--epochs=2', '--eval_every_epochs=1', '--log_interval=1', '--checkpoint_interval=5']
     p = run(args, env=site_hook(f'{out}_hook', SIGTERM_IN_STEP_8))
     assert 'stopped cleanly' in p.stdout, p.stdout[-3000:]
     stop = max(r['step'] for r in records(out, 'train'))

@@ -13,7 +13,7 @@ import signal
 from conftest import TOY_ARGS, Lines, popen_train, run
 from disks import small_disk
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=2']
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=2']
 
 
 def warnings_about_tb(text):

@@ -29,7 +29,7 @@ def assert_refused_before_any_work(p, out_dir, *words):
 
 @no_torchtpu
 def test_device_tpu_without_torchtpu_stops_in_one_line_before_any_work(tmp_path):
-    for extra in ([], ['--smoke=True']):
+    for extra in ([], ['--preflight=True']):
         p = run(['train.py', 'config/quickstart.py', '--device=tpu', f'--out_dir={tmp_path}/o'] + extra,
                 check=False)
         assert_refused_before_any_work(p, f'{tmp_path}/o', 'needs TorchTPU', "No module named 'torch_tpu'")
@@ -76,14 +76,14 @@ def test_a_tpu_chip_s_number_format_and_peak():
     assert {n: peak_tflops_of(f'TorchTPU {n}') for n in want} == want
 
 
-def test_the_smoke_check_s_torchtpu_verdicts():
-    from runkeep.preflight import SMOKE_STEPS, torchtpu_rows
-    half = SMOKE_STEPS // 2
-    train = [dict(step=half, xla_compiles_total=3), dict(step=SMOKE_STEPS, xla_compiles_total=3),
-             dict(step=SMOKE_STEPS + half, xla_compiles_total=3), dict(step=2 * SMOKE_STEPS, xla_compiles_total=5)]
+def test_the_preflight_s_torchtpu_verdicts():
+    from runkeep.preflight import PREFLIGHT_STEPS, torchtpu_rows
+    half = PREFLIGHT_STEPS // 2
+    train = [dict(step=half, xla_compiles_total=3), dict(step=PREFLIGHT_STEPS, xla_compiles_total=3),
+             dict(step=PREFLIGHT_STEPS + half, xla_compiles_total=3), dict(step=2 * PREFLIGHT_STEPS, xla_compiles_total=5)]
     rows = dict(torchtpu_rows('device tpu x8 (TorchTPU TPU v6e v6e-8) | forward dtype ...', train))
     assert rows['TorchTPU graphs compiled'] == \
-        f'3 then 5 (still growing: 3 at step {SMOKE_STEPS + half}) (the first run, the resumed run)'
+        f'3 then 5 (still growing: 3 at step {PREFLIGHT_STEPS + half}) (the first run, the resumed run)'
     assert rows['collectives across chips'].startswith('8 processes:') and 'completed' in \
         rows['collectives across chips']
     assert dict(torchtpu_rows('device tpu x1 (TorchTPU TPU v5e)', train))['collectives across chips'] == \

@@ -21,7 +21,7 @@ from runkeep.checkpoint import CheckpointError, load_checkpoint
 def test_a_tiny_trm_learns_and_its_ema_evaluates_at_least_as_well_as_its_raw_weights(toy, tmp_path):
     # 320 steps at ema_rate 0.999: an EMA without warm-up would still hold 85% of the initial weights at the
     # intermediate evaluation (step 160) and 73% at the end, and evaluate far below the raw weights
-    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/out', '--epochs=16', '--eval_interval=8',
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/out', '--epochs=16', '--eval_every_epochs=8',
              '--log_interval=20'] + TOY_ARGS + ['--ema_rate=0.999'])
     rows = step_lines(p.stdout)
     print('\n'.join(l for l in p.stdout.splitlines() if l.startswith(('step', 'eval'))))
@@ -57,7 +57,7 @@ def assert_same_state(a, b, exact=True):
 
 
 def test_resume_continues_exactly(toy, tmp_path):
-    common = [f'--data_path={toy}', '--epochs=4', '--eval_interval=100', '--log_interval=5', '--puzzle_emb_ndim=16',
+    common = [f'--data_path={toy}', '--epochs=4', '--eval_every_epochs=100', '--log_interval=5', '--puzzle_emb_ndim=16',
               '--halt_exploration_prob=0.5'] + TOY_ARGS
     common = [a for a in common if not a.startswith('--puzzle_emb_ndim=0')]
     run(['train.py', f'--out_dir={tmp_path}/straight', '--max_steps=16'] + common)
@@ -75,7 +75,7 @@ def test_resume_continues_exactly(toy, tmp_path):
 
 
 def test_torchrun_two_processes_equal_one(toy, tmp_path):
-    common = [f'--data_path={toy}', '--epochs=2', '--eval_interval=100', '--log_interval=10', '--max_steps=10',
+    common = [f'--data_path={toy}', '--epochs=2', '--eval_every_epochs=100', '--log_interval=10', '--max_steps=10',
               '--halt_exploration_prob=0.0', '--puzzle_emb_ndim=16'] + TOY_ARGS
     common = [a for a in common if not a.startswith('--puzzle_emb_ndim=0')]
     run(['train.py', f'--out_dir={tmp_path}/one'] + common)
@@ -89,7 +89,7 @@ def test_torchrun_two_processes_equal_one(toy, tmp_path):
 
 
 def test_sigterm_saves_and_resume_continues(toy, tmp_path):
-    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=200', '--eval_interval=1000',
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=200', '--eval_every_epochs=1000',
             '--log_interval=1'] + TOY_ARGS
     e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
     proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -113,7 +113,7 @@ def test_sigterm_saves_and_resume_continues(toy, tmp_path):
 
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(toy, tmp_path):
     args = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--data_path={toy}',
-            f'--out_dir={tmp_path}/o', '--epochs=200', '--eval_interval=1000', '--log_interval=2'] + TOY_ARGS
+            f'--out_dir={tmp_path}/o', '--epochs=200', '--eval_every_epochs=1000', '--log_interval=2'] + TOY_ARGS
     e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
     proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
@@ -138,7 +138,7 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(toy, tmp_path):
 
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(toy, tmp_path):
-    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_interval=100',
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_every_epochs=100',
             '--log_interval=5', '--checkpoint_interval=5'] + TOY_ARGS
     run(args + ['--max_steps=5'])
     p = run(args + ['--init_from=resume', '--lr=1e30', '--lr_warmup_steps=1'], check=False)
@@ -148,7 +148,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(toy, tmp_path
 
 
 def test_truncated_checkpoint_is_reported_and_not_loaded(toy, tmp_path):
-    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_interval=100',
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_every_epochs=100',
             '--log_interval=2', '--checkpoint_interval=2'] + TOY_ARGS
     run(args + ['--max_steps=4', '--keep_last_n=3'])
     newest = f'{tmp_path}/o/ckpt_00000004.pt'
@@ -163,7 +163,7 @@ def test_truncated_checkpoint_is_reported_and_not_loaded(toy, tmp_path):
 
 
 def test_wandb_offline_run_is_continued_after_resume(toy, tmp_path):
-    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_interval=100',
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_every_epochs=100',
             '--log_interval=2', '--wandb_log=True', '--wandb_run_name=smoke'] + TOY_ARGS
     env = dict(WANDB_MODE='offline', WANDB_SILENT='true')
     run(args + ['--max_steps=4'], env=env)
@@ -177,7 +177,7 @@ def test_wandb_offline_run_is_continued_after_resume(toy, tmp_path):
 
 
 def test_eval_only_with_test_time_scaling(toy, tmp_path):
-    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_interval=100',
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=1', '--eval_every_epochs=100',
             '--log_interval=5'] + TOY_ARGS
     run(args + ['--max_steps=5'])
     p = run(args + [f'--init_from={tmp_path}/o/ckpt_00000005.pt', '--eval_only=True', '--eval_steps=6'])
@@ -221,7 +221,7 @@ def test_gradient_accumulation_gives_the_update_of_one_batch(toy, tmp_path):
     up before one update: the same losses, gradient norms and weights as one batch up to float rounding over the
     first steps (ACT exploration off: its random draws come in another order); later, Adam's normalised updates
     and ACT's discrete halting let that rounding grow, so the learning curves are compared (within 5%)."""
-    common = [f'--data_path={toy}', '--max_steps=40', '--log_interval=2', '--eval_interval=1000',
+    common = [f'--data_path={toy}', '--max_steps=40', '--log_interval=2', '--eval_every_epochs=1000',
               '--halt_exploration_prob=0.0', '--checkpoint_interval=4', '--keep_last_n=0'] + TOY_ARGS
     run(['train.py', f'--out_dir={tmp_path}/one'] + common)
     two = run(['train.py', f'--out_dir={tmp_path}/two', '--gradient_accumulation_steps=2'] + common)

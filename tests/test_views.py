@@ -111,7 +111,7 @@ def trained(tmp_path_factory):
     data, out = str(d / 'sudoku4'), str(d / 'run')
     run(['prepare_sudoku.py', '--generate', '400', '--size', '4', '--num_test', '100', '--num_aug', '3',
          '--seed', '0', '--output_dir', data])
-    run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--epochs=12', '--eval_interval=12', '--eval_views=2']
+    run(['train.py', f'--data_path={data}', f'--out_dir={out}', '--epochs=12', '--eval_every_epochs=12', '--eval_views=2']
         + ARGS + ['--tensorboard=True'])
     ck = checkpoint.weights_in(checkpoint.load_checkpoint(os.path.join(out, sorted(
         f for f in os.listdir(out) if f.startswith('ckpt_'))[-1])))

@@ -31,7 +31,7 @@ def test_xla_views_evaluation_compiles_once(sudoku4, tmp_path):
     pytest.importorskip('torch_xla')
     # 4 steps an epoch, an evaluation after each of the two; no EMA: the same weights' graphs both times
     p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={tmp_path}', '--device=xla', '--global_batch_size=150',
-             '--epochs=2', '--eval_interval=1', '--log_interval=4', '--eval_batch_size=16', '--eval_views=4',
+             '--epochs=2', '--eval_every_epochs=1', '--log_interval=4', '--eval_batch_size=16', '--eval_views=4',
              '--ema=False'] + SMALL, env=XLA_ENV)
     first, second = eval_records(tmp_path)
     assert first['views'] == second['views'] == 4 and first['count'] == 40
@@ -93,7 +93,7 @@ def test_xla_views_add_no_graphs(sudoku4):
 
 def test_view_0_equals_one_view_exactly_on_cpu(sudoku4, tmp_path):
     common = [f'--data_path={sudoku4}', '--device=cpu', '--global_batch_size=50', '--eval_batch_size=16'] + SMALL
-    run(['train.py', f'--out_dir={tmp_path}/train', '--epochs=12', '--eval_interval=12', '--log_interval=100']
+    run(['train.py', f'--out_dir={tmp_path}/train', '--epochs=12', '--eval_every_epochs=12', '--log_interval=100']
         + common)
     ckpt = f'{tmp_path}/train/ckpt_00000144.pt'
     res = {}

@@ -16,15 +16,15 @@ def hang_at(tmp_path, what):
     hook.mkdir()
     (hook / 'sitecustomize.py').write_text(f'''import sys, threading
 sys.path.insert(0, {ROOT!r})
-import guard
-progress = guard.Watchdog.progress
+from runkeep import watchdog
+progress = watchdog.Watchdog.progress
 
 def hang(self, what, step=None):
     progress(self, what, step)
-    if what == {what!r} and not self.waiting:
+    if what == {what!r} and not self.warmup:
         threading.Event().wait()
 
-guard.Watchdog.progress = hang
+watchdog.Watchdog.progress = hang
 ''')
     return dict(PYTHONPATH=str(hook))
 

@@ -12,7 +12,7 @@ import shutil
 from conftest import ROOT, SUDOKU, TOY_ARGS, run
 from test_watchdog import hang_at
 
-FAST = TOY_ARGS + ['--epochs=2', '--eval_interval=100', '--log_interval=4']
+FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4']
 # two evaluation batches of 100 rows at 400 supervision steps each: seconds a batch, a step in milliseconds
 SLOW_EVAL = ['--eval_batch_size=100', '--eval_steps=400', '--watchdog_minutes=0.02']  # 1.2 s
 

@@ -15,7 +15,7 @@ from conftest import TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset,
 
 
 def test_xla_training_matches_cpu_and_stops_compiling(toy, tmp_path):
-    common = [f'--data_path={toy}', '--epochs=2', '--eval_interval=100', '--log_interval=5', '--max_steps=30',
+    common = [f'--data_path={toy}', '--epochs=2', '--eval_every_epochs=100', '--log_interval=5', '--max_steps=30',
               '--halt_exploration_prob=0.0', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=16'] + TOY_ARGS
     common = [a for a in common if a not in ('--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0', '--device=cpu')]
     x = run(['train.py', f'--out_dir={tmp_path}/x', '--device=xla'] + common, env=XLA_ENV)

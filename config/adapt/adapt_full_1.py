@@ -8,6 +8,6 @@ out_dir = 'out/adapt/adapt_full_1'
 init_from = 'out/arc_twin/ckpt_00002925.pt'  # the twin's last checkpoint; each run resumes its own after that
 data_path = 'data/arc-twin-new-aug-7'
 epochs = 100000               # more than any budget here: max_minutes ends the run
-eval_interval = 100           # epochs: the pooled vote gathers every evaluation
+eval_every_epochs = 100           # epochs: the pooled vote gathers every evaluation
 arc_pool_votes = True
 max_minutes = 1.0              # <- studied

@@ -1,6 +1,6 @@
 # bs_3072: the paper's Sudoku-Extreme MLP recipe (config/baseline.py) with global_batch_size = 3072, lr = 1e-4 * sqrt(3072 / 768).
 # Family bs_* -- global batch size at fixed epochs (steps scale as 1/B), lr = 1e-4 * sqrt(B / 768) (square-root
-#   scaling for Adam-type optimizers; puzzle_emb_lr, warm-up steps and eval_interval in epochs stay).
+#   scaling for Adam-type optimizers; puzzle_emb_lr, warm-up steps and eval_every_epochs in epochs stay).
 # Pod scale: a v4-32's 16 chips (or a v5e/v6e-16) 192 examples each, as 768 gives a v4-8's 4.
 #   one run:      python train.py config/study/bs_3072.py
 #   its dataset:  python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000

@@ -1,0 +1,118 @@
+"""
+A run's time: this process's wall seconds by phase (Clock: start-up, training, evaluation), and --max_minutes
+(TimeBudget: training stops in time for the final evaluation and its save to end within the budget).
+"""
+import contextlib
+import time
+
+from .signals import STOP
+
+
+class Clock:
+    """This process's wall seconds by phase: start-up (to the first step), training (the loop, evaluations
+    apart, checkpoint saves included) and evaluation."""
+
+    def __init__(self, started):
+        self.started, self.loop_start, self.eval = started, None, 0.0
+
+    def __call__(self):
+        now = time.time()
+        start = self.loop_start or now
+        return dict(startup=start - self.started, train=now - start - self.eval, eval=self.eval)
+
+    @contextlib.contextmanager
+    def evaluating(self):
+        t = time.time()
+        try:
+            yield
+        finally:
+            self.eval += time.time() - t
+
+
+def eval_rows(loader):
+    """The rows an evaluation of an EvalLoader runs, padding and test-time views included."""
+    return len(loader) * loader.B * loader.views
+
+
+class TimeBudget:
+    """--max_minutes: whether training must stop at this step so that the final evaluation and its save still
+    end within the budget, counted in wall seconds from the process's start. What they will take, erring
+    long: this process's slowest evaluation per row (x 1.25), or before any evaluation, the final one's
+    FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
+    warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
+    slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s. The steps to the next check
+    (~2 s) and an intermediate evaluation and save due now are added to the wait."""
+
+    def __init__(self, minutes, clock):
+        self.seconds, self.clock = minutes * 60, clock
+        self.eval_pace = self.save_s = self.first = None
+        self.need, self.out_of_time = 0.0, False
+
+    def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
+        """What a run's evaluations and saves hold: the final evaluation's and an intermediate one's loaders
+        (EvalLoader; an intermediate one runs twice with an EMA: its weights and the raw ones), the
+        supervision steps of an evaluation, the run's last step, the global batch."""
+        self.rows = eval_rows(final)
+        self.subset_rows = eval_rows(subset) * (2 if ema_model is not model else 1)
+        self.run_steps, self.row_flops = run_steps, model.flops_per_example(train=False) * eval_steps
+        self.step_flops = model.flops_per_example() * batch
+        params = sum(p.numel() * p.element_size() for p in model.parameters())
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        carry = batch * model.config.latent_bytes(4)  # the latents, float32 at most
+        self.state_bytes = 4 * params + buffers + carry  # raw, EMA, the two moments; the table once
+
+    @contextlib.contextmanager
+    def evaluating(self, loader):
+        """An evaluation of `loader`'s rows (an EvalLoader): its time counted as evaluation (Clock), its pace
+        per row kept."""
+        t = time.time()
+        with self.clock.evaluating():
+            yield
+        self.eval_pace = max(self.eval_pace or 0.0, (time.time() - t) / eval_rows(loader))
+
+    def saved(self, seconds):
+        self.save_s = max(self.save_s or 0.0, seconds)
+
+    def evaluation_s(self, rows, pace):
+        """An evaluation of `rows` rows, `pace` the training's seconds per step."""
+        if self.eval_pace is not None:
+            return 1.25 * self.eval_pace * rows
+        return 2 * rows * self.row_flops * pace / self.step_flops + self.first[1]
+
+    def save_estimate(self):
+        return 1.5 * self.save_s if self.save_s is not None else self.state_bytes / 50e6
+
+    def late(self, step, check_every, at_eval):
+        """Whether the wait to the next check, an intermediate evaluation and save due now, and the final
+        evaluation and save would end past the budget."""
+        if step >= self.run_steps:  # its final evaluation comes next in any case
+            return False
+        train_s = self.clock()['train']
+        self.first = self.first or (step, train_s)
+        s0, t0 = self.first
+        if step == s0:  # its seconds hold the compilations and warm-up: the pace is measured from here on
+            return False
+        pace = (train_s - t0) / (step - s0)
+        self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
+        wait = (check_every + 1) * pace
+        if at_eval:
+            wait += self.evaluation_s(self.subset_rows, pace) + self.save_estimate()
+        return time.time() - self.clock.started + wait + self.need >= self.seconds
+
+    def agree(self, dev, step, check_every, at_eval):
+        """Whether any rank got SIGTERM or Ctrl-C, and in the same reduction whether any rank is out of time:
+        then, unless a stop was requested (it saves and exits as always), `out_of_time` is set on every rank
+        at this step, the run's last. Called on every rank at the same steps (at evaluation steps too,
+        `at_eval`: that evaluation must fit as well); rank 0 says why the run stops."""
+        stop, late = dev.agree([float(STOP['requested']), float(self.late(step, check_every, at_eval))],
+                               'max') > 0
+        self.out_of_time = bool(late and not stop)
+        if self.out_of_time and dev.master:
+            print(self.verdict(step))
+        return bool(stop)
+
+    def verdict(self, step):
+        minutes = (time.time() - self.clock.started) / 60
+        return (f"time budget: stopping at step {step} of {self.run_steps} after {minutes:.1f} min to leave "
+                f"~{self.need:.{0 if self.need >= 10 else 1}f} s for the final evaluation (--max_minutes="
+                f"{self.seconds / 60:g})")

@@ -1,0 +1,220 @@
+"""
+An out_dir belongs to one run: a lock file in the local folder (and a lock object with a lease beside a gs://
+out_dir's checkpoints), taken by rank 0 at the start and removed at every exit: the loop's end, a stop request, a
+failed check, a hard exit (signals.BEFORE_HARD_EXIT), any other exit of the process (atexit). A dataset in use
+carries a mark, removed with the locks, so a builder asked to replace it says that the run goes on with the old.
+"""
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+
+from data import IN_USE
+
+from . import gcs
+from .signals import BEFORE_HARD_EXIT, STOP
+
+LOCK_NAME = 'run.lock'
+HELD = []  # the locks this process holds: local paths or gs:// URIs
+# a gs:// lock's lease: its holder renews it every third of this; a run on another host (a replacement VM)
+# takes over a lock whose lease ran out, and waits for one that has not, unless it is renewed meanwhile
+LEASE_S = float(os.environ.get('TRM_LOCK_LEASE_S') or 120)
+
+
+def boot_id():
+    """This boot of this host ('' off Linux): a lock from before a restart is stale whatever its pid."""
+    try:
+        with open('/proc/sys/kernel/random/boot_id') as f:
+            return f.read().strip()
+    except OSError:
+        return ''
+
+
+def lock_record():
+    return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
+                boot=boot_id(), renewed=time.time(), lease=LEASE_S)
+
+
+def holder_gone(rec):
+    """Whether the run holding a lock ran on this host and is gone (ended, killed, or the host restarted)."""
+    if not isinstance(rec, dict) or rec.get('host') != socket.gethostname():
+        return False  # another host's run: this host cannot tell
+    if rec.get('boot') and rec['boot'] != boot_id():
+        return True
+    try:
+        os.kill(int(rec['pid']), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, KeyError, TypeError, ValueError):  # PermissionError: alive, another user's
+        pass
+    return False
+
+
+def in_use(where, rec, remove):
+    who = f"the run on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
+        if isinstance(rec, dict) else 'a run whose lock cannot be read'
+    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --out_dir, or "
+            "remove the lock if that run is gone")
+
+
+def taken_over(rec, where):
+    """Whether the lock at `where`, holding rec, belongs to a run that is gone (and may be taken over: said
+    so)."""
+    if not holder_gone(rec):
+        return False
+    print(f"{where}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
+          f"since {rec['since']})")
+    return True
+
+
+def lock_local(folder):
+    """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
+    path = os.path.join(folder, LOCK_NAME)
+    for attempt in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except OSError as e:
+            if not isinstance(e, FileExistsError):
+                return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can "
+                        "write"]
+            try:
+                with open(path) as f:
+                    rec = json.load(f)
+            except (OSError, ValueError):
+                rec = None
+            if attempt == 0 and taken_over(rec, path):
+                os.remove(path)
+                continue
+            return [in_use(folder, rec, path)]
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as e:  # a full disk: the lock's record does not fit
+            os.remove(path)
+            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
+        HELD.append(path)
+        return []
+
+
+def read_lock(uri, local):
+    """The record of the lock object at uri (None: unreadable); gcs.NotFoundError when there is none."""
+    copy = os.path.join(local, f'.{LOCK_NAME}.{os.getpid()}')
+    gcs.download_file(uri, copy)
+    with open(copy) as f:
+        text = f.read()
+    os.remove(copy)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def lease_ran_out(rec, uri, local):
+    """Whether the lock of a run on another host has outlived its lease (and may be taken over: said so).
+    One still within it is waited for (a stop ends the wait); a renewal meanwhile means its run is alive."""
+    if not isinstance(rec, dict) or rec.get('host') == socket.gethostname() or \
+            not isinstance(rec.get('renewed'), (int, float)):
+        return False  # this host's runs: holder_gone decides; a lock without a lease: its run's to remove
+    left = rec['renewed'] + float(rec.get('lease', LEASE_S)) - time.time()
+    if left > 0:
+        age = time.time() - rec['renewed']
+        print(f"{uri}: held by the run on {rec['host']}, pid {rec.get('pid')}, renewed {age:.0f} s ago: "
+              f"waiting {left:.0f} s for its lease to run out", flush=True)
+        end = time.time() + left
+        while time.time() < end:
+            if STOP['requested']:
+                return False
+            time.sleep(min(1.0, end - time.time()))
+        try:
+            now = read_lock(uri, local)
+        except gcs.NotFoundError:
+            return True
+        if now != rec:
+            return False  # renewed (or taken by another run): in use
+    print(f"{uri}: taking over the lock of the run on {rec['host']}, pid {rec.get('pid')}, since "
+          f"{rec.get('since')}: its lease ran out (last renewed {time.time() - rec['renewed']:.0f} s ago)")
+    return True
+
+
+def lock_bucket(prefix, local):
+    """Rank 0: the lock object beside a gs:// out_dir's checkpoints, created only if absent (a generation
+    precondition), then renewed on a thread; [] or [the problem]. A bucket that cannot be reached: a warning
+    (its uploads are retried)."""
+    uri, mine = f"{prefix.rstrip('/')}/{LOCK_NAME}", lock_record()
+    try:
+        for attempt in range(2):
+            if gcs.create_if_absent(uri, json.dumps(mine).encode()):
+                HELD.append(uri)
+                renew_lock(uri, mine, local)
+                return []
+            rec = read_lock(uri, local)
+            if rec == mine:  # our own create, whose reply was lost and retried
+                HELD.append(uri)
+                renew_lock(uri, mine, local)
+                return []
+            if attempt == 0 and (taken_over(rec, uri) or lease_ran_out(rec, uri, local)):
+                gcs.delete_object(uri)
+                continue
+            return [in_use(prefix, rec, uri)]
+    except gcs.NotFoundError:  # removed between the create and the read: its run just ended
+        return lock_bucket(prefix, local)
+    except gcs.GCSError as e:
+        print(f"warning: cannot lock {prefix} ({e}); a second run into it would not be stopped")
+        return []
+
+
+def renew_lock(uri, rec, local):
+    """Rank 0: a daemon thread that rewrites the lock object's `renewed` every third of its lease while this
+    process holds it; a lock found taken over (this run stalled past its lease) is said once, then left."""
+    def renew():
+        client = gcs.GCS(retries=2, timeout=(5, 10))
+        while True:
+            time.sleep(LEASE_S / 3)
+            if uri not in HELD:
+                return
+            try:
+                now = read_lock(uri, local)
+                if isinstance(now, dict) and (now.get('host'), now.get('pid')) != (rec['host'], rec['pid']):
+                    print(f"warning: {uri} was taken over by the run on {now.get('host')}, pid "
+                          f"{now.get('pid')} (this run's lease ran out): stop one of the two runs")
+                    return
+                client.put(uri, json.dumps(dict(rec, renewed=time.time())).encode())
+            except Exception as e:  # the next renewal tries again; the lease outlasts two failures
+                print(f"warning: could not renew the lock {uri} ({e})")
+    threading.Thread(target=renew, daemon=True).start()
+
+
+def mark_data(root, out_dir):
+    """Rank 0: a mark in the dataset's folder while the run holds it, removed with the locks: a builder
+    asked to replace the dataset says that this run goes on with the old one (a read-only folder: no mark)."""
+    path = os.path.join(root, f"{IN_USE}{socket.gethostname()}.{os.getpid()}")
+    try:
+        with open(path, 'w') as f:
+            json.dump(dict(host=socket.gethostname(), pid=os.getpid(), out_dir=out_dir), f)
+        HELD.append(path)
+    except OSError:
+        pass
+
+
+def release_locks(quick=False):
+    """Remove the locks this process holds. A lock object gets a bounded wait, one short attempt after a stop
+    request (a spot VM's notice is 30 s, the stop checkpoint's upload had most of it): one left behind
+    expires with its lease."""
+    while HELD:
+        where = HELD.pop()
+        try:
+            if gcs.is_gcs(where):
+                gcs.GCS(retries=0, timeout=(2, 3)).delete(where) if quick else \
+                    gcs.GCS(retries=2, timeout=(5, 10)).delete(where)
+            else:
+                os.remove(where)
+        except Exception as e:
+            then = f"a run on another host takes it over once its lease ({LEASE_S:.0f} s) has run out" \
+                if gcs.is_gcs(where) else "the next run on this host takes it over"
+            print(f"warning: could not remove the lock {where} ({e}); {then}")
+
+
+atexit.register(release_locks)
+BEFORE_HARD_EXIT.append(release_locks)

@@ -1,0 +1,259 @@
+"""
+How a run's process ends: a stop request (SIGTERM from a spot preemption, Ctrl-C), the bound on a stop the run
+cannot reach, a launcher's signals, an orphaned worker, a failed allocation.
+    install_signal_handlers()   SIGTERM and Ctrl-C: a stop request (STOP), said at once; the loop saves a
+                                checkpoint at the ranks' next stop check and every rank exits together
+    StopBound(...)              a stop request not acted on within STOP_GRACE_S ends the process in one line
+                                naming the last checkpoint kept; a collective broken by it, or a failed
+                                allocation, is one line too
+    forward_signals()           torch_xla's launcher: the signals go on to its workers
+    follow_launcher()           a torch_xla worker: its signals come through the launcher; it dies with it
+Exit codes: 0 a finished or cleanly stopped run, HUNG_EXIT (75) run the same command again (it resumes),
+HUNG_AGAIN_EXIT (70) the same work hung twice, 130 a person's Ctrl-C.
+"""
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from .records import Tee  # the script's output (and rank 0's train.log)
+
+HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
+HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; a rerun would loop
+
+# -----------------------------------------------------------------------------
+# stop requests: SIGTERM (spot preemption) and Ctrl-C save a checkpoint, then every rank exits at the same
+# step
+
+STOP = dict(requested=False, signal=None, count=0, at=None, acted=False)
+# a stop request that the run has not acted on this long after its signal (the step under way never reaches its
+# stop check) ends the process (StopBound): a spot VM's notice is about 30 s
+STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
+
+# what a hard exit (os._exit: no atexit) runs first, each called with quick=True after a stop request: the
+# out_dir's locks are removed (locks.py registers release_locks)
+BEFORE_HARD_EXIT = []
+
+
+def before_hard_exit(quick=False):
+    for cleanup in BEFORE_HARD_EXIT:
+        cleanup(quick=quick)
+
+
+def on_signal(signum):
+    """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
+    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once
+    (exit code 128 + the signal's number, as the signal's own default would)."""
+    name = signal.Signals(signum).name
+    STOP['count'] += 1
+    if STOP['count'] == 1:
+        STOP.update(requested=True, signal=name, at=time.time())
+        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
+            "signal does not stop the save; a third ends the process at once, without it)")
+    elif STOP['count'] == 2:
+        say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
+            "once, without the checkpoint")
+    else:
+        say(f"pid {os.getpid()}: got {name} a third time: ending now, without the checkpoint")
+        before_hard_exit(quick=True)
+        os._exit(128 + signum)
+
+
+def read_signals(fd):
+    """A thread's loop: every SIGTERM and SIGINT, as the interpreter writes it to the wakeup pipe the moment
+    it arrives, to on_signal. So a main thread blocked in one long call (a collective, a kernel: Python runs
+    its own handlers only between calls) still has its stop request said at once, and bounded."""
+    while True:
+        try:
+            got = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        for signum in got:
+            if signum in (signal.SIGTERM, signal.SIGINT):
+                on_signal(signum)
+
+
+def say(line):
+    """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
+    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log (also
+    where the parent that copied the output there is gone: Tee.parent_log)."""
+    data, told = (line + '\n').encode(), False
+    for f in (sys.stdout, Tee.log):
+        try:
+            os.write(f.fileno(), data)
+            told = told or f is sys.stdout
+        except (OSError, ValueError, AttributeError):
+            pass
+    if not told and Tee.log is None and Tee.parent_log:
+        with contextlib.suppress(OSError):
+            fd = os.open(Tee.parent_log, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, data)
+            os.close(fd)
+
+
+def install_signal_handlers():
+    """In a process's main thread (torch_xla.launch runs the training in a worker thread): SIGTERM and SIGINT
+    reach read_signals through the interpreter's wakeup pipe; their Python handlers do nothing (they only keep
+    the signals' default actions, ending the process, away)."""
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    threading.Thread(target=read_signals, args=(r,), daemon=True, name='signals').start()
+
+
+def forward_signals():
+    """In torch_xla's launcher: SIGTERM and Ctrl-C go on to its worker processes, which save and stop (each
+    says so); the launcher itself waits for them."""
+    import multiprocessing
+
+    def forward(signum, frame):
+        if STOP['at'] is None:
+            STOP.update(requested=True, signal=signal.Signals(signum).name, at=time.time())
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signum)
+
+    def backstop():
+        """Workers end by themselves (a save, or their stop's bound); one still there a minute after that
+        is beyond help (stuck in the kernel): killed, and the launcher leaves."""
+        while STOP['at'] is None or time.time() - STOP['at'] < STOP_GRACE_S + 60:
+            time.sleep(0.5)
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+        say(f"pid {os.getpid()}: the training processes did not end {STOP_GRACE_S + 60:g} s after "
+            f"{STOP['signal']}: killed; exiting with code {HUNG_EXIT} (the same command with "
+            "--init_from=resume continues from the last checkpoint)")
+        os._exit(HUNG_EXIT)
+    signal.set_wakeup_fd(-1)  # the signals are the workers' to act on: no reading of its own here
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    threading.Thread(target=backstop, daemon=True, name='stop-backstop').start()
+    os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
+
+
+def follow_launcher():
+    """In a torch_xla worker: its own process group, so a Ctrl-C reaches it once (through the launcher), and
+    a SIGTERM from the kernel when the launcher dies (even by SIGKILL): an orphan saves and stops instead of
+    holding the chips and the out_dir."""
+    import ctypes
+    with contextlib.suppress(OSError):
+        os.setpgrp()
+    with contextlib.suppress(Exception):  # Linux only (TPU VMs); elsewhere the launcher's forwarding only
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if orphaned():  # gone before the prctl
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def orphaned():
+    return os.environ.get('TRM_LAUNCHER_PID', str(os.getppid())) != str(os.getppid())
+
+
+def exit_if_orphaned(code):
+    """In a torch_xla worker whose launcher is gone, at the end of its work: exit now (its process pool would
+    wait for the next task forever)."""
+    if orphaned():
+        before_hard_exit()
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def ended_abruptly(folder, since):
+    """A torch_xla launcher whose worker ended abruptly (the watchdog, a kill): says so, and returns the exit
+    code: the watchdog's, when it fired in `folder` after `since` (time.time()), else HUNG_EXIT."""
+    code = HUNG_EXIT
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if os.path.getmtime(os.path.join(folder, 'watchdog.json')) >= since:
+            with open(os.path.join(folder, 'watchdog.json')) as f:
+                code = int(json.load(f).get('exit_code', HUNG_EXIT))
+    then = ('the same command with --init_from=resume continues from the last checkpoint' if code == HUNG_EXIT
+            else 'the watchdog fired on the same work as in the last run: a rerun would repeat it')
+    print(f"a training process ended abruptly; exiting with code {code}: {then}", file=sys.stderr)
+    return code
+
+
+# -----------------------------------------------------------------------------
+# the bound on a stop request: a step or evaluation that never reaches its stop check (a machine thrashing out of
+# memory, a collective waiting for a rank that is gone) must not hold a spot VM's last seconds
+
+def out_of_memory(kind, value):
+    """Whether an exception is a failed allocation: Python's or numpy's MemoryError, torch's CPU allocator
+    (can't allocate memory), a GPU's out of memory."""
+    text = str(value)
+    return issubclass(kind, MemoryError) or (issubclass(kind, RuntimeError) and (
+        "can't allocate memory" in text or 'out of memory' in text.lower()))
+
+
+class StopBound:
+    """A stop request that the run has not acted on STOP_GRACE_S after its signal (acted(True) at a stop check
+    says it was) ends the process: nothing can be saved in the middle of a step, so a line names the last
+    checkpoint kept (checkpoints(): the run's {step: path}), the out_dir's lock is removed, and the exit code is
+    HUNG_EXIT after a SIGTERM (a preemption: a launcher may run it again), 130 after a Ctrl-C (a person stopped
+    it: a loop that reruns on HUNG_EXIT ends). waiting(): (what the run waits for, the last thing it finished),
+    in words. Also, as the process's excepthook: a collective broken by another rank's end at its bound, and a
+    failed allocation, each one line."""
+
+    def __init__(self, waiting, checkpoints=dict):
+        self.waiting, self.checkpoints = waiting, checkpoints
+        self.done = threading.Event()
+        threading.Thread(target=self.watch, daemon=True, name='stop-bound').start()
+        previous = sys.excepthook
+
+        def broken(kind, value, tb):
+            if out_of_memory(kind, value):  # the estimate at start let it in: what failed, in one line
+                return self.out_of_memory(value)
+            if STOP['requested'] and not STOP['acted'] and not issubclass(kind, SystemExit):
+                self.end_unanswered(f": {self.waiting()[0]} ended in {kind.__name__}: "
+                                    f"{' '.join(str(value).split())} (another rank or host ended meanwhile)")
+            previous(kind, value, tb)
+        sys.excepthook = broken
+
+    @staticmethod
+    def acted(stop):
+        """The ranks' verdict at a stop check, passed on: True (they stop now, and save) ends the bound."""
+        if stop:
+            STOP['acted'] = True
+        return stop
+
+    def stop(self):
+        self.done.set()
+
+    def watch(self):
+        while not self.done.wait(0.25):
+            if STOP['requested'] and not STOP['acted'] and time.time() - STOP['at'] >= STOP_GRACE_S:
+                awaited, last = self.waiting()
+                self.end_unanswered(f" in {STOP_GRACE_S:g} s: {awaited} never came to its stop check (the "
+                                    f"last thing finished: {last})")
+
+    def end_unanswered(self, why):
+        """The end of a stop request the run could not act on: said, the lock removed, the exit code."""
+        try:
+            kept = (lambda found: found[max(found)] if found else None)(self.checkpoints())
+        except Exception:  # an unreadable folder, or none (eval_only)
+            kept = None
+        code = HUNG_EXIT if STOP['signal'] == 'SIGTERM' else 128 + signal.SIGINT
+        say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
+            f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
+            f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")
+        before_hard_exit(quick=True)
+        flush = threading.Thread(target=lambda: [f.flush() for f in (sys.stdout, sys.stderr)], daemon=True)
+        flush.start()
+        flush.join(2)  # the main thread may hold a stream's lock for good
+        os._exit(code)
+
+    def out_of_memory(self, error):
+        """An allocation failed (on this machine, or this process's address-space limit): one line on stderr (and
+        train.log), then the process ends with exit code 1; its checkpoints are as they were."""
+        text = ' '.join(str(error).split())
+        text = text[text.find('DefaultCPUAllocator'):] if 'DefaultCPUAllocator' in text else text  # its own words
+        print(f"out of memory in {self.waiting()[0]}: {text[:300]}. The start-up estimate (--check_memory) let it "
+              "in: lower global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, "
+              "or run on a larger machine; the same command with --init_from=resume continues from the last "
+              "checkpoint", file=sys.stderr, flush=True)
