@@ -126,7 +126,7 @@ globals().update(config)
 torch = import_torch()  # after the config: --help and config errors answer at once
 
 import runkeep  # noqa: E402  (the shell's front: Run, launch, start_worker)
-from arc import ARCVotes  # noqa: E402
+from evaluate import ARCVotes  # noqa: E402  (arc.py after the merge)
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from evaluate import evaluate  # noqa: E402
@@ -184,7 +184,8 @@ def evaluate_and_save(run, step, last_step, model, ema_model, loaders, arc, save
     the checkpoint (save(); None: none), and at the last step results.json. False when a stop request came
     during it: it is abandoned, and the checkpoint of `step` saved as owing it (its resume evaluates it first)."""
     final = step == last_step and not preflight_phase  # a pre-flight run's last evaluation is an intermediate one
-    xla_before = run.dev.xla_counters()
+    dev = run.dev
+    xla_before = dev.xla_counters()
     res, example = evaluation(run, ema_model, loaders[0 if final else eval_subset], arc, final, pool_at=step)
     # early in a run the EMA may still trail the weights it averages: intermediate evaluations show both
     raw = evaluation(run, model, loaders[eval_subset], arc)[0] if res and ema and not final else None

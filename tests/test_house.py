@@ -1,8 +1,9 @@
 """
 The house rules a forker relies on: one source of defaults (train.py's config block and TRMConfig agree; --help
-is the table of keys), --help for every script, scripts above libraries in the import graph, no pointer to a file
-outside the repository, a README that is a front door with every link resolving, and the number format chosen by
-the hardware.
+is the table of keys), --help for every script, the kernel at the root (scripts above libraries in the import
+graph) and the shell in packages, train.py reaching the shell through its front only, no pointer to a file outside
+the repository, a README that is a front door with every link resolving, and the number format chosen by the
+hardware.
     python -m pytest -q tests/test_house.py
 """
 import ast
@@ -19,9 +20,11 @@ from model import MODEL_CHOICES, TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py', 'prepare_arc.py',
            'publish.py']
-LIBRARIES = ['model.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'records.py', 'guard.py', 'data.py',
-             'puzzles.py', 'device.py', 'gcs.py', 'credentials.py', 'configurator.py', 'preflight.py', 'torchtpu.py',
-             'study_plan.py', 'study_report.py', 'published.py', 'memory.py', 'rules.py', 'adaptation.py']
+KERNEL = ['model.py', 'step.py', 'data.py', 'evaluate.py', 'arc.py', 'puzzles.py', 'device.py', 'configurator.py',
+          'kernels.py']  # the libraries of the science, beside the scripts at the root
+PACKAGES = ['runkeep', 'studies']  # the shell (run keeping) and the study runner's libraries
+LIBRARIES = KERNEL + [os.path.join(p, f) for p in PACKAGES for f in sorted(os.listdir(os.path.join(ROOT, p)))
+                      if f.endswith('.py')]
 
 
 def train_defaults():
@@ -45,11 +48,30 @@ def test_the_loss_skips_the_label_the_loader_writes_for_ignored_cells():
     assert model.IGNORE_LABEL_ID == data.IGNORE_LABEL_ID == -100
 
 
-def test_train_py_reads_top_to_bottom_in_lines_a_reader_would_write():
-    # the learning story in at most 380 lines, none of them joined past 110 characters to fit
-    lines = open(os.path.join(ROOT, 'train.py')).read().splitlines()
-    long = [i + 1 for i, line in enumerate(lines) if len(line) > 110]
-    assert len(lines) <= 380 and not long, (len(lines), long)
+def test_the_root_holds_the_kernel_and_the_shell_is_in_packages():
+    root = sorted(f for f in os.listdir(ROOT) if f.endswith('.py'))
+    assert root == sorted(SCRIPTS + [f for f in KERNEL if os.path.exists(os.path.join(ROOT, f))] + ['test_smoke.py'])
+    assert len(root) <= 18, root
+
+
+def test_train_py_reaches_the_shell_through_its_front_alone():
+    """train.py imports the kernel's libraries and runkeep's front (Run, launch, start_worker), and of the shell's
+    modules only hub.resolve_init_from, which works before torch is loaded; it reads no member of Run's parts."""
+    tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
+    kernel = {f[:-3] for f in KERNEL}
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            modules.add(node.module)
+    project = {m for m in modules if m.split('.')[0] in kernel | set(PACKAGES)}
+    assert project - kernel == {'runkeep', 'runkeep.hub'}, project - kernel
+    used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, 'id', '') == 'runkeep'}
+    assert used <= {'Run', 'launch', 'start_worker'}, used
+    reached = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+               and isinstance(n.value, ast.Attribute) and getattr(n.value.value, 'id', '') == 'run']
+    assert not reached, reached  # run.budget.plan, run.clock.loop_start, ...: Run's parts are its own
 
 
 def test_the_scripts_allow_the_model_s_choices():
