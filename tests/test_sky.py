@@ -249,7 +249,8 @@ class Node:
 STEP_S = 0.1
 HOLD = f'''
 if sys.argv[0].endswith('train.py') or sys.argv[-1] == '--multiprocessing-fork':  # a trainer, or its worker
-    from runkeep import checkpoint, step
+    import step
+    from runkeep import checkpoint
     real_write, real_step, held = checkpoint.write_checkpoint, step.train_step, []
 
     def write_checkpoint(state, path, *args, **kwargs):
