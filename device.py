@@ -156,6 +156,63 @@ def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
 
 
 # -----------------------------------------------------------------------------
+# the kernels: kernels.py's fused Triton blocks only where they are known to pay
+
+KERNEL_CHOICES = ('auto', 'triton', 'off')
+
+
+def choose_kernels(requested, kind, dtype, cuda_capability=None, have_triton=None):
+    """(kernels, why): 'triton' (kernels.py's fused blocks) or 'off' (model.py's plain path). 'auto': triton on
+    a CUDA GPU of compute capability 9.0 or newer (Hopper, where they are measured) in bfloat16 with triton
+    installed; off everywhere else, so CPU, XLA and TorchTPU runs keep the plain path. A forced 'triton' where
+    it cannot run falls back to the plain path, `why` starting with 'warning:'. Triton's interpreter
+    (TRITON_INTERPRET=1) runs a forced 'triton' on the CPU, slowly: that is how the tests check the kernels."""
+    if requested == 'off':
+        return 'off', 'off (as configured)'
+    if have_triton is None:
+        import importlib.util
+        have_triton = importlib.util.find_spec('triton') is not None
+    interpreter = kind == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'
+    if requested == 'triton':
+        if not have_triton:
+            return 'off', "warning: kernels='triton' needs the triton package, which is not installed: plain path"
+        if kind == 'cuda' or interpreter:
+            return 'triton', "triton (as configured" + ("; Triton's interpreter on the CPU)" if interpreter
+                                                        else ")")
+        return 'off', (f"warning: kernels='triton' runs on CUDA GPUs (or the CPU with TRITON_INTERPRET=1), not "
+                       f"on device {kind}: plain path")
+    if kind != 'cuda':
+        return 'off', f"auto: off (device {kind}: the kernels are for CUDA GPUs)"
+    cap = cuda_capability or torch.cuda.get_device_capability()
+    hw = f"GPU of compute capability {cap[0]}.{cap[1]}"
+    if not have_triton:
+        return 'off', f"auto: off ({hw}, but triton is not installed)"
+    if tuple(cap) < (9, 0):
+        return 'off', f"auto: off ({hw}: the kernels are measured on Hopper, 9.0, only; --kernels=triton forces " \
+                      "them)"
+    if dtype != 'bfloat16':
+        return 'off', f"auto: off (forward dtype {dtype}: the kernels are measured in bfloat16)"
+    return 'triton', f"auto: triton ({hw}, bfloat16)"
+
+
+def use_kernels(requested, kind, dtype, model):
+    """choose_kernels for this device and forward dtype, applied to model's blocks: kernels.py's fused forward
+    installed ('triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain forward. Returns why,
+    with what was fused; a triton that fails to import means the plain path, said in `why`."""
+    choice, why = choose_kernels(requested, kind, dtype)
+    if choice == 'triton':
+        try:
+            from kernels import fuse_blocks
+            return f"{why}: {fuse_blocks(model)}"
+        except Exception as e:  # a broken triton install: the plain path, said in one line
+            why = (f"warning: kernels='{requested}' but kernels.py failed to import ({type(e).__name__}: {e}): "
+                   "plain path")
+    for block in model.net.layers:
+        block.fused = None
+    return why
+
+
+# -----------------------------------------------------------------------------
 # one process's device, rank and collectives
 
 # peak dense bf16 TFLOP/s of one process's GPU or TPU device (datasheets), for MFU; the first name in the

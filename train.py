@@ -83,6 +83,7 @@ gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of 
 # system
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
 compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
+kernels = 'auto'                # fused Triton blocks (kernels.py): 'auto' (Hopper GPU, bf16) | 'triton'|'off'
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
@@ -109,7 +110,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              lr=_pos, lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg,
              beta1=_unit, beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg,
              puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
-             gradient_accumulation_steps=_pos,
+             gradient_accumulation_steps=_pos, kernels=_one_of('auto', 'triton', 'off'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
              smoke_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 config_keys = [k for k, v in globals().items()
@@ -136,7 +137,7 @@ import torch  # noqa: E402  (after the config: --help and config errors answer a
 import guard  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device  # noqa: E402
-from device import launch_tpu, resolve_loss_dtype, under_torchrun  # noqa: E402
+from device import launch_tpu, resolve_loss_dtype, under_torchrun, use_kernels  # noqa: E402
 from puzzles import puzzle_for, render_example, verifier_for, views_problem  # noqa: E402
 from checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E402
 from records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
@@ -167,6 +168,7 @@ def build(meta, dev, total_steps, data_path):
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
+    dtype_why += f" | kernels {use_kernels(kernels, dev.kind, dtype, model)}"  # before the EMA copies model
     row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):

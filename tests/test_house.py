@@ -21,7 +21,7 @@ SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 
            'publish.py']
 LIBRARIES = ['model.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'records.py', 'guard.py', 'data.py',
              'puzzles.py', 'device.py', 'gcs.py', 'configurator.py', 'preflight.py', 'torchtpu.py',
-             'study_plan.py', 'study_report.py', 'published.py', 'memory.py']
+             'study_plan.py', 'study_report.py', 'published.py', 'memory.py', 'kernels.py']
 
 
 def train_defaults():
