@@ -62,37 +62,29 @@ def _precision(dtype):
 # mlp_t: h [B, L, D] -> rms_L(h^T + swiglu_L(h^T))^T, one program per (batch row, tile of BD channels)
 
 @triton.jit
-def _channels(ptr, b, d0, L, D, BD: tl.constexpr, LP: tl.constexpr):
-    """Block pointer to x[d, l] = t[b, l, d] for d in d0:d0+BD, l < LP, of a [B, L, D] tensor t: the channels'
-    sequences, read and written in t's own layout (zero past L and D on a load)."""
-    return tl.make_block_ptr(ptr + b * L * D, shape=(D, L), strides=(1, D), offsets=(d0, 0), block_shape=(BD, LP),
-                             order=(0, 1))
-
-
-@triton.jit
 def _mlp_t_forward(h_ptr, wg_ptr, wd_ptr, out_ptr, rstd_ptr, L, D, eps, I: tl.constexpr,
                    LP: tl.constexpr, BD: tl.constexpr, BI: tl.constexpr, PREC: tl.constexpr):
     io = out_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
-    d0 = tl.program_id(1) * BD
-    x = tl.load(_channels(h_ptr, b, d0, L, D, BD, LP), boundary_check=(0, 1), padding_option='zero')
-    # wg: [LP, 2I], gate columns then up columns, zero rows past L; wd: [I, LP], zero columns past L
-    wg_blk = tl.make_block_ptr(wg_ptr, shape=(LP, 2 * I), strides=(2 * I, 1), offsets=(0, 0), block_shape=(LP, BI),
-                               order=(1, 0))
-    wd_blk = tl.make_block_ptr(wd_ptr, shape=(I, LP), strides=(LP, 1), offsets=(0, 0), block_shape=(BI, LP),
-                               order=(1, 0))
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    l = tl.arange(0, LP)
+    i = tl.arange(0, BI)
+    inside = (d[:, None] < D) & (l[None, :] < L)
+    tile = b * L * D + l[None, :] * D + d[:, None]  # [BD, LP]: channel d's sequence, read in h's own layout
+    x = tl.load(h_ptr + tile, mask=inside, other=0.0)
     acc = tl.zeros([BD, LP], dtype=tl.float32)
-    for _ in range(0, I, BI):
-        g = tl.dot(x, tl.load(wg_blk), input_precision=PREC).to(io).to(tl.float32)
-        u = tl.dot(x, tl.load(tl.advance(wg_blk, (0, I))), input_precision=PREC).to(io).to(tl.float32)
-        acc += tl.dot((g * tl.sigmoid(g) * u).to(io), tl.load(wd_blk), input_precision=PREC)
-        wg_blk = tl.advance(wg_blk, (0, BI))
-        wd_blk = tl.advance(wd_blk, (BI, 0))
+    for i0 in range(0, I, BI):
+        # wg: [LP, 2I], gate columns then up columns, zero rows past L; wd: [I, LP], zero columns past L
+        wg = tl.load(wg_ptr + l[:, None] * (2 * I) + (i0 + i)[None, :])
+        wu = tl.load(wg_ptr + l[:, None] * (2 * I) + (I + i0 + i)[None, :])
+        g = tl.dot(x, wg, input_precision=PREC).to(io).to(tl.float32)
+        u = tl.dot(x, wu, input_precision=PREC).to(io).to(tl.float32)
+        wd = tl.load(wd_ptr + (i0 + i)[:, None] * LP + l[None, :])
+        acc += tl.dot((g * tl.sigmoid(g) * u).to(io), wd, input_precision=PREC)
     # past L and past D both terms are 0 (zero padding, zero weights): the sums see the true sequence only
     v = acc.to(io).to(tl.float32) + x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(v * v, axis=1) / L + eps)
-    tl.store(_channels(out_ptr, b, d0, L, D, BD, LP), (v * rstd[:, None]).to(io), boundary_check=(0, 1))
-    d = d0 + tl.arange(0, BD)
+    tl.store(out_ptr + tile, (v * rstd[:, None]).to(io), mask=inside)
     tl.store(rstd_ptr + b * D + d, rstd, mask=d < D)
 
 
@@ -105,49 +97,39 @@ def _mlp_t_backward(h_ptr, out_ptr, dout_ptr, rstd_ptr, wg_ptr, wd_ptr, dh_ptr, 
     give the padded weights' gradients, aligned). Gate and up are recomputed from h, as the forward did."""
     io = dh_ptr.dtype.element_ty
     b = tl.program_id(0).to(tl.int64)
-    d0 = tl.program_id(1) * BD
-    x = tl.load(_channels(h_ptr, b, d0, L, D, BD, LP), boundary_check=(0, 1), padding_option='zero')
-    r = tl.load(_channels(out_ptr, b, d0, L, D, BD, LP), boundary_check=(0, 1), padding_option='zero')
-    dr = tl.load(_channels(dout_ptr, b, d0, L, D, BD, LP), boundary_check=(0, 1), padding_option='zero')
-    d = d0 + tl.arange(0, BD)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    l = tl.arange(0, LP)
+    i = tl.arange(0, BI)
+    inside = (d[:, None] < D) & (l[None, :] < L)
+    tile = b * L * D + l[None, :] * D + d[:, None]
+    x = tl.load(h_ptr + tile, mask=inside, other=0.0)
+    r = tl.load(out_ptr + tile, mask=inside, other=0.0).to(tl.float32)
+    dr = tl.load(dout_ptr + tile, mask=inside, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + b * D + d, mask=d < D, other=0.0)
     # out = v * rstd with v = h + y: dv = rstd * (dout - out * mean_L(dout * out)), 0 past L and D (r, dr are)
-    r, dr = r.to(tl.float32), dr.to(tl.float32)
     dv = rstd[:, None] * (dr - r * (tl.sum(dr * r, axis=1) / L)[:, None])
     dy = dv.to(io)
-    tl.store(tl.make_block_ptr(dy_ptr + b * D * LP, shape=(D, LP), strides=(LP, 1), offsets=(d0, 0),
-                               block_shape=(BD, LP), order=(1, 0)), dy, boundary_check=(0,))
-    tl.store(tl.make_block_ptr(xr_ptr + b * D * LP, shape=(D, LP), strides=(LP, 1), offsets=(d0, 0),
-                               block_shape=(BD, LP), order=(1, 0)), x, boundary_check=(0,))
-    wg_blk = tl.make_block_ptr(wg_ptr, shape=(LP, 2 * I), strides=(2 * I, 1), offsets=(0, 0), block_shape=(LP, BI),
-                               order=(1, 0))
-    wd_blk = tl.make_block_ptr(wd_ptr, shape=(LP, I), strides=(1, LP), offsets=(0, 0), block_shape=(LP, BI),
-                               order=(0, 1))  # wd's transpose: [l, i] = wd[i, l]
-    s_blk = tl.make_block_ptr(s_ptr + b * D * I, shape=(D, I), strides=(I, 1), offsets=(d0, 0),
-                              block_shape=(BD, BI), order=(1, 0))
-    dgu_blk = tl.make_block_ptr(dgu_ptr + b * D * 2 * I, shape=(D, 2 * I), strides=(2 * I, 1), offsets=(d0, 0),
-                                block_shape=(BD, BI), order=(1, 0))
+    rows = (b * D + d)[:, None]  # the row (b, d) of xr, dy, s and dgu
+    tl.store(dy_ptr + rows * LP + l[None, :], dy, mask=d[:, None] < D)
+    tl.store(xr_ptr + rows * LP + l[None, :], x, mask=d[:, None] < D)
     dx = dv
-    for _ in range(0, I, BI):
-        wg = tl.load(wg_blk)
-        wu = tl.load(tl.advance(wg_blk, (0, I)))
+    for i0 in range(0, I, BI):
+        wg = tl.load(wg_ptr + l[:, None] * (2 * I) + (i0 + i)[None, :])
+        wu = tl.load(wg_ptr + l[:, None] * (2 * I) + (I + i0 + i)[None, :])
         g = tl.dot(x, wg, input_precision=PREC).to(io).to(tl.float32)
         u = tl.dot(x, wu, input_precision=PREC).to(io).to(tl.float32)
         sig = tl.sigmoid(g)
         silu = g * sig
-        tl.store(s_blk, (silu * u).to(io), boundary_check=(0,))
-        ds = tl.dot(dy, tl.load(wd_blk), input_precision=PREC).to(io).to(tl.float32)
+        tl.store(s_ptr + rows * I + (i0 + i)[None, :], (silu * u).to(io), mask=d[:, None] < D)
+        wd = tl.load(wd_ptr + (i0 + i)[None, :] * LP + l[:, None])  # [LP, BI]: wd's transpose
+        ds = tl.dot(dy, wd, input_precision=PREC).to(io).to(tl.float32)
         dg = (ds * u * sig * (1.0 + g * (1.0 - sig))).to(io)
         du = (ds * silu).to(io)
-        tl.store(dgu_blk, dg, boundary_check=(0,))
-        tl.store(tl.advance(dgu_blk, (0, I)), du, boundary_check=(0,))
+        tl.store(dgu_ptr + rows * (2 * I) + (i0 + i)[None, :], dg, mask=d[:, None] < D)
+        tl.store(dgu_ptr + rows * (2 * I) + (I + i0 + i)[None, :], du, mask=d[:, None] < D)
         dx += tl.dot(dg, tl.trans(wg), input_precision=PREC)
         dx += tl.dot(du, tl.trans(wu), input_precision=PREC)
-        wg_blk = tl.advance(wg_blk, (0, BI))
-        wd_blk = tl.advance(wd_blk, (0, BI))
-        s_blk = tl.advance(s_blk, (0, BI))
-        dgu_blk = tl.advance(dgu_blk, (0, BI))
-    tl.store(_channels(dh_ptr, b, d0, L, D, BD, LP), dx.to(io), boundary_check=(0, 1))
+    tl.store(dh_ptr + tile, dx.to(io), mask=inside)
 
 
 @torch.library.custom_op('trm::mlp_t', mutates_args=())
@@ -232,30 +214,24 @@ def _swiglu_forward(x_ptr, w_ptr, s_ptr, M, I, K: tl.constexpr, BM: tl.constexpr
     io = s_ptr.dtype.element_ty
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BN)
-    m0, n0 = (pid // n_tiles) * BM, (pid % n_tiles) * BN  # consecutive programs share a row tile
-    a_blk = tl.make_block_ptr(x_ptr, shape=(M, K), strides=(K, 1), offsets=(m0, 0), block_shape=(BM, BK),
-                              order=(1, 0))
-    # gate rows n0:n0+BN of w and the matching up rows, I further, both read transposed: [k, n] = w[n, k]
-    g_blk = tl.make_block_ptr(w_ptr, shape=(K, I), strides=(1, K), offsets=(0, n0), block_shape=(BK, BN),
-                              order=(0, 1))
-    u_blk = tl.make_block_ptr(w_ptr + I * K, shape=(K, I), strides=(1, K), offsets=(0, n0), block_shape=(BK, BN),
-                              order=(0, 1))
+    m = (pid // n_tiles).to(tl.int64) * BM + tl.arange(0, BM)  # consecutive programs share a row tile
+    n = (pid % n_tiles) * BN + tl.arange(0, BN)
+    k = tl.arange(0, BK)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for _ in range(0, K, BK):
-        a = tl.load(a_blk, boundary_check=(0, 1), padding_option='zero')
-        wg = tl.load(g_blk, boundary_check=(0, 1), padding_option='zero')
-        wu = tl.load(u_blk, boundary_check=(0, 1), padding_option='zero')
+    for k0 in range(0, K, BK):
+        a = tl.load(x_ptr + m[:, None] * K + (k0 + k)[None, :], mask=(m[:, None] < M) & (k0 + k < K)[None, :],
+                    other=0.0)
+        # gate rows n of w and the matching up rows, I further, both read transposed: [k, n] = w[n, k]
+        w_mask = (k0 + k < K)[:, None] & (n < I)[None, :]
+        wg = tl.load(w_ptr + n[None, :] * K + (k0 + k)[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_ptr + (I + n)[None, :] * K + (k0 + k)[:, None], mask=w_mask, other=0.0)
         acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
         acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-        a_blk = tl.advance(a_blk, (0, BK))
-        g_blk = tl.advance(g_blk, (BK, 0))
-        u_blk = tl.advance(u_blk, (BK, 0))
     g = acc_g.to(io).to(tl.float32)
     u = acc_u.to(io).to(tl.float32)
-    s_blk = tl.make_block_ptr(s_ptr, shape=(M, I), strides=(I, 1), offsets=(m0, n0), block_shape=(BM, BN),
-                              order=(1, 0))
-    tl.store(s_blk, (g * tl.sigmoid(g) * u).to(io), boundary_check=(0, 1))
+    tl.store(s_ptr + m[:, None] * I + n[None, :], (g * tl.sigmoid(g) * u).to(io),
+             mask=(m[:, None] < M) & (n < I)[None, :])
 
 
 @torch.library.custom_op('trm::swiglu', mutates_args=())
@@ -281,25 +257,22 @@ def _(x, w):
 def _down_norm_forward(s_ptr, w_ptr, res_ptr, out_ptr, M, D, eps, K: tl.constexpr, BM: tl.constexpr,
                        DP: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
     io = out_ptr.dtype.element_ty
-    m0 = tl.program_id(0) * BM
-    a_blk = tl.make_block_ptr(s_ptr, shape=(M, K), strides=(K, 1), offsets=(m0, 0), block_shape=(BM, BK),
-                              order=(1, 0))
-    w_blk = tl.make_block_ptr(w_ptr, shape=(K, D), strides=(1, K), offsets=(0, 0), block_shape=(BK, DP),
-                              order=(0, 1))  # w's transpose: [k, n] = w[n, k]
+    m = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+    n = tl.arange(0, DP)
+    k = tl.arange(0, BK)
     acc = tl.zeros([BM, DP], dtype=tl.float32)
-    for _ in range(0, K, BK):
-        acc = tl.dot(tl.load(a_blk, boundary_check=(0, 1), padding_option='zero'),
-                     tl.load(w_blk, boundary_check=(0, 1), padding_option='zero'), acc, input_precision=PREC)
-        a_blk = tl.advance(a_blk, (0, BK))
-        w_blk = tl.advance(w_blk, (BK, 0))
-    rows = tl.make_block_ptr(res_ptr, shape=(M, D), strides=(D, 1), offsets=(m0, 0), block_shape=(BM, DP),
-                             order=(1, 0))
+    for k0 in range(0, K, BK):
+        a = tl.load(s_ptr + m[:, None] * K + (k0 + k)[None, :], mask=(m[:, None] < M) & (k0 + k < K)[None, :],
+                    other=0.0)
+        w = tl.load(w_ptr + n[None, :] * K + (k0 + k)[:, None], mask=(k0 + k < K)[:, None] & (n < D)[None, :],
+                    other=0.0)  # w's transpose: [k, n] = w[n, k]
+        acc = tl.dot(a, w, acc, input_precision=PREC)
+    inside = (m[:, None] < M) & (n < D)[None, :]
+    rows = m[:, None] * D + n[None, :]
     # past D both terms are 0 (zero padding): the mean sees the true width only
-    v = acc.to(io).to(tl.float32) + tl.load(rows, boundary_check=(0, 1), padding_option='zero').to(tl.float32)
+    v = acc.to(io).to(tl.float32) + tl.load(res_ptr + rows, mask=inside, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(v * v, axis=1) / D + eps)
-    out = tl.make_block_ptr(out_ptr, shape=(M, D), strides=(D, 1), offsets=(m0, 0), block_shape=(BM, DP),
-                            order=(1, 0))
-    tl.store(out, (v * rstd[:, None]).to(io), boundary_check=(0, 1))
+    tl.store(out_ptr + rows, (v * rstd[:, None]).to(io), mask=inside)
 
 
 @torch.library.custom_op('trm::down_norm', mutates_args=())

@@ -239,8 +239,8 @@ def ops():
     s = kernels.swiglu(x, w_gu)
     plain = dict(mlp_t=lambda: plain_mix(h), mlp_t_backward=lambda: plain_mix(hg).backward(g),
                  swiglu=None, down_norm=lambda: plain_channel(h))
-    print(f"ms per call, batch {B} (plain: inductor-compiled; the channel SwiGLU's plain figure is the whole "
-          "channel sublayer, beside down_norm):", flush=True)
+    print(f"ms per call, batch {B} (plain: inductor-compiled; mlp_t_backward: forward and backward together; "
+          "the channel sublayer's plain figure, swiglu + down_norm, is beside down_norm):", flush=True)
     for op in fused:
         with torch.no_grad() if op != 'mlp_t_backward' else torch.enable_grad():
             base = dict(kernels.TILES[op])
