@@ -71,8 +71,9 @@ vs_eager = False                # XLA, compile=True: also time the eager step (h
                                 # device_vs_eager_alternated= (the median ratio with the steps alternated)
 emb_update_batch = 0            # ids per timed sign-SGD update of the puzzle embedding (0: global_batch_size)
 emb_update_dense = False        # also time the update computed over the whole table (table-sized temporaries)
-kernels_ab = False              # CUDA: also time the step and the evaluation with the kernels the other way (off /
-                                # triton) in this run, on the same model and batches, and print the two and their ratio
+kernels_ab = False              # CUDA: then time the step and the evaluation again with the kernels the other way
+                                # (off / triton), same model, batches and process; print both and their ratio
+                                # (profile_steps then traces the second way)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -435,18 +436,22 @@ if kernels_ab:
     if (model.net.layers[0].fused is not None) == kernels_on:
         print(f"note: kernels_ab=True: no A/B here: {ab_why}")
     else:
-        ab_kernels = 'off' if kernels_on else 'triton'
         model.__dict__.pop('_compiled_predict', None)  # compiled afresh, as the step is: the blocks changed
         fwd = compiled_step(kind, compile_mode) if compiled else forward_loss
         predict = compiled_predict(model, compile_mode) if compiled else model.predict
-        ab_first_s = run_steps(1)
-        run_steps(warmup_steps - 1)
-        ab_dt = run_steps(steps) / steps
-        ab_eval_ps = time_evaluation()[0] if eval_batches > 0 else None
-        use_kernels(kernels, kind, forward_dtype, model)  # back as configured, for what follows
-        model.__dict__.pop('_compiled_predict', None)
-        fwd = compiled_step(kind, compile_mode) if compiled else forward_loss
-        predict = compiled_predict(model, compile_mode) if compiled else model.predict
+        try:  # a kernel that fails (to build, to run) on this GPU: said, and the first variant's figures kept
+            ab_first_s = run_steps(1)
+            run_steps(warmup_steps - 1)
+            ab_dt = run_steps(steps) / steps
+            ab_eval_ps = time_evaluation()[0] if eval_batches > 0 else None
+            ab_kernels = 'off' if kernels_on else 'triton'
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            print(f"kernels A/B: the run with kernels={'off' if kernels_on else 'triton'} failed ({type(e).__name__}: "
+                  f"{str(e)[:300]}); the figures above are kernels={'triton' if kernels_on else 'off'}'s")
+            profile_steps = ''  # nothing left to trace
+    if ab_kernels:
         off, on = (ab_dt, dt) if kernels_on else (dt, ab_dt)
         eval_off, eval_on = (ab_eval_ps, eval_ps) if kernels_on else (eval_ps, ab_eval_ps)
         print(f"kernels A/B: train {off * 1e3:.1f} ms/step off, {on * 1e3:.1f} on: x{off / on:.3f} | first step "

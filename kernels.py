@@ -136,7 +136,7 @@ def _mlp_t_backward(h_ptr, out_ptr, dout_ptr, rstd_ptr, wg_ptr, wd_ptr, dh_ptr, 
 def mlp_t(h: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, L, D], rstd [B, D] float32): the mlp_t branch of a Block with its residual and RMSNorm, from
     mlp_t_weights' wg [LP, 2I] and wd [I, LP]."""
-    h = h.contiguous()
+    h, wg, wd = h.contiguous(), wg.contiguous(), wd.contiguous()
     B, L, D = h.shape
     I = wd.shape[0]
     t = TILES['mlp_t']
@@ -159,7 +159,7 @@ def _(h, wg, wd, eps):
 def mlp_t_backward(h: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, rstd: torch.Tensor, wg: torch.Tensor,
                    wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mlp_t's gradients: (dh [B, L, D], dwg [LP, 2I], dwd [I, LP]), the weights' with zero padding."""
-    h, out, dout = h.contiguous(), out.contiguous(), dout.contiguous()
+    h, out, dout, rstd, wg, wd = (t.contiguous() for t in (h, out, dout, rstd, wg, wd))
     B, L, D = h.shape
     LP, I = wg.shape[0], wd.shape[0]
     t = TILES['mlp_t_backward']

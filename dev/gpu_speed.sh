@@ -5,12 +5,12 @@
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
 #   check     kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
-#   sudoku    bench.py config/baseline.py, kernels on then off in one run (--kernels_ab), and a profile of two
+#   sudoku    bench.py config/baseline.py, kernels off then on in one run (--kernels_ab), and a profile of two
 #             compiled steps with the kernels on (top kernels by GPU time)
 #   ref_mlp   the reference's step and evaluation, Sudoku MLP batch 768 (.gpu/ref_gpu_bench.py, .gpu/ref/models)
 #   train     a tiny training run's token accuracy with the kernels on and off (dev/kernels_check.py train)
 #   ops       each fused op's ms per call against the compiled plain path, with tile variants
-#   maze      bench.py config/maze.py --global_batch_size=192, kernels on then off
+#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then on
 #   ref_maze  the reference's step and evaluation, Maze attention batch 192
 #   cudagraphs, autotune  (KNOBS=1 only) the Sudoku step with the kernels under compile_mode reduce-overhead (CUDA
 #             graphs) and max-autotune-no-cudagraphs (inductor's autotuning: minutes of compilation), to set beside
@@ -115,13 +115,13 @@ for stage in ${STAGES//,/ }; do
         ops) run_stage ops "$OUT/check.txt" "$PY" dev/kernels_check.py ops $DRYFLAG ;;
         sudoku)
             rm -rf /tmp/gpu_speed_profile
-            run_stage sudoku "$OUT/bench_sudoku.txt" "$PY" bench.py config/baseline.py --kernels=triton \
+            run_stage sudoku "$OUT/bench_sudoku.txt" "$PY" bench.py config/baseline.py --kernels=off \
                 --kernels_ab=True $SUDOKU_ARGS $PROFILE
             if [ -n "$PROFILE" ] && [ -f /tmp/gpu_speed_profile/trace_0_2.json ]; then
                 "$PY" dev/kernels_check.py profile /tmp/gpu_speed_profile/trace_0_2.json "$OUT/profile_sudoku.txt" \
                     >/dev/null 2>&1 || say "note: the profile's summary failed"
             fi ;;
-        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=triton --kernels_ab=True \
+        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab=True \
                 $MAZE_ARGS ;;
         ref_mlp) ref_stage ref_mlp mlp 768 ;;
         ref_maze) ref_stage ref_maze maze 192 ;;
