@@ -437,6 +437,8 @@ if kernels_ab:
         print(f"note: kernels_ab=True: no A/B here: {ab_why}")
     else:
         model.__dict__.pop('_compiled_predict', None)  # compiled afresh, as the step is: the blocks changed
+        if compiled:
+            torch._dynamo.reset()  # no graph of the first way is reused, whatever dynamo's guards see
         fwd = compiled_step(kind, compile_mode) if compiled else forward_loss
         predict = compiled_predict(model, compile_mode) if compiled else model.predict
         try:  # a kernel that fails (to build, to run) on this GPU: said, and the first variant's figures kept
