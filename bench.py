@@ -10,7 +10,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --compile=False                             # CUDA, XLA: eager (train.py compiles)
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
-    python bench.py --kernels=off --kernels_ab=True             # CUDA: kernels.py's fused blocks off, then on
+    python bench.py --kernels=off --kernels_ab=mlp_t            # CUDA: kernels.py off, then kernels=mlp_t
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     PJRT_DEVICE=TPU python bench.py config/baseline.py --vs_eager=True  # and the eager step: device_vs_eager=
     python bench.py --profile_steps=0:3                         # also a trace of 3 more steps
@@ -71,9 +71,9 @@ vs_eager = False                # XLA, compile=True: also time the eager step (h
                                 # device_vs_eager_alternated= (the median ratio with the steps alternated)
 emb_update_batch = 0            # ids per timed sign-SGD update of the puzzle embedding (0: global_batch_size)
 emb_update_dense = False        # also time the update computed over the whole table (table-sized temporaries)
-kernels_ab = False              # CUDA: then time the step and the evaluation again with the kernels the other way
-                                # (off / triton), same model, batches and process; print both and their ratio
-                                # (profile_steps then traces the second way)
+kernels_ab = ''                 # a kernels value to time the step and the evaluation again with ('': no A/B),
+                                # same model, batches and process; print both and their ratio (profile_steps then
+                                # traces the second)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -83,7 +83,7 @@ exec(open(os.path.join(_here, 'configurator.py')).read())
 
 from data import in_views, load_metadata  # noqa: E402
 from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
-from device import resolve_loss_dtype, use_kernels  # noqa: E402
+from device import KERNEL_CHOICES, resolve_loss_dtype, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import puzzle_for, puzzle_type, shape_from_name, views_problem  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, compiled_step, forward_loss  # noqa: E402
@@ -104,6 +104,9 @@ if steps < 0 or (steps == 0 and not checkpoint_dir):
 if seq_len < 0 or vocab_size < 0 or seq_align < 1:
     raise SystemExit(f"config error: seq_len={seq_len}, vocab_size={vocab_size}, seq_align={seq_align}; "
                      f"seq_len and vocab_size >= 0 (0: derived), seq_align >= 1")
+if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
+    raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
+                     f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, kind)
 loss_dtype = resolve_loss_dtype(loss_dtype, kind)
@@ -183,8 +186,7 @@ batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) f
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device)
-kernels_why = use_kernels(kernels, kind, forward_dtype, model)  # train.py's choice: kernels.py's blocks, or plain
-kernels_on = model.net.layers[0].fused is not None
+kernels_in, kernels_why = use_kernels(kernels, kind, forward_dtype, model)  # train.py's choice: kernels.py, plain
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA
@@ -429,12 +431,12 @@ if eval_batches > 0:
           + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None
              else ''))
 
-# --- kernels_ab: the same timings with the kernels the other way, on the same model, batches and process ----
+# --- kernels_ab: the same timings with another kernels value, on the same model, batches and process --------
 ab_kernels = ab_dt = ab_first_s = ab_eval_ps = None
 if kernels_ab:
-    ab_why = use_kernels('off' if kernels_on else 'triton', kind, forward_dtype, model)
-    if (model.net.layers[0].fused is not None) == kernels_on:
-        print(f"note: kernels_ab=True: no A/B here: {ab_why}")
+    ab_in, ab_why = use_kernels(kernels_ab, kind, forward_dtype, model)
+    if ab_in == kernels_in:
+        print(f"note: kernels_ab={kernels_ab}: no A/B here: both run kernels={kernels_in} ({ab_why})")
     else:
         model.__dict__.pop('_compiled_predict', None)  # compiled afresh, as the step is: the blocks changed
         if compiled:
@@ -446,20 +448,20 @@ if kernels_ab:
             run_steps(warmup_steps - 1)
             ab_dt = run_steps(steps) / steps
             ab_eval_ps = time_evaluation()[0] if eval_batches > 0 else None
-            ab_kernels = 'off' if kernels_on else 'triton'
+            ab_kernels = ab_in
         except Exception as e:
             import traceback
             traceback.print_exc()
-            print(f"kernels A/B: the run with kernels={'off' if kernels_on else 'triton'} failed ({type(e).__name__}: "
-                  f"{str(e)[:300]}); the figures above are kernels={'triton' if kernels_on else 'off'}'s")
+            print(f"kernels A/B: the run with kernels={ab_in} failed ({type(e).__name__}: {str(e)[:300]}); the "
+                  f"figures above are kernels={kernels_in}'s")
             profile_steps = ''  # nothing left to trace
     if ab_kernels:
-        off, on = (ab_dt, dt) if kernels_on else (dt, ab_dt)
-        eval_off, eval_on = (ab_eval_ps, eval_ps) if kernels_on else (eval_ps, ab_eval_ps)
-        print(f"kernels A/B: train {off * 1e3:.1f} ms/step off, {on * 1e3:.1f} on: x{off / on:.3f} | first step "
-              f"with kernels={ab_kernels} {ab_first_s:.1f} s ({ab_why})"
-              + (f" | eval {eval_off:.2f} puzzles/s off, {eval_on:.2f} on: x{eval_on / eval_off:.3f}"
-                 if eval_on else ''))
+        # ratios are the second's speed over the first's: above 1, kernels=<second> is faster
+        print(f"kernels A/B: train {dt * 1e3:.1f} ms/step with kernels={kernels_in}, {ab_dt * 1e3:.1f} with "
+              f"kernels={ab_kernels}: x{dt / ab_dt:.3f} | first step with kernels={ab_kernels} {ab_first_s:.1f} s "
+              f"({ab_why})"
+              + (f" | eval {eval_ps:.2f} puzzles/s with kernels={kernels_in}, {ab_eval_ps:.2f} with "
+                 f"kernels={ab_kernels}: x{ab_eval_ps / eval_ps:.3f}" if ab_eval_ps else ''))
 
 # --- XLA, vs_eager: the eager (lazy) step on the same model, for the ratio of the device's work ------------
 eager_host_s = eager_device_s = eager_first_s = alternated = None
@@ -524,7 +526,7 @@ if profile_steps:
 
 print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
       f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} "
-      f"kernels={'triton' if kernels_on else 'off'} ab_kernels={ab_kernels or 'n/a'} "
+      f"kernels={kernels_in} ab_kernels={ab_kernels or 'n/a'} "
       f"ab_ms_per_step={fmt(ab_dt and ab_dt * 1e3, '.2f')} ab_first_step_s={fmt(ab_first_s, '.2f')} "
       f"ab_eval_puzzles_per_s={fmt(ab_eval_ps, '.2f')} ms_per_step={dt * 1e3:.2f} "
       f"first_step_s={first_step_s:.2f} examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} "

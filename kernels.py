@@ -1,7 +1,9 @@
 """
-Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py's and bench.py's key
-kernels='triton' ('auto' picks them where device.choose_kernels says why). model.py keeps the plain path a reader
-sees; fuse_blocks(model) installs block_forward as each Block's `fused` forward, which the Block then runs.
+Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py's and bench.py's key kernels
+('auto' picks 'mlp_t' or 'off' where device.choose_kernels says why). model.py keeps the plain path a reader
+sees; fuse_blocks(model, which) installs a fused forward as each Block's `fused` forward, which the Block then
+runs: which='triton' every kernel below (for experiments), which='mlp_t' only mlp_t's forward where no gradient
+is taken (the no-grad calls of the recursion, evaluation), everything else on the plain path.
 
 What is fused, and why. The kernels keep on chip the tensors the plain path writes to memory and reads back:
   - mlp_t (the SwiGLU over the sequence axis, Sudoku's MLP-mixer): one kernel per batch row and tile of channels
@@ -20,7 +22,8 @@ Each kernel is a torch.library custom op with a fake (shape) implementation, and
 torch.compile keeps them in its graphs as single calls and inductor fuses what surrounds them. With
 TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors: that is how the tests check
 them on a machine without a GPU (in float32: the interpreter has no bfloat16).
-This file imports triton: import it only where kernels='triton' was chosen (a CPU wheel of torch has no triton).
+This file imports triton: import it only where kernels='triton' or 'mlp_t' was chosen (a CPU wheel of torch has
+no triton).
 """
 import os
 
@@ -33,7 +36,7 @@ from model import rms_norm
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 
 # tile sizes and warps of each kernel (dev/kernels_check.py may try others)
-TILES = dict(mlp_t=dict(BD=64, BI=32, num_warps=8, num_stages=3),
+TILES = dict(mlp_t=dict(BD=128, BI=64, num_warps=8, num_stages=2),
              mlp_t_backward=dict(BD=64, BI=32, num_warps=8, num_stages=2),
              swiglu=dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4),
              down_norm=dict(BM=64, BK=32, num_warps=16, num_stages=3))
@@ -144,7 +147,7 @@ def mlp_t(h: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, eps: float) -> tu
     rstd = torch.empty(B, D, dtype=torch.float32, device=h.device)
     BD = min(t['BD'], _pow2(D))
     _launch(_mlp_t_forward, (B, triton.cdiv(D, BD)), h, wg, wd, out, rstd, L, D, eps, I,
-            LP=wg.shape[0], BD=BD, BI=t['BI'], PREC=_precision(h.dtype), num_warps=t['num_warps'],
+            LP=wg.shape[0], BD=BD, BI=min(t['BI'], I), PREC=_precision(h.dtype), num_warps=t['num_warps'],
             num_stages=t['num_stages'])
     return out, rstd
 
@@ -298,15 +301,19 @@ def _(s, w, residual, eps):
 # -----------------------------------------------------------------------------
 # the Block's fused forward
 
-def block_forward(block, h, rope):
-    """Block.forward (model.py) with the fused kernels where they apply: mlp_t always (its autograd is the
-    kernels'), the channel SwiGLU where no gradient is taken (the no-grad recursion, evaluation); attention
-    and the channel SwiGLU under grad stay the plain path's."""
-    if hasattr(block, 'mlp_t'):
+def block_forward(block, h, rope, everything=True):
+    """Block.forward (model.py) with the fused kernels where they apply. everything=True: mlp_t always (its
+    autograd is the kernels'), the channel SwiGLU where no gradient is taken (the no-grad recursion,
+    evaluation); attention and the channel SwiGLU under grad stay the plain path's. everything=False: only
+    mlp_t's forward, and only where no gradient is taken; under grad the whole block is the plain path."""
+    fuse = everything or not torch.is_grad_enabled()
+    if hasattr(block, 'mlp_t') and fuse:
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
+    elif hasattr(block, 'mlp_t'):
+        h = block.mix_sequence(h)
     else:
         h = rms_norm(h + block.self_attn(h, rope), block.eps)
-    if torch.is_grad_enabled():
+    if torch.is_grad_enabled() or not everything:
         return rms_norm(h + block.mlp(h), block.eps)
     B, L, D = h.shape
     x = h.reshape(B * L, D)
@@ -314,23 +321,33 @@ def block_forward(block, h, rope):
     return down_norm(s, block.mlp.down_proj.weight.to(h.dtype), x, block.eps).view(B, L, D)
 
 
-def fusable(block):
-    """'' where block_forward runs this block, else why not (a shape past what a tile holds)."""
+def mlp_t_forward(block, h, rope):
+    """kernels='mlp_t': block_forward with only mlp_t's no-grad forward fused."""
+    return block_forward(block, h, rope, everything=False)
+
+
+def fusable(block, which='triton'):
+    """'' where `which`'s fused forward runs this block, else why not (no mlp_t to fuse, a shape past what a
+    tile holds)."""
+    if which == 'mlp_t' and not hasattr(block, 'mlp_t'):
+        return "the model mixes the sequence with attention, not mlp_t"
     if hasattr(block, 'mlp_t') and block.mlp_t.down_proj.weight.shape[0] > MAX_SEQ:
         return f"mlp_t over {block.mlp_t.down_proj.weight.shape[0]} positions (at most {MAX_SEQ})"
-    if block.mlp.down_proj.weight.shape[0] > MAX_WIDTH:
+    if which == 'triton' and block.mlp.down_proj.weight.shape[0] > MAX_WIDTH:
         return f"hidden_size {block.mlp.down_proj.weight.shape[0]} (at most {MAX_WIDTH})"
     return ''
 
 
-def fuse_blocks(model, on=True):
-    """Each Block of model runs block_forward (on=False: the plain forward again). Returns what was fused, or
-    why nothing was."""
+def fuse_blocks(model, which='triton'):
+    """Each Block of model runs which's fused forward: 'triton' (every kernel), 'mlp_t' (mlp_t's no-grad
+    forward), 'off' (the plain forward again). Returns what was fused, or why nothing was."""
     blocks = list(model.net.layers)
-    why = fusable(blocks[0])
+    why = fusable(blocks[0], which) if which != 'off' else 'off'
     for block in blocks:
-        block.fused = block_forward if on and not why else None
+        block.fused = None if why else block_forward if which == 'triton' else mlp_t_forward
     if why:
         return f"none fused: {why}"
+    if which == 'mlp_t':
+        return 'mlp_t forward (no-grad); the rest plain'
     return ('mlp_t (forward and backward), channel SwiGLU (no-grad)' if hasattr(blocks[0], 'mlp_t')
             else 'channel SwiGLU (no-grad); attention plain')

@@ -83,7 +83,7 @@ gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of 
 # system
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
 compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
-kernels = 'auto'                # fused Triton blocks (kernels.py): 'auto' (Hopper GPU, bf16) | 'triton'|'off'
+kernels = 'auto'                # kernels.py: 'auto' | 'off' | 'mlp_t' (its no-grad forward fused) | 'triton'
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 smoke = False                   # True: check this machine in minutes instead (preflight.py), in <out>/smoke
@@ -110,7 +110,7 @@ RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix
              lr=_pos, lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg,
              beta1=_unit, beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg,
              puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
-             gradient_accumulation_steps=_pos, kernels=_one_of('auto', 'triton', 'off'),
+             gradient_accumulation_steps=_pos, kernels=_one_of('auto', 'off', 'mlp_t', 'triton'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
              smoke_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 config_keys = [k for k, v in globals().items()
@@ -168,7 +168,7 @@ def build(meta, dev, total_steps, data_path):
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
-    dtype_why += f" | kernels {use_kernels(kernels, dev.kind, dtype, model)}"  # before the EMA copies model
+    dtype_why += f" | kernels {use_kernels(kernels, dev.kind, dtype, model)[1]}"  # before the EMA's copy
     row_bytes = 2 * model.config.total_len * hidden_size * getattr(torch, dtype).itemsize  # a row's y and z
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):

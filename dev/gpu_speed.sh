@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The kernels' evidence on one CUDA GPU, in one call, from the repository root:
 #   bash dev/gpu_speed.sh                                  # every stage that fits in BUDGET_S seconds
-#   STAGES=maze,ref_maze BUDGET_S=400 bash dev/gpu_speed.sh   # chosen stages
+#   STAGES=maze,ref_maze BUDGET_S=400 bash dev/gpu_speed.sh   # chosen stages (sudoku_all: only so)
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
 #   check     kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
-#   sudoku    bench.py config/baseline.py, kernels off then on in one run (--kernels_ab), and a profile of two
-#             compiled steps with the kernels on (top kernels by GPU time)
+#   sudoku    bench.py config/baseline.py, kernels off then auto (what a user gets: mlp_t on Hopper) in one run
+#             (--kernels_ab), and a profile of two compiled steps with auto's kernels (top kernels by GPU time)
 #   ref_mlp   the reference's step and evaluation, Sudoku MLP batch 768 (.gpu/ref_gpu_bench.py, .gpu/ref/models)
-#   train     a tiny training run's token accuracy with the kernels on and off (dev/kernels_check.py train)
+#   train     a tiny training run's token accuracy with every kernel and with none (dev/kernels_check.py train)
 #   ops       each fused op's ms per call against the compiled plain path, with tile variants
-#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then on
+#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then auto (off for attention: no A/B)
 #   ref_maze  the reference's step and evaluation, Maze attention batch 192
-#   cudagraphs, autotune  (KNOBS=1 only) the Sudoku step with the kernels under compile_mode reduce-overhead (CUDA
+#   sudoku_all  (only where STAGES names it) the Sudoku A/B with every fused kernel: off then triton, no profile
+#             (into knobs.txt, not the table)
+#   cudagraphs, autotune  (KNOBS=1 only) the Sudoku step with kernels=auto under compile_mode reduce-overhead (CUDA
 #             graphs) and max-autotune-no-cudagraphs (inductor's autotuning: minutes of compilation), to set beside
 #             the sudoku stage's figures
 # Everything goes to $OUT (at most 8 files); the summary table is printed last. The reference needs pydantic,
@@ -42,8 +44,10 @@ if [ "$DRY" = 1 ]; then
     SUDOKU_ARGS="$TINY"
     MAZE_ARGS="$TINY"
     PROFILE=""
+    AUTO=mlp_t  # what auto picks on a Hopper GPU; on a CPU auto is off, and the A/B would time nothing
 else
     DRYFLAG=""
+    AUTO=auto
     SUDOKU_ARGS="--steps=10 --warmup_steps=2 --eval_batches=2"
     MAZE_ARGS="--global_batch_size=192 --steps=10 --warmup_steps=2 --eval_batches=2"
     PROFILE="--profile_steps=0:2 --profile_dir=/tmp/gpu_speed_profile"
@@ -76,10 +80,10 @@ if [ "$REF_OK" = 1 ]; then
 fi
 
 # estimate (s) and cap (s) of each stage on a cold H100/H200 (compilation included)
-declare -A EST=([check]=90 [sudoku]=230 [ref_mlp]=130 [train]=40 [ops]=80 [maze]=220 [ref_maze]=130 [cudagraphs]=150
-                [autotune]=400)
-declare -A CAP=([check]=150 [sudoku]=330 [ref_mlp]=200 [train]=90 [ops]=150 [maze]=330 [ref_maze]=200 [cudagraphs]=240
-                [autotune]=560)
+declare -A EST=([check]=90 [sudoku]=230 [sudoku_all]=220 [ref_mlp]=130 [train]=40 [ops]=80 [maze]=220 [ref_maze]=130
+                [cudagraphs]=150 [autotune]=400)
+declare -A CAP=([check]=150 [sudoku]=330 [sudoku_all]=330 [ref_mlp]=200 [train]=90 [ops]=150 [maze]=330 [ref_maze]=200
+                [cudagraphs]=240 [autotune]=560)
 declare -A TOOK RESULT
 
 run_stage() {  # name, output file, command...: under timeout, appended to the file, its time and status noted
@@ -116,21 +120,23 @@ for stage in ${STAGES//,/ }; do
         sudoku)
             rm -rf /tmp/gpu_speed_profile
             run_stage sudoku "$OUT/bench_sudoku.txt" "$PY" bench.py config/baseline.py --kernels=off \
-                --kernels_ab=True $SUDOKU_ARGS $PROFILE
+                --kernels_ab=$AUTO $SUDOKU_ARGS $PROFILE
             if [ -n "$PROFILE" ] && [ -f /tmp/gpu_speed_profile/trace_0_2.json ]; then
                 "$PY" dev/kernels_check.py profile /tmp/gpu_speed_profile/trace_0_2.json "$OUT/profile_sudoku.txt" \
                     >/dev/null 2>&1 || say "note: the profile's summary failed"
             fi ;;
-        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab=True \
+        sudoku_all) run_stage sudoku_all "$OUT/knobs.txt" "$PY" bench.py config/baseline.py \
+                --kernels=off --kernels_ab=triton $SUDOKU_ARGS ;;
+        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab=auto \
                 $MAZE_ARGS ;;
         ref_mlp) ref_stage ref_mlp mlp 768 ;;
         ref_maze) ref_stage ref_maze maze 192 ;;
-        cudagraphs) run_stage cudagraphs "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=triton \
+        cudagraphs) run_stage cudagraphs "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=$AUTO \
                 --compile_mode=reduce-overhead $SUDOKU_ARGS ;;
-        autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=triton \
+        autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=$AUTO \
                 --compile_mode=max-autotune-no-cudagraphs $SUDOKU_ARGS ;;
-        *) say "note: unknown stage '$stage' (allowed: check sudoku ref_mlp train ops maze ref_maze cudagraphs" \
-               "autotune)" ;;
+        *) say "note: unknown stage '$stage' (allowed: check sudoku sudoku_all ref_mlp train ops maze ref_maze" \
+               "cudagraphs autotune)" ;;
     esac
 done
 

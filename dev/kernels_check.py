@@ -96,8 +96,9 @@ def block_checks(keys, B, dev, dtype):
 
 
 def step_checks(keys, B, dev, dtype):
-    """A model's training step (forward_loss and its backward) with the kernels on and off, against the same
-    step in float64: the loss and the blocks' gradients, and all gradients together."""
+    """A model's training step (forward_loss and its backward) with every kernel ('triton'), with kernels='mlp_t'
+    and with none, against the same step in float64: the loss and the blocks' gradients, and all gradients
+    together."""
     import torch
     import kernels
     from model import TRM, TRMConfig
@@ -120,13 +121,17 @@ def step_checks(keys, B, dev, dtype):
         return [loss.detach().reshape(1)] + [p.grad for p in model.parameters()]
     exact = run(f64)
     plain = run(low)
-    kernels.fuse_blocks(low)
+    kernels.fuse_blocks(low, 'triton')
     fused = run(low)
-    kernels.fuse_blocks(low, on=False)
+    kernels.fuse_blocks(low, 'mlp_t')
+    mlp_t_only = run(low)
+    kernels.fuse_blocks(low, 'off')
     names = ['loss'] + [f"d {n}" for n, _ in low.named_parameters()]
     oks = [compare(n, f, p, e) for n, f, p, e in zip(names, fused, plain, exact) if '.mlp' in n or n == 'loss']
     flat = lambda gs: torch.cat([t.double().flatten() for t in gs[1:]])
     oks.append(compare('all gradients together', flat(fused), flat(plain), flat(exact)))
+    oks.append(compare("kernels='mlp_t': loss", mlp_t_only[0], plain[0], exact[0]))
+    oks.append(compare("kernels='mlp_t': all gradients", flat(mlp_t_only), flat(plain), flat(exact)))
     return oks
 
 
@@ -166,7 +171,7 @@ def train():
     def run(on):
         torch.manual_seed(0)
         model = TRM(TRMConfig(**keys)).to(dev)
-        kernels.fuse_blocks(model, on=on)
+        kernels.fuse_blocks(model, 'triton' if on else 'off')
         opt = AdamATan2(model.parameters(), lr=2e-3, weight_decay=0.1)
         sc = StepConfig(lr=2e-3, puzzle_emb_lr=0.0, puzzle_emb_weight_decay=0.0, warmup_steps=20,
                         total_steps=n_steps, min_ratio=1.0, global_batch_size=B)
@@ -203,9 +208,9 @@ def time_ms(fn, n=20):
     return start.elapsed_time(end) / n
 
 
-VARIANTS = dict(mlp_t=[dict(BD=64, BI=16, num_warps=8, num_stages=3),
-                       dict(BD=64, BI=64, num_warps=8, num_stages=2),
-                       dict(BD=128, BI=64, num_warps=8, num_stages=2)],
+VARIANTS = dict(mlp_t=[dict(BD=64, BI=32, num_warps=8, num_stages=3),
+                       dict(BD=64, BI=16, num_warps=8, num_stages=3),
+                       dict(BD=64, BI=64, num_warps=8, num_stages=2)],
                 mlp_t_backward=[dict(BD=64, BI=16, num_warps=8, num_stages=2),
                                 dict(BD=64, BI=32, num_warps=8, num_stages=3)],
                 swiglu=[dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
@@ -366,7 +371,8 @@ def num(v):
 
 
 def table(folder):
-    """workload | ours, kernels off | ours, on | reference | on vs off | on vs reference (speed ratios)."""
+    """workload | the kernels value timed against off | ours, kernels off | ours, that value | reference | that
+    value vs off | vs reference (speed ratios), from bench.py's --kernels_ab logs (either value first)."""
     rows = [('Sudoku MLP, batch 768, train (ms/step)', 'bench_sudoku.txt', 'ref_mlp.txt', 'ms_per_step', True),
             ('Sudoku MLP, evaluation (puzzles/s)', 'bench_sudoku.txt', 'ref_mlp.txt', 'eval_puzzles_per_s', False),
             ('Maze attention, batch 192, train (ms/step)', 'bench_maze.txt', 'ref_maze.txt', 'ms_per_step', True),
@@ -374,15 +380,18 @@ def table(folder):
              False)]
     fmt = lambda v: 'n/a' if v is None else f"{v:.1f}"
     ratio = lambda a, b, lower: None if a is None or b is None else (b / a if lower else a / b)
-    out = ["| workload | ours, kernels off | ours, kernels on | reference | on vs off | on vs reference |",
-           "|---|---|---|---|---|---|"]
+    out = ["| workload | kernels on | ours, kernels off | ours, kernels on | reference | on vs off | on vs reference |",
+           "|---|---|---|---|---|---|---|"]
     for what, ours, ref, key, lower in rows:
         b, r = fields(os.path.join(folder, ours), 'bench:'), fields(os.path.join(folder, ref), 'ref:')
-        main, other = num(b.get(key)), num(b.get('ab_' + key))
-        on, off = (main, other) if b.get('kernels') == 'triton' else (other, main)
+        timed = {b.get('kernels'): num(b.get(key)), b.get('ab_kernels'): num(b.get('ab_' + key))}
+        off = timed.pop('off', None)
+        which = next((k for k in timed if k not in (None, 'n/a')), None)
+        on = timed.get(which)
         ref_v = num(r.get(key))
         speed = lambda a, c: 'n/a' if ratio(a, c, lower) is None else f"{ratio(a, c, lower):.3f}x"
-        out.append(f"| {what} | {fmt(off)} | {fmt(on)} | {fmt(ref_v)} | {speed(on, off)} | {speed(on, ref_v)} |")
+        out.append(f"| {what} | {which or 'n/a'} | {fmt(off)} | {fmt(on)} | {fmt(ref_v)} | {speed(on, off)} | "
+                   f"{speed(on, ref_v)} |")
     print('\n'.join(out))
     return 0
 
