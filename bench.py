@@ -10,6 +10,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --compile=False                             # CUDA, XLA: eager (train.py compiles)
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
+    python bench.py --kernels=off --kernels_ab=mlp_t            # CUDA: kernels.py off, then kernels=mlp_t
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     PJRT_DEVICE=TPU python bench.py config/baseline.py --vs_eager=True  # and the eager step: device_vs_eager=
     python bench.py --profile_steps=0:3                         # also a trace of 3 more steps
@@ -73,6 +74,9 @@ vs_eager = False                # XLA, compile=True: also time the eager step (h
                                 # device_vs_eager_alternated= (the median ratio with the steps alternated)
 emb_update_batch = 0            # ids per timed sign-SGD update of the puzzle embedding (0: global_batch_size)
 emb_update_dense = False        # also time the update computed over the whole table (table-sized temporaries)
+kernels_ab = ''                 # a kernels value to time the step and the evaluation again with ('': no A/B),
+                                # same model, batches and process; print both and their ratio (profile_steps then
+                                # traces the second)
 checkpoint_dir = ''             # first time a checkpoint of this model and batch as train.py writes it (on SIGTERM too): here, and its upload when gs://
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -82,7 +86,7 @@ exec(open(os.path.join(_here, 'configurator.py')).read())
 
 from data import in_views, load_metadata  # noqa: E402
 from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
-from device import resolve_loss_dtype  # noqa: E402
+from device import KERNEL_CHOICES, resolve_loss_dtype, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import puzzle_for, puzzle_type, shape_from_name, views_problem  # noqa: E402
 from step import AdamATan2, Eager, StepConfig, compiled_predict, step_form  # noqa: E402
@@ -103,6 +107,9 @@ if steps < 0 or (steps == 0 and not checkpoint_dir):
 if seq_len < 0 or vocab_size < 0 or seq_align < 1:
     raise SystemExit(f"config error: seq_len={seq_len}, vocab_size={vocab_size}, seq_align={seq_align}; "
                      f"seq_len and vocab_size >= 0 (0: derived), seq_align >= 1")
+if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
+    raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
+                     f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, kind)
 loss_dtype = resolve_loss_dtype(loss_dtype, kind)
@@ -182,6 +189,7 @@ batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) f
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device)
+kernels_in, kernels_why = use_kernels(kernels, kind, forward_dtype, model)  # train.py's choice: kernels.py, plain
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA
@@ -202,7 +210,7 @@ peak = dev.peak_tflops()
 flops = model.flops_per_example()  # one supervision step: every net call, the no-grad recursion passes
                                    # included
 print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype "
-      f"{dtype_why}")
+      f"{dtype_why} | kernels {kernels_why}")
 print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'attention'}, pos {pos_encodings}, "
       f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} "
       f"tokens | {forward_dtype}, loss {loss_type} {loss_dtype} | {flops / 1e9:.2f} GFLOPs per example-step "
@@ -385,11 +393,11 @@ if puzzle_emb_ndim > 0:
           + (f" | over the whole table {emb_dense_ms:.2f} ms" if emb_dense_ms is not None else ''))
 
 # --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (evaluate.evaluate's work) --
-eval_ps = eval_mfu = eval_warm_s = None
-eval_fallbacks = {}
-compiles_eval_warm = compiles_eval_end = compiles_end
-if eval_batches > 0:
+def time_evaluation():
+    """(puzzles/s over eval_batches batches, the first batch's seconds (compilation; None on the CPU), XLA's
+    compilations after that batch and at the end, its fallback counters)."""
     model.eval()  # the trained weights themselves, not the EMA copy: the cost is the same
+    warm_s, compiles_warm = None, compiles_end
     with torch.no_grad():
         if kind != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU:
                            # no need)
@@ -398,18 +406,26 @@ if eval_batches > 0:
             dev.sync()
             dev.wait()
             out[1].cpu()  # compiled graphs are waited for by reading an output
-            eval_warm_s = time.perf_counter() - t0
-            compiles_eval_warm = dev.xla_report()[0]
+            warm_s = time.perf_counter() - t0
+            compiles_warm = dev.xla_report()[0]
         t0 = time.perf_counter()
         for i in range(eval_batches):
             out = predict(eval_data[i % len(eval_data)], n_eval_steps)  # kept: XLA skips what nothing uses
             dev.sync()
         dev.wait()
         out[1].cpu()
-        eval_ps = eval_B * eval_batches / (time.perf_counter() - t0)  # puzzles, each in eval_views rows
-        compiles_eval_end, after = dev.xla_report()
-    eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in after.items() if c > fallbacks.get(n, 0)}
+        rate = eval_B * eval_batches / (time.perf_counter() - t0)  # puzzles, each in eval_views rows
+        compiles, after = dev.xla_report()
     model.train()
+    return rate, warm_s, compiles_warm, compiles, after
+
+
+eval_ps = eval_mfu = eval_warm_s = None
+eval_fallbacks = {}
+compiles_eval_warm = compiles_eval_end = compiles_end
+if eval_batches > 0:
+    eval_ps, eval_warm_s, compiles_eval_warm, compiles_eval_end, after = time_evaluation()
+    eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in after.items() if c > fallbacks.get(n, 0)}
     eval_tflops = model.flops_per_example(train=False) * n_eval_steps * eval_views * eval_ps / 1e12
     eval_mfu = eval_tflops / peak if peak else None
     views_what = f" x {eval_views} views = {eval_views * eval_B} rows" if eval_views > 1 else ''
@@ -417,6 +433,38 @@ if eval_batches > 0:
           f"{eval_tflops:.3f} TFLOP/s | MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
           + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None
              else ''))
+
+# --- kernels_ab: the same timings with another kernels value, on the same model, batches and process --------
+ab_kernels = ab_dt = ab_first_s = ab_eval_ps = None
+if kernels_ab:
+    ab_in, ab_why = use_kernels(kernels_ab, kind, forward_dtype, model)
+    if ab_in == kernels_in:
+        print(f"note: kernels_ab={kernels_ab}: no A/B here: both run kernels={kernels_in} ({ab_why})")
+    else:
+        model.__dict__.pop('_compiled_predict', None)  # compiled afresh, as the step is: the blocks changed
+        if compiled:
+            torch._dynamo.reset()  # no graph of the first way is reused, whatever dynamo's guards see
+        form = step_form(kind, compiled, compile_mode)
+        predict = compiled_predict(model, compile_mode) if compiled else model.predict
+        try:  # a kernel that fails (to build, to run) on this GPU: said, and the first variant's figures kept
+            ab_first_s = run_steps(1)
+            run_steps(warmup_steps - 1)
+            ab_dt = run_steps(steps) / steps
+            ab_eval_ps = time_evaluation()[0] if eval_batches > 0 else None
+            ab_kernels = ab_in
+        except Exception as e:
+            import traceback
+            traceback.print_exc()
+            print(f"kernels A/B: the run with kernels={ab_in} failed ({type(e).__name__}: {str(e)[:300]}); the "
+                  f"figures above are kernels={kernels_in}'s")
+            profile_steps = ''  # nothing left to trace
+    if ab_kernels:
+        # ratios are the second's speed over the first's: above 1, kernels=<second> is faster
+        print(f"kernels A/B: train {dt * 1e3:.1f} ms/step with kernels={kernels_in}, {ab_dt * 1e3:.1f} with "
+              f"kernels={ab_kernels}: x{dt / ab_dt:.3f} | first step with kernels={ab_kernels} {ab_first_s:.1f} s "
+              f"({ab_why})"
+              + (f" | eval {eval_ps:.2f} puzzles/s with kernels={kernels_in}, {ab_eval_ps:.2f} with "
+                 f"kernels={ab_kernels}: x{ab_eval_ps / eval_ps:.3f}" if ab_eval_ps else ''))
 
 # --- XLA, vs_eager: the eager (lazy) step on the same model, for the ratio of the device's work ------------
 eager_host_s = eager_device_s = eager_first_s = alternated = None
@@ -480,7 +528,10 @@ if profile_steps:
         print(f"profile: Chrome trace {where} (https://ui.perfetto.dev or chrome://tracing)")
 
 print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
-      f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} ms_per_step={dt * 1e3:.2f} "
+      f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} "
+      f"kernels={kernels_in} ab_kernels={ab_kernels or 'n/a'} "
+      f"ab_ms_per_step={fmt(ab_dt and ab_dt * 1e3, '.2f')} ab_first_step_s={fmt(ab_first_s, '.2f')} "
+      f"ab_eval_puzzles_per_s={fmt(ab_eval_ps, '.2f')} ms_per_step={dt * 1e3:.2f} "
       f"first_step_s={first_step_s:.2f} examples_per_s={ex_s:.2f} tokens_per_s={ex_s * seq_len:.0f} "
       f"flops_per_example={flops} tflops={tflops:.4f} mfu={fmt(mfu, '.4f')} warmup_s={warmup_s:.2f} "
       f"peak_mem_gib={mem / 2 ** 30:.3f} eval_puzzles_per_s={fmt(eval_ps, '.2f')} "

@@ -236,7 +236,7 @@ TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/
              lr=_pos, lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg,
              beta1=_unit, beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg,
              puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
-             gradient_accumulation_steps=_pos,
+             gradient_accumulation_steps=_pos, kernels=_one_of('auto', 'off', 'mlp_t', 'triton'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
              preflight_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 

@@ -180,6 +180,77 @@ def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
 
 
 # -----------------------------------------------------------------------------
+# the kernels: kernels.py's fused Triton blocks only where they are known to pay
+
+KERNEL_CHOICES = ('auto', 'off', 'mlp_t', 'triton')
+
+
+def choose_kernels(requested, kind, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
+    """(kernels, why): 'mlp_t' (kernels.py's fused mlp_t forward where no gradient is taken, the rest plain),
+    'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that mixes the
+    sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
+    capability 9.x) in bfloat16 with triton installed, the one kernel measured faster than the compiled plain
+    path there; off everywhere else (attention models, other GPUs, other dtypes), so CPU, XLA and TorchTPU runs
+    keep the plain path. A forced 'mlp_t' or 'triton' where it cannot run falls back to the plain path, `why`
+    starting with 'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a forced value on the CPU, slowly:
+    that is how the tests check the kernels."""
+    if requested == 'off':
+        return 'off', 'off (as configured)'
+    if have_triton is None:
+        import importlib.util
+        have_triton = importlib.util.find_spec('triton') is not None
+    interpreter = kind == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'
+    if requested != 'auto':
+        if not have_triton:
+            return 'off', f"warning: kernels='{requested}' needs the triton package, which is not installed: " \
+                          "plain path"
+        if kind != 'cuda' and not interpreter:
+            return 'off', (f"warning: kernels='{requested}' runs on CUDA GPUs (or the CPU with TRITON_INTERPRET=1), "
+                           f"not on device {kind}: plain path")
+        if requested == 'mlp_t' and not mlp_t:
+            return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
+        return requested, f"{requested} (as configured" + ("; Triton's interpreter on the CPU)" if interpreter
+                                                          else ")")
+    if kind != 'cuda':
+        return 'off', f"auto: off (device {kind}: the kernels are for CUDA GPUs)"
+    cap = cuda_capability or torch.cuda.get_device_capability()
+    hw = f"GPU of compute capability {cap[0]}.{cap[1]}"
+    if not have_triton:
+        return 'off', f"auto: off ({hw}, but triton is not installed)"
+    if cap[0] != 9:
+        return 'off', f"auto: off ({hw}: the kernels are measured on Hopper, 9.0, only; --kernels=mlp_t forces " \
+                      "them)"
+    if dtype != 'bfloat16':
+        return 'off', f"auto: off (forward dtype {dtype}: the kernels are measured in bfloat16)"
+    if not mlp_t:
+        return 'off', f"auto: off ({hw}, bfloat16, attention: no fused kernel is measured faster than the plain " \
+                      "path for it)"
+    return 'mlp_t', (f"auto: mlp_t ({hw}, bfloat16): the fused mlp_t forward where no gradient is taken, the one "
+                     "kernel measured faster on an H200")
+
+
+def use_kernels(requested, kind, dtype, model):
+    """choose_kernels for this device, forward dtype and model, applied to model's blocks: kernels.py's fused
+    forward installed ('mlp_t', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain
+    forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton that fails to
+    import means the plain path, said in `why`."""
+    choice, why = choose_kernels(requested, kind, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
+    if choice != 'off':
+        try:
+            from kernels import fuse_blocks
+            fused = fuse_blocks(model, choice)
+            if fused.startswith('none fused'):
+                return 'off', f"{why}: {fused}: plain path"
+            return choice, why if requested == 'auto' else f"{why}: {fused}"
+        except Exception as e:  # a broken triton install: the plain path, said in one line
+            why = (f"warning: kernels='{requested}' but kernels.py failed to import ({type(e).__name__}: {e}): "
+                   "plain path")
+    for block in model.net.layers:
+        block.fused = None
+    return 'off', why
+
+
+# -----------------------------------------------------------------------------
 # one process's device, rank and collectives
 
 # peak dense bf16 TFLOP/s of one process's GPU or TPU device (datasheets), for MFU; the first name in the

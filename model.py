@@ -224,7 +224,13 @@ class Block(nn.Module):
         x = F.pad(h, (0, self.seq_pad)) if self.seq_pad else h  # one copy, as the transpose needed one anyway
         return rms_norm(h + self.mlp_t(x, pad=self.seq_pad), self.eps).transpose(1, 2)
 
+    # A fused forward of this block, fused(block, h, rope), that kernels.py installs (train.py's kernels key), or
+    # None: the forward below. The fused one computes the same function, within the forward dtype's rounding.
+    fused = None
+
     def forward(self, h, rope):
+        if self.fused is not None:
+            return self.fused(self, h, rope)
         if hasattr(self, 'mlp_t'):
             h = self.mix_sequence(h)
         else:

@@ -89,6 +89,7 @@ gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of 
 # system
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
 compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
+kernels = 'auto'                # kernels.py: 'auto' | 'off' | 'mlp_t' (its no-grad forward fused) | 'triton'
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 preflight = False               # True: check this machine in minutes instead: two short runs in <out>/preflight
@@ -129,6 +130,7 @@ import runkeep  # noqa: E402  (the shell's front: Run, launch, start_worker)
 from evaluate import ARCVotes  # noqa: E402  (arc.py after the merge)
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
+from device import use_kernels  # noqa: E402
 from evaluate import evaluate  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import puzzle_for, verifier_for, views_problem  # noqa: E402
@@ -153,6 +155,7 @@ def build(meta, dev, total_steps, data_path):
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
+    dtype_why += f" | kernels {use_kernels(kernels, dev.kind, dtype, model)[1]}"  # before the EMA's copy
     row_bytes = model.config.latent_bytes(getattr(torch, dtype).itemsize)
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):

@@ -1,0 +1,409 @@
+"""
+kernels.py checked where it runs, for dev/gpu_speed.sh: exactness at the real shapes, a tiny training run with the
+kernels on and off, each fused op's time against the compiled plain path, the top kernels of a profile, and the
+summary table of gpu_speed.sh's logs.
+    python dev/kernels_check.py exact              # fused vs plain, both vs float64 (float32 for a model's step)
+    python dev/kernels_check.py train              # a tiny run's token accuracy after N steps, kernels on and off
+    python dev/kernels_check.py ops                # ms per call: fused ops (and tile variants) vs compiled plain
+    python dev/kernels_check.py profile TRACE OUT  # the kernels of a bench.py Chrome trace by GPU time, into OUT
+    python dev/kernels_check.py table DIR          # gpu_speed.sh's table from the bench and reference logs in DIR
+    python dev/kernels_check.py build [CAP]        # each kernel built for compute capability CAP (90), no GPU:
+                                                   # its shared memory, registers and spills
+--dry: tiny shapes in float32 on the CPU through Triton's interpreter (run with TRITON_INTERPRET=1): the stages
+start and the numbers mean nothing for speed. Exit status 1 when an exactness check fails.
+"""
+import copy
+import json
+import os
+import re
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DRY = '--dry' in sys.argv
+ARGS = [a for a in sys.argv[1:] if a != '--dry']
+
+
+def setup():
+    """(device, dtype, the Sudoku block's config keys, the maze's, batch): real shapes on a GPU, tiny on --dry."""
+    import torch
+    if DRY:
+        if os.environ.get('TRITON_INTERPRET') != '1':
+            raise SystemExit("--dry runs the kernels in Triton's interpreter: set TRITON_INTERPRET=1")
+        small = dict(vocab_size=6, seq_len=11, num_puzzle_identifiers=1, hidden_size=32, num_heads=2,
+                     puzzle_emb_ndim=32, puzzle_emb_len=2, H_cycles=1, L_cycles=2, halt_max_steps=2)
+        return 'cpu', torch.float32, dict(small), dict(small, mlp_t=False, pos_encodings='rope'), 2
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: run with --dry (and TRITON_INTERPRET=1) on the CPU")
+    sudoku = dict(vocab_size=11, seq_len=81, num_puzzle_identifiers=1)
+    maze = dict(vocab_size=6, seq_len=900, num_puzzle_identifiers=1, mlp_t=False, pos_encodings='rope', L_cycles=4)
+    return 'cuda', torch.bfloat16, sudoku, maze, 768
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def compare(name, fused, plain, exact):
+    """One line: both paths' error against the exact result; ok when the fused one's is at most twice the
+    plain one's (the dtype's rounding, not a bug's)."""
+    ef, ep = rel(fused, exact), rel(plain, exact)
+    ok = ef <= 2 * ep + 1e-6
+    print(f"  {name:34s} fused {ef:.2e}  plain {ep:.2e}  (vs exact) | fused vs plain {rel(fused, plain):.2e} | "
+          f"{'ok' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def block_checks(keys, B, dev, dtype):
+    """A block of the model (its real shapes): the no-grad forward, and where mlp_t's fused op carries a
+    gradient, the input's and the weights' gradients; against the block in float64."""
+    import torch
+    import kernels
+    from model import TRM, TRMConfig
+    torch.manual_seed(0)
+    model = TRM(TRMConfig(**keys, forward_dtype='float32')).to(dev)
+    exact_model = copy.deepcopy(model).double()
+    block, exact_block, rope, exact_rope = model.net.layers[0], exact_model.net.layers[0], model.rope(), \
+        exact_model.rope()
+    h = torch.randn(B, model.config.total_len, model.config.hidden_size, device=dev).to(dtype)
+    oks = []
+    with torch.no_grad():
+        exact = exact_block(h.double(), exact_rope)
+        plain = block(h, rope)
+        block.fused = kernels.block_forward
+        fused = block(h, rope)
+        block.fused = None
+    oks.append(compare('block forward (no grad)', fused, plain, exact))
+    if not hasattr(block, 'mlp_t'):
+        return oks
+    g = torch.randn_like(exact)
+
+    def grads(b, x, r, fused_forward):
+        b.fused = fused_forward
+        b.zero_grad()
+        x = x.clone().requires_grad_(True)
+        (b(x, r).double() * g).sum().backward()
+        b.fused = None
+        return [x.grad] + [p.grad for p in b.mlp_t.parameters()]
+    exact_g = grads(exact_block, h.double(), exact_rope, None)
+    plain_g = grads(block, h, rope, None)
+    fused_g = grads(block, h, rope, kernels.block_forward)
+    for name, f, p, e in zip(('d h', 'd mlp_t.gate_up', 'd mlp_t.down'), fused_g, plain_g, exact_g):
+        oks.append(compare(f'block backward: {name}', f, p, e))
+    return oks
+
+
+def step_checks(keys, B, dev, dtype):
+    """A model's training step (forward_loss and its backward) with every kernel ('triton'), with kernels='mlp_t'
+    and with none, against the same step in float64: the loss and the blocks' gradients, and all gradients
+    together."""
+    import torch
+    import kernels
+    from model import TRM, TRMConfig
+    from step import forward_loss
+    torch.manual_seed(0)
+    low = TRM(TRMConfig(**keys, forward_dtype=str(dtype).split('.')[-1], loss_dtype='float64')).to(dev)
+    f64 = copy.deepcopy(low).double()  # every weight, activation and the loss in float64 (rms_norm: float32)
+    f64.forward_dtype = torch.float64
+    L, V = keys['seq_len'], keys['vocab_size']
+    batch = dict(inputs=torch.randint(1, V, (B, L), dtype=torch.int32, device=dev),
+                 labels=torch.randint(1, V, (B, L), dtype=torch.int32, device=dev),
+                 puzzle_identifiers=torch.zeros(B, dtype=torch.int32, device=dev))
+
+    def run(model):
+        torch.manual_seed(1)
+        model.zero_grad()
+        carry = model.initial_carry(batch)
+        _, loss, _ = forward_loss(model, carry, batch, None)
+        loss.backward()
+        return [loss.detach().reshape(1)] + [p.grad for p in model.parameters()]
+    exact = run(f64)
+    plain = run(low)
+    kernels.fuse_blocks(low, 'triton')
+    fused = run(low)
+    kernels.fuse_blocks(low, 'mlp_t')
+    mlp_t_only = run(low)
+    kernels.fuse_blocks(low, 'off')
+    names = ['loss'] + [f"d {n}" for n, _ in low.named_parameters()]
+    oks = [compare(n, f, p, e) for n, f, p, e in zip(names, fused, plain, exact) if '.mlp' in n or n == 'loss']
+    flat = lambda gs: torch.cat([t.double().flatten() for t in gs[1:]])
+    oks.append(compare('all gradients together', flat(fused), flat(plain), flat(exact)))
+    oks.append(compare("kernels='mlp_t': loss", mlp_t_only[0], plain[0], exact[0]))
+    oks.append(compare("kernels='mlp_t': all gradients", flat(mlp_t_only), flat(plain), flat(exact)))
+    return oks
+
+
+def exact():
+    dev, dtype, sudoku, maze, B = setup()
+    t0 = time.time()
+    print(f"exactness on {dev} in {dtype}: error norms ||x - exact|| / ||exact||", flush=True)
+    print(f"Sudoku MLP block (mlp_t), batch {B}:")
+    oks = block_checks(sudoku, B, dev, dtype)
+    print(f"Maze attention block, batch {max(2, B // 24)}:")
+    oks += block_checks(maze, max(2, B // 24), dev, dtype)
+    print(f"Sudoku MLP training step, batch {max(2, B // 6)}:")
+    oks += step_checks(sudoku, max(2, B // 6), dev, dtype)
+    print(f"exactness: {sum(oks)}/{len(oks)} ok in {time.time() - t0:.0f} s", flush=True)
+    return 0 if all(oks) else 1
+
+
+def train():
+    """A tiny mlp_t model learns to reverse a sequence, with the kernels off and then on, from the same weights
+    and batches: the token accuracy of the last steps should agree within noise."""
+    import numpy as np
+    import torch
+    import kernels
+    from model import TRM, TRMConfig
+    from step import AdamATan2, StepConfig, train_step
+    dev, dtype, _, _, _ = setup()
+    n_steps, B, L = (3, 4, 6) if DRY else (300, 256, 16)
+    keys = dict(vocab_size=11, seq_len=L, num_puzzle_identifiers=1, hidden_size=32 if DRY else 128,
+                num_heads=2, H_cycles=2, L_cycles=2, halt_max_steps=2, puzzle_emb_ndim=0,
+                forward_dtype=str(dtype).split('.')[-1], loss_dtype='float32')
+
+    def batch(i):
+        x = np.random.default_rng(i).integers(1, 11, (B, L)).astype(np.int32)
+        return {k: torch.from_numpy(v).to(dev) for k, v in
+                dict(inputs=x, labels=x[:, ::-1].copy(), puzzle_identifiers=np.zeros(B, np.int32)).items()}
+
+    def run(on):
+        torch.manual_seed(0)
+        model = TRM(TRMConfig(**keys)).to(dev)
+        kernels.fuse_blocks(model, 'triton' if on else 'off')
+        opt = AdamATan2(model.parameters(), lr=2e-3, weight_decay=0.1)
+        sc = StepConfig(lr=2e-3, puzzle_emb_lr=0.0, puzzle_emb_weight_decay=0.0, warmup_steps=20,
+                        total_steps=n_steps, min_ratio=1.0, global_batch_size=B)
+        step_t, carry, sums = torch.zeros((), device=dev), model.initial_carry(batch(0)), None
+        t0 = time.time()
+        for i in range(n_steps):
+            carry, loss, m = train_step(model, opt, None, carry, batch(i), step_t, sc)
+            if i >= n_steps - 20:
+                sums = m if sums is None else {k: sums[k] + m[k] for k in sums}
+        acc = float(sums['accuracy'] / sums['count'].clamp_min(1))
+        print(f"  kernels {'on ' if on else 'off'}: token accuracy {acc:.4f} over the last steps, loss "
+              f"{float(loss) / B:.4f} at step {n_steps} ({time.time() - t0:.1f} s)", flush=True)
+        return acc
+    print(f"tiny training run ({n_steps} steps, batch {B}, mlp_t D {keys['hidden_size']}, {dtype}, eager, "
+          f"reverse {L} tokens):")
+    off, on = run(False), run(True)
+    ok = abs(on - off) <= 0.05 or DRY
+    print(f"tiny run: accuracy off {off:.4f}, on {on:.4f}: {'ok' if ok else 'FAIL'} (within 0.05)", flush=True)
+    return 0 if ok else 1
+
+
+def time_ms(fn, n=20):
+    import torch
+    for _ in range(3):
+        fn()
+    if DRY:
+        return float('nan')
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / n
+
+
+VARIANTS = dict(mlp_t=[dict(BD=64, BI=32, num_warps=8, num_stages=3),
+                       dict(BD=64, BI=16, num_warps=8, num_stages=3),
+                       dict(BD=64, BI=64, num_warps=8, num_stages=2)],
+                mlp_t_backward=[dict(BD=64, BI=16, num_warps=8, num_stages=2),
+                                dict(BD=64, BI=32, num_warps=8, num_stages=3)],
+                swiglu=[dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
+                        dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)],
+                down_norm=[dict(BM=64, BK=32, num_warps=8, num_stages=3),
+                           dict(BM=64, BK=64, num_warps=16, num_stages=2)])
+
+
+def ops():
+    """ms per call at the Sudoku block's real shapes: each fused op (its default tiles, then VARIANTS) against
+    the plain path compiled by inductor (torch.compile's default mode)."""
+    import torch
+    import kernels
+    from model import TRM, TRMConfig, rms_norm
+    dev, dtype, sudoku, _, B = setup()
+    torch.manual_seed(0)
+    model = TRM(TRMConfig(**sudoku, forward_dtype=str(dtype).split('.')[-1])).to(dev)
+    block = model.net.layers[0]
+    h = torch.randn(B, model.config.total_len, model.config.hidden_size, device=dev).to(dtype)
+    hg, g = h.clone().requires_grad_(True), torch.randn_like(h)
+    compile_ = (lambda f: f) if DRY else torch.compile
+    plain_mix = compile_(block.mix_sequence)
+    plain_channel = compile_(lambda x: rms_norm(x + block.mlp(x), block.eps))
+    x = h.reshape(-1, h.shape[-1])
+    w_gu, w_d = block.mlp.gate_up_proj.weight.to(dtype), block.mlp.down_proj.weight.to(dtype)
+    fused = dict(
+        mlp_t=lambda: kernels.mlp_t(h, *kernels.mlp_t_weights(block, dtype), block.eps),
+        mlp_t_backward=lambda: kernels.mlp_t(hg, *kernels.mlp_t_weights(block, dtype), block.eps)[0].backward(g),
+        swiglu=lambda: kernels.swiglu(x, w_gu),
+        down_norm=lambda: kernels.down_norm(s, w_d, x, block.eps))
+    s = kernels.swiglu(x, w_gu)
+    plain = dict(mlp_t=lambda: plain_mix(h), mlp_t_backward=lambda: plain_mix(hg).backward(g),
+                 swiglu=None, down_norm=lambda: plain_channel(h))
+    print(f"ms per call, batch {B} (plain: inductor-compiled; mlp_t_backward: forward and backward together; "
+          "the channel sublayer's plain figure, swiglu + down_norm, is beside down_norm):", flush=True)
+    for op in fused:
+        with torch.no_grad() if op != 'mlp_t_backward' else torch.enable_grad():
+            base = dict(kernels.TILES[op])
+            rows = [(base, time_ms(fused[op]))]
+            for v in VARIANTS[op]:
+                kernels.TILES[op] = v
+                try:
+                    rows.append((v, time_ms(fused[op])))
+                except Exception as e:  # a variant that does not compile (shared memory, registers)
+                    rows.append((v, f"{type(e).__name__}: {str(e)[:80]}"))
+            kernels.TILES[op] = base
+            ref = time_ms(plain[op]) if plain[op] else None
+        for i, (tiles, ms) in enumerate(rows):
+            print(f"  {op:15s} {'default' if i == 0 else 'variant':7s} {tiles} "
+                  + (f"{ms:.3f} ms" if isinstance(ms, float) else ms), flush=True)
+        if ref is not None:
+            print(f"  {op:15s} plain   {ref:.3f} ms", flush=True)
+    return 0
+
+
+def build_all(cap=90, variants=False):
+    """Each kernel at the Sudoku model's shapes with its default tiles (and VARIANTS' with variants=True),
+    compiled for a GPU of compute capability `cap` by Triton's own ptxas, no GPU needed:
+    {name: (shared memory bytes, registers per thread, stack bytes: register spills)}. A kernel that does not
+    build raises ptxas's error."""
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import kernels
+    bf, f32 = '*bf16', '*fp32'
+    mlp_t = lambda t: dict(I=512, LP=128, BD=t['BD'], BI=t['BI'])
+    specs = dict(  # the JIT's view of the Sudoku MLP's calls: L 97, D 512, mlp_t inter 512, channel inter 1536
+        mlp_t=(kernels._mlp_t_forward, dict(h_ptr=bf, wg_ptr=bf, wd_ptr=bf, out_ptr=bf, rstd_ptr=f32, L='i32',
+                                             D='i32', eps='fp32'), mlp_t),
+        mlp_t_backward=(kernels._mlp_t_backward, dict(h_ptr=bf, out_ptr=bf, dout_ptr=bf, rstd_ptr=f32, wg_ptr=bf,
+                                                      wd_ptr=bf, dh_ptr=bf, xr_ptr=bf, dy_ptr=bf, dgu_ptr=bf,
+                                                      s_ptr=bf, L='i32', D='i32'), mlp_t),
+        swiglu=(kernels._swiglu_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, M='i32', I='i32'),
+                lambda t: dict(K=512, BM=t['BM'], BN=t['BN'], BK=t['BK'])),
+        down_norm=(kernels._down_norm_forward, dict(s_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, M='i32', D='i32',
+                                                    eps='fp32'),
+                   lambda t: dict(K=1536, BM=t['BM'], DP=512, BK=t['BK'])))
+    tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
+    out = {}
+    for name, (fn, sig, constants) in specs.items():
+        for i, tiles in enumerate([kernels.TILES[name]] + (VARIANTS[name] if variants else [])):
+            consts = dict(constants(tiles), PREC='tf32')
+            # pointers and the integers a real call passes are 16-aligned (D 512, M 74,496, I 1536): the JIT's view
+            attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n, t in sig.items()
+                     if t.startswith('*') or n in ('D', 'M', 'I')}
+            k = triton.compile(ASTSource(fn, {**sig, **{n: 'constexpr' for n in consts}}, consts, attrs),
+                               target=GPUTarget('cuda', cap, 32),
+                               options=dict(num_warps=tiles['num_warps'], num_stages=tiles['num_stages']))
+            with tempfile.NamedTemporaryFile(suffix='.cubin') as f:
+                f.write(k.asm['cubin'])
+                f.flush()
+                usage = subprocess.run([tool, '-res-usage', f.name], capture_output=True, text=True).stdout
+            key = name if i == 0 else f"{name} {tiles}"
+            out[key] = (k.metadata.shared, int(re.search(r'REG:(\d+)', usage).group(1)),
+                        int(re.search(r'STACK:(\d+)', usage).group(1)))
+    return out
+
+
+def build(cap='90'):
+    for name, (smem, regs, stack) in build_all(int(cap), variants=True).items():
+        print(f"{name:80s} shared {smem // 1024:4d} KiB | {regs:3d} registers | {stack:4d} bytes spilled")
+    return 0
+
+
+OURS = ('_mlp_t_forward', '_mlp_t_backward', '_swiglu_forward', '_down_norm_forward')
+
+
+def kind_of(name):
+    n = name.lower()
+    if name.startswith(OURS):
+        return 'kernels.py'
+    if any(k in n for k in ('gemm', 'nvjet', 'cutlass', 'xmma', 'cublas', 'sm90_', 'sm80_')):
+        return 'cuBLAS GEMM'
+    return 'inductor Triton' if n.startswith('triton') else 'other'
+
+
+def profile(trace, out):
+    """The GPU kernels of a Chrome trace (bench.py --profile_steps) summed by name: top 30, and by kind."""
+    with open(trace) as f:
+        events = [e for e in json.load(f).get('traceEvents', []) if e.get('cat') == 'kernel' and 'dur' in e]
+    if not events:
+        raise SystemExit(f"{trace}: no GPU kernel events")
+    by_name, by_kind = {}, {}
+    for e in events:
+        by_name[e['name']] = by_name.get(e['name'], 0.0) + e['dur']
+        by_kind[kind_of(e['name'])] = by_kind.get(kind_of(e['name']), 0.0) + e['dur']
+    total = sum(by_name.values())
+    span = max(e['ts'] + e['dur'] for e in events) - min(e['ts'] for e in events)
+    lines = [f"GPU kernels of {os.path.basename(trace)}: {len(events)} launches, {total / 1e3:.1f} ms of kernel "
+             f"time over a {span / 1e3:.1f} ms span (busy {100 * total / span:.0f}%)", "by kind:"]
+    lines += [f"  {k:16s} {v / 1e3:9.2f} ms {100 * v / total:5.1f}%" for k, v in sorted(by_kind.items(),
+                                                                                    key=lambda kv: -kv[1])]
+    lines.append("top 30 by time:")
+    lines += [f"  {v / 1e3:9.2f} ms {100 * v / total:5.1f}%  {n[:110]}" for n, v in
+              sorted(by_name.items(), key=lambda kv: -kv[1])[:30]]
+    with open(out, 'w') as f:
+        f.write('\n'.join(lines) + '\n')
+    print('\n'.join(lines[:8]))
+    return 0
+
+
+def fields(path, prefix):
+    """The key=value fields of the last line of `path` that starts with prefix ('bench:', 'ref:'), or {}."""
+    try:
+        lines = [l for l in open(path).read().splitlines() if l.startswith(prefix)]
+    except OSError:
+        return {}
+    return dict(re.findall(r'(\w+)=(\S+)', lines[-1])) if lines else {}
+
+
+def num(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def table(folder):
+    """workload | the kernels value timed against off | ours, kernels off | ours, that value | reference | that
+    value vs off | vs reference (speed ratios), from bench.py's --kernels_ab logs (either value first)."""
+    rows = [('Sudoku MLP, batch 768, train (ms/step)', 'bench_sudoku.txt', 'ref_mlp.txt', 'ms_per_step', True),
+            ('Sudoku MLP, evaluation (puzzles/s)', 'bench_sudoku.txt', 'ref_mlp.txt', 'eval_puzzles_per_s', False),
+            ('Maze attention, batch 192, train (ms/step)', 'bench_maze.txt', 'ref_maze.txt', 'ms_per_step', True),
+            ('Maze attention, evaluation (puzzles/s)', 'bench_maze.txt', 'ref_maze.txt', 'eval_puzzles_per_s',
+             False)]
+    fmt = lambda v: 'n/a' if v is None else f"{v:.1f}"
+    ratio = lambda a, b, lower: None if a is None or b is None else (b / a if lower else a / b)
+    out = ["| workload | kernels on | ours, kernels off | ours, kernels on | reference | on vs off | on vs reference |",
+           "|---|---|---|---|---|---|---|"]
+    for what, ours, ref, key, lower in rows:
+        b, r = fields(os.path.join(folder, ours), 'bench:'), fields(os.path.join(folder, ref), 'ref:')
+        timed = {b.get('kernels'): num(b.get(key)), b.get('ab_kernels'): num(b.get('ab_' + key))}
+        off = timed.pop('off', None)
+        which = next((k for k in timed if k not in (None, 'n/a')), None)
+        on = timed.get(which)
+        ref_v = num(r.get(key))
+        speed = lambda a, c: 'n/a' if ratio(a, c, lower) is None else f"{ratio(a, c, lower):.3f}x"
+        out.append(f"| {what} | {which or 'n/a'} | {fmt(off)} | {fmt(on)} | {fmt(ref_v)} | {speed(on, off)} | "
+                   f"{speed(on, ref_v)} |")
+    print('\n'.join(out))
+    return 0
+
+
+if __name__ == '__main__':
+    what = ARGS[0] if ARGS else ''
+    if what == 'profile' and len(ARGS) == 3:
+        raise SystemExit(profile(ARGS[1], ARGS[2]))
+    if what == 'table' and len(ARGS) == 2:
+        raise SystemExit(table(ARGS[1]))
+    if what == 'build' and len(ARGS) <= 2:
+        raise SystemExit(build(*ARGS[1:]))
+    if what in ('exact', 'train', 'ops') and len(ARGS) == 1:
+        raise SystemExit(globals()[what]())
+    raise SystemExit(__doc__.strip())

@@ -1,0 +1,240 @@
+"""
+kernels.py, the fused Triton blocks (train.py's kernels key), on a machine without a GPU: their results against the
+plain path's through Triton's interpreter (TRITON_INTERPRET=1, in a process of its own: the variable must be set
+before triton is imported; float32, as the interpreter has no bfloat16, which the GPU's check covers:
+dev/gpu_speed.sh), the compiled kernels for a Hopper GPU (Triton's own ptxas, no GPU needed), the choice 'auto'
+makes and says, and dev/gpu_speed.sh's dry run. Skipped where triton is not installed (torch's CPU wheel).
+    python -m pytest -q tests/test_kernels.py
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, make_reverse_dataset, run
+from device import choose_kernels
+
+triton = pytest.importorskip('triton', reason="the kernels need triton (not in torch's CPU wheel)")
+
+INTERPRETED = r'''
+import json, sys
+import torch
+import kernels
+from model import TRM, TRMConfig
+from step import forward_loss
+
+rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
+out = {}
+for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='rope'),
+                       mlp_t_partial_tile=dict(hidden_size=48, num_heads=2, seq_len=20)).items():
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=6, seq_len=11, num_puzzle_identifiers=3, hidden_size=32, num_heads=2, expansion=4.0,
+               puzzle_emb_ndim=32, puzzle_emb_len=2, H_cycles=2, L_cycles=2, halt_max_steps=3,
+               forward_dtype='float32', loss_dtype='float64')
+    cfg.update(keys)
+    model = TRM(TRMConfig(**cfg))
+    block, rope = model.net.layers[0], model.rope()
+    h = torch.randn(2, model.config.total_len, model.config.hidden_size)
+    modes = dict(triton=kernels.block_forward, mlp_t=kernels.mlp_t_forward) if name != 'attention' else \
+        dict(triton=kernels.block_forward)
+    with torch.no_grad():  # the no-grad forward: mlp_t fused, and with triton the channel SwiGLU too
+        plain = block(h, rope)
+        for which, forward in modes.items():
+            block.fused = forward
+            out[f'{name} {which} block forward'] = rel(block(h, rope), plain)
+            block.fused = None
+
+    def block_grads(forward):  # a block's call under grad: its output and the input's and weights' gradients
+        block.fused = forward
+        block.zero_grad()
+        x = h.clone().requires_grad_(True)
+        y = block(x, rope)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        block.fused = None
+        return [y.detach(), x.grad] + [p.grad.clone() for p in block.parameters()]
+    if 'mlp_t' in modes:  # under grad, kernels='mlp_t' is the plain path itself: the same bits
+        out[f'{name} mlp_t block under grad equal'] = all(
+            torch.equal(a, b) for a, b in zip(block_grads(kernels.mlp_t_forward), block_grads(None)))
+    B, V, L = 3, cfg['vocab_size'], cfg['seq_len']
+    batch = dict(inputs=torch.randint(1, V, (B, L), dtype=torch.int32),
+                 labels=torch.randint(1, V, (B, L), dtype=torch.int32),
+                 puzzle_identifiers=torch.randint(0, 3, (B,), dtype=torch.int32))
+
+    def step(fwd):  # a training step's loss and gradients (the puzzle rows' too), with sign-SGD's leaf
+        torch.manual_seed(1)
+        model.zero_grad()
+        carry = model.initial_carry(batch)
+        rows = model.puzzle_rows(carry['puzzle_identifiers']).detach().requires_grad_(True)
+        _, loss, _ = fwd(model, carry, batch, rows)
+        loss.backward()
+        return [loss.detach().reshape(1)] + [p.grad.clone() for p in model.parameters()] + [rows.grad]
+    plain = step(forward_loss)
+    compiled = name == 'mlp_t'  # the custom ops and their autograd in torch.compile's graphs (one shape: slow)
+    for which in modes:
+        out[f'{name} {which} fused'] = kernels.fuse_blocks(model, which)
+        steps = [('eager', forward_loss)]
+        if compiled:
+            torch._dynamo.reset()
+            steps.append(('compiled', torch.compile(forward_loss, backend='aot_eager', dynamic=False)))
+        for what, fwd in steps:
+            got = step(fwd)
+            out[f'{name} {which} {what} step loss'] = rel(got[0], plain[0])
+            out[f'{name} {which} {what} step gradients'] = max(rel(a, b) for a, b in zip(got[1:], plain[1:]))
+    if 'mlp_t' not in modes:
+        out[f'{name} mlp_t fused'] = kernels.fuse_blocks(model, 'mlp_t')
+    model.eval()
+    with torch.no_grad():
+        kernels.fuse_blocks(model, 'off')
+        plain = model.predict(batch, 3, loss_at=2)
+        for which in modes:
+            kernels.fuse_blocks(model, which)
+            torch._dynamo.reset()
+            got = model.predict(batch, 3, loss_at=2, step=torch.compile(model.predict_step, backend='aot_eager',
+                                                                        dynamic=False) if compiled else None)
+            out[f'{name} {which} evaluation predictions equal'] = bool((got[0] == plain[0]).all())
+            out[f'{name} {which} evaluation loss'] = rel(got[2], plain[2])
+    model.train()
+print(json.dumps(out))
+'''
+
+
+def interpreted(script, timeout=600):
+    env = dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1')
+    p = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.splitlines()[-1])
+
+
+def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter():
+    """float32 through Triton's interpreter, with every kernel (kernels='triton') and with mlp_t's no-grad
+    forward alone (kernels='mlp_t'): the forward of a block (mlp_t, attention, a channel tile that overhangs D),
+    a training step's loss and every gradient (eager, and compiled: the custom ops and their autograd inside
+    torch.compile's graphs), and evaluation's predictions, each against the plain path's. With 'mlp_t' a block
+    called under grad is the plain path bit for bit (the step's gradients differ only through the no-grad
+    calls' rounding)."""
+    out = interpreted(INTERPRETED)
+    assert out['mlp_t triton fused'].startswith('mlp_t (forward and backward)'), out
+    assert out['mlp_t mlp_t fused'] == 'mlp_t forward (no-grad); the rest plain', out
+    assert out['attention triton fused'].startswith('channel SwiGLU (no-grad)'), out
+    assert out['attention mlp_t fused'] == 'none fused: the model mixes the sequence with attention, not mlp_t'
+    assert out['mlp_t_partial_tile mlp_t block under grad equal'] is True, out
+    for k, v in out.items():
+        if k.endswith('equal'):
+            assert v is True, (k, out)
+        elif not k.endswith('fused'):
+            assert v < 2e-5, (k, v, out)  # float32 rounding: the fused sums run in another order
+
+
+def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
+    """Each kernel at the Sudoku model's shapes and its default tiles, compiled for sm_90a by Triton's own
+    ptxas (no GPU needed): it builds, and no register spills to local memory (a spill costs a kernel much of its
+    speed)."""
+    sys.path.insert(0, os.path.join(ROOT, 'dev'))
+    from kernels_check import build_all
+    for name, (smem, regs, spill) in build_all(90).items():
+        assert spill == 0 and regs <= 255 and smem <= 227 * 1024, (name, smem, regs, spill)
+
+
+AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused mlp_t forward where no gradient "
+              "is taken, the one kernel measured faster on an H200")
+
+
+@pytest.mark.parametrize('requested,kind,dtype,mlp_t,cap,have,interp,want,why', [
+    ('auto', 'cpu', 'float32', True, None, True, False, 'off', 'auto: off (device cpu'),
+    ('auto', 'xla', 'bfloat16', True, None, True, False, 'off', 'auto: off (device xla'),
+    ('auto', 'tpu', 'bfloat16', True, None, True, False, 'off', 'auto: off (device tpu'),
+    ('auto', 'cuda', 'bfloat16', True, (9, 0), True, False, 'mlp_t', AUTO_MLP_T),
+    ('auto', 'cuda', 'bfloat16', False, (9, 0), True, False, 'off', 'attention: no fused kernel is measured faster'),
+    ('auto', 'cuda', 'bfloat16', True, (10, 0), True, False, 'off', 'measured on Hopper, 9.0, only'),
+    ('auto', 'cuda', 'bfloat16', True, (8, 0), True, False, 'off', 'measured on Hopper'),
+    ('auto', 'cuda', 'float32', True, (9, 0), True, False, 'off', 'forward dtype float32'),
+    ('auto', 'cuda', 'bfloat16', True, (9, 0), False, False, 'off', 'triton is not installed'),
+    ('mlp_t', 'cuda', 'bfloat16', True, (8, 6), True, False, 'mlp_t', 'mlp_t (as configured)'),
+    ('mlp_t', 'cuda', 'bfloat16', False, (9, 0), True, False, 'off', "warning: kernels='mlp_t' fuses mlp_t, and this"),
+    ('mlp_t', 'cpu', 'float32', True, None, True, True, 'mlp_t', "Triton's interpreter on the CPU"),
+    ('mlp_t', 'cpu', 'float32', True, None, True, False, 'off', "warning: kernels='mlp_t' runs on CUDA GPUs"),
+    ('triton', 'cuda', 'bfloat16', True, (8, 6), True, False, 'triton', 'triton (as configured)'),
+    ('triton', 'cuda', 'bfloat16', False, (9, 0), True, False, 'triton', 'triton (as configured)'),
+    ('triton', 'cuda', 'bfloat16', True, (9, 0), False, False, 'off', "warning: kernels='triton' needs the triton"),
+    ('triton', 'cpu', 'float32', True, None, True, False, 'off', "warning: kernels='triton' runs on CUDA GPUs"),
+    ('triton', 'cpu', 'float32', True, None, True, True, 'triton', "Triton's interpreter on the CPU"),
+    ('off', 'cuda', 'bfloat16', True, (9, 0), True, False, 'off', 'off (as configured)'),
+])
+def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, requested, kind, dtype, mlp_t, cap,
+                                                                 have, interp, want, why):
+    if interp:
+        monkeypatch.setenv('TRITON_INTERPRET', '1')
+    else:
+        monkeypatch.delenv('TRITON_INTERPRET', raising=False)
+    choice, text = choose_kernels(requested, kind, dtype, mlp_t=mlp_t, cuda_capability=cap, have_triton=have)
+    assert choice == want and why in text, (choice, text)
+
+
+def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back_in_one_line(tmp_path):
+    data = make_reverse_dataset(str(tmp_path / 'data'), n_train=64, n_test=8)
+    args = ['train.py', f'--data_path={data}', '--device=cpu', '--max_steps=1', '--hidden_size=32',
+            '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2',
+            '--global_batch_size=8', '--forward_dtype=float32', '--loss_dtype=float32', '--xla_cache_dir=',
+            '--log_interval=1']
+    env = {'TRITON_INTERPRET': ''}
+    for extra, want in (([], 'kernels auto: off (device cpu: the kernels are for CUDA GPUs)'),
+                        (['--kernels=triton'], "kernels warning: kernels='triton' runs on CUDA GPUs")):
+        p = run(args + [f'--out_dir={tmp_path}/o{len(extra)}'] + extra, env=env)
+        first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
+        assert want in first and 'Traceback' not in p.stdout + p.stderr, first
+    p = run(args + [f'--out_dir={tmp_path}/bad', '--kernels=cuda'], check=False)
+    assert p.returncode == 1 and "kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'triton')" in p.stderr, p.stderr
+    # in the interpreter a forced 'mlp_t' (auto's pick on a Hopper GPU) trains and evaluates through its kernel,
+    # the EMA's copy included
+    p = run(args + [f'--out_dir={tmp_path}/interp', '--kernels=mlp_t'], env={'TRITON_INTERPRET': '1'})
+    first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
+    assert ("kernels mlp_t (as configured; Triton's interpreter on the CPU): mlp_t forward (no-grad); the rest "
+            "plain") in first, first
+    assert any(l.startswith('eval on') for l in p.stdout.splitlines()), p.stdout[-2000:]
+
+
+def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_path):
+    """dev/gpu_speed.sh with DRY=1: each stage at tiny shapes on the CPU (bench.py's kernels A/B, off then
+    mlp_t, through the interpreter included), the reference's stages skipped where .gpu is absent, and the
+    summary table last."""
+    env = dict(os.environ, DRY='1', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1')
+    p = subprocess.run(['bash', 'dev/gpu_speed.sh'], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    for stage in ('check', 'sudoku', 'train', 'ops', 'maze'):
+        assert f'   {stage}: ok in' in p.stdout, (stage, p.stdout[-4000:])
+    assert 'exactness: 17/17 ok' in open(tmp_path / 'out' / 'check.txt').read()
+    assert 'kernels A/B: train' in open(tmp_path / 'out' / 'bench_sudoku.txt').read()
+    table = p.stdout.rstrip().splitlines()[-6:]
+    assert table[0].startswith('| workload | kernels on | ours, kernels off | ours, kernels on | reference'), table
+    sudoku, maze = table[2].split(' | '), table[4].split(' | ')
+    assert sudoku[0] == '| Sudoku MLP, batch 768, train (ms/step)' and sudoku[1] == 'mlp_t', table
+    assert float(sudoku[2]) > 0 and float(sudoku[3]) > 0, table
+    assert maze[1] == 'n/a' and float(maze[2]) > 0 and maze[3] == 'n/a', table  # auto: off for attention
+    assert len(os.listdir(tmp_path / 'out')) <= 8
+
+
+def test_the_profile_summary_sums_the_gpu_kernels_by_kind(tmp_path):
+    trace = tmp_path / 'trace.json'
+    events = [dict(cat='kernel', name='_mlp_t_forward', ts=0, dur=30), dict(cat='kernel', name='_mlp_t_forward',
+              ts=40, dur=30), dict(cat='kernel', name='sm90_xmma_gemm_bf16bf16', ts=70, dur=20),
+              dict(cat='kernel', name='triton_poi_fused_add_0', ts=90, dur=10), dict(cat='cpu_op', name='aten::mm',
+              ts=0, dur=500)]
+    trace.write_text(json.dumps(dict(traceEvents=events)))
+    p = run(['dev/kernels_check.py', 'profile', str(trace), str(tmp_path / 'top.txt')])
+    text = (tmp_path / 'top.txt').read_text()
+    assert '4 launches, 0.1 ms of kernel time over a 0.1 ms span (busy 90%)' in text, text
+    assert re.search(r'kernels\.py +0\.06 ms +66\.7%', text) and 'cuBLAS GEMM' in text, text
+    assert 'inductor Triton' in text and p.returncode == 0
+
+
+def test_bench_refuses_a_kernels_ab_that_is_no_kernels_value_in_one_line():
+    for value in ('fast', 'True'):  # True: the flag's old form, a switch
+        p = run(['bench.py', '--device=cpu', f'--kernels_ab={value}'], check=False)
+        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'triton'; "
+                "kernels_ab also '': no A/B)")
+        assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
