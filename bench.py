@@ -289,7 +289,7 @@ def run_steps(n):
     return time.perf_counter() - t0
 
 
-def host_and_device(n, step_form=None):
+def host_and_device(n, other_form=None):
     """XLA: the medians over n steps of the host's time per step (the step's Python and its sync: tracing,
     hashing, dispatch) and the device's (its executions: torch_xla's ExecuteTime). Each compiled graph is run
     alone and waited for, and the waits are taken off the host's time, as is an execution that XLA on the CPU
@@ -319,7 +319,7 @@ def host_and_device(n, step_form=None):
             finish()
             e0, w0, t0 = dev.execute_seconds(), waited[0], time.perf_counter()
             carry_loss = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc,
-                                    step_form or form)
+                                    other_form or form)
             t1 = time.perf_counter()
             dev.wait()
             t2 = time.perf_counter()
