@@ -92,16 +92,16 @@ from puzzles import puzzle_for, puzzle_type, shape_from_name, views_problem  # n
 from step import AdamATan2, Eager, StepConfig, compiled_predict, step_form  # noqa: E402
 from step import sign_sgd_update_, train_step  # noqa: E402
 
-kind = resolve_device(device)
-dev = Device(kind)
-if kind == 'xla':
+device_type = resolve_device(device)
+dev = Device(device_type)
+if device_type == 'xla':
     if warmup_steps < 2:  # step 1 also creates the optimizer state: a graph of its own
         print(f"note: warmup_steps={warmup_steps} -> 2 on XLA (the first two steps compile different graphs)")
         warmup_steps = 2
-compiled = bool(compile) and kind in ('cuda', 'xla')
-if compile and kind == 'cpu':
+compiled = bool(compile) and device_type in ('cuda', 'xla')
+if compile and device_type == 'cpu':
     print("note: compile=True applies to CUDA and XLA (the train.py key); the CPU runs the step eagerly")
-global_batch_size = global_batch_size or (64 if kind == 'cpu' else 768)
+global_batch_size = global_batch_size or (64 if device_type == 'cpu' else 768)
 if steps < 0 or (steps == 0 and not checkpoint_dir):
     raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
 if seq_len < 0 or vocab_size < 0 or seq_align < 1:
@@ -111,8 +111,8 @@ if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
     raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
                      f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
-forward_dtype, dtype_why = choose_dtype(forward_dtype, kind)
-loss_dtype = resolve_loss_dtype(loss_dtype, kind)
+forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)
+loss_dtype = resolve_loss_dtype(loss_dtype, device_type)
 
 
 fmt = lambda x, spec: 'n/a' if x is None else format(x, spec)
@@ -189,13 +189,13 @@ batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) f
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device)
-kernels_in, kernels_why = use_kernels(kernels, kind, forward_dtype, model)  # train.py's choice: kernels.py, plain
+kernels_in, kernels_why = use_kernels(kernels, device_type, forward_dtype, model)  # train.py's choice: kernels.py, plain
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA
                                                                                 # model's
 # train.py's step: compiled on CUDA and XLA with the same helper (forward + loss + its backward; the update)
-form = step_form(kind, compiled, compile_mode)
+form = step_form(device_type, compiled, compile_mode)
 predict = compiled_predict(model, compile_mode) if compiled else model.predict
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
@@ -209,7 +209,7 @@ name = dev.name()
 peak = dev.peak_tflops()
 flops = model.flops_per_example()  # one supervision step: every net call, the no-grad recursion passes
                                    # included
-print(f"device: {kind} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype "
+print(f"device: {device_type} | {name} | peak {f'{peak} TFLOP/s bf16' if peak else 'n/a'} | forward dtype "
       f"{dtype_why} | kernels {kernels_why}")
 print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'attention'}, pos {pos_encodings}, "
       f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} "
@@ -341,7 +341,7 @@ first_step_s = run_steps(1)  # the time to the first step: compilation (CUDA, XL
 warmup_s = first_step_s + run_steps(warmup_steps - 1)
 compiles_warm = dev.xla_report()[0]
 dt = run_steps(steps) / steps
-host_s, device_s = host_and_device(steps) if kind == 'xla' else (None, None)
+host_s, device_s = host_and_device(steps) if device_type == 'xla' else (None, None)
 compiles_end, fallbacks = dev.xla_report()  # read before anything below moves a value to the host
 ex_s = global_batch_size / dt
 tflops = flops * ex_s / 1e12
@@ -399,7 +399,7 @@ def time_evaluation():
     model.eval()  # the trained weights themselves, not the EMA copy: the cost is the same
     warm_s, compiles_warm = None, compiles_end
     with torch.no_grad():
-        if kind != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU:
+        if device_type != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU:
                            # no need)
             t0 = time.perf_counter()
             out = predict(eval_data[0], n_eval_steps)
@@ -437,14 +437,14 @@ if eval_batches > 0:
 # --- kernels_ab: the same timings with another kernels value, on the same model, batches and process --------
 ab_kernels = ab_dt = ab_first_s = ab_eval_ps = None
 if kernels_ab:
-    ab_in, ab_why = use_kernels(kernels_ab, kind, forward_dtype, model)
+    ab_in, ab_why = use_kernels(kernels_ab, device_type, forward_dtype, model)
     if ab_in == kernels_in:
         print(f"note: kernels_ab={kernels_ab}: no A/B here: both run kernels={kernels_in} ({ab_why})")
     else:
         model.__dict__.pop('_compiled_predict', None)  # compiled afresh, as the step is: the blocks changed
         if compiled:
             torch._dynamo.reset()  # no graph of the first way is reused, whatever dynamo's guards see
-        form = step_form(kind, compiled, compile_mode)
+        form = step_form(device_type, compiled, compile_mode)
         predict = compiled_predict(model, compile_mode) if compiled else model.predict
         try:  # a kernel that fails (to build, to run) on this GPU: said, and the first variant's figures kept
             ab_first_s = run_steps(1)
@@ -468,7 +468,7 @@ if kernels_ab:
 
 # --- XLA, vs_eager: the eager (lazy) step on the same model, for the ratio of the device's work ------------
 eager_host_s = eager_device_s = eager_first_s = alternated = None
-if vs_eager and kind == 'xla' and compiled:
+if vs_eager and device_type == 'xla' and compiled:
     def run_eager(n):
         global carry
         for i in range(n):
@@ -487,10 +487,10 @@ if vs_eager and kind == 'xla' and compiled:
     alternated = float(np.median(rounds))
 elif vs_eager:
     print("note: vs_eager=True applies to XLA with compile=True; ignored")
-variant = getattr(form, 'variant', 'eager (lazy tracing every step)' if kind == 'xla' else
+variant = getattr(form, 'variant', 'eager (lazy tracing every step)' if device_type == 'xla' else
                   f'inductor ({compile_mode})' if compiled else 'eager')
 
-if kind == 'xla':
+if device_type == 'xla':
     bound = 'host' if host_s > device_s else 'device'
     print(f"xla: step variant: {variant}")
     print(f"xla: host {host_s * 1e3:.1f} ms/step (tracing, hashing, dispatch"
@@ -521,13 +521,13 @@ if profile_steps:
     with prof.phase('train_step'):
         run_steps(prof.end)
     where = prof.finish(prof.end)
-    if kind == 'xla':
+    if device_type == 'xla':
         print(f"profile: XLA trace in {where}/plugins/profile/<time>/ (*.xplane.pb: TensorBoard's profile "
               "plugin; *.trace.json.gz: https://ui.perfetto.dev)")
     else:
         print(f"profile: Chrome trace {where} (https://ui.perfetto.dev or chrome://tracing)")
 
-print(f"bench: device={kind} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
+print(f"bench: device={device_type} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
       f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} "
       f"kernels={kernels_in} ab_kernels={ab_kernels or 'n/a'} "
       f"ab_ms_per_step={fmt(ab_dt and ab_dt * 1e3, '.2f')} ab_first_step_s={fmt(ab_first_s, '.2f')} "

@@ -1,6 +1,6 @@
 """
 Everything that depends on the device: which one to use, ranks and collectives (torchrun on GPUs or CPU
-processes, torch_xla on TPUs, or TorchTPU on TPUs: the kind 'tpu', whose calls live in torchtpu.py), the
+processes, torch_xla on TPUs, or TorchTPU on TPUs: the device type 'tpu', whose calls live in torchtpu.py), the
 number format the hardware runs fast, batch transfer, RNG state, and what bench.py measures (waiting for the
 device, peak memory, XLA compilations and CPU fallbacks). train.py, bench.py and solve.py share it, so the
 training step itself has no device-specific line.
@@ -21,7 +21,7 @@ from configurator import import_torch
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
 from runkeep import torchtpu  # noqa: E402
-# the 'tpu' kind's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
+# the 'tpu' device type's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
 from runkeep.torchtpu import TorchTPU  # noqa: E402
 
 
@@ -152,18 +152,18 @@ def cpu_has_native_bf16():
         return False
 
 
-def resolve_loss_dtype(requested, kind):
+def resolve_loss_dtype(requested, device_type):
     """'auto': float64 stablemax as the reference, float32 on TPUs (XLA or TorchTPU: no fast float64)."""
-    return ('float32' if kind in ('xla', 'tpu') else 'float64') if requested == 'auto' else requested
+    return ('float32' if device_type in ('xla', 'tpu') else 'float64') if requested == 'auto' else requested
 
 
-def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
+def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=None):
     """(forward dtype, why). 'auto': bfloat16 on TPU and on GPUs of compute capability 8.0 or newer, and
     on CPUs with native bf16; float32 elsewhere. An explicit choice is obeyed; where it is bf16 on hardware
     that emulates it, `why` starts with 'warning:'."""
-    if (kind == 'xla' and os.environ.get('PJRT_DEVICE', 'TPU') != 'CPU') or kind == 'tpu':
+    if (device_type == 'xla' and os.environ.get('PJRT_DEVICE', 'TPU') != 'CPU') or device_type == 'tpu':
         native, hw = True, 'TPU'
-    elif kind == 'cuda':
+    elif device_type == 'cuda':
         cap = cuda_capability or torch.cuda.get_device_capability()
         native, hw = tuple(cap) >= (8, 0), f"GPU of compute capability {cap[0]}.{cap[1]}"
     else:
@@ -185,7 +185,7 @@ def choose_dtype(requested, kind, cuda_capability=None, native_cpu_bf16=None):
 KERNEL_CHOICES = ('auto', 'off', 'mlp_t', 'triton')
 
 
-def choose_kernels(requested, kind, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
+def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
     """(kernels, why): 'mlp_t' (kernels.py's fused mlp_t forward where no gradient is taken, the rest plain),
     'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that mixes the
     sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
@@ -199,20 +199,20 @@ def choose_kernels(requested, kind, dtype, mlp_t=True, cuda_capability=None, hav
     if have_triton is None:
         import importlib.util
         have_triton = importlib.util.find_spec('triton') is not None
-    interpreter = kind == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'
+    interpreter = device_type == 'cpu' and os.environ.get('TRITON_INTERPRET') == '1'
     if requested != 'auto':
         if not have_triton:
             return 'off', f"warning: kernels='{requested}' needs the triton package, which is not installed: " \
                           "plain path"
-        if kind != 'cuda' and not interpreter:
+        if device_type != 'cuda' and not interpreter:
             return 'off', (f"warning: kernels='{requested}' runs on CUDA GPUs (or the CPU with TRITON_INTERPRET=1), "
-                           f"not on device {kind}: plain path")
+                           f"not on device {device_type}: plain path")
         if requested == 'mlp_t' and not mlp_t:
             return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
         return requested, f"{requested} (as configured" + ("; Triton's interpreter on the CPU)" if interpreter
                                                           else ")")
-    if kind != 'cuda':
-        return 'off', f"auto: off (device {kind}: the kernels are for CUDA GPUs)"
+    if device_type != 'cuda':
+        return 'off', f"auto: off (device {device_type}: the kernels are for CUDA GPUs)"
     cap = cuda_capability or torch.cuda.get_device_capability()
     hw = f"GPU of compute capability {cap[0]}.{cap[1]}"
     if not have_triton:
@@ -229,12 +229,12 @@ def choose_kernels(requested, kind, dtype, mlp_t=True, cuda_capability=None, hav
                      "kernel measured faster on an H200")
 
 
-def use_kernels(requested, kind, dtype, model):
+def use_kernels(requested, device_type, dtype, model):
     """choose_kernels for this device, forward dtype and model, applied to model's blocks: kernels.py's fused
     forward installed ('mlp_t', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain
     forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton that fails to
     import means the plain path, said in `why`."""
-    choice, why = choose_kernels(requested, kind, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
+    choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
     if choice != 'off':
         try:
             from kernels import fuse_blocks
@@ -267,15 +267,15 @@ def peak_tflops_of(name):
 
 
 class Device:
-    """One process's device, rank and collectives. kind: 'cpu', 'cuda', 'xla' (torch_xla) or 'tpu'
+    """One process's device, rank and collectives. device_type: 'cpu', 'cuda', 'xla' (torch_xla) or 'tpu'
     (TorchTPU, through `tpu`: a TorchTPU, by default the real one). Under torchrun (WORLD_SIZE > 1) the
     process joins the others: nccl on GPUs, gloo on CPUs, the TorchTPU's backend ('tpu_dist') on TPUs."""
-    def __init__(self, kind, xla_cache_dir='', tpu=None):
-        self.kind = kind
+    def __init__(self, device_type, xla_cache_dir='', tpu=None):
+        self.type = device_type
         self.rank, self.world_size, self.local_rank, self.hosts = 0, 1, 0, 1
-        self.tpu = (tpu or TorchTPU()) if kind == 'tpu' else None
+        self.tpu = (tpu or TorchTPU()) if device_type == 'tpu' else None
         self.compile_backend = self.tpu.compiler if self.tpu else None  # torch.compile's backend (None: default)
-        if kind == 'xla':
+        if device_type == 'xla':
             import torch_xla
             import torch_xla.runtime as xr
             if xla_cache_dir and os.environ.get('PJRT_DEVICE') != 'CPU':  # the CPU client cannot reload
@@ -293,14 +293,14 @@ class Device:
                 self.rank, self.world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
                 self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
                 self.hosts = self.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
-                dist.init_process_group(backend='nccl' if kind == 'cuda' else self.tpu.backend if self.tpu
+                dist.init_process_group(backend='nccl' if device_type == 'cuda' else self.tpu.backend if self.tpu
                                         else 'gloo')
-            if kind == 'cuda':
+            if device_type == 'cuda':
                 torch.cuda.set_device(self.local_rank)
                 torch.backends.cuda.matmul.allow_tf32 = True
                 torch.backends.cudnn.allow_tf32 = True
-            self.device = torch.device(kind, self.local_rank) if kind == 'cuda' else \
-                self.tpu.device() if kind == 'tpu' else torch.device('cpu')
+            self.device = torch.device(device_type, self.local_rank) if device_type == 'cuda' else \
+                self.tpu.device() if device_type == 'tpu' else torch.device('cpu')
         self.master = self.rank == 0
 
     # --- collectives (every rank calls them at the same point) ---------------------------------------
@@ -309,7 +309,7 @@ class Device:
         """In place over all ranks: 'sum', 'max' or 'min'."""
         if self.world_size == 1:
             return
-        if self.kind == 'xla':
+        if self.type == 'xla':
             import torch_xla.core.xla_model as xm
             xm.all_reduce({'sum': xm.REDUCE_SUM, 'max': xm.REDUCE_MAX, 'min': xm.REDUCE_MIN}[op], tensors)
         else:
@@ -328,7 +328,7 @@ class Device:
             return t
         if t.dtype == torch.bool:  # not every backend gathers bools
             return self.all_gather(t.to(torch.int32)).bool()
-        if self.kind == 'xla':
+        if self.type == 'xla':
             import torch_xla.core.xla_model as xm
             return xm.all_gather(t, dim=0)
         import torch.distributed as dist
@@ -348,21 +348,21 @@ class Device:
         """Host numbers reduced over all ranks (a verdict, a flag, a fingerprint): float64 numpy on every
         rank."""
         t = torch.tensor(np.asarray(values, dtype=np.float64).reshape(-1),
-                         dtype=torch.float32 if self.kind in ('xla', 'tpu')
+                         dtype=torch.float32 if self.type in ('xla', 'tpu')
                          else torch.float64, device=self.device)
         self.all_reduce_([t], op)
         return self.read([t])[0].astype(np.float64)
 
     def sync(self):
         """End of a step: XLA cuts and dispatches the graph here; elsewhere a no-op."""
-        if self.kind == 'xla':
+        if self.type == 'xla':
             import torch_xla
             torch_xla.sync()
 
     def barrier(self):
         if self.world_size == 1:
             return
-        if self.kind == 'xla':
+        if self.type == 'xla':
             import torch_xla.core.xla_model as xm
             self.sync()
             xm.rendezvous('barrier')
@@ -376,63 +376,63 @@ class Device:
         if self.world_size == 1:
             return
         self.barrier()
-        if self.kind != 'xla':
+        if self.type != 'xla':
             import torch.distributed as dist
             dist.destroy_process_group()
 
     # --- data and RNG ------------------------------------------------------------------------------
 
     def to_device(self, batch):
-        pin = self.kind == 'cuda'
+        pin = self.type == 'cuda'
         return {k: (torch.from_numpy(v).pin_memory() if pin else torch.from_numpy(v)).to(
                     self.device, non_blocking=pin)
                 for k, v in batch.items()}
 
     def manual_seed(self, s):
         torch.manual_seed(s)
-        if self.kind == 'xla':  # the device draws ACT exploration from its own generator
+        if self.type == 'xla':  # the device draws ACT exploration from its own generator
             import torch_xla.core.xla_model as xm
             xm.set_rng_state(s)
-        if self.kind == 'tpu':
+        if self.type == 'tpu':
             self.tpu.manual_seed(s)
 
     def rng_state(self):
         state = dict(cpu=torch.get_rng_state())
-        if self.kind == 'cuda':
+        if self.type == 'cuda':
             state['cuda'] = torch.cuda.get_rng_state(self.device)
-        if self.kind == 'xla':
+        if self.type == 'xla':
             import torch_xla.core.xla_model as xm
             state['xla'] = str(xm.get_rng_state())  # an unsigned 64-bit seed
-        if self.kind == 'tpu' and (tpu := self.tpu.get_rng_state()) is not None:
+        if self.type == 'tpu' and (tpu := self.tpu.get_rng_state()) is not None:
             state['tpu'] = tpu
         return state
 
     def set_rng_state(self, state):
         torch.set_rng_state(state['cpu'])
-        if self.kind == 'cuda' and 'cuda' in state:
+        if self.type == 'cuda' and 'cuda' in state:
             torch.cuda.set_rng_state(state['cuda'], self.device)
-        if self.kind == 'xla' and 'xla' in state:
+        if self.type == 'xla' and 'xla' in state:
             import torch_xla.core.xla_model as xm
             xm.set_rng_state(int(state['xla']))
-        if self.kind == 'tpu' and 'tpu' in state:
+        if self.type == 'tpu' and 'tpu' in state:
             self.tpu.set_rng_state(state['tpu'])
 
     # --- measuring (bench.py, logs) ----------------------------------------------------------------
 
     def wait(self):
         """Block until the device has finished everything queued, so the clock can be read."""
-        if self.kind == 'cuda':
+        if self.type == 'cuda':
             torch.cuda.synchronize(self.device)
-        elif self.kind == 'xla':
+        elif self.type == 'xla':
             import torch_xla.core.xla_model as xm
             xm.wait_device_ops()
-        elif self.kind == 'tpu':
+        elif self.type == 'tpu':
             self.tpu.synchronize()
 
     def xla_report(self):
         """(graph compilations so far, {aten op: count} that fell back to the CPU); (0, {}) off XLA. With
         static shapes the compilations stop growing after warm-up and nothing falls back."""
-        if self.kind != 'xla':
+        if self.type != 'xla':
             return 0, {}
         import torch_xla.debug.metrics as met
         compiles = met.metric_data('CompileTime')
@@ -443,7 +443,7 @@ class Device:
         """XLA: seconds the device has spent executing graphs so far (torch_xla's ExecuteTime metric, which
         counts lazy and compiled graphs alike); 0.0 elsewhere. Its growth per step is the device's share of a
         step."""
-        if self.kind != 'xla':
+        if self.type != 'xla':
             return 0.0
         import torch_xla.debug.metrics as met
         data = met.metric_data('ExecuteTime')
@@ -451,16 +451,16 @@ class Device:
 
     def peak_memory(self):
         """(bytes, what was measured)."""
-        if self.kind == 'cuda':
+        if self.type == 'cuda':
             return torch.cuda.max_memory_allocated(self.device), 'peak allocated'
-        if self.kind == 'xla':
+        if self.type == 'xla':
             try:
                 import torch_xla.core.xla_model as xm
                 info = xm.get_memory_info(self.device)
                 return int(info.get('peak_bytes_used', info['bytes_used'])), 'device peak'
             except Exception:
                 pass  # the XLA CPU client has no allocator statistics
-        if self.kind == 'tpu' and (mem := self.tpu.memory(self.device)):
+        if self.type == 'tpu' and (mem := self.tpu.memory(self.device)):
             return mem[1], 'device peak allocated'
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, 'process max RSS'  # Linux: KiB
 
@@ -468,15 +468,15 @@ class Device:
         """(bytes, what was measured) now, for a log line: a runtime query, no device value is read. TPU:
         the chip's memory in use; CUDA: allocated by tensors; elsewhere (the CPU, XLA's CPU client, which
         keeps no allocator statistics) the process's resident memory."""
-        if self.kind == 'cuda':
+        if self.type == 'cuda':
             return torch.cuda.memory_allocated(self.device), 'cuda allocated'
-        if self.kind == 'xla':
+        if self.type == 'xla':
             try:
                 import torch_xla.core.xla_model as xm
                 return int(xm.get_memory_info(self.device)['bytes_used']), 'device in use'
             except Exception:
                 pass
-        if self.kind == 'tpu' and (mem := self.tpu.memory(self.device)):
+        if self.type == 'tpu' and (mem := self.tpu.memory(self.device)):
             return mem[0], 'device allocated'
         try:
             with open('/proc/self/statm') as f:
@@ -488,10 +488,10 @@ class Device:
         """XLA: torch_xla's counters so far (host-side numbers, no device read): graph compilations and their
         seconds, seconds of graph execution, and host-device transfers. TorchTPU: the graphs torch.compile
         compiled and their seconds (it reports no execution or transfer figures: 0). {} elsewhere."""
-        if self.kind == 'tpu':
+        if self.type == 'tpu':
             compiles, compile_s = self.tpu.compiles()
             return dict(compiles=compiles, compile_s=compile_s, execute_s=0.0, transfers=0)
-        if self.kind != 'xla':
+        if self.type != 'xla':
             return {}
         import torch_xla.debug.metrics as met
 
@@ -505,10 +505,10 @@ class Device:
     def name(self):
         """What a reported figure was measured on: GPU name and compute capability, TPU type, or the CPU
         model with its vector extensions and thread count."""
-        if self.kind == 'cuda':
+        if self.type == 'cuda':
             cap = torch.cuda.get_device_capability(self.device)
             return f"{torch.cuda.get_device_name(self.device)} (compute capability {cap[0]}.{cap[1]})"
-        if self.kind == 'xla':
+        if self.type == 'xla':
             import torch_xla
             import torch_xla.core.xla_model as xm
             name = xm.xla_device_kind(self.device)  # e.g. 'TPU v4', 'TPU v5 lite', 'cpu'
@@ -521,7 +521,7 @@ class Device:
             if name.lower() == 'cpu':
                 return f"XLA on the CPU: {cpu_name()}"
             return f"XLA {name} {accel}".strip()
-        if self.kind == 'tpu':
+        if self.type == 'tpu':
             accel = os.environ.get('TPU_ACCELERATOR_TYPE', '')  # e.g. 'v6e-8', where the VM sets it
             return (f"TorchTPU {self.tpu.device_name()} {accel}".strip() if self.tpu.native
                     else f"TorchTPU's code on the CPU ({self.tpu.backend}): {cpu_name()}")
@@ -531,7 +531,7 @@ class Device:
         """The chip's peak dense bf16 TFLOP/s, for MFU: None on a CPU (no meaningful figure) or a chip not
         in PEAK_TFLOPS."""
         name = self.name()
-        if self.kind == 'cpu' or name.startswith('XLA on the CPU') or (self.tpu and not self.tpu.native):
+        if self.type == 'cpu' or name.startswith('XLA on the CPU') or (self.tpu and not self.tpu.native):
             return None
         return peak_tflops_of(name)
 
@@ -613,12 +613,12 @@ class Profiler:
         if self.done or self.active or not self.start <= step < self.end:
             return
         os.makedirs(self.folder, exist_ok=True)
-        if self.dev.kind == 'xla':
+        if self.dev.type == 'xla':
             import torch_xla.debug.profiler as xp
             xp.start_trace(self.folder)
         else:
             from torch.profiler import ProfilerActivity, profile
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.kind == 'cuda' else [])
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.dev.type == 'cuda' else [])
             self.prof = profile(**(self.dev.tpu.profiler_options(self.folder, self.dev.rank) if self.dev.tpu
                                    else dict(activities=acts)))
             self.prof.start()
@@ -627,7 +627,7 @@ class Profiler:
     def phase(self, name):
         if not self.active:
             return contextlib.nullcontext()
-        if self.dev.kind == 'xla':
+        if self.dev.type == 'xla':
             import torch_xla.debug.profiler as xp
             return xp.Trace(name)
         return torch.profiler.record_function(name)
@@ -639,7 +639,7 @@ class Profiler:
             return None
         self.dev.wait()  # the traced steps' device work belongs in the trace
         self.active, self.done = False, True
-        if self.dev.kind == 'xla':
+        if self.dev.type == 'xla':
             import torch_xla.debug.profiler as xp
             xp.stop_trace()
             path = self.folder

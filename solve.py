@@ -501,9 +501,9 @@ def load_model(dev):
     else:
         model_cfg = {k: config[k] for k in MODEL_KEYS if k != 'forward_dtype'}
     requested = forward_dtype if forward_dtype != 'checkpoint' else model_cfg.get('forward_dtype', 'auto')
-    dtype, dtype_why = choose_dtype(requested, dev.kind)
+    dtype, dtype_why = choose_dtype(requested, dev.type)
     model_cfg.update(forward_dtype=dtype,
-                     loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.kind))
+                     loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.type))
     try:
         meta, meta_from = load_metadata(dp, 'train'), f"dataset {dp}"
     except (OSError, ValueError) as e:
@@ -548,13 +548,13 @@ def refuse_what_memory_cannot_hold(cfg, meta, dev, dtype):
     row_bytes = cfg.latent_bytes(getattr(torch, dtype).itemsize)
     if problem := views_problem(puzzle_for(meta), views, rows=per, row_bytes=row_bytes):
         fail(f"views={views}: {problem}")
-    if not check_memory or dev.kind not in ('cpu', 'cuda'):
+    if not check_memory or dev.type not in ('cpu', 'cuda'):
         return
     from runkeep.memory import describe, memory_headroom, need, run_memory, size
     rows = per * views
     shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=dtype)
     parts = run_memory(shape, 0, rows, steps or cfg.halt_max_steps, ema=False, train=False)
-    if dev.kind == 'cuda':
+    if dev.type == 'cuda':
         give, where = torch.cuda.mem_get_info(dev.device)[0], 'free on its GPU'
     else:
         give, where = memory_headroom()
@@ -632,7 +632,7 @@ def main():
         fail(f"give one source of puzzles, not {' and '.join('--' + s for s in sources)}")
     plt = open_png()
     dev = Device(resolve_device(device))
-    if dev.kind == 'cpu':
+    if dev.type == 'cpu':
         torch.set_num_threads(cpu_threads())
     if task.endswith('.json'):  # tasks never trained: adapted to first, then solved as the test split's are
         adapt_to_new_tasks()
@@ -650,7 +650,7 @@ def main():
     if task:
         return
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
-    print(f"device {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
+    print(f"device {dev.type} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
           + f" | {plural(len(inputs), 'puzzle')}"
           + (f" in batches of {min(per, len(inputs))}" if views == 1 else
@@ -688,10 +688,10 @@ def main():
     if n_done > 1 and views > 1:
         print(f"solved {n_solved}/{n_done} (verified: the verifier's pick of {views} views) | the vote's answer "
               f"accepted {n_voted}/{n_done} | {n_steps_sum / n_done:.2f} steps on average a view | {t_all:.2f} s "
-              f"for {plural(n_done, 'puzzle')} in {views} views on {dev.kind} ({dtype})")
+              f"for {plural(n_done, 'puzzle')} in {views} views on {dev.type} ({dtype})")
     elif n_done > 1:
         print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | "
-              f"{t_all:.2f} s for {plural(n_done, 'puzzle')} on {dev.kind} ({dtype})")
+              f"{t_all:.2f} s for {plural(n_done, 'puzzle')} on {dev.type} ({dtype})")
     if plt:
         title = (f"{os.path.basename(init_from)}: {kind.title}, cells changed since the step before "
                  "highlighted" + (f" (the steps of the verifier's pick of {views} views, mapped back)"
@@ -837,7 +837,7 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
     ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
     inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
-    print(f"\ndevice {dev.kind} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
+    print(f"\ndevice {dev.type} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
           f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
           f"confidence sigmoid(q_halt) there | batches of {min(batch_size, len(rows))}")
     answers, conf, t0 = [], [], time.perf_counter()
@@ -897,7 +897,7 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     known = sum(p.get('output') is not None for p in t['test'])
     print(f"\ntask {task}: " + (f"{passed}/{known} test inputs solved in two attempts (score "
                                 f"{passed / max(known, 1):.2f})" if known else 'no solution known')
-          + f" | {len(rows)} views in {seconds:.2f} s on {dev.kind}")
+          + f" | {len(rows)} views in {seconds:.2f} s on {dev.type}")
     if plt:
         try:
             draw_arc_task(png, plt, t['train'], drawn, f"{os.path.basename(init_from)}: ARC task {task}")

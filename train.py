@@ -150,12 +150,12 @@ def build(meta, dev, total_steps, data_path):
     puzzle embedding, a buffer never averaged: an ARC table held once), the step's settings (the LR schedule,
     EMA, clipping, accumulation) and why this forward dtype; eval_views refused where it would not fit in
     memory."""
-    dtype, dtype_why = choose_dtype(forward_dtype, dev.kind)
+    dtype, dtype_why = choose_dtype(forward_dtype, dev.type)
     model_cfg = {k: config[k] for k in MODEL_KEYS}
-    model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.kind))
+    model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.type))
     torch.manual_seed(seed)  # the same initial weights on every rank
     model = TRM(TRMConfig.for_data(meta, **model_cfg)).to(dev.device).requires_grad_(not freeze_weights)
-    dtype_why += f" | kernels {use_kernels(kernels, dev.kind, dtype, model)[1]}"  # before the EMA's copy
+    dtype_why += f" | kernels {use_kernels(kernels, dev.type, dtype, model)[1]}"  # before the EMA's copy
     row_bytes = model.config.latent_bytes(getattr(torch, dtype).itemsize)
     eval_batch = eval_batch_size or global_batch_size
     if problem := views_problem(puzzle_for(meta), eval_views, eval_batch, row_bytes):
@@ -175,7 +175,7 @@ def evaluation(run, weights, loader, arc, show_example=False, pool_at=None):
     (stop requests between batches, the watchdog, the time budget): (results, example), or (None, None) when a
     stop request abandons it. pool_at: the step whose answers join a pooling ARC run's pool."""
     dev = run.dev
-    predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.kind != 'cpu' else None
+    predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.type != 'cpu' else None
     with run.evaluating(loader) as watch:
         return evaluate(weights, loader, dev, eval_steps or halt_max_steps, halt_max_steps, verifier_for(loader.meta),
                         show_example, predict=predict, arc=arc, arc_pool_at=pool_at, should_stop=watch.should_stop,
@@ -220,7 +220,7 @@ def main(index=None):
     eval_every = max(1, loader.steps_for(eval_every_epochs))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     if dev.master:
-        print(f"device {dev.kind} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
+        print(f"device {dev.type} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
               f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
               f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "
               f"{global_batch_size}), eval every {eval_every}")
@@ -245,7 +245,7 @@ def main(index=None):
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---
-    form = step_form(dev.kind, compile, backend=dev.compile_backend)  # as in bench.py
+    form = step_form(dev.type, compile, backend=dev.compile_backend)  # as in bench.py
     step_t = torch.full((), float(step), device=dev.device)  # on the device: the LR schedule runs there
     ema_params = list(ema_model.parameters())
     prefetch = Prefetcher(loader, dev)
@@ -303,7 +303,7 @@ def main(index=None):
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
     if prof:
         run.upload_folder(prof.finish(step, last=True))
-    if dev.kind == 'xla' and dev.master:
+    if dev.type == 'xla' and dev.master:
         compiles, fallbacks = dev.xla_report()
         print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")
     run.end(stop_now)

@@ -155,7 +155,8 @@ class GCS:
         refreshed, err, t0 = False, None, time.time()
         for i in range(self.retries + 1):
             try:
-                return self._attempt(what, attempt, _auth_headers(), watch or i > 0, f"attempt {i + 1} of {self.retries + 1}", err, t0)
+                return self._attempt(what, attempt, _auth_headers(), watch or i > 0,
+                                     f"attempt {i + 1} of {self.retries + 1}", err, t0)
             except _BadStatus as e:
                 if e.status == 401 and not refreshed and not _emulator_host():
                     _auth_headers(force_refresh=True)  # token revoked or expired early

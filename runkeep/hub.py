@@ -9,7 +9,8 @@ from the all_config.yaml beside the file, refusing a key the config files or the
 value, and the model keys that break train.py's rules (configurator.py). Writing (publish.py): export() turns a
 checkpoint of train.py into the layout, all or nothing, and never over another run's files (one all_config.yaml
 answers for every step_<N> beside it); upload() commits it to a hub repository. The hub's own client
-(huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN (or `hf auth login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
+(huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN (or `hf auth login`) the identity.
+The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
 Nothing here imports torch at import time: train.py resolves init_from before its config checks.
 """
 import contextlib

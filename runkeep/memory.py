@@ -5,7 +5,7 @@ the machine, out of memory and without swap, stops answering.
     run_memory(shape, rows, ...)   the run's bytes by part: weights, gradients, optimizer moments, the EMA copy,
                                    the puzzle-embedding table, the ACT carry, a training step's activations, an
                                    evaluation batch, the allocator's slack; need() adds them up at the peak;
-                                   config_memory(cfg, data, kind) the same from train.py's keys
+                                   config_memory(cfg, data, device_type) the same from train.py's keys
     memory_headroom()              what this process may still allocate: the smallest of the machine's available
                                    memory, the address space RLIMIT_AS leaves (less what the run's threads will
                                    reserve of it) and its cgroup's limit
@@ -148,10 +148,10 @@ def model_parameters(shape):
     positions, and per block the sequence SwiGLU (mlp_t) or attention's qkv and o, then the channel SwiGLU.
     tests/test_limits.py keeps it equal to TRM.num_params()."""
     from model import swiglu_inter
-    T, D, V, e = shape['total_len'], shape['hidden_size'], shape['vocab_size'], shape['expansion']
+    S, D, V, e = shape['total_len'], shape['hidden_size'], shape['vocab_size'], shape['expansion']
     swiglu = lambda d: 3 * d * swiglu_inter(d, e)  # gate-up (d -> 2 inner) and down (inner -> d)
-    mix = swiglu(T) if shape['mlp_t'] else 4 * D * D
-    return (2 * V * D + 2 * D + 2 + (T * D if shape['pos_encodings'] == 'learned' else 0)
+    mix = swiglu(S) if shape['mlp_t'] else 4 * D * D
+    return (2 * V * D + 2 * D + 2 + (S * D if shape['pos_encodings'] == 'learned' else 0)
             + shape['L_layers'] * (mix + swiglu(D)))
 
 
@@ -161,36 +161,36 @@ def block_bytes(shape, s):
     attention's qkv, its output and copy, the flash kernel's log-sum-exp (rope: its rotated q and k), or
     mlp_t's padded input and sequence SwiGLU."""
     from model import SEQ_ALIGN, swiglu_inter
-    T, D, e = shape['total_len'], shape['hidden_size'], shape['expansion']
+    S, D, e = shape['total_len'], shape['hidden_size'], shape['expansion']  # S: positions
     I = swiglu_inter(D, e)
-    norms = 2 * (T * D * 4 + T * 4)
-    mlp = T * D * s + 4 * T * I * s  # its input (the first norm's output), gate-up, silu(gate), product
+    norms = 2 * (S * D * 4 + S * 4)
+    mlp = S * D * s + 4 * S * I * s  # its input (the first norm's output), gate-up, silu(gate), product
     if shape['mlp_t']:
-        Tp, It = -(-T // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(T, e)
-        mix = D * Tp * s + 4 * D * It * s
+        Sp, It = -(-S // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(S, e)
+        mix = D * Sp * s + 4 * D * It * s
     else:
-        rope = 2 * T * D * s if shape['pos_encodings'] == 'rope' else 0
-        mix = T * D * s + 3 * T * D * s + rope + T * D * s + T * D * s + T * shape['num_heads'] * 4
+        rope = 2 * S * D * s if shape['pos_encodings'] == 'rope' else 0
+        mix = S * D * s + 3 * S * D * s + rope + S * D * s + S * D * s + S * shape['num_heads'] * 4
     return norms + mlp + mix
 
 
-def config_shape(cfg, data, kind, cuda_capability=None):
+def config_shape(cfg, data, device_type, cuda_capability=None):
     """The shape run_memory counts (TRMConfig's fields and total_len) of a train.py run: cfg its config (train.py's
-    keys), data its dataset's seq_len, vocab_size and num_puzzle_identifiers, kind its device kind ('cpu',
+    keys), data its dataset's seq_len, vocab_size and num_puzzle_identifiers, device_type its device's ('cpu',
     'cuda'), whose number formats 'auto' resolves to (cuda_capability: a GPU's, when none is initialized here)."""
     from device import choose_dtype, resolve_loss_dtype
     from model import MODEL_KEYS, TRMConfig
     shape = {k: cfg[k] for k in MODEL_KEYS}
-    shape.update(forward_dtype=choose_dtype(cfg['forward_dtype'], kind, cuda_capability=cuda_capability)[0],
-                 loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], kind), seq_len=int(data['seq_len']),
+    shape.update(forward_dtype=choose_dtype(cfg['forward_dtype'], device_type, cuda_capability=cuda_capability)[0],
+                 loss_dtype=resolve_loss_dtype(cfg['loss_dtype'], device_type), seq_len=int(data['seq_len']),
                  vocab_size=int(data['vocab_size']), num_puzzle_identifiers=int(data['num_puzzle_identifiers']))
     shape['total_len'] = TRMConfig(**shape).total_len
     return shape
 
 
-def config_memory(cfg, data, kind, processes=1, cuda_capability=None, params=None):
+def config_memory(cfg, data, device_type, processes=1, cuda_capability=None, params=None):
     """run_memory of one of `processes` processes (ranks) of a train.py run (config_shape's arguments)."""
-    shape = config_shape(cfg, data, kind, cuda_capability)
+    shape = config_shape(cfg, data, device_type, cuda_capability)
     eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // processes * cfg['eval_views']
     return run_memory(shape, cfg['global_batch_size'] // processes, eval_rows,
                       cfg['eval_steps'] or cfg['halt_max_steps'], params=params, ema=cfg['ema'],
@@ -205,28 +205,28 @@ def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=
     from model import swiglu_inter
     s, loss = DTYPE_BYTES[shape['forward_dtype']], DTYPE_BYTES[shape['loss_dtype']]
     latents, grad_calls = latent_bytes(shape), trm_config(shape).net_calls()[1]
-    T, D, L, V = shape['total_len'], shape['hidden_size'], shape['seq_len'], shape['vocab_size']
+    S, D, n, V = shape['total_len'], shape['hidden_size'], shape['seq_len'], shape['vocab_size']  # n: answer tokens
     P = model_parameters(shape) if params is None else params
     table = shape['num_puzzle_identifiers'] * max(shape['puzzle_emb_ndim'], 1) * 4
     parts = dict(weights=4 * P, ema=4 * P if ema else 0, puzzle_embeddings=table)
     per_call = shape['L_layers'] * block_bytes(shape, s)
-    widest = T * swiglu_inter(D, shape['expansion'])  # per row, a SwiGLU's widest tensor
+    widest = S * swiglu_inter(D, shape['expansion'])  # per row, a SwiGLU's widest tensor
     if shape['mlp_t']:
-        widest = max(widest, D * swiglu_inter(T, shape['expansion']))
+        widest = max(widest, D * swiglu_inter(S, shape['expansion']))
     if train:
         micro = math.ceil(rows / accumulation)
         parts.update(gradients=4 * P, optimizer=8 * P,
                      # every row's latents, its tokens, labels, identifier, steps; the next batch on its way
-                     carry=rows * (latents + 2 * L * 4 + 13) + rows * (2 * L * 4 + 4),
+                     carry=rows * (latents + 2 * n * 4 + 13) + rows * (2 * n * 4 + 4),
                      # the net calls with grad (the last round's) keep theirs, the heads their input and the loss
                      # its logits in float and loss dtype; in flight, the widest gradient of the backward pass
                      # (a SwiGLU's gate-up)
-                     activations=micro * (grad_calls * per_call + 2 * widest * s + 2 * T * D * s
-                                          + L * V * (s + 5 * loss)))
+                     activations=micro * (grad_calls * per_call + 2 * widest * s + 2 * S * D * s
+                                          + n * V * (s + 5 * loss)))
     # an evaluation batch: x, the latents, every step's answers and q_halt; in flight (no gradients kept), a
     # SwiGLU's gate-up, gate and product and the RMSNorms' float32 copies
-    parts['evaluation'] = eval_rows * (T * D * s + latents + eval_steps * (L * 4 + 4) + 4 * widest * s + 4 * T * D * 4
-                                       + L * 40)  # the answers' host copies (views: mapped back, voted)
+    parts['evaluation'] = eval_rows * (S * D * s + latents + eval_steps * (n * 4 + 4) + 4 * widest * s + 4 * S * D * 4
+                                       + n * 40)  # the answers' host copies (views: mapped back, voted)
     # the allocator holds more than the live tensors: freed blocks it keeps, pieces too small to reuse
     parts['slack'] = ALLOCATOR_SLACK * max(parts.get('gradients', 0) + parts.get('activations', 0),
                                            parts['evaluation'])

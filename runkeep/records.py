@@ -455,7 +455,7 @@ def device_figures(dev, n_steps, host_s, exec_s, flops_per_s, xla_then):
     known (the model's FLOPs per second over the chips' peak), memory in use (TPU: HBM; CUDA: allocated; else
     the RSS), and XLA's compilations since xla_then."""
     out, peak = {}, dev.peak_tflops()  # one chip's dense bf16 TFLOP/s (None on a CPU)
-    if dev.kind == 'xla':
+    if dev.type == 'xla':
         out.update(host_ms=1e3 * host_s / n_steps, device_ms=1e3 * (dev.execute_seconds() - exec_s) / n_steps)
     if peak:
         out['mfu'] = flops_per_s / (peak * 1e12 * dev.world_size)

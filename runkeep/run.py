@@ -222,7 +222,7 @@ class Run:
 
     def warm_save(self, model, ema_model, carry):
         """XLA: the save's graph compiled now, after the first step, not in a spot VM's last seconds."""
-        if self.dev.kind == 'xla':
+        if self.dev.type == 'xla':
             self.dev.read(checkpoint_tensors(self.dev, model, ema_model, carry))
 
     def timing_total(self):
@@ -286,7 +286,7 @@ class Run:
         (with a warning where XLA compiled past the warm-up), and in metrics.jsonl, W&B and TensorBoard."""
         line = self.records.train_line(sums, step, epoch, lr, flops_per_example)
         if self.master:
-            print(format_train(line, run_steps, self.dev.xla_report()[0] if self.dev.kind == 'xla' else None))
+            print(format_train(line, run_steps, self.dev.xla_report()[0] if self.dev.type == 'xla' else None))
         self.records.log_train(line, step)
 
     def log_eval(self, step, res, raw=None, xla_before=None, log=True):

@@ -21,8 +21,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 # the code whose copies every host must share (a pod runs one command on every host): every file beside
 # train.py and in its packages, so a new file is compared as soon as it is there
-CODE_FILES = sorted(glob.glob(os.path.join(HERE, '*.py')) + [
-    f for f in glob.glob(os.path.join(HERE, '*', '*.py')) if os.path.isfile(os.path.join(os.path.dirname(f), '__init__.py'))])
+PACKAGE_FILES = [f for f in glob.glob(os.path.join(HERE, '*', '*.py'))
+                 if os.path.isfile(os.path.join(os.path.dirname(f), '__init__.py'))]
+CODE_FILES = sorted(glob.glob(os.path.join(HERE, '*.py')) + PACKAGE_FILES)
 
 
 def fingerprint(text):
@@ -120,18 +121,18 @@ def memory_problems(cfg, dev, meta):
     config, dataset and batch against what this process may still allocate (a CPU: the host's ranks share it)
     or its GPU's free memory; [message]. Rank 0 says the estimate in a line when it is over half of that.
     check_memory=False, XLA and TorchTPU: not checked."""
-    if not cfg['check_memory'] or dev.kind not in ('cpu', 'cuda'):
+    if not cfg['check_memory'] or dev.type not in ('cpu', 'cuda'):
         return []
     import torch
     views, train = cfg['eval_views'], not cfg['eval_only']
     eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // dev.world_size
-    shape = config_shape(cfg, meta, dev.kind)
+    shape = config_shape(cfg, meta, dev.type)
     row_bytes = latent_bytes(shape)
     if views_problem(puzzle_for(meta), views, eval_rows, row_bytes):
         return []  # train.py refuses those views in their own words, before any allocation
-    processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.kind == 'cpu' else 1  # sharing its memory
-    parts = config_memory(cfg, meta, dev.kind, dev.world_size)
-    if dev.kind == 'cuda':
+    processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.type == 'cpu' else 1  # sharing its memory
+    parts = config_memory(cfg, meta, dev.type, dev.world_size)
+    if dev.type == 'cuda':
         give, total = torch.cuda.mem_get_info(dev.device)
         where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
     else:

@@ -59,7 +59,7 @@ if args.resume == 'True':
 prefetch = Prefetcher(loader, dev)
 carry = carry or model.initial_carry(prefetch.upcoming)
 step_t = torch.full((), float(step), device=dev.device)
-form = step_form(dev.kind, backend=dev.compile_backend)
+form = step_form(dev.type, backend=dev.compile_backend)
 ema_params = list(ema_model.parameters())
 agreed = dev.agree([dev.rank], 'max')[0]  # a host verdict every rank reads: the highest rank
 print(json.dumps(dict(rank=dev.rank, world=dev.world_size, device=str(dev.device), agreed=agreed,
