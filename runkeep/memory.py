@@ -205,7 +205,7 @@ def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=
     from model import swiglu_inter
     s, loss = DTYPE_BYTES[shape['forward_dtype']], DTYPE_BYTES[shape['loss_dtype']]
     latents, grad_calls = latent_bytes(shape), trm_config(shape).net_calls()[1]
-    S, D, n, V = shape['total_len'], shape['hidden_size'], shape['seq_len'], shape['vocab_size']  # n: answer tokens
+    S, D, seq, V = shape['total_len'], shape['hidden_size'], shape['seq_len'], shape['vocab_size']
     P = model_parameters(shape) if params is None else params
     table = shape['num_puzzle_identifiers'] * max(shape['puzzle_emb_ndim'], 1) * 4
     parts = dict(weights=4 * P, ema=4 * P if ema else 0, puzzle_embeddings=table)
@@ -217,16 +217,16 @@ def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=
         micro = math.ceil(rows / accumulation)
         parts.update(gradients=4 * P, optimizer=8 * P,
                      # every row's latents, its tokens, labels, identifier, steps; the next batch on its way
-                     carry=rows * (latents + 2 * n * 4 + 13) + rows * (2 * n * 4 + 4),
+                     carry=rows * (latents + 2 * seq * 4 + 13) + rows * (2 * seq * 4 + 4),
                      # the net calls with grad (the last round's) keep theirs, the heads their input and the loss
                      # its logits in float and loss dtype; in flight, the widest gradient of the backward pass
                      # (a SwiGLU's gate-up)
                      activations=micro * (grad_calls * per_call + 2 * widest * s + 2 * S * D * s
-                                          + n * V * (s + 5 * loss)))
+                                          + seq * V * (s + 5 * loss)))
     # an evaluation batch: x, the latents, every step's answers and q_halt; in flight (no gradients kept), a
     # SwiGLU's gate-up, gate and product and the RMSNorms' float32 copies
-    parts['evaluation'] = eval_rows * (S * D * s + latents + eval_steps * (n * 4 + 4) + 4 * widest * s + 4 * S * D * 4
-                                       + n * 40)  # the answers' host copies (views: mapped back, voted)
+    parts['evaluation'] = eval_rows * (S * D * s + latents + eval_steps * (seq * 4 + 4) + 4 * widest * s + 4 * S * D * 4
+                                       + seq * 40)  # the answers' host copies (views: mapped back, voted)
     # the allocator holds more than the live tensors: freed blocks it keeps, pieces too small to reuse
     parts['slack'] = ALLOCATOR_SLACK * max(parts.get('gradients', 0) + parts.get('activations', 0),
                                            parts['evaluation'])
