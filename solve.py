@@ -22,7 +22,7 @@ mapped back to the puzzle, is checked by the verifier; shown are the distinct an
 them, the vote's answer and the verifier's pick (an accepted answer where a view found one, else the vote's).
 On an ARC dataset, --task=ID (docs/solving.md) shows the task's demonstrations, then each test input solved in all its
 stored views (the test split's rows of the task: test_views.npz), every view running all steps, its answer
-after the last one mapped back (ARC(n).crop, ARC.unaugment) and voted (evaluate.rank_answers: count, then mean
+after the last one mapped back (ARC(n).crop, ARC.unaugment) and voted (arc.rank_answers: count, then mean
 sigmoid(q_halt)); the vote table and the two attempts, right or not where the solution is known.
 """
 import os
@@ -819,7 +819,7 @@ def shape_of(g):
 
 def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     """--task: the demonstrations, then every test input solved in all its stored views and voted."""
-    from evaluate import ARCVotes, answer_key, confidence, key_grid, rank_answers
+    from arc import ARCVotes, answer_key, confidence, key_grid, rank_answers
     if kind.name != 'arc':
         fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
     votes = ARCVotes.open(dp, kind)  # test_views.npz and test_puzzles.json: how each row maps back, and votes

@@ -118,7 +118,8 @@ from runkeep.checkpoint import checkpoint_tensors, list_checkpoints  # noqa: E40
 from runkeep.records import device_figures, eval_line, groups, log_line, warn_recompiles, xla_since  # noqa: E402
 from runkeep.run import Run  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
-from evaluate import ARCVotes, evaluate, format_eval  # noqa: E402
+from arc import ARCVotes  # noqa: E402
+from evaluate import evaluate, format_eval  # noqa: E402
 from step import AdamATan2, StepConfig, compiled_predict, evaluation_steps, step_form  # noqa: E402
 from step import format_train, read_sums, train_step  # noqa: E402
 

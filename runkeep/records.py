@@ -213,7 +213,7 @@ def save_evaluation(local, remote, name, record, retries):
 
 
 def save_submission(local, remote, name, arc, step, retries):
-    """ARC's submission (arc: evaluate.ARCVotes) in <local>/name, the ARC Prize's format exactly, as
+    """ARC's submission (arc: arc.ARCVotes) in <local>/name, the ARC Prize's format exactly, as
     save_evaluation saves a record; returns what the record it belongs to says of it: its file (None: not
     saved), the step of the checkpoint that answered, and the vote it follows."""
     path = save_evaluation(local, remote, name, arc.submission(), retries)

@@ -19,8 +19,8 @@ from model import MODEL_CHOICES, TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py', 'prepare_arc.py',
            'publish.py']
-LIBRARIES = ['model.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'records.py', 'guard.py', 'data.py',
-             'puzzles.py', 'device.py', 'gcs.py', 'credentials.py', 'configurator.py', 'preflight.py', 'torchtpu.py',
+LIBRARIES = ['model.py', 'step.py', 'evaluate.py', 'arc.py', 'run.py', 'checkpoint.py', 'records.py', 'guard.py',
+             'data.py', 'puzzles.py', 'device.py', 'gcs.py', 'credentials.py', 'configurator.py', 'preflight.py', 'torchtpu.py',
              'study_plan.py', 'study_report.py', 'published.py', 'memory.py', 'rules.py', 'adaptation.py']
 
 

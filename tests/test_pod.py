@@ -171,8 +171,8 @@ def executed_graphs(path, rank, world=WORLD):
         norm, gathers = _normalise(hlo, rank, world)
         frames = re.findall(r'^\s+(\S+) \((\S+?):(\d+)\)$', info, re.M)
         mine = [f"{fn} ({os.path.basename(f)}:{ln})" for fn, f, ln in frames
-                if os.path.basename(f) in ('train.py', 'step.py', 'evaluate.py', 'run.py', 'checkpoint.py', 'guard.py',
-                                            'records.py', 'model.py', 'device.py', 'data.py')]
+                if os.path.basename(f) in ('train.py', 'step.py', 'evaluate.py', 'arc.py', 'run.py', 'checkpoint.py',
+                                            'guard.py', 'records.py', 'model.py', 'device.py', 'data.py')]
         graphs.append(dict(fp=hashlib.sha1(norm.encode()).hexdigest()[:12], gathers=gathers,
                            collectives={c: len(re.findall(rf' {c}(?:-start)?\(', norm)) for c in COLLECTIVES},
                            where=mine[0] if mine else (frames[0][0] if frames else '?')))
