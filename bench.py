@@ -10,7 +10,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --compile=False                             # CUDA, XLA: eager (train.py compiles)
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
-    python bench.py --kernels=off --kernels_ab=mlp_t            # CUDA: kernels.py off, then kernels=mlp_t
+    python bench.py --kernels=off --kernels_ab=mlp_t            # CUDA: backends/kernels.py off, then kernels=mlp_t
     PJRT_DEVICE=TPU python bench.py config/baseline.py --loss_dtype=float32
     PJRT_DEVICE=TPU python bench.py config/baseline.py --vs_eager=True  # and the eager step: device_vs_eager=
     python bench.py --profile_steps=0:3                         # also a trace of 3 more steps
@@ -189,7 +189,7 @@ batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) f
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device)
-kernels_in, kernels_why = use_kernels(kernels, device_type, forward_dtype, model)  # train.py's choice: kernels.py, plain
+kernels_in, kernels_why = use_kernels(kernels, device_type, forward_dtype, model)  # train.py's: fused blocks, or plain
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA

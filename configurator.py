@@ -21,7 +21,9 @@ import io
 import os
 import resource
 import shlex
+import socket
 import sys
+import time
 import tokenize
 import traceback
 
@@ -32,6 +34,80 @@ for _fd, _name in ((1, 'stdout'), (2, 'stderr')):
         os.dup2(os.open(os.devnull, os.O_WRONLY), _fd)
         setattr(sys, _name, open(_fd, 'w', buffering=1, closefd=False))
 
+
+# -----------------------------------------------------------------------------
+# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed
+# SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
+# line to train.log in the run's folder (runkeep's Run)
+
+class Tee:
+    log = None  # train.log, shared by stdout and stderr
+    # train.log when the parent process appends this process's output to it already (study.py names that file
+    # in OUTPUT_LOG_VAR): written from here only once the parent's reading end is gone, so each line is there once
+    parent_log = None
+    OUTPUT_LOG_VAR = 'TRM_OUTPUT_LOG'
+
+    def __init__(self, stream):
+        self.stream, self.closed_seen = stream, False
+
+    @classmethod
+    def install(cls):
+        if not isinstance(sys.stdout, cls):
+            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
+
+    @classmethod
+    def log_to(cls, path):
+        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it), unless the
+        parent appends the output there itself."""
+        parent = os.environ.get(cls.OUTPUT_LOG_VAR)
+        if parent and os.path.realpath(parent) == os.path.realpath(path):
+            cls.parent_log = path
+        else:
+            cls.open_log(path)
+
+    @classmethod
+    def open_log(cls, path):
+        try:
+            cls.log = open(path, 'a')
+            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
+                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
+        except OSError as e:
+            print(f"warning: cannot write {path} ({e}); the output is not logged there")
+
+    def write(self, text):
+        if not self.closed_seen:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):
+                self.lost()
+        if Tee.log is not None:
+            try:
+                Tee.log.write(text)
+                Tee.log.flush()
+            except (OSError, ValueError):  # a full disk: the terminal still has it
+                pass
+        return len(text)
+
+    def flush(self):
+        if not self.closed_seen:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self.lost()
+
+    def lost(self):
+        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
+        /dev/null, so the interpreter's flush at exit cannot fail either."""
+        self.closed_seen = True
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
+        except (OSError, ValueError):
+            pass
+        if Tee.parent_log and Tee.log is None:  # the parent no longer copies the output to train.log
+            Tee.open_log(Tee.parent_log)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
 
 # -----------------------------------------------------------------------------
 # torch itself, loaded after the config checks (--help and a config error answer at once)
@@ -258,6 +334,8 @@ def config_problems(cfg):
 
 
 if __name__ != 'configurator':  # exec'd by a script (imported as a module, it only lends read_config_block)
-    from runkeep.records import Tee as _Tee  # a closed stdout never stops the script, from its first line on
+    # a closed stdout never stops the script, from its first line on: the Tee of configurator imported as a module,
+    # the one class that the run's records (runkeep) hand train.log to
+    from configurator import Tee as _Tee
     _Tee.install()
     _configure(globals(), sys.argv[1:])

@@ -438,7 +438,7 @@ class EvalLoader:
             # 'views_inverse' (host only, not for the device) maps each row's answer back to its puzzle
             return dict(in_views(local, self.kind, sym), views_inverse=self.kind.invert(sym))
         except MemoryError as e:
-            from runkeep.memory import memory_headroom, size
+            from device import memory_headroom, size
             free, what = memory_headroom()
             left = f"; {size(free)} {what}" if free is not None else ''
             raise SystemExit(f"config error: eval_views={K}: building the views of a batch of {self.B} puzzles ran "

@@ -13,6 +13,7 @@ import contextlib
 import os
 import resource
 import signal
+import sys
 
 import numpy as np
 
@@ -20,9 +21,9 @@ from configurator import import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
-from runkeep import torchtpu  # noqa: E402
+from backends import torchtpu  # noqa: E402
 # the 'tpu' device type's runtime; TorchTPU.on_cpu(n) runs its code on CPU processes
-from runkeep.torchtpu import TorchTPU  # noqa: E402
+from backends.torchtpu import TorchTPU  # noqa: E402
 
 
 def usable_cores():
@@ -180,13 +181,13 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
 
 
 # -----------------------------------------------------------------------------
-# the kernels: kernels.py's fused Triton blocks only where they are known to pay
+# the kernels: backends/kernels.py's fused Triton blocks only where they are known to pay
 
 KERNEL_CHOICES = ('auto', 'off', 'mlp_t', 'triton')
 
 
 def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
-    """(kernels, why): 'mlp_t' (kernels.py's fused mlp_t forward where no gradient is taken, the rest plain),
+    """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
     'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that mixes the
     sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
     capability 9.x) in bfloat16 with triton installed, the one kernel measured faster than the compiled plain
@@ -230,24 +231,148 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
 
 
 def use_kernels(requested, device_type, dtype, model):
-    """choose_kernels for this device, forward dtype and model, applied to model's blocks: kernels.py's fused
+    """choose_kernels for this device, forward dtype and model, applied to model's blocks: backends/kernels.py's fused
     forward installed ('mlp_t', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain
     forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton that fails to
     import means the plain path, said in `why`."""
     choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
     if choice != 'off':
         try:
-            from kernels import fuse_blocks
+            from backends.kernels import fuse_blocks
             fused = fuse_blocks(model, choice)
             if fused.startswith('none fused'):
                 return 'off', f"{why}: {fused}: plain path"
             return choice, why if requested == 'auto' else f"{why}: {fused}"
         except Exception as e:  # a broken triton install: the plain path, said in one line
-            why = (f"warning: kernels='{requested}' but kernels.py failed to import ({type(e).__name__}: {e}): "
-                   "plain path")
+            why = (f"warning: kernels='{requested}' but backends/kernels.py failed to import "
+                   f"({type(e).__name__}: {e}): plain path")
     for block in model.net.layers:
         block.fused = None
     return 'off', why
+
+
+# -----------------------------------------------------------------------------
+# the memory this machine gives a process
+
+GB = 1e9
+# Under an address-space limit (RLIMIT_AS) a process is charged for what it maps, not for what it touches: every
+# thread that allocates gets a malloc arena of its own (glibc, 64-bit: 64 MB reserved each, up to 8 per core or
+# MALLOC_ARENA_MAX) and a stack (RLIMIT_STACK's size). A run's threads: its compute threads and the trainer's own
+# (the signals' reader, the watchdog, the stop's bound, the batch prefetcher, uploads, the lock's renewal), of
+# which about TRAINER_THREADS allocate.
+ARENA_BYTES = 64 * 2 ** 20
+TRAINER_THREADS = 4
+
+
+def available_memory():
+    """Bytes of memory this machine can still give (Linux: MemAvailable), or None where unknown."""
+    try:
+        with open('/proc/meminfo') as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:'))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _read_int(path, key=None):
+    """An integer file of /proc or a cgroup ('max': None), or with `key` the value of that line; None if absent."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        if key is not None:
+            text = next(l.split()[1] for l in text.splitlines() if l.split()[:1] == [key])
+        return None if text.strip() == 'max' else int(text.split()[0])
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def cgroup_headroom():
+    """(bytes, words) the memory limit of this process's cgroup leaves (v2 memory.max, v1
+    memory.limit_in_bytes, less the cgroup's usage without its reclaimable file cache), or None without a
+    limit. TRM_CGROUP_ROOT names another cgroup mount (tests: a fake tree)."""
+    root = os.environ.get('TRM_CGROUP_ROOT', '/sys/fs/cgroup')
+    try:
+        with open('/proc/self/cgroup') as f:
+            lines = [l.rstrip('\n').split(':', 2) for l in f]
+    except OSError:
+        lines = []
+    paths = {c: line[2] for line in lines if len(line) == 3 for c in line[1].split(',')}  # v2's controller: ''
+    v2 = [os.path.join(root, paths.get('', '/').lstrip('/')), root]
+    v1 = [os.path.join(root, 'memory', paths.get('memory', '/').lstrip('/')), os.path.join(root, 'memory')]
+    for folders, limit, usage, cache in ((v2, 'memory.max', 'memory.current', 'inactive_file'),
+                                         (v1, 'memory.limit_in_bytes', 'memory.usage_in_bytes',
+                                          'total_inactive_file')):
+        for folder in folders:
+            cap = _read_int(os.path.join(folder, limit))
+            if cap is None or cap >= 1 << 60:  # 'max', or v1's unlimited (a page-rounded 2**63)
+                continue
+            used = (_read_int(os.path.join(folder, usage)) or 0) - \
+                (_read_int(os.path.join(folder, 'memory.stat'), cache) or 0)
+            return max(0, cap - used), (f"the cgroup's {limit} {cap / GB:.1f} GB less the {used / GB:.1f} GB "
+                                        "its processes use")
+    return None
+
+
+def compute_threads():
+    """The threads torch computes with: its own count where it is loaded, else OMP_NUM_THREADS or this
+    process's cores."""
+    torch = sys.modules.get('torch')
+    if torch is not None and hasattr(torch, 'get_num_threads'):
+        return torch.get_num_threads()
+    try:
+        return int(os.environ.get('OMP_NUM_THREADS', '')) or len(os.sched_getaffinity(0))
+    except (ValueError, AttributeError):
+        return os.cpu_count() or 1
+
+
+def thread_reserve():
+    """Address space a run's threads reserve beyond the bytes they use (see ARENA_BYTES): a malloc arena for each
+    thread but the main one, a stack for each."""
+    threads = compute_threads() + TRAINER_THREADS
+    try:
+        arenas = int(os.environ.get('MALLOC_ARENA_MAX', ''))
+    except ValueError:
+        arenas = 8 * (os.cpu_count() or 1)
+    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    stack = 8 * 2 ** 20 if stack == resource.RLIM_INFINITY else stack
+    return min(threads - 1, arenas) * ARENA_BYTES + threads * stack
+
+
+def memory_headroom():
+    """(bytes this process may still allocate, what bounds it in words): the smallest of the machine's
+    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped and what
+    the run's threads will reserve: thread_reserve) and what its cgroup's memory limit leaves; (None, '')
+    where none is known. TRM_MEMORY_AVAILABLE (bytes) stands in for MemAvailable (tests: a smaller machine)."""
+    found = []
+    free = os.environ.get('TRM_MEMORY_AVAILABLE')
+    free = int(float(free)) if free else available_memory()
+    if free is not None:
+        found.append((free, 'available on this machine (MemAvailable)'))
+    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if cap != resource.RLIM_INFINITY:
+        mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
+        reserve = thread_reserve()
+        found.append((max(0, cap - mapped - reserve), f"left by this process's address-space limit (RLIMIT_AS "
+                                                      f"{cap / GB:.1f} GB, {mapped / GB:.1f} GB of it mapped, "
+                                                      f"{reserve / GB:.2f} GB for its threads' malloc arenas and "
+                                                      "stacks)"))
+    if (cgroup := cgroup_headroom()) is not None:
+        found.append((cgroup[0], f"left by {cgroup[1]}"))
+    return min(found) if found else (None, '')
+
+
+def resident_bytes():
+    """This process's resident memory now (Linux), or 0."""
+    return (_read_int('/proc/self/status', 'VmRSS:') or 0) * 1024
+
+
+def size(n):
+    """Bytes in words: '1.44 GB', '27.2 MB', '231 kB'."""
+    for unit, scale in (('GB', GB), ('MB', 1e6), ('kB', 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 
 
 # -----------------------------------------------------------------------------

@@ -224,7 +224,7 @@ class Block(nn.Module):
         x = F.pad(h, (0, self.seq_pad)) if self.seq_pad else h  # one copy, as the transpose needed one anyway
         return rms_norm(h + self.mlp_t(x, pad=self.seq_pad), self.eps).transpose(1, 2)
 
-    # A fused forward of this block, fused(block, h, rope), that kernels.py installs (train.py's kernels key), or
+    # A fused forward of this block, fused(block, h, rope), that backends/kernels.py installs (the kernels key), or
     # None: the forward below. The fused one computes the same function, within the forward dtype's rounding.
     fused = None
 
@@ -331,8 +331,8 @@ class TRM(nn.Module):
         """Fresh latents of B rows: {name: [B, total_len, hidden_size]} for every name in LATENTS."""
         shape = (B, self.config.total_len, self.config.hidden_size)
         # contiguous, like every later carry: a compiled step then sees one layout from its first call on
-        return {name: getattr(self, INIT_BUFFERS[name]).to(self.forward_dtype).expand(shape).contiguous().to(device)
-                for name in LATENTS}
+        return {name: getattr(self, INIT_BUFFERS[name]).to(self.forward_dtype).expand(shape).contiguous()
+                .to(device) for name in LATENTS}
 
     # --- ACT: one call = one supervision step -----------------------------------------------------
 

@@ -21,7 +21,6 @@ import re
 
 import numpy as np
 
-from runkeep.memory import memory_headroom
 
 
 def plural(k, word):
@@ -704,6 +703,8 @@ def views_problem(kind, K, rows=1, row_bytes=0, memory=None):
     if not kind.symmetric:
         return f"{article(kind.title)} has no symmetries to show it in other views, so views must be 1"
     per_view = rows * (kind.L * (8 + 8 + 8 + 4 + 4 + 4 + 4) + 2 * kind.vocab_size + row_bytes)
+    if memory is None:
+        from device import memory_headroom  # (torch: only when views are asked for)
     memory, what = memory_headroom() if memory is None else (memory, 'available')
     if memory is not None and K * per_view > memory:
         return (f"{K} views of a batch of {plural(rows, 'puzzle')} need {K * per_view / 1e9:,.1f} GB of memory "

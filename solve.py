@@ -22,7 +22,7 @@ mapped back to the puzzle, is checked by the verifier; shown are the distinct an
 them, the vote's answer and the verifier's pick (an accepted answer where a view found one, else the vote's).
 On an ARC dataset, --task=ID (docs/solving.md) shows the task's demonstrations, then each test input solved in all its
 stored views (the test split's rows of the task: test_views.npz), every view running all steps, its answer
-after the last one mapped back (ARC(n).crop, ARC.unaugment) and voted (evaluate.rank_answers: count, then mean
+after the last one mapped back (ARC(n).crop, ARC.unaugment) and voted (arc.rank_answers: count, then mean
 sigmoid(q_halt)); the vote table and the two attempts, right or not where the solution is known.
 """
 import os
@@ -92,11 +92,11 @@ torch = import_torch()  # where an address-space limit leaves it no room: one li
 
 from data import load_arrays, load_json, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
-from model import MODEL_KEYS, TRM, TRMConfig, swiglu_inter  # noqa: E402
+from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
-from puzzles import draw_arc_task, draw_steps, seq_len_for_vocab, views_problem, vote  # noqa: E402
-from runkeep.checkpoint import CheckpointError, identifier_mismatch, load_checkpoint, weights_in  # noqa: E402
-from runkeep.checkpoint import fill_absent_table, what_it_holds  # noqa: E402
+from puzzles import draw_arc_task, draw_steps, views_problem, vote  # noqa: E402
+from runkeep.checkpoint import fill_absent_table, identifier_mismatch, meta_from_weights  # noqa: E402
+from runkeep.checkpoint import mismatch_message, read_checkpoint  # noqa: E402
 
 
 def cpu_threads():
@@ -121,129 +121,6 @@ def fail(message):
 def short(e, limit=200):
     text = ' '.join(str(e).split())
     return text if len(text) <= limit else text[:limit] + '...'
-
-
-# -----------------------------------------------------------------------------
-# the checkpoint: ours ({'model', 'ema', 'config', ...}) or a reference state dict
-
-def numpy_scalar_types():
-    core = getattr(np, '_core', None) or np.core
-    return [core.multiarray.scalar,
-            np.dtype] + [type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32',
-                                                                               'int64', 'uint8', 'bool')]
-
-
-def read_checkpoint(path):
-    """(state dict in our names, the training config or None, a few words on where the weights came from, the
-    shape of the data it was trained on or None, its dataset's identifiers or None)."""
-    if not path:
-        fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
-    if not os.path.isfile(path):
-        fail(f"init_from={path}: no such file")
-    try:
-        ckpt = load_checkpoint(path)
-    except CheckpointError as e:
-        try:  # checkpoints of earlier train.py versions hold numpy scalars in their results: allow those only
-            with torch.serialization.safe_globals(numpy_scalar_types()):
-                ckpt = load_checkpoint(path)
-        except CheckpointError:
-            text = str(e.__cause__ or e)
-            m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(Check the documentation|$)', text, re.S)
-            detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
-            fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or "
-                 f"truncated one, or one holding more than weights and plain values): {short(detail, 160)}")
-    found = weights_in(ckpt)
-    if found is None:
-        fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
-             f"implementation: it holds {what_it_holds(ckpt)}")
-    if found['config'] is None:
-        return found['weights'], None, 'state dict (reference format)', None, None
-    step = f" of step {found['step']}" if found['step'] is not None else ''
-    weights = 'EMA weights' if found['ema'] else 'model weights (it holds no EMA)'
-    what = f"train.py checkpoint{step}, {weights}"
-    return found['weights'], found['config'], what, found['data'], found['identifiers']
-
-
-def shapes_in(sd):
-    """What the weights' shapes say about the model and the dataset: {key: value} (only what they tell)."""
-    found = {}
-    if 'embed_tokens.embedding_weight' in sd:
-        found['vocab_size'], found['hidden_size'] = map(int, sd['embed_tokens.embedding_weight'].shape)
-    layers = {int(k.split('.')[2]) for k in sd if k.startswith('net.layers.') and k.split('.')[2].isdigit()}
-    if layers:
-        found['L_layers'] = max(layers) + 1
-    if any('.mlp_t.' in k for k in sd):
-        found['mlp_t'] = True
-        found['total_len'] = int(sd['net.layers.0.mlp_t.gate_up_proj.weight'].shape[1]) \
-            if 'net.layers.0.mlp_t.gate_up_proj.weight' in sd else None
-    elif any('.self_attn.' in k for k in sd):
-        found['mlp_t'] = False
-    if 'embed_pos.embedding_weight' in sd:
-        found['pos_encodings'] = 'learned'
-        found['total_len'] = int(sd['embed_pos.embedding_weight'].shape[0])
-    if 'puzzle_emb' in sd and sd['puzzle_emb'].dim() == 2:
-        found['num_puzzle_identifiers'] = int(sd['puzzle_emb'].shape[0])
-        width = int(sd['puzzle_emb'].shape[1])  # a model without puzzle embedding keeps width 1
-        found['puzzle_emb_ndim'] = width if width > 1 else 0
-    if found.get('total_len') is None:
-        found.pop('total_len', None)
-    return found
-
-
-def meta_from_weights(sd, cfg):
-    """Dataset metadata inferred from the weights, for a checkpoint whose dataset is not on this machine:
-    None unless the shapes say unambiguously which puzzle it is."""
-    s = shapes_in(sd)
-    V = s.get('vocab_size')
-    if V is None:
-        return None
-    if 'total_len' in s:
-        prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
-        seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim',
-                                                      TRMConfig.puzzle_emb_ndim) > 0 else 0)
-    elif seq_len_for_vocab(V):
-        seq_len = seq_len_for_vocab(V)
-    else:
-        return None
-    meta = dict(vocab_size=V, seq_len=seq_len, num_puzzle_identifiers=s.get('num_puzzle_identifiers', 1),
-                pad_id=0, ignore_label_id=0, blank_identifier_id=0)
-    return meta if puzzle_for(meta) else None
-
-
-def mismatch_message(sd, model, cfg, given, where, ours):
-    """The weights do not fit the model built from the config and the dataset: which keys to check."""
-    want = model.state_dict()
-    missing = [k for k in want if k not in sd]
-    unexpected = [k for k in sd if k not in want]
-    reshaped = [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)]
-    parts = []
-    for what, keys in (('missing', missing), ('unexpected', unexpected), ('of another shape', reshaped)):
-        if keys:
-            parts.append(f"{len(keys)} {what} (e.g. {keys[0]}"
-                         + (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here"
-                            if what ==
-                            'of another shape' else '') + ")")
-    found, mine = shapes_in(sd), dict(vars(cfg), total_len=cfg.total_len)
-    differ = [k for k in found if k in mine and found[k] != mine[k]]
-    if 'expansion' not in differ and 'hidden_size' in found and \
-            'net.layers.0.mlp.down_proj.weight' in sd and \
-            sd['net.layers.0.mlp.down_proj.weight'].shape[1] != \
-            swiglu_inter(found['hidden_size'], cfg.expansion):
-        differ.append('expansion')
-    data_keys = {'vocab_size', 'num_puzzle_identifiers', 'total_len'}
-    names = {'total_len': 'positions (seq_len + puzzle_emb_len)'}
-    says = ', '.join(f"{names.get(k, k)}={found[k]}"
-                     + (f" (here {mine[k]})" if k in differ and k in mine else '')
-                     for k in found)
-    check = [k for k in differ if k not in data_keys]
-    if any(k in data_keys for k in differ):
-        check += (['puzzle_emb_len', 'puzzle_emb_ndim'] if 'total_len' in differ else []) + ['data_path']
-    if not check:
-        check = ['expansion', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len', 'data_path']
-    if ours:  # the model keys came from the checkpoint: only the dataset can be wrong
-        check = ['data_path']
-    return (f"init_from={given}: the weights do not fit the model built from {where}: {'; '.join(parts)}. "
-            f"The weights say {says}. Check {', '.join('--' + k for k in dict.fromkeys(check))}")
 
 
 # -----------------------------------------------------------------------------
@@ -550,7 +427,8 @@ def refuse_what_memory_cannot_hold(cfg, meta, dev, dtype):
         fail(f"views={views}: {problem}")
     if not check_memory or dev.type not in ('cpu', 'cuda'):
         return
-    from runkeep.memory import describe, memory_headroom, need, run_memory, size
+    from device import memory_headroom, size
+    from runkeep.memory import describe, need, run_memory
     rows = per * views
     shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=dtype)
     parts = run_memory(shape, 0, rows, steps or cfg.halt_max_steps, ema=False, train=False)
@@ -819,7 +697,7 @@ def shape_of(g):
 
 def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     """--task: the demonstrations, then every test input solved in all its stored views and voted."""
-    from evaluate import ARCVotes, answer_key, confidence, key_grid, rank_answers
+    from arc import ARCVotes, answer_key, confidence, key_grid, rank_answers
     if kind.name != 'arc':
         fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
     votes = ARCVotes.open(dp, kind)  # test_views.npz and test_puzzles.json: how each row maps back, and votes

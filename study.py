@@ -50,7 +50,7 @@ from device import tpu_chips, tpu_host_alone_env, usable_cores
 from runkeep.locks import holder_gone, lock_record
 from runkeep.startup import local_folder
 from puzzles import KINDS
-from runkeep.records import Tee
+from configurator import Tee
 from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
                         duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps,
                         partition, read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
@@ -633,7 +633,8 @@ def fits(e, kind, ids, status):
     d = e.data
     if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
         return True
-    from runkeep.memory import config_memory, memory_headroom, memory_problem, resident_bytes
+    from device import memory_headroom, resident_bytes
+    from runkeep.memory import config_memory, memory_problem
     c = e.run_cfg
     if kind == 'cuda':
         try:

@@ -89,7 +89,7 @@ gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of 
 # system
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
 compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
-kernels = 'auto'                # kernels.py: 'auto' | 'off' | 'mlp_t' (its no-grad forward fused) | 'triton'
+kernels = 'auto'                # fused Triton blocks: 'auto' | 'off' | 'mlp_t' (its no-grad forward) | 'triton'
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
 gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
 preflight = False               # True: check this machine in minutes instead: two short runs in <out>/preflight
@@ -111,7 +111,8 @@ def config_errors(config):
         (config['eval_only'] and config['init_from'] == 'scratch',
          "eval_only=True needs --init_from=resume or a checkpoint file"),
         (config['freeze_weights'] and not config['puzzle_emb_ndim'],
-         "freeze_weights=True trains only the puzzle embedding, and puzzle_emb_ndim=0 has none: nothing would train"),
+         "freeze_weights=True trains only the puzzle embedding, and puzzle_emb_ndim=0 has none: nothing would "
+         "train"),
     ) if broken]
 
 
@@ -127,7 +128,7 @@ globals().update(config)
 torch = import_torch()  # after the config: --help and config errors answer at once
 
 import runkeep  # noqa: E402  (the shell's front: Run, launch, start_worker)
-from evaluate import ARCVotes  # noqa: E402  (arc.py after the merge)
+from arc import ARCVotes  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
 from device import use_kernels  # noqa: E402
@@ -177,9 +178,9 @@ def evaluation(run, weights, loader, arc, show_example=False, pool_at=None):
     dev = run.dev
     predict = compiled_predict(weights, backend=dev.compile_backend) if compile and dev.type != 'cpu' else None
     with run.evaluating(loader) as watch:
-        return evaluate(weights, loader, dev, eval_steps or halt_max_steps, halt_max_steps, verifier_for(loader.meta),
-                        show_example, predict=predict, arc=arc, arc_pool_at=pool_at, should_stop=watch.should_stop,
-                        progress=watch.progress)
+        return evaluate(weights, loader, dev, eval_steps or halt_max_steps, halt_max_steps,
+                        verifier_for(loader.meta), show_example, predict=predict, arc=arc, arc_pool_at=pool_at,
+                        should_stop=watch.should_stop, progress=watch.progress)
 
 
 def evaluate_and_save(run, step, last_step, model, ema_model, loaders, arc, save=None, log=True):

@@ -4,7 +4,7 @@
 #   STAGES=maze,ref_maze BUDGET_S=400 bash dev/gpu_speed.sh   # chosen stages (sudoku_all: only so)
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
-#   check     kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
+#   check     backends/kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
 #   sudoku    bench.py config/baseline.py, kernels off then auto (what a user gets: mlp_t on Hopper) in one run
 #             (--kernels_ab), and a profile of two compiled steps with auto's kernels (top kernels by GPU time)
 #   ref_mlp   the reference's step and evaluation, Sudoku MLP batch 768 (.gpu/ref_gpu_bench.py, .gpu/ref/models)

@@ -1,5 +1,5 @@
 """
-kernels.py checked where it runs, for dev/gpu_speed.sh: exactness at the real shapes, a tiny training run with the
+backends/kernels.py checked where it runs, for dev/gpu_speed.sh: exactness at the real shapes, a tiny training run with the
 kernels on and off, each fused op's time against the compiled plain path, the top kernels of a profile, and the
 summary table of gpu_speed.sh's logs.
     python dev/kernels_check.py exact              # fused vs plain, both vs float64 (float32 for a model's step)
@@ -60,7 +60,7 @@ def block_checks(keys, B, dev, dtype):
     """A block of the model (its real shapes): the no-grad forward, and where mlp_t's fused op carries a
     gradient, the input's and the weights' gradients; against the block in float64."""
     import torch
-    import kernels
+    from backends import kernels
     from model import TRM, TRMConfig
     torch.manual_seed(0)
     model = TRM(TRMConfig(**keys, forward_dtype='float32')).to(dev)
@@ -100,7 +100,7 @@ def step_checks(keys, B, dev, dtype):
     and with none, against the same step in float64: the loss and the blocks' gradients, and all gradients
     together."""
     import torch
-    import kernels
+    from backends import kernels
     from model import TRM, TRMConfig
     from step import forward_loss
     torch.manual_seed(0)
@@ -154,7 +154,7 @@ def train():
     and batches: the token accuracy of the last steps should agree within noise."""
     import numpy as np
     import torch
-    import kernels
+    from backends import kernels
     from model import TRM, TRMConfig
     from step import AdamATan2, StepConfig, train_step
     dev, dtype, _, _, _ = setup()
@@ -223,7 +223,7 @@ def ops():
     """ms per call at the Sudoku block's real shapes: each fused op (its default tiles, then VARIANTS) against
     the plain path compiled by inductor (torch.compile's default mode)."""
     import torch
-    import kernels
+    from backends import kernels
     from model import TRM, TRMConfig, rms_norm
     dev, dtype, sudoku, _, B = setup()
     torch.manual_seed(0)
@@ -276,7 +276,7 @@ def build_all(cap=90, variants=False):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    import kernels
+    from backends import kernels
     bf, f32 = '*bf16', '*fp32'
     mlp_t = lambda t: dict(I=512, LP=128, BD=t['BD'], BI=t['BI'])
     specs = dict(  # the JIT's view of the Sudoku MLP's calls: L 97, D 512, mlp_t inter 512, channel inter 1536
@@ -323,7 +323,7 @@ OURS = ('_mlp_t_forward', '_mlp_t_backward', '_swiglu_forward', '_down_norm_forw
 def kind_of(name):
     n = name.lower()
     if name.startswith(OURS):
-        return 'kernels.py'
+        return 'backends/kernels.py'
     if any(k in n for k in ('gemm', 'nvjet', 'cutlass', 'xmma', 'cublas', 'sm90_', 'sm80_')):
         return 'cuBLAS GEMM'
     return 'inductor Triton' if n.startswith('triton') else 'other'

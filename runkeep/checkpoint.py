@@ -3,7 +3,8 @@ The checkpoint files of a run, in a local folder or under a gs:// prefix (gcs.py
 underneath): their format and names, atomic saves, loading, listing and pruning; and what a run does with
 them at start (which checkpoint to resume, whether it fits this run, its state loaded) and at a save (the
 weights checked sane, the carry gathered). run.Run calls these; solve.py and bench.py read and write the
-files.
+files: solve.py's checkpoint is read here (ours or a reference state dict), and weights that do not fit its model
+are told in words (which keys to check).
 A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
 batch), rng, config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the
 rows of its puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its step's evaluation was
@@ -17,7 +18,11 @@ import pickle
 import re
 import time
 
+import numpy as np
 import torch
+
+from model import TRMConfig, from_reference_state_dict, swiglu_inter
+from puzzles import puzzle_for, seq_len_for_vocab
 
 from . import gcs
 from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_together
@@ -76,7 +81,6 @@ def weights_in(ckpt):
     config: the training run's or None, step, data: the shape it trained on, ema: whether they are the
     EMA's, identifiers: identifiers_of its dataset or None), or None when it is neither a checkpoint of
     train.py nor a state dict (the reference's keys or ours)."""
-    from model import from_reference_state_dict
     if isinstance(ckpt, dict) and isinstance(ckpt.get('model'), dict):
         saved = ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
         return dict(weights=dict(ckpt.get('ema') or ckpt['model']), config=saved, step=ckpt.get('step'),
@@ -511,3 +515,136 @@ def fill_absent_table(sd, model):
     if 'puzzle_emb' not in sd and model.config.puzzle_emb_ndim == 0:
         sd['puzzle_emb'] = model.puzzle_emb
     return sd
+
+
+# -----------------------------------------------------------------------------
+# solve.py's checkpoint: ours ({'model', 'ema', 'config', ...}) or a reference state dict, and what its weights'
+# shapes say where the model keys or the dataset do not fit them
+
+def fail(message):
+    """A user error: one line, no traceback."""
+    raise SystemExit(' '.join(str(message).split()))
+
+
+def numpy_scalar_types():
+    """The numpy types that checkpoints of earlier train.py versions hold in their results (numpy scalars)."""
+    core = getattr(np, '_core', None) or np.core
+    return [core.multiarray.scalar,
+            np.dtype] + [type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32',
+                                                                               'int64', 'uint8', 'bool')]
+
+
+def read_checkpoint(path):
+    """solve.py's --init_from=path: (state dict in our names, the training config or None, a few words on where
+    the weights came from, the shape of the data it was trained on or None, its dataset's identifiers or None);
+    a file that is none of these is refused in one line."""
+    if not path:
+        fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
+    if not os.path.isfile(path):
+        fail(f"init_from={path}: no such file")
+    try:
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        try:  # checkpoints of earlier train.py versions hold numpy scalars in their results: allow those only
+            with torch.serialization.safe_globals(numpy_scalar_types()):
+                ckpt = load_checkpoint(path)
+        except CheckpointError:
+            text = str(e.__cause__ or e)
+            m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(Check the documentation|$)', text, re.S)
+            detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
+            detail = ' '.join(detail.split())
+            fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or "
+                 f"truncated one, or one holding more than weights and plain values): "
+                 f"{detail if len(detail) <= 160 else detail[:160] + '...'}")
+    found = weights_in(ckpt)
+    if found is None:
+        fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "
+             f"implementation: it holds {what_it_holds(ckpt)}")
+    if found['config'] is None:
+        return found['weights'], None, 'state dict (reference format)', None, None
+    step = f" of step {found['step']}" if found['step'] is not None else ''
+    weights = 'EMA weights' if found['ema'] else 'model weights (it holds no EMA)'
+    what = f"train.py checkpoint{step}, {weights}"
+    return found['weights'], found['config'], what, found['data'], found['identifiers']
+
+
+def shapes_in(sd):
+    """What the weights' shapes say about the model and the dataset: {key: value} (only what they tell)."""
+    found = {}
+    if 'embed_tokens.embedding_weight' in sd:
+        found['vocab_size'], found['hidden_size'] = map(int, sd['embed_tokens.embedding_weight'].shape)
+    layers = {int(k.split('.')[2]) for k in sd if k.startswith('net.layers.') and k.split('.')[2].isdigit()}
+    if layers:
+        found['L_layers'] = max(layers) + 1
+    if any('.mlp_t.' in k for k in sd):
+        found['mlp_t'] = True
+        found['total_len'] = int(sd['net.layers.0.mlp_t.gate_up_proj.weight'].shape[1]) \
+            if 'net.layers.0.mlp_t.gate_up_proj.weight' in sd else None
+    elif any('.self_attn.' in k for k in sd):
+        found['mlp_t'] = False
+    if 'embed_pos.embedding_weight' in sd:
+        found['pos_encodings'] = 'learned'
+        found['total_len'] = int(sd['embed_pos.embedding_weight'].shape[0])
+    if 'puzzle_emb' in sd and sd['puzzle_emb'].dim() == 2:
+        found['num_puzzle_identifiers'] = int(sd['puzzle_emb'].shape[0])
+        width = int(sd['puzzle_emb'].shape[1])  # a model without puzzle embedding keeps width 1
+        found['puzzle_emb_ndim'] = width if width > 1 else 0
+    if found.get('total_len') is None:
+        found.pop('total_len', None)
+    return found
+
+
+def meta_from_weights(sd, cfg):
+    """Dataset metadata inferred from the weights, for a checkpoint whose dataset is not on this machine:
+    None unless the shapes say unambiguously which puzzle it is."""
+    s = shapes_in(sd)
+    V = s.get('vocab_size')
+    if V is None:
+        return None
+    if 'total_len' in s:
+        prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
+        seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim',
+                                                      TRMConfig.puzzle_emb_ndim) > 0 else 0)
+    elif seq_len_for_vocab(V):
+        seq_len = seq_len_for_vocab(V)
+    else:
+        return None
+    meta = dict(vocab_size=V, seq_len=seq_len, num_puzzle_identifiers=s.get('num_puzzle_identifiers', 1),
+                pad_id=0, ignore_label_id=0, blank_identifier_id=0)
+    return meta if puzzle_for(meta) else None
+
+
+def mismatch_message(sd, model, cfg, given, where, ours):
+    """The weights do not fit the model built from the config and the dataset: which keys to check."""
+    want = model.state_dict()
+    missing = [k for k in want if k not in sd]
+    unexpected = [k for k in sd if k not in want]
+    reshaped = [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)]
+    parts = []
+    for what, keys in (('missing', missing), ('unexpected', unexpected), ('of another shape', reshaped)):
+        if keys:
+            parts.append(f"{len(keys)} {what} (e.g. {keys[0]}"
+                         + (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here"
+                            if what ==
+                            'of another shape' else '') + ")")
+    found, mine = shapes_in(sd), dict(vars(cfg), total_len=cfg.total_len)
+    differ = [k for k in found if k in mine and found[k] != mine[k]]
+    if 'expansion' not in differ and 'hidden_size' in found and \
+            'net.layers.0.mlp.down_proj.weight' in sd and \
+            sd['net.layers.0.mlp.down_proj.weight'].shape[1] != \
+            swiglu_inter(found['hidden_size'], cfg.expansion):
+        differ.append('expansion')
+    data_keys = {'vocab_size', 'num_puzzle_identifiers', 'total_len'}
+    names = {'total_len': 'positions (seq_len + puzzle_emb_len)'}
+    says = ', '.join(f"{names.get(k, k)}={found[k]}"
+                     + (f" (here {mine[k]})" if k in differ and k in mine else '')
+                     for k in found)
+    check = [k for k in differ if k not in data_keys]
+    if any(k in data_keys for k in differ):
+        check += (['puzzle_emb_len', 'puzzle_emb_ndim'] if 'total_len' in differ else []) + ['data_path']
+    if not check:
+        check = ['expansion', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len', 'data_path']
+    if ours:  # the model keys came from the checkpoint: only the dataset can be wrong
+        check = ['data_path']
+    return (f"init_from={given}: the weights do not fit the model built from {where}: {'; '.join(parts)}. "
+            f"The weights say {says}. Check {', '.join('--' + k for k in dict.fromkeys(check))}")

@@ -1,136 +1,18 @@
 """
-Memory: what a run needs, before it starts, and what this machine gives it. train.py (startup.startup_problems)
-and study.py refuse a run that would not fit (check_memory=False starts it anyway), instead of finding out when
-the machine, out of memory and without swap, stops answering.
+Memory: what a run needs, before it starts, against what this machine gives it (device.memory_headroom). train.py
+(startup.startup_problems), solve.py and study.py refuse a run that would not fit (check_memory=False starts it
+anyway), instead of finding out when the machine, out of memory and without swap, stops answering.
     run_memory(shape, rows, ...)   the run's bytes by part: weights, gradients, optimizer moments, the EMA copy,
                                    the puzzle-embedding table, the ACT carry, a training step's activations, an
                                    evaluation batch, the allocator's slack; need() adds them up at the peak;
                                    config_memory(cfg, data, device_type) the same from train.py's keys
-    memory_headroom()              what this process may still allocate: the smallest of the machine's available
-                                   memory, the address space RLIMIT_AS leaves (less what the run's threads will
-                                   reserve of it) and its cgroup's limit
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
 The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
-builds them (docs/reliability.md: how close the estimate came to measured runs). Nothing here imports torch;
-model.py (which does) only when a run is counted.
+builds them (docs/reliability.md: how close the estimate came to measured runs).
 """
 import math
-import os
-import resource
-import sys
 
-GB = 1e9
-# Under an address-space limit (RLIMIT_AS) a process is charged for what it maps, not for what it touches: every
-# thread that allocates gets a malloc arena of its own (glibc, 64-bit: 64 MB reserved each, up to 8 per core or
-# MALLOC_ARENA_MAX) and a stack (RLIMIT_STACK's size). A run's threads: its compute threads and the trainer's own
-# (the signals' reader, the watchdog, the stop's bound, the batch prefetcher, uploads, the lock's renewal), of
-# which about TRAINER_THREADS allocate.
-ARENA_BYTES = 64 * 2 ** 20
-TRAINER_THREADS = 4
-
-
-# -----------------------------------------------------------------------------
-# what this machine gives
-
-def available_memory():
-    """Bytes of memory this machine can still give (Linux: MemAvailable), or None where unknown."""
-    try:
-        with open('/proc/meminfo') as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith('MemAvailable:'))
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
-def _read_int(path, key=None):
-    """An integer file of /proc or a cgroup ('max': None), or with `key` the value of that line; None if absent."""
-    try:
-        with open(path) as f:
-            text = f.read()
-        if key is not None:
-            text = next(l.split()[1] for l in text.splitlines() if l.split()[:1] == [key])
-        return None if text.strip() == 'max' else int(text.split()[0])
-    except (OSError, StopIteration, ValueError, IndexError):
-        return None
-
-
-def cgroup_headroom():
-    """(bytes, words) the memory limit of this process's cgroup leaves (v2 memory.max, v1
-    memory.limit_in_bytes, less the cgroup's usage without its reclaimable file cache), or None without a
-    limit. TRM_CGROUP_ROOT names another cgroup mount (tests: a fake tree)."""
-    root = os.environ.get('TRM_CGROUP_ROOT', '/sys/fs/cgroup')
-    try:
-        with open('/proc/self/cgroup') as f:
-            lines = [l.rstrip('\n').split(':', 2) for l in f]
-    except OSError:
-        lines = []
-    paths = {c: line[2] for line in lines if len(line) == 3 for c in line[1].split(',')}  # v2's controller: ''
-    v2 = [os.path.join(root, paths.get('', '/').lstrip('/')), root]
-    v1 = [os.path.join(root, 'memory', paths.get('memory', '/').lstrip('/')), os.path.join(root, 'memory')]
-    for folders, limit, usage, cache in ((v2, 'memory.max', 'memory.current', 'inactive_file'),
-                                         (v1, 'memory.limit_in_bytes', 'memory.usage_in_bytes',
-                                          'total_inactive_file')):
-        for folder in folders:
-            cap = _read_int(os.path.join(folder, limit))
-            if cap is None or cap >= 1 << 60:  # 'max', or v1's unlimited (a page-rounded 2**63)
-                continue
-            used = (_read_int(os.path.join(folder, usage)) or 0) - \
-                (_read_int(os.path.join(folder, 'memory.stat'), cache) or 0)
-            return max(0, cap - used), (f"the cgroup's {limit} {cap / GB:.1f} GB less the {used / GB:.1f} GB "
-                                        "its processes use")
-    return None
-
-
-def compute_threads():
-    """The threads torch computes with: its own count where it is loaded, else OMP_NUM_THREADS or this
-    process's cores."""
-    torch = sys.modules.get('torch')
-    if torch is not None and hasattr(torch, 'get_num_threads'):
-        return torch.get_num_threads()
-    try:
-        return int(os.environ.get('OMP_NUM_THREADS', '')) or len(os.sched_getaffinity(0))
-    except (ValueError, AttributeError):
-        return os.cpu_count() or 1
-
-
-def thread_reserve():
-    """Address space a run's threads reserve beyond the bytes they use (see ARENA_BYTES): a malloc arena for each
-    thread but the main one, a stack for each."""
-    threads = compute_threads() + TRAINER_THREADS
-    try:
-        arenas = int(os.environ.get('MALLOC_ARENA_MAX', ''))
-    except ValueError:
-        arenas = 8 * (os.cpu_count() or 1)
-    stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
-    stack = 8 * 2 ** 20 if stack == resource.RLIM_INFINITY else stack
-    return min(threads - 1, arenas) * ARENA_BYTES + threads * stack
-
-
-def memory_headroom():
-    """(bytes this process may still allocate, what bounds it in words): the smallest of the machine's
-    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped and what
-    the run's threads will reserve: thread_reserve) and what its cgroup's memory limit leaves; (None, '')
-    where none is known. TRM_MEMORY_AVAILABLE (bytes) stands in for MemAvailable (tests: a smaller machine)."""
-    found = []
-    free = os.environ.get('TRM_MEMORY_AVAILABLE')
-    free = int(float(free)) if free else available_memory()
-    if free is not None:
-        found.append((free, 'available on this machine (MemAvailable)'))
-    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if cap != resource.RLIM_INFINITY:
-        mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
-        reserve = thread_reserve()
-        found.append((max(0, cap - mapped - reserve), f"left by this process's address-space limit (RLIMIT_AS "
-                                                      f"{cap / GB:.1f} GB, {mapped / GB:.1f} GB of it mapped, "
-                                                      f"{reserve / GB:.2f} GB for its threads' malloc arenas and "
-                                                      "stacks)"))
-    if (cgroup := cgroup_headroom()) is not None:
-        found.append((cgroup[0], f"left by {cgroup[1]}"))
-    return min(found) if found else (None, '')
-
-
-def resident_bytes():
-    """This process's resident memory now (Linux), or 0."""
-    return (_read_int('/proc/self/status', 'VmRSS:') or 0) * 1024
+from device import GB, memory_headroom, resident_bytes, size  # what this machine gives
 
 
 # -----------------------------------------------------------------------------
@@ -250,14 +132,6 @@ def need(parts):
     step = parts.get('gradients', 0) + parts.get('activations', 0)
     stays = sum(v for k, v in parts.items() if k not in ('gradients', 'activations', 'evaluation'))
     return stays + max(step, parts['evaluation'])
-
-
-def size(n):
-    """Bytes in words: '1.44 GB', '27.2 MB', '231 kB'."""
-    for unit, scale in (('GB', GB), ('MB', 1e6), ('kB', 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def describe(parts):

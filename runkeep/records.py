@@ -1,13 +1,11 @@
 """
 A run's records: what a person or a study reads of it, during the run and after.
-    Tee                      the script's stdout and stderr: a closed reader never stops the run; rank 0's
-                             lines also go to train.log
     Records                  metrics.jsonl (a line per log step and evaluation) and results.json
     start_wandb, TensorBoardWriter   the same scalars in W&B and TensorBoard, never fatal
     Uploads                  a gs:// run's records (and checkpoints) sent to its bucket, with bounded waits
     log_line, device_figures, groups   a training log line's values, and how W&B and TensorBoard group them
     RunRecords               all of these for one run (rank 0 writes; every rank calls), behind Run's verbs
-Nothing here imports torch: configurator.py installs the Tee before a script's config is checked.
+Nothing here imports torch.
 """
 import atexit
 import contextlib
@@ -20,81 +18,9 @@ import sys
 import threading
 import time
 
+from configurator import Tee  # the script's output: rank 0 also copies it to train.log (Run)
+
 from . import gcs
-
-# -----------------------------------------------------------------------------
-# a script's output: a closed stdout or stderr (a pipe whose reader is gone: `| head`, a lost tee, a closed
-# SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
-# line to train.log in the run's folder (run.Run)
-
-class Tee:
-    log = None  # train.log, shared by stdout and stderr
-    # train.log when the parent process appends this process's output to it already (study.py names that file
-    # in OUTPUT_LOG_VAR): written from here only once the parent's reading end is gone, so each line is there once
-    parent_log = None
-    OUTPUT_LOG_VAR = 'TRM_OUTPUT_LOG'
-
-    def __init__(self, stream):
-        self.stream, self.closed_seen = stream, False
-
-    @classmethod
-    def install(cls):
-        if not isinstance(sys.stdout, cls):
-            sys.stdout, sys.stderr = cls(sys.stdout), cls(sys.stderr)
-
-    @classmethod
-    def log_to(cls, path):
-        """Rank 0: from now on every line also goes to path (appended: a resumed run adds to it), unless the
-        parent appends the output there itself."""
-        parent = os.environ.get(cls.OUTPUT_LOG_VAR)
-        if parent and os.path.realpath(parent) == os.path.realpath(path):
-            cls.parent_log = path
-        else:
-            cls.open_log(path)
-
-    @classmethod
-    def open_log(cls, path):
-        try:
-            cls.log = open(path, 'a')
-            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
-                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
-        except OSError as e:
-            print(f"warning: cannot write {path} ({e}); the output is not logged there")
-
-    def write(self, text):
-        if not self.closed_seen:
-            try:
-                self.stream.write(text)
-            except (OSError, ValueError):
-                self.lost()
-        if Tee.log is not None:
-            try:
-                Tee.log.write(text)
-                Tee.log.flush()
-            except (OSError, ValueError):  # a full disk: the terminal still has it
-                pass
-        return len(text)
-
-    def flush(self):
-        if not self.closed_seen:
-            try:
-                self.stream.flush()
-            except (OSError, ValueError):
-                self.lost()
-
-    def lost(self):
-        """The reader is gone: what follows goes to train.log only, and the stream's file descriptor to
-        /dev/null, so the interpreter's flush at exit cannot fail either."""
-        self.closed_seen = True
-        try:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-        except (OSError, ValueError):
-            pass
-        if Tee.parent_log and Tee.log is None:  # the parent no longer copies the output to train.log
-            Tee.open_log(Tee.parent_log)
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
 
 # -----------------------------------------------------------------------------
 # metrics.jsonl and results.json
@@ -214,7 +140,7 @@ def save_evaluation(local, remote, name, record, retries):
 
 
 def save_submission(local, remote, name, arc, step, retries):
-    """ARC's submission (arc: evaluate.ARCVotes) in <local>/name, the ARC Prize's format exactly, as
+    """ARC's submission (arc: arc.ARCVotes) in <local>/name, the ARC Prize's format exactly, as
     save_evaluation saves a record; returns what the record it belongs to says of it: its file (None: not
     saved), the step of the checkpoint that answered, and the vote it follows."""
     path = save_evaluation(local, remote, name, arc.submission(), retries)

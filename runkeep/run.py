@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from configurator import Tee
 from data import load_metadata
 from device import launch_tpu, resolve_device, under_torchrun
 from evaluate import format_eval
@@ -35,7 +36,7 @@ from .checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_p
                          load_weights, prune_checkpoints, resume_parts, set_aside_diverged, start_file_missing,
                          write_checkpoint)
 from .locks import lock_bucket, lock_local, mark_data, release_locks
-from .records import RunRecords, Tee, drop_results, remove_unfinished, start_log
+from .records import RunRecords, drop_results, remove_unfinished, start_log
 from .signals import (STOP, StopBound, ended_abruptly, exit_if_orphaned, follow_launcher, forward_signals,
                       install_signal_handlers)
 from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,

@@ -19,7 +19,8 @@ import sys
 import threading
 import time
 
-from .records import Tee  # the script's output (and rank 0's train.log)
+from configurator import Tee  # the script's output (and rank 0's train.log)
+
 
 HUNG_EXIT = 75  # EX_TEMPFAIL: run the same command again (it resumes from the last checkpoint)
 HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; a rerun would loop

@@ -10,12 +10,12 @@ import json
 import os
 
 from data import check_split, load_metadata
+from device import memory_headroom, resident_bytes, size
 from puzzles import puzzle_for, puzzle_type, views_problem
 
 from . import gcs
 from .locks import release_locks
-from .memory import (config_memory, config_shape, describe, latent_bytes, memory_headroom, memory_problem, need,
-                     resident_bytes, size)
+from .memory import config_memory, config_shape, describe, latent_bytes, memory_problem, need
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 

@@ -11,9 +11,10 @@ import sys
 import threading
 import time
 
+from configurator import Tee  # the script's output (and rank 0's train.log)
+
 
 from .locks import release_locks
-from .records import Tee  # the script's output (and rank 0's train.log)
 from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT
 
 

@@ -1,5 +1,5 @@
 """
-ARC's evaluation: the vote over a task's stored views (evaluate.ARCVotes, score_arc), pass@K averaged per task,
+ARC's evaluation: the vote over a task's stored views (arc.ARCVotes, score_arc), pass@K averaged per task,
 the nested curve over the first k views, submission.json, whole-task subsets, and a tiny training run whose
 final evaluation scores and submits every evaluation task. Seconds.
 """
@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import XLA_ENV, assert_user_error, run
+from arc import ARCVotes, score_arc
 from data import EvalLoader
-from evaluate import ARCVotes, score_arc, wilson_interval
+from evaluate import wilson_interval
 from puzzles import ARC
 
 KIND = ARC(10)
@@ -218,9 +219,10 @@ def test_an_arc_dataset_without_its_test_views_is_refused_in_one_line(synthetic,
 XLA_ARC = """
 import json, sys
 import torch_xla.debug.metrics as met
+from arc import ARCVotes
 from data import EvalLoader, load_metadata
 from device import Device
-from evaluate import ARCVotes, evaluate
+from evaluate import evaluate
 from model import TRM, TRMConfig
 from puzzles import puzzle_for
 from step import compiled_predict

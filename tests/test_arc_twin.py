@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import eval_lines, run, step_lines
-from evaluate import ARCVotes
+from arc import ARCVotes
 from puzzles import ARC
 
 DATA = ['--synthetic', '--canvas=6', '--num_tasks=60', '--num_eval_tasks=24', '--num_aug=7',

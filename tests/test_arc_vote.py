@@ -18,8 +18,9 @@ import torch
 
 from runkeep import gcs
 from conftest import BUCKET, ROOT, assert_user_error, ckpts, finish, read_until, run, start
+from arc import ARCVotes
 from device import Device
-from evaluate import ARCVotes, format_eval
+from evaluate import format_eval
 from puzzles import ARC
 
 KIND = ARC(10)

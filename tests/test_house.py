@@ -20,9 +20,9 @@ from model import MODEL_CHOICES, TRMConfig
 
 SCRIPTS = ['train.py', 'bench.py', 'solve.py', 'study.py', 'prepare_sudoku.py', 'prepare_maze.py', 'prepare_arc.py',
            'publish.py']
-KERNEL = ['model.py', 'step.py', 'data.py', 'evaluate.py', 'arc.py', 'puzzles.py', 'device.py', 'configurator.py',
-          'kernels.py']  # the libraries of the science, beside the scripts at the root
-PACKAGES = ['runkeep', 'studies']  # the shell (run keeping) and the study runner's libraries
+KERNEL = ['model.py', 'step.py', 'data.py', 'evaluate.py', 'arc.py', 'puzzles.py', 'device.py', 'configurator.py']
+# beside the kernel: the accelerators' own code; the shell (run keeping); the study runner's libraries
+PACKAGES = ['backends', 'runkeep', 'studies']
 LIBRARIES = KERNEL + [os.path.join(p, f) for p in PACKAGES for f in sorted(os.listdir(os.path.join(ROOT, p)))
                       if f.endswith('.py')]
 
@@ -65,7 +65,7 @@ def test_train_py_reaches_the_shell_through_its_front_alone():
             modules |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
             modules.add(node.module)
-    project = {m for m in modules if m.split('.')[0] in kernel | set(PACKAGES)}
+    project = {m for m in modules if m.split('.')[0] in kernel | {'runkeep', 'studies'}}
     assert project - kernel == {'runkeep', 'runkeep.hub'}, project - kernel
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, 'id', '') == 'runkeep'}
     assert used <= {'Run', 'launch', 'start_worker'}, used

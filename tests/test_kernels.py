@@ -1,5 +1,5 @@
 """
-kernels.py, the fused Triton blocks (train.py's kernels key), on a machine without a GPU: their results against the
+backends/kernels.py, the fused Triton blocks (train.py's kernels key), on a machine without a GPU: their results against the
 plain path's through Triton's interpreter (TRITON_INTERPRET=1, in a process of its own: the variable must be set
 before triton is imported; float32, as the interpreter has no bfloat16, which the GPU's check covers:
 dev/gpu_speed.sh), the compiled kernels for a Hopper GPU (Triton's own ptxas, no GPU needed), the choice 'auto'
@@ -22,7 +22,7 @@ triton = pytest.importorskip('triton', reason="the kernels need triton (not in t
 INTERPRETED = r'''
 import json, sys
 import torch
-import kernels
+from backends import kernels
 from model import TRM, TRMConfig
 from step import forward_loss
 

@@ -125,10 +125,10 @@ def torchtpu_uses(path):
     uses = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
-            uses |= {a.name for a in node.names} & {'torch_tpu', 'runkeep.torchtpu'}
+            uses |= {a.name for a in node.names} & {'torch_tpu', 'backends.torchtpu'}
         elif isinstance(node, ast.ImportFrom) and node.module:
             named = {f'{node.module}.{a.name}' for a in node.names}
-            uses |= ({node.module.split('.')[0], node.module} | named) & {'torch_tpu', 'runkeep.torchtpu'}
+            uses |= ({node.module.split('.')[0], node.module} | named) & {'torch_tpu', 'backends.torchtpu'}
         elif isinstance(node, ast.Attribute) and node.attr == 'tpu' and getattr(node.value, 'id', '') == 'torch':
             uses.add('torch.tpu')
         elif isinstance(node, ast.Constant) and node.value == 'tpu_dist':
@@ -140,12 +140,12 @@ def torchtpu_uses(path):
 
 def test_every_torchtpu_call_lives_in_torchtpu_py():
     files = [f for f in os.listdir(ROOT) if f.endswith('.py')]
-    for folder in ('tests', 'runkeep', 'studies'):
+    for folder in ('tests', 'backends', 'runkeep', 'studies'):
         files += [os.path.join(folder, f) for f in os.listdir(os.path.join(ROOT, folder)) if f.endswith('.py')]
     uses = {f: torchtpu_uses(os.path.join(ROOT, f)) for f in files}
     # the test sees what it forbids
-    assert uses.pop(os.path.join('runkeep', 'torchtpu.py')) >= {'torch_tpu', 'torch.tpu', 'tpu_dist'}
-    assert uses.pop('device.py') == {'runkeep.torchtpu'}  # the room's only door
+    assert uses.pop(os.path.join('backends', 'torchtpu.py')) >= {'torch_tpu', 'torch.tpu', 'tpu_dist'}
+    assert uses.pop('device.py') == {'backends.torchtpu'}  # the room's only door
     uses.pop(os.path.join('tests', 'test_torchtpu.py'))  # this file names them, to look for them
     assert {f: u for f, u in uses.items() if u} == {}
 
