@@ -3,20 +3,20 @@ Solve puzzles with a trained TRM and watch it reason, one supervision step at a 
     python solve.py --init_from=out/quickstart/ckpt_00000703.pt --puzzle=.....1..43.....62..3........6.2.14..
     python solve.py --init_from=CKPT --file=puzzles.txt --quiet=True     # one Sudoku a line, batched
     python solve.py --init_from=CKPT --count=20                          # held-out examples of the dataset
-    python solve.py --init_from=CKPT --index=3 --all_steps=True --steps=32 --png=steps.png
-    python solve.py --init_from=CKPT --file=puzzles.txt --views=8        # each puzzle in 8 views, voted
+    python solve.py --init_from=CKPT --index=3 --all_steps=True --eval_steps=32 --png=steps.png
+    python solve.py --init_from=CKPT --file=puzzles.txt --eval_views=8   # each puzzle in 8 views, voted
     python solve.py --init_from=reference.pt --data_path=data/sudoku-extreme-1k-aug-1000 --hidden_size=512
     python solve.py --init_from=out/arc1/ckpt_XXXXXXXX.pt --task=00576224 --png=task.png   # one ARC task, voted
 Sudokus are n*n characters ('.' or '0' blank); mazes are their rows ('#' wall, ' ' open, 'S', 'G') joined
 by '/' or newlines, or one n*n-character line. Every step prints the current answer (cells changed since
 the step before marked with '*'), the halting head's probability sigmoid(q_halt) and whether the answer is
 already correct (the verifier: any valid solution counts, the givens must be kept). Solving stops where
-the model halts (q_halt > 0) unless --all_steps=True; --steps above the model's halt_max_steps is
+the model halts (q_halt > 0) unless --all_steps=True; --eval_steps above the model's halt_max_steps is
 test-time scaling. A checkpoint of train.py carries its model keys; a state dict of the reference
 implementation ('_orig_mod.model.inner.*' keys) takes them, and its data_path, from the all_config.yaml beside it
 (the published layout, docs/published.md; also hf://OWNER/REPO/PATH/step_<N> from the hub), else needs --data_path
 and the model keys of its training run.
-With --views=K each puzzle is solved in K views (view 0 as given, the others under symmetries of its kind drawn
+With --eval_views=K each puzzle is solved in K views (view 0 as given, the others under symmetries of its kind drawn
 from a fixed seed: the same on every run), one batch of K x the puzzles; each view's answer where it stops,
 mapped back to the puzzle, is checked by the verifier; shown are the distinct answers with the views that gave
 them, the vote's answer and the verifier's pick (an accepted answer where a view found one, else the vote's).
@@ -53,13 +53,13 @@ adapt_minutes = 2.0             # --task=FILE.json: the adaptation's time budget
 adapt_aug = 7                   # --task=FILE.json: augmentations of each new task (prepare_arc.py's num_aug)
 adapt_args = ''                 # --task=FILE.json: more train.py flags for the adaptation ('--lr=1e-4 ...')
 adapt_dir = ''                  # --task=FILE.json: its dataset and adapted run ('': out/adapt/<name>-<key>)
-steps = 0                       # max supervision steps (0: model's halt_max_steps); more: test-time scaling
+eval_steps = 0                  # max supervision steps (0: model's halt_max_steps); more: test-time scaling
 all_steps = False               # run every step, not stopping at the model's halt (the first q_halt > 0)
 quiet = False                   # only one summary line per puzzle (no boards)
 png = ''                        # also draw the steps as small boards into this PNG file (needs matplotlib)
 png_puzzles = 4                 # puzzles drawn in the PNG at most
-batch_size = 64                 # puzzles per forward pass (views > 1: batch_size // views puzzles, min 1)
-views = 1                       # solve each puzzle in K views (symmetries of the kind) and vote; 1: as given
+eval_batch_size = 64            # puzzles per forward pass (eval_views > 1: eval_batch_size // eval_views puzzles)
+eval_views = 1                  # solve each puzzle in K views (symmetries of the kind) and vote; 1: as given
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla, else cuda if any, else cpu) | 'cpu'/'cuda'/'xla'
 threads = 0                     # CPU threads (0: cores other processes leave idle, by 1-minute load average)
 forward_dtype = 'checkpoint'    # 'checkpoint' (training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
@@ -67,14 +67,16 @@ check_memory = True             # refuse a model and batch this machine's memory
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+_renamed = dict(steps=('eval_steps', "train.py's name"), views=('eval_views', "train.py's name"),
+                batch_size=('eval_batch_size', "train.py's name"))  # old names: refused with the new one
 exec(open(os.path.join(_here, 'configurator.py')).read())
 globals().update(resolve_init_from(globals()))  # hf:// fetched; the model keys of an all_config.yaml beside it
 config = {k: globals()[k] for k in config_keys}
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
-RULES = dict(steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0, 'a number >= 0'),
+RULES = dict(eval_steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v >= 0, 'a number >= 0'),
              index=(lambda v: v >= -1, '-1 (none) or an example number >= 0'),
-             png_puzzles=(lambda v: v > 0, 'a number > 0'), batch_size=(lambda v: v > 0, 'a number > 0'),
-             views=(lambda v: v >= 1, 'a number >= 1 (1: each puzzle as given)'),
+             png_puzzles=(lambda v: v > 0, 'a number > 0'), eval_batch_size=(lambda v: v > 0, 'a number > 0'),
+             eval_views=(lambda v: v >= 1, 'a number >= 1 (1: each puzzle as given)'),
              threads=(lambda v: v >= 0, 'a number >= 0'), adapt_minutes=(lambda v: v > 0, 'minutes > 0'),
              adapt_aug=(lambda v: v >= 0, 'a number >= 0'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
@@ -202,8 +204,8 @@ def view_symmetries(kind, first, B):
     """The symmetries of `views` views of the puzzles numbered first..first+B-1 (from 0), view-major (view j of
     puzzle i in row j * B + i): each puzzle's own Grid.views(views, 1, VIEWS_SEED, its number), so that its
     views do not depend on batch_size or on the puzzles beside it."""
-    each = [kind.views(views, 1, VIEWS_SEED, first + i) for i in range(B)]  # [views, ...] each
-    return tuple(np.stack([e[k] for e in each], 1).reshape(views * B, -1) for k in (0, 1))
+    each = [kind.views(eval_views, 1, VIEWS_SEED, first + i) for i in range(B)]  # [views, ...] each
+    return tuple(np.stack([e[k] for e in each], 1).reshape(eval_views * B, -1) for k in (0, 1))
 
 
 def letter(i):
@@ -217,7 +219,7 @@ def solve_in_views(model, dev, kind, x, ids, first, n_steps, wheres, labels):
     verifier's verdict on it, and puzzles.vote over the views. Returns one item per puzzle for
     report_views(): its distinct answers (the vote's first, then by views and confidence) with the views that
     gave them, the vote's and the verifier's pick among them, and the pick's steps mapped back (for --png)."""
-    K, B, L = views, len(x), x.shape[1]
+    K, B, L = eval_views, len(x), x.shape[1]
     sym = view_symmetries(kind, first, B)
     inverse = Grid.invert(sym)
     puzzle = np.tile(x, (K, 1))  # each row's puzzle as given
@@ -297,7 +299,7 @@ def report_views(it, kind):
     """A puzzle solved in views: (unless quiet) the puzzle and each distinct answer of its views, mapped back
     to it, with the views that gave it (steps run, halt probability where each stopped) and the verifier's
     verdict; then its summary line: the verifier's pick, the vote's answer, every answer's views."""
-    K, groups, voted, pick = views, it['groups'], it['vote'], it['pick']
+    K, groups, voted, pick = eval_views, it['groups'], it['vote'], it['pick']
     if not quiet:
         print(f"\n{it['where']}: {kind.title}{kind.describe(it['inputs'])}")
         print(kind.render(it['inputs']))
@@ -421,24 +423,24 @@ def refuse_what_memory_cannot_hold(cfg, meta, dev, dtype):
     batch (views included, every step's answers kept) against what this process may still allocate (memory.py's
     estimate, as train.py's start-up check), each refused in one line with the numbers. check_memory=False: the
     model is not checked."""
-    per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
+    per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
     row_bytes = cfg.latent_bytes(getattr(torch, dtype).itemsize)
-    if problem := views_problem(puzzle_for(meta), views, rows=per, row_bytes=row_bytes):
-        fail(f"views={views}: {problem}")
+    if problem := views_problem(puzzle_for(meta), eval_views, rows=per, row_bytes=row_bytes):
+        fail(f"eval_views={eval_views}: {problem}")
     if not check_memory or dev.type not in ('cpu', 'cuda'):
         return
     from device import memory_headroom, size
     from runkeep.memory import describe, need, run_memory
-    rows = per * views
+    rows = per * eval_views
     shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=dtype)
-    parts = run_memory(shape, 0, rows, steps or cfg.halt_max_steps, ema=False, train=False)
+    parts = run_memory(shape, 0, rows, eval_steps or cfg.halt_max_steps, ema=False, train=False)
     if dev.type == 'cuda':
         give, where = torch.cuda.mem_get_info(dev.device)[0], 'free on its GPU'
     else:
         give, where = memory_headroom()
     if give is not None and need(parts) > give:
         fail(f"init_from={init_from}: this model and a batch of {rows} rows need about {size(need(parts))} of "
-             f"memory ({describe(parts)}), more than the {size(give)} {where}: lower --batch_size (or --views), "
+             f"memory ({describe(parts)}), more than the {size(give)} {where}: lower --eval_batch_size (or --eval_views), "
              "run it on a larger machine, or set --check_memory=False to try anyway")
 
 
@@ -515,13 +517,13 @@ def main():
     if task.endswith('.json'):  # tasks never trained: adapted to first, then solved as the test split's are
         adapt_to_new_tasks()
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
-    kind, n_steps = puzzle_for(meta), steps or cfg.halt_max_steps
+    kind, n_steps = puzzle_for(meta), eval_steps or cfg.halt_max_steps
     if kind.correct is None and not task:  # ARC: an answer is right only as a task's output; no verifier
         some = ', '.join(arc_test_tasks(dp)[:3])
         fail(f"--{sources[0]} on {kind.titles} ({dp}): ARC has no verifier, and a grid alone is no task (each "
              f"task's puzzle embedding is trained): solve a task of its test split with --task=ID"
              + (f" (such as {some})" if some else '') + ", or new tasks with --task=FILE.json (adapted to first)")
-    per = batch_size if views == 1 else max(1, batch_size // views)  # puzzles a batch: views x per rows
+    per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
         solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt)
@@ -531,15 +533,15 @@ def main():
     print(f"device {dev.type} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
           + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
           + f" | {plural(len(inputs), 'puzzle')}"
-          + (f" in batches of {min(per, len(inputs))}" if views == 1 else
-             f" in {views} views each, batches of {min(per, len(inputs))} x {views} views"))
+          + (f" in batches of {min(per, len(inputs))}" if eval_views == 1 else
+             f" in {eval_views} views each, batches of {min(per, len(inputs))} x {eval_views} views"))
 
     # --- solve, a batch at a time; each batch is reported when it is done --------------------------------
     drawn, n_done, n_solved, n_steps_sum, t_all = [], 0, 0, 0, time.perf_counter()
     n_voted = 0  # with views: puzzles whose vote's answer the verifier accepts
     for b0 in range(0, len(inputs), per):
         x, i_ = inputs[b0:b0 + per], ids[b0:b0 + per]
-        if views > 1:
+        if eval_views > 1:
             for it in solve_in_views(model, dev, kind, x, i_, b0, n_steps, wheres, labels):
                 report_views(it, kind)
                 n_done, n_solved, n_voted = n_done + 1, n_solved + it['pick']['accepted'], \
@@ -563,17 +565,17 @@ def main():
             if len(drawn) < png_puzzles:
                 drawn.append(it)
     t_all = time.perf_counter() - t_all
-    if n_done > 1 and views > 1:
-        print(f"solved {n_solved}/{n_done} (verified: the verifier's pick of {views} views) | the vote's answer "
+    if n_done > 1 and eval_views > 1:
+        print(f"solved {n_solved}/{n_done} (verified: the verifier's pick of {eval_views} views) | the vote's answer "
               f"accepted {n_voted}/{n_done} | {n_steps_sum / n_done:.2f} steps on average a view | {t_all:.2f} s "
-              f"for {plural(n_done, 'puzzle')} in {views} views on {dev.type} ({dtype})")
+              f"for {plural(n_done, 'puzzle')} in {eval_views} views on {dev.type} ({dtype})")
     elif n_done > 1:
         print(f"solved {n_solved}/{n_done} (verified) | {n_steps_sum / n_done:.2f} steps on average | "
               f"{t_all:.2f} s for {plural(n_done, 'puzzle')} on {dev.type} ({dtype})")
     if plt:
         title = (f"{os.path.basename(init_from)}: {kind.title}, cells changed since the step before "
-                 "highlighted" + (f" (the steps of the verifier's pick of {views} views, mapped back)"
-                                  if views > 1 else '')
+                 "highlighted" + (f" (the steps of the verifier's pick of {eval_views} views, mapped back)"
+                                  if eval_views > 1 else '')
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
         try:
             draw_steps(png, plt, kind, drawn, title)
@@ -719,8 +721,9 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
           f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
           f"confidence sigmoid(q_halt) there | batches of {min(batch_size, len(rows))}")
     answers, conf, t0 = [], [], time.perf_counter()
-    for b0 in range(0, len(rows), batch_size):
-        preds, qs, _ = reason(model, dev, inputs[b0:b0 + batch_size], ids[b0:b0 + batch_size], n_steps, True)
+    for b0 in range(0, len(rows), eval_batch_size):
+        preds, qs, _ = reason(model, dev, inputs[b0:b0 + eval_batch_size], ids[b0:b0 + eval_batch_size], n_steps,
+                              True)
         answers.append(preds[-1])
         conf.append(confidence(qs[-1]))  # float64, as train.py's evaluation: no ties from rounding
     answers, conf = np.concatenate(answers), np.concatenate(conf)

@@ -228,8 +228,8 @@ def test_a_model_without_puzzle_table_round_trips_and_solves_alike(trained, sudo
     assert not any('puzzle_emb' in k for k in sd)
     arch = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))['arch']
     assert (arch['puzzle_emb_ndim'], arch['puzzle_emb_len']) == (0, 0)
-    ours = run(['solve.py', f'--init_from={trained}/ckpt_00000004.pt', '--count=5', '--quiet=True', '--steps=4'])
-    theirs = run(['solve.py', f'--init_from={tmp_path}/pub/step_4', '--count=5', '--quiet=True', '--steps=4'])
+    ours = run(['solve.py', f'--init_from={trained}/ckpt_00000004.pt', '--count=5', '--quiet=True', '--eval_steps=4'])
+    theirs = run(['solve.py', f'--init_from={tmp_path}/pub/step_4', '--count=5', '--quiet=True', '--eval_steps=4'])
     answers = lambda out: [l.split(' | ')[0] + l.split('answer')[-1] for l in out.splitlines()
                            if l.startswith('puzzle ')]
     assert answers(theirs.stdout) == answers(ours.stdout) and len(answers(ours.stdout)) == 5

@@ -48,7 +48,7 @@ def test_eval_views_beyond_memory_are_refused_at_start_naming_the_bound(sudoku, 
 
 def test_solve_views_beyond_memory_are_refused_at_start_naming_the_bound(sudoku):
     _, out = sudoku
-    p = run(['solve.py', f'--init_from={out}/ckpt_00000004.pt', '--index=0', '--views=10000000', '--device=cpu'],
+    p = run(['solve.py', f'--init_from={out}/ckpt_00000004.pt', '--index=0', '--eval_views=10000000', '--device=cpu'],
             check=False, timeout=60)
     assert_user_error(p, 'views=10000000', 'at most')
     last = (p.stdout + p.stderr).strip().splitlines()[-1]  # after the line describing the checkpoint

@@ -261,7 +261,7 @@ def test_a_byte_order_mark_and_classic_mac_line_ends_are_no_characters(sudoku4, 
         assert p.returncode == 0 and untimed(p.stdout) == want, (name, p.stderr)
     q, q2 = maze8.questions[:2]
     (tmp_path / 'm.txt').write_bytes(('\ufeff' + '\r'.join(rows_of(q)) + '\r\r' + q2 + '\r').encode('utf-8'))
-    p = solve(f'--init_from={maze8.ckpt}', f'--file={tmp_path / "m.txt"}', '--steps=1', check=False)
+    p = solve(f'--init_from={maze8.ckpt}', f'--file={tmp_path / "m.txt"}', '--eval_steps=1', check=False)
     assert p.returncode == 0, p.stderr
     assert [b[0].split(':')[0] for b in blocks(p.stdout)] == ['puzzle 1 (lines 1-8 of m.txt)', 'puzzle 2 (line 10 of m.txt)']
 

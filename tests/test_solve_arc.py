@@ -132,7 +132,7 @@ def test_the_refusals_are_one_line(arc_run):
     p = solve(ckpt, '--task=no-such-task', check=False)
     assert_user_error(p, 'no-such-task', 'no such task', test_tasks[0])
     refused.append(p)
-    p = solve(ckpt, f'--task={test_tasks[0]}', '--views=4', check=False)
+    p = solve(ckpt, f'--task={test_tasks[0]}', '--eval_views=4', check=False)
     assert_user_error(p, 'views=4', 'stored augmentations', 'views must be 1')
     refused.append(p)
     for source in ('--index=0', '--count=2', '--puzzle=[[1,2],[3,4]]'):  # ARC has no verifier: tasks, not grids

@@ -1,9 +1,9 @@
 """
-solve.py --views=K, as a user runs it: a tiny TRM trained here on 4x4 Sudokus (half-trained, so that its views
+solve.py --eval_views=K, as a user runs it: a tiny TRM trained here on 4x4 Sudokus (half-trained, so that its views
 disagree) solves each puzzle in K views; the output names every distinct answer, mapped back to the puzzle, with
 the views that gave it and the verifier's verdict, the vote's answer and the verifier's pick. A view's answer is
-the answer to the transformed puzzle solved alone, mapped back; --views=1 is solve.py as before; a kind without
-symmetries, an unknown dataset and --views=0 are one-line errors. This file, run as
+the answer to the transformed puzzle solved alone, mapped back; --eval_views=1 is solve.py as before; a kind without
+symmetries, an unknown dataset and --eval_views=0 are one-line errors. This file, run as
 `python tests/test_solve_views.py solve.py ARGS...`, registers a Sudoku kind without symmetries and runs solve.py.
     python -m pytest -q tests/test_solve_views.py
 """
@@ -70,7 +70,7 @@ def sudoku4(tmp_path_factory):
 
 
 def test_views_show_the_answers_the_vote_and_the_verifiers_pick(sudoku4):
-    p = solve(f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', f'--views={K}', '--quiet=True')
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', f'--eval_views={K}', '--quiet=True')
     assert f'20 puzzles in {K} views each' in p.stdout
     lines = summaries(p.stdout)
     assert sorted(lines) == list(range(1, 21))
@@ -97,7 +97,7 @@ def test_views_show_the_answers_the_vote_and_the_verifiers_pick(sudoku4):
 
     # verbose: each distinct answer's line, its board, with its views' steps and halt probabilities
     one = next(i for i, l in lines.items() if len(answers_of(l)) > 1)
-    v = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={sudoku4.questions[one - 1]}', f'--views={K}')
+    v = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={sudoku4.questions[one - 1]}', f'--eval_views={K}')
     shown = [l for l in v.stdout.splitlines() if l.startswith('answer ')]
     assert len(shown) == len(answers_of(summaries(v.stdout)[1])) > 1
     assert re.match(r"answer A: \d of 4 views \(views? \d: step \d, halt prob [01]\.\d{3}.*\) \| (accepted|rejected) "
@@ -109,7 +109,7 @@ def test_a_views_answer_is_the_transformed_puzzle_solved_and_mapped_back(sudoku4
     """View j of puzzle i (from 0) is the puzzle under Grid.views(K, 1, 0, i)'s symmetry j: solving that
     puzzle alone and mapping its answer back gives the answer the views run shows for view j."""
     kind = puzzles.Sudoku(4)
-    p = solve(f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', f'--views={K}')
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', f'--eval_views={K}')
     i = next(n - 1 for n, l in summaries(p.stdout).items() if len(answers_of(l)) > 1)  # views that disagree
     q = sudoku4.questions[i]
     block = p.stdout.split(f'puzzle {i + 1} (line {i + 1}')[1].split(f'puzzle {i + 1}: ')[0]
@@ -121,7 +121,7 @@ def test_a_views_answer_is_the_transformed_puzzle_solved_and_mapped_back(sudoku4
     for j in range(K):
         sym = (pos[j:j + 1], token_map[j:j + 1])
         seen = kind.decode(kind.apply(kind.encode([q]), sym))
-        alone = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={seen}', '--views=1', '--quiet=True')
+        alone = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={seen}', '--eval_views=1', '--quiet=True')
         answer = summaries(alone.stdout)[1].rsplit('answer ', 1)[1]
         back = kind.decode(kind.apply(kind.encode([answer]), kind.invert(sym)))
         assert back == by_view[j], (j, seen, answer, back, by_view)
@@ -130,8 +130,8 @@ def test_a_views_answer_is_the_transformed_puzzle_solved_and_mapped_back(sudoku4
 def test_one_view_is_solve_as_before(sudoku4):
     def text(p):
         return re.sub(r'\d+\.\d+ s\b', 'T s', '\n'.join(l for l in p.stdout.splitlines() if l != 'config: views = 1'))
-    args = [f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', '--batch_size=8']
-    before, now = solve(*args), solve(*args, '--views=1')
+    args = [f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', '--eval_batch_size=8']
+    before, now = solve(*args), solve(*args, '--eval_views=1')
     assert text(before) == text(now) and '20 puzzles in batches of 8' in now.stdout
     assert not re.search(r'\bviews\b|answer A:', now.stdout.replace('config: views = 1', ''))
 
@@ -144,23 +144,23 @@ def test_refusals(sudoku4, tmp_path):
     (plain / 'train' / 'dataset.json').write_text(json.dumps(dict(meta, puzzle_type='plainsudoku')))
     q = sudoku4.questions[0]
     p = run([os.path.abspath(__file__), 'solve.py', f'--init_from={sudoku4.ckpt}', f'--data_path={plain}',
-             f'--puzzle={q}', f'--views={K}'], check=False)
+             f'--puzzle={q}', f'--eval_views={K}'], check=False)
     err = p.stderr.strip()
     assert p.returncode != 0 and 'Traceback' not in err and len(err.splitlines()) == 1, err
-    assert err == 'views=4: a 4x4 plain Sudoku has no symmetries to show it in other views, so views must be 1', err
+    assert err == 'eval_views=4: a 4x4 plain Sudoku has no symmetries to show it in other views, so views must be 1', err
     ok = run([os.path.abspath(__file__), 'solve.py', f'--init_from={sudoku4.ckpt}', f'--data_path={plain}',
-              f'--puzzle={q}', '--views=1', '--quiet=True'])  # one view: solved as given
+              f'--puzzle={q}', '--eval_views=1', '--quiet=True'])  # one view: solved as given
     assert 'puzzle 1: ' in ok.stdout
     # an unknown dataset: no kind, no views
     (plain / 'train' / 'dataset.json').write_text(json.dumps(dict(meta, puzzle_type='nosuchpuzzle')))
-    p = solve(f'--init_from={sudoku4.ckpt}', f'--data_path={plain}', f'--puzzle={q}', f'--views={K}', check=False)
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--data_path={plain}', f'--puzzle={q}', f'--eval_views={K}', check=False)
     err = p.stderr.strip()
     assert p.returncode != 0 and 'Traceback' not in err and len(err.splitlines()) == 1, err
     assert 'holds no puzzle kind that solve.py knows' in err
     for bad in (0, -2):
-        p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={q}', f'--views={bad}', check=False)
+        p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={q}', f'--eval_views={bad}', check=False)
         assert p.returncode != 0 and 'Traceback' not in p.stderr, p.stderr
-        assert f'config error: views={bad} (allowed: a number >= 1' in p.stderr, p.stderr
+        assert f'config error: eval_views={bad} (allowed: a number >= 1' in p.stderr, p.stderr
 
 
 class PlainSudoku(puzzles.Sudoku):
