@@ -35,11 +35,11 @@ os.environ.setdefault('OMP_NUM_THREADS', '1')
 
 # The longest files first, so that the workers of pytest -n (--dist loadfile: a file runs whole on one worker)
 # finish together instead of one running the pod test alone at the end. Order seen on the 2-core machine.
-LONGEST_FIRST = ('test_pod.py', 'test_watchdog.py', 'test_train.py', 'test_maze_learns.py', 'test_signals.py',
-                 'test_solve.py', 'test_arc_twin.py', 'test_adapt.py', 'test_stop_bounded.py', 'test_arc_vote.py',
-                 'test_limits.py', 'test_study_adapt.py', 'test_published.py', 'test_budget.py',
-                 'test_xla_trace.py', 'test_dist.py', 'test_torchtpu.py', 'test_xla.py', 'test_study.py',
-                 'test_reevaluate.py', 'test_study_faults.py', 'test_views.py', 'test_resume.py', 'test_smoke.py')
+LONGEST_FIRST = ('test_pod.py', 'test_watchdog.py', 'test_learns.py', 'test_signals.py', 'test_solve.py',
+                 'test_arc_twin.py', 'test_adapt.py', 'test_stop_bounded.py', 'test_arc_vote.py', 'test_limits.py',
+                 'test_study_adapt.py', 'test_published.py', 'test_budget.py', 'test_xla_trace.py', 'test_dist.py',
+                 'test_torchtpu.py', 'test_xla.py', 'test_study.py', 'test_reevaluate.py', 'test_study_faults.py',
+                 'test_views.py', 'test_resume.py', 'test_smoke.py')
 
 
 def pytest_collection_modifyitems(items):
@@ -111,13 +111,17 @@ def our_frames(text):
     return [f for f in re.findall(r'File "([^"]+)", line \d+', text) if os.path.isabs(f) and ours(f)]
 
 
-def assert_user_error(p, *words):
-    """Exit code != 0, a message naming the problem (the words), no traceback."""
+def assert_user_error(p, *words, one_line=False):
+    """Exit code != 0, a message naming the problem (the words), no traceback. one_line: the message is the one
+    line on stderr, and the words are in that line. Returns the message (with one_line) or all the output."""
     out = p.stdout + p.stderr
     assert p.returncode != 0, out[-3000:]
     assert 'Traceback' not in out, out[-3000:]
+    said = p.stderr.strip() if one_line else out
+    assert not one_line or len(said.splitlines()) == 1, said[-3000:]
     for w in words:
-        assert w in out, (w, out[-3000:])
+        assert w in said, (w, said[-3000:])
+    return said
 
 
 def make_reverse_dataset(root, n_train=1000, n_test=200, L=8, seed=0):

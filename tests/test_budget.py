@@ -2,7 +2,8 @@
 --max_minutes: a run that would overrun its wall-time budget stops training at a step early enough to run its
 final evaluation there (results.json, and for ARC submission.json, as a finished run writes them) and exits 0,
 saying so in one line; a resume with more time trains on from that step; SIGTERM during a budgeted run saves
-and resumes as always. About a minute on one core.
+and resumes as always (a negative budget is one of tests/test_config_errors.py's cases). About a minute on one
+core.
     python -m pytest -q tests/test_budget.py
 """
 import json
@@ -10,7 +11,7 @@ import os
 import re
 import signal
 
-from conftest import TOY_ARGS, Lines, assert_user_error, ckpts, popen_train, run, train
+from conftest import TOY_ARGS, Lines, ckpts, popen_train, run, train
 from test_dist import torchrun
 
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
@@ -75,8 +76,3 @@ def test_the_ranks_stop_at_the_same_step_when_one_of_them_is_out_of_time(toy, tm
     assert len(said) == 1, out[-3000:]  # rank 0 says it, for both
     step = int(said[0][1])
     assert json.load(open(tmp_path / 'o' / 'results.json'))['step'] == step < int(said[0][2])
-
-
-def test_a_negative_budget_is_a_config_error(toy, tmp_path):
-    p = train(toy, tmp_path / 'o', '--max_minutes=-1', check=False)
-    assert_user_error(p, 'max_minutes=-1', '>= 0')

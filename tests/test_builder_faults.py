@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import run
+from conftest import assert_user_error, run
 from disks import small_disk
 
 SYNTHETIC = ['--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3']
@@ -33,14 +33,6 @@ def tree(root):
     return out
 
 
-def one_line(p, *words):
-    """The build failed with one line on stderr holding the words, and no traceback."""
-    err = p.stderr.strip()
-    assert p.returncode != 0 and 'Traceback' not in p.stdout + p.stderr, p.stdout[-2000:] + p.stderr[-3000:]
-    assert err.count('\n') == 0 and all(w in err for w in words), (words, err)
-    return err
-
-
 def test_a_failed_synthetic_rebuild_keeps_every_file_of_the_previous_dataset(tmp_path):
     out = tmp_path / 'syn'
     run(['prepare_arc.py'] + SYNTHETIC + [f'--output_dir={out}'])
@@ -50,18 +42,18 @@ def test_a_failed_synthetic_rebuild_keeps_every_file_of_the_previous_dataset(tmp
     for limit in (3000, 7000):
         p = limited(limit, 'prepare_arc.py', *SYNTHETIC, '--seed=5', f'--output_dir={out}')
         assert p.returncode == 1 and tree(out) == before, limit
-        one_line(p, 'cannot write', 'File too large')
+        assert_user_error(p, 'cannot write', 'File too large', one_line=True)
         assert sorted(os.listdir(out)) == sorted({k.split(os.sep)[0] for k in before})  # no .building left
 
 
 def test_prepare_arc_on_a_full_disk_or_under_a_size_limit_names_the_file(tmp_path):
     p = limited(7000, 'prepare_arc.py', *SYNTHETIC, f'--output_dir={tmp_path / "a"}')
-    err = one_line(p, 'cannot write', 'File too large')
+    err = assert_user_error(p, 'cannot write', 'File too large', one_line=True)
     assert os.path.join(str(tmp_path / 'a'), '.building', 'train', 'all__inputs.npy') in err, err
     disk = tmp_path / 'disk'
     with small_disk(disk, '24k'):
         p = run(['prepare_arc.py'] + SYNTHETIC + [f'--output_dir={disk / "b"}'], check=False)
-        err = one_line(p, 'cannot write', 'No space left on device', str(disk / 'b'))
+        err = assert_user_error(p, 'cannot write', 'No space left on device', str(disk / 'b'), one_line=True)
         assert err.split(':')[1].strip().endswith(('.json', '.npy', '.npz')), err  # a file, not a folder
         assert os.listdir(disk) == []  # nothing half-written stays: no partial folder
 
@@ -69,27 +61,28 @@ def test_prepare_arc_on_a_full_disk_or_under_a_size_limit_names_the_file(tmp_pat
 def test_prepare_maze_generate_on_a_full_disk_or_under_a_size_limit_names_the_file(tmp_path):
     gen = ['--generate=10', '--size=8', '--num_test=3', '--min_path_len=4']
     p = limited(300, 'prepare_maze.py', *gen, f'--output_dir={tmp_path / "a"}')
-    err = one_line(p, 'cannot write', 'File too large', 'train.csv')
+    err = assert_user_error(p, 'cannot write', 'File too large', 'train.csv', one_line=True)
     p = limited(2000, 'prepare_maze.py', *gen, f'--output_dir={tmp_path / "b"}')  # the CSVs fit, a split not
-    one_line(p, 'cannot write', 'File too large', 'all__inputs.npy')
+    assert_user_error(p, 'cannot write', 'File too large', 'all__inputs.npy', one_line=True)
     assert not os.path.exists(tmp_path / 'a') and not os.path.exists(tmp_path / 'b')
     disk = tmp_path / 'disk'
     with small_disk(disk, '8k'):
         p = run(['prepare_maze.py'] + gen + [f'--output_dir={disk / "c"}'], check=False)
-        one_line(p, 'cannot write', 'No space left on device', str(disk / 'c'))
+        assert_user_error(p, 'cannot write', 'No space left on device', str(disk / 'c'), one_line=True)
         assert os.listdir(disk) == []
 
 
 def test_prepare_sudoku_generate_under_a_size_limit_names_the_file(tmp_path):
     p = limited(300, 'prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5', f'--output_dir={tmp_path}/s')
-    one_line(p, 'cannot write', 'File too large', 'train.csv')
+    assert_user_error(p, 'cannot write', 'File too large', 'train.csv', one_line=True)
     assert not os.path.exists(tmp_path / 's')
 
 
 def test_a_maze_generator_that_cannot_reach_the_path_length_is_one_line(tmp_path):
     p = run(['prepare_maze.py', '--generate=10', '--size=4', '--min_path_len=100', f'--output_dir={tmp_path}/m'],
             check=False)
-    one_line(p, '1000 mazes in a row', 'longer than 100 steps at size 4', 'lower --min_path_len')
+    assert_user_error(p, '1000 mazes in a row', 'longer than 100 steps at size 4', 'lower --min_path_len',
+                      one_line=True)
     assert not os.path.exists(tmp_path / 'm')
 
 
@@ -103,7 +96,7 @@ def test_the_maze_generator_s_options_are_checked_at_start(tmp_path, option, val
     args[option] = value
     p = run(['prepare_maze.py'] + [f'--{k}={v}' for k, v in args.items()] + [f'--output_dir={tmp_path}/m'],
             check=False)
-    one_line(p, f'--{option}', value, allowed)
+    assert_user_error(p, f'--{option}', value, allowed, one_line=True)
     assert 'generated' not in p.stdout and not os.path.exists(tmp_path / 'm')
 
 
@@ -131,11 +124,12 @@ def test_a_malformed_grid_in_the_solutions_file_is_named_in_the_solutions_file(t
     args = subsets(tmp_path / 'j')
     write_subset(tmp_path / 'j', 'evaluation', {'e1': task(3)}, {'e1': [[[4, 12]]]})
     p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
-    err = one_line(p, 'arc-agi_evaluation_solutions.json', 'task e1', '12', 'not a colour 0-9')
+    err = assert_user_error(p, 'arc-agi_evaluation_solutions.json', 'task e1', '12', 'not a colour 0-9',
+                            one_line=True)
     assert 'challenges' not in err, err
     write_subset(tmp_path / 'j', 'evaluation', {'e1': task(3)}, {'e1': [[[4, 0, 0, 0, 0]]]})
     p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
-    one_line(p, 'arc-agi_evaluation_solutions.json', 'task e1', 'over the 4x4 canvas')
+    assert_user_error(p, 'arc-agi_evaluation_solutions.json', 'task e1', 'over the 4x4 canvas', one_line=True)
     assert not os.path.exists(tmp_path / 'o')
 
 
@@ -143,10 +137,12 @@ def test_two_tasks_under_one_id_in_two_files_are_refused(tmp_path):
     j = tmp_path / 'j'
     args = subsets(j, concept={'c1': task(5), 't2': task(7)})  # concept's t2 is another task than training's
     p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
-    one_line(p, 'task t2', str(j / 'arc-agi_training_challenges.json'), str(j / 'arc-agi_concept_challenges.json'))
+    assert_user_error(p, 'task t2', str(j / 'arc-agi_training_challenges.json'),
+                      str(j / 'arc-agi_concept_challenges.json'), one_line=True)
     args = subsets(j, evaluation={'t1': task(1)})  # the very same task in training and evaluation
     p = run(args + [f'--output_dir={tmp_path}/o'], check=False)
-    one_line(p, 'task t1', str(j / 'arc-agi_training_challenges.json'), str(j / 'arc-agi_evaluation_challenges.json'))
+    assert_user_error(p, 'task t1', str(j / 'arc-agi_training_challenges.json'),
+                      str(j / 'arc-agi_evaluation_challenges.json'), one_line=True)
     assert not os.path.exists(tmp_path / 'o')
     run(subsets(j) + [f'--output_dir={tmp_path}/o'])  # no clash: built
 

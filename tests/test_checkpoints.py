@@ -1,46 +1,68 @@
 """
-Checkpoints: divergence keeps only sane ones, weights that give a NaN are set aside, corrupt and stale files are
-named and never take a slot, a full disk keeps the previous checkpoint.
+Checkpoints: a diverging run keeps only sane ones (weights that give a NaN loss are set aside), corrupt files are
+named, never loaded and never take a slot, stale files are removed, a full disk keeps the previous checkpoint.
+    python -m pytest -q tests/test_checkpoints.py
 """
 import glob
 import os
 
+import pytest
 import torch
 
-from conftest import FAST, assert_user_error, ckpt_paths, run, train
+from conftest import FAST, assert_user_error, ckpt_paths, ckpts, run, train
+from runkeep.checkpoint import CheckpointError, load_checkpoint
 
 
-def test_divergence_keeps_only_sane_checkpoints_and_resume_with_lower_lr_trains_on(toy, tmp_path):
-    out = tmp_path / 'o'
-    p = train(toy, out, '--lr=1e6', '--checkpoint_interval=1', check=False)
-    assert_user_error(p, 'diverged', 'init_from=resume')
-    for path in ckpt_paths(out):  # whatever was kept is finite and sane
-        sd = torch.load(path, weights_only=True)['model']
-        assert all(torch.isfinite(v).all() and v.abs().max() <= 1e4 for v in sd.values()), path
-    p = train(toy, out, '--lr=1e-3', '--init_from=resume')  # no crash loop: training goes on
-    assert 'saved' in p.stdout and ckpt_paths(out)[-1].endswith('ckpt_00000040.pt')
-
-
-def test_weights_that_give_a_nan_loss_are_set_aside_and_the_run_goes_on_from_the_one_before(toy, tmp_path):
-    # weights that look saved but make the next loss NaN (a bit flip, a diverging step): the checkpoint that
-    # produced them must not stay a resume candidate, or every resume dies the same way (a crash loop)
+def test_a_diverging_run_keeps_only_sane_checkpoints_and_a_resume_with_a_lower_lr_trains_on(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=8', '--checkpoint_interval=4')
+    # weights that look saved but make the next loss NaN (a bit flip, a diverging step): the checkpoint that
+    # produced them must not stay a resume candidate, or every resume dies the same way (a crash loop)
     ck = torch.load(ckpt_paths(out)[-1], weights_only=True)
     for sd in (ck['model'], ck['ema']):
         next(v for k, v in sd.items() if k.endswith('down_proj.weight'))[0, 0] = float('nan')
     torch.save(ck, ckpt_paths(out)[-1])
     p = train(toy, out, '--init_from=resume', '--max_steps=16', '--checkpoint_interval=4', check=False)
     assert_user_error(p, 'loss became NaN or inf at step 9', 'ckpt_00000004.pt')
-    assert [os.path.basename(c) for c in ckpt_paths(out)] == ['ckpt_00000004.pt']
+    assert ckpts(out) == ['ckpt_00000004.pt']
     assert os.path.exists(out / 'ckpt_00000008.pt.diverged')
-    p = train(toy, out, '--init_from=resume', '--max_steps=16', '--checkpoint_interval=4')
-    assert 'resuming from' in p.stdout and 'ckpt_00000004.pt' in p.stdout and 'saved' in p.stdout
+    # an update that overflows (lr 1e30) makes the loss NaN: the last good checkpoint is kept, nothing set aside
+    p = train(toy, out, '--init_from=resume', '--max_steps=16', '--checkpoint_interval=4', '--lr=1e30',
+              '--lr_warmup_steps=1', check=False)
+    assert 'resuming from' in p.stdout and 'ckpt_00000004.pt' in p.stdout  # not the one set aside
+    assert_user_error(p, 'loss became NaN or inf at step')
+    assert ckpts(out) == ['ckpt_00000004.pt']
+    # weights that grow without bound (lr 1e6), a save every step: whatever was kept is finite and sane
+    p = train(toy, out, '--init_from=resume', '--lr=1e6', '--checkpoint_interval=1', check=False)
+    assert_user_error(p, 'the weights diverged by step 5', 'init_from=resume')
+    for path in ckpt_paths(out):
+        sd = torch.load(path, weights_only=True)['model']
+        assert all(torch.isfinite(v).all() and v.abs().max() <= 1e4 for v in sd.values()), path
+    p = train(toy, out, '--lr=1e-3', '--init_from=resume')  # no crash loop: training goes on
+    assert 'resuming from' in p.stdout and 'saved' in p.stdout and ckpt_paths(out)[-1].endswith('ckpt_00000040.pt')
 
 
-def test_resume_with_only_corrupt_checkpoints_is_an_error_that_keeps_them(toy, tmp_path):
+def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_path):
     out = tmp_path / 'o'
-    train(toy, out, '--checkpoint_interval=10')
+    train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--max_steps=20')
+    assert ckpts(out) == ['ckpt_00000010.pt', 'ckpt_00000020.pt']
+    newest = ckpt_paths(out)[-1]
+    data = open(newest, 'rb').read()
+    open(newest, 'wb').write(data[:len(data) // 2])  # a save cut short
+    with pytest.raises(CheckpointError, match='ckpt_00000020.pt is corrupt or truncated'):
+        load_checkpoint(newest)
+    # evaluated again: refused, never step 10's weights evaluated in its place
+    p = train(toy, out, '--init_from=resume', '--eval_only=True', check=False)
+    assert_user_error(p, 'ckpt_00000020.pt')
+    assert 'eval on' not in p.stdout and not os.path.exists(out / 'evals')
+    # trained on: named, the run goes on from step 10, and the corrupt file holds no slot when pruning
+    p = train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--init_from=resume', '--max_steps=40')
+    assert 'ckpt_00000020.pt is corrupt or truncated' in p.stdout
+    assert 'resuming from' in p.stdout and 'ckpt_00000010.pt (step 10)' in p.stdout
+    assert ckpts(out) == ['ckpt_00000030.pt', 'ckpt_00000040.pt']
+    for c in ckpt_paths(out):
+        torch.load(c, weights_only=True)  # every kept checkpoint loads
+    # every checkpoint corrupt
     for c in ckpt_paths(out):
         open(c, 'wb').write(os.urandom(500))
     before = {c: open(c, 'rb').read() for c in ckpt_paths(out)}
@@ -65,19 +87,6 @@ def test_resume_from_a_checkpoint_whose_optimizer_state_does_not_fit_is_one_line
     assert_user_error(p, 'resume failed', os.path.basename(c), 'does not fit this run',
                       'optimizer state of parameter 0 has shape (3,)', 'the file is kept')
     assert open(c, 'rb').read() == before and ckpt_paths(out) == [c]
-
-
-def test_a_known_corrupt_checkpoint_holds_no_slot_when_pruning(toy, tmp_path):
-    out = tmp_path / 'o'
-    train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--max_steps=20')
-    assert [os.path.basename(c) for c in ckpt_paths(out)] == ['ckpt_00000010.pt', 'ckpt_00000020.pt']
-    open(ckpt_paths(out)[-1], 'wb').write(b'garbage')  # the newest is corrupt: resume falls back to step 10
-    p = train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--init_from=resume', '--max_steps=40')
-    assert 'resuming from' in p.stdout and 'ckpt_00000010.pt' in p.stdout
-    names = [os.path.basename(c) for c in ckpt_paths(out)]
-    assert names == ['ckpt_00000030.pt', 'ckpt_00000040.pt'], names
-    for c in ckpt_paths(out):
-        torch.load(c, weights_only=True)  # every kept checkpoint loads
 
 
 def test_keep_last_n_zero_keeps_everything(toy, tmp_path):

@@ -1,70 +1,78 @@
 """
-Bad configuration: every rule names its key, the value and what is allowed; a config file with a syntax error,
-an empty out_dir and a wrong type are one line each.
+The configuration as a user writes it: every error (a key the trainer does not have, a value of the wrong type,
+a config file that does not run, a value a rule does not allow, keys that contradict each other) is one line
+naming the key or the file's line, the value and what is allowed, said before torch is imported; and a config
+file with flags after it, values holding '=' and an int where a float is expected, run.
+    python -m pytest -q tests/test_config_errors.py
 """
-
-
-
-
-
-
-
-
-
-
-
 import pytest
 
-from conftest import assert_user_error, run, train
+from conftest import FAST, TOY_ARGS, assert_user_error, run
+
+TOY = ['--data_path={toy}', '--out_dir={out}'] + FAST  # a run that starts, but for the key under test
 
 
-def test_an_empty_out_dir_and_a_config_file_with_a_syntax_error_are_one_line(toy, tmp_path):
-    p = train(toy, '', '--max_steps=2', check=False)
-    assert_user_error(p, 'config error', "out_dir=''")
+def case(args, *words, file=None, absent=(), id=None):
+    """train.py ARGS ({toy}, {out} and {cfg}, a config file holding `file`, filled in): an error holding words."""
+    return pytest.param(args, words, file, absent, id=id)
+
+
+RULES = [('--lr=-1', 'lr=-1'), ('--H_cycles=0', 'H_cycles=0'), ('--L_cycles=0', 'L_cycles=0'),
+         ('--ema_rate=2.0', 'ema_rate=2.0'), ('--halt_exploration_prob=5', 'halt_exploration_prob=5'),
+         ('--eval_every_epochs=0', 'eval_every_epochs=0'), ('--global_batch_size=0', 'global_batch_size=0'),
+         ('--global_batch_size=-4', 'global_batch_size=-4'), ('--hidden_size=-1', 'hidden_size=-1'),
+         ('--halt_max_steps=0', 'halt_max_steps=0'), ('--pos_encodings=alibi', "pos_encodings='alibi'"),
+         ('--keep_last_n=-1', 'keep_last_n=-1'), ('--forward_dtype=int8', "forward_dtype='int8'"),
+         ('--max_minutes=-1', 'max_minutes=-1', '>= 0'),
+         # digits that str.isdigit accepts and int() does not (or reads as another digit)
+         ('--profile_steps=²:3', "profile_steps='²:3'"), ('--profile_steps=1:³', "profile_steps='1:³'"),
+         ('--profile_steps=١:٣', "profile_steps='١:٣'")]
+
+CASES = [
+    # a key the trainer does not have: the nearest keys it has
+    case(['--L_cycle=4'], "unknown key 'L_cycle'", 'L_cycles', id='unknown-flag'),
+    case(['{cfg}'], "unknown key 'hiden_size'", '{cfg}', 'hidden_size', file="lr = 1e-3\nhiden_size = 8\n",
+         id='unknown-in-file'),
+    case(TOY + ['--config_keys=[]'], "unknown key 'config_keys'", id='config_keys'),
+    case(['--no_such_file.py'], '--no_such_file.py', 'should look like --key=value', id='not-a-flag'),
+    # a value of the wrong type: train.py's default is named, not an earlier flag's value
+    case(['--L_cycles=four'], 'L_cycles', 'int', id='type'),
+    case(['--L_cycles=3', "--L_cycles='x'"], 'L_cycles', '(default 6)', absent=['(default 3)'], id='type-default'),
+    # a config file that does not run: its path and line
+    case(['{cfg}'], '{cfg}, line 2', file="lr = 1e-3\nx = (\n", id='syntax'),
+    case(['{cfg}'], '{cfg}, line 2', 'undefined_name', file="lr = 1e-3\nhidden_size = undefined_name\n",
+         id='name'),
+    # a value a rule does not allow: the value and what is allowed
+    case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
+    *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
+    # keys that contradict each other (the model's shape)
+    case(['config/arc1.py', '--hidden_size=16', '--out_dir={out}'], 'puzzle_emb_ndim=512 does not fit', '16 * 16',
+         id='emb-fit'),
+    case(['--mlp_t=False', '--hidden_size=30', '--num_heads=4', '--out_dir={out}'],
+         'hidden_size=30 is not divisible by num_heads=4', id='heads-divide'),
+    case(['--mlp_t=False', '--num_heads=0', '--out_dir={out}'], 'num_heads=0 (allowed: > 0)', id='heads'),
+]
+
+
+@pytest.mark.parametrize('args,words,file,absent', CASES)
+def test_a_config_error_is_one_line_before_torch(toy, tmp_path, args, words, file, absent):
     cfg = tmp_path / 'bad.py'
-    cfg.write_text("lr = 1e-3\nx = (\n")
-    p = run(['train.py', str(cfg)], check=False)
-    assert_user_error(p, 'config error', f'{cfg}, line 2')
-    cfg.write_text("lr = 1e-3\nhidden_size = undefined_name\n")
-    p = run(['train.py', str(cfg)], check=False)
-    assert_user_error(p, 'config error', f'{cfg}, line 2', 'undefined_name')
-
-
-def test_a_type_error_names_train_py_s_default_not_an_earlier_flag(toy, tmp_path):
-    p = run(['train.py', '--L_cycles=3', "--L_cycles='x'"], check=False)
-    assert_user_error(p, 'L_cycles', '(default 6)')
-    assert '(default 3)' not in p.stdout + p.stderr
-
-
-RULE_CASES = [('--lr=-1', 'lr=-1'), ('--H_cycles=0', 'H_cycles=0'), ('--L_cycles=0', 'L_cycles=0'),
-              ('--ema_rate=2.0', 'ema_rate=2.0'), ('--halt_exploration_prob=5', 'halt_exploration_prob=5'),
-              ('--eval_every_epochs=0', 'eval_every_epochs=0'), ('--global_batch_size=0', 'global_batch_size=0'),
-              ('--global_batch_size=-4', 'global_batch_size=-4'), ('--hidden_size=-1', 'hidden_size=-1'),
-              ('--halt_max_steps=0', 'halt_max_steps=0'), ('--pos_encodings=alibi', "pos_encodings='alibi'"),
-              ('--keep_last_n=-1', 'keep_last_n=-1'), ('--forward_dtype=int8', "forward_dtype='int8'")]
-
-
-@pytest.mark.parametrize('flag,words', RULE_CASES)
-def test_each_config_rule_names_key_value_and_what_is_allowed(toy, tmp_path, flag, words):
-    p = train(toy, tmp_path / 'o', flag, check=False)
-    assert_user_error(p, 'config error', words, 'allowed')
-
-
-def test_config_keys_is_not_a_key(toy, tmp_path):
-    p = train(toy, tmp_path / 'o', '--config_keys=[]', check=False)
-    assert_user_error(p, "unknown key 'config_keys'")
-
-
-
-@pytest.mark.parametrize('flags,words', [
-    (['config/arc1.py', '--hidden_size=16'], ['puzzle_emb_ndim=512 does not fit', '16 * 16']),
-    (['--mlp_t=False', '--hidden_size=30', '--num_heads=4'], ['hidden_size=30 is not divisible by num_heads=4']),
-    (['--mlp_t=False', '--num_heads=0'], ['num_heads=0 (allowed: > 0)']),
-])
-def test_keys_that_must_agree_are_a_config_error_before_torch(tmp_path, flags, words):
-    """Keys that contradict each other (the model's shape) are one line, said before torch is imported."""
-    p = run(['train.py', *flags, f'--out_dir={tmp_path}/o'], check=False, env=dict(PYTHONPROFILEIMPORTTIME='1'))
+    if file is not None:
+        cfg.write_text(file)
+    fill = lambda s: s.format(toy=toy, out=tmp_path / 'o', cfg=cfg) if '{' in s else s
+    p = run(['train.py', *map(fill, args)], check=False, env=dict(PYTHONPROFILEIMPORTTIME='1'))
     imported = {l.split('|')[-1].strip() for l in p.stderr.splitlines() if l.startswith('import time:')}
     p.stderr = '\n'.join(l for l in p.stderr.splitlines() if not l.startswith('import time:'))
-    assert_user_error(p, 'config error', *words)
-    assert len(p.stderr.strip().splitlines()) == 1 and 'torch' not in imported, p.stderr
+    line = assert_user_error(p, 'config error: ', *map(fill, words), one_line=True)
+    assert p.returncode == 1 and 'torch' not in imported, p.stderr
+    assert all(l.startswith('config: ') for l in p.stdout.splitlines()), p.stdout  # the flags echoed, nothing more
+    assert not any(a in line for a in absent), line
+
+
+def test_a_config_file_then_flags_with_values_holding_equals_signs_run(toy, tmp_path):
+    good = tmp_path / 'good.py'
+    good.write_text(f"data_path = '{toy}'\nmax_steps = 1\nlr = 1\n")  # an int where a float is expected
+    p = run(['train.py', str(good), f'--out_dir={tmp_path}/a=b', '--max_steps=2', '--init_from=scratch',
+             '--wandb_run_name=x=y'] + TOY_ARGS)
+    assert "out_dir = '" + f'{tmp_path}/a=b' in p.stdout and "wandb_run_name = 'x=y'" in p.stdout
+    assert 'eval on 200' in p.stdout

@@ -145,6 +145,12 @@ def test_scripts_sit_above_libraries_and_import_no_script():
         assert not imports_of(f) & {'train', 'bench', 'solve', 'study'}, f
 
 
+def test_the_order_the_workers_take_the_test_files_in_names_existing_files():
+    from conftest import LONGEST_FIRST  # a file renamed or removed would silently lose its place
+    files = set(os.listdir(os.path.join(ROOT, 'tests'))) | set(os.listdir(ROOT))
+    assert [f for f in LONGEST_FIRST if f not in files] == []
+
+
 DOCS = ['README.md'] + sorted('docs/' + f for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.md'))
 LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
 

@@ -1,11 +1,12 @@
 """
 Memory limits: what a run may allocate is the smallest of the machine's available memory, the address space
 its RLIMIT_AS leaves (prlimit --as, a shared host's ulimit -v) and its cgroup's memory limit (a container's).
-Test-time views beyond it are refused in one line before anything runs, and a MemoryError while building them
-is the same kind of line; a run (train.py) or a study's run (study.py) whose estimated memory is beyond it is
-refused before it starts, its dataset unbuilt (check_memory=False starts it anyway); the estimate follows the
-tensors a real step and evaluation hold. Real train.py and study.py processes on the toy task and a 4-step 4x4
-Sudoku run; TRM_MEMORY_AVAILABLE and a fake cgroup tree stand in for smaller machines.
+Test-time views beyond it (train.py's, solve.py's) are refused in one line before anything runs, and a
+MemoryError while building them is the same kind of line; a run (train.py) or a study's run (study.py) whose
+estimated memory is beyond it is refused before it starts, its dataset unbuilt (check_memory=False starts it
+anyway); the estimate follows the tensors a real step and evaluation hold. Real train.py, solve.py and study.py
+processes on the toy task and a 4-step 4x4 Sudoku run; TRM_MEMORY_AVAILABLE and a fake cgroup tree stand in for
+smaller machines.
     python -m pytest -q tests/test_limits.py
 """
 import copy
@@ -28,29 +29,43 @@ LIMITED = ['-c', 'import os, resource, sys; n = int(sys.argv[1]); resource.setrl
 
 
 def evaluate(trained, sudoku4, tmp_path, *extra, env=None, limit=None):
+    """train.py --eval_only on a copy of the trained run (made once a test), under `limit` bytes of address space."""
     out = tmp_path / 'o'
-    shutil.copytree(trained, out)
+    if not out.exists():
+        shutil.copytree(trained, out)
     cmd = ['train.py', f'--data_path={sudoku4}', f'--out_dir={out}', '--init_from=resume', '--eval_only=True']
     cmd += SUDOKU + list(extra)
     return run((LIMITED + [str(limit)] if limit else []) + cmd, env=env, check=False, timeout=900)
 
 
-def test_views_beyond_the_address_space_limit_are_refused_in_one_line(trained, sudoku4, tmp_path):
-    # 40,000 views of 50 puzzles: about 9.5 GB by the estimate, within this machine's memory but not within
-    # the 6 GB of address space (torch and its libraries map 4-5 GB of it at start-up)
+def test_views_beyond_memory_are_refused_in_one_line_before_anything_runs(trained, sudoku4, tmp_path):
+    # the machine's memory: a run that would evaluate in 100,000 views, refused before its first step
+    p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={tmp_path / "new"}', '--max_steps=2',
+             '--eval_views=100000'] + SUDOKU, check=False, timeout=60)
+    assert_user_error(p, 'eval_views=100000', 'at most', 'memory', 'GB', one_line=True)
+    assert all(l.startswith('config: ') for l in p.stdout.splitlines()), p.stdout  # the flags echoed, nothing more
+    assert not os.path.exists(tmp_path / 'new' / 'ckpt_00000002.pt')
+    # and solve.py's views, refused before it solves anything
+    p = run(['solve.py', f'--init_from={trained}/ckpt_00000004.pt', '--index=0', '--eval_views=10000000',
+             '--device=cpu'], check=False, timeout=60)
+    assert_user_error(p, 'views=10000000', 'at most')
+    last = (p.stdout + p.stderr).strip().splitlines()[-1]  # after the line describing the checkpoint
+    assert 'memory' in last and 'views=10000000' in last, p.stdout + p.stderr
+    assert 'device cpu' not in p.stdout and 'puzzle 1' not in p.stdout
+    # the address space (RLIMIT_AS): 40,000 views of 50 puzzles, about 9.5 GB by the estimate, within this
+    # machine's memory but not within 6 GB of address space (torch and its libraries map 4-5 GB of it at start-up)
     p = evaluate(trained, sudoku4, tmp_path, '--eval_views=40000', limit=6_000_000_000)
     assert_user_error(p, 'config error: eval_views=40000', 'RLIMIT_AS 6.0 GB', 'views at this batch size')
     assert not os.path.exists(tmp_path / 'o' / 'evals')
-
-
-def test_views_beyond_the_cgroup_s_limit_are_refused_in_one_line(trained, sudoku4, tmp_path):
-    cgroup = tmp_path / 'cgroup'  # a container's cgroup (v2) of 1 GB, 0.3 GB of it in use
+    # a container's cgroup (v2) of 1 GB, 0.3 GB of it in use
+    cgroup = tmp_path / 'cgroup'
     cgroup.mkdir()
     (cgroup / 'memory.max').write_text('1000000000\n')
     (cgroup / 'memory.current').write_text('300000000\n')
     (cgroup / 'memory.stat').write_text('anon 200000000\ninactive_file 100000000\n')
     p = evaluate(trained, sudoku4, tmp_path, '--eval_views=8000', env=dict(TRM_CGROUP_ROOT=str(cgroup)))
     assert_user_error(p, 'config error: eval_views=8000', "the cgroup's memory.max 1.0 GB less the 0.2 GB")
+    assert not os.path.exists(tmp_path / 'o' / 'evals')
 
 
 def test_a_memory_error_while_building_the_views_is_one_line(trained, sudoku4, tmp_path):

@@ -1,9 +1,10 @@
 """
-Evaluating a finished run again, and the weights a run starts from: a corrupt last checkpoint is refused (never
-an earlier one evaluated in its place), a study's re-evaluation names the checkpoint step of every row, weights
-of one puzzle kind are refused on another kind's data on every path that loads them, results.json always belongs
-to the last checkpoint, and a corrupt --init_from file is one line. Real processes on the toy task and on 4x4
-Sudokus and mazes built by prepare_sudoku.py and prepare_maze.py.
+Evaluating a finished run again, and the weights a run starts from: --eval_only with more steps than the run
+trained with (test-time scaling), a study's re-evaluation names the checkpoint step of every row and refuses a
+corrupt final checkpoint (train.py's own refusal is in tests/test_checkpoints.py), weights of one puzzle kind are
+refused on another kind's data on every path that loads them, results.json always belongs to the last checkpoint,
+and a corrupt --init_from file is one line. Real processes on the toy task and on 4x4 Sudokus and mazes built by
+prepare_sudoku.py and prepare_maze.py.
     python -m pytest -q tests/test_reevaluate.py
 """
 import csv
@@ -14,13 +15,7 @@ import signal
 
 import pytest
 
-from conftest import ROOT, TOY_ARGS, assert_user_error, run, site_hook
-
-FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4']  # 40 steps of batch 50 on the toy task
-
-
-def train(data, out, *extra, args=FAST, check=True, env=None):
-    return run(['train.py', f'--data_path={data}', f'--out_dir={out}'] + args + list(extra), check=check, env=env)
+from conftest import ROOT, TOY_ARGS, assert_user_error, eval_lines, run, site_hook, train
 
 
 def corrupt(path):
@@ -29,18 +24,22 @@ def corrupt(path):
     open(path, 'wb').write(data[:len(data) // 2])
 
 
-# -----------------------------------------------------------------------------
-# fault 1: a corrupt last checkpoint, evaluated again
-
-def test_eval_only_of_a_run_whose_last_checkpoint_is_corrupt_refuses_it(toy, tmp_path):
+def test_eval_only_with_test_time_scaling(toy, tmp_path):
     out = tmp_path / 'o'
-    train(toy, out, '--max_steps=8', '--checkpoint_interval=4')
-    corrupt(out / 'ckpt_00000008.pt')
-    p = train(toy, out, '--init_from=resume', '--eval_only=True', check=False)
-    assert_user_error(p, 'ckpt_00000008.pt')
-    assert 'eval on' not in p.stdout  # step 4's weights are not evaluated in its place
-    assert not os.path.exists(out / 'evals')
+    train(toy, out, '--max_steps=5', '--log_interval=5')
+    p = train(toy, out, f'--init_from={out}/ckpt_00000005.pt', '--eval_only=True', '--eval_steps=6',
+              '--log_interval=5')
+    line = eval_lines(p.stdout)[-1]
+    assert 'loaded weights from' in p.stdout and 'eval on 200' in line
+    by_steps = line.split('exact by steps: ')[1].split()
+    assert [s.split(':')[0] for s in by_steps] == ['1', '2', '3', '4', '5', '6']
+    exact_at_4 = float(line.split('exact ')[1].split()[0])
+    assert abs(float(by_steps[3].split(':')[1]) - exact_at_4) < 1e-3  # the headline is at halt_max_steps
+    assert 'with q_halt stop' in line
 
+
+# -----------------------------------------------------------------------------
+# a study's re-evaluation
 
 def test_a_study_re_evaluation_refuses_a_corrupt_final_checkpoint_and_names_each_row_s_step(tmp_path):
     tmp, out = str(tmp_path), tmp_path / 'out'

@@ -1,14 +1,17 @@
 """
-Resuming and starting from weights: --init_from=resume continues where the checkpoint stopped or says in one
-line why it cannot (another model shape, batch, dataset, a run already at its end), and init_from=FILE never
+Resuming and starting from weights: --init_from=resume continues exactly where the checkpoint stopped (the same
+weights, EMA, puzzle embeddings, ACT carry and data position as a run never stopped; the same W&B run) or says in
+one line why it cannot (another model shape, batch, dataset, a run already at its end), and init_from=FILE never
 mixes into another run's folder. Real processes on real files.
+    python -m pytest -q tests/test_resume.py
 """
+import glob
 import os
 import shutil
 
 import torch
 
-from conftest import SUDOKU, assert_user_error, ckpt_paths, ckpts, train
+from conftest import SUDOKU, TOY_ARGS, assert_user_error, ckpt_paths, ckpts, run, train
 
 
 def files(folder):
@@ -18,6 +21,37 @@ def files(folder):
 
 def assert_unlocked(out):
     assert not os.path.exists(os.path.join(out, 'run.lock')), 'the run left its lock behind'
+
+
+def test_resume_continues_exactly(toy, tmp_path):
+    common = [f'--data_path={toy}', '--epochs=4', '--eval_every_epochs=100', '--log_interval=5',
+              '--halt_exploration_prob=0.5'] + [a for a in TOY_ARGS if a != '--puzzle_emb_ndim=0'] + \
+        ['--puzzle_emb_ndim=16']
+    run(['train.py', f'--out_dir={tmp_path}/straight', '--max_steps=16'] + common)
+    run(['train.py', f'--out_dir={tmp_path}/split', '--max_steps=8'] + common)
+    assert os.path.exists(f'{tmp_path}/split/ckpt_00000008.pt')
+    p = run(['train.py', f'--out_dir={tmp_path}/split', '--max_steps=16', '--init_from=resume'] + common)
+    assert 'resuming from' in p.stdout and 'step 8' in p.stdout
+    a = torch.load(f'{tmp_path}/straight/ckpt_00000016.pt', weights_only=True)
+    b = torch.load(f'{tmp_path}/split/ckpt_00000016.pt', weights_only=True)
+    for key in ('model', 'ema', 'carry'):
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), (key, k)
+    assert a['model']['puzzle_emb'].abs().sum() > 0  # the puzzle embeddings trained, and resumed exactly
+    assert a['loader'] == b['loader'] and a['step'] == b['step'] == 16
+
+
+def test_wandb_offline_run_is_continued_after_resume(toy, tmp_path):
+    out = tmp_path / 'o'
+    args = ['--epochs=1', '--log_interval=2', '--wandb_log=True', '--wandb_run_name=smoke']
+    env = dict(WANDB_MODE='offline', WANDB_SILENT='true')
+    train(toy, out, '--max_steps=4', *args, env=env)
+    train(toy, out, '--max_steps=6', '--init_from=resume', *args, env=env)
+    runs = sorted(glob.glob(f'{out}/wandb/offline-run-*'))
+    assert len(runs) == 2
+    ids = {r.rsplit('-', 1)[1] for r in runs}
+    assert len(ids) == 1  # the same run id both times
+    assert torch.load(out / 'ckpt_00000006.pt', weights_only=True)['run_id'] == ids.pop()
 
 
 def test_init_from_a_file_into_a_folder_of_checkpoints_is_refused_unless_overwrite(sudoku4, trained, tmp_path):

@@ -2,7 +2,7 @@
 solve.py, as a user runs it: a tiny TRM trained here on 4x4 Sudokus solves puzzles given as strings, in a
 file and from the dataset, step by step; a reference-format state dict of the same weights solves the same
 way; every user error is one line on stderr with a non-zero exit code and no traceback; --png; --help.
-Self-contained: run from the repository root with  python -m pytest -q tests/test_solve.py
+Run from the repository root with  python -m pytest -q tests/test_solve.py
 """
 import csv
 import glob
@@ -14,6 +14,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+
+from conftest import assert_user_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -61,17 +63,6 @@ def blocks(out):
                 result.append(cur)
                 cur = None
     return result
-
-
-def user_error(p, *expected):
-    """A user error: non-zero exit, one line on stderr, no traceback, the expected words in it."""
-    assert p.returncode != 0, p.stdout
-    assert 'Traceback' not in p.stderr, p.stderr
-    msg = p.stderr.strip()
-    assert len(msg.splitlines()) == 1, msg
-    for text in expected:
-        assert text in msg, (text, msg)
-    return msg
 
 
 @pytest.fixture(scope='module')
@@ -180,7 +171,7 @@ def test_test_split_examples(sudoku4):
     s = summaries(p.stdout)
     assert sorted(s) == [1, 2, 3, 4, 5]
     assert "identical to the dataset's label" in ' '.join(s.values())
-    p = solve(f'--init_from={sudoku4.ckpt}', '--index=7', '--steps=6', '--all_steps=True')
+    p = solve(f'--init_from={sudoku4.ckpt}', '--index=7', '--eval_steps=6', '--all_steps=True')
     [b] = blocks(p.stdout)
     assert b[0].startswith('puzzle 1 (test example 7): 4x4 Sudoku')
     assert len([l for l in b if l.startswith('step ')]) == 6  # test-time scaling beyond halt_max_steps=3
@@ -202,17 +193,21 @@ def test_reference_state_dict(sudoku4):
     strip = lambda s: {k: re.sub(r' \| [\d.]+ s( \(in a batch of \d+\))?', '', v) for k, v in summaries(s).items()}
     assert strip(theirs.stdout) == strip(ours.stdout) and len(strip(ours.stdout)) == 20
     # a reference state dict needs the dataset; wrong model keys are named
-    user_error(solve(f'--init_from={ref}', f'--puzzle={sudoku4.puzzles[0]}', check=False), '--data_path')
-    msg = user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--hidden_size=64',
-                           f'--puzzle={sudoku4.puzzles[0]}', check=False), 'do not fit', 'hidden_size=32 (here 64)')
+    p = solve(f'--init_from={ref}', f'--puzzle={sudoku4.puzzles[0]}', check=False)
+    assert_user_error(p, '--data_path', one_line=True)
+    p = solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--hidden_size=64',
+              f'--puzzle={sudoku4.puzzles[0]}', check=False)
+    msg = assert_user_error(p, 'do not fit', 'hidden_size=32 (here 64)', one_line=True)
     assert msg.endswith('Check --hidden_size')
-    user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--mlp_t=False',
-                     f'--puzzle={sudoku4.puzzles[0]}', check=False), 'Check --mlp_t')
+    p = solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, '--mlp_t=False',
+              f'--puzzle={sudoku4.puzzles[0]}', check=False)
+    assert_user_error(p, 'Check --mlp_t', one_line=True)
     # the model keys pass train.py's rules, as on its command line: one line each, before the model is built
     for bad, words in ((['--mlp_t=False', '--num_heads=0'], 'num_heads=0 (allowed: > 0)'),
                        (['--L_cycles=-1'], 'L_cycles=-1 (allowed: > 0)')):
-        user_error(solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, *bad,
-                         f'--puzzle={sudoku4.puzzles[0]}', check=False), 'config error', words)
+        p = solve(f'--init_from={ref}', f'--data_path={sudoku4.data}', *TINY_KEYS, *bad,
+                  f'--puzzle={sudoku4.puzzles[0]}', check=False)
+        assert_user_error(p, 'config error', words, one_line=True)
 
 
 def test_checkpoint_without_its_dataset(sudoku4):
@@ -226,7 +221,8 @@ def test_checkpoint_without_its_dataset(sudoku4):
     p = solve(f'--init_from={moved}', f'--puzzle={sudoku4.puzzles[i]}', '--quiet=True')
     assert '4x4 Sudokus (the weights (no dataset at' in p.stdout
     assert summaries(p.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
-    user_error(solve(f'--init_from={moved}', '--index=0', check=False), 'elsewhere', '--data_path')
+    p = solve(f'--init_from={moved}', '--index=0', check=False)
+    assert_user_error(p, 'elsewhere', '--data_path', one_line=True)
 
 
 def test_maze(maze8):
@@ -235,7 +231,7 @@ def test_maze(maze8):
     mazes = maze8.tmp / 'mazes.txt'
     mazes.write_text('\n'.join(rows_of(q)) + '\n\n' + q + '\n' + maze8.questions[1] + '\n\n' +
                      '\n'.join(rows_of(maze8.questions[2])) + '\n')
-    p = solve(f'--init_from={maze8.ckpt}', f'--file={mazes}', '--steps=2', '--all_steps=True')
+    p = solve(f'--init_from={maze8.ckpt}', f'--file={mazes}', '--eval_steps=2', '--all_steps=True')
     assert '8x8 mazes' in p.stdout and '4 puzzles in batches of 4' in p.stdout
     bs = blocks(p.stdout)
     assert [b[0].split(':')[0] for b in bs] == ['puzzle 1 (lines 1-8 of mazes.txt)', 'puzzle 2 (line 10 of mazes.txt)',
@@ -285,60 +281,79 @@ def test_xla_on_the_cpu(sudoku4):
 def test_puzzle_errors(sudoku4, tmp_path):
     ck = f'--init_from={sudoku4.ckpt}'
     q = sudoku4.puzzles[0]
-    user_error(solve(ck, f'--puzzle={q[:-1]}', check=False),
-               "puzzle 1 (--puzzle): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'")
-    user_error(solve(ck, f'--puzzle={q[:-1]}x', check=False), "character 'x' at position 16", "'.01234'")
-    user_error(solve(ck, f'--puzzle={q[:-1]}5', check=False), "character '5' at position 16")
-    user_error(solve(ck, '--puzzle=' + '.' * 81, check=False), '81 characters (a 9x9 Sudoku); a 4x4 Sudoku has 16')
+    p = solve(ck, f'--puzzle={q[:-1]}', check=False)
+    assert_user_error(p, "puzzle 1 (--puzzle): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'",
+                      one_line=True)
+    p = solve(ck, f'--puzzle={q[:-1]}x', check=False)
+    assert_user_error(p, "character 'x' at position 16", "'.01234'", one_line=True)
+    p = solve(ck, f'--puzzle={q[:-1]}5', check=False)
+    assert_user_error(p, "character '5' at position 16", one_line=True)
+    p = solve(ck, '--puzzle=' + '.' * 81, check=False)
+    assert_user_error(p, '81 characters (a 9x9 Sudoku); a 4x4 Sudoku has 16', one_line=True)
     # contradicting givens: row, column, box
-    user_error(solve(ck, '--puzzle=1..1............', check=False), 'the givens contradict each other: 1 twice in row 1')
-    user_error(solve(ck, '--puzzle=2.......2.......', check=False), '2 twice in column 1')
-    user_error(solve(ck, '--puzzle=3....3..........', check=False), '3 twice in box 1 (rows 1-2, columns 1-2)')
+    p = solve(ck, '--puzzle=1..1............', check=False)
+    assert_user_error(p, 'the givens contradict each other: 1 twice in row 1', one_line=True)
+    p = solve(ck, '--puzzle=2.......2.......', check=False)
+    assert_user_error(p, '2 twice in column 1', one_line=True)
+    p = solve(ck, '--puzzle=3....3..........', check=False)
+    assert_user_error(p, '3 twice in box 1 (rows 1-2, columns 1-2)', one_line=True)
     f = tmp_path / 'f.txt'
     f.write_text(f"{q}\n\n{q[:-1]}\n")
-    user_error(solve(ck, f'--file={f}', check=False),
-               "puzzle 2 (line 3 of f.txt): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'")
-    user_error(solve(ck, f'--file={tmp_path / "none.txt"}', check=False), 'no such file')
+    p = solve(ck, f'--file={f}', check=False)
+    assert_user_error(p, "puzzle 2 (line 3 of f.txt): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'",
+                      one_line=True)
+    p = solve(ck, f'--file={tmp_path / "none.txt"}', check=False)
+    assert_user_error(p, 'no such file', one_line=True)
 
 
 def test_other_kind_errors(sudoku4, maze8):
     maze = '/'.join(rows_of(maze8.questions[0]))
-    user_error(solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={maze}', check=False),
-               'looks like an 8x8 maze, but the checkpoint solves 4x4 Sudokus', 'maze checkpoint')
-    user_error(solve(f'--init_from={maze8.ckpt}', f'--puzzle={sudoku4.puzzles[0]}', check=False),
-               'looks like a 4x4 Sudoku, but the checkpoint solves 8x8 mazes')
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={maze}', check=False)
+    assert_user_error(p, 'looks like an 8x8 maze, but the checkpoint solves 4x4 Sudokus', 'maze checkpoint',
+                      one_line=True)
+    p = solve(f'--init_from={maze8.ckpt}', f'--puzzle={sudoku4.puzzles[0]}', check=False)
+    assert_user_error(p, 'looks like a 4x4 Sudoku, but the checkpoint solves 8x8 mazes', one_line=True)
     # a maze checkpoint with a Sudoku checkpoint's dataset: the weights do not fit
-    user_error(solve(f'--init_from={maze8.ckpt}', f'--data_path={sudoku4.data}', f'--puzzle={sudoku4.puzzles[0]}',
-                     check=False), 'do not fit', 'Check --data_path')
+    p = solve(f'--init_from={maze8.ckpt}', f'--data_path={sudoku4.data}', f'--puzzle={sudoku4.puzzles[0]}',
+              check=False)
+    assert_user_error(p, 'do not fit', 'Check --data_path', one_line=True)
     # mazes that cannot be solved or are malformed
     two_s = maze.replace('G', 'S')
-    user_error(solve(f'--init_from={maze8.ckpt}', f'--puzzle={two_s}', check=False),
-               '2 S (start) and 0 G (goal) cells; a maze needs exactly one of each')
-    user_error(solve(f'--init_from={maze8.ckpt}', f'--puzzle={maze[:-1]}', check=False),
-               'row 8 has 7 characters; an 8x8 maze has 8 rows of 8 characters')
-    user_error(solve(f'--init_from={maze8.ckpt}', '--puzzle=' + maze.replace(' ', 'o', 1), check=False),
-               "character 'o'")
+    p = solve(f'--init_from={maze8.ckpt}', f'--puzzle={two_s}', check=False)
+    assert_user_error(p, '2 S (start) and 0 G (goal) cells; a maze needs exactly one of each', one_line=True)
+    p = solve(f'--init_from={maze8.ckpt}', f'--puzzle={maze[:-1]}', check=False)
+    assert_user_error(p, 'row 8 has 7 characters; an 8x8 maze has 8 rows of 8 characters', one_line=True)
+    p = solve(f'--init_from={maze8.ckpt}', '--puzzle=' + maze.replace(' ', 'o', 1), check=False)
+    assert_user_error(p, "character 'o'", one_line=True)
 
 
 def test_setup_errors(sudoku4, tmp_path):
     q = f'--puzzle={sudoku4.puzzles[0]}'
-    user_error(solve(q, check=False), '--init_from')
-    user_error(solve(f'--init_from={tmp_path / "none.pt"}', q, check=False), 'no such file')
-    user_error(solve(f'--init_from={sudoku4.data / "train" / "dataset.json"}', q, check=False),
-               'does not load as a checkpoint')
-    user_error(solve(f'--init_from={sudoku4.ckpt}', check=False), 'nothing to solve')
-    user_error(solve(f'--init_from={sudoku4.ckpt}', q, '--count=3', check=False), 'give one source of puzzles')
-    user_error(solve(f'--init_from={sudoku4.ckpt}', '--index=100', check=False), 'index=100', '100 examples')
-    user_error(solve(f'--init_from={sudoku4.ckpt}', q, f'--data_path={tmp_path}', check=False), 'no dataset at')
-    user_error(solve(f'--init_from={sudoku4.ckpt}', q, f'--png={tmp_path / "no" / "x.png"}', check=False),
-               'does not exist')
-    user_error(solve(f'--init_from={sudoku4.ckpt}', q, '--stpes=3', check=False), "unknown key 'stpes'")
+    p = solve(q, check=False)
+    assert_user_error(p, '--init_from', one_line=True)
+    p = solve(f'--init_from={tmp_path / "none.pt"}', q, check=False)
+    assert_user_error(p, 'no such file', one_line=True)
+    p = solve(f'--init_from={sudoku4.data / "train" / "dataset.json"}', q, check=False)
+    assert_user_error(p, 'does not load as a checkpoint', one_line=True)
+    p = solve(f'--init_from={sudoku4.ckpt}', check=False)
+    assert_user_error(p, 'nothing to solve', one_line=True)
+    p = solve(f'--init_from={sudoku4.ckpt}', q, '--count=3', check=False)
+    assert_user_error(p, 'give one source of puzzles', one_line=True)
+    p = solve(f'--init_from={sudoku4.ckpt}', '--index=100', check=False)
+    assert_user_error(p, 'index=100', '100 examples', one_line=True)
+    p = solve(f'--init_from={sudoku4.ckpt}', q, f'--data_path={tmp_path}', check=False)
+    assert_user_error(p, 'no dataset at', one_line=True)
+    p = solve(f'--init_from={sudoku4.ckpt}', q, f'--png={tmp_path / "no" / "x.png"}', check=False)
+    assert_user_error(p, 'does not exist', one_line=True)
+    p = solve(f'--init_from={sudoku4.ckpt}', q, '--stpes=3', check=False)
+    assert_user_error(p, "unknown key 'stpes'", one_line=True)
     # matplotlib missing: a hint, before the model runs
     fake = tmp_path / 'fake'
     (fake / 'matplotlib').mkdir(parents=True)
     (fake / 'matplotlib' / '__init__.py').write_text("raise ImportError('No module named matplotlib')\n")
-    user_error(solve(f'--init_from={sudoku4.ckpt}', q, f'--png={tmp_path / "x.png"}', check=False,
-                     env=dict(PYTHONPATH=str(fake))), 'pip install matplotlib')
+    p = solve(f'--init_from={sudoku4.ckpt}', q, f'--png={tmp_path / "x.png"}', check=False,
+              env=dict(PYTHONPATH=str(fake)))
+    assert_user_error(p, 'pip install matplotlib', one_line=True)
     assert not (tmp_path / 'x.png').exists()
 
 

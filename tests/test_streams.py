@@ -1,32 +1,77 @@
 """
 A run's exit code says how the run ended, whatever its streams: with stdout closed outright (`>&-`, no file
-descriptor 1 at all) or stderr closed (`2>&-`), a run trains, writes results.json and exits 0. Real processes
-on the toy task.
+descriptor 1 at all), stderr closed (`2>&-`) or stdout a pipe whose reader is gone (`train.py | head -3`, a lost
+tee, a closed SSH session), a run trains, writes results.json and exits 0, and every line it printed is in its
+train.log; SIGTERM after the reader left saves the stop checkpoint. Real processes on the toy task.
     python -m pytest -q tests/test_streams.py
 """
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
-from conftest import ROOT, TOY_ARGS
-
-FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4', '--max_steps=4']
-
-
-def train_closed(toy, out, redirect):
-    """train.py under bash with one of its streams closed by `redirect` ('>&-' or '2>&-')."""
-    args = ' '.join([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}'] + FAST)
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    return subprocess.run(['bash', '-c', f'exec {args} {redirect}'], cwd=ROOT, env=e, capture_output=True,
-                          text=True, timeout=300)
+from conftest import FAST, ROOT, ckpts, read_until, start
 
 
-@pytest.mark.parametrize('redirect', ['>&-', '2>&-'], ids=['stdout', 'stderr'])
-def test_a_run_with_a_closed_stream_trains_and_exits_0(toy, tmp_path, redirect):
+def assert_unlocked(out):
+    assert not os.path.exists(os.path.join(out, 'run.lock')), 'the run left its lock behind'
+
+
+@pytest.mark.parametrize('gone', ['>&-', '2>&-', 'reader'], ids=['stdout', 'stderr', 'stdout-reader'])
+def test_a_run_whose_output_is_gone_trains_and_exits_0(toy, tmp_path, gone):
     out = tmp_path / 'o'
-    p = train_closed(toy, out, redirect)
-    assert p.returncode == 0, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
-    assert os.path.exists(out / 'ckpt_00000004.pt') and os.path.exists(out / 'results.json')
+    args = ' '.join([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=4'] + FAST)
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    r, w = os.pipe()
+    os.close(r)  # for 'reader': `( train.py ... & wait ) | head -c 1`, the reader left before the first line
+    stdout, redirect = (w, '') if gone == 'reader' else (subprocess.PIPE, gone)
+    with open(tmp_path / 'err', 'w') as err:
+        p = subprocess.run(['bash', '-c', f'exec {args} {redirect}'], cwd=ROOT, env=e, stdout=stdout, stderr=err,
+                           timeout=300)
+    os.close(w)
+    text = open(tmp_path / 'err').read()
+    assert p.returncode == 0 and 'Traceback' not in text, (p.returncode, text[-3000:])
+    assert ckpts(out) == ['ckpt_00000004.pt'] and os.path.exists(out / 'results.json')
     assert 'eval on 200' in open(out / 'train.log').read()
+
+
+def logged_steps(out):
+    """The step lines in a run's train.log so far."""
+    try:
+        with open(os.path.join(out, 'train.log')) as f:
+            return sum(line.startswith('step ') for line in f)
+    except FileNotFoundError:
+        return 0
+
+
+def test_sigterm_after_stdout_s_reader_left_saves_the_stop_checkpoint(toy, tmp_path):
+    out = tmp_path / 'o'
+    err = open(tmp_path / 'stderr', 'w')
+    proc = start(toy, out, '--epochs=200', '--log_interval=1', stderr=err)
+    read_until(proc, 'step 2/')
+    proc.stdout.close()  # the reader is gone: `train.py | head -3`, a lost tee, a closed SSH session
+    logged, deadline = logged_steps(out), time.time() + 120
+    while logged_steps(out) < logged + 2:  # a line printed after the close: the run wrote on into the closed pipe
+        assert proc.poll() is None and time.time() < deadline, open(tmp_path / 'stderr').read()[-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    assert rc == 0, open(tmp_path / 'stderr').read()[-3000:]
+    log = open(out / 'train.log').read()  # every line the run printed, also those nobody read
+    saved = [l for l in log.splitlines() if l.startswith('saved') and '(stop requested)' in l]
+    assert len(saved) == 1 and 'stopped cleanly' in log, log[-3000:]
+    step = int(re.search(r'ckpt_(\d{8})\.pt', saved[0]).group(1))
+    assert ckpts(out) == [f'ckpt_{step:08d}.pt'] and step > 2
+    assert torch.load(out / ckpts(out)[0], weights_only=True)['step'] == step
+    assert f'step {step}/' in log
+    assert_unlocked(out)
+

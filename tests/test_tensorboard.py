@@ -2,7 +2,8 @@
 Seeing a run as TPU users do: TensorBoard's event files read back with TensorBoard's own reader and its own
 server, equal to metrics.jsonl, after a stop and a resume too, in a gs:// bucket (the GCS emulator), off when
 asked; XLA's compilations, the memory in use and the evaluation loss in the records; a profile of chosen steps
-that its viewer's loader parses (torch.profiler on the CPU, torch_xla's profiler on XLA).
+that its viewer's loader parses (torch.profiler on the CPU, torch_xla's profiler on XLA), a range past the run's
+last step said at start, a profile a full disk did not let through not reported as written.
     python -m pytest -q tests/test_tensorboard.py
 """
 import glob
@@ -19,7 +20,8 @@ import requests
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runkeep import gcs
-from conftest import BUCKET, TOY_ARGS, XLA_ENV, free_port, run, site_hook
+from conftest import BUCKET, SUDOKU, TOY_ARGS, XLA_ENV, free_port, run, site_hook
+from disks import small_disk
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=1', '--log_interval=4']  # 40 steps; evaluations: 20, 40
 
@@ -88,6 +90,29 @@ def test_events_equal_the_records_and_a_profile_of_chosen_steps_loads(toy, tmp_p
     events = json.load(open(trace))['traceEvents']
     assert sum(e.get('name') == 'train_step' for e in events) == 3
     assert any(e.get('name', '').startswith('aten::') for e in events)
+
+
+def test_a_profile_range_past_the_last_step_says_so_at_start(sudoku4, tmp_path):
+    out = tmp_path / 'o'
+    p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={out}', '--max_steps=4', '--profile_steps=5:10']
+            + SUDOKU + ['--log_interval=2'], timeout=300)
+    said = [l for l in p.stdout.splitlines() if 'profile_steps=5:10' in l]
+    assert len(said) == 1 and 'step 4' in said[0], p.stdout
+    assert p.stdout.index(said[0]) < p.stdout.index('step 2/'), p.stdout  # at start, before training
+    assert not glob.glob(str(out / 'profile' / '*'))
+
+
+def test_a_profile_a_full_disk_did_not_let_through_is_not_reported_written(sudoku4, tmp_path):
+    out = tmp_path / 'o'
+    with small_disk(out / 'profile', '64k'):
+        p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={out}', '--max_steps=6', '--profile_steps=2:5']
+                + SUDOKU + ['--log_interval=2'], check=False, timeout=300)
+        written = [l for l in p.stdout.splitlines() if l.startswith('profile of steps')]
+        traces = [f for f in os.listdir(out / 'profile') if f.endswith('.json')]
+        assert not traces, traces  # the trace did not fit
+        assert not written, p.stdout
+        assert 'profile' in p.stdout + p.stderr and str(out / 'profile') in p.stdout + p.stderr
+    assert os.path.exists(out / 'results.json')  # a lost profile is no reason to lose the run
 
 
 def test_q_continue_s_loss_is_logged_when_it_is_learned(toy, tmp_path):

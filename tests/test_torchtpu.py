@@ -22,8 +22,7 @@ no_torchtpu = pytest.mark.skipif(importlib.util.find_spec('torch_tpu') is not No
 
 
 def assert_refused_before_any_work(p, out_dir, *words):
-    assert_user_error(p, 'requirements-torchtpu.txt', "device='tpu'", *words)
-    assert len(p.stderr.strip().splitlines()) == 1, p.stderr  # one line
+    assert_user_error(p, 'requirements-torchtpu.txt', "device='tpu'", *words, one_line=True)
     assert not os.path.exists(out_dir)
 
 
