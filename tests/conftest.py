@@ -310,6 +310,16 @@ def trained(sudoku4, tmp_path_factory):
     return str(out)
 
 
+def tree(root):
+    """Every file under root: relative path -> bytes (a folder compared before and after a fault)."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for n in names:
+            path = os.path.join(folder, n)
+            out[os.path.relpath(path, root)] = open(path, 'rb').read()
+    return out
+
+
 def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
     """A dataset that says it holds side x side puzzles of `kind` (random tokens: shapes are what matter)."""
     rng = np.random.default_rng(seed)

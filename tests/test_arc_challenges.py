@@ -12,20 +12,12 @@ import re
 import numpy as np
 import pytest
 
-from conftest import run
+from conftest import run, tree
 from data import check_split
 from puzzles import ARC
 
 SYNTHETIC = ['prepare_arc.py', '--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3']
 
-
-def tree(root):
-    """Every file under root: relative path -> bytes."""
-    out = {}
-    for folder, _, names in os.walk(root):
-        for n in names:
-            out[os.path.relpath(os.path.join(folder, n), root)] = open(os.path.join(folder, n), 'rb').read()
-    return out
 
 
 def family(task_id):

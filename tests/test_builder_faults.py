@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from conftest import assert_user_error, run
+from conftest import assert_user_error, run, tree
 from disks import small_disk
 
 SYNTHETIC = ['--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3']
@@ -22,15 +22,6 @@ def limited(limit, script, *args):
             f"sys.argv = [{script!r}] + sys.argv[1:]; runpy.run_path({script!r}, run_name='__main__')")
     return run(['-c', code] + [str(a) for a in args], check=False)
 
-
-def tree(root):
-    """Every file under root: relative path -> bytes."""
-    out = {}
-    for folder, _, names in os.walk(root):
-        for n in names:
-            path = os.path.join(folder, n)
-            out[os.path.relpath(path, root)] = open(path, 'rb').read()
-    return out
 
 
 def test_a_failed_synthetic_rebuild_keeps_every_file_of_the_previous_dataset(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import FAST, ROOT, TOY_ARGS, assert_user_error, eval_lines, run, train
+from conftest import FAST, ROOT, TOY_ARGS, assert_user_error, eval_lines, run, train, tree
 from data import load_metadata, write_split
 from device import choose_dtype
 
@@ -259,15 +259,6 @@ def test_a_checkpoint_of_an_earlier_trainer_without_newer_keys_is_published(tabl
     arch = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))['arch']
     assert arch['loss']['loss_type'] == 'stablemax_cross_entropy' and 'rope_theta' not in arch
 
-
-def tree(root):
-    """Every file under root: relative path -> bytes."""
-    out = {}
-    for folder, _, names in os.walk(root):
-        for n in names:
-            path = os.path.join(folder, n)
-            out[os.path.relpath(path, root)] = open(path, 'rb').read()
-    return out
 
 
 def test_a_folder_holding_another_run_s_steps_is_refused_and_left_as_it_was(table_run, tmp_path):
