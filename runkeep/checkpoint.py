@@ -132,7 +132,8 @@ def identifier_mismatch(found, path, data_path, meta, say=True):
     saved before that, one trained on a dataset without a readable identifiers.json, and a reference state
     dict can only be checked by their table's row count, which is said once (say=True). A checkpoint that
     records the names, against a dataset whose identifiers.json is missing or unreadable, is refused (SystemExit):
-    the count alone cannot tell a dataset rebuilt with another seed."""
+    the count alone cannot tell a dataset rebuilt with another seed. A model without a puzzle embedding
+    (puzzle_emb_ndim 0) is checked by the count alone: its table's rows stand for nothing."""
     ours, now = found.get('identifiers'), identifiers_of(data_path, meta)
     rows = table_rows(found['weights'])
     saved = ours['count'] if isinstance(ours, dict) else rows
@@ -141,6 +142,8 @@ def identifier_mismatch(found, path, data_path, meta, say=True):
     if saved != now['count']:
         return (f"{path} holds a puzzle-embedding table of {saved} identifiers; the dataset {data_path} has "
                 f"{now['count']}")
+    if (found.get('config') or {}).get('puzzle_emb_ndim', 1) == 0:
+        return ''  # no puzzle embedding: its table's rows stand for nothing, whatever the names
     recorded = isinstance(ours, dict) and ours.get('sha256')
     if recorded and not now['sha256']:
         raise SystemExit(f"{path} records which puzzles its puzzle-embedding rows stand for, but "

@@ -129,11 +129,11 @@ def test_a_views_answer_is_the_transformed_puzzle_solved_and_mapped_back(sudoku4
 
 def test_one_view_is_solve_as_before(sudoku4):
     def text(p):
-        return re.sub(r'\d+\.\d+ s\b', 'T s', '\n'.join(l for l in p.stdout.splitlines() if l != 'config: views = 1'))
+        return re.sub(r'\d+\.\d+ s\b', 'T s', '\n'.join(l for l in p.stdout.splitlines() if l != 'config: eval_views = 1'))
     args = [f'--init_from={sudoku4.ckpt}', f'--file={sudoku4.file}', '--eval_batch_size=8']
     before, now = solve(*args), solve(*args, '--eval_views=1')
     assert text(before) == text(now) and '20 puzzles in batches of 8' in now.stdout
-    assert not re.search(r'\bviews\b|answer A:', now.stdout.replace('config: views = 1', ''))
+    assert not re.search(r'\bviews\b|answer A:', now.stdout.replace('config: eval_views = 1', ''))
 
 
 def test_refusals(sudoku4, tmp_path):
