@@ -18,8 +18,8 @@ import copy
 import os
 import time
 
+import runkeep  # the shell's front (Run, launch, start_worker, resolve_init_from): what keeps the run alive
 from configurator import config_problems, import_torch  # (torch-free: the config is checked before torch)
-from runkeep.hub import resolve_init_from  # (torch-free)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 
@@ -119,7 +119,7 @@ def config_errors(config):
 config = {k: globals()[k] for k in config_keys}
 if bad := config_errors(config):
     raise SystemExit("config error: " + '; '.join(bad))
-config.update(resolve_init_from(dict(config, _set_by=_set_by)))  # hf:// fetched; all_config.yaml's model keys
+config.update(runkeep.resolve_init_from(dict(config, _set_by=_set_by)))  # hf:// fetched; all_config.yaml's keys
 if bad := config_errors(config):  # what the published run's keys make of the rest
     raise SystemExit("config error: " + '; '.join(bad))
 globals().update(config)
@@ -127,7 +127,6 @@ globals().update(config)
 
 torch = import_torch()  # after the config: --help and config errors answer at once
 
-import runkeep  # noqa: E402  (the shell's front: Run, launch, start_worker)
 from arc import ARCVotes  # noqa: E402
 from data import EvalLoader, TrainLoader  # noqa: E402
 from device import Device, Prefetcher, Profiler, choose_dtype, resolve_device, resolve_loss_dtype  # noqa: E402
