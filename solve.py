@@ -719,7 +719,7 @@ def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
     inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
     print(f"\ndevice {dev.type} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
           f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
-          f"confidence sigmoid(q_halt) there | batches of {min(batch_size, len(rows))}")
+          f"confidence sigmoid(q_halt) there | batches of {min(eval_batch_size, len(rows))}")
     answers, conf, t0 = [], [], time.perf_counter()
     for b0 in range(0, len(rows), eval_batch_size):
         preds, qs, _ = reason(model, dev, inputs[b0:b0 + eval_batch_size], ids[b0:b0 + eval_batch_size], n_steps,
