@@ -11,7 +11,7 @@ repository root): that file is applied first, so each file holds only what it ch
 '_' are not keys. `read_config_block(path)` gives another script's keys (bench.py takes train.py's), and
 `config_files(path)` what a config file sets (study.py reads the experiments with it). The script learns
 which keys were set, and where, in `_set_by` ({key: the config file or '--key=value'}): a value that only
-happens to equal the default was still chosen (published.py refuses a chosen model key that contradicts a
+happens to equal the default was still chosen (runkeep/hub.py refuses a chosen model key that contradicts a
 published checkpoint's config, and takes the others from it).
 """
 import ast

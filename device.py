@@ -1,6 +1,6 @@
 """
 Everything that depends on the device: which one to use, ranks and collectives (torchrun on GPUs or CPU
-processes, torch_xla on TPUs, or TorchTPU on TPUs: the device type 'tpu', whose calls live in torchtpu.py), the
+processes, torch_xla on TPUs, or TorchTPU on TPUs: the device type 'tpu', whose calls live in backends/torchtpu.py), the
 number format the hardware runs fast, batch transfer, RNG state, and what bench.py measures (waiting for the
 device, peak memory, XLA compilations and CPU fallbacks). train.py, bench.py and solve.py share it, so the
 training step itself has no device-specific line.

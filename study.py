@@ -27,8 +27,8 @@ trains every point K times; --eval_only=True evaluates finished runs again in k 
 steps. The report (--report=True, and at the end of every study): report.md, report.csv, power-law fits
 per family and PNGs.
 
-The files: study_plan.py (experiment files, scales, datasets, costs, run state, saved evaluations),
-study_report.py (tables, fits, plots; its FAMILY_PANELS says which plot draws a family) and this script
+The files: studies/plan.py (experiment files, scales, datasets, costs, run state, saved evaluations),
+studies/report.py (tables, fits, plots; its FAMILY_PANELS says which plot draws a family) and this script
 (the keys below, hosts and slots, the train.py processes, the re-evaluations).
 The design, each scale's flags, the cost model, slots and pods, seeds, views and the report: docs/studies.md
 """
@@ -158,7 +158,7 @@ if pod:
                why=f"ASSUMED, not measured: {pod} = {chips} chips x {TPU_PEAK[m[1]] / 1e12:g} TFLOP/s bf16 peak x "
                    f"{assume_mfu:g} MFU = {chips * TPU_PEAK[m[1]] * assume_mfu / 1e15:.3g} PFLOP/s, perfect "
                    "scaling over the chips")
-# all that study_plan.py and study_report.py see of these keys (they read no global of this script)
+# all that studies/plan.py and studies/report.py see of these keys (they read no global of this script)
 OPTS = Options(scale=scale, root=ROOT, local_root=LOCAL_ROOT, data_root=data_root, config_dir=config_dir,
                extra=EXTRA, extra_args=EXTRA_ARGS, nproc=nproc, seeds=seeds)
 
@@ -836,7 +836,7 @@ def run_evals(exps):
 # -----------------------------------------------------------------------------
 
 def write_report(exps):
-    """The report (study_report.make_report); one that cannot be written (a full disk, a file-size limit) is
+    """The report (studies.report.make_report); one that cannot be written (a full disk, a file-size limit) is
     a line, not a traceback: each run's own files hold its results. Whether it was written."""
     folder = report_dir or LOCAL_ROOT
     try:

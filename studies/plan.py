@@ -1,7 +1,7 @@
 """
 A study's plan: the experiment files and what each run is at a scale (its flags, command, dataset), what it
 costs before it runs, where it stands (finished, started, nothing) and the evaluations it saved. study.py
-runs the plan and study_report.py compares the results; both pass the CLI's values in one Options.
+runs the plan and studies/report.py compares the results; both pass the CLI's values in one Options.
 """
 import fnmatch
 import json

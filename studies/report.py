@@ -1,7 +1,7 @@
 """
 A study's report: the runs' results.json and saved evaluations collected into report.md, report.csv,
 report_views.csv, power-law fits per family and PNG plots. Reads only what the runs left in their folders
-(study_plan.py says where), so a report can be made again at any time.
+(studies/plan.py says where), so a report can be made again at any time.
 """
 import csv
 import json

@@ -188,6 +188,13 @@ def test_every_relative_link_in_the_docs_resolves():
     assert not unlinked, unlinked  # a picture that no page shows
 
 
+def test_the_docs_are_guides_and_the_log_is_the_notebook():
+    """Each guide answers its question and points to its evidence in docs/log.md; the dated figures grow the log."""
+    size = {page: len(open(os.path.join(ROOT, page)).read()) for page in DOCS if page != 'docs/log.md'}
+    assert [p for p, n in size.items() if n > 25000] == [], size
+    assert sum(size.values()) < 160000, sum(size.values())
+
+
 def test_the_readme_is_a_front_door():
     readme = open(os.path.join(ROOT, 'README.md')).read()
     assert len(readme) <= 15000, len(readme)

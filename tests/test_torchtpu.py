@@ -2,7 +2,7 @@
 TorchTPU beside torch_xla: --device=tpu is chosen only by name and refused in one line where TorchTPU or a chip
 is missing; its code (launch, ranks, collectives, the compiled step, a checkpoint and its resume) runs here as
 two CPU processes with gloo (TorchTPU.on_cpu, through tests/tpu_kind_driver.py) and gives the cpu kind's
-losses; every TorchTPU call stays in torchtpu.py.
+losses; every TorchTPU call stays in backends/torchtpu.py.
     python -m pytest -q tests/test_torchtpu.py
 """
 import ast
