@@ -135,7 +135,9 @@ def cpu_bf16_capped():
     """The variable that holds torch below bfloat16 instructions, as 'NAME=value' ('' where none does):
     ATEN_CPU_CAPABILITY=avx2 or default (torch's own kernels: the norms, the elementwise ops) or
     ONEDNN_MAX_CPU_ISA below oneDNN's bf16 sets (the matmuls). So a machine with native bf16 chooses what an
-    AVX2 machine chooses: `ATEN_CPU_CAPABILITY=avx2 python -m pytest ...`."""
+    AVX2 machine chooses: `ONEDNN_MAX_CPU_ISA=AVX2 python -m pytest ...` (ATEN_CPU_CAPABILITY=avx2 would do for
+    the trainer, but torch.compile's CPU kernels under it are built for AVX2 with the whole machine's
+    instructions enabled, and some come out wrong)."""
     for name, levels in (('ATEN_CPU_CAPABILITY', ATEN_WITHOUT_BF16), ('ONEDNN_MAX_CPU_ISA', ONEDNN_WITHOUT_BF16),
                          ('DNNL_MAX_CPU_ISA', ONEDNN_WITHOUT_BF16)):
         if os.environ.get(name, '').upper() in levels:

@@ -241,8 +241,9 @@ def test_train_says_which_format_it_chose_on_this_cpu(toy, tmp_path):
     assert f'forward dtype auto: {want} (CPU with' in first, first
 
 
-def test_torch_held_to_avx2_chooses_float32_as_an_avx2_machine_does_and_says_why(toy, tmp_path):
+@pytest.mark.parametrize('name,value', [('ONEDNN_MAX_CPU_ISA', 'AVX2'), ('ATEN_CPU_CAPABILITY', 'avx2')])
+def test_torch_held_to_avx2_chooses_float32_as_an_avx2_machine_does_and_says_why(toy, tmp_path, name, value):
     # on any machine: how a machine with native bf16 runs the suite as a newcomer's AVX2 machine does (README)
-    p = run(one_step(toy, tmp_path), env=dict(ATEN_CPU_CAPABILITY='avx2'))
+    p = run(one_step(toy, tmp_path), env={name: value})
     first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
-    assert 'forward dtype auto: float32 (CPU without native bf16 under ATEN_CPU_CAPABILITY=avx2)' in first, first
+    assert f'forward dtype auto: float32 (CPU without native bf16 under {name}={value})' in first, first
