@@ -317,6 +317,11 @@ TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/
              preflight_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 
 
+def fail(message):
+    """A user error: one line (its whitespace folded), no traceback."""
+    raise SystemExit(' '.join(str(message).split()))
+
+
 def config_problems(cfg):
     """The values of cfg (any of train.py's keys) that break a rule, each as 'key=value (allowed: ...)', then
     the keys of the model's shape that contradict each other (checked only where each of them is allowed)."""

@@ -88,7 +88,7 @@ if bad:
 # -----------------------------------------------------------------------------
 
 import numpy as np  # noqa: E402
-from configurator import import_torch  # noqa: E402
+from configurator import fail, import_torch  # noqa: E402
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
@@ -113,11 +113,6 @@ def cpu_threads():
     except OSError:
         busy = 0.0
     return max(1, min(torch.get_num_threads(), cores - int(busy + 0.5)))
-
-
-def fail(message):
-    """A user error: one line, no traceback."""
-    raise SystemExit(' '.join(str(message).split()))
 
 
 def short(e, limit=200):

@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 
+from configurator import fail
 from model import MODEL_KEYS
 from puzzles import plural
 
@@ -36,11 +37,6 @@ RECIPE = ('lr', 'lr_min_ratio', 'lr_warmup_steps', 'beta1', 'beta2', 'weight_dec
           'puzzle_emb_weight_decay', 'ema', 'ema_rate', 'grad_clip', 'global_batch_size', 'seed', 'compile')
 STOPPED = []  # the stop signals (their names) that reached solve.py while it adapted
 CHILD = []  # the step's process while it runs: where a stop signal goes
-
-
-def fail(message):
-    """A user error: one line, no traceback."""
-    raise SystemExit(' '.join(str(message).split()))
 
 
 def _libc():

@@ -21,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from configurator import fail
 from model import TRMConfig, from_reference_state_dict, swiglu_inter
 from puzzles import puzzle_for, seq_len_for_vocab
 
@@ -524,17 +525,11 @@ def fill_absent_table(sd, model):
 # solve.py's checkpoint: ours ({'model', 'ema', 'config', ...}) or a reference state dict, and what its weights'
 # shapes say where the model keys or the dataset do not fit them
 
-def fail(message):
-    """A user error: one line, no traceback."""
-    raise SystemExit(' '.join(str(message).split()))
-
-
 def numpy_scalar_types():
     """The numpy types that checkpoints of earlier train.py versions hold in their results (numpy scalars)."""
     core = getattr(np, '_core', None) or np.core
-    return [core.multiarray.scalar,
-            np.dtype] + [type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32',
-                                                                               'int64', 'uint8', 'bool')]
+    return [core.multiarray.scalar, np.dtype] + [
+        type(np.dtype(t)) for t in ('float16', 'float32', 'float64', 'int32', 'int64', 'uint8', 'bool')]
 
 
 def read_checkpoint(path):
@@ -606,8 +601,8 @@ def meta_from_weights(sd, cfg):
         return None
     if 'total_len' in s:
         prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
-        seq_len = s['total_len'] - (prefix if cfg.get('puzzle_emb_ndim',
-                                                      TRMConfig.puzzle_emb_ndim) > 0 else 0)
+        has_prefix = cfg.get('puzzle_emb_ndim', TRMConfig.puzzle_emb_ndim) > 0
+        seq_len = s['total_len'] - (prefix if has_prefix else 0)
     elif seq_len_for_vocab(V):
         seq_len = seq_len_for_vocab(V)
     else:
@@ -626,16 +621,14 @@ def mismatch_message(sd, model, cfg, given, where, ours):
     parts = []
     for what, keys in (('missing', missing), ('unexpected', unexpected), ('of another shape', reshaped)):
         if keys:
-            parts.append(f"{len(keys)} {what} (e.g. {keys[0]}"
-                         + (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here"
-                            if what ==
-                            'of another shape' else '') + ")")
+            shapes = (f": {list(sd[keys[0]].shape)} in the file, {list(want[keys[0]].shape)} here"
+                      if what == 'of another shape' else '')
+            parts.append(f"{len(keys)} {what} (e.g. {keys[0]}{shapes})")
     found, mine = shapes_in(sd), dict(vars(cfg), total_len=cfg.total_len)
     differ = [k for k in found if k in mine and found[k] != mine[k]]
-    if 'expansion' not in differ and 'hidden_size' in found and \
-            'net.layers.0.mlp.down_proj.weight' in sd and \
-            sd['net.layers.0.mlp.down_proj.weight'].shape[1] != \
-            swiglu_inter(found['hidden_size'], cfg.expansion):
+    down = sd.get('net.layers.0.mlp.down_proj.weight')
+    if 'expansion' not in differ and 'hidden_size' in found and down is not None and \
+            down.shape[1] != swiglu_inter(found['hidden_size'], cfg.expansion):
         differ.append('expansion')
     data_keys = {'vocab_size', 'num_puzzle_identifiers', 'total_len'}
     names = {'total_len': 'positions (seq_len + puzzle_emb_len)'}

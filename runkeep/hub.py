@@ -23,7 +23,7 @@ import sys
 import time
 import urllib.parse
 
-from configurator import config_problems
+from configurator import config_problems, fail
 
 ARCH = 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
 LOSS = 'losses@ACTLossHead'
@@ -40,11 +40,6 @@ ARCH_FIELDS = dict(hidden_size=(int, None), num_heads=(int, None), expansion=(fl
 MAY_DIFFER = ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')
 HUB_RE = re.compile(r'hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>[^@]+)$')
 COMMIT_RE = re.compile(r'[0-9a-f]{40}')
-
-
-def fail(message):
-    """A user error: one line, no traceback."""
-    raise SystemExit(' '.join(str(message).split()))
 
 
 # -----------------------------------------------------------------------------
