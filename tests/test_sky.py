@@ -385,8 +385,10 @@ def notice(node, *nodes):
 
 
 def final_lines(text, run):
-    """A finished run's final evaluation and what follows it, up to job.sh's verdict, its name made RUN."""
-    return text[text.rindex('\neval on'):text.rindex('\njob: finished')].replace(run, 'RUN')
+    """A finished run's final evaluation and what follows it, up to job.sh's verdict, its name made RUN and the
+    seconds a save took made T (the clock's, not the run's: any machine may take 0.1 s where another took 0.0 s)."""
+    lines = text[text.rindex('\neval on'):text.rindex('\njob: finished')].replace(run, 'RUN')
+    return re.sub(r'(MB in )\d+\.\d s\)', r'\1T s)', lines)
 
 
 # 60 generated 4x4 Sudokus and a tiny model: 120 steps of batch 50, a checkpoint every 20
