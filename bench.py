@@ -64,7 +64,7 @@ seq_align = 8                   # mlp_t pads its matmuls' sequence axis to a mul
 steps = 20                      # timed train steps (0: none; with checkpoint_dir, only the checkpoint's)
 warmup_steps = 3                # untimed steps, the first timed alone: compile, autotune, allocator (XLA: 2+)
 eval_batches = 3                # timed eval batches (model.predict, eval_steps or halt_max_steps); 0 skips
-compile_mode = 'default'        # torch.compile mode (CUDA); 'max-autotune-no-cudagraphs' compiles for minutes
+compile_mode = 'default'        # torch.compile mode (CUDA): 'default' | 'max-autotune-no-cudagraphs' (minutes)
 profile_dir = 'out/profile'     # where profile_steps='START:END' puts a trace of END-START more steps
 host_flush_mb = 0               # XLA on the CPU: read this many MiB after each execution before host time is taken
                                 # again, so every depth's host work starts from cold caches (there the device's
@@ -110,6 +110,10 @@ if seq_len < 0 or vocab_size < 0 or seq_align < 1:
 if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
     raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
                      f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
+if compile_mode not in ('default', 'max-autotune-no-cudagraphs'):
+    raise SystemExit(f"config error: compile_mode={compile_mode!r} (allowed: 'default' | "
+                     f"'max-autotune-no-cudagraphs'; the modes with CUDA graphs overwrite the carry one step returns "
+                     f"before the next step reads it)")
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)
 loss_dtype = resolve_loss_dtype(loss_dtype, device_type)

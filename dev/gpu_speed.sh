@@ -14,8 +14,8 @@
 #   ref_maze  the reference's step and evaluation, Maze attention batch 192
 #   sudoku_all  (only where STAGES names it) the Sudoku A/B with every fused kernel: off then triton, no profile
 #             (into knobs.txt, not the table)
-#   cudagraphs, autotune  (KNOBS=1 only) the Sudoku step with kernels=auto under compile_mode reduce-overhead (CUDA
-#             graphs) and max-autotune-no-cudagraphs (inductor's autotuning: minutes of compilation), to set beside
+#   autotune  (KNOBS=1 only) the Sudoku step with kernels=auto under compile_mode max-autotune-no-cudagraphs
+#             (inductor's autotuning: minutes of compilation), to set beside
 #             the sudoku stage's figures
 # Everything goes to $OUT (at most 8 files); the summary table is printed last. The reference needs pydantic,
 # installed from .gpu/whl into /tmp/site (no network) and put on its PYTHONPATH only.
@@ -26,7 +26,7 @@ OUT=${OUT:-/tmp/gpu_speed_out}
 BUDGET_S=${BUDGET_S:-480}
 DRY=${DRY:-0}
 STAGES=${STAGES:-check,sudoku,ref_mlp,train,ops,maze,ref_maze}
-[ "${KNOBS:-0}" = 1 ] && STAGES="$STAGES,cudagraphs,autotune"
+[ "${KNOBS:-0}" = 1 ] && STAGES="$STAGES,autotune"
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
 T0=$(date +%s)
@@ -81,9 +81,9 @@ fi
 
 # estimate (s) and cap (s) of each stage on a cold H100/H200 (compilation included)
 declare -A EST=([check]=90 [sudoku]=230 [sudoku_all]=220 [ref_mlp]=130 [train]=40 [ops]=80 [maze]=220 [ref_maze]=130
-                [cudagraphs]=150 [autotune]=400)
+                [autotune]=400)
 declare -A CAP=([check]=150 [sudoku]=330 [sudoku_all]=330 [ref_mlp]=200 [train]=90 [ops]=150 [maze]=330 [ref_maze]=200
-                [cudagraphs]=240 [autotune]=560)
+                [autotune]=560)
 declare -A TOOK RESULT
 
 run_stage() {  # name, output file, command...: under timeout, appended to the file, its time and status noted
@@ -131,12 +131,10 @@ for stage in ${STAGES//,/ }; do
                 $MAZE_ARGS ;;
         ref_mlp) ref_stage ref_mlp mlp 768 ;;
         ref_maze) ref_stage ref_maze maze 192 ;;
-        cudagraphs) run_stage cudagraphs "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=$AUTO \
-                --compile_mode=reduce-overhead $SUDOKU_ARGS ;;
         autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=$AUTO \
                 --compile_mode=max-autotune-no-cudagraphs $SUDOKU_ARGS ;;
         *) say "note: unknown stage '$stage' (allowed: check sudoku sudoku_all ref_mlp train ops maze ref_maze" \
-               "cudagraphs autotune)" ;;
+               "autotune)" ;;
     esac
 done
 

@@ -32,6 +32,16 @@ def test_bench_runs_on_cpu_with_a_train_config_and_a_dataset(toy):
     assert 'batch 8 x 8 tokens' in out  # the dataset's seq_len, not the synthetic default
 
 
+def test_bench_refuses_a_compile_mode_with_cuda_graphs_in_one_line():
+    # CUDA graphs replay into the same output buffers, and the carry one step returns is read by the next: refused
+    # before anything is built, on any device, with what would run
+    for mode in ('reduce-overhead', 'max-autotune', 'fast'):
+        p = run(['bench.py', '--device=cpu', f'--compile_mode={mode}'] + BENCH_TINY, check=False)
+        want = (f"config error: compile_mode={mode!r} (allowed: 'default' | 'max-autotune-no-cudagraphs'; the modes "
+                "with CUDA graphs overwrite the carry one step returns before the next step reads it)")
+        assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
+
+
 def test_bench_on_xla_stops_compiling():
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True']
                        + BENCH_TINY, env=XLA_ENV)
