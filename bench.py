@@ -110,10 +110,10 @@ if seq_len < 0 or vocab_size < 0 or seq_align < 1:
 if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
     raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
                      f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
-if compile_mode not in ('default', 'max-autotune-no-cudagraphs'):
-    raise SystemExit(f"config error: compile_mode={compile_mode!r} (allowed: 'default' | "
-                     f"'max-autotune-no-cudagraphs'; the modes with CUDA graphs overwrite the carry one step returns "
-                     f"before the next step reads it)")
+compile_modes = ('default', 'max-autotune-no-cudagraphs')
+if compile_mode not in compile_modes:
+    raise SystemExit(f"config error: compile_mode={compile_mode!r} (allowed: {' | '.join(map(repr, compile_modes))}; "
+                     f"the modes with CUDA graphs overwrite the carry one step returns before the next step reads it)")
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)
 loss_dtype = resolve_loss_dtype(loss_dtype, device_type)
