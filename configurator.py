@@ -299,6 +299,7 @@ _unit = (lambda v: 0 <= v < 1, 'in [0, 1)')
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
+KERNELS = ('auto', 'off', 'mlp_t', 'gated', 'triton')  # train.py's and bench.py's key kernels (device.choose_kernels)
 TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_every_epochs=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
@@ -312,7 +313,7 @@ TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/
              lr=_pos, lr_min_ratio=(lambda v: 0 <= v <= 1, 'in [0, 1]'), lr_warmup_steps=_nonneg,
              beta1=_unit, beta2=_unit, weight_decay=_nonneg, puzzle_emb_lr=_nonneg,
              puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
-             gradient_accumulation_steps=_pos, kernels=_one_of('auto', 'off', 'mlp_t', 'triton'),
+             gradient_accumulation_steps=_pos, kernels=_one_of(*KERNELS),
              device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
              preflight_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
 

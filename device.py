@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from configurator import import_torch
+from configurator import KERNELS as KERNEL_CHOICES, import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
@@ -185,16 +185,15 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
 # -----------------------------------------------------------------------------
 # the kernels: backends/kernels.py's fused Triton blocks only where they are known to pay
 
-KERNEL_CHOICES = ('auto', 'off', 'mlp_t', 'triton')
-
 
 def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
     """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
+    'gated' (that, and the channel SwiGLU in its GEMMs' epilogues, forward and backward; attention models too),
     'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that mixes the
     sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
     capability 9.x) in bfloat16 with triton installed, the one kernel measured faster than the compiled plain
     path there; off everywhere else (attention models, other GPUs, other dtypes), so CPU, XLA and TorchTPU runs
-    keep the plain path. A forced 'mlp_t' or 'triton' where it cannot run falls back to the plain path, `why`
+    keep the plain path. A forced value where it cannot run falls back to the plain path, `why`
     starting with 'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a forced value on the CPU, slowly:
     that is how the tests check the kernels."""
     if requested == 'off':
@@ -234,7 +233,7 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
 
 def use_kernels(requested, device_type, dtype, model):
     """choose_kernels for this device, forward dtype and model, applied to model's blocks: backends/kernels.py's fused
-    forward installed ('mlp_t', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain
+    forward installed ('mlp_t', 'gated', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain
     forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton that fails to
     import means the plain path, said in `why`."""
     choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))

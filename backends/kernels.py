@@ -2,8 +2,8 @@
 Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py's and bench.py's key kernels
 ('auto' picks 'mlp_t' or 'off' where device.choose_kernels says why). model.py keeps the plain path a reader
 sees; fuse_blocks(model, which) installs a fused forward as each Block's `fused` forward, which the Block then
-runs: which='triton' every kernel below (for experiments), which='mlp_t' only mlp_t's forward where no gradient
-is taken (the no-grad calls of the recursion, evaluation), everything else on the plain path.
+runs: which='mlp_t' only mlp_t's forward where no gradient is taken (the no-grad calls of the recursion,
+evaluation), 'gated' that and the channel SwiGLU's GEMMs, 'triton' every kernel below (for experiments).
 
 What is fused, and why. The kernels keep on chip the tensors the plain path writes to memory and reads back:
   - mlp_t (the SwiGLU over the sequence axis, Sudoku's MLP-mixer): one kernel per batch row and tile of channels
@@ -12,17 +12,20 @@ What is fused, and why. The kernels keep on chip the tensors the plain path writ
     writes the block's [B, L, D] layout back: no transpose, no padding copy, no intermediate in memory. Its
     backward (the grad calls of the recursion) is one kernel for the input's gradient, which recomputes gate and
     up and writes what the weight gradients need, then two matrix products (cuBLAS) for those.
-  - the channel SwiGLU, forward only (the no-grad calls and evaluation): a GEMM whose epilogue computes
-    silu(gate) * up from gate and up tiles held by the same program, so [rows, 2 x inter] is never written; then
-    the down GEMM with the residual and the RMSNorm over D in its epilogue (a tile spans the whole width).
+  - the channel SwiGLU: a GEMM whose epilogue computes silu(gate) * up from gate and up tiles held by the same
+    program. Without grad, [rows, 2 x inter] is never written, and the down GEMM takes the residual and the
+    RMSNorm over D in its epilogue (a tile spans the whole width). Under grad the gated GEMM also writes gate and
+    up, and the backward's first GEMM, ds = dy Wd, turns ds into gate's and up's gradients in its epilogue: the
+    elementwise kernels around the GEMMs, and their reads and writes of [rows, inter]-sized tensors, are gone.
 Rounding: each product's result is rounded to the activation dtype where the plain path's cuBLAS output is
 (gate, up, the down product), so the fused path equals the plain one within that dtype's rounding.
 
-Each kernel is a torch.library custom op with a fake (shape) implementation, and mlp_t's its autograd formula, so
-torch.compile keeps them in its graphs as single calls and inductor fuses what surrounds them. With
+Each kernel is a torch.library custom op with a fake (shape) implementation, and mlp_t's and gated_mlp's their
+autograd formulas, so torch.compile keeps them in its graphs as single calls and inductor fuses what surrounds
+them. With
 TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors: that is how the tests check
 them on a machine without a GPU (in float32: the interpreter has no bfloat16).
-This file imports triton: import it only where kernels='triton' or 'mlp_t' was chosen (a CPU wheel of torch has
+This file imports triton: import it only where a kernels value other than 'off' was chosen (a CPU wheel of torch has
 no triton).
 """
 import os
@@ -35,10 +38,9 @@ from model import rms_norm
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 
-# tile sizes and warps of each kernel (dev/kernels_check.py may try others)
+# tile sizes and warps of the kernels that are no GEMM over rows (dev/kernels_check.py may try others)
 TILES = dict(mlp_t=dict(BD=128, BI=64, num_warps=8, num_stages=2),
              mlp_t_backward=dict(BD=64, BI=32, num_warps=8, num_stages=2),
-             swiglu=dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4),
              down_norm=dict(BM=64, BK=32, num_warps=16, num_stages=3))
 MAX_SEQ = 256    # mlp_t holds a tile's whole (padded) sequence: [BD, next power of 2 of L] in registers
 MAX_WIDTH = 512  # down_norm holds a row tile's whole width: [BM, next power of 2 of D]
@@ -209,51 +211,190 @@ def mlp_t_weights(block, dtype):
 
 
 # -----------------------------------------------------------------------------
-# the channel SwiGLU: s = silu(x Wg^T) * (x Wu^T) in one GEMM, then rms_D(residual + s Wd^T) in another
+# the channel SwiGLU: s = silu(x Wg^T) * (x Wu^T) in one GEMM (gated), then rms_D(residual + s Wd^T) in another
+# (down_norm) where no gradient is taken; under grad, gated_mlp: the gated GEMM keeps gate and up for the
+# backward, whose GEMM ds = dy Wd computes the gated gradient in its epilogue (dgated), so neither [rows, inter]
+# nor [rows, 2 x inter] is written only to be read back by an elementwise kernel
+
+# The GEMMs' tiles on a GPU: Triton's autotuner times each candidate once per shape and keeps the fastest (the
+# interpreter takes the first; dev/kernels_check.py's build compiles each).
+GATED_CONFIGS = [dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+                 dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4),
+                 dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)]
+DGATED_CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
+                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4),
+                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
+                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4)]
+GROUP_M = tl.constexpr(8)  # row tiles consecutive programs share, so a weight tile is reused from L2
+
 
 @triton.jit
-def _swiglu_forward(x_ptr, w_ptr, s_ptr, M, I, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, PREC: tl.constexpr):
-    io = s_ptr.dtype.element_ty
+def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """This program's row and column offsets: programs walk GROUP_M row tiles down a column of tiles before the
+    next column, so the weight tiles they read stay in L2."""
     pid = tl.program_id(0)
-    n_tiles = tl.cdiv(I, BN)
-    m = (pid // n_tiles).to(tl.int64) * BM + tl.arange(0, BM)  # consecutive programs share a row tile
-    n = (pid % n_tiles) * BN + tl.arange(0, BN)
+    n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    first = pid // (GROUP_M * n_n) * GROUP_M
+    rows = tl.minimum(n_m - first, GROUP_M)
+    pm = first + (pid % (GROUP_M * n_n)) % rows
+    pn = (pid % (GROUP_M * n_n)) // rows
+    return pm.to(tl.int64) * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN)
+
+
+@triton.jit
+def _rows_by_k(ptr, m, k, M, K: tl.constexpr, BK: tl.constexpr):
+    """The [BM, BK] tile ptr[m, k] of a row-major [M, K] matrix, zero past M (and past K where BK does not
+    divide it)."""
+    if K % BK == 0:
+        return tl.load(ptr + m[:, None] * K + k[None, :], mask=m[:, None] < M, other=0.0)
+    return tl.load(ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k < K)[None, :], other=0.0)
+
+
+@triton.jit
+def _gated_forward(x_ptr, w_ptr, s_ptr, gu_ptr, M, I, K: tl.constexpr, KEEP: tl.constexpr, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """s [M, I] = silu(g) * u with g, u = x [M, K] times the gate and up rows of w [2I, K]; KEEP: also write
+    gu [M, 2I] = [g, u], which the backward reads (the plain path's gate_up output, the same bits). BN divides
+    I (fusable checks it), so only rows and K need masks."""
+    io = s_ptr.dtype.element_ty
+    m, n = _tile(M, I, BM, BN)
     k = tl.arange(0, BK)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
-        a = tl.load(x_ptr + m[:, None] * K + (k0 + k)[None, :], mask=(m[:, None] < M) & (k0 + k < K)[None, :],
-                    other=0.0)
-        # gate rows n of w and the matching up rows, I further, both read transposed: [k, n] = w[n, k]
-        w_mask = (k0 + k < K)[:, None] & (n < I)[None, :]
-        wg = tl.load(w_ptr + n[None, :] * K + (k0 + k)[:, None], mask=w_mask, other=0.0)
-        wu = tl.load(w_ptr + (I + n)[None, :] * K + (k0 + k)[:, None], mask=w_mask, other=0.0)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PREC)
-    g = acc_g.to(io).to(tl.float32)
-    u = acc_u.to(io).to(tl.float32)
-    tl.store(s_ptr + m[:, None] * I + n[None, :], (g * tl.sigmoid(g) * u).to(io),
-             mask=(m[:, None] < M) & (n < I)[None, :])
+        a = _rows_by_k(x_ptr, m, k0 + k, M, K, BK)
+        # gate rows n of w and the matching up rows, I further, as [BN, BK] tiles multiplied transposed
+        wg = _rows_by_k(w_ptr, n, k0 + k, I, K, BK)
+        wu = _rows_by_k(w_ptr + I * K, n, k0 + k, I, K, BK)
+        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
+        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
+    rows = m[:, None] < M
+    g, u = acc_g.to(io), acc_u.to(io)
+    if KEEP:
+        tl.store(gu_ptr + m[:, None] * (2 * I) + n[None, :], g, mask=rows)
+        tl.store(gu_ptr + m[:, None] * (2 * I) + (I + n)[None, :], u, mask=rows)
+    g = g.to(tl.float32)
+    tl.store(s_ptr + m[:, None] * I + n[None, :], (g * tl.sigmoid(g) * u.to(tl.float32)).to(io), mask=rows)
+
+
+@triton.jit
+def _dgated_backward(dy_ptr, wd_ptr, gu_ptr, dgu_ptr, M, I, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, PREC: tl.constexpr):
+    """dgu [M, 2I] = [dg, du], the gradients of gate and up, from ds = dy [M, K] times wd [K, I] (the down
+    weight, as stored) and gu [M, 2I]: ds is rounded as the plain path's product is, then
+    du = ds * silu(g), dg = ds * u * silu'(g) in float32, silu'(g) = sig + silu(g) * (1 - sig)."""
+    io = dgu_ptr.dtype.element_ty
+    m, n = _tile(M, I, BM, BN)
+    k = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        a = _rows_by_k(dy_ptr, m, k0 + k, M, K, BK)
+        if K % BK == 0:
+            b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :])
+        else:
+            b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :], mask=(k0 + k < K)[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PREC)
+    rows = m[:, None] < M
+    at = m[:, None] * (2 * I) + n[None, :]  # gate's column n of row m in gu and dgu; up's is I further
+    ds = acc.to(io).to(tl.float32)
+    g = tl.load(gu_ptr + at, mask=rows, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(g)
+    silu = g * sig
+    tl.store(dgu_ptr + at + I, (ds * silu).to(io), mask=rows)
+    ds = ds * (sig + silu * (1.0 - sig))
+    u = tl.load(gu_ptr + at + I, mask=rows, other=0.0).to(tl.float32)
+    tl.store(dgu_ptr + at, (ds * u).to(io), mask=rows)
+
+
+def _tuned(kernel, configs, key):
+    return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ('num_warps', 'num_stages')},
+                                          num_warps=c['num_warps'], num_stages=c['num_stages']) for c in configs],
+                           key=key)(kernel)
+
+
+_gated_tuned = _tuned(_gated_forward, GATED_CONFIGS, ['M', 'I', 'K', 'KEEP'])
+_dgated_tuned = _tuned(_dgated_backward, DGATED_CONFIGS, ['M', 'I', 'K'])
+
+
+def _gemm(tuned, kernel, configs, M, N, *args, **constants):
+    """A GEMM launch over [M, N] tiles: autotuned on a GPU, the first config in the interpreter."""
+    if INTERPRET:
+        c = configs[0]
+        grid = (triton.cdiv(M, c['BM']) * triton.cdiv(N, c['BN']),)
+        kernel[grid](*args, **constants, BM=c['BM'], BN=c['BN'], BK=c['BK'])
+    else:
+        tuned[lambda meta: (triton.cdiv(M, meta['BM']) * triton.cdiv(N, meta['BN']),)](*args, **constants)
+
+
+def _gated(x, w, keep):
+    x, w = x.contiguous(), w.contiguous()
+    M, K = x.shape
+    I = w.shape[0] // 2
+    s = x.new_empty(M, I)
+    gu = x.new_empty(M, 2 * I) if keep else s  # unread without KEEP
+    _gemm(_gated_tuned, _gated_forward, GATED_CONFIGS, M, I, x, w, s, gu, M, I, K=K, KEEP=keep,
+          PREC=_precision(x.dtype))
+    return s, gu
 
 
 @torch.library.custom_op('trm::swiglu', mutates_args=())
 def swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """silu(x @ gate^T) * (x @ up^T) for x [M, K] and w [2I, K] = [gate; up]: [M, I]."""
-    x = x.contiguous()
-    M, K = x.shape
-    I = w.shape[0] // 2
-    t = TILES['swiglu']
-    BM, BN, BK = min(t['BM'], _pow2(M)), min(t['BN'], _pow2(I)), min(t['BK'], _pow2(K))
-    s = x.new_empty(M, I)
-    _launch(_swiglu_forward, (triton.cdiv(M, BM) * triton.cdiv(I, BN),), x, w.contiguous(), s, M, I, K,
-            BM=BM, BN=BN, BK=BK, PREC=_precision(x.dtype), num_warps=t['num_warps'], num_stages=t['num_stages'])
-    return s
+    return _gated(x, w, keep=False)[0]
 
 
 @swiglu.register_fake
 def _(x, w):
     return x.new_empty(x.shape[0], w.shape[0] // 2)
+
+
+@torch.library.custom_op('trm::gated_mlp', mutates_args=())
+def gated_mlp(x: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """The channel SwiGLU under grad, x [M, K], wgu [2I, K], wd [D, I]: (y = s @ wd^T [M, D], s [M, I],
+    gu [M, 2I]); s and gu are what the backward reads, not for the caller."""
+    s, gu = _gated(x, wgu, keep=True)
+    return s @ wd.t(), s, gu
+
+
+@gated_mlp.register_fake
+def _(x, wgu, wd):
+    I = wgu.shape[0] // 2
+    return x.new_empty(x.shape[0], wd.shape[0]), x.new_empty(x.shape[0], I), x.new_empty(x.shape[0], 2 * I)
+
+
+@torch.library.custom_op('trm::dgated', mutates_args=())
+def dgated(dy: torch.Tensor, wd: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
+    """[dg, du] [M, 2I] from the down product's gradient dy [M, D], wd [D, I] and gu [M, 2I] (gated_mlp's)."""
+    dy, wd = dy.contiguous(), wd.contiguous()
+    M, D = dy.shape
+    I = wd.shape[1]
+    dgu = torch.empty_like(gu)
+    _gemm(_dgated_tuned, _dgated_backward, DGATED_CONFIGS, M, I, dy, wd, gu.contiguous(), dgu, M, I, K=D,
+          PREC=_precision(dy.dtype))
+    return dgu
+
+
+@dgated.register_fake
+def _(dy, wd, gu):
+    return torch.empty_like(gu)
+
+
+def _gated_mlp_setup(ctx, inputs, output):
+    x, wgu, wd = inputs
+    _, s, gu = output
+    ctx.save_for_backward(x, wgu, wd, s, gu)
+
+
+def _gated_mlp_grad(ctx, dy, _ds, _dgu):
+    x, wgu, wd, s, gu = ctx.saved_tensors
+    dy = dy.contiguous()
+    dgu = dgated(dy, wd, gu)
+    return dgu @ wgu, dgu.t() @ x, dy.t() @ s  # the same three products as the plain path's backward
+
+
+gated_mlp.register_autograd(_gated_mlp_grad, setup_context=_gated_mlp_setup)
 
 
 @triton.jit
@@ -301,53 +442,64 @@ def _(s, w, residual, eps):
 # -----------------------------------------------------------------------------
 # the Block's fused forward
 
-def block_forward(block, h, rope, everything=True):
-    """Block.forward (model.py) with the fused kernels where they apply. everything=True: mlp_t always (its
-    autograd is the kernels'), the channel SwiGLU where no gradient is taken (the no-grad recursion,
-    evaluation); attention and the channel SwiGLU under grad stay the plain path's. everything=False: only
-    mlp_t's forward, and only where no gradient is taken; under grad the whole block is the plain path."""
-    fuse = everything or not torch.is_grad_enabled()
-    if hasattr(block, 'mlp_t') and fuse:
+def block_forward(block, h, rope, which='triton'):
+    """Block.forward (model.py) with `which`'s fused kernels:
+      'mlp_t'  mlp_t's forward where no gradient is taken; everything else plain (under grad, the plain path).
+      'gated'  that, and the channel SwiGLU fused: under grad gated_mlp (its GEMMs compute the SwiGLU and its
+               gradient in their epilogues), without grad swiglu then down_norm (the residual and the RMSNorm in
+               the down GEMM's epilogue, where a tile holds the width).
+      'triton' every kernel: 'gated' with mlp_t's forward and backward always fused.
+    Attention stays the plain path's."""
+    grad = torch.is_grad_enabled()
+    if hasattr(block, 'mlp_t') and (which == 'triton' or not grad):
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
     elif hasattr(block, 'mlp_t'):
         h = block.mix_sequence(h)
     else:
         h = rms_norm(h + block.self_attn(h, rope), block.eps)
-    if torch.is_grad_enabled() or not everything:
+    if which == 'mlp_t':
         return rms_norm(h + block.mlp(h), block.eps)
     B, L, D = h.shape
     x = h.reshape(B * L, D)
-    s = swiglu(x, block.mlp.gate_up_proj.weight.to(h.dtype))
-    return down_norm(s, block.mlp.down_proj.weight.to(h.dtype), x, block.eps).view(B, L, D)
+    w_gu, w_d = block.mlp.gate_up_proj.weight.to(h.dtype), block.mlp.down_proj.weight.to(h.dtype)
+    if grad:
+        return rms_norm(h + gated_mlp(x, w_gu, w_d)[0].view(B, L, D), block.eps)
+    s = swiglu(x, w_gu)
+    if D > MAX_WIDTH:
+        return rms_norm(h + (s @ w_d.t()).view(B, L, D), block.eps)
+    return down_norm(s, w_d, x, block.eps).view(B, L, D)
 
 
-def mlp_t_forward(block, h, rope):
-    """kernels='mlp_t': block_forward with only mlp_t's no-grad forward fused."""
-    return block_forward(block, h, rope, everything=False)
+FORWARDS = dict(mlp_t=lambda block, h, rope: block_forward(block, h, rope, 'mlp_t'),
+                gated=lambda block, h, rope: block_forward(block, h, rope, 'gated'),
+                triton=block_forward)
 
 
 def fusable(block, which='triton'):
-    """'' where `which`'s fused forward runs this block, else why not (no mlp_t to fuse, a shape past what a
-    tile holds)."""
+    """'' where `which`'s fused forward runs this block, else why not (no mlp_t to fuse, a sequence past what
+    mlp_t's tile holds, an inner width the gated GEMMs' column tiles do not divide)."""
     if which == 'mlp_t' and not hasattr(block, 'mlp_t'):
         return "the model mixes the sequence with attention, not mlp_t"
     if hasattr(block, 'mlp_t') and block.mlp_t.down_proj.weight.shape[0] > MAX_SEQ:
         return f"mlp_t over {block.mlp_t.down_proj.weight.shape[0]} positions (at most {MAX_SEQ})"
-    if which == 'triton' and block.mlp.down_proj.weight.shape[0] > MAX_WIDTH:
-        return f"hidden_size {block.mlp.down_proj.weight.shape[0]} (at most {MAX_WIDTH})"
+    inter = block.mlp.down_proj.weight.shape[1]
+    widest = max(c['BN'] for c in GATED_CONFIGS + DGATED_CONFIGS)
+    if which != 'mlp_t' and inter % widest:
+        return f"the channel SwiGLU's inner width {inter} is no multiple of {widest} (the gated GEMMs' tiles)"
     return ''
 
 
 def fuse_blocks(model, which='triton'):
-    """Each Block of model runs which's fused forward: 'triton' (every kernel), 'mlp_t' (mlp_t's no-grad
-    forward), 'off' (the plain forward again). Returns what was fused, or why nothing was."""
+    """Each Block of model runs which's fused forward ('mlp_t', 'gated', 'triton': block_forward) or, with
+    'off', the plain forward again. Returns what was fused, or why nothing was."""
     blocks = list(model.net.layers)
     why = fusable(blocks[0], which) if which != 'off' else 'off'
     for block in blocks:
-        block.fused = None if why else block_forward if which == 'triton' else mlp_t_forward
+        block.fused = None if why else FORWARDS[which]
     if why:
         return f"none fused: {why}"
-    if which == 'mlp_t':
-        return 'mlp_t forward (no-grad); the rest plain'
-    return ('mlp_t (forward and backward), channel SwiGLU (no-grad)' if hasattr(blocks[0], 'mlp_t')
-            else 'channel SwiGLU (no-grad); attention plain')
+    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', gated='mlp_t forward (no-grad)',
+                      triton='mlp_t (forward and backward)')[which] if hasattr(blocks[0], 'mlp_t') else \
+        'attention plain'
+    return mlp_t_part + ('; the rest plain' if which == 'mlp_t' else
+                         '; channel SwiGLU (gated GEMMs, forward and backward)')

@@ -2,19 +2,22 @@
 # The kernels' evidence on one CUDA GPU, in one call, from the repository root:
 #   bash dev/gpu_speed.sh                                  # every stage that fits in BUDGET_S seconds
 #   STAGES=maze,ref_maze BUDGET_S=400 bash dev/gpu_speed.sh   # chosen stages (sudoku_all: only so)
+#   AB=gated bash dev/gpu_speed.sh                         # the A/B stages time kernels=gated against off, not auto
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
 #   check     backends/kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
-#   sudoku    bench.py config/baseline.py, kernels off then auto (what a user gets: mlp_t on Hopper) in one run
-#             (--kernels_ab), and a profile of two compiled steps with auto's kernels (top kernels by GPU time)
+#   sudoku    bench.py config/baseline.py, kernels off then AB (auto: what a user gets, mlp_t on Hopper) in one
+#             run (--kernels_ab), and a profile of two compiled steps with AB's kernels (top kernels by GPU time)
 #   ref_mlp   the reference's step and evaluation, Sudoku MLP batch 768 (.gpu/ref_gpu_bench.py, .gpu/ref/models)
 #   train     a tiny training run's token accuracy with every kernel and with none (dev/kernels_check.py train)
-#   ops       each fused op's ms per call against the compiled plain path, with tile variants
-#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then auto (off for attention: no A/B)
+#   ops       each fused op's ms per call against the compiled plain path (the gated GEMMs: against cuBLAS's bare
+#             product too), with tile variants and the autotuner's picks
+#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then AB (auto is off for attention: no
+#             A/B; AB=gated times the gated GEMMs)
 #   ref_maze  the reference's step and evaluation, Maze attention batch 192
 #   sudoku_all  (only where STAGES names it) the Sudoku A/B with every fused kernel: off then triton, no profile
 #             (into knobs.txt, not the table)
-#   autotune  (KNOBS=1 only) the Sudoku step with kernels=auto under compile_mode max-autotune-no-cudagraphs
+#   autotune  (KNOBS=1 only) the Sudoku step with kernels=AB under compile_mode max-autotune-no-cudagraphs
 #             (inductor's autotuning: minutes of compilation), to set beside
 #             the sudoku stage's figures
 # Everything goes to $OUT (at most 8 files); the summary table is printed last. The reference needs pydantic,
@@ -26,6 +29,7 @@ OUT=${OUT:-/tmp/gpu_speed_out}
 BUDGET_S=${BUDGET_S:-480}
 DRY=${DRY:-0}
 STAGES=${STAGES:-check,sudoku,ref_mlp,train,ops,maze,ref_maze}
+AB=${AB:-auto}
 [ "${KNOBS:-0}" = 1 ] && STAGES="$STAGES,autotune"
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"
@@ -44,16 +48,17 @@ if [ "$DRY" = 1 ]; then
     SUDOKU_ARGS="$TINY"
     MAZE_ARGS="$TINY"
     PROFILE=""
-    AUTO=mlp_t  # what auto picks on a Hopper GPU; on a CPU auto is off, and the A/B would time nothing
+    # auto's pick on a Hopper GPU for the Sudoku A/B: on a CPU auto is off, and the A/B would time nothing
+    AB_SUDOKU=$([ "$AB" = auto ] && echo mlp_t || echo "$AB")
 else
     DRYFLAG=""
-    AUTO=auto
+    AB_SUDOKU=$AB
     SUDOKU_ARGS="--steps=10 --warmup_steps=2 --eval_batches=2"
     MAZE_ARGS="--global_batch_size=192 --steps=10 --warmup_steps=2 --eval_batches=2"
     PROFILE="--profile_steps=0:2 --profile_dir=/tmp/gpu_speed_profile"
 fi
 
-say "gpu_speed: $(date -u +%FT%TZ) | budget ${BUDGET_S} s | stages $STAGES | out $OUT | dry $DRY"
+say "gpu_speed: $(date -u +%FT%TZ) | budget ${BUDGET_S} s | stages $STAGES | A/B off vs $AB | out $OUT | dry $DRY"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 say "machine: ${GPU:-no GPU (nvidia-smi absent)} | $(nproc) CPUs"
 VERSIONS='import sys, torch
@@ -120,18 +125,18 @@ for stage in ${STAGES//,/ }; do
         sudoku)
             rm -rf /tmp/gpu_speed_profile
             run_stage sudoku "$OUT/bench_sudoku.txt" "$PY" bench.py config/baseline.py --kernels=off \
-                --kernels_ab=$AUTO $SUDOKU_ARGS $PROFILE
+                --kernels_ab="$AB_SUDOKU" $SUDOKU_ARGS $PROFILE
             if [ -n "$PROFILE" ] && [ -f /tmp/gpu_speed_profile/trace_0_2.json ]; then
                 "$PY" dev/kernels_check.py profile /tmp/gpu_speed_profile/trace_0_2.json "$OUT/profile_sudoku.txt" \
                     >/dev/null 2>&1 || say "note: the profile's summary failed"
             fi ;;
         sudoku_all) run_stage sudoku_all "$OUT/knobs.txt" "$PY" bench.py config/baseline.py \
                 --kernels=off --kernels_ab=triton $SUDOKU_ARGS ;;
-        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab=auto \
+        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab="$AB" \
                 $MAZE_ARGS ;;
         ref_mlp) ref_stage ref_mlp mlp 768 ;;
         ref_maze) ref_stage ref_maze maze 192 ;;
-        autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels=$AUTO \
+        autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels="$AB_SUDOKU" \
                 --compile_mode=max-autotune-no-cudagraphs $SUDOKU_ARGS ;;
         *) say "note: unknown stage '$stage' (allowed: check sudoku sudoku_all ref_mlp train ops maze ref_maze" \
                "autotune)" ;;

@@ -76,8 +76,6 @@ def block_checks(keys, B, dev, dtype):
         fused = block(h, rope)
         block.fused = None
     oks.append(compare('block forward (no grad)', fused, plain, exact))
-    if not hasattr(block, 'mlp_t'):
-        return oks
     g = torch.randn_like(exact)
 
     def grads(b, x, r, fused_forward):
@@ -86,19 +84,20 @@ def block_checks(keys, B, dev, dtype):
         x = x.clone().requires_grad_(True)
         (b(x, r).double() * g).sum().backward()
         b.fused = None
-        return [x.grad] + [p.grad for p in b.mlp_t.parameters()]
+        return [x.grad] + [p.grad for n, p in b.named_parameters() if n.startswith('mlp')]
     exact_g = grads(exact_block, h.double(), exact_rope, None)
     plain_g = grads(block, h, rope, None)
     fused_g = grads(block, h, rope, kernels.block_forward)
-    for name, f, p, e in zip(('d h', 'd mlp_t.gate_up', 'd mlp_t.down'), fused_g, plain_g, exact_g):
+    names = ['d h'] + [f'd {n}' for n, _ in block.named_parameters() if n.startswith('mlp')]
+    for name, f, p, e in zip(names, fused_g, plain_g, exact_g):
         oks.append(compare(f'block backward: {name}', f, p, e))
     return oks
 
 
 def step_checks(keys, B, dev, dtype):
     """A model's training step (forward_loss and its backward) with every kernel ('triton'), with kernels='mlp_t'
-    and with none, against the same step in float64: the loss and the blocks' gradients, and all gradients
-    together."""
+    and 'gated', and with none, against the same step in float64: the loss and the blocks' gradients, and all
+    gradients together."""
     import torch
     from backends import kernels
     from model import TRM, TRMConfig
@@ -125,6 +124,8 @@ def step_checks(keys, B, dev, dtype):
     fused = run(low)
     kernels.fuse_blocks(low, 'mlp_t')
     mlp_t_only = run(low)
+    kernels.fuse_blocks(low, 'gated')
+    gated = run(low)
     kernels.fuse_blocks(low, 'off')
     names = ['loss'] + [f"d {n}" for n, _ in low.named_parameters()]
     oks = [compare(n, f, p, e) for n, f, p, e in zip(names, fused, plain, exact) if '.mlp' in n or n == 'loss']
@@ -132,6 +133,8 @@ def step_checks(keys, B, dev, dtype):
     oks.append(compare('all gradients together', flat(fused), flat(plain), flat(exact)))
     oks.append(compare("kernels='mlp_t': loss", mlp_t_only[0], plain[0], exact[0]))
     oks.append(compare("kernels='mlp_t': all gradients", flat(mlp_t_only), flat(plain), flat(exact)))
+    oks.append(compare("kernels='gated': loss", gated[0], plain[0], exact[0]))
+    oks.append(compare("kernels='gated': all gradients", flat(gated), flat(plain), flat(exact)))
     return oks
 
 
@@ -213,15 +216,14 @@ VARIANTS = dict(mlp_t=[dict(BD=64, BI=32, num_warps=8, num_stages=3),
                        dict(BD=64, BI=64, num_warps=8, num_stages=2)],
                 mlp_t_backward=[dict(BD=64, BI=16, num_warps=8, num_stages=2),
                                 dict(BD=64, BI=32, num_warps=8, num_stages=3)],
-                swiglu=[dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
-                        dict(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)],
                 down_norm=[dict(BM=64, BK=32, num_warps=8, num_stages=3),
                            dict(BM=64, BK=64, num_warps=16, num_stages=2)])
 
 
 def ops():
-    """ms per call at the Sudoku block's real shapes: each fused op (its default tiles, then VARIANTS) against
-    the plain path compiled by inductor (torch.compile's default mode)."""
+    """ms per call at the Sudoku block's real shapes: each fused op (its default tiles, then VARIANTS; the GEMMs
+    autotuned, their pick printed) against the plain path compiled by inductor (torch.compile's default mode),
+    and each gated GEMM against cuBLAS's bare product of the same shape (the floor its epilogue adds to)."""
     import torch
     from backends import kernels
     from model import TRM, TRMConfig, rms_norm
@@ -236,41 +238,55 @@ def ops():
     plain_channel = compile_(lambda x: rms_norm(x + block.mlp(x), block.eps))
     x = h.reshape(-1, h.shape[-1])
     w_gu, w_d = block.mlp.gate_up_proj.weight.to(dtype), block.mlp.down_proj.weight.to(dtype)
+    fused_channel = compile_(lambda x: rms_norm(x + kernels.gated_mlp(x.reshape(-1, x.shape[-1]), w_gu, w_d)[0]
+                                                .view_as(x), block.eps))
+    s = kernels.swiglu(x, w_gu)
+    dy = torch.randn_like(x)
+    gu = kernels.gated_mlp(x, w_gu, w_d)[2]
     fused = dict(
         mlp_t=lambda: kernels.mlp_t(h, *kernels.mlp_t_weights(block, dtype), block.eps),
         mlp_t_backward=lambda: kernels.mlp_t(hg, *kernels.mlp_t_weights(block, dtype), block.eps)[0].backward(g),
         swiglu=lambda: kernels.swiglu(x, w_gu),
-        down_norm=lambda: kernels.down_norm(s, w_d, x, block.eps))
-    s = kernels.swiglu(x, w_gu)
+        down_norm=lambda: kernels.down_norm(s, w_d, x, block.eps),
+        dgated=lambda: kernels.dgated(dy, w_d, gu),
+        gated_mlp_backward=lambda: fused_channel(hg).backward(g))
     plain = dict(mlp_t=lambda: plain_mix(h), mlp_t_backward=lambda: plain_mix(hg).backward(g),
-                 swiglu=None, down_norm=lambda: plain_channel(h))
-    print(f"ms per call, batch {B} (plain: inductor-compiled; mlp_t_backward: forward and backward together; "
-          "the channel sublayer's plain figure, swiglu + down_norm, is beside down_norm):", flush=True)
+                 swiglu=lambda: x @ w_gu.t(), down_norm=lambda: plain_channel(h), dgated=lambda: dy @ w_d,
+                 gated_mlp_backward=lambda: plain_channel(hg).backward(g))
+    plain_is = dict(swiglu='cuBLAS', dgated='cuBLAS')
+    tuned = dict(swiglu=kernels._gated_tuned, dgated=kernels._dgated_tuned)
+    print(f"ms per call, batch {B} (plain: inductor-compiled; cuBLAS: the bare product of the GEMM's shape; "
+          "*_backward: forward and backward together; the channel sublayer's plain figure, swiglu + down_norm, "
+          "is beside down_norm):", flush=True)
     for op in fused:
-        with torch.no_grad() if op != 'mlp_t_backward' else torch.enable_grad():
-            base = dict(kernels.TILES[op])
+        with torch.no_grad() if not op.endswith('_backward') else torch.enable_grad():
+            base = dict(kernels.TILES.get(op, {}))
             rows = [(base, time_ms(fused[op]))]
-            for v in VARIANTS[op]:
+            for v in VARIANTS.get(op, []):
                 kernels.TILES[op] = v
                 try:
                     rows.append((v, time_ms(fused[op])))
                 except Exception as e:  # a variant that does not compile (shared memory, registers)
                     rows.append((v, f"{type(e).__name__}: {str(e)[:80]}"))
-            kernels.TILES[op] = base
-            ref = time_ms(plain[op]) if plain[op] else None
+            if base:
+                kernels.TILES[op] = base
+            ref = time_ms(plain[op])
+        if op in tuned:
+            best = getattr(tuned[op], 'best_config', None)
+            rows[0] = (f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}", rows[0][1])
         for i, (tiles, ms) in enumerate(rows):
-            print(f"  {op:15s} {'default' if i == 0 else 'variant':7s} {tiles} "
+            print(f"  {op:18s} {'default' if i == 0 else 'variant':7s} {tiles} "
                   + (f"{ms:.3f} ms" if isinstance(ms, float) else ms), flush=True)
-        if ref is not None:
-            print(f"  {op:15s} plain   {ref:.3f} ms", flush=True)
+        print(f"  {op:18s} {plain_is.get(op, 'plain'):7s} {ref:.3f} ms", flush=True)
     return 0
 
 
 def build_all(cap=90, variants=False):
     """Each kernel at the Sudoku model's shapes with its default tiles (and VARIANTS' with variants=True),
     compiled for a GPU of compute capability `cap` by Triton's own ptxas, no GPU needed:
-    {name: (shared memory bytes, registers per thread, stack bytes: register spills)}. A kernel that does not
-    build raises ptxas's error."""
+    {name: (shared memory bytes, registers per thread, stack bytes: register spills, whether its products run
+    on Hopper's asynchronous tensor-core instructions, wgmma)}. A kernel that does not build raises ptxas's
+    error."""
     import subprocess
     import tempfile
     import triton
@@ -285,15 +301,19 @@ def build_all(cap=90, variants=False):
         mlp_t_backward=(kernels._mlp_t_backward, dict(h_ptr=bf, out_ptr=bf, dout_ptr=bf, rstd_ptr=f32, wg_ptr=bf,
                                                       wd_ptr=bf, dh_ptr=bf, xr_ptr=bf, dy_ptr=bf, dgu_ptr=bf,
                                                       s_ptr=bf, L='i32', D='i32'), mlp_t),
-        swiglu=(kernels._swiglu_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, M='i32', I='i32'),
+        gated=(kernels._gated_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, gu_ptr=bf, M='i32', I='i32'),
+               lambda t: dict(K=512, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK'])),
+        dgated=(kernels._dgated_backward, dict(dy_ptr=bf, wd_ptr=bf, gu_ptr=bf, dgu_ptr=bf, M='i32', I='i32'),
                 lambda t: dict(K=512, BM=t['BM'], BN=t['BN'], BK=t['BK'])),
         down_norm=(kernels._down_norm_forward, dict(s_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, M='i32', D='i32',
                                                     eps='fp32'),
                    lambda t: dict(K=1536, BM=t['BM'], DP=512, BK=t['BK'])))
     tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
+    configs = dict(gated=kernels.GATED_CONFIGS, dgated=kernels.DGATED_CONFIGS)  # every config the autotuner tries
     out = {}
     for name, (fn, sig, constants) in specs.items():
-        for i, tiles in enumerate([kernels.TILES[name]] + (VARIANTS[name] if variants else [])):
+        tried = configs[name] if name in configs else [kernels.TILES[name]] + (VARIANTS[name] if variants else [])
+        for i, tiles in enumerate(tried):
             consts = dict(constants(tiles), PREC='tf32')
             # pointers and the integers a real call passes are 16-aligned (D 512, M 74,496, I 1536): the JIT's view
             attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n, t in sig.items()
@@ -307,17 +327,18 @@ def build_all(cap=90, variants=False):
                 usage = subprocess.run([tool, '-res-usage', f.name], capture_output=True, text=True).stdout
             key = name if i == 0 else f"{name} {tiles}"
             out[key] = (k.metadata.shared, int(re.search(r'REG:(\d+)', usage).group(1)),
-                        int(re.search(r'STACK:(\d+)', usage).group(1)))
+                        int(re.search(r'STACK:(\d+)', usage).group(1)), 'wgmma.mma_async' in k.asm['ptx'])
     return out
 
 
 def build(cap='90'):
-    for name, (smem, regs, stack) in build_all(int(cap), variants=True).items():
-        print(f"{name:80s} shared {smem // 1024:4d} KiB | {regs:3d} registers | {stack:4d} bytes spilled")
+    for name, (smem, regs, stack, wgmma) in build_all(int(cap), variants=True).items():
+        print(f"{name:80s} shared {smem // 1024:4d} KiB | {regs:3d} registers | {stack:4d} bytes spilled"
+              f"{' | wgmma' if wgmma else ''}")
     return 0
 
 
-OURS = ('_mlp_t_forward', '_mlp_t_backward', '_swiglu_forward', '_down_norm_forward')
+OURS = ('_mlp_t_forward', '_mlp_t_backward', '_gated_forward', '_dgated_backward', '_down_norm_forward')
 
 
 def kind_of(name):

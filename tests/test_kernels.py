@@ -28,8 +28,21 @@ from step import forward_loss
 
 rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
 out = {}
+# the gated GEMMs alone over more row tiles than a group of programs walks (9 x 128 + 5 rows): every tile of the
+# grid's order, the last group short
+torch.manual_seed(0)
+x, w_gu, w_d = torch.randn(1157, 64), torch.randn(512, 64) / 8, torch.randn(64, 256) / 16
+dy = torch.randn(1157, 64)
+ins = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
+gate, up = (ins[0] @ ins[1].t()).chunk(2, dim=-1)
+(torch.nn.functional.silu(gate) * up @ ins[2].t()).backward(dy)
+got = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
+kernels.gated_mlp(*got)[0].backward(dy)
+out['gated GEMMs over many row tiles: gradients'] = max(rel(a.grad, b.grad) for a, b in zip(got, ins))
+out['gated GEMMs over many row tiles: swiglu'] = rel(kernels.swiglu(x, w_gu), torch.nn.functional.silu(gate) * up)
 for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='rope'),
-                       mlp_t_partial_tile=dict(hidden_size=48, num_heads=2, seq_len=20)).items():
+                       mlp_t_partial_tile=dict(hidden_size=48, num_heads=2, seq_len=20),
+                       attention_whole_k_tiles=dict(hidden_size=64, mlp_t=False, pos_encodings='rope')).items():
     torch.manual_seed(0)
     cfg = dict(vocab_size=6, seq_len=11, num_puzzle_identifiers=3, hidden_size=32, num_heads=2, expansion=4.0,
                puzzle_emb_ndim=32, puzzle_emb_len=2, H_cycles=2, L_cycles=2, halt_max_steps=3,
@@ -38,9 +51,10 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
     model = TRM(TRMConfig(**cfg))
     block, rope = model.net.layers[0], model.rope()
     h = torch.randn(2, model.config.total_len, model.config.hidden_size)
-    modes = dict(triton=kernels.block_forward, mlp_t=kernels.mlp_t_forward) if name != 'attention' else \
-        dict(triton=kernels.block_forward)
-    with torch.no_grad():  # the no-grad forward: mlp_t fused, and with triton the channel SwiGLU too
+    modes = dict(kernels.FORWARDS)
+    if name.startswith('attention'):
+        del modes['mlp_t']
+    with torch.no_grad():  # the no-grad forward: mlp_t fused, and with gated and triton the channel SwiGLU too
         plain = block(h, rope)
         for which, forward in modes.items():
             block.fused = forward
@@ -57,7 +71,11 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
         return [y.detach(), x.grad] + [p.grad.clone() for p in block.parameters()]
     if 'mlp_t' in modes:  # under grad, kernels='mlp_t' is the plain path itself: the same bits
         out[f'{name} mlp_t block under grad equal'] = all(
-            torch.equal(a, b) for a, b in zip(block_grads(kernels.mlp_t_forward), block_grads(None)))
+            torch.equal(a, b) for a, b in zip(block_grads(modes['mlp_t']), block_grads(None)))
+    plain_grads = block_grads(None)
+    for which in ('gated', 'triton'):  # a block under grad with the gated GEMMs: output, input's and weights' grads
+        out[f'{name} {which} block under grad'] = max(rel(a, b) for a, b in zip(block_grads(modes[which]),
+                                                                                  plain_grads))
     B, V, L = 3, cfg['vocab_size'], cfg['seq_len']
     batch = dict(inputs=torch.randint(1, V, (B, L), dtype=torch.int32),
                  labels=torch.randint(1, V, (B, L), dtype=torch.int32),
@@ -110,16 +128,19 @@ def interpreted(script, timeout=600):
 
 
 def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter():
-    """float32 through Triton's interpreter, with every kernel (kernels='triton') and with mlp_t's no-grad
-    forward alone (kernels='mlp_t'): the forward of a block (mlp_t, attention, a channel tile that overhangs D),
-    a training step's loss and every gradient (eager, and compiled: the custom ops and their autograd inside
-    torch.compile's graphs), and evaluation's predictions, each against the plain path's. With 'mlp_t' a block
-    called under grad is the plain path bit for bit (the step's gradients differ only through the no-grad
-    calls' rounding)."""
+    """float32 through Triton's interpreter, with every kernel (kernels='triton'), with the gated GEMMs and mlp_t's
+    no-grad forward (kernels='gated') and with mlp_t's no-grad forward alone (kernels='mlp_t'): the forward of a
+    block (mlp_t, attention, a channel tile that overhangs D, a width of whole K tiles), a block under grad (its
+    output, the input's and the weights' gradients), a training step's loss and every gradient (eager, and
+    compiled: the custom ops and their autograd inside torch.compile's graphs), and evaluation's predictions,
+    each against the plain path's. With 'mlp_t' a block called under grad is the plain path bit for bit (the
+    step's gradients differ only through the no-grad calls' rounding)."""
     out = interpreted(INTERPRETED)
-    assert out['mlp_t triton fused'].startswith('mlp_t (forward and backward)'), out
+    gated = 'channel SwiGLU (gated GEMMs, forward and backward)'
+    assert out['mlp_t triton fused'] == f'mlp_t (forward and backward); {gated}', out
+    assert out['mlp_t gated fused'] == f'mlp_t forward (no-grad); {gated}', out
     assert out['mlp_t mlp_t fused'] == 'mlp_t forward (no-grad); the rest plain', out
-    assert out['attention triton fused'].startswith('channel SwiGLU (no-grad)'), out
+    assert out['attention triton fused'] == out['attention gated fused'] == f'attention plain; {gated}', out
     assert out['attention mlp_t fused'] == 'none fused: the model mixes the sequence with attention, not mlp_t'
     assert out['mlp_t_partial_tile mlp_t block under grad equal'] is True, out
     for k, v in out.items():
@@ -130,13 +151,19 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
 
 
 def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
-    """Each kernel at the Sudoku model's shapes and its default tiles, compiled for sm_90a by Triton's own
-    ptxas (no GPU needed): it builds, and no register spills to local memory (a spill costs a kernel much of its
-    speed)."""
+    """Each kernel at the Sudoku model's shapes and its default tiles (the gated GEMMs: every tile the autotuner
+    tries), compiled for sm_90a by Triton's own ptxas (no GPU needed): it builds, and no register spills to
+    local memory (a spill costs a kernel much of its speed)."""
     sys.path.insert(0, os.path.join(ROOT, 'dev'))
     from kernels_check import build_all
-    for name, (smem, regs, spill) in build_all(90).items():
+    built = build_all(90)
+    for name, (smem, regs, spill, wgmma) in built.items():
         assert spill == 0 and regs <= 255 and smem <= 227 * 1024, (name, smem, regs, spill)
+    # the autotuner's every candidate for the gated GEMMs, each on Hopper's asynchronous tensor-core instructions
+    from backends.kernels import DGATED_CONFIGS, GATED_CONFIGS
+    for name, configs in (('gated', GATED_CONFIGS), ('dgated', DGATED_CONFIGS)):
+        tried = [v for k, v in built.items() if k.split(' {')[0] == name]
+        assert len(tried) == len(configs) and all(w for *_, w in tried), (name, tried)
 
 
 AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused mlp_t forward where no gradient "
@@ -157,6 +184,8 @@ AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused 
     ('mlp_t', 'cuda', 'bfloat16', False, (9, 0), True, False, 'off', "warning: kernels='mlp_t' fuses mlp_t, and this"),
     ('mlp_t', 'cpu', 'float32', True, None, True, True, 'mlp_t', "Triton's interpreter on the CPU"),
     ('mlp_t', 'cpu', 'float32', True, None, True, False, 'off', "warning: kernels='mlp_t' runs on CUDA GPUs"),
+    ('gated', 'cuda', 'bfloat16', False, (9, 0), True, False, 'gated', 'gated (as configured)'),
+    ('gated', 'cpu', 'float32', False, None, True, False, 'off', "warning: kernels='gated' runs on CUDA GPUs"),
     ('triton', 'cuda', 'bfloat16', True, (8, 6), True, False, 'triton', 'triton (as configured)'),
     ('triton', 'cuda', 'bfloat16', False, (9, 0), True, False, 'triton', 'triton (as configured)'),
     ('triton', 'cuda', 'bfloat16', True, (9, 0), False, False, 'off', "warning: kernels='triton' needs the triton"),
@@ -187,7 +216,7 @@ def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back
         first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
         assert want in first and 'Traceback' not in p.stdout + p.stderr, first
     p = run(args + [f'--out_dir={tmp_path}/bad', '--kernels=cuda'], check=False)
-    assert p.returncode == 1 and "kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'triton')" in p.stderr, p.stderr
+    assert p.returncode == 1 and "kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'triton')" in p.stderr, p.stderr
     # in the interpreter a forced 'mlp_t' (auto's pick on a Hopper GPU) trains and evaluates through its kernel,
     # the EMA's copy included
     p = run(args + [f'--out_dir={tmp_path}/interp', '--kernels=mlp_t'], env={'TRITON_INTERPRET': '1'})
@@ -198,23 +227,25 @@ def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back
 
 
 def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_path):
-    """dev/gpu_speed.sh with DRY=1: each stage at tiny shapes on the CPU (bench.py's kernels A/B, off then
-    mlp_t, through the interpreter included), the reference's stages skipped where .gpu is absent, and the
-    summary table last."""
-    env = dict(os.environ, DRY='1', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1')
+    """dev/gpu_speed.sh with DRY=1 and AB=gated: each stage at tiny shapes on the CPU (bench.py's kernels A/B,
+    off then gated, on both models through the interpreter included), the reference's stages skipped where .gpu
+    is absent, and the summary table last."""
+    env = dict(os.environ, DRY='1', AB='gated', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1')
     p = subprocess.run(['bash', 'dev/gpu_speed.sh'], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=600)
+                       timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     for stage in ('check', 'sudoku', 'train', 'ops', 'maze'):
         assert f'   {stage}: ok in' in p.stdout, (stage, p.stdout[-4000:])
-    assert 'exactness: 17/17 ok' in open(tmp_path / 'out' / 'check.txt').read()
+    check = open(tmp_path / 'out' / 'check.txt').read()
+    assert re.search(r'exactness: (\d+)/\1 ok', check) and 'FAIL' not in check, check
     assert 'kernels A/B: train' in open(tmp_path / 'out' / 'bench_sudoku.txt').read()
+    assert 'kernels A/B: train' in open(tmp_path / 'out' / 'bench_maze.txt').read()
     table = p.stdout.rstrip().splitlines()[-6:]
     assert table[0].startswith('| workload | kernels on | ours, kernels off | ours, kernels on | reference'), table
     sudoku, maze = table[2].split(' | '), table[4].split(' | ')
-    assert sudoku[0] == '| Sudoku MLP, batch 768, train (ms/step)' and sudoku[1] == 'mlp_t', table
-    assert float(sudoku[2]) > 0 and float(sudoku[3]) > 0, table
-    assert maze[1] == 'n/a' and float(maze[2]) > 0 and maze[3] == 'n/a', table  # auto: off for attention
+    assert sudoku[0] == '| Sudoku MLP, batch 768, train (ms/step)' and sudoku[1] == 'gated', table
+    assert maze[1] == 'gated', table
+    assert all(float(v) > 0 for v in (sudoku[2], sudoku[3], maze[2], maze[3])), table
     assert len(os.listdir(tmp_path / 'out')) <= 8
 
 
@@ -235,6 +266,6 @@ def test_the_profile_summary_sums_the_gpu_kernels_by_kind(tmp_path):
 def test_bench_refuses_a_kernels_ab_that_is_no_kernels_value_in_one_line():
     for value in ('fast', 'True'):  # True: the flag's old form, a switch
         p = run(['bench.py', '--device=cpu', f'--kernels_ab={value}'], check=False)
-        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'triton'; "
+        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'triton'; "
                 "kernels_ab also '': no A/B)")
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
