@@ -3,7 +3,7 @@ Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py
 ('auto' picks 'mlp_t' or 'off' where device.choose_kernels says why). model.py keeps the plain path a reader
 sees; fuse_blocks(model, which) installs a fused forward as each Block's `fused` forward, which the Block then
 runs: which='mlp_t' only mlp_t's forward where no gradient is taken (the no-grad calls of the recursion,
-evaluation), 'gated' that and the channel SwiGLU's GEMMs, 'triton' every kernel below (for experiments).
+evaluation), 'gated' that and the SwiGLUs' gated GEMMs, 'triton' every kernel below (for experiments).
 
 What is fused, and why. The kernels keep on chip the tensors the plain path writes to memory and reads back:
   - mlp_t (the SwiGLU over the sequence axis, Sudoku's MLP-mixer): one kernel per batch row and tile of channels
@@ -17,6 +17,8 @@ What is fused, and why. The kernels keep on chip the tensors the plain path writ
     RMSNorm over D in its epilogue (a tile spans the whole width). Under grad the gated GEMM also writes gate and
     up, and the backward's first GEMM, ds = dy Wd, turns ds into gate's and up's gradients in its epilogue: the
     elementwise kernels around the GEMMs, and their reads and writes of [rows, inter]-sized tensors, are gone.
+    With kernels='gated', mlp_t's SwiGLU under grad runs through the same GEMMs, on the transposed, padded
+    sequence (rows b, d; K the padded length).
 Rounding: each product's result is rounded to the activation dtype where the plain path's cuBLAS output is
 (gate, up, the down product), so the fused path equals the plain one within that dtype's rounding.
 
@@ -442,28 +444,48 @@ def _(s, w, residual, eps):
 # -----------------------------------------------------------------------------
 # the Block's fused forward
 
+def gated_swiglu(mlp, x, pad=0):
+    """SwiGLU.forward (model.py) through gated_mlp, for calls under grad: x [..., d + pad], the weights padded
+    with zeros as SwiGLU pads them, the padded outputs cut off."""
+    w_gu, w_d = mlp.gate_up_proj.weight.to(x.dtype), mlp.down_proj.weight.to(x.dtype)
+    if pad:
+        w_gu, w_d = torch.nn.functional.pad(w_gu, (0, pad)), torch.nn.functional.pad(w_d, (0, 0, 0, pad))
+    y = gated_mlp(x.reshape(-1, x.shape[-1]), w_gu, w_d)[0].view(x.shape)
+    return y[..., :y.shape[-1] - pad] if pad else y
+
+
+def mix_sequence_gated(block, h):
+    """Block.mix_sequence (model.py) with mlp_t's SwiGLU through the gated GEMMs, for calls under grad."""
+    ht = h.transpose(1, 2)
+    x = torch.nn.functional.pad(ht, (0, block.seq_pad)) if block.seq_pad else ht
+    return rms_norm(ht + gated_swiglu(block.mlp_t, x, block.seq_pad), block.eps).transpose(1, 2)
+
+
 def block_forward(block, h, rope, which='triton'):
     """Block.forward (model.py) with `which`'s fused kernels:
       'mlp_t'  mlp_t's forward where no gradient is taken; everything else plain (under grad, the plain path).
-      'gated'  that, and the channel SwiGLU fused: under grad gated_mlp (its GEMMs compute the SwiGLU and its
-               gradient in their epilogues), without grad swiglu then down_norm (the residual and the RMSNorm in
+      'gated'  that, and the SwiGLUs' gated GEMMs: under grad both SwiGLUs (mlp_t's over the sequence, the
+               channel one) through gated_mlp, whose GEMMs compute the SwiGLU and its gradient in their
+               epilogues; without grad the channel one as swiglu then down_norm (the residual and the RMSNorm in
                the down GEMM's epilogue, where a tile holds the width).
-      'triton' every kernel: 'gated' with mlp_t's forward and backward always fused.
+      'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too (its forward and backward).
     Attention stays the plain path's."""
     grad = torch.is_grad_enabled()
     if hasattr(block, 'mlp_t') and (which == 'triton' or not grad):
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
+    elif hasattr(block, 'mlp_t') and which == 'gated':
+        h = mix_sequence_gated(block, h)
     elif hasattr(block, 'mlp_t'):
         h = block.mix_sequence(h)
     else:
         h = rms_norm(h + block.self_attn(h, rope), block.eps)
     if which == 'mlp_t':
         return rms_norm(h + block.mlp(h), block.eps)
+    if grad:
+        return rms_norm(h + gated_swiglu(block.mlp, h), block.eps)
     B, L, D = h.shape
     x = h.reshape(B * L, D)
     w_gu, w_d = block.mlp.gate_up_proj.weight.to(h.dtype), block.mlp.down_proj.weight.to(h.dtype)
-    if grad:
-        return rms_norm(h + gated_mlp(x, w_gu, w_d)[0].view(B, L, D), block.eps)
     s = swiglu(x, w_gu)
     if D > MAX_WIDTH:
         return rms_norm(h + (s @ w_d.t()).view(B, L, D), block.eps)
@@ -482,10 +504,10 @@ def fusable(block, which='triton'):
         return "the model mixes the sequence with attention, not mlp_t"
     if hasattr(block, 'mlp_t') and block.mlp_t.down_proj.weight.shape[0] > MAX_SEQ:
         return f"mlp_t over {block.mlp_t.down_proj.weight.shape[0]} positions (at most {MAX_SEQ})"
-    inter = block.mlp.down_proj.weight.shape[1]
     widest = max(c['BN'] for c in GATED_CONFIGS + DGATED_CONFIGS)
-    if which != 'mlp_t' and inter % widest:
-        return f"the channel SwiGLU's inner width {inter} is no multiple of {widest} (the gated GEMMs' tiles)"
+    inner = [m.down_proj.weight.shape[1] for m in (getattr(block, 'mlp_t', None), block.mlp) if m is not None]
+    if which != 'mlp_t' and any(i % widest for i in inner):
+        return f"a SwiGLU's inner width ({inner}) is no multiple of {widest} (the gated GEMMs' tiles)"
     return ''
 
 
@@ -498,7 +520,7 @@ def fuse_blocks(model, which='triton'):
         block.fused = None if why else FORWARDS[which]
     if why:
         return f"none fused: {why}"
-    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', gated='mlp_t forward (no-grad)',
+    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', gated='mlp_t forward (no-grad), under grad gated GEMMs',
                       triton='mlp_t (forward and backward)')[which] if hasattr(blocks[0], 'mlp_t') else \
         'attention plain'
     return mlp_t_part + ('; the rest plain' if which == 'mlp_t' else

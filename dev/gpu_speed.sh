@@ -13,7 +13,7 @@
 #   ops       each fused op's ms per call against the compiled plain path (the gated GEMMs: against cuBLAS's bare
 #             product too), with tile variants and the autotuner's picks
 #   maze      bench.py config/maze.py --global_batch_size=192, kernels off then AB (auto is off for attention: no
-#             A/B; AB=gated times the gated GEMMs)
+#             A/B; AB=gated times the gated GEMMs), and a profile of the second's two steps (into bench_maze.txt)
 #   ref_maze  the reference's step and evaluation, Maze attention batch 192
 #   sudoku_all  (only where STAGES names it) the Sudoku A/B with every fused kernel: off then triton, no profile
 #             (into knobs.txt, not the table)
@@ -117,6 +117,15 @@ ref_stage() {  # name, variant, batch
     run_stage "$1" "$OUT/$1.txt" env STEPS=10 REF=.gpu/ref PYTHONPATH=/tmp/site "$PY" .gpu/ref_gpu_bench.py "$2" "$3"
 }
 
+summarize_profile() {  # the last stage's trace (bench.py --profile_steps), its top kernels into the file named
+    if [ -n "$PROFILE" ] && [ -f /tmp/gpu_speed_profile/trace_0_2.json ]; then
+        "$PY" dev/kernels_check.py profile /tmp/gpu_speed_profile/trace_0_2.json "$1" >/dev/null 2>&1 \
+            && return 0
+        say "note: the profile's summary failed"
+    fi
+    return 1
+}
+
 for stage in ${STAGES//,/ }; do
     case $stage in
         check) run_stage check "$OUT/check.txt" "$PY" dev/kernels_check.py exact $DRYFLAG ;;
@@ -126,14 +135,15 @@ for stage in ${STAGES//,/ }; do
             rm -rf /tmp/gpu_speed_profile
             run_stage sudoku "$OUT/bench_sudoku.txt" "$PY" bench.py config/baseline.py --kernels=off \
                 --kernels_ab="$AB_SUDOKU" $SUDOKU_ARGS $PROFILE
-            if [ -n "$PROFILE" ] && [ -f /tmp/gpu_speed_profile/trace_0_2.json ]; then
-                "$PY" dev/kernels_check.py profile /tmp/gpu_speed_profile/trace_0_2.json "$OUT/profile_sudoku.txt" \
-                    >/dev/null 2>&1 || say "note: the profile's summary failed"
-            fi ;;
+            summarize_profile "$OUT/profile_sudoku.txt" ;;
         sudoku_all) run_stage sudoku_all "$OUT/knobs.txt" "$PY" bench.py config/baseline.py \
                 --kernels=off --kernels_ab=triton $SUDOKU_ARGS ;;
-        maze) run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab="$AB" \
-                $MAZE_ARGS ;;
+        maze)
+            rm -rf /tmp/gpu_speed_profile
+            run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab="$AB" \
+                $MAZE_ARGS $PROFILE
+            summarize_profile /tmp/gpu_speed_profile/maze.txt && cat /tmp/gpu_speed_profile/maze.txt \
+                >> "$OUT/bench_maze.txt" ;;
         ref_mlp) ref_stage ref_mlp mlp 768 ;;
         ref_maze) ref_stage ref_maze maze 192 ;;
         autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels="$AB_SUDOKU" \

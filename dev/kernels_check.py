@@ -238,19 +238,21 @@ def ops():
     plain_channel = compile_(lambda x: rms_norm(x + block.mlp(x), block.eps))
     x = h.reshape(-1, h.shape[-1])
     w_gu, w_d = block.mlp.gate_up_proj.weight.to(dtype), block.mlp.down_proj.weight.to(dtype)
-    fused_channel = compile_(lambda x: rms_norm(x + kernels.gated_mlp(x.reshape(-1, x.shape[-1]), w_gu, w_d)[0]
-                                                .view_as(x), block.eps))
+    fused_channel = compile_(lambda x: rms_norm(x + kernels.gated_swiglu(block.mlp, x), block.eps))
+    fused_mix = compile_(lambda x: kernels.mix_sequence_gated(block, x))
     s = kernels.swiglu(x, w_gu)
     dy = torch.randn_like(x)
     gu = kernels.gated_mlp(x, w_gu, w_d)[2]
     fused = dict(
         mlp_t=lambda: kernels.mlp_t(h, *kernels.mlp_t_weights(block, dtype), block.eps),
         mlp_t_backward=lambda: kernels.mlp_t(hg, *kernels.mlp_t_weights(block, dtype), block.eps)[0].backward(g),
+        mlp_t_gated_backward=lambda: fused_mix(hg).backward(g),
         swiglu=lambda: kernels.swiglu(x, w_gu),
         down_norm=lambda: kernels.down_norm(s, w_d, x, block.eps),
         dgated=lambda: kernels.dgated(dy, w_d, gu),
         gated_mlp_backward=lambda: fused_channel(hg).backward(g))
     plain = dict(mlp_t=lambda: plain_mix(h), mlp_t_backward=lambda: plain_mix(hg).backward(g),
+                 mlp_t_gated_backward=lambda: plain_mix(hg).backward(g),
                  swiglu=lambda: x @ w_gu.t(), down_norm=lambda: plain_channel(h), dgated=lambda: dy @ w_d,
                  gated_mlp_backward=lambda: plain_channel(hg).backward(g))
     plain_is = dict(swiglu='cuBLAS', dgated='cuBLAS')
@@ -275,9 +277,9 @@ def ops():
             best = getattr(tuned[op], 'best_config', None)
             rows[0] = (f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}", rows[0][1])
         for i, (tiles, ms) in enumerate(rows):
-            print(f"  {op:18s} {'default' if i == 0 else 'variant':7s} {tiles} "
+            print(f"  {op:20s} {'default' if i == 0 else 'variant':7s} {tiles} "
                   + (f"{ms:.3f} ms" if isinstance(ms, float) else ms), flush=True)
-        print(f"  {op:18s} {plain_is.get(op, 'plain'):7s} {ref:.3f} ms", flush=True)
+        print(f"  {op:20s} {plain_is.get(op, 'plain'):7s} {ref:.3f} ms", flush=True)
     return 0
 
 
@@ -295,21 +297,25 @@ def build_all(cap=90, variants=False):
     from backends import kernels
     bf, f32 = '*bf16', '*fp32'
     mlp_t = lambda t: dict(I=512, LP=128, BD=t['BD'], BI=t['BI'])
+    gated = lambda K: (kernels._gated_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, gu_ptr=bf, M='i32', I='i32'),
+                       lambda t: dict(K=K, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK']))
+    dgated = lambda K: (kernels._dgated_backward, dict(dy_ptr=bf, wd_ptr=bf, gu_ptr=bf, dgu_ptr=bf, M='i32',
+                                                       I='i32'), lambda t: dict(K=K, BM=t['BM'], BN=t['BN'],
+                                                                                BK=t['BK']))
     specs = dict(  # the JIT's view of the Sudoku MLP's calls: L 97, D 512, mlp_t inter 512, channel inter 1536
         mlp_t=(kernels._mlp_t_forward, dict(h_ptr=bf, wg_ptr=bf, wd_ptr=bf, out_ptr=bf, rstd_ptr=f32, L='i32',
                                              D='i32', eps='fp32'), mlp_t),
         mlp_t_backward=(kernels._mlp_t_backward, dict(h_ptr=bf, out_ptr=bf, dout_ptr=bf, rstd_ptr=f32, wg_ptr=bf,
                                                       wd_ptr=bf, dh_ptr=bf, xr_ptr=bf, dy_ptr=bf, dgu_ptr=bf,
                                                       s_ptr=bf, L='i32', D='i32'), mlp_t),
-        gated=(kernels._gated_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, gu_ptr=bf, M='i32', I='i32'),
-               lambda t: dict(K=512, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK'])),
-        dgated=(kernels._dgated_backward, dict(dy_ptr=bf, wd_ptr=bf, gu_ptr=bf, dgu_ptr=bf, M='i32', I='i32'),
-                lambda t: dict(K=512, BM=t['BM'], BN=t['BN'], BK=t['BK'])),
+        gated=gated(512), dgated=dgated(512),  # the channel SwiGLU: K is D
+        gated_mlp_t=gated(104), dgated_mlp_t=dgated(104),  # mlp_t's under kernels='gated': K is the padded L
         down_norm=(kernels._down_norm_forward, dict(s_ptr=bf, w_ptr=bf, res_ptr=bf, out_ptr=bf, M='i32', D='i32',
                                                     eps='fp32'),
                    lambda t: dict(K=1536, BM=t['BM'], DP=512, BK=t['BK'])))
     tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
-    configs = dict(gated=kernels.GATED_CONFIGS, dgated=kernels.DGATED_CONFIGS)  # every config the autotuner tries
+    configs = dict(gated=kernels.GATED_CONFIGS, dgated=kernels.DGATED_CONFIGS,  # every config the autotuner tries
+                   gated_mlp_t=kernels.GATED_CONFIGS, dgated_mlp_t=kernels.DGATED_CONFIGS)
     out = {}
     for name, (fn, sig, constants) in specs.items():
         tried = configs[name] if name in configs else [kernels.TILES[name]] + (VARIANTS[name] if variants else [])

@@ -138,7 +138,7 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
     out = interpreted(INTERPRETED)
     gated = 'channel SwiGLU (gated GEMMs, forward and backward)'
     assert out['mlp_t triton fused'] == f'mlp_t (forward and backward); {gated}', out
-    assert out['mlp_t gated fused'] == f'mlp_t forward (no-grad); {gated}', out
+    assert out['mlp_t gated fused'] == f'mlp_t forward (no-grad), under grad gated GEMMs; {gated}', out
     assert out['mlp_t mlp_t fused'] == 'mlp_t forward (no-grad); the rest plain', out
     assert out['attention triton fused'] == out['attention gated fused'] == f'attention plain; {gated}', out
     assert out['attention mlp_t fused'] == 'none fused: the model mixes the sequence with attention, not mlp_t'
@@ -152,7 +152,7 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
 
 def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
     """Each kernel at the Sudoku model's shapes and its default tiles (the gated GEMMs: every tile the autotuner
-    tries), compiled for sm_90a by Triton's own ptxas (no GPU needed): it builds, and no register spills to
+    tries, at the channel SwiGLU's K and at mlp_t's, a K no tile divides), compiled for sm_90a by Triton's own ptxas (no GPU needed): it builds, and no register spills to
     local memory (a spill costs a kernel much of its speed)."""
     sys.path.insert(0, os.path.join(ROOT, 'dev'))
     from kernels_check import build_all
@@ -161,7 +161,8 @@ def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
         assert spill == 0 and regs <= 255 and smem <= 227 * 1024, (name, smem, regs, spill)
     # the autotuner's every candidate for the gated GEMMs, each on Hopper's asynchronous tensor-core instructions
     from backends.kernels import DGATED_CONFIGS, GATED_CONFIGS
-    for name, configs in (('gated', GATED_CONFIGS), ('dgated', DGATED_CONFIGS)):
+    for name, configs in (('gated', GATED_CONFIGS), ('dgated', DGATED_CONFIGS), ('gated_mlp_t', GATED_CONFIGS),
+                          ('dgated_mlp_t', DGATED_CONFIGS)):
         tried = [v for k, v in built.items() if k.split(' {')[0] == name]
         assert len(tried) == len(configs) and all(w for *_, w in tried), (name, tried)
 
