@@ -188,14 +188,14 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
 
 def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
     """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
-    'gated' (that, and the channel SwiGLU in its GEMMs' epilogues, forward and backward; attention models too),
-    'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that mixes the
-    sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
+    'gated' (that, and the SwiGLUs in their GEMMs' epilogues: both under grad, the channel one without; attention
+    models too), 'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that
+    mixes the sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
     capability 9.x) in bfloat16 with triton installed, the one kernel measured faster than the compiled plain
     path there; off everywhere else (attention models, other GPUs, other dtypes), so CPU, XLA and TorchTPU runs
-    keep the plain path. A forced value where it cannot run falls back to the plain path, `why`
-    starting with 'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a forced value on the CPU, slowly:
-    that is how the tests check the kernels."""
+    keep the plain path. A forced value where it cannot run falls back to the plain path, `why` starting with
+    'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a forced value on the CPU, slowly: that is how the
+    tests check the kernels."""
     if requested == 'off':
         return 'off', 'off (as configured)'
     if have_triton is None:

@@ -24,11 +24,10 @@ Rounding: each product's result is rounded to the activation dtype where the pla
 
 Each kernel is a torch.library custom op with a fake (shape) implementation, and mlp_t's and gated_mlp's their
 autograd formulas, so torch.compile keeps them in its graphs as single calls and inductor fuses what surrounds
-them. With
-TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors: that is how the tests check
-them on a machine without a GPU (in float32: the interpreter has no bfloat16).
-This file imports triton: import it only where a kernels value other than 'off' was chosen (a CPU wheel of torch has
-no triton).
+them. With TRITON_INTERPRET=1 (set before triton is imported) the kernels run on CPU tensors: that is how the
+tests check them on a machine without a GPU (in float32: the interpreter has no bfloat16).
+This file imports triton: import it only where a kernels value other than 'off' was chosen (a CPU wheel of torch
+has no triton).
 """
 import os
 
@@ -354,8 +353,8 @@ def _(x, w):
 @torch.library.custom_op('trm::gated_mlp', mutates_args=())
 def gated_mlp(x: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
                                                                               torch.Tensor]:
-    """The channel SwiGLU under grad, x [M, K], wgu [2I, K], wd [D, I]: (y = s @ wd^T [M, D], s [M, I],
-    gu [M, 2I]); s and gu are what the backward reads, not for the caller."""
+    """A SwiGLU under grad (the channel one; with kernels='gated' mlp_t's too), x [M, K], wgu [2I, K], wd [D, I]:
+    (y = s @ wd^T [M, D], s [M, I], gu [M, 2I]); s and gu are what the backward reads, not for the caller."""
     s, gu = _gated(x, wgu, keep=True)
     return s @ wd.t(), s, gu
 
