@@ -222,21 +222,30 @@ class TensorBoardWriter:
         if self.writer is None:
             return
         try:
-            if not os.path.exists(self.path):  # tb/ (or its file) deleted under the run
-                folder = os.path.dirname(self.path)
-                self.close()
-                self.writer = self.summary_writer(folder, step)
-                self.path = self.writer.file_writer.event_writer._file_name
-                print(f"warning: {folder} was deleted under the run: made again, its TensorBoard events go on "
-                      f"from step {step} in {os.path.basename(self.path)}")
-            for prefix, vals in groups.items():
-                for k, v in flat_scalars(vals):
-                    self.writer.add_scalar(f'{prefix}/{k}', v, step)
+            try:
+                self.write(groups, step)
+            except Exception:
+                if os.path.exists(self.path):
+                    raise
+                self.write(groups, step)  # tb/ deleted while this line was written: made again, written again
         except Exception as e:
             print(f"warning: TensorBoard events cannot be written in {os.path.dirname(self.path)} at step "
                   f"{step} ({e}); the run goes on without them")
             self.close()
             self.writer = None
+
+    def write(self, groups, step):
+        if not os.path.exists(self.path):  # tb/ (or its file) deleted under the run
+            folder = os.path.dirname(self.path)
+            self.close()
+            self.writer = self.summary_writer(folder, step)
+            self.path = self.writer.file_writer.event_writer._file_name
+            print(f"warning: {folder} was deleted under the run: made again, its TensorBoard events go on "
+                  f"from step {step} in {os.path.basename(self.path)}")
+        for prefix, vals in groups.items():
+            for k, v in flat_scalars(vals):
+                self.writer.add_scalar(f'{prefix}/{k}', v, step)
+        self.writer.flush()  # each line on disk as it is printed, as metrics.jsonl's: a killed run keeps them all
 
     def snapshot(self, path):
         """A copy of the event file as written so far (flushed first), or None."""

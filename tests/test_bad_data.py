@@ -6,12 +6,11 @@ not match, a rebuild that fails halfway or happens under a running run: one line
 import json
 import os
 import shutil
-import signal
 
 import numpy as np
 import pytest
 
-from conftest import SUDOKU, assert_user_error, Lines, popen_train, run, train, write_like
+from conftest import SUDOKU, assert_user_error, Lines, popen_train, run, site_hook, train, write_like
 from data import check_split, write_split
 
 
@@ -64,17 +63,36 @@ def test_a_rebuild_that_fails_halfway_leaves_the_previous_dataset_whole(tmp_path
     assert all(check_split(str(root), s) == [] for root in (d, m) for s in ('train', 'test'))
 
 
+def held_at_step_3(tmp_path, go):
+    """A run whose third training step waits for the file `go`."""
+    return site_hook(tmp_path / 'hook', f'''import step
+real, calls = step.train_step, [0]
+
+
+def train_step(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3:
+        print('test hook: step 3 waits', flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.05)
+    return real(*args, **kwargs)
+
+
+step.train_step = train_step
+''')
+
+
 def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_the_builder_says_so(tmp_path):
     d, out = tmp_path / 'd', tmp_path / 'o'
     run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(d)])
-    proc = popen_train(d, out, '--max_steps=6', '--log_interval=1', args=SUDOKU)
+    go = tmp_path / 'go'
+    proc = popen_train(d, out, '--max_steps=6', '--log_interval=1', args=SUDOKU, env=held_at_step_3(tmp_path, go))
     lines = Lines(proc)
-    lines.until('step 2/')
-    os.kill(proc.pid, signal.SIGSTOP)  # the rebuild happens between two of its steps
+    lines.until('test hook: step 3 waits')  # the rebuild happens mid-run, however far the run would have got
     try:
         p = run(['prepare_sudoku.py', '--generate', '40', '--size', '6', '--num_test', '7', '--output_dir', str(d)])
     finally:
-        os.kill(proc.pid, signal.SIGCONT)
+        go.touch()
     warning = [l for l in p.stdout.splitlines() if l.startswith('warning')]
     assert warning and f'pid {proc.pid}' in warning[0] and str(out) in warning[0], p.stdout
     text = lines.rest(300)

@@ -13,7 +13,7 @@ import time
 
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run, site_hook
 
 SMOKE = TOY_ARGS + ['--preflight=True', '--eval_subset=20', '--log_interval=1']
 
@@ -36,23 +36,31 @@ def test_a_preflight_whose_second_run_was_stopped_before_evaluating_fails(toy, t
     cmd = ['train.py', f'--data_path={toy}', f'--out_dir={out}'] + SMOKE
     first = run(cmd, timeout=600)
     assert '=== pre-flight check' in first.stdout and 'OK ===' in first.stdout, first.stdout[-3000:]
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    go = tmp_path / 'go'
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **site_hook(tmp_path / 'hook', f'''
+if '--preflight_phase=2' in sys.argv:  # the second run's first step waits for the file `go`
+    import step
+    real = step.train_step
+
+    def train_step(*args, **kwargs):
+        if not os.path.exists({str(go)!r}):
+            print('test hook: phase 2 waits', flush=True)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    step.train_step = train_step
+'''))
     proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    deadline, pid = time.time() + 300, None
-    while pid is None and proc.poll() is None and time.time() < deadline:
-        pid = phase_pid(proc.pid, 2)
-        time.sleep(0.02)
-    assert pid, 'the second pre-flight run did not start'
     log = out / 'preflight' / 'phase2.out'
-    while proc.poll() is None and time.time() < deadline and 'resuming from' not in (
-            log.read_text() if log.exists() else ''):
-        time.sleep(0.01)
-    # held still while the stop request arrives: it lands before the run's 10 steps and evaluation, whatever
-    # the machine's speed (its handlers are in place once it says it resumes)
-    os.kill(pid, signal.SIGSTOP)
+    while proc.poll() is None and 'test hook: phase 2 waits' not in (log.read_text() if log.exists() else ''):
+        time.sleep(0.02)
+    pid = phase_pid(proc.pid, 2)
+    assert pid, 'the second pre-flight run did not start'
+    # the stop request lands in its first step, before its 10 steps and evaluation, whatever the machine's speed
     os.kill(pid, signal.SIGTERM)  # a stop before its evaluation: it saves and exits 0
-    os.kill(pid, signal.SIGCONT)
+    go.touch()
     text = proc.communicate(timeout=300)[0]
     assert proc.returncode != 0 and 'FAILED' in text.split('=== pre-flight check')[-1], text[-3000:]
 
