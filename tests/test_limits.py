@@ -41,13 +41,13 @@ def evaluate(trained, sudoku4, tmp_path, *extra, env=None, limit=None):
 def test_views_beyond_memory_are_refused_in_one_line_before_anything_runs(trained, sudoku4, tmp_path):
     # the machine's memory: a run that would evaluate in 100,000 views, refused before its first step
     p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={tmp_path / "new"}', '--max_steps=2',
-             '--eval_views=100000'] + SUDOKU, check=False, timeout=60)
+             '--eval_views=100000'] + SUDOKU, check=False, timeout=300)
     assert_user_error(p, 'eval_views=100000', 'at most', 'memory', 'GB', one_line=True)
     assert all(l.startswith('config: ') for l in p.stdout.splitlines()), p.stdout  # the flags echoed, nothing more
     assert not os.path.exists(tmp_path / 'new' / 'ckpt_00000002.pt')
     # and solve.py's views, refused before it solves anything
     p = run(['solve.py', f'--init_from={trained}/ckpt_00000004.pt', '--index=0', '--eval_views=10000000',
-             '--device=cpu'], check=False, timeout=60)
+             '--device=cpu'], check=False, timeout=300)
     assert_user_error(p, 'views=10000000', 'at most')
     last = (p.stdout + p.stderr).strip().splitlines()[-1]  # after the line describing the checkpoint
     assert 'memory' in last and 'views=10000000' in last, p.stdout + p.stderr
