@@ -97,6 +97,33 @@ def site_hook(folder, body, root=ROOT):
     return dict(PYTHONPATH=str(folder))
 
 
+def held_step(folder, at, go=None, argv=('',), slow=False):
+    """The environment whose train.py processes (those with an argument containing one of `argv`) say 'test
+    hook: step {at} waits' and wait in their training step `at` (counted from the process's start) until the
+    file `go` exists or, without `go`, until a stop request: how a test acts on a run that is surely mid-run,
+    however fast the machine. slow: steps 6 to 10 take 0.5 s more, the pace by which a run sets how often it
+    agrees on a stop (every ~2 s of steps), so a stop requested later lands within a few steps."""
+    ready = f'os.path.exists({str(go)!r})' if go else "STOP['requested']"
+    return site_hook(folder, f'''
+if sys.argv[0].endswith('train.py') and any(w in a for w in {list(argv)!r} for a in sys.argv):
+    import step
+    from runkeep.signals import STOP
+    real, calls = step.train_step, [0]
+
+    def train_step(*args, **kwargs):
+        calls[0] += 1
+        if {slow!r} and 6 <= calls[0] <= 10:
+            time.sleep(0.5)
+        if calls[0] == {at}:
+            print('test hook: step {at} waits', flush=True)
+            while not {ready}:
+                time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    step.train_step = train_step
+''')
+
+
 # where this Python's packages live (a .venv inside the checkout holds torch's files under the root too)
 ENVIRONMENT = {os.path.realpath(p) for p in (sys.prefix, sys.exec_prefix)}
 

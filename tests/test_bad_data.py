@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import SUDOKU, assert_user_error, Lines, popen_train, run, site_hook, train, write_like
+from conftest import SUDOKU, assert_user_error, Lines, held_step, popen_train, run, train, write_like
 from data import check_split, write_split
 
 
@@ -63,30 +63,12 @@ def test_a_rebuild_that_fails_halfway_leaves_the_previous_dataset_whole(tmp_path
     assert all(check_split(str(root), s) == [] for root in (d, m) for s in ('train', 'test'))
 
 
-def held_at_step_3(tmp_path, go):
-    """A run whose third training step waits for the file `go`."""
-    return site_hook(tmp_path / 'hook', f'''import step
-real, calls = step.train_step, [0]
-
-
-def train_step(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == 3:
-        print('test hook: step 3 waits', flush=True)
-        while not os.path.exists({str(go)!r}):
-            time.sleep(0.05)
-    return real(*args, **kwargs)
-
-
-step.train_step = train_step
-''')
-
-
 def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_the_builder_says_so(tmp_path):
     d, out = tmp_path / 'd', tmp_path / 'o'
     run(['prepare_sudoku.py', '--generate', '60', '--size', '4', '--num_test', '10', '--output_dir', str(d)])
     go = tmp_path / 'go'
-    proc = popen_train(d, out, '--max_steps=6', '--log_interval=1', args=SUDOKU, env=held_at_step_3(tmp_path, go))
+    proc = popen_train(d, out, '--max_steps=6', '--log_interval=1', args=SUDOKU,
+                       env=held_step(tmp_path / 'hook', 3, go))  # its third step waits for `go`
     lines = Lines(proc)
     lines.until('test hook: step 3 waits')  # the rebuild happens mid-run, however far the run would have got
     try:

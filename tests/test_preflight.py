@@ -13,7 +13,7 @@ import time
 
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, run, site_hook
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, held_step, run
 
 SMOKE = TOY_ARGS + ['--preflight=True', '--eval_subset=20', '--log_interval=1']
 
@@ -37,24 +37,13 @@ def test_a_preflight_whose_second_run_was_stopped_before_evaluating_fails(toy, t
     first = run(cmd, timeout=600)
     assert '=== pre-flight check' in first.stdout and 'OK ===' in first.stdout, first.stdout[-3000:]
     go = tmp_path / 'go'
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **site_hook(tmp_path / 'hook', f'''
-if '--preflight_phase=2' in sys.argv:  # the second run's first step waits for the file `go`
-    import step
-    real = step.train_step
-
-    def train_step(*args, **kwargs):
-        if not os.path.exists({str(go)!r}):
-            print('test hook: phase 2 waits', flush=True)
-        while not os.path.exists({str(go)!r}):
-            time.sleep(0.05)
-        return real(*args, **kwargs)
-
-    step.train_step = train_step
-'''))
+    # the second run's first step waits for the file `go`
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1',
+             **held_step(tmp_path / 'hook', 1, go, argv=['--preflight_phase=2']))
     proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     log = out / 'preflight' / 'phase2.out'
-    while proc.poll() is None and 'test hook: phase 2 waits' not in (log.read_text() if log.exists() else ''):
+    while proc.poll() is None and 'test hook: step 1 waits' not in (log.read_text() if log.exists() else ''):
         time.sleep(0.02)
     pid = phase_pid(proc.pid, 2)
     assert pid, 'the second pre-flight run did not start'

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, run, site_hook
+from conftest import BUCKET, ROOT, held_step, run
 from configurator import config_files, read_config_block
 
 STUDY = os.path.join(ROOT, 'config', 'study')
@@ -185,25 +185,8 @@ def wait_for(cond, timeout=300):
 
 def held_after_step_10(tmp, *names, slow=False):
     """The study's train.py runs of these experiments wait in step 11 (their checkpoint at 10 written) until a
-    stop request: a test kills them there however fast the machine. slow: their steps 6 to 10 also take half a
-    second more, the pace by which a run sets how often it agrees on a stop (every ~2 s of steps), so the stop
-    lands within a few steps, before the run's end, however fast the machine."""
-    return site_hook(f'{tmp}/hook', f'''
-if sys.argv[0].endswith('train.py') and any(f'/{{n}}' in a for n in {list(names)!r} for a in sys.argv):
-    import step
-    from runkeep.signals import STOP
-    real, calls = step.train_step, [0]
-
-    def train_step(*args, **kwargs):
-        calls[0] += 1
-        if {slow!r} and 6 <= calls[0] <= 10:
-            time.sleep(0.5)
-        while calls[0] == 11 and not STOP['requested']:
-            time.sleep(0.05)
-        return real(*args, **kwargs)
-
-    step.train_step = train_step
-''')
+    stop request: a test kills them there however fast the machine (slow: see held_step)."""
+    return held_step(f'{tmp}/hook', 11, argv=[f'/{n}' for n in names], slow=slow)
 
 
 @pytest.fixture
