@@ -14,17 +14,13 @@ import time
 
 import pytest
 
-from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train
+from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train, site_hook
 
 GRACE = 3  # seconds (TRM_STOP_GRACE_S), so the tests take seconds
 
 
 def hook(tmp_path, body):
-    folder = tmp_path / 'hook'
-    folder.mkdir(exist_ok=True)
-    (folder / 'sitecustomize.py').write_text(f"import os, sys, threading, time\nsys.path.insert(0, {ROOT!r})\n"
-                                             + body)
-    return dict(PYTHONPATH=str(folder), TRM_STOP_GRACE_S=str(GRACE))
+    return dict(site_hook(tmp_path / 'hook', body), TRM_STOP_GRACE_S=str(GRACE))
 
 
 def step_never_ends(tmp_path, at=12, rank=None):
