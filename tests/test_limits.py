@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from conftest import FAST, ROOT, SUDOKU, TINY, assert_user_error, run
+from conftest import FAST, ROOT, SUDOKU, TINY, assert_user_error, run, site_hook
 from runkeep.memory import run_memory
 
 LIMITED = ['-c', 'import os, resource, sys; n = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_AS, (n, n)); '
@@ -71,11 +71,7 @@ def test_views_beyond_memory_are_refused_in_one_line_before_anything_runs(traine
 def test_a_memory_error_while_building_the_views_is_one_line(trained, sudoku4, tmp_path):
     # the estimate said yes, then the memory went elsewhere (another process took it meanwhile): the allocation
     # of the views fails, as numpy's does, in every process of the run (a sitecustomize.py on PYTHONPATH)
-    hook = tmp_path / 'hook'
-    hook.mkdir()
-    (hook / 'sitecustomize.py').write_text(f'''import sys
-sys.path.insert(0, {ROOT!r})
-import puzzles
+    hook = site_hook(tmp_path / 'hook', f'''import puzzles
 
 
 def views(self, K, B, seed, batch):
@@ -84,7 +80,7 @@ def views(self, K, B, seed, batch):
 
 puzzles.Grid.views = views
 ''')
-    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=4', env=dict(PYTHONPATH=str(hook)))
+    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=4', env=hook)
     assert_user_error(p, 'eval_views=4', 'ran out of memory', 'Unable to allocate 1.00 GiB', 'lower eval_views')
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
 

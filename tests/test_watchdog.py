@@ -5,18 +5,14 @@ same command resumes; a slow evaluation that progresses is not ended.
 import json
 import os
 
-from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
+from conftest import TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
 
 
 def hang_at(tmp_path, what):
     """The environment of a run that blocks for good at the watchdog's report `what` ('step 25', 'an evaluation
     batch') once the watchdog is armed, as a rank stuck in a collective would: a sitecustomize.py on PYTHONPATH,
     which Python runs first in every process the run starts (torch_xla's workers too), wraps Watchdog.progress."""
-    hook = tmp_path / 'hang'
-    hook.mkdir()
-    (hook / 'sitecustomize.py').write_text(f'''import sys, threading
-sys.path.insert(0, {ROOT!r})
-from runkeep import watchdog
+    return site_hook(tmp_path / 'hang', f'''from runkeep import watchdog
 progress = watchdog.Watchdog.progress
 
 def hang(self, what, step=None):
@@ -26,7 +22,6 @@ def hang(self, what, step=None):
 
 watchdog.Watchdog.progress = hang
 ''')
-    return dict(PYTHONPATH=str(hook))
 
 
 def records(folder):

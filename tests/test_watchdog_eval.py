@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 
-from conftest import ROOT, SUDOKU, TOY_ARGS, run
+from conftest import SUDOKU, TOY_ARGS, run, site_hook
 from test_watchdog import hang_at
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4']
@@ -47,11 +47,7 @@ def test_a_second_firing_on_the_same_work_ends_the_rerun_loop(toy, tmp_path):
 def slow_steps(tmp_path, seconds):
     """The environment of a run whose evaluation supervision steps each take `seconds` more (a slow device, or
     a batch of many views): a sitecustomize.py on PYTHONPATH, which Python runs first, wraps TRM.predict_step."""
-    hook = tmp_path / 'slow'
-    hook.mkdir()
-    (hook / 'sitecustomize.py').write_text(f'''import sys, time
-sys.path.insert(0, {ROOT!r})
-import model
+    return site_hook(tmp_path / 'slow', f'''import model
 step = model.TRM.predict_step
 
 
@@ -62,7 +58,6 @@ def slow(self, *args, **kwargs):
 
 model.TRM.predict_step = slow
 ''')
-    return dict(PYTHONPATH=str(hook))
 
 
 def test_an_evaluation_whose_every_step_outlasts_the_watchdog_finishes(trained, sudoku4, tmp_path):
