@@ -184,10 +184,11 @@ def test_the_xla_launcher_forwards_sigterm_and_its_worker_dies_with_it(toy, tmp_
             before = ckpts(out)
             os.kill(proc.pid, stop)  # the launcher's pid: what `kill PID`, `timeout` and a scheduler signal
             text = lines.rest(120)  # to the end of the pipe: the worker holds it too
-            assert all(gone(w, 120) for w in workers), (stop, 'a worker outlived its launcher', text[-3000:])
-            assert 'got SIGTERM' in text and 'stopped cleanly' in text, (stop, text[-3000:])
+            # the messages are strings: pytest shows a string whole, other objects cut to a few hundred characters
+            assert all(gone(w, 120) for w in workers), f'{stop.name}: a worker outlived its launcher\n{text[-3000:]}'
+            assert 'got SIGTERM' in text and 'stopped cleanly' in text, f'{stop.name}:\n{text[-3000:]}'
             assert stop == signal.SIGKILL or proc.returncode == 0, text[-3000:]
-            assert ckpts(out) != before and not os.path.exists(out / 'run.lock'), (before, text[-3000:])
+            assert ckpts(out) != before and not os.path.exists(out / 'run.lock'), f'{before}\n{text[-3000:]}'
     finally:
         for p in procs:
             with_group = [p.pid] + children(p.pid)
