@@ -48,6 +48,7 @@ from runkeep import gcs
 from configurator import parse_flags
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from runkeep.locks import holder_gone, lock_record
+from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
 from configurator import Tee
@@ -390,27 +391,11 @@ def on_signal(signum, frame):
 
 
 def _child_setup(parent, cores=None):
-    """In the child before exec: die with study.py (the kernel sends SIGTERM when it goes, even on SIGKILL),
-    so an orphaned train.py saves and stops instead of running on beside a rerun; then its slot's cores."""
-    try:
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:
-        pass
-    if os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGTERM)
+    """In the child before exec: it dies with study.py (even by SIGKILL), so an orphaned train.py saves and stops
+    instead of running on beside a rerun; then its slot's cores."""
+    die_with_parent(parent)
     if cores:
         os.sched_setaffinity(0, cores)
-
-
-def _libc():
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True)
-    except Exception:
-        return None
-
-
-_LIBC = _libc()  # looked up once, here: a child between fork and exec only calls it
 
 
 def child_env(extra):

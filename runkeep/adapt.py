@@ -12,7 +12,6 @@ The folder: adapt.json (what it adapts: the key, the task file, the checkpoint, 
 (the tasks), data/ (their dataset), run/ (train.py's out_dir).
 """
 import contextlib
-import ctypes
 import hashlib
 import json
 import os
@@ -28,7 +27,7 @@ from puzzles import plural
 
 from .checkpoint import list_checkpoints
 from .records import results_step
-from .signals import HUNG_EXIT
+from .signals import HUNG_EXIT, die_with_parent
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 RECORD = 'adapt.json'
@@ -37,25 +36,6 @@ RECIPE = ('lr', 'lr_min_ratio', 'lr_warmup_steps', 'beta1', 'beta2', 'weight_dec
           'puzzle_emb_weight_decay', 'ema', 'ema_rate', 'grad_clip', 'global_batch_size', 'seed', 'compile')
 STOPPED = []  # the stop signals (their names) that reached solve.py while it adapted
 CHILD = []  # the step's process while it runs: where a stop signal goes
-
-
-def _libc():
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _libc()  # looked up here: a child between fork and exec only calls it
-
-
-def _follow(parent):
-    """In a step's process before exec: the kernel sends it SIGTERM when solve.py ends, even by SIGKILL, so it
-    saves and stops instead of training on as an orphan."""
-    with contextlib.suppress(Exception):
-        _LIBC.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # solve.py was gone before the prctl
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _send(proc, name):
@@ -84,7 +64,7 @@ def run_step(script, args):
     (a terminal's Ctrl-C reaches it once, through stop_requests), waited for; its exit code."""
     parent, seen = os.getpid(), len(STOPPED)
     proc = subprocess.Popen([sys.executable, os.path.join(HERE, script), *args], start_new_session=True,
-                            preexec_fn=lambda: _follow(parent))
+                            preexec_fn=lambda: die_with_parent(parent))  # it ends with solve.py, saving first
     CHILD.append(proc)
     for name in STOPPED[seen:]:  # arrived while it started
         _send(proc, name)

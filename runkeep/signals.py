@@ -8,6 +8,7 @@ cannot reach, a launcher's signals, an orphaned worker, a failed allocation.
                                 allocation, is one line too
     forward_signals()           torch_xla's launcher: the signals go on to its workers
     follow_launcher()           a torch_xla worker: its signals come through the launcher; it dies with it
+    die_with_parent(pid)        a child of study.py or solve.py, before exec: it saves and stops when they end
 Exit codes: 0 a finished or cleanly stopped run, HUNG_EXIT (75) run the same command again (it resumes),
 HUNG_AGAIN_EXIT (70) the same work hung twice, 130 a person's Ctrl-C.
 """
@@ -30,6 +31,14 @@ HUNG_AGAIN_EXIT = 70  # EX_SOFTWARE: the watchdog fired twice on the same work; 
 # step
 
 STOP = dict(requested=False, signal=None, count=0, at=None, acted=False)
+# the process this one must not outlive (a torch_xla worker's launcher, the study.py or solve.py that started a
+# train.py), and whether its end was acted on
+PARENT = dict(pid=os.getppid(), gone=False)
+# what the kernel sends when the thread that started this process ends (PR_SET_PDEATHSIG). A parent with several
+# threads, killed, sends one per thread as each ends, and a thread that simply finishes sends one while its process
+# lives: so this signal only asks whether the parent process is gone, and that is one stop request. Not SIGTERM:
+# three of those end the process without its checkpoint.
+PARENT_GONE = signal.SIGUSR1
 # a stop request that the run has not acted on this long after its signal (the step under way never reaches its
 # stop check) ends the process (StopBound): a spot VM's notice is about 30 s
 STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
@@ -44,16 +53,17 @@ def before_hard_exit(quick=False):
         cleanup(quick=quick)
 
 
-def on_signal(signum):
-    """The first: a stop request, said at once; the loop saves a checkpoint at the ranks' next stop check (a
-    few seconds at most) and exits. A second: said, and the save goes on; a third ends the process at once
-    (exit code 128 + the signal's number, as the signal's own default would)."""
+def on_signal(signum, why=None):
+    """The first: a stop request, said at once (why: its cause in words, else the signal's name); the loop saves
+    a checkpoint at the ranks' next stop check (a few seconds at most) and exits. A second: said, and the save
+    goes on; a third ends the process at once (exit code 128 + the signal's number, as the signal's own default
+    would)."""
     name = signal.Signals(signum).name
     STOP['count'] += 1
     if STOP['count'] == 1:
         STOP.update(requested=True, signal=name, at=time.time())
-        say(f"pid {os.getpid()}: got {name}: saving a checkpoint within seconds, then exiting (a second "
-            "signal does not stop the save; a third ends the process at once, without it)")
+        say(f"pid {os.getpid()}: {why or 'got ' + name}: saving a checkpoint within seconds, then exiting (a "
+            "second signal does not stop the save; a third ends the process at once, without it)")
     elif STOP['count'] == 2:
         say(f"pid {os.getpid()}: got {name} again: the save goes on; a third signal ends the process at "
             "once, without the checkpoint")
@@ -63,10 +73,22 @@ def on_signal(signum):
         os._exit(128 + signum)
 
 
+def on_parent_gone():
+    """PARENT_GONE: when the parent process is gone, the stop request a SIGTERM makes, once; a stop already
+    under way goes on (the parent's end is not a person's second signal)."""
+    if PARENT['gone'] or not orphaned():
+        return
+    PARENT['gone'] = True
+    if STOP['requested']:
+        say(f"pid {os.getpid()}: its parent process (pid {PARENT['pid']}) ended; the save goes on")
+    else:
+        on_signal(signal.SIGTERM, why=f"its parent process (pid {PARENT['pid']}) ended")
+
+
 def read_signals(fd):
-    """A thread's loop: every SIGTERM and SIGINT, as the interpreter writes it to the wakeup pipe the moment
-    it arrives, to on_signal. So a main thread blocked in one long call (a collective, a kernel: Python runs
-    its own handlers only between calls) still has its stop request said at once, and bounded."""
+    """A thread's loop: every SIGTERM, SIGINT and PARENT_GONE, as the interpreter writes it to the wakeup pipe
+    the moment it arrives, to on_signal. So a main thread blocked in one long call (a collective, a kernel:
+    Python runs its own handlers only between calls) still has its stop request said at once, and bounded."""
     while True:
         try:
             got = os.read(fd, 64)
@@ -75,6 +97,8 @@ def read_signals(fd):
         for signum in got:
             if signum in (signal.SIGTERM, signal.SIGINT):
                 on_signal(signum)
+            elif signum == PARENT_GONE:
+                on_parent_gone()
 
 
 def say(line):
@@ -96,20 +120,21 @@ def say(line):
 
 
 def install_signal_handlers():
-    """In a process's main thread (torch_xla.launch runs the training in a worker thread): SIGTERM and SIGINT
-    reach read_signals through the interpreter's wakeup pipe; their Python handlers do nothing (they only keep
-    the signals' default actions, ending the process, away)."""
+    """In a process's main thread (torch_xla.launch runs the training in a worker thread): SIGTERM, SIGINT and
+    PARENT_GONE reach read_signals through the interpreter's wakeup pipe; their Python handlers do nothing (they
+    only keep the signals' default actions, ending the process, away)."""
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    signal.signal(signal.SIGINT, lambda signum, frame: None)
+    for signum in (signal.SIGTERM, signal.SIGINT, PARENT_GONE):
+        signal.signal(signum, lambda signum, frame: None)
     threading.Thread(target=read_signals, args=(r,), daemon=True, name='signals').start()
 
 
 def forward_signals():
     """In torch_xla's launcher: SIGTERM and Ctrl-C go on to its worker processes, which save and stop (each
-    says so); the launcher itself waits for them."""
+    says so), and so does its own parent's end (PARENT_GONE: a study.py's, a solve.py's); the launcher itself
+    waits for them."""
     import multiprocessing
 
     def forward(signum, frame):
@@ -118,6 +143,11 @@ def forward_signals():
         for p in multiprocessing.active_children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signum)
+
+    def parent_gone(signum, frame):
+        if orphaned() and not PARENT['gone']:
+            PARENT['gone'] = True
+            forward(signal.SIGTERM, frame)
 
     def backstop():
         """Workers end by themselves (a save, or their stop's bound); one still there a minute after that
@@ -134,25 +164,43 @@ def forward_signals():
     signal.set_wakeup_fd(-1)  # the signals are the workers' to act on: no reading of its own here
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    signal.signal(PARENT_GONE, parent_gone)
     threading.Thread(target=backstop, daemon=True, name='stop-backstop').start()
     os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
 
 
 def follow_launcher():
     """In a torch_xla worker: its own process group, so a Ctrl-C reaches it once (through the launcher), and
-    a SIGTERM from the kernel when the launcher dies (even by SIGKILL): an orphan saves and stops instead of
-    holding the chips and the out_dir."""
-    import ctypes
+    the launcher's end (even by SIGKILL) a stop request: an orphan saves and stops instead of holding the chips
+    and the out_dir."""
     with contextlib.suppress(OSError):
         os.setpgrp()
-    with contextlib.suppress(Exception):  # Linux only (TPU VMs); elsewhere the launcher's forwarding only
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if orphaned():  # gone before the prctl
-        os.kill(os.getpid(), signal.SIGTERM)
+    die_with_parent(int(os.environ.get('TRM_LAUNCHER_PID') or os.getppid()))
+
+
+def die_with_parent(parent):
+    """The kernel's PARENT_GONE when the process parent (a pid) ends, even by SIGKILL; at once when it is gone
+    already. In a child before exec (subprocess's preexec_fn), started from the parent's main thread: the signal
+    also comes when the starting thread ends, and until the child has install_signal_handlers' handlers (a script
+    without them, prepare_arc.py, never) it ends the child, as SIGTERM would."""
+    PARENT['pid'] = parent
+    with contextlib.suppress(Exception):  # Linux only (TPU VMs); elsewhere a parent's end goes unseen
+        _LIBC.prctl(1, PARENT_GONE)  # PR_SET_PDEATHSIG
+    if orphaned():
+        os.kill(os.getpid(), PARENT_GONE)
 
 
 def orphaned():
-    return os.environ.get('TRM_LAUNCHER_PID', str(os.getppid())) != str(os.getppid())
+    return os.getppid() != PARENT['pid']
+
+
+def _libc():
+    with contextlib.suppress(Exception):
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True)
+
+
+_LIBC = _libc()  # looked up once, here: a child between fork and exec only calls it
 
 
 def exit_if_orphaned(code):

@@ -154,6 +154,11 @@ def children(pid):
     return kids
 
 
+def xla_workers(pid):
+    """The torch_xla worker processes of a launcher (not multiprocessing's resource tracker)."""
+    return [k for k in children(pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
+
+
 def gone(pid, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -179,14 +184,15 @@ def test_the_xla_launcher_forwards_sigterm_and_its_worker_dies_with_it(toy, tmp_
             procs.append(proc)
             lines = Lines(proc)
             lines.until('step ', timeout=400)
-            workers = [k for k in children(proc.pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
+            workers = xla_workers(proc.pid)
             assert workers, children(proc.pid)
             before = ckpts(out)
             os.kill(proc.pid, stop)  # the launcher's pid: what `kill PID`, `timeout` and a scheduler signal
             text = lines.rest(120)  # to the end of the pipe: the worker holds it too
             # the messages are strings: pytest shows a string whole, other objects cut to a few hundred characters
             assert all(gone(w, 120) for w in workers), f'{stop.name}: a worker outlived its launcher\n{text[-3000:]}'
-            assert 'got SIGTERM' in text and 'stopped cleanly' in text, f'{stop.name}:\n{text[-3000:]}'
+            said = 'got SIGTERM' if stop == signal.SIGTERM else f'its parent process (pid {proc.pid}) ended'
+            assert said in text and 'stopped cleanly' in text, f'{stop.name}:\n{text[-3000:]}'
             assert stop == signal.SIGKILL or proc.returncode == 0, text[-3000:]
             assert ckpts(out) != before and not os.path.exists(out / 'run.lock'), f'{before}\n{text[-3000:]}'
     finally:
@@ -198,3 +204,64 @@ def test_the_xla_launcher_forwards_sigterm_and_its_worker_dies_with_it(toy, tmp_
                 except ProcessLookupError:
                     pass
             p.wait()
+
+
+# what study.py and solve.py are to the train.py they start, with the threads such a process has: the run is to
+# end with it, even by SIGKILL. Its starting thread ends once the run holds its out_dir (its signal handlers are in)
+PARENT = """
+import os, subprocess, sys, threading, time
+from runkeep.signals import die_with_parent
+parent, lock, run = os.getpid(), sys.argv[1], []
+
+def start():
+    run.append(subprocess.Popen(sys.argv[2:], preexec_fn=lambda: die_with_parent(parent)))
+    while not os.path.exists(lock) and run[0].poll() is None:
+        time.sleep(0.1)
+
+starter = threading.Thread(target=start)
+starter.start()
+starter.join()
+for _ in range(16):
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+print('parent: the run ended with exit code', run[0].wait())
+"""
+
+
+@pytest.mark.parametrize('device', ['cpu', 'xla'])
+def test_a_run_stops_once_when_its_parent_is_killed_and_not_when_a_parent_s_thread_ends(toy, tmp_path, device):
+    """The kernel's signal on a parent's end follows the thread that started the child: it comes when that
+    thread finishes, the parent alive, and from a killed parent once for each of its threads. The run must go on
+    in the first case and take the second for one stop request, not for a person's third signal (an end without
+    its checkpoint). On XLA the launcher is the child: it passes the stop on to its worker as a SIGTERM."""
+    if device == 'xla':
+        pytest.importorskip('torch_xla')
+    out = tmp_path / 'o'
+    args = [a for a in FAST if a != '--device=cpu'] + [f'--device={device}', '--epochs=400', '--log_interval=1']
+    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(XLA_ENV if device == 'xla' else {}))
+    if device == 'cpu':
+        e.pop('PJRT_DEVICE', None)
+    cmd = [sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}'] + args
+    proc = subprocess.Popen([sys.executable, '-c', PARENT, str(out / 'run.lock')] + cmd, cwd=ROOT, env=e,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+    lines, ours = Lines(proc), []
+    try:
+        lines.until('step 6/', timeout=400)
+        [run] = children(proc.pid)
+        ours = [run] + xla_workers(run)
+        before = '\n'.join(lines.seen)
+        assert 'saving a checkpoint' not in before, before[-3000:]
+        proc.kill()  # with its 17 threads
+        text = lines.rest(120)  # to the end of the pipe: the run holds it too
+        assert all(gone(pid, 120) for pid in ours), f'the run outlived its parent\n{text[-3000:]}'
+        said = (f'pid {run}: its parent process (pid {proc.pid}) ended: saving a checkpoint' if device == 'cpu'
+                else f'pid {ours[-1]}: got SIGTERM: saving a checkpoint')
+        assert said in text and text.count('saving a checkpoint') == 1, text[-3000:]
+        assert 'a third time' not in text and 'stopped cleanly' in text, text[-3000:]
+        assert ckpts(out) and not os.path.exists(out / 'run.lock'), text[-3000:]
+    finally:
+        for pid in [proc.pid] + ours:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait()
