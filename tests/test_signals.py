@@ -1,7 +1,8 @@
 """
 Stops and signals: SIGTERM and Ctrl-C save a checkpoint that a resume continues from, and every rank exits
 together at the same step (also when one rank alone is told), during an evaluation, under torch_xla's launcher,
-with a second signal (and with stdout's reader gone: tests/test_streams.py).
+with a second signal, once when the process that started the run is killed (and with stdout's reader gone:
+tests/test_streams.py).
     python -m pytest -q tests/test_signals.py
 """
 
