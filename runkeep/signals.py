@@ -73,12 +73,20 @@ def on_signal(signum, why=None):
         os._exit(128 + signum)
 
 
+def newly_orphaned():
+    """At a PARENT_GONE: whether the parent process is gone and this is the first time it is seen so (the kernel
+    sends one per thread of the parent, and one when a thread of a living parent ends)."""
+    if PARENT['gone'] or not orphaned():
+        return False
+    PARENT['gone'] = True
+    return True
+
+
 def on_parent_gone():
     """PARENT_GONE: when the parent process is gone, the stop request a SIGTERM makes, once; a stop already
     under way goes on (the parent's end is not a person's second signal)."""
-    if PARENT['gone'] or not orphaned():
+    if not newly_orphaned():
         return
-    PARENT['gone'] = True
     if STOP['requested']:
         say(f"pid {os.getpid()}: its parent process (pid {PARENT['pid']}) ended; the save goes on")
     else:
@@ -145,8 +153,7 @@ def forward_signals():
                 os.kill(p.pid, signum)
 
     def parent_gone(signum, frame):
-        if orphaned() and not PARENT['gone']:
-            PARENT['gone'] = True
+        if newly_orphaned():
             forward(signal.SIGTERM, frame)
 
     def backstop():
