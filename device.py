@@ -186,16 +186,18 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
 # the kernels: backends/kernels.py's fused Triton blocks only where they are known to pay
 
 
-def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None):
+def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None,
+                   have_quack=None):
     """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
     'gated' (that, and the SwiGLUs in their GEMMs' epilogues: both under grad, the channel one without; attention
-    models too), 'triton' (every fused kernel, for experiments) or 'off' (model.py's plain path), for a model that
-    mixes the sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute
-    capability 9.x) in bfloat16 with triton installed, the one kernel measured faster than the compiled plain
-    path there; off everywhere else (attention models, other GPUs, other dtypes), so CPU, XLA and TorchTPU runs
-    keep the plain path. A forced value where it cannot run falls back to the plain path, `why` starting with
-    'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a forced value on the CPU, slowly: that is how the
-    tests check the kernels."""
+    models too), 'quack' ('gated' with the optional quack-kernels package's GEMMs: CUDA GPUs of compute
+    capability 9.x and 10.x, 16-bit), 'triton' (every fused kernel, for experiments) or 'off' (model.py's plain
+    path), for a model that mixes the sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an
+    mlp_t model on a Hopper GPU (compute capability 9.x) in bfloat16 with triton installed, the one kernel
+    measured faster than the compiled plain path there; off everywhere else (attention models, other GPUs,
+    other dtypes), so CPU, XLA and TorchTPU runs keep the plain path. A forced value where it cannot run falls
+    back to the plain path, `why` starting with 'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a
+    forced value but 'quack' on the CPU, slowly: that is how the tests check the kernels."""
     if requested == 'off':
         return 'off', 'off (as configured)'
     if have_triton is None:
@@ -206,6 +208,9 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
         if not have_triton:
             return 'off', f"warning: kernels='{requested}' needs the triton package, which is not installed: " \
                           "plain path"
+        why_not = _why_not_quack(device_type, dtype, cuda_capability, have_quack) if requested == 'quack' else ''
+        if why_not:
+            return 'off', f"warning: kernels='quack' {why_not}: plain path"
         if device_type != 'cuda' and not interpreter:
             return 'off', (f"warning: kernels='{requested}' runs on CUDA GPUs (or the CPU with TRITON_INTERPRET=1), "
                            f"not on device {device_type}: plain path")
@@ -231,11 +236,28 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
                      "kernel measured faster on an H200")
 
 
+def _why_not_quack(device_type, dtype, cuda_capability, have_quack):
+    """'' where quack-kernels' GEMMs can run, else why not (they have no CPU or interpreter path)."""
+    if device_type != 'cuda':
+        return f"runs on CUDA GPUs only (quack-kernels' GEMMs), not on device {device_type}"
+    if have_quack is None:
+        import importlib.util
+        have_quack = importlib.util.find_spec('quack') is not None
+    if not have_quack:
+        return "needs the quack-kernels package (pip install quack-kernels; CUDA 12.9 or newer), not installed"
+    cap = cuda_capability or torch.cuda.get_device_capability()
+    if cap[0] not in (9, 10):
+        return f"runs on GPUs of compute capability 9.x and 10.x (Hopper, Blackwell), not {cap[0]}.{cap[1]}"
+    if dtype not in ('bfloat16', 'float16'):
+        return f"runs in bfloat16 or float16, not forward dtype {dtype}"
+    return ''
+
+
 def use_kernels(requested, device_type, dtype, model):
     """choose_kernels for this device, forward dtype and model, applied to model's blocks: backends/kernels.py's fused
-    forward installed ('mlp_t', 'gated', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or the plain
-    forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton that fails to
-    import means the plain path, said in `why`."""
+    forward installed ('mlp_t', 'gated', 'quack', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or
+    the plain forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton or quack
+    that fails to import means the plain path, said in `why`."""
     choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
     if choice != 'off':
         try:
@@ -244,8 +266,8 @@ def use_kernels(requested, device_type, dtype, model):
             if fused.startswith('none fused'):
                 return 'off', f"{why}: {fused}: plain path"
             return choice, why if requested == 'auto' else f"{why}: {fused}"
-        except Exception as e:  # a broken triton install: the plain path, said in one line
-            why = (f"warning: kernels='{requested}' but backends/kernels.py failed to import "
+        except Exception as e:  # a broken triton or quack install: the plain path, said in one line
+            why = (f"warning: kernels='{requested}' but backends/kernels.py failed to load "
                    f"({type(e).__name__}: {e}): plain path")
     for block in model.net.layers:
         block.fused = None

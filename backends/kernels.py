@@ -3,7 +3,8 @@ Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py
 ('auto' picks 'mlp_t' or 'off' where device.choose_kernels says why). model.py keeps the plain path a reader
 sees; fuse_blocks(model, which) installs a fused forward as each Block's `fused` forward, which the Block then
 runs: which='mlp_t' only mlp_t's forward where no gradient is taken (the no-grad calls of the recursion,
-evaluation), 'gated' that and the SwiGLUs' gated GEMMs, 'triton' every kernel below (for experiments).
+evaluation), 'gated' that and the SwiGLUs' gated GEMMs, 'quack' the same with quack-kernels' GEMMs (an optional
+package), 'triton' every Triton kernel below (for experiments).
 
 What is fused, and why. The kernels keep on chip the tensors the plain path writes to memory and reads back:
   - mlp_t (the SwiGLU over the sequence axis, Sudoku's MLP-mixer): one kernel per batch row and tile of channels
@@ -441,23 +442,138 @@ def _(s, w, residual, eps):
 
 
 # -----------------------------------------------------------------------------
+# the same SwiGLU GEMMs from quack-kernels (kernels='quack'): NVIDIA CuTe DSL GEMMs for Hopper and Blackwell, whose
+# epilogues compute silu(gate) * up (gemm_gated) and, in the backward's ds = dy Wd, gate's and up's gradients
+# (gemm_dgated), in place of the Triton tiles above, which run those GEMMs slower than cuBLAS runs the bare
+# products. quack holds gate and up interleaved, as columns g0, u0, g1, u1, ...: the weight's rows are interleaved
+# for it (a copy of the weight, not of the activations) and its gradient's rows put back in [gate; up] order. The
+# saved pre-activations stay interleaved; only quack's own kernels read them. quack is an optional package, imported
+# where kernels='quack' was chosen (fuse_blocks), never on a CPU.
+
+QUACK_TUNED = False  # True: quack's autotuner compiles and times each candidate tile per shape; False: its default
+
+
+def load_quack():
+    """quack's gemm_gated and gemm_dgated, or ImportError saying what is missing."""
+    try:
+        from quack.gemm_interface import gemm_dgated, gemm_gated
+    except Exception as e:
+        raise ImportError(f"kernels='quack' needs the quack-kernels package and its CUDA 12.9+ CuTe DSL "
+                          f"(pip install quack-kernels): {type(e).__name__}: {e}") from e
+    return gemm_gated, gemm_dgated
+
+
+def interleave(w):
+    """[2I, K] rows [gate; up] -> rows g0, u0, g1, u1, ... (quack's order)."""
+    return w.reshape(2, w.shape[0] // 2, -1).transpose(0, 1).reshape(w.shape)
+
+
+def deinterleave(w):
+    """interleave's inverse: rows g0, u0, g1, u1, ... -> [gate; up]."""
+    return w.reshape(w.shape[0] // 2, 2, -1).transpose(0, 1).reshape(w.shape)
+
+
+@torch.library.custom_op('trm::quack_swiglu', mutates_args=())
+def quack_swiglu(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """swiglu through quack: silu(x @ gate^T) * (x @ up^T) for x [M, K], w [2I, K] = [gate; up]: [M, I]."""
+    gemm_gated, _ = load_quack()
+    return gemm_gated(x.contiguous(), interleave(w).t(), activation='swiglu', store_preact=False,
+                      tuned=QUACK_TUNED)[1]
+
+
+@quack_swiglu.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[0], w.shape[0] // 2)
+
+
+@torch.library.custom_op('trm::quack_gated_mlp', mutates_args=())
+def quack_gated_mlp(x: torch.Tensor, wgu: torch.Tensor, wd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gated_mlp through quack: (y = s @ wd^T [M, D], gu [M, 2I] interleaved, for the backward only)."""
+    gemm_gated, _ = load_quack()
+    gu, s = gemm_gated(x.contiguous(), interleave(wgu).t(), activation='swiglu', tuned=QUACK_TUNED)
+    return s @ wd.t(), gu
+
+
+@quack_gated_mlp.register_fake
+def _(x, wgu, wd):
+    return x.new_empty(x.shape[0], wd.shape[0]), x.new_empty(x.shape[0], wgu.shape[0])
+
+
+@torch.library.custom_op('trm::quack_dgated', mutates_args=())
+def quack_dgated(dy: torch.Tensor, wd: torch.Tensor, gu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dgu [M, 2I] interleaved, s [M, I] recomputed) from dy [M, D], wd [D, I] and quack_gated_mlp's gu."""
+    _, gemm_dgated = load_quack()
+    dgu, s = gemm_dgated(dy.contiguous(), wd.contiguous(), gu, activation='swiglu', tuned=QUACK_TUNED)
+    return dgu, s
+
+
+@quack_dgated.register_fake
+def _(dy, wd, gu):
+    return torch.empty_like(gu), gu.new_empty(gu.shape[0], gu.shape[1] // 2)
+
+
+def _quack_gated_mlp_setup(ctx, inputs, output):
+    x, wgu, wd = inputs
+    ctx.save_for_backward(x, wgu, wd, output[1])
+
+
+def _quack_gated_mlp_grad(ctx, dy, _dgu):
+    x, wgu, wd, gu = ctx.saved_tensors
+    dgu, s = quack_dgated(dy, wd, gu)  # s is recomputed in the epilogue: the forward kept only gu
+    return dgu @ interleave(wgu), deinterleave(dgu.t() @ x), dy.t() @ s
+
+
+quack_gated_mlp.register_autograd(_quack_gated_mlp_grad, setup_context=_quack_gated_mlp_setup)
+
+
+def check_quack(device, dtype):
+    """quack's gated GEMMs once, forward and backward, on small tensors of this device against the plain
+    products: RuntimeError where its JIT compiler or kernels fail here or disagree, so that a run falls back to the
+    plain path before its first step rather than failing in it. Its own random generator: the run's is untouched."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    x, wgu, wd, dy = (torch.randn(*shape, generator=gen, device=device) / 4 for shape in
+                      ((256, 128), (512, 128), (128, 256), (256, 128)))
+    fused = [t.to(dtype).detach().requires_grad_(True) for t in (x, wgu, wd)]
+    plain = [t.detach().clone().requires_grad_(True) for t in (x, wgu, wd)]
+    with torch.enable_grad():  # fuse_blocks may be called under no_grad (evaluation, solve.py)
+        try:
+            with torch.no_grad():
+                s = quack_swiglu(fused[0], fused[1])
+            y = quack_gated_mlp(*fused)[0]
+            y.float().backward(dy)
+        except Exception as e:
+            raise RuntimeError(f"quack's gated GEMMs failed on a {device} tensor: {type(e).__name__}: "
+                               f"{str(e)[:200]}") from e
+        gate, up = (plain[0] @ plain[1].t()).chunk(2, dim=-1)
+        s_plain = torch.nn.functional.silu(gate) * up
+        y_plain = s_plain @ plain[2].t()
+        y_plain.backward(dy)
+    for name, a, b in zip(('swiglu', 'output', 'd x', 'd gate_up', 'd down'), [s, y] + [t.grad for t in fused],
+                          [s_plain, y_plain] + [t.grad for t in plain]):
+        err = float((a.detach().float() - b.detach()).norm() / b.detach().norm())
+        if not err < 0.02:  # bfloat16 keeps 8 significant bits: 2^-8, about 0.004, per value
+            raise RuntimeError(f"quack's gated GEMMs disagree with the plain products here ({name}: relative "
+                               f"error {err:.3g})")
+
+
+# -----------------------------------------------------------------------------
 # the Block's fused forward
 
-def gated_swiglu(mlp, x, pad=0):
-    """SwiGLU.forward (model.py) through gated_mlp, for calls under grad: x [..., d + pad], the weights padded
-    with zeros as SwiGLU pads them, the padded outputs cut off."""
+def gated_swiglu(mlp, x, pad=0, quack=False):
+    """SwiGLU.forward (model.py) through gated_mlp (quack_gated_mlp with quack=True), for calls under grad:
+    x [..., d + pad], the weights padded with zeros as SwiGLU pads them, the padded outputs cut off."""
     w_gu, w_d = mlp.gate_up_proj.weight.to(x.dtype), mlp.down_proj.weight.to(x.dtype)
     if pad:
         w_gu, w_d = torch.nn.functional.pad(w_gu, (0, pad)), torch.nn.functional.pad(w_d, (0, 0, 0, pad))
-    y = gated_mlp(x.reshape(-1, x.shape[-1]), w_gu, w_d)[0].view(x.shape)
+    y = (quack_gated_mlp if quack else gated_mlp)(x.reshape(-1, x.shape[-1]), w_gu, w_d)[0].view(x.shape)
     return y[..., :y.shape[-1] - pad] if pad else y
 
 
-def mix_sequence_gated(block, h):
+def mix_sequence_gated(block, h, quack=False):
     """Block.mix_sequence (model.py) with mlp_t's SwiGLU through the gated GEMMs, for calls under grad."""
     ht = h.transpose(1, 2)
     x = torch.nn.functional.pad(ht, (0, block.seq_pad)) if block.seq_pad else ht
-    return rms_norm(ht + gated_swiglu(block.mlp_t, x, block.seq_pad), block.eps).transpose(1, 2)
+    return rms_norm(ht + gated_swiglu(block.mlp_t, x, block.seq_pad, quack), block.eps).transpose(1, 2)
 
 
 def block_forward(block, h, rope, which='triton'):
@@ -467,13 +583,14 @@ def block_forward(block, h, rope, which='triton'):
                channel one) through gated_mlp, whose GEMMs compute the SwiGLU and its gradient in their
                epilogues; without grad the channel one as swiglu then down_norm (the residual and the RMSNorm in
                the down GEMM's epilogue, where a tile holds the width).
+      'quack'  'gated' with quack's gated GEMMs (quack_gated_mlp, quack_swiglu) in place of the Triton ones.
       'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too (its forward and backward).
     Attention stays the plain path's."""
-    grad = torch.is_grad_enabled()
+    grad, quack = torch.is_grad_enabled(), which == 'quack'
     if hasattr(block, 'mlp_t') and (which == 'triton' or not grad):
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
-    elif hasattr(block, 'mlp_t') and which == 'gated':
-        h = mix_sequence_gated(block, h)
+    elif hasattr(block, 'mlp_t') and which in ('gated', 'quack'):
+        h = mix_sequence_gated(block, h, quack)
     elif hasattr(block, 'mlp_t'):
         h = block.mix_sequence(h)
     else:
@@ -481,11 +598,11 @@ def block_forward(block, h, rope, which='triton'):
     if which == 'mlp_t':
         return rms_norm(h + block.mlp(h), block.eps)
     if grad:
-        return rms_norm(h + gated_swiglu(block.mlp, h), block.eps)
+        return rms_norm(h + gated_swiglu(block.mlp, h, quack=quack), block.eps)
     B, L, D = h.shape
     x = h.reshape(B * L, D)
     w_gu, w_d = block.mlp.gate_up_proj.weight.to(h.dtype), block.mlp.down_proj.weight.to(h.dtype)
-    s = swiglu(x, w_gu)
+    s = (quack_swiglu if quack else swiglu)(x, w_gu)
     if D > MAX_WIDTH:
         return rms_norm(h + (s @ w_d.t()).view(B, L, D), block.eps)
     return down_norm(s, w_d, x, block.eps).view(B, L, D)
@@ -493,34 +610,50 @@ def block_forward(block, h, rope, which='triton'):
 
 FORWARDS = dict(mlp_t=lambda block, h, rope: block_forward(block, h, rope, 'mlp_t'),
                 gated=lambda block, h, rope: block_forward(block, h, rope, 'gated'),
+                quack=lambda block, h, rope: block_forward(block, h, rope, 'quack'),
                 triton=block_forward)
 
 
 def fusable(block, which='triton'):
     """'' where `which`'s fused forward runs this block, else why not (no mlp_t to fuse, a sequence past what
-    mlp_t's tile holds, an inner width the gated GEMMs' column tiles do not divide)."""
+    mlp_t's tile holds, an inner width the gated GEMMs' column tiles do not divide; for quack's, a width that is
+    no multiple of 8: its GEMMs read 16-byte rows)."""
     if which == 'mlp_t' and not hasattr(block, 'mlp_t'):
         return "the model mixes the sequence with attention, not mlp_t"
     if hasattr(block, 'mlp_t') and block.mlp_t.down_proj.weight.shape[0] > MAX_SEQ:
         return f"mlp_t over {block.mlp_t.down_proj.weight.shape[0]} positions (at most {MAX_SEQ})"
     widest = max(c['BN'] for c in GATED_CONFIGS + DGATED_CONFIGS)
-    inner = [m.down_proj.weight.shape[1] for m in (getattr(block, 'mlp_t', None), block.mlp) if m is not None]
+    mlps = [m for m in (getattr(block, 'mlp_t', None), block.mlp) if m is not None]
+    inner = [m.down_proj.weight.shape[1] for m in mlps]
+    if which == 'quack':  # the GEMMs' widths: each SwiGLU's input (mlp_t's padded sequence) and inner width
+        widths = inner + [m.gate_up_proj.weight.shape[1] + (getattr(block, 'seq_pad', 0) if m is not block.mlp
+                                                             else 0) for m in mlps]
+        if any(w % 8 for w in widths):
+            return f"a SwiGLU's widths ({widths}) are no multiples of 8 (quack's GEMMs read 16-byte rows)"
+        return ''
     if which != 'mlp_t' and any(i % widest for i in inner):
         return f"a SwiGLU's inner width ({inner}) is no multiple of {widest} (the gated GEMMs' tiles)"
     return ''
 
 
 def fuse_blocks(model, which='triton'):
-    """Each Block of model runs which's fused forward ('mlp_t', 'gated', 'triton': block_forward) or, with
-    'off', the plain forward again. Returns what was fused, or why nothing was."""
+    """Each Block of model runs which's fused forward ('mlp_t', 'gated', 'quack', 'triton': block_forward) or,
+    with 'off', the plain forward again. Returns what was fused, or why nothing was; 'quack' raises ImportError
+    where quack does not load, RuntimeError where its kernels fail on the model's device (check_quack)."""
     blocks = list(model.net.layers)
     why = fusable(blocks[0], which) if which != 'off' else 'off'
+    if which == 'quack' and not why:  # here, not at the first step: a failure is one line before the run
+        load_quack()
+        weight = blocks[0].mlp.down_proj.weight
+        check_quack(weight.device, model.forward_dtype)
     for block in blocks:
         block.fused = None if why else FORWARDS[which]
     if why:
         return f"none fused: {why}"
-    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', gated='mlp_t forward (no-grad), under grad gated GEMMs',
+    gemms = "quack's gated GEMMs" if which == 'quack' else 'gated GEMMs'
+    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', gated=f'mlp_t forward (no-grad), under grad {gemms}',
+                      quack=f'mlp_t forward (no-grad), under grad {gemms}',
                       triton='mlp_t (forward and backward)')[which] if hasattr(blocks[0], 'mlp_t') else \
         'attention plain'
     return mlp_t_part + ('; the rest plain' if which == 'mlp_t' else
-                         '; channel SwiGLU (gated GEMMs, forward and backward)')
+                         f'; channel SwiGLU ({gemms}, forward and backward)')

@@ -3,6 +3,7 @@
 #   bash dev/gpu_speed.sh                                  # every stage that fits in BUDGET_S seconds
 #   STAGES=maze,ref_maze BUDGET_S=400 bash dev/gpu_speed.sh   # chosen stages (sudoku_all: only so)
 #   AB=gated bash dev/gpu_speed.sh                         # the A/B stages time kernels=gated against off, not auto
+#   AB=quack bash dev/gpu_speed.sh                         # ... kernels=quack (quack-kernels, installed as below)
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
 #   check     backends/kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
@@ -22,6 +23,11 @@
 #             the sudoku stage's figures
 # Everything goes to $OUT (at most 8 files); the summary table is printed last. The reference needs pydantic,
 # installed from .gpu/whl into /tmp/site (no network) and put on its PYTHONPATH only.
+# quack-kernels (kernels='quack', optional; the machine has no network): its wheels for Python 3.12 in .gpu/quack,
+# unzipped into .gpu_site with every call, and its CuTe DSL compiler library (nvidia_cutlass_dsl_libs_cu13, 193 MB
+# unpacked, 61 MiB as .gpu_libs/cu13.tar.xz: too big to travel beside the rest) unpacked there by an earlier call
+# on the same warm machine: first `mkdir -p .gpu_site && tar -xJf .gpu_libs/cu13.tar.xz -C .gpu_site` carrying
+# .gpu_libs, then this script carrying .gpu. Without them the quack line says why and 'quack' runs as 'off'.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -84,10 +90,21 @@ if [ "$REF_OK" = 1 ]; then
     fi
 fi
 
+# quack-kernels, where its wheels came: unzipped beside the compiler library (a wheel is a zip of site-packages'
+# files; nvidia_cutlass_dsl's .pth names the folder added last)
+QSITE=$PWD/.gpu_site
+if [ "$DRY" != 1 ] && ls .gpu/quack/*.whl >/dev/null 2>&1; then
+    mkdir -p "$QSITE"
+    for w in .gpu/quack/*.whl; do "$PY" -m zipfile -e "$w" "$QSITE" || say "note: $w did not unzip"; done
+    export PYTHONPATH="$QSITE:$QSITE/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+fi
+QUACK='from backends.kernels import load_quack; load_quack(); import quack; print("quack-kernels", quack.__version__)'
+say "quack: $(TRITON_INTERPRET= "$PY" -c "$QUACK" 2>&1 | tail -1 | cut -c1-300)"
+
 # estimate (s) and cap (s) of each stage on a cold H100/H200 (compilation included)
-declare -A EST=([check]=90 [sudoku]=230 [sudoku_all]=220 [ref_mlp]=130 [train]=40 [ops]=80 [maze]=220 [ref_maze]=130
+declare -A EST=([check]=120 [sudoku]=230 [sudoku_all]=220 [ref_mlp]=130 [train]=40 [ops]=80 [maze]=220 [ref_maze]=130
                 [autotune]=400)
-declare -A CAP=([check]=150 [sudoku]=330 [sudoku_all]=330 [ref_mlp]=200 [train]=90 [ops]=150 [maze]=330 [ref_maze]=200
+declare -A CAP=([check]=240 [sudoku]=330 [sudoku_all]=330 [ref_mlp]=200 [train]=90 [ops]=240 [maze]=330 [ref_maze]=200
                 [autotune]=560)
 declare -A TOOK RESULT
 

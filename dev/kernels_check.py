@@ -56,12 +56,25 @@ def compare(name, fused, plain, exact):
     return ok
 
 
-def block_checks(keys, B, dev, dtype):
-    """A block of the model (its real shapes): the no-grad forward, and where mlp_t's fused op carries a
-    gradient, the input's and the weights' gradients; against the block in float64."""
+def have_quack():
+    """'' where quack-kernels loads here (kernels='quack' can be checked), else why not."""
+    if DRY:
+        return "no quack on the CPU"
+    try:
+        from backends.kernels import load_quack
+        load_quack()
+        return ''
+    except ImportError as e:
+        return str(e)
+
+
+def block_checks(keys, B, dev, dtype, which='triton'):
+    """A block of the model (its real shapes) with which's fused forward: the no-grad forward, and the input's
+    and the weights' gradients; against the block in float64."""
     import torch
     from backends import kernels
     from model import TRM, TRMConfig
+    forward = lambda b, x, r: kernels.block_forward(b, x, r, which)
     torch.manual_seed(0)
     model = TRM(TRMConfig(**keys, forward_dtype='float32')).to(dev)
     exact_model = copy.deepcopy(model).double()
@@ -72,7 +85,7 @@ def block_checks(keys, B, dev, dtype):
     with torch.no_grad():
         exact = exact_block(h.double(), exact_rope)
         plain = block(h, rope)
-        block.fused = kernels.block_forward
+        block.fused = forward
         fused = block(h, rope)
         block.fused = None
     oks.append(compare('block forward (no grad)', fused, plain, exact))
@@ -87,7 +100,7 @@ def block_checks(keys, B, dev, dtype):
         return [x.grad] + [p.grad for n, p in b.named_parameters() if n.startswith('mlp')]
     exact_g = grads(exact_block, h.double(), exact_rope, None)
     plain_g = grads(block, h, rope, None)
-    fused_g = grads(block, h, rope, kernels.block_forward)
+    fused_g = grads(block, h, rope, forward)
     names = ['d h'] + [f'd {n}' for n, _ in block.named_parameters() if n.startswith('mlp')]
     for name, f, p, e in zip(names, fused_g, plain_g, exact_g):
         oks.append(compare(f'block backward: {name}', f, p, e))
@@ -96,8 +109,8 @@ def block_checks(keys, B, dev, dtype):
 
 def step_checks(keys, B, dev, dtype):
     """A model's training step (forward_loss and its backward) with every kernel ('triton'), with kernels='mlp_t'
-    and 'gated', and with none, against the same step in float64: the loss and the blocks' gradients, and all
-    gradients together."""
+    and 'gated' (and 'quack' where it loads), and with none, against the same step in float64: the loss and the
+    blocks' gradients, and all gradients together."""
     import torch
     from backends import kernels
     from model import TRM, TRMConfig
@@ -126,6 +139,9 @@ def step_checks(keys, B, dev, dtype):
     mlp_t_only = run(low)
     kernels.fuse_blocks(low, 'gated')
     gated = run(low)
+    if not have_quack():
+        kernels.fuse_blocks(low, 'quack')
+        quack = run(low)
     kernels.fuse_blocks(low, 'off')
     names = ['loss'] + [f"d {n}" for n, _ in low.named_parameters()]
     oks = [compare(n, f, p, e) for n, f, p, e in zip(names, fused, plain, exact) if '.mlp' in n or n == 'loss']
@@ -135,6 +151,9 @@ def step_checks(keys, B, dev, dtype):
     oks.append(compare("kernels='mlp_t': all gradients", flat(mlp_t_only), flat(plain), flat(exact)))
     oks.append(compare("kernels='gated': loss", gated[0], plain[0], exact[0]))
     oks.append(compare("kernels='gated': all gradients", flat(gated), flat(plain), flat(exact)))
+    if not have_quack():
+        oks.append(compare("kernels='quack': loss", quack[0], plain[0], exact[0]))
+        oks.append(compare("kernels='quack': all gradients", flat(quack), flat(plain), flat(exact)))
     return oks
 
 
@@ -146,6 +165,13 @@ def exact():
     oks = block_checks(sudoku, B, dev, dtype)
     print(f"Maze attention block, batch {max(2, B // 24)}:")
     oks += block_checks(maze, max(2, B // 24), dev, dtype)
+    why_not = have_quack()
+    print(f"kernels='quack': {why_not or 'quack-kernels loads'}", flush=True)
+    if not why_not:
+        print(f"Sudoku MLP block (mlp_t), kernels='quack', batch {B}:")
+        oks += block_checks(sudoku, B, dev, dtype, 'quack')
+        print(f"Maze attention block, kernels='quack', batch {max(2, B // 24)}:")
+        oks += block_checks(maze, max(2, B // 24), dev, dtype, 'quack')
     print(f"Sudoku MLP training step, batch {max(2, B // 6)}:")
     oks += step_checks(sudoku, max(2, B // 6), dev, dtype)
     print(f"exactness: {sum(oks)}/{len(oks)} ok in {time.time() - t0:.0f} s", flush=True)
@@ -280,6 +306,29 @@ def ops():
             print(f"  {op:20s} {'default' if i == 0 else 'variant':7s} {tiles} "
                   + (f"{ms:.3f} ms" if isinstance(ms, float) else ms), flush=True)
         print(f"  {op:20s} {plain_is.get(op, 'plain'):7s} {ref:.3f} ms", flush=True)
+    why_not = have_quack()
+    if why_not:
+        print(f"  quack: not timed ({why_not})", flush=True)
+        return 0
+    # quack-kernels' gated GEMMs in place of the Triton ones (kernels='quack'): its default tile per shape, then
+    # its autotuner's pick (JIT compilation of each candidate first)
+    quack_channel = compile_(lambda x: rms_norm(x + kernels.gated_swiglu(block.mlp, x, quack=True), block.eps))
+    quack_mix = compile_(lambda x: kernels.mix_sequence_gated(block, x, quack=True))
+    gu_quack = kernels.quack_gated_mlp(x, w_gu, w_d)[1]
+    quack = dict(quack_swiglu=(lambda: kernels.quack_swiglu(x, w_gu), 'swiglu'),
+                 quack_dgated=(lambda: kernels.quack_dgated(dy, w_d, gu_quack), 'dgated'),
+                 quack_gated_mlp_backward=(lambda: quack_channel(hg).backward(g), 'gated_mlp_backward'),
+                 quack_mlp_t_backward=(lambda: quack_mix(hg).backward(g), 'mlp_t_gated_backward'))
+    for tuned in (False, True):
+        kernels.QUACK_TUNED = tuned
+        for op, (fn, ours) in quack.items():
+            if tuned and op.endswith('_backward'):
+                continue
+            with torch.no_grad() if not op.endswith('_backward') else torch.enable_grad():
+                ms = time_ms(fn)
+            print(f"  {op:24s} {'tuned' if tuned else 'default':7s} {ms:.3f} ms (Triton's and the plain path's: "
+                  f"{ours} above)", flush=True)
+    kernels.QUACK_TUNED = False
     return 0
 
 
@@ -351,6 +400,8 @@ def kind_of(name):
     n = name.lower()
     if name.startswith(OURS):
         return 'backends/kernels.py'
+    if 'quack' in n:  # kernels='quack': quack-kernels' CuTe DSL GEMMs
+        return 'quack GEMM'
     if any(k in n for k in ('gemm', 'nvjet', 'cutlass', 'xmma', 'cublas', 'sm90_', 'sm80_')):
         return 'cuBLAS GEMM'
     return 'inductor Triton' if n.startswith('triton') else 'other'

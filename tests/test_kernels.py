@@ -51,7 +51,7 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
     model = TRM(TRMConfig(**cfg))
     block, rope = model.net.layers[0], model.rope()
     h = torch.randn(2, model.config.total_len, model.config.hidden_size)
-    modes = dict(kernels.FORWARDS)
+    modes = {k: v for k, v in kernels.FORWARDS.items() if k != 'quack'}  # quack's GEMMs: CUDA GPUs only
     if name.startswith('attention'):
         del modes['mlp_t']
     with torch.no_grad():  # the no-grad forward: mlp_t fused, and with gated and triton the channel SwiGLU too
@@ -172,6 +172,19 @@ AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused 
 
 
 @pytest.mark.parametrize('requested,kind,dtype,mlp_t,cap,have,interp,want,why', [
+    # quack-kernels' GEMMs: only on a CUDA GPU of capability 9.x or 10.x, in 16 bits, where the package is there
+    ('quack', 'cuda', 'bfloat16', True, (9, 0), (True, True), False, 'quack', 'quack (as configured)'),
+    ('quack', 'cuda', 'float16', False, (10, 0), (True, True), False, 'quack', 'quack (as configured)'),
+    ('quack', 'cuda', 'bfloat16', True, (9, 0), (True, False), False, 'off',
+     "warning: kernels='quack' needs the quack-kernels package (pip install quack-kernels; CUDA 12.9 or newer), "
+     "not installed: plain path"),
+    ('quack', 'cuda', 'bfloat16', True, (8, 6), (True, True), False, 'off',
+     "kernels='quack' runs on GPUs of compute capability 9.x and 10.x (Hopper, Blackwell), not 8.6: plain path"),
+    ('quack', 'cuda', 'float32', True, (9, 0), (True, True), False, 'off',
+     "kernels='quack' runs in bfloat16 or float16, not forward dtype float32: plain path"),
+    ('quack', 'cpu', 'float32', True, None, (True, True), True, 'off',
+     "warning: kernels='quack' runs on CUDA GPUs only (quack-kernels' GEMMs), not on device cpu: plain path"),
+    ('quack', 'cuda', 'bfloat16', True, (9, 0), (False, True), False, 'off', "kernels='quack' needs the triton"),
     ('auto', 'cpu', 'float32', True, None, True, False, 'off', 'auto: off (device cpu'),
     ('auto', 'xla', 'bfloat16', True, None, True, False, 'off', 'auto: off (device xla'),
     ('auto', 'tpu', 'bfloat16', True, None, True, False, 'off', 'auto: off (device tpu'),
@@ -200,7 +213,9 @@ def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, req
         monkeypatch.setenv('TRITON_INTERPRET', '1')
     else:
         monkeypatch.delenv('TRITON_INTERPRET', raising=False)
-    choice, text = choose_kernels(requested, kind, dtype, mlp_t=mlp_t, cuda_capability=cap, have_triton=have)
+    have_triton, have_quack = have if isinstance(have, tuple) else (have, False)
+    choice, text = choose_kernels(requested, kind, dtype, mlp_t=mlp_t, cuda_capability=cap, have_triton=have_triton,
+                                  have_quack=have_quack)
     assert choice == want and why in text, (choice, text)
 
 
@@ -211,13 +226,16 @@ def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back
             '--global_batch_size=8', '--forward_dtype=float32', '--loss_dtype=float32', '--xla_cache_dir=',
             '--log_interval=1']
     env = {'TRITON_INTERPRET': ''}
-    for extra, want in (([], 'kernels auto: off (device cpu: the kernels are for CUDA GPUs)'),
-                        (['--kernels=triton'], "kernels warning: kernels='triton' runs on CUDA GPUs")):
-        p = run(args + [f'--out_dir={tmp_path}/o{len(extra)}'] + extra, env=env)
+    for i, (extra, want) in enumerate((([], 'kernels auto: off (device cpu: the kernels are for CUDA GPUs)'),
+                                       (['--kernels=triton'], "kernels warning: kernels='triton' runs on CUDA GPUs"),
+                                       (['--kernels=quack'], "kernels warning: kernels='quack' runs on CUDA GPUs "
+                                                             "only (quack-kernels' GEMMs), not on device cpu"))):
+        p = run(args + [f'--out_dir={tmp_path}/o{i}'] + extra, env=env)
         first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
         assert want in first and 'Traceback' not in p.stdout + p.stderr, first
     p = run(args + [f'--out_dir={tmp_path}/bad', '--kernels=cuda'], check=False)
-    assert p.returncode == 1 and "kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'triton')" in p.stderr, p.stderr
+    assert p.returncode == 1 and ("kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'quack' | "
+                                  "'triton')") in p.stderr, p.stderr
     # in the interpreter a forced 'mlp_t' (auto's pick on a Hopper GPU) trains and evaluates through its kernel,
     # the EMA's copy included
     p = run(args + [f'--out_dir={tmp_path}/interp', '--kernels=mlp_t'], env={'TRITON_INTERPRET': '1'})
@@ -267,6 +285,6 @@ def test_the_profile_summary_sums_the_gpu_kernels_by_kind(tmp_path):
 def test_bench_refuses_a_kernels_ab_that_is_no_kernels_value_in_one_line():
     for value in ('fast', 'True'):  # True: the flag's old form, a switch
         p = run(['bench.py', '--device=cpu', f'--kernels_ab={value}'], check=False)
-        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'triton'; "
+        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'quack' | 'triton'; "
                 "kernels_ab also '': no A/B)")
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
