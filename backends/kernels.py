@@ -623,11 +623,11 @@ def fusable(block, which='triton'):
     if hasattr(block, 'mlp_t') and block.mlp_t.down_proj.weight.shape[0] > MAX_SEQ:
         return f"mlp_t over {block.mlp_t.down_proj.weight.shape[0]} positions (at most {MAX_SEQ})"
     widest = max(c['BN'] for c in GATED_CONFIGS + DGATED_CONFIGS)
-    mlps = [m for m in (getattr(block, 'mlp_t', None), block.mlp) if m is not None]
-    inner = [m.down_proj.weight.shape[1] for m in mlps]
-    if which == 'quack':  # the GEMMs' widths: each SwiGLU's input (mlp_t's padded sequence) and inner width
-        widths = inner + [m.gate_up_proj.weight.shape[1] + (getattr(block, 'seq_pad', 0) if m is not block.mlp
-                                                             else 0) for m in mlps]
+    inner = [m.down_proj.weight.shape[1] for m in (getattr(block, 'mlp_t', None), block.mlp) if m is not None]
+    if which == 'quack':  # every width its GEMMs see: the inner ones, D, and mlp_t's padded sequence
+        widths = inner + [block.mlp.gate_up_proj.weight.shape[1]]
+        if hasattr(block, 'mlp_t'):
+            widths.append(block.mlp_t.gate_up_proj.weight.shape[1] + block.seq_pad)
         if any(w % 8 for w in widths):
             return f"a SwiGLU's widths ({widths}) are no multiples of 8 (quack's GEMMs read 16-byte rows)"
         return ''
@@ -651,9 +651,7 @@ def fuse_blocks(model, which='triton'):
     if why:
         return f"none fused: {why}"
     gemms = "quack's gated GEMMs" if which == 'quack' else 'gated GEMMs'
-    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', gated=f'mlp_t forward (no-grad), under grad {gemms}',
-                      quack=f'mlp_t forward (no-grad), under grad {gemms}',
-                      triton='mlp_t (forward and backward)')[which] if hasattr(blocks[0], 'mlp_t') else \
-        'attention plain'
+    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', triton='mlp_t (forward and backward)').get(
+        which, f'mlp_t forward (no-grad), under grad {gemms}') if hasattr(blocks[0], 'mlp_t') else 'attention plain'
     return mlp_t_part + ('; the rest plain' if which == 'mlp_t' else
                          f'; channel SwiGLU ({gemms}, forward and backward)')
