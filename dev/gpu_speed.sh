@@ -21,12 +21,12 @@
 #   autotune  (KNOBS=1 only) the Sudoku step with kernels=AB under compile_mode max-autotune-no-cudagraphs
 #             (inductor's autotuning: minutes of compilation), to set beside
 #             the sudoku stage's figures
-# Everything goes to $OUT (at most 8 files); the summary table is printed last. The reference needs pydantic,
-# installed from .gpu/whl into /tmp/site (no network) and put on its PYTHONPATH only.
-# quack-kernels (kernels='quack', optional; the machine has no network): its wheels for Python 3.12 in .gpu/quack,
-# unzipped into .gpu_site with every call, and its CuTe DSL compiler library (nvidia_cutlass_dsl_libs_cu13, 193 MB
-# unpacked, 61 MiB as .gpu_libs/cu13.tar.xz: too big to travel beside the rest) unpacked there by an earlier call
-# on the same warm machine: first `mkdir -p .gpu_site && tar -xJf .gpu_libs/cu13.tar.xz -C .gpu_site` carrying
+# Everything goes to $OUT (at most 8 files); the summary table is printed last. The machine has no network: what
+# the reference and quack need comes in ignored folders that dev/gpu_stage.sh fills on this side. The reference's
+# pydantic is installed from .gpu/whl into /tmp/site and put on its PYTHONPATH only. quack-kernels (kernels='quack',
+# optional): its wheels in .gpu/quack are unzipped into .gpu_site with every call; its CuTe DSL compiler library
+# (193 MB unpacked, .gpu_libs/cu13.tar.xz: too big to travel beside .gpu) is unpacked there by an earlier call on
+# the same warm machine: first `mkdir -p .gpu_site && tar -xJf .gpu_libs/cu13.tar.xz -C .gpu_site` carrying
 # .gpu_libs, then this script carrying .gpu. Without them the quack line says why and 'quack' runs as 'off'.
 set -u
 cd "$(dirname "$0")/.." || exit 1
