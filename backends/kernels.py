@@ -219,29 +219,37 @@ def mlp_t_weights(block, dtype):
 # nor [rows, 2 x inter] is written only to be read back by an elementwise kernel
 
 # The GEMMs' tiles on a GPU: Triton's autotuner times each candidate once per shape and keeps the fastest (the
-# interpreter takes the first; dev/kernels_check.py's build compiles each).
-GATED_CONFIGS = [dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3),
-                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-                 dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4),
-                 dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)]
-DGATED_CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3),
-                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4),
-                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4)]
+# interpreter takes the first; dev/kernels_check.py's build compiles each). TMA: the tiles move between global and
+# shared memory through Hopper's tensor memory accelerator (descriptors built on the device) rather than through
+# each thread's loads; offered on compute capability 9.0 or newer only.
+GATED_CONFIGS = [dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, TMA=False),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=False),
+                 dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4, TMA=False),
+                 dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, TMA=False),
+                 dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, TMA=True),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True)]
+DGATED_CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=False),
+                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, TMA=False),
+                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, TMA=False),
+                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=False),
+                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True),
+                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, TMA=True),
+                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, TMA=True)]
 GROUP_M = tl.constexpr(8)  # row tiles consecutive programs share, so a weight tile is reused from L2
 
 
 @triton.jit
 def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's row and column offsets: programs walk GROUP_M row tiles down a column of tiles before the
-    next column, so the weight tiles they read stay in L2."""
+    """This program's first row and first column: programs walk GROUP_M row tiles down a column of tiles before
+    the next column, so the weight tiles they read stay in L2."""
     pid = tl.program_id(0)
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     first = pid // (GROUP_M * n_n) * GROUP_M
     rows = tl.minimum(n_m - first, GROUP_M)
     pm = first + (pid % (GROUP_M * n_n)) % rows
     pn = (pid % (GROUP_M * n_n)) // rows
-    return pm.to(tl.int64) * BM + tl.arange(0, BM), pn * BN + tl.arange(0, BN)
+    return pm * BM, pn * BN
 
 
 @triton.jit
@@ -255,48 +263,75 @@ def _rows_by_k(ptr, m, k, M, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _gated_forward(x_ptr, w_ptr, s_ptr, gu_ptr, M, I, K: tl.constexpr, KEEP: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """s [M, I] = silu(g) * u with g, u = x [M, K] times the gate and up rows of w [2I, K]; KEEP: also write
     gu [M, 2I] = [g, u], which the backward reads (the plain path's gate_up output, the same bits). BN divides
-    I (fusable checks it), so only rows and K need masks."""
+    I (fusable checks it), so only rows and K need masks; TMA's copies read zeros past the edges and write
+    nothing there."""
     io = s_ptr.dtype.element_ty
-    m, n = _tile(M, I, BM, BN)
-    k = tl.arange(0, BK)
+    m0, n0 = _tile(M, I, BM, BN)
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = _rows_by_k(x_ptr, m, k0 + k, M, K, BK)
-        # gate rows n of w and the matching up rows, I further, as [BN, BK] tiles multiplied transposed
-        wg = _rows_by_k(w_ptr, n, k0 + k, I, K, BK)
-        wu = _rows_by_k(w_ptr + I * K, n, k0 + k, I, K, BK)
-        acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
-        acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
-    rows = m[:, None] < M
+    if TMA:
+        x_tiles = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BM, BK])
+        w_tiles = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [K, 1], [BN, BK])
+        for k0 in range(0, K, BK):
+            a = x_tiles.load([m0, k0])
+            acc_g = tl.dot(a, w_tiles.load([n0, k0]).T, acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, w_tiles.load([I + n0, k0]).T, acc_u, input_precision=PREC)
+    else:
+        m, n, k = m0.to(tl.int64) + tl.arange(0, BM), n0 + tl.arange(0, BN), tl.arange(0, BK)
+        for k0 in range(0, K, BK):
+            a = _rows_by_k(x_ptr, m, k0 + k, M, K, BK)
+            # gate rows n of w and the matching up rows, I further, as [BN, BK] tiles multiplied transposed
+            wg = _rows_by_k(w_ptr, n, k0 + k, I, K, BK)
+            wu = _rows_by_k(w_ptr + I * K, n, k0 + k, I, K, BK)
+            acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
+            acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
     g, u = acc_g.to(io), acc_u.to(io)
-    if KEEP:
-        tl.store(gu_ptr + m[:, None] * (2 * I) + n[None, :], g, mask=rows)
-        tl.store(gu_ptr + m[:, None] * (2 * I) + (I + n)[None, :], u, mask=rows)
+    if TMA:  # (a constexpr: names bound in the branch compiled stay bound below)
+        s_tiles = tl.make_tensor_descriptor(s_ptr, [M, I], [I, 1], [BM, BN])
+        if KEEP:
+            gu_tiles = tl.make_tensor_descriptor(gu_ptr, [M, 2 * I], [2 * I, 1], [BM, BN])
+            gu_tiles.store([m0, n0], g)
+            gu_tiles.store([m0, I + n0], u)
+    else:
+        rows = m[:, None] < M
+        if KEEP:
+            tl.store(gu_ptr + m[:, None] * (2 * I) + n[None, :], g, mask=rows)
+            tl.store(gu_ptr + m[:, None] * (2 * I) + (I + n)[None, :], u, mask=rows)
     g = g.to(tl.float32)
-    tl.store(s_ptr + m[:, None] * I + n[None, :], (g * tl.sigmoid(g) * u.to(tl.float32)).to(io), mask=rows)
+    s = (g * tl.sigmoid(g) * u.to(tl.float32)).to(io)
+    if TMA:
+        s_tiles.store([m0, n0], s)
+    else:
+        tl.store(s_ptr + m[:, None] * I + n[None, :], s, mask=rows)
 
 
 @triton.jit
 def _dgated_backward(dy_ptr, wd_ptr, gu_ptr, dgu_ptr, M, I, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PREC: tl.constexpr):
+                     BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
     """dgu [M, 2I] = [dg, du], the gradients of gate and up, from ds = dy [M, K] times wd [K, I] (the down
     weight, as stored) and gu [M, 2I]: ds is rounded as the plain path's product is, then
     du = ds * silu(g), dg = ds * u * silu'(g) in float32, silu'(g) = sig + silu(g) * (1 - sig)."""
     io = dgu_ptr.dtype.element_ty
-    m, n = _tile(M, I, BM, BN)
-    k = tl.arange(0, BK)
+    m0, n0 = _tile(M, I, BM, BN)
+    m, n = m0.to(tl.int64) + tl.arange(0, BM), n0 + tl.arange(0, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        a = _rows_by_k(dy_ptr, m, k0 + k, M, K, BK)
-        if K % BK == 0:
-            b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :])
-        else:
-            b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :], mask=(k0 + k < K)[:, None], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=PREC)
+    if TMA:  # the product's tiles only: the epilogue reads gu in the accumulator's layout, as the loads below do
+        dy_tiles = tl.make_tensor_descriptor(dy_ptr, [M, K], [K, 1], [BM, BK])
+        wd_tiles = tl.make_tensor_descriptor(wd_ptr, [K, I], [I, 1], [BK, BN])
+        for k0 in range(0, K, BK):
+            acc = tl.dot(dy_tiles.load([m0, k0]), wd_tiles.load([k0, n0]), acc, input_precision=PREC)
+    else:
+        k = tl.arange(0, BK)
+        for k0 in range(0, K, BK):
+            a = _rows_by_k(dy_ptr, m, k0 + k, M, K, BK)
+            if K % BK == 0:
+                b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :])
+            else:
+                b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :], mask=(k0 + k < K)[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
     rows = m[:, None] < M
     at = m[:, None] * (2 * I) + n[None, :]  # gate's column n of row m in gu and dgu; up's is I further
     ds = acc.to(io).to(tl.float32)
@@ -309,28 +344,49 @@ def _dgated_backward(dy_ptr, wd_ptr, gu_ptr, dgu_ptr, M, I, K: tl.constexpr, BM:
     tl.store(dgu_ptr + at, (ds * u).to(io), mask=rows)
 
 
+def _tma_where_it_runs(configs, named_args, **_):
+    """The autotuner's candidates for a call: the TMA tiles only on compute capability 9.0 or newer, where every
+    matrix starts and each of its rows begins 16-byte aligned (what a TMA copy reads)."""
+    mats = [t for t in named_args.values() if isinstance(t, torch.Tensor)]
+    tma = torch.cuda.get_device_capability(mats[0].device)[0] >= 9 and all(
+        t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in mats)
+    return [c for c in configs if tma or not c.kwargs['TMA']]
+
+
 def _tuned(kernel, configs, key):
     return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ('num_warps', 'num_stages')},
                                           num_warps=c['num_warps'], num_stages=c['num_stages']) for c in configs],
-                           key=key)(kernel)
+                           key=key, prune_configs_by=dict(early_config_prune=_tma_where_it_runs))(kernel)
 
 
 _gated_tuned = _tuned(_gated_forward, GATED_CONFIGS, ['M', 'I', 'K', 'KEEP'])
 _dgated_tuned = _tuned(_dgated_backward, DGATED_CONFIGS, ['M', 'I', 'K'])
 
 
+def _tma_scratch(size, alignment, stream):
+    """Global memory for the TMA descriptors the kernels build on the device."""
+    return torch.empty(size, dtype=torch.int8, device='cuda')
+
+
 def _gemm(tuned, kernel, configs, M, N, *args, **constants):
     """A GEMM launch over [M, N] tiles: autotuned on a GPU, the first config in the interpreter."""
     if INTERPRET:
-        c = configs[0]
-        grid = (triton.cdiv(M, c['BM']) * triton.cdiv(N, c['BN']),)
-        kernel[grid](*args, **constants, BM=c['BM'], BN=c['BN'], BK=c['BK'])
+        c = {k: v for k, v in configs[0].items() if k not in ('num_warps', 'num_stages')}
+        kernel[(triton.cdiv(M, c['BM']) * triton.cdiv(N, c['BN']),)](*args, **constants, **c)
     else:
+        triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread, and autograd's is another
         tuned[lambda meta: (triton.cdiv(M, meta['BM']) * triton.cdiv(N, meta['BN']),)](*args, **constants)
 
 
+def _aligned(t):
+    """t contiguous and starting 16-byte aligned, as a TMA copy reads it (a view into a tensor may start
+    anywhere): the autotuner keeps its pick per shape, not per address."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 def _gated(x, w, keep):
-    x, w = x.contiguous(), w.contiguous()
+    x, w = _aligned(x), _aligned(w)
     M, K = x.shape
     I = w.shape[0] // 2
     s = x.new_empty(M, I)
@@ -369,11 +425,11 @@ def _(x, wgu, wd):
 @torch.library.custom_op('trm::dgated', mutates_args=())
 def dgated(dy: torch.Tensor, wd: torch.Tensor, gu: torch.Tensor) -> torch.Tensor:
     """[dg, du] [M, 2I] from the down product's gradient dy [M, D], wd [D, I] and gu [M, 2I] (gated_mlp's)."""
-    dy, wd = dy.contiguous(), wd.contiguous()
+    dy, wd = _aligned(dy), _aligned(wd)
     M, D = dy.shape
     I = wd.shape[1]
     dgu = torch.empty_like(gu)
-    _gemm(_dgated_tuned, _dgated_backward, DGATED_CONFIGS, M, I, dy, wd, gu.contiguous(), dgu, M, I, K=D,
+    _gemm(_dgated_tuned, _dgated_backward, DGATED_CONFIGS, M, I, dy, wd, _aligned(gu), dgu, M, I, K=D,
           PREC=_precision(dy.dtype))
     return dgu
 

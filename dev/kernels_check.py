@@ -290,6 +290,8 @@ def ops():
     for op in fused:
         with torch.no_grad() if not op.endswith('_backward') else torch.enable_grad():
             base = dict(kernels.TILES.get(op, {}))
+            if op in tuned:  # tuned afresh at this op's call, so that the candidates' times below are its shape's
+                tuned[op].cache.clear()
             rows = [(base, time_ms(fused[op]))]
             for v in VARIANTS.get(op, []):
                 kernels.TILES[op] = v
@@ -337,8 +339,8 @@ def build_all(cap=90, variants=False):
     """Each kernel at the Sudoku model's shapes with its default tiles (and VARIANTS' with variants=True),
     compiled for a GPU of compute capability `cap` by Triton's own ptxas, no GPU needed:
     {name: (shared memory bytes, registers per thread, stack bytes: register spills, whether its products run
-    on Hopper's asynchronous tensor-core instructions, wgmma)}. A kernel that does not build raises ptxas's
-    error."""
+    on Hopper's asynchronous tensor-core instructions (wgmma), whether its tiles move by TMA copies)}. A kernel
+    that does not build raises ptxas's error."""
     import subprocess
     import tempfile
     import triton
@@ -348,10 +350,10 @@ def build_all(cap=90, variants=False):
     bf, f32 = '*bf16', '*fp32'
     mlp_t = lambda t: dict(I=512, LP=128, BD=t['BD'], BI=t['BI'])
     gated = lambda K: (kernels._gated_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, gu_ptr=bf, M='i32', I='i32'),
-                       lambda t: dict(K=K, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK']))
+                       lambda t: dict(K=K, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK'], TMA=t['TMA']))
     dgated = lambda K: (kernels._dgated_backward, dict(dy_ptr=bf, wd_ptr=bf, gu_ptr=bf, dgu_ptr=bf, M='i32',
                                                        I='i32'), lambda t: dict(K=K, BM=t['BM'], BN=t['BN'],
-                                                                                BK=t['BK']))
+                                                                                BK=t['BK'], TMA=t['TMA']))
     specs = dict(  # the JIT's view of the Sudoku MLP's calls: L 97, D 512, mlp_t inter 512, channel inter 1536
         mlp_t=(kernels._mlp_t_forward, dict(h_ptr=bf, wg_ptr=bf, wd_ptr=bf, out_ptr=bf, rstd_ptr=f32, L='i32',
                                              D='i32', eps='fp32'), mlp_t),
@@ -383,14 +385,15 @@ def build_all(cap=90, variants=False):
                 usage = subprocess.run([tool, '-res-usage', f.name], capture_output=True, text=True).stdout
             key = name if i == 0 else f"{name} {tiles}"
             out[key] = (k.metadata.shared, int(re.search(r'REG:(\d+)', usage).group(1)),
-                        int(re.search(r'STACK:(\d+)', usage).group(1)), 'wgmma.mma_async' in k.asm['ptx'])
+                        int(re.search(r'STACK:(\d+)', usage).group(1)), 'wgmma.mma_async' in k.asm['ptx'],
+                        'cp.async.bulk.tensor' in k.asm['ptx'])
     return out
 
 
 def build(cap='90'):
-    for name, (smem, regs, stack, wgmma) in build_all(int(cap), variants=True).items():
-        print(f"{name:80s} shared {smem // 1024:4d} KiB | {regs:3d} registers | {stack:4d} bytes spilled"
-              f"{' | wgmma' if wgmma else ''}")
+    for name, (smem, regs, stack, wgmma, tma) in build_all(int(cap), variants=True).items():
+        print(f"{name:96s} shared {smem // 1024:4d} KiB | {regs:3d} registers | {stack:4d} bytes spilled"
+              f"{' | wgmma' if wgmma else ''}{' | TMA' if tma else ''}")
     return 0
 
 

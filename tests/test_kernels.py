@@ -29,17 +29,25 @@ from step import forward_loss
 rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
 out = {}
 # the gated GEMMs alone over more row tiles than a group of programs walks (9 x 128 + 5 rows): every tile of the
-# grid's order, the last group short
-torch.manual_seed(0)
-x, w_gu, w_d = torch.randn(1157, 64), torch.randn(512, 64) / 8, torch.randn(64, 256) / 16
-dy = torch.randn(1157, 64)
-ins = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
-gate, up = (ins[0] @ ins[1].t()).chunk(2, dim=-1)
-(torch.nn.functional.silu(gate) * up @ ins[2].t()).backward(dy)
-got = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
-kernels.gated_mlp(*got)[0].backward(dy)
-out['gated GEMMs over many row tiles: gradients'] = max(rel(a.grad, b.grad) for a, b in zip(got, ins))
-out['gated GEMMs over many row tiles: swiglu'] = rel(kernels.swiglu(x, w_gu), torch.nn.functional.silu(gate) * up)
+# grid's order, the last group short; then a K and a D that no K tile divides. Each with the first tile of the
+# lists (the interpreter runs that one): the threads' loads, then the TMA copies (rows and K past the edges read
+# as zeros, nothing written there)
+tiles = kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS
+for tma in (False, True):
+    kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS = (sorted(c, key=lambda t: t['TMA'] != tma) for c in tiles)
+    for what, (M, K, D) in dict(many_row_tiles=(1157, 64, 64), partial_k_tiles=(300, 48, 48)).items():
+        torch.manual_seed(0)
+        x, w_gu, w_d = torch.randn(M, K), torch.randn(512, K) / 8, torch.randn(D, 256) / 16
+        dy = torch.randn(M, D)
+        ins = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
+        gate, up = (ins[0] @ ins[1].t()).chunk(2, dim=-1)
+        (torch.nn.functional.silu(gate) * up @ ins[2].t()).backward(dy)
+        got = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
+        kernels.gated_mlp(*got)[0].backward(dy)
+        what = f"gated GEMMs {'TMA' if tma else 'loads'} {what}"
+        out[f'{what}: gradients'] = max(rel(a.grad, b.grad) for a, b in zip(got, ins))
+        out[f'{what}: swiglu'] = rel(kernels.swiglu(x, w_gu), torch.nn.functional.silu(gate) * up)
+kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS = tiles
 for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='rope'),
                        mlp_t_partial_tile=dict(hidden_size=48, num_heads=2, seq_len=20),
                        attention_whole_k_tiles=dict(hidden_size=64, mlp_t=False, pos_encodings='rope')).items():
@@ -147,7 +155,10 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
         if k.endswith('equal'):
             assert v is True, (k, out)
         elif not k.endswith('fused'):
-            assert v < 2e-5, (k, v, out)  # float32 rounding: the fused sums run in another order
+            # float32 rounding: the fused sums run in another order than the plain path's, whose own order
+            # differs between CPUs (AVX2, AVX-512), and the recursion carries each call's rounding into the next
+            # (an evaluation step's z into the next step's); a wrong tile, mask or index is off by orders more
+            assert v < 1e-4, (k, v, out)
 
 
 def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
@@ -157,14 +168,38 @@ def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
     sys.path.insert(0, os.path.join(ROOT, 'dev'))
     from kernels_check import build_all
     built = build_all(90)
-    for name, (smem, regs, spill, wgmma) in built.items():
+    for name, (smem, regs, spill, wgmma, tma) in built.items():
         assert spill == 0 and regs <= 255 and smem <= 227 * 1024, (name, smem, regs, spill)
-    # the autotuner's every candidate for the gated GEMMs, each on Hopper's asynchronous tensor-core instructions
+    # the autotuner's every candidate for the gated GEMMs, each on Hopper's asynchronous tensor-core instructions,
+    # its tiles moved by TMA copies where the config says so and by the threads' loads where not
     from backends.kernels import DGATED_CONFIGS, GATED_CONFIGS
     for name, configs in (('gated', GATED_CONFIGS), ('dgated', DGATED_CONFIGS), ('gated_mlp_t', GATED_CONFIGS),
                           ('dgated_mlp_t', DGATED_CONFIGS)):
         tried = [v for k, v in built.items() if k.split(' {')[0] == name]
-        assert len(tried) == len(configs) and all(w for *_, w in tried), (name, tried)
+        assert len(tried) == len(configs) and all(w for *_, w, _ in tried), (name, tried)
+        assert [t for *_, t in tried] == [c['TMA'] for c in configs], (name, tried)
+        assert any(c['TMA'] for c in configs) and not configs[0]['TMA'], configs
+
+
+def test_the_tma_tiles_are_offered_only_where_a_tma_copy_can_read_every_matrix(monkeypatch):
+    """The autotuner's candidates for one call of a gated GEMM: every tile on compute capability 9.0 and newer
+    where each matrix starts and each of its rows begins 16-byte aligned; the threads' loads alone before Hopper,
+    where a row is not a multiple of 16 bytes, or where a matrix starts off the alignment (a TMA copy would fault
+    there); and the wrapper realigns such a matrix, so the autotuner's pick per shape fits every call."""
+    import torch
+    from backends import kernels
+    configs = kernels._gated_tuned.configs
+    tma = [c.kwargs['TMA'] for c in configs]
+    bf = dict(dtype=torch.bfloat16)
+    offset = torch.zeros(64 * 64 + 1, **bf)[1:].view(64, 64)  # starts 2 bytes past an aligned address
+    for cap, K, x, fits in (((9, 0), 64, None, True), ((10, 0), 64, None, True), ((8, 9), 64, None, False),
+                            ((9, 0), 68, None, False), ((9, 0), 64, offset, False)):
+        monkeypatch.setattr(torch.cuda, 'get_device_capability', lambda device=None, cap=cap: cap)
+        args = dict(x_ptr=torch.zeros(64, K, **bf) if x is None else x, w_ptr=torch.zeros(128, K, **bf), M=64, I=64)
+        got = kernels._tma_where_it_runs(configs, args)
+        assert [c.kwargs['TMA'] for c in got] == [t for t in tma if fits or not t], (cap, K, got)
+    assert offset.data_ptr() % 16 and kernels._aligned(offset).data_ptr() % 16 == 0
+    assert torch.equal(kernels._aligned(offset), offset)
 
 
 AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused mlp_t forward where no gradient "
