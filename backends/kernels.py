@@ -221,34 +221,40 @@ def mlp_t_weights(block, dtype):
 # The GEMMs' tiles on a GPU: Triton's autotuner times each candidate once per shape and keeps the fastest (the
 # interpreter takes the first; dev/kernels_check.py's build compiles each). TMA: the tiles move between global and
 # shared memory through Hopper's tensor memory accelerator (descriptors built on the device) rather than through
-# each thread's loads; offered on compute capability 9.0 or newer only.
-GATED_CONFIGS = [dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, TMA=False),
-                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=False),
-                 dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4, TMA=False),
-                 dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, TMA=False),
-                 dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, TMA=True),
-                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True),
-                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=True)]
-DGATED_CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=False),
-                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, TMA=False),
-                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, TMA=False),
-                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, TMA=False),
-                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, TMA=True),
-                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, TMA=True),
-                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, TMA=True)]
-GROUP_M = tl.constexpr(8)  # row tiles consecutive programs share, so a weight tile is reused from L2
+# each thread's loads; offered on compute capability 9.0 or newer only. PERSIST (TMA's only): one program per SM,
+# each looping over tiles, so that one tile's stores drain while the next tile's copies are in flight.
+LOADS, TMA_TILES, TMA_PERSISTENT = (dict(TMA=False, PERSIST=False), dict(TMA=True, PERSIST=False),
+                                   dict(TMA=True, PERSIST=True))
+GATED_CONFIGS = [dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **LOADS),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, **LOADS),
+                 dict(BM=128, BN=128, BK=32, num_warps=8, num_stages=4, **LOADS),
+                 dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, **LOADS),
+                 dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **TMA_TILES),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, **TMA_TILES),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, **TMA_TILES),
+                 dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **TMA_PERSISTENT),
+                 dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, **TMA_PERSISTENT)]
+DGATED_CONFIGS = [dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, **LOADS),
+                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, **LOADS),
+                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, **LOADS),
+                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=4, **LOADS),
+                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, **TMA_TILES),
+                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, **TMA_TILES),
+                  dict(BM=64, BN=128, BK=64, num_warps=4, num_stages=4, **TMA_TILES),
+                  dict(BM=128, BN=128, BK=64, num_warps=8, num_stages=3, **TMA_PERSISTENT),
+                  dict(BM=128, BN=64, BK=64, num_warps=4, num_stages=4, **TMA_PERSISTENT)]
+GROUP_M = tl.constexpr(8)  # row tiles consecutive tiles share, so a weight tile is reused from L2
 
 
 @triton.jit
-def _tile(M, N, BM: tl.constexpr, BN: tl.constexpr):
-    """This program's first row and first column: programs walk GROUP_M row tiles down a column of tiles before
-    the next column, so the weight tiles they read stay in L2."""
-    pid = tl.program_id(0)
+def _tile(t, M, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Tile t's first row and first column: tiles walk GROUP_M row tiles down a column of tiles before the next
+    column, so the weight tiles that programs running together read stay in L2."""
     n_m, n_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    first = pid // (GROUP_M * n_n) * GROUP_M
+    first = t // (GROUP_M * n_n) * GROUP_M
     rows = tl.minimum(n_m - first, GROUP_M)
-    pm = first + (pid % (GROUP_M * n_n)) % rows
-    pn = (pid % (GROUP_M * n_n)) // rows
+    pm = first + (t % (GROUP_M * n_n)) % rows
+    pn = (t % (GROUP_M * n_n)) // rows
     return pm * BM, pn * BN
 
 
@@ -263,24 +269,42 @@ def _rows_by_k(ptr, m, k, M, K: tl.constexpr, BK: tl.constexpr):
 
 @triton.jit
 def _gated_forward(x_ptr, w_ptr, s_ptr, gu_ptr, M, I, K: tl.constexpr, KEEP: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
+                   BN: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+                   PERSIST: tl.constexpr):
     """s [M, I] = silu(g) * u with g, u = x [M, K] times the gate and up rows of w [2I, K]; KEEP: also write
     gu [M, 2I] = [g, u], which the backward reads (the plain path's gate_up output, the same bits). BN divides
     I (fusable checks it), so only rows and K need masks; TMA's copies read zeros past the edges and write
-    nothing there."""
+    nothing there. With TMA each program loops over the tiles the grid's width apart: one tile each, or with
+    PERSIST (a grid of one program per SM: _programs) several."""
     io = s_ptr.dtype.element_ty
-    m0, n0 = _tile(M, I, BM, BN)
-    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     if TMA:
         x_tiles = tl.make_tensor_descriptor(x_ptr, [M, K], [K, 1], [BM, BK])
         w_tiles = tl.make_tensor_descriptor(w_ptr, [2 * I, K], [K, 1], [BN, BK])
-        for k0 in range(0, K, BK):
-            a = x_tiles.load([m0, k0])
-            acc_g = tl.dot(a, w_tiles.load([n0, k0]).T, acc_g, input_precision=PREC)
-            acc_u = tl.dot(a, w_tiles.load([I + n0, k0]).T, acc_u, input_precision=PREC)
+        s_tiles = tl.make_tensor_descriptor(s_ptr, [M, I], [I, 1], [BM, BN])
+        if KEEP:  # (a constexpr: a name bound in the branch compiled stays bound below)
+            gu_tiles = tl.make_tensor_descriptor(gu_ptr, [M, 2 * I], [2 * I, 1], [BM, BN])
+        t = tl.program_id(0)
+        while t < tl.cdiv(M, BM) * tl.cdiv(I, BN):
+            m0, n0 = _tile(t, M, I, BM, BN)
+            acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+            acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                a = x_tiles.load([m0, k0])
+                acc_g = tl.dot(a, w_tiles.load([n0, k0]).T, acc_g, input_precision=PREC)
+                acc_u = tl.dot(a, w_tiles.load([I + n0, k0]).T, acc_u, input_precision=PREC)
+            g, u = acc_g.to(io), acc_u.to(io)
+            if KEEP:
+                gu_tiles.store([m0, n0], g)
+                gu_tiles.store([m0, I + n0], u)
+            g = g.to(tl.float32)
+            s_tiles.store([m0, n0], (g * tl.sigmoid(g) * u.to(tl.float32)).to(io))
+            t += tl.num_programs(0)
     else:
+        tl.static_assert(not PERSIST, "the threads' loads run a tile per program")
+        m0, n0 = _tile(tl.program_id(0), M, I, BM, BN)
         m, n, k = m0.to(tl.int64) + tl.arange(0, BM), n0 + tl.arange(0, BN), tl.arange(0, BK)
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, K, BK):
             a = _rows_by_k(x_ptr, m, k0 + k, M, K, BK)
             # gate rows n of w and the matching up rows, I further, as [BN, BK] tiles multiplied transposed
@@ -288,50 +312,21 @@ def _gated_forward(x_ptr, w_ptr, s_ptr, gu_ptr, M, I, K: tl.constexpr, KEEP: tl.
             wu = _rows_by_k(w_ptr + I * K, n, k0 + k, I, K, BK)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PREC)
             acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PREC)
-    g, u = acc_g.to(io), acc_u.to(io)
-    if TMA:  # (a constexpr: names bound in the branch compiled stay bound below)
-        s_tiles = tl.make_tensor_descriptor(s_ptr, [M, I], [I, 1], [BM, BN])
-        if KEEP:
-            gu_tiles = tl.make_tensor_descriptor(gu_ptr, [M, 2 * I], [2 * I, 1], [BM, BN])
-            gu_tiles.store([m0, n0], g)
-            gu_tiles.store([m0, I + n0], u)
-    else:
         rows = m[:, None] < M
+        g, u = acc_g.to(io), acc_u.to(io)
         if KEEP:
             tl.store(gu_ptr + m[:, None] * (2 * I) + n[None, :], g, mask=rows)
             tl.store(gu_ptr + m[:, None] * (2 * I) + (I + n)[None, :], u, mask=rows)
-    g = g.to(tl.float32)
-    s = (g * tl.sigmoid(g) * u.to(tl.float32)).to(io)
-    if TMA:
-        s_tiles.store([m0, n0], s)
-    else:
-        tl.store(s_ptr + m[:, None] * I + n[None, :], s, mask=rows)
+        g = g.to(tl.float32)
+        tl.store(s_ptr + m[:, None] * I + n[None, :], (g * tl.sigmoid(g) * u.to(tl.float32)).to(io), mask=rows)
 
 
 @triton.jit
-def _dgated_backward(dy_ptr, wd_ptr, gu_ptr, dgu_ptr, M, I, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr):
-    """dgu [M, 2I] = [dg, du], the gradients of gate and up, from ds = dy [M, K] times wd [K, I] (the down
-    weight, as stored) and gu [M, 2I]: ds is rounded as the plain path's product is, then
-    du = ds * silu(g), dg = ds * u * silu'(g) in float32, silu'(g) = sig + silu(g) * (1 - sig)."""
+def _dgated_epilogue(acc, gu_ptr, dgu_ptr, m0, n0, M, I, BM: tl.constexpr, BN: tl.constexpr):
+    """The gradient GEMM's tile of ds = acc into dgu's gate and up columns, read and written by the threads in
+    the accumulator's layout, one of gate and up at a time (fewer registers live)."""
     io = dgu_ptr.dtype.element_ty
-    m0, n0 = _tile(M, I, BM, BN)
     m, n = m0.to(tl.int64) + tl.arange(0, BM), n0 + tl.arange(0, BN)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if TMA:  # the product's tiles only: the epilogue reads gu in the accumulator's layout, as the loads below do
-        dy_tiles = tl.make_tensor_descriptor(dy_ptr, [M, K], [K, 1], [BM, BK])
-        wd_tiles = tl.make_tensor_descriptor(wd_ptr, [K, I], [I, 1], [BK, BN])
-        for k0 in range(0, K, BK):
-            acc = tl.dot(dy_tiles.load([m0, k0]), wd_tiles.load([k0, n0]), acc, input_precision=PREC)
-    else:
-        k = tl.arange(0, BK)
-        for k0 in range(0, K, BK):
-            a = _rows_by_k(dy_ptr, m, k0 + k, M, K, BK)
-            if K % BK == 0:
-                b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :])
-            else:
-                b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :], mask=(k0 + k < K)[:, None], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=PREC)
     rows = m[:, None] < M
     at = m[:, None] * (2 * I) + n[None, :]  # gate's column n of row m in gu and dgu; up's is I further
     ds = acc.to(io).to(tl.float32)
@@ -342,6 +337,39 @@ def _dgated_backward(dy_ptr, wd_ptr, gu_ptr, dgu_ptr, M, I, K: tl.constexpr, BM:
     ds = ds * (sig + silu * (1.0 - sig))
     u = tl.load(gu_ptr + at + I, mask=rows, other=0.0).to(tl.float32)
     tl.store(dgu_ptr + at, (ds * u).to(io), mask=rows)
+
+
+@triton.jit
+def _dgated_backward(dy_ptr, wd_ptr, gu_ptr, dgu_ptr, M, I, K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr, PERSIST: tl.constexpr):
+    """dgu [M, 2I] = [dg, du], the gradients of gate and up, from ds = dy [M, K] times wd [K, I] (the down
+    weight, as stored) and gu [M, 2I]: ds is rounded as the plain path's product is, then
+    du = ds * silu(g), dg = ds * u * silu'(g) in float32, silu'(g) = sig + silu(g) * (1 - sig). TMA moves the
+    product's tiles only, looping as _gated_forward's do."""
+    if TMA:
+        dy_tiles = tl.make_tensor_descriptor(dy_ptr, [M, K], [K, 1], [BM, BK])
+        wd_tiles = tl.make_tensor_descriptor(wd_ptr, [K, I], [I, 1], [BK, BN])
+        t = tl.program_id(0)
+        while t < tl.cdiv(M, BM) * tl.cdiv(I, BN):
+            m0, n0 = _tile(t, M, I, BM, BN)
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                acc = tl.dot(dy_tiles.load([m0, k0]), wd_tiles.load([k0, n0]), acc, input_precision=PREC)
+            _dgated_epilogue(acc, gu_ptr, dgu_ptr, m0, n0, M, I, BM, BN)
+            t += tl.num_programs(0)
+    else:
+        tl.static_assert(not PERSIST, "the threads' loads run a tile per program")
+        m0, n0 = _tile(tl.program_id(0), M, I, BM, BN)
+        m, n, k = m0.to(tl.int64) + tl.arange(0, BM), n0 + tl.arange(0, BN), tl.arange(0, BK)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = _rows_by_k(dy_ptr, m, k0 + k, M, K, BK)
+            if K % BK == 0:
+                b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :])
+            else:
+                b = tl.load(wd_ptr + (k0 + k)[:, None] * I + n[None, :], mask=(k0 + k < K)[:, None], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PREC)
+        _dgated_epilogue(acc, gu_ptr, dgu_ptr, m0, n0, M, I, BM, BN)
 
 
 def _tma_where_it_runs(configs, named_args, **_):
@@ -368,14 +396,24 @@ def _tma_scratch(size, alignment, stream):
     return torch.empty(size, dtype=torch.int8, device='cuda')
 
 
+def _programs(M, N, tiles, device):
+    """The grid of a GEMM over [M, N] with `tiles`: a program per tile, or with PERSIST one per SM (in the
+    interpreter, 3: each then loops over several tiles)."""
+    n = triton.cdiv(M, tiles['BM']) * triton.cdiv(N, tiles['BN'])
+    if not tiles['PERSIST']:
+        return (n,)
+    return (min(n, torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 3),)
+
+
 def _gemm(tuned, kernel, configs, M, N, *args, **constants):
     """A GEMM launch over [M, N] tiles: autotuned on a GPU, the first config in the interpreter."""
+    device = args[0].device
     if INTERPRET:
         c = {k: v for k, v in configs[0].items() if k not in ('num_warps', 'num_stages')}
-        kernel[(triton.cdiv(M, c['BM']) * triton.cdiv(N, c['BN']),)](*args, **constants, **c)
+        kernel[_programs(M, N, c, device)](*args, **constants, **c)
     else:
         triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread, and autograd's is another
-        tuned[lambda meta: (triton.cdiv(M, meta['BM']) * triton.cdiv(N, meta['BN']),)](*args, **constants)
+        tuned[lambda meta: _programs(M, N, meta, device)](*args, **constants)
 
 
 def _aligned(t):

@@ -350,10 +350,12 @@ def build_all(cap=90, variants=False):
     bf, f32 = '*bf16', '*fp32'
     mlp_t = lambda t: dict(I=512, LP=128, BD=t['BD'], BI=t['BI'])
     gated = lambda K: (kernels._gated_forward, dict(x_ptr=bf, w_ptr=bf, s_ptr=bf, gu_ptr=bf, M='i32', I='i32'),
-                       lambda t: dict(K=K, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK'], TMA=t['TMA']))
+                       lambda t: dict(K=K, KEEP=True, BM=t['BM'], BN=t['BN'], BK=t['BK'], TMA=t['TMA'],
+                                      PERSIST=t['PERSIST']))
     dgated = lambda K: (kernels._dgated_backward, dict(dy_ptr=bf, wd_ptr=bf, gu_ptr=bf, dgu_ptr=bf, M='i32',
                                                        I='i32'), lambda t: dict(K=K, BM=t['BM'], BN=t['BN'],
-                                                                                BK=t['BK'], TMA=t['TMA']))
+                                                                                BK=t['BK'], TMA=t['TMA'],
+                                                                                PERSIST=t['PERSIST']))
     specs = dict(  # the JIT's view of the Sudoku MLP's calls: L 97, D 512, mlp_t inter 512, channel inter 1536
         mlp_t=(kernels._mlp_t_forward, dict(h_ptr=bf, wg_ptr=bf, wd_ptr=bf, out_ptr=bf, rstd_ptr=f32, L='i32',
                                              D='i32', eps='fp32'), mlp_t),

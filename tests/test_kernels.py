@@ -30,11 +30,13 @@ rel = lambda a, b: float((a.double() - b.double()).norm() / b.double().norm())
 out = {}
 # the gated GEMMs alone over more row tiles than a group of programs walks (9 x 128 + 5 rows): every tile of the
 # grid's order, the last group short; then a K and a D that no K tile divides. Each with the first tile of the
-# lists (the interpreter runs that one): the threads' loads, then the TMA copies (rows and K past the edges read
-# as zeros, nothing written there)
-tiles = kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS
-for tma in (False, True):
-    kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS = (sorted(c, key=lambda t: t['TMA'] != tma) for c in tiles)
+# lists (the interpreter runs that one) moved by the threads' loads, by TMA copies (rows and K past the edges read
+# as zeros, nothing written there), and by TMA copies in a persistent grid (3 programs here, each looping over
+# tiles)
+tiles, results = (kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS), {}
+for how, mode in dict(loads=kernels.LOADS, TMA=kernels.TMA_TILES, persistent=kernels.TMA_PERSISTENT).items():
+    kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS = (
+        sorted(c, key=lambda t: any(t[k] != v for k, v in mode.items())) for c in tiles)
     for what, (M, K, D) in dict(many_row_tiles=(1157, 64, 64), partial_k_tiles=(300, 48, 48)).items():
         torch.manual_seed(0)
         x, w_gu, w_d = torch.randn(M, K), torch.randn(512, K) / 8, torch.randn(D, 256) / 16
@@ -44,10 +46,13 @@ for tma in (False, True):
         (torch.nn.functional.silu(gate) * up @ ins[2].t()).backward(dy)
         got = [t.clone().requires_grad_(True) for t in (x, w_gu, w_d)]
         kernels.gated_mlp(*got)[0].backward(dy)
-        what = f"gated GEMMs {'TMA' if tma else 'loads'} {what}"
+        what = f"gated GEMMs {how} {what}"
         out[f'{what}: gradients'] = max(rel(a.grad, b.grad) for a, b in zip(got, ins))
         out[f'{what}: swiglu'] = rel(kernels.swiglu(x, w_gu), torch.nn.functional.silu(gate) * up)
+        results.setdefault(how, []).extend([t.grad for t in got] + [kernels.swiglu(x, w_gu)])
 kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS = tiles
+out['gated GEMMs by TMA, persistent or not: the loads\' bits equal'] = all(
+    torch.equal(a, b) for how in ('TMA', 'persistent') for a, b in zip(results[how], results['loads']))
 for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='rope'),
                        mlp_t_partial_tile=dict(hidden_size=48, num_heads=2, seq_len=20),
                        attention_whole_k_tiles=dict(hidden_size=64, mlp_t=False, pos_encodings='rope')).items():
@@ -178,7 +183,8 @@ def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
         tried = [v for k, v in built.items() if k.split(' {')[0] == name]
         assert len(tried) == len(configs) and all(w for *_, w, _ in tried), (name, tried)
         assert [t for *_, t in tried] == [c['TMA'] for c in configs], (name, tried)
-        assert any(c['TMA'] for c in configs) and not configs[0]['TMA'], configs
+        assert any(c['PERSIST'] for c in configs) and not configs[0]['TMA'], configs
+        assert all(c['TMA'] or not c['PERSIST'] for c in configs), configs  # a persistent grid loops TMA's tiles
 
 
 def test_the_tma_tiles_are_offered_only_where_a_tma_copy_can_read_every_matrix(monkeypatch):
