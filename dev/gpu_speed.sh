@@ -6,7 +6,8 @@
 #   AB=quack bash dev/gpu_speed.sh                         # ... kernels=quack (quack-kernels, installed as below)
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
-#   check     backends/kernels.py vs the plain path vs float64 at the real shapes (dev/kernels_check.py exact)
+#   check     backends/kernels.py vs the plain path vs float64 at the real shapes, the gated GEMMs' TMA tiles vs
+#             their loads bit for bit (dev/kernels_check.py exact)
 #   sudoku    bench.py config/baseline.py, kernels off then AB (auto: what a user gets, mlp_t on Hopper) in one
 #             run (--kernels_ab), and a profile of two compiled steps with AB's kernels (top kernels by GPU time)
 #   ref_mlp   the reference's step and evaluation, Sudoku MLP batch 768 (.gpu/ref_gpu_bench.py, .gpu/ref/models)

@@ -158,6 +158,39 @@ def step_checks(keys, B, dev, dtype):
     return oks
 
 
+def tile_modes(dev, dtype, M, K, I):
+    """The gated GEMMs with one tile moved three ways (the threads' loads, TMA copies, TMA in a persistent grid),
+    at a SwiGLU's real shape plus a ragged row tile: the TMA results equal the loads' bit for bit. One line per
+    way; on a GPU without TMA (before Hopper) only the loads run, and nothing is compared."""
+    import torch
+    from backends import kernels
+    tiles, tuned = (kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS), (kernels._gated_tuned, kernels._dgated_tuned)
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, dy = (torch.randn(M + 5, w, generator=g, device=dev).to(dtype) for w in (K, K))
+    w_gu = (torch.randn(2 * I, K, generator=g, device=dev) / K ** 0.5).to(dtype)
+    w_d = (torch.randn(K, I, generator=g, device=dev) / I ** 0.5).to(dtype)
+    modes = dict(loads=kernels.LOADS, TMA=kernels.TMA_TILES, persistent=kernels.TMA_PERSISTENT)
+    if dev != 'cpu' and torch.cuda.get_device_capability()[0] < 9:
+        modes = dict(loads=kernels.LOADS)
+    oks, first = [], None
+    for how, mode in modes.items():
+        one = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **mode)
+        kernels.GATED_CONFIGS = kernels.DGATED_CONFIGS = [one]  # the interpreter's pick
+        kernels._gated_tuned = kernels._tuned(kernels._gated_forward, [one], ['M', 'I', 'K', 'KEEP'])  # the GPU's
+        kernels._dgated_tuned = kernels._tuned(kernels._dgated_backward, [one], ['M', 'I', 'K'])
+        y, s, gu = kernels.gated_mlp(x, w_gu, w_d)
+        got = [y, s, gu, kernels.swiglu(x, w_gu), kernels.dgated(dy, w_d, gu)]
+        if first is None:
+            first = got
+            print(f"  gated GEMMs, {how:10s} [{M + 5}, {K}] x [{2 * I}, {K}]: computed", flush=True)
+            continue
+        oks.append(all(torch.equal(a, b) for a, b in zip(got, first)))
+        print(f"  gated GEMMs, {how:10s} [{M + 5}, {K}] x [{2 * I}, {K}]: "
+              f"{'the loads bit for bit: ok' if oks[-1] else 'differs from the loads: FAIL'}", flush=True)
+    (kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS), (kernels._gated_tuned, kernels._dgated_tuned) = tiles, tuned
+    return oks
+
+
 def exact():
     dev, dtype, sudoku, maze, B = setup()
     t0 = time.time()
@@ -173,6 +206,8 @@ def exact():
         oks += block_checks(sudoku, B, dev, dtype, 'quack')
         print(f"Maze attention block, kernels='quack', batch {max(2, B // 24)}:")
         oks += block_checks(maze, max(2, B // 24), dev, dtype, 'quack')
+    print("the gated GEMMs' ways of moving a tile:")
+    oks += tile_modes(dev, dtype, *((300, 32, 256) if DRY else (B * 97, 512, 1536)))  # Sudoku's channel SwiGLU
     print(f"Sudoku MLP training step, batch {max(2, B // 6)}:")
     oks += step_checks(sudoku, max(2, B // 6), dev, dtype)
     print(f"exactness: {sum(oks)}/{len(oks)} ok in {time.time() - t0:.0f} s", flush=True)
