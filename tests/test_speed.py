@@ -195,7 +195,10 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
 
     for (l1, y1, h1, m1), (l2, y2, h2, m2) in zip(want[0], got[0]):
         torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(y2, y1, rtol=1e-4, atol=1e-4)
+        # the carry runs float32 through the recursion for 4 steps whose weights already differ by the updates'
+        # rounding, and inductor's CPU kernels sum in another order than eager's, one that depends on the CPU's
+        # vector width: a drift of a few 1e-4 on values of order 1, where a wrong graph is off by order 1
+        torch.testing.assert_close(y2, y1, rtol=1e-4, atol=5e-4)
         assert torch.equal(h2, h1)
         for k in m1:
             torch.testing.assert_close(m2[k], m1[k], rtol=1e-5, atol=1e-5)
