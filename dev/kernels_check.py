@@ -173,21 +173,23 @@ def tile_modes(dev, dtype, M, K, I):
     if dev != 'cpu' and torch.cuda.get_device_capability()[0] < 9:
         modes = dict(loads=kernels.LOADS)
     oks, first = [], None
-    for how, mode in modes.items():
-        one = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **mode)
-        kernels.GATED_CONFIGS = kernels.DGATED_CONFIGS = [one]  # the interpreter's pick
-        kernels._gated_tuned = kernels._tuned(kernels._gated_forward, [one], ['M', 'I', 'K', 'KEEP'])  # the GPU's
-        kernels._dgated_tuned = kernels._tuned(kernels._dgated_backward, [one], ['M', 'I', 'K'])
-        y, s, gu = kernels.gated_mlp(x, w_gu, w_d)
-        got = [y, s, gu, kernels.swiglu(x, w_gu), kernels.dgated(dy, w_d, gu)]
-        if first is None:
-            first = got
-            print(f"  gated GEMMs, {how:10s} [{M + 5}, {K}] x [{2 * I}, {K}]: computed", flush=True)
-            continue
-        oks.append(all(torch.equal(a, b) for a, b in zip(got, first)))
-        print(f"  gated GEMMs, {how:10s} [{M + 5}, {K}] x [{2 * I}, {K}]: "
-              f"{'the loads bit for bit: ok' if oks[-1] else 'differs from the loads: FAIL'}", flush=True)
-    (kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS), (kernels._gated_tuned, kernels._dgated_tuned) = tiles, tuned
+    try:
+        for how, mode in modes.items():
+            one = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **mode)
+            kernels.GATED_CONFIGS = kernels.DGATED_CONFIGS = [one]  # the interpreter's pick
+            kernels._gated_tuned = kernels._tuned(kernels._gated_forward, [one], ['M', 'I', 'K', 'KEEP'])  # the GPU's
+            kernels._dgated_tuned = kernels._tuned(kernels._dgated_backward, [one], ['M', 'I', 'K'])
+            y, s, gu = kernels.gated_mlp(x, w_gu, w_d)
+            got = [y, s, gu, kernels.swiglu(x, w_gu), kernels.dgated(dy, w_d, gu)]
+            if first is None:
+                first = got
+                print(f"  gated GEMMs, {how:10s} [{M + 5}, {K}] x [{2 * I}, {K}]: computed", flush=True)
+                continue
+            oks.append(all(torch.equal(a, b) for a, b in zip(got, first)))
+            print(f"  gated GEMMs, {how:10s} [{M + 5}, {K}] x [{2 * I}, {K}]: "
+                  f"{'the loads bit for bit: ok' if oks[-1] else 'differs from the loads: FAIL'}", flush=True)
+    finally:  # the lists and autotuners every later check uses
+        (kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS), (kernels._gated_tuned, kernels._dgated_tuned) = tiles, tuned
     return oks
 
 
