@@ -21,7 +21,7 @@ QUACK_PINS="quack-kernels==0.6.5 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-li
             nvidia-cutlass-dsl-libs-core==4.8.1 apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5"
 CU13_PIN=nvidia-cutlass-dsl-libs-cu13==4.8.1
 [ -f "$REF_BENCH" ] || { echo "gpu_stage: no $REF_BENCH (REF_BENCH=...)" >&2; exit 1; }
-git --git-dir="$REF_GIT" rev-parse --verify -q HEAD:models >/dev/null \
+git --git-dir="$REF_GIT" rev-parse --verify -q HEAD:models >/dev/null 2>&1 \
     || { echo "gpu_stage: $REF_GIT is not a git directory whose HEAD holds models/" >&2; exit 1; }
 
 # wheels for the GPU machine's Python and platform, not this machine's

@@ -166,7 +166,8 @@ def tile_modes(dev, dtype, M, K, I):
     from backends import kernels
     tiles, tuned = (kernels.GATED_CONFIGS, kernels.DGATED_CONFIGS), (kernels._gated_tuned, kernels._dgated_tuned)
     g = torch.Generator(device=dev).manual_seed(0)
-    x, dy = (torch.randn(M + 5, w, generator=g, device=dev).to(dtype) for w in (K, K))
+    x = torch.randn(M + 5, K, generator=g, device=dev).to(dtype)
+    dy = torch.randn(M + 5, K, generator=g, device=dev).to(dtype)  # the down product's gradient: D = K
     w_gu = (torch.randn(2 * I, K, generator=g, device=dev) / K ** 0.5).to(dtype)
     w_d = (torch.randn(K, I, generator=g, device=dev) / I ** 0.5).to(dtype)
     modes = dict(loads=kernels.LOADS, TMA=kernels.TMA_TILES, persistent=kernels.TMA_PERSISTENT)
