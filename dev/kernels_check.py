@@ -4,7 +4,7 @@ kernels on and off, each fused op's time against the compiled plain path, the to
 summary table of gpu_speed.sh's logs.
     python dev/kernels_check.py exact              # fused vs plain, both vs float64 (float32 for a model's step)
     python dev/kernels_check.py train              # a tiny run's token accuracy after N steps, kernels on and off
-    python dev/kernels_check.py ops                # ms per call: fused ops (and tile variants) vs compiled plain
+    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (tile variants) vs compiled plain
     python dev/kernels_check.py profile TRACE OUT  # the kernels of a bench.py Chrome trace by GPU time, into OUT
     python dev/kernels_check.py table DIR          # gpu_speed.sh's table from the bench and reference logs in DIR
     python dev/kernels_check.py build [CAP]        # each kernel built for compute capability CAP (90), no GPU:
@@ -285,17 +285,38 @@ VARIANTS = dict(mlp_t=[dict(BD=64, BI=32, num_warps=8, num_stages=3),
                            dict(BM=64, BK=64, num_warps=16, num_stages=2)])
 
 
+def mix_sequence_major(block, h):
+    """mlp_t on a sequence-major hidden state h [S, B, D]: each product is one plain matmul with the weight on
+    the left ([2I, S] x [S, B*D], then [S, I] x [I, B*D]), no transpose and no padding copy; the gate/up weight
+    is read transposed from an [S, 2I] copy, whose rows stay 16-byte aligned where S is no multiple of 8."""
+    import torch
+    S, B, D = h.shape
+    w_gu = block.mlp_t.gate_up_proj.weight.t().to(h.dtype).contiguous().t()
+    gate, up = (w_gu @ h.view(S, B * D)).chunk(2, dim=0)
+    y = block.mlp_t.down_proj.weight.to(h.dtype) @ (torch.nn.functional.silu(gate) * up)
+    v = (h + y.view(S, B, D)).float()
+    return (v * torch.rsqrt(v.square().mean(0, keepdim=True) + block.eps)).to(h.dtype)
+
+
 def ops():
     """ms per call at the Sudoku block's real shapes: each fused op (its default tiles, then VARIANTS; the GEMMs
     autotuned, their pick printed) against the plain path compiled by inductor (torch.compile's default mode),
-    and each gated GEMM against cuBLAS's bare product of the same shape (the floor its epilogue adds to)."""
+    and each gated GEMM against cuBLAS's bare product of the same shape (the floor its epilogue adds to); each
+    with its useful TFLOP/s (the true sequence's products, no padding; backward: twice the forward's more).
+    Then mlp_t in a sequence-major layout, compiled plain, which the model does not use: measured to decide."""
     import torch
     from backends import kernels
-    from model import TRM, TRMConfig, rms_norm
+    from model import TRM, TRMConfig, rms_norm, swiglu_inter
     dev, dtype, sudoku, _, B = setup()
     torch.manual_seed(0)
     model = TRM(TRMConfig(**sudoku, forward_dtype=str(dtype).split('.')[-1])).to(dev)
     block = model.net.layers[0]
+    S, D = model.config.total_len, model.config.hidden_size
+    mix, channel = 6 * B * D * S * swiglu_inter(S, model.config.expansion), \
+        6 * B * S * D * swiglu_inter(D, model.config.expansion)
+    flops = dict(mlp_t=mix, mlp_t_backward=3 * mix, mlp_t_gated_backward=3 * mix, swiglu=channel * 2 / 3,
+                 down_norm=channel / 3, dgated=channel / 3, gated_mlp_backward=3 * channel)
+    speed = lambda op, ms: f"{ms:.3f} ms {flops[op] / ms / 1e9:6.1f} TFLOP/s"
     h = torch.randn(B, model.config.total_len, model.config.hidden_size, device=dev).to(dtype)
     hg, g = h.clone().requires_grad_(True), torch.randn_like(h)
     compile_ = (lambda f: f) if DRY else torch.compile
@@ -345,8 +366,22 @@ def ops():
             rows[0] = (f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}", rows[0][1])
         for i, (tiles, ms) in enumerate(rows):
             print(f"  {op:20s} {'default' if i == 0 else 'variant':7s} {tiles} "
-                  + (f"{ms:.3f} ms" if isinstance(ms, float) else ms), flush=True)
-        print(f"  {op:20s} {plain_is.get(op, 'plain'):7s} {ref:.3f} ms", flush=True)
+                  + (speed(op, ms) if isinstance(ms, float) else ms), flush=True)
+        print(f"  {op:20s} {plain_is.get(op, 'plain'):7s} {speed(op, ref)}", flush=True)
+    h_sm = h.transpose(0, 1).contiguous()
+    hg_sm, g_sm = h_sm.clone().requires_grad_(True), g.transpose(0, 1).contiguous()
+    major = compile_(lambda x: mix_sequence_major(block, x))
+    with torch.no_grad():
+        differs = rel(major(h_sm).transpose(0, 1), plain_mix(h))
+    hg.grad = None  # (the timings above left theirs)
+    major(hg_sm).backward(g_sm)
+    plain_mix(hg).backward(g)
+    print(f"  mlp_t, sequence-major ([S, B, D], plain, compiled; against the plain path: forward {differs:.1e}, "
+          f"d h {rel(hg_sm.grad.transpose(0, 1), hg.grad):.1e}):", flush=True)
+    with torch.no_grad():
+        print(f"  {'mlp_t':20s} {'seq-maj':7s} {speed('mlp_t', time_ms(lambda: major(h_sm)))}", flush=True)
+    print(f"  {'mlp_t_backward':20s} {'seq-maj':7s} "
+          f"{speed('mlp_t_backward', time_ms(lambda: major(hg_sm).backward(g_sm)))}", flush=True)
     why_not = have_quack()
     if why_not:
         print(f"  quack: not timed ({why_not})", flush=True)

@@ -289,7 +289,7 @@ def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back
 def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_path):
     """dev/gpu_speed.sh with DRY=1 and AB=gated: each stage at tiny shapes on the CPU (bench.py's kernels A/B,
     off then gated, on both models through the interpreter included), the reference's stages skipped where .gpu
-    is absent, and the summary table last."""
+    is absent, and the summary table last; the ops stage's sequence-major mlp_t equals the plain one."""
     env = dict(os.environ, DRY='1', AB='gated', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1')
     p = subprocess.run(['bash', 'dev/gpu_speed.sh'], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=900)
@@ -298,6 +298,9 @@ def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_pa
         assert f'   {stage}: ok in' in p.stdout, (stage, p.stdout[-4000:])
     check = open(tmp_path / 'out' / 'check.txt').read()
     assert re.search(r'exactness: (\d+)/\1 ok', check) and 'FAIL' not in check, check
+    # the ops stage's sequence-major mlp_t (timed as a layout the model might take) computes mlp_t's function
+    major = re.search(r'sequence-major .*forward ([-+.e\d]+), d h ([-+.e\d]+)', check)
+    assert major and max(float(major[1]), float(major[2])) < 1e-5, check[-3000:]
     assert 'kernels A/B: train' in open(tmp_path / 'out' / 'bench_sudoku.txt').read()
     assert 'kernels A/B: train' in open(tmp_path / 'out' / 'bench_maze.txt').read()
     table = p.stdout.rstrip().splitlines()[-6:]
