@@ -317,7 +317,7 @@ def ops():
     flops = dict(mlp_t=mix, mlp_t_backward=3 * mix, mlp_t_gated_backward=3 * mix, swiglu=channel * 2 / 3,
                  down_norm=channel / 3, dgated=channel / 3, gated_mlp_backward=3 * channel)
     speed = lambda op, ms: f"{ms:.3f} ms {flops[op] / ms / 1e9:6.1f} TFLOP/s"
-    h = torch.randn(B, model.config.total_len, model.config.hidden_size, device=dev).to(dtype)
+    h = torch.randn(B, S, D, device=dev).to(dtype)
     hg, g = h.clone().requires_grad_(True), torch.randn_like(h)
     compile_ = (lambda f: f) if DRY else torch.compile
     plain_mix = compile_(block.mix_sequence)
@@ -351,22 +351,27 @@ def ops():
             base = dict(kernels.TILES.get(op, {}))
             if op in tuned:  # tuned afresh at this op's call, so that the candidates' times below are its shape's
                 tuned[op].cache.clear()
-            rows = [(base, time_ms(fused[op]))]
+                tuned[op].configs_timings = {}
+            rows = [('default', base, time_ms(fused[op]))]
             for v in VARIANTS.get(op, []):
                 kernels.TILES[op] = v
                 try:
-                    rows.append((v, time_ms(fused[op])))
+                    rows.append(('variant', v, time_ms(fused[op])))
                 except Exception as e:  # a variant that does not compile (shared memory, registers)
-                    rows.append((v, f"{type(e).__name__}: {str(e)[:80]}"))
+                    rows.append(('variant', v, f"{type(e).__name__}: {str(e)[:80]}"))
             if base:
                 kernels.TILES[op] = base
             ref = time_ms(plain[op])
         if op in tuned:
             best = getattr(tuned[op], 'best_config', None)
-            rows[0] = (f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}", rows[0][1])
-        for i, (tiles, ms) in enumerate(rows):
-            print(f"  {op:20s} {'default' if i == 0 else 'variant':7s} {tiles} "
-                  + (speed(op, ms) if isinstance(ms, float) else ms), flush=True)
+            rows[0] = ('default', f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}",
+                       rows[0][2])
+            # every candidate the autotuner timed at this shape (its median, in ms), fastest first; none in the
+            # interpreter, which runs the first config untimed
+            for c, t in sorted(tuned[op].configs_timings.items(), key=lambda ct: ct[1]):
+                rows.append(('tried', c.all_kwargs(), t[0] if isinstance(t, list) else t))
+        for label, tiles, ms in rows:
+            print(f"  {op:20s} {label:7s} {tiles} " + (speed(op, ms) if isinstance(ms, float) else ms), flush=True)
         print(f"  {op:20s} {plain_is.get(op, 'plain'):7s} {speed(op, ref)}", flush=True)
     h_sm = h.transpose(0, 1).contiguous()
     hg_sm, g_sm = h_sm.clone().requires_grad_(True), g.transpose(0, 1).contiguous()
