@@ -40,10 +40,25 @@ from model import rms_norm
 
 INTERPRET = os.environ.get('TRITON_INTERPRET') == '1'
 
-# tile sizes and warps of the kernels that are no GEMM over rows (dev/kernels_check.py may try others)
-TILES = dict(mlp_t=dict(BD=128, BI=64, num_warps=8, num_stages=2),
-             mlp_t_backward=dict(BD=64, BI=32, num_warps=8, num_stages=2),
-             down_norm=dict(BM=64, BK=32, num_warps=16, num_stages=3))
+# The tiles of the kernels that are no GEMM over rows. As with the GEMMs' below, Triton's autotuner times each
+# candidate once per shape on a GPU and keeps the fastest; the interpreter takes the first. A tile's speed turns on
+# the GPU and the shape in ways no rule predicts, so the candidates are those that build for Hopper without
+# spilling registers or exceeding its shared memory (dev/kernels_check.py build; tests/test_kernels.py holds every
+# candidate to that). BI divides mlp_t's inner width, a multiple of 256 (model.swiglu_inter).
+MLP_T_CONFIGS = [dict(BD=128, BI=64, num_warps=8, num_stages=2),
+                 dict(BD=128, BI=64, num_warps=8, num_stages=3),
+                 dict(BD=128, BI=32, num_warps=8, num_stages=2),
+                 dict(BD=128, BI=32, num_warps=16, num_stages=2),
+                 dict(BD=64, BI=128, num_warps=8, num_stages=2),
+                 dict(BD=64, BI=64, num_warps=8, num_stages=2),
+                 dict(BD=64, BI=32, num_warps=8, num_stages=3)]
+MLP_T_BACKWARD_CONFIGS = [dict(BD=64, BI=32, num_warps=8, num_stages=3),
+                          dict(BD=64, BI=32, num_warps=8, num_stages=2),
+                          dict(BD=64, BI=32, num_warps=4, num_stages=3),
+                          dict(BD=128, BI=32, num_warps=8, num_stages=2),
+                          dict(BD=128, BI=32, num_warps=8, num_stages=3)]
+DOWN_NORM_CONFIGS = [dict(BM=64, BK=32, num_warps=16, num_stages=3),
+                     dict(BM=64, BK=64, num_warps=16, num_stages=2)]
 MAX_SEQ = 256    # mlp_t holds a tile's whole (padded) sequence: [BD, next power of 2 of L] in registers
 MAX_WIDTH = 512  # down_norm holds a row tile's whole width: [BM, next power of 2 of D]
 
@@ -52,11 +67,23 @@ def _pow2(n):
     return max(16, triton.next_power_of_2(n))  # tl.dot wants every side a power of 2, at least 16
 
 
-def _launch(kernel, grid, *args, **tiles):
-    """A kernel launch; the interpreter takes no warps or stages."""
+def _tuned(kernel, configs, key, prune=None):
+    """kernel under Triton's autotuner over configs (dicts of its tile constants, warps and stages); prune(configs,
+    named_args) narrows the candidates for a call."""
+    return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ('num_warps', 'num_stages')},
+                                          num_warps=c['num_warps'], num_stages=c['num_stages']) for c in configs],
+                           key=key, prune_configs_by=dict(early_config_prune=prune) if prune else None)(kernel)
+
+
+def _launch(tuned, configs, grid, *args, fit=None, **constants):
+    """A launch of `tuned`'s kernel over grid(tiles): autotuned on a GPU; in the interpreter (which times nothing)
+    with the first config, its tiles narrowed by fit(tiles) to the shape, as tiny shapes run faster so."""
     if INTERPRET:
-        tiles = {k: v for k, v in tiles.items() if k not in ('num_warps', 'num_stages')}
-    kernel[grid](*args, **tiles)
+        c = {k: v for k, v in configs[0].items() if k not in ('num_warps', 'num_stages')}
+        c = fit(c) if fit else c
+        tuned.fn[grid(c)](*args, **constants, **c)
+    else:
+        tuned[grid](*args, **constants)
 
 
 def _precision(dtype):
@@ -139,6 +166,14 @@ def _mlp_t_backward(h_ptr, out_ptr, dout_ptr, rstd_ptr, wg_ptr, wd_ptr, dh_ptr, 
     tl.store(dh_ptr + tile, dx.to(io), mask=inside)
 
 
+_mlp_t_tuned = _tuned(_mlp_t_forward, MLP_T_CONFIGS, ['L', 'D', 'I', 'LP'])
+_mlp_t_backward_tuned = _tuned(_mlp_t_backward, MLP_T_BACKWARD_CONFIGS, ['L', 'D', 'I', 'LP'])
+
+
+def _mlp_t_fit(D, I):
+    return lambda t: dict(t, BD=min(t['BD'], _pow2(D)), BI=min(t['BI'], I))
+
+
 @torch.library.custom_op('trm::mlp_t', mutates_args=())
 def mlp_t(h: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [B, L, D], rstd [B, D] float32): the mlp_t branch of a Block with its residual and RMSNorm, from
@@ -146,13 +181,10 @@ def mlp_t(h: torch.Tensor, wg: torch.Tensor, wd: torch.Tensor, eps: float) -> tu
     h, wg, wd = h.contiguous(), wg.contiguous(), wd.contiguous()
     B, L, D = h.shape
     I = wd.shape[0]
-    t = TILES['mlp_t']
     out = torch.empty_like(h)
     rstd = torch.empty(B, D, dtype=torch.float32, device=h.device)
-    BD = min(t['BD'], _pow2(D))
-    _launch(_mlp_t_forward, (B, triton.cdiv(D, BD)), h, wg, wd, out, rstd, L, D, eps, I,
-            LP=wg.shape[0], BD=BD, BI=min(t['BI'], I), PREC=_precision(h.dtype), num_warps=t['num_warps'],
-            num_stages=t['num_stages'])
+    _launch(_mlp_t_tuned, MLP_T_CONFIGS, lambda t: (B, triton.cdiv(D, t['BD'])), h, wg, wd, out, rstd, L, D, eps,
+            I, LP=wg.shape[0], PREC=_precision(h.dtype), fit=_mlp_t_fit(D, I))
     return out, rstd
 
 
@@ -169,14 +201,11 @@ def mlp_t_backward(h: torch.Tensor, out: torch.Tensor, dout: torch.Tensor, rstd:
     h, out, dout, rstd, wg, wd = (t.contiguous() for t in (h, out, dout, rstd, wg, wd))
     B, L, D = h.shape
     LP, I = wg.shape[0], wd.shape[0]
-    t = TILES['mlp_t_backward']
     dh = torch.empty_like(h)
     xr, dy = h.new_empty(B * D, LP), h.new_empty(B * D, LP)
     dgu, s = h.new_empty(B * D, 2 * I), h.new_empty(B * D, I)
-    BD = min(t['BD'], _pow2(D))
-    _launch(_mlp_t_backward, (B, triton.cdiv(D, BD)), h, out, dout, rstd, wg, wd, dh, xr, dy, dgu, s, L, D, I,
-            LP=LP, BD=BD, BI=min(t['BI'], I), PREC=_precision(h.dtype), num_warps=t['num_warps'],
-            num_stages=t['num_stages'])
+    _launch(_mlp_t_backward_tuned, MLP_T_BACKWARD_CONFIGS, lambda t: (B, triton.cdiv(D, t['BD'])), h, out, dout,
+            rstd, wg, wd, dh, xr, dy, dgu, s, L, D, I, LP=LP, PREC=_precision(h.dtype), fit=_mlp_t_fit(D, I))
     return dh, xr.t() @ dgu, s.t() @ dy
 
 
@@ -218,8 +247,7 @@ def mlp_t_weights(block, dtype):
 # backward, whose GEMM ds = dy Wd computes the gated gradient in its epilogue (dgated), so neither [rows, inter]
 # nor [rows, 2 x inter] is written only to be read back by an elementwise kernel
 
-# The GEMMs' tiles on a GPU: Triton's autotuner times each candidate once per shape and keeps the fastest (the
-# interpreter takes the first; dev/kernels_check.py's build compiles each). TMA: the tiles move between global and
+# The GEMMs' candidate tiles, autotuned as mlp_t's and down_norm's are. TMA: the tiles move between global and
 # shared memory through Hopper's tensor memory accelerator (descriptors built on the device) rather than through
 # each thread's loads; offered on compute capability 9.0 or newer only. PERSIST (TMA's only): one program per SM,
 # each looping over tiles, so that one tile's stores drain while the next tile's copies are in flight.
@@ -381,14 +409,8 @@ def _tma_where_it_runs(configs, named_args, **_):
     return [c for c in configs if tma or not c.kwargs['TMA']]
 
 
-def _tuned(kernel, configs, key):
-    return triton.autotune([triton.Config({k: v for k, v in c.items() if k not in ('num_warps', 'num_stages')},
-                                          num_warps=c['num_warps'], num_stages=c['num_stages']) for c in configs],
-                           key=key, prune_configs_by=dict(early_config_prune=_tma_where_it_runs))(kernel)
-
-
-_gated_tuned = _tuned(_gated_forward, GATED_CONFIGS, ['M', 'I', 'K', 'KEEP'])
-_dgated_tuned = _tuned(_dgated_backward, DGATED_CONFIGS, ['M', 'I', 'K'])
+_gated_tuned = _tuned(_gated_forward, GATED_CONFIGS, ['M', 'I', 'K', 'KEEP'], prune=_tma_where_it_runs)
+_dgated_tuned = _tuned(_dgated_backward, DGATED_CONFIGS, ['M', 'I', 'K'], prune=_tma_where_it_runs)
 
 
 def _tma_scratch(size, alignment, stream):
@@ -405,15 +427,12 @@ def _programs(M, N, tiles, device):
     return (min(n, torch.cuda.get_device_properties(device).multi_processor_count if device.type == 'cuda' else 3),)
 
 
-def _gemm(tuned, kernel, configs, M, N, *args, **constants):
-    """A GEMM launch over [M, N] tiles: autotuned on a GPU, the first config in the interpreter."""
+def _gemm(tuned, configs, M, N, *args, **constants):
+    """A GEMM's launch over [M, N] tiles."""
     device = args[0].device
-    if INTERPRET:
-        c = {k: v for k, v in configs[0].items() if k not in ('num_warps', 'num_stages')}
-        kernel[_programs(M, N, c, device)](*args, **constants, **c)
-    else:
+    if not INTERPRET:
         triton.set_allocator(_tma_scratch)  # per call: the allocator is per thread, and autograd's is another
-        tuned[lambda meta: _programs(M, N, meta, device)](*args, **constants)
+    _launch(tuned, configs, lambda t: _programs(M, N, t, device), *args, **constants)
 
 
 def _aligned(t):
@@ -429,7 +448,7 @@ def _gated(x, w, keep):
     I = w.shape[0] // 2
     s = x.new_empty(M, I)
     gu = x.new_empty(M, 2 * I) if keep else s  # unread without KEEP
-    _gemm(_gated_tuned, _gated_forward, GATED_CONFIGS, M, I, x, w, s, gu, M, I, K=K, KEEP=keep,
+    _gemm(_gated_tuned, GATED_CONFIGS, M, I, x, w, s, gu, M, I, K=K, KEEP=keep,
           PREC=_precision(x.dtype))
     return s, gu
 
@@ -467,7 +486,7 @@ def dgated(dy: torch.Tensor, wd: torch.Tensor, gu: torch.Tensor) -> torch.Tensor
     M, D = dy.shape
     I = wd.shape[1]
     dgu = torch.empty_like(gu)
-    _gemm(_dgated_tuned, _dgated_backward, DGATED_CONFIGS, M, I, dy, wd, _aligned(gu), dgu, M, I, K=D,
+    _gemm(_dgated_tuned, DGATED_CONFIGS, M, I, dy, wd, _aligned(gu), dgu, M, I, K=D,
           PREC=_precision(dy.dtype))
     return dgu
 
@@ -515,18 +534,19 @@ def _down_norm_forward(s_ptr, w_ptr, res_ptr, out_ptr, M, D, eps, K: tl.constexp
     tl.store(out_ptr + rows, (v * rstd[:, None]).to(io), mask=inside)
 
 
+_down_norm_tuned = _tuned(_down_norm_forward, DOWN_NORM_CONFIGS, ['M', 'D', 'K'])
+
+
 @torch.library.custom_op('trm::down_norm', mutates_args=())
 def down_norm(s: torch.Tensor, w: torch.Tensor, residual: torch.Tensor, eps: float) -> torch.Tensor:
     """rms_norm(residual + s @ w^T) over the last axis, for s [M, I], w [D, I], residual [M, D]: [M, D]."""
     s, residual = s.contiguous(), residual.contiguous()
     M, K = s.shape
     D = w.shape[0]
-    t = TILES['down_norm']
-    BM, BK = min(t['BM'], _pow2(M)), min(t['BK'], _pow2(K))
     out = torch.empty_like(residual)
-    _launch(_down_norm_forward, (triton.cdiv(M, BM),), s, w.contiguous(), residual, out, M, D, eps, K,
-            BM=BM, DP=_pow2(D), BK=BK, PREC=_precision(s.dtype), num_warps=t['num_warps'],
-            num_stages=t['num_stages'])
+    _launch(_down_norm_tuned, DOWN_NORM_CONFIGS, lambda t: (triton.cdiv(M, t['BM']),), s, w.contiguous(), residual,
+            out, M, D, eps, K, DP=_pow2(D), PREC=_precision(s.dtype),
+            fit=lambda t: dict(t, BM=min(t['BM'], _pow2(M)), BK=min(t['BK'], _pow2(K))))
     return out
 
 

@@ -13,7 +13,7 @@
 #   ref_mlp   the reference's step and evaluation, Sudoku MLP batch 768 (.gpu/ref_gpu_bench.py, .gpu/ref/models)
 #   train     a tiny training run's token accuracy with every kernel and with none (dev/kernels_check.py train)
 #   ops       each fused op's ms per call against the compiled plain path (the gated GEMMs: against cuBLAS's bare
-#             product too), with tile variants and the autotuner's picks, each in ms and useful TFLOP/s; then mlp_t
+#             product too), the autotuner's pick and every tile it timed, each in ms and useful TFLOP/s; then mlp_t
 #             in a sequence-major layout ([S, B, D]: plain matmuls, no transpose), compiled plain, to decide on it
 #   maze      bench.py config/maze.py --global_batch_size=192, kernels off then AB (auto is off for attention: no
 #             A/B; AB=gated times the gated GEMMs), and a profile of the second's two steps (into bench_maze.txt)
@@ -104,7 +104,7 @@ QUACK='from backends.kernels import load_quack; load_quack(); import quack; prin
 say "quack: $(TRITON_INTERPRET= "$PY" -c "$QUACK" 2>&1 | tail -1 | cut -c1-300)"
 
 # estimate (s) and cap (s) of each stage on a cold H100/H200 (compilation included)
-declare -A EST=([check]=120 [sudoku]=230 [sudoku_all]=220 [ref_mlp]=130 [train]=40 [ops]=100 [maze]=220 [ref_maze]=130
+declare -A EST=([check]=120 [sudoku]=250 [sudoku_all]=250 [ref_mlp]=130 [train]=40 [ops]=130 [maze]=220 [ref_maze]=130
                 [autotune]=400)
 declare -A CAP=([check]=240 [sudoku]=330 [sudoku_all]=330 [ref_mlp]=200 [train]=90 [ops]=240 [maze]=330 [ref_maze]=200
                 [autotune]=560)

@@ -4,7 +4,7 @@ kernels on and off, each fused op's time against the compiled plain path, the to
 summary table of gpu_speed.sh's logs.
     python dev/kernels_check.py exact              # fused vs plain, both vs float64 (float32 for a model's step)
     python dev/kernels_check.py train              # a tiny run's token accuracy after N steps, kernels on and off
-    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (tile variants) vs compiled plain
+    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (each tile tried) vs compiled plain
     python dev/kernels_check.py profile TRACE OUT  # the kernels of a bench.py Chrome trace by GPU time, into OUT
     python dev/kernels_check.py table DIR          # gpu_speed.sh's table from the bench and reference logs in DIR
     python dev/kernels_check.py build [CAP]        # each kernel built for compute capability CAP (90), no GPU:
@@ -178,8 +178,9 @@ def tile_modes(dev, dtype, M, K, I):
         for how, mode in modes.items():
             one = dict(BM=128, BN=64, BK=64, num_warps=8, num_stages=3, **mode)
             kernels.GATED_CONFIGS = kernels.DGATED_CONFIGS = [one]  # the interpreter's pick
-            kernels._gated_tuned = kernels._tuned(kernels._gated_forward, [one], ['M', 'I', 'K', 'KEEP'])  # the GPU's
-            kernels._dgated_tuned = kernels._tuned(kernels._dgated_backward, [one], ['M', 'I', 'K'])
+            prune = kernels._tma_where_it_runs
+            kernels._gated_tuned = kernels._tuned(kernels._gated_forward, [one], ['M', 'I', 'K', 'KEEP'], prune)
+            kernels._dgated_tuned = kernels._tuned(kernels._dgated_backward, [one], ['M', 'I', 'K'], prune)
             y, s, gu = kernels.gated_mlp(x, w_gu, w_d)
             got = [y, s, gu, kernels.swiglu(x, w_gu), kernels.dgated(dy, w_d, gu)]
             if first is None:
@@ -276,15 +277,6 @@ def time_ms(fn, n=20):
     return start.elapsed_time(end) / n
 
 
-VARIANTS = dict(mlp_t=[dict(BD=64, BI=32, num_warps=8, num_stages=3),
-                       dict(BD=64, BI=16, num_warps=8, num_stages=3),
-                       dict(BD=64, BI=64, num_warps=8, num_stages=2)],
-                mlp_t_backward=[dict(BD=64, BI=16, num_warps=8, num_stages=2),
-                                dict(BD=64, BI=32, num_warps=8, num_stages=3)],
-                down_norm=[dict(BM=64, BK=32, num_warps=8, num_stages=3),
-                           dict(BM=64, BK=64, num_warps=16, num_stages=2)])
-
-
 def mix_sequence_major(block, h):
     """mlp_t on a sequence-major hidden state h [S, B, D]: each product is one plain matmul with the weight on
     the left ([2I, S] x [S, B*D], then [S, I] x [I, B*D]), no transpose and no padding copy; the gate/up weight
@@ -299,10 +291,10 @@ def mix_sequence_major(block, h):
 
 
 def ops():
-    """ms per call at the Sudoku block's real shapes: each fused op (its default tiles, then VARIANTS; the GEMMs
-    autotuned, their pick printed) against the plain path compiled by inductor (torch.compile's default mode),
-    and each gated GEMM against cuBLAS's bare product of the same shape (the floor its epilogue adds to); each
-    with its useful TFLOP/s (the true sequence's products, no padding; backward: twice the forward's more).
+    """ms per call at the Sudoku block's real shapes: each fused op (autotuned: its pick, and every candidate
+    timed) against the plain path compiled by inductor (torch.compile's default mode), and each gated GEMM
+    against cuBLAS's bare product of the same shape (the floor its epilogue adds to); each with its useful
+    TFLOP/s (the true sequence's products, no padding; backward: twice the forward's more).
     Then mlp_t in a sequence-major layout, compiled plain, which the model does not use: measured to decide."""
     import torch
     from backends import kernels
@@ -342,29 +334,21 @@ def ops():
                  swiglu=lambda: x @ w_gu.t(), down_norm=lambda: plain_channel(h), dgated=lambda: dy @ w_d,
                  gated_mlp_backward=lambda: plain_channel(hg).backward(g))
     plain_is = dict(swiglu='cuBLAS', dgated='cuBLAS')
-    tuned = dict(swiglu=kernels._gated_tuned, dgated=kernels._dgated_tuned)
+    tuned = dict(mlp_t=kernels._mlp_t_tuned, mlp_t_backward=kernels._mlp_t_backward_tuned,
+                 swiglu=kernels._gated_tuned, down_norm=kernels._down_norm_tuned, dgated=kernels._dgated_tuned)
     print(f"ms per call, batch {B} (plain: inductor-compiled; cuBLAS: the bare product of the GEMM's shape; "
           "*_backward: forward and backward together; the channel sublayer's plain figure, swiglu + down_norm, "
           "is beside down_norm):", flush=True)
     for op in fused:
         with torch.no_grad() if not op.endswith('_backward') else torch.enable_grad():
-            base = dict(kernels.TILES.get(op, {}))
             if op in tuned:  # tuned afresh at this op's call, so that the candidates' times below are its shape's
                 tuned[op].cache.clear()
                 tuned[op].configs_timings = {}
-            rows = [('default', base, time_ms(fused[op]))]
-            for v in VARIANTS.get(op, []):
-                kernels.TILES[op] = v
-                try:
-                    rows.append(('variant', v, time_ms(fused[op])))
-                except Exception as e:  # a variant that does not compile (shared memory, registers)
-                    rows.append(('variant', v, f"{type(e).__name__}: {str(e)[:80]}"))
-            if base:
-                kernels.TILES[op] = base
+            rows = [('fused', '', time_ms(fused[op]))]
             ref = time_ms(plain[op])
         if op in tuned:
             best = getattr(tuned[op], 'best_config', None)
-            rows[0] = ('default', f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}",
+            rows[0] = ('fused', f"autotuned: {best.all_kwargs() if best else 'first config (interpreter)'}",
                        rows[0][2])
             # every candidate the autotuner timed at this shape (its median, in ms), fastest first; none in the
             # interpreter, which runs the first config untimed
@@ -413,10 +397,10 @@ def ops():
     return 0
 
 
-def build_all(cap=90, variants=False):
-    """Each kernel at the Sudoku model's shapes with its default tiles (and VARIANTS' with variants=True),
-    compiled for a GPU of compute capability `cap` by Triton's own ptxas, no GPU needed:
-    {name: (shared memory bytes, registers per thread, stack bytes: register spills, whether its products run
+def build_all(cap=90):
+    """Each kernel at the Sudoku model's shapes with every tile its autotuner tries, compiled for a GPU of
+    compute capability `cap` by Triton's own ptxas, no GPU needed: {name, with ' {tiles}' past the first tile:
+    (shared memory bytes, registers per thread, stack bytes: register spills, whether its products run
     on Hopper's asynchronous tensor-core instructions (wgmma), whether its tiles move by TMA copies)}. A kernel
     that does not build raises ptxas's error."""
     import subprocess
@@ -446,12 +430,12 @@ def build_all(cap=90, variants=False):
                                                     eps='fp32'),
                    lambda t: dict(K=1536, BM=t['BM'], DP=512, BK=t['BK'])))
     tool = os.path.join(os.path.dirname(triton.__file__), 'backends', 'nvidia', 'bin', 'cuobjdump')
-    configs = dict(gated=kernels.GATED_CONFIGS, dgated=kernels.DGATED_CONFIGS,  # every config the autotuner tries
-                   gated_mlp_t=kernels.GATED_CONFIGS, dgated_mlp_t=kernels.DGATED_CONFIGS)
+    configs = dict(mlp_t=kernels.MLP_T_CONFIGS, mlp_t_backward=kernels.MLP_T_BACKWARD_CONFIGS,
+                   gated=kernels.GATED_CONFIGS, dgated=kernels.DGATED_CONFIGS, gated_mlp_t=kernels.GATED_CONFIGS,
+                   dgated_mlp_t=kernels.DGATED_CONFIGS, down_norm=kernels.DOWN_NORM_CONFIGS)
     out = {}
     for name, (fn, sig, constants) in specs.items():
-        tried = configs[name] if name in configs else [kernels.TILES[name]] + (VARIANTS[name] if variants else [])
-        for i, tiles in enumerate(tried):
+        for i, tiles in enumerate(configs[name]):
             consts = dict(constants(tiles), PREC='tf32')
             # pointers and the integers a real call passes are 16-aligned (D 512, M 74,496, I 1536): the JIT's view
             attrs = {(fn.arg_names.index(n),): [['tt.divisibility', 16]] for n, t in sig.items()
@@ -471,7 +455,7 @@ def build_all(cap=90, variants=False):
 
 
 def build(cap='90'):
-    for name, (smem, regs, stack, wgmma, tma) in build_all(int(cap), variants=True).items():
+    for name, (smem, regs, stack, wgmma, tma) in build_all(int(cap)).items():
         print(f"{name:96s} shared {smem // 1024:4d} KiB | {regs:3d} registers | {stack:4d} bytes spilled"
               f"{' | wgmma' if wgmma else ''}{' | TMA' if tma else ''}")
     return 0
