@@ -186,7 +186,8 @@ def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
         if name.startswith(('gated', 'dgated')):  # tiles moved by TMA copies where the config says so, else loads
             assert [t for *_, t in tried] == [c['TMA'] for c in configs], (name, tried)
             assert any(c['PERSIST'] for c in configs) and not configs[0]['TMA'], configs
-            assert all(c['TMA'] or not c['PERSIST'] for c in configs), configs  # a persistent grid loops TMA's
+            # a persistent grid loops over TMA's tiles: PERSIST only with TMA
+            assert all(c['TMA'] or not c['PERSIST'] for c in configs), configs
 
 
 def test_the_tma_tiles_are_offered_only_where_a_tma_copy_can_read_every_matrix(monkeypatch):
