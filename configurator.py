@@ -300,7 +300,7 @@ _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdigit() for p in v.split(':'))
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 # train.py's and bench.py's key kernels (device.choose_kernels)
-KERNELS = ('auto', 'off', 'mlp_t', 'gated', 'quack', 'triton')
+KERNELS = ('auto', 'off', 'mlp_t', 'cudnn', 'gated', 'quack', 'triton')
 TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_every_epochs=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,

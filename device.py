@@ -183,14 +183,15 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
 
 
 # -----------------------------------------------------------------------------
-# the kernels: backends/kernels.py's fused Triton blocks only where they are known to pay
+# the kernels: backends/kernels.py's fused blocks only where they are known to pay
 
 
 def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None,
                    have_quack=None):
     """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
-    'gated' (that, and the SwiGLUs in their GEMMs' epilogues: both under grad, the channel one without; attention
-    models too), 'quack' ('gated' with the optional quack-kernels package's GEMMs: CUDA GPUs of compute
+    'cudnn' (an attention model's attention through cuDNN's fused attention, SDPA's cuDNN backend first: GPUs of
+    compute capability 8.0 or newer), 'gated' (the mlp_t forward, and the SwiGLUs in their GEMMs' epilogues: both
+    under grad, the channel one without; attention models too), 'quack' ('gated' with the optional quack-kernels package's GEMMs: CUDA GPUs of compute
     capability 9.x and 10.x, 16-bit), 'triton' (every fused kernel, for experiments) or 'off' (model.py's plain
     path), for a model that mixes the sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an
     mlp_t model on a Hopper GPU (compute capability 9.x) in bfloat16 with triton installed, the one kernel
@@ -216,6 +217,13 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
                            f"not on device {device_type}: plain path")
         if requested == 'mlp_t' and not mlp_t:
             return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
+        if requested == 'cudnn' and mlp_t:
+            return 'off', "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with mlp_t: " \
+                          "plain path"
+        cap = cuda_capability or (torch.cuda.get_device_capability() if device_type == 'cuda' else None)
+        if requested == 'cudnn' and cap and cap[0] < 8:
+            return 'off', (f"warning: kernels='cudnn' runs on GPUs of compute capability 8.0 or newer (cuDNN's "
+                           f"fused attention), not {cap[0]}.{cap[1]}: plain path")
         return requested, f"{requested} (as configured" + ("; Triton's interpreter on the CPU)" if interpreter
                                                           else ")")
     if device_type != 'cuda':
@@ -231,7 +239,7 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
         return 'off', f"auto: off (forward dtype {dtype}: the kernels are measured in bfloat16)"
     if not mlp_t:
         return 'off', f"auto: off ({hw}, bfloat16, attention: no fused kernel is measured faster than the plain " \
-                      "path for it)"
+                      "path for it; --kernels=cudnn tries cuDNN's attention)"
     return 'mlp_t', (f"auto: mlp_t ({hw}, bfloat16): the fused mlp_t forward where no gradient is taken, the one "
                      "kernel measured faster on an H200")
 
@@ -255,7 +263,7 @@ def _why_not_quack(device_type, dtype, cuda_capability, have_quack):
 
 def use_kernels(requested, device_type, dtype, model):
     """choose_kernels for this device, forward dtype and model, applied to model's blocks: backends/kernels.py's fused
-    forward installed ('mlp_t', 'gated', 'quack', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or
+    forward installed ('mlp_t', 'cudnn', 'gated', 'quack', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or
     the plain forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton or quack
     that fails to import means the plain path, said in `why`."""
     choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))

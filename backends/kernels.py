@@ -3,8 +3,9 @@ Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py
 ('auto' picks 'mlp_t' or 'off' where device.choose_kernels says why). model.py keeps the plain path a reader
 sees; fuse_blocks(model, which) installs a fused forward as each Block's `fused` forward, which the Block then
 runs: which='mlp_t' only mlp_t's forward where no gradient is taken (the no-grad calls of the recursion,
-evaluation), 'gated' that and the SwiGLUs' gated GEMMs, 'quack' the same with quack-kernels' GEMMs (an optional
-package), 'triton' every Triton kernel below (for experiments).
+evaluation), 'cudnn' an attention model's attention through cuDNN's fused attention, 'gated' mlp_t's no-grad
+forward and the SwiGLUs' gated GEMMs, 'quack' the same with quack-kernels' GEMMs (an optional package), 'triton'
+every Triton kernel below (for experiments).
 
 What is fused, and why. The kernels keep on chip the tensors the plain path writes to memory and reads back:
   - mlp_t (the SwiGLU over the sequence axis, Sudoku's MLP-mixer): one kernel per batch row and tile of channels
@@ -35,6 +36,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import rms_norm
 
@@ -671,6 +673,35 @@ def check_quack(device, dtype):
 
 
 # -----------------------------------------------------------------------------
+# attention through cuDNN's fused attention (kernels='cudnn'): the plain path's scaled_dot_product_attention call,
+# with SDPA's cuDNN backend first in its priority order for that call and the others after it, so that a shape
+# cuDNN does not take runs as before. torch.compile keeps the preference: dynamo records sdpa_kernel's context in
+# its graph, and SDPA's backend is chosen as the graph is traced. On the CPU (the tests, in the interpreter) the
+# order changes nothing: CPU attention has no cuDNN backend.
+
+CUDNN_FIRST = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+               SDPBackend.MATH]
+
+
+def cudnn_attention(block, h, rope):
+    """block.self_attn(h, rope) (model.py's Attention) with cuDNN's attention preferred."""
+    with sdpa_kernel(CUDNN_FIRST, set_priority=True):
+        return block.self_attn(h, rope)
+
+
+def cudnn_why_not(block, seq_len, device, dtype):
+    """'' where cuDNN's fused attention takes this block's attention (its heads, head width, dtype, the [B, heads,
+    S, head_dim] views of the [B, S, heads, head_dim] projections, a gradient) on this CUDA device, else why not."""
+    attn = block.self_attn
+    q, k, v = (torch.empty(2, seq_len, attn.num_heads, attn.head_dim, device=device, dtype=dtype,
+                           requires_grad=True).transpose(1, 2) for _ in range(3))
+    if torch.backends.cuda.can_use_cudnn_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)):
+        return ''
+    return (f"cuDNN's fused attention does not take {attn.num_heads} heads of width {attn.head_dim} in {dtype} here "
+            f"(torch.backends.cuda.can_use_cudnn_attention; cuDNN {torch.backends.cudnn.version()})")
+
+
+# -----------------------------------------------------------------------------
 # the Block's fused forward
 
 def gated_swiglu(mlp, x, pad=0, quack=False):
@@ -693,14 +724,19 @@ def mix_sequence_gated(block, h, quack=False):
 def block_forward(block, h, rope, which='triton'):
     """Block.forward (model.py) with `which`'s fused kernels:
       'mlp_t'  mlp_t's forward where no gradient is taken; everything else plain (under grad, the plain path).
+      'cudnn'  attention through cuDNN's fused attention (cudnn_attention); everything else plain.
       'gated'  that, and the SwiGLUs' gated GEMMs: under grad both SwiGLUs (mlp_t's over the sequence, the
                channel one) through gated_mlp, whose GEMMs compute the SwiGLU and its gradient in their
                epilogues; without grad the channel one as swiglu then down_norm (the residual and the RMSNorm in
                the down GEMM's epilogue, where a tile holds the width).
       'quack'  'gated' with quack's gated GEMMs (quack_gated_mlp, quack_swiglu) in place of the Triton ones.
       'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too (its forward and backward).
-    Attention stays the plain path's."""
+    Attention stays the plain path's but with 'cudnn'."""
     grad, quack = torch.is_grad_enabled(), which == 'quack'
+    if which == 'cudnn':
+        h = block.mix_sequence(h) if hasattr(block, 'mlp_t') else rms_norm(h + cudnn_attention(block, h, rope),
+                                                                            block.eps)
+        return rms_norm(h + block.mlp(h), block.eps)
     if hasattr(block, 'mlp_t') and (which == 'triton' or not grad):
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
     elif hasattr(block, 'mlp_t') and which in ('gated', 'quack'):
@@ -723,6 +759,7 @@ def block_forward(block, h, rope, which='triton'):
 
 
 FORWARDS = dict(mlp_t=lambda block, h, rope: block_forward(block, h, rope, 'mlp_t'),
+                cudnn=lambda block, h, rope: block_forward(block, h, rope, 'cudnn'),
                 gated=lambda block, h, rope: block_forward(block, h, rope, 'gated'),
                 quack=lambda block, h, rope: block_forward(block, h, rope, 'quack'),
                 triton=block_forward)
@@ -734,6 +771,8 @@ def fusable(block, which='triton'):
     no multiple of 8: its GEMMs read 16-byte rows)."""
     if which == 'mlp_t' and not hasattr(block, 'mlp_t'):
         return "the model mixes the sequence with attention, not mlp_t"
+    if which == 'cudnn':
+        return "the model mixes the sequence with mlp_t, not attention" if hasattr(block, 'mlp_t') else ''
     if hasattr(block, 'mlp_t') and block.mlp_t.down_proj.weight.shape[0] > MAX_SEQ:
         return f"mlp_t over {block.mlp_t.down_proj.weight.shape[0]} positions (at most {MAX_SEQ})"
     widest = max(c['BN'] for c in GATED_CONFIGS + DGATED_CONFIGS)
@@ -751,11 +790,15 @@ def fusable(block, which='triton'):
 
 
 def fuse_blocks(model, which='triton'):
-    """Each Block of model runs which's fused forward ('mlp_t', 'gated', 'quack', 'triton': block_forward) or,
-    with 'off', the plain forward again. Returns what was fused, or why nothing was; 'quack' raises ImportError
-    where quack does not load, RuntimeError where its kernels fail on the model's device (check_quack)."""
+    """Each Block of model runs which's fused forward ('mlp_t', 'cudnn', 'gated', 'quack', 'triton':
+    block_forward) or, with 'off', the plain forward again. Returns what was fused, or why nothing was; 'quack'
+    raises ImportError where quack does not load, RuntimeError where its kernels fail on the model's device
+    (check_quack)."""
     blocks = list(model.net.layers)
     why = fusable(blocks[0], which) if which != 'off' else 'off'
+    device = blocks[0].mlp.down_proj.weight.device
+    if which == 'cudnn' and not why and device.type == 'cuda':
+        why = cudnn_why_not(blocks[0], model.config.total_len, device, model.forward_dtype)
     if which == 'quack' and not why:  # here, not at the first step: a failure is one line before the run
         load_quack()
         weight = blocks[0].mlp.down_proj.weight
@@ -764,6 +807,8 @@ def fuse_blocks(model, which='triton'):
         block.fused = None if why else FORWARDS[which]
     if why:
         return f"none fused: {why}"
+    if which == 'cudnn':
+        return "attention through cuDNN's fused attention (SDPA's cuDNN backend first); the rest plain"
     gemms = "quack's gated GEMMs" if which == 'quack' else 'gated GEMMs'
     mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', triton='mlp_t (forward and backward)').get(
         which, f'mlp_t forward (no-grad), under grad {gemms}') if hasattr(blocks[0], 'mlp_t') else 'attention plain'

@@ -14,9 +14,11 @@
 #   train     a tiny training run's token accuracy with every kernel and with none (dev/kernels_check.py train)
 #   ops       each fused op's ms per call against the compiled plain path (the gated GEMMs: against cuBLAS's bare
 #             product too), the autotuner's pick and every tile it timed, each in ms and useful TFLOP/s; then mlp_t
-#             in a sequence-major layout ([S, B, D]: plain matmuls, no transpose), compiled plain, to decide on it
-#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then AB (auto is off for attention: no
-#             A/B; AB=gated times the gated GEMMs), and a profile of the second's two steps (into bench_maze.txt)
+#             in a sequence-major layout ([S, B, D]: plain matmuls, no transpose), compiled plain, to decide on it;
+#             the Maze attention through each of SDPA's backends and SDPA's own pick
+#   maze      bench.py config/maze.py --global_batch_size=192, kernels off then AB (AB=auto: cudnn, as auto is off
+#             for attention; AB=gated times the gated GEMMs), and a profile of the second's two steps (into
+#             bench_maze.txt)
 #   ref_maze  the reference's step and evaluation, Maze attention batch 192
 #   sudoku_all  (only where STAGES names it) the Sudoku A/B with every fused kernel: off then triton, no profile
 #             (into knobs.txt, not the table)
@@ -66,7 +68,10 @@ else
     PROFILE="--profile_steps=0:2 --profile_dir=/tmp/gpu_speed_profile"
 fi
 
-say "gpu_speed: $(date -u +%FT%TZ) | budget ${BUDGET_S} s | stages $STAGES | A/B off vs $AB | out $OUT | dry $DRY"
+# auto is off for attention models: the Maze A/B times cuDNN's attention instead
+AB_MAZE=$([ "$AB" = auto ] && echo cudnn || echo "$AB")
+
+say "gpu_speed: $(date -u +%FT%TZ) | budget ${BUDGET_S} s | stages $STAGES | A/B off vs $AB (Maze: $AB_MAZE) | out $OUT | dry $DRY"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 say "machine: ${GPU:-no GPU (nvidia-smi absent)} | $(nproc) CPUs"
 VERSIONS='import sys, torch
@@ -159,7 +164,7 @@ for stage in ${STAGES//,/ }; do
                 --kernels=off --kernels_ab=triton $SUDOKU_ARGS ;;
         maze)
             rm -rf /tmp/gpu_speed_profile
-            run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab="$AB" \
+            run_stage maze "$OUT/bench_maze.txt" "$PY" bench.py config/maze.py --kernels=off --kernels_ab="$AB_MAZE" \
                 $MAZE_ARGS $PROFILE
             summarize_profile /tmp/gpu_speed_profile/maze.txt && cat /tmp/gpu_speed_profile/maze.txt \
                 >> "$OUT/bench_maze.txt" ;;

@@ -4,7 +4,8 @@ kernels on and off, each fused op's time against the compiled plain path, the to
 summary table of gpu_speed.sh's logs.
     python dev/kernels_check.py exact              # fused vs plain, both vs float64 (float32 for a model's step)
     python dev/kernels_check.py train              # a tiny run's token accuracy after N steps, kernels on and off
-    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (each tile tried) vs compiled plain
+    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (each tile tried) vs compiled plain;
+                                                   # the Maze attention through each of SDPA's backends
     python dev/kernels_check.py profile TRACE OUT  # the kernels of a bench.py Chrome trace by GPU time, into OUT
     python dev/kernels_check.py table DIR          # gpu_speed.sh's table from the bench and reference logs in DIR
     python dev/kernels_check.py build [CAP]        # each kernel built for compute capability CAP (90), no GPU:
@@ -203,6 +204,8 @@ def exact():
     oks = block_checks(sudoku, B, dev, dtype)
     print(f"Maze attention block, batch {max(2, B // 24)}:")
     oks += block_checks(maze, max(2, B // 24), dev, dtype)
+    print(f"Maze attention block, kernels='cudnn' (cuDNN's attention), batch {max(2, B // 24)}:")
+    oks += block_checks(maze, max(2, B // 24), dev, dtype, 'cudnn')
     why_not = have_quack()
     print(f"kernels='quack': {why_not or 'quack-kernels loads'}", flush=True)
     if not why_not:
@@ -295,7 +298,8 @@ def ops():
     timed) against the plain path compiled by inductor (torch.compile's default mode), and each gated GEMM
     against cuBLAS's bare product of the same shape (the floor its epilogue adds to); each with its useful
     TFLOP/s (the true sequence's products, no padding; backward: twice the forward's more).
-    Then mlp_t in a sequence-major layout, compiled plain, which the model does not use: measured to decide."""
+    Then mlp_t in a sequence-major layout, compiled plain, which the model does not use: measured to decide; and
+    the Maze attention through each of SDPA's backends (attention_ops)."""
     import torch
     from backends import kernels
     from model import TRM, TRMConfig, rms_norm, swiglu_inter
@@ -371,6 +375,7 @@ def ops():
         print(f"  {'mlp_t':20s} {'seq-maj':7s} {speed('mlp_t', time_ms(lambda: major(h_sm)))}", flush=True)
     print(f"  {'mlp_t_backward':20s} {'seq-maj':7s} "
           f"{speed('mlp_t_backward', time_ms(lambda: major(hg_sm).backward(g_sm)))}", flush=True)
+    attention_ops(dev, dtype)
     why_not = have_quack()
     if why_not:
         print(f"  quack: not timed ({why_not})", flush=True)
@@ -395,6 +400,39 @@ def ops():
                   f"{ours} above)", flush=True)
     kernels.QUACK_TUNED = False
     return 0
+
+
+def attention_ops(dev, dtype):
+    """The Maze model's attention (batch 192, its heads and length, the [B, S, heads, head_dim] projections seen
+    as [B, heads, S, head_dim]) through each of SDPA's backends, forward and forward with backward, and the one SDPA
+    picks by itself: whether kernels='cudnn' (cuDNN's first) can pay, and how much of a step it could save."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from model import TRMConfig
+    _, _, _, maze, _ = setup()
+    cfg = TRMConfig(**maze)
+    B, S, H, hd = (2 if DRY else 192), cfg.total_len, cfg.num_heads, cfg.hidden_size // cfg.num_heads
+    q, k, v = (torch.randn(B, S, H, hd, device=dev).to(dtype).transpose(1, 2).requires_grad_(True)
+               for _ in range(3))
+    g = torch.randn_like(q)
+    flops = 4 * B * H * S * S * hd  # QK^T and PV; the backward's 2.5 times that
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    default = torch._fused_sdp_choice(q, k, v) if dev == 'cuda' else None
+    print(f"SDPA at the Maze model's attention [{B}, {H}, {S}, {hd}] {dtype}: SDPA's own pick "
+          f"{SDPBackend(default).name if default is not None else 'n/a (CPU)'}, torch {torch.__version__}, cuDNN "
+          f"{torch.backends.cudnn.version()}:", flush=True)
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                    SDPBackend.MATH):
+        try:
+            with sdpa_kernel(backend):
+                with torch.no_grad():
+                    fwd = time_ms(lambda: sdpa(q, k, v))
+                both = time_ms(lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), g))
+        except RuntimeError as e:  # a backend this device or shape does not have
+            print(f"  {backend.name:20s} does not run here ({str(e).splitlines()[0][:120]})", flush=True)
+            continue
+        print(f"  {backend.name:20s} forward {fwd:.3f} ms {flops / fwd / 1e9:6.1f} TFLOP/s | forward and backward "
+              f"{both:.3f} ms {3.5 * flops / both / 1e9:6.1f} TFLOP/s", flush=True)
 
 
 def build_all(cap=90):

@@ -85,6 +85,10 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
     if 'mlp_t' in modes:  # under grad, kernels='mlp_t' is the plain path itself: the same bits
         out[f'{name} mlp_t block under grad equal'] = all(
             torch.equal(a, b) for a, b in zip(block_grads(modes['mlp_t']), block_grads(None)))
+    # kernels='cudnn' on the CPU: SDPA's order around the same call, which CPU attention ignores: the same bits
+    # (mlp_t blocks: the plain path itself)
+    out[f'{name} cudnn block under grad equal'] = all(
+        torch.equal(a, b) for a, b in zip(block_grads(modes['cudnn']), block_grads(None)))
     plain_grads = block_grads(None)
     for which in ('gated', 'triton'):  # a block under grad with the gated GEMMs: output, input's and weights' grads
         out[f'{name} {which} block under grad'] = max(rel(a, b) for a, b in zip(block_grads(modes[which]),
@@ -116,6 +120,23 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
             out[f'{name} {which} {what} step gradients'] = max(rel(a, b) for a, b in zip(got[1:], plain[1:]))
     if 'mlp_t' not in modes:
         out[f'{name} mlp_t fused'] = kernels.fuse_blocks(model, 'mlp_t')
+    if name == 'attention':  # compiled, kernels='cudnn' keeps its preference: dynamo's graph sets SDPA's order
+        kernels.fuse_blocks(model, 'cudnn')
+        torch._dynamo.reset()
+        graphs = []
+
+        def record(gm, example_inputs):  # the graph dynamo captured, run as it is
+            graphs.append(gm)
+            return gm.forward
+        got = step(torch.compile(forward_loss, backend=record, dynamic=False))
+        out['attention cudnn captured step loss'] = rel(got[0], plain[0])
+        out['attention cudnn captured step gradients'] = max(rel(a, b) for a, b in zip(got[1:], plain[1:]))
+        nodes = [n for gm in graphs for n in gm.graph.nodes]
+        orders = [[b.args[0] for b in n.args[0]] for n in nodes if n.target is torch.nn.attention._sdpa_kernel]
+        out['attention cudnn captured: SDPA calls, orders set with cuDNN first, orders put back'] = [
+            sum(n.target is torch.nn.functional.scaled_dot_product_attention for n in nodes),
+            sum(o[0] == 'CUDNN_ATTENTION' for o in orders), sum(o[0] != 'CUDNN_ATTENTION' for o in orders)]
+        kernels.fuse_blocks(model, 'off')
     model.eval()
     with torch.no_grad():
         kernels.fuse_blocks(model, 'off')
@@ -147,7 +168,9 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
     output, the input's and the weights' gradients), a training step's loss and every gradient (eager, and
     compiled: the custom ops and their autograd inside torch.compile's graphs), and evaluation's predictions,
     each against the plain path's. With 'mlp_t' a block called under grad is the plain path bit for bit (the
-    step's gradients differ only through the no-grad calls' rounding)."""
+    step's gradients differ only through the no-grad calls' rounding). kernels='cudnn' (SDPA's order around the
+    same call, which CPU attention ignores) gives the plain path's bits here, and the step torch.compile captures
+    sets that order, cuDNN first, around each attention call."""
     out = interpreted(INTERPRETED)
     gated = 'channel SwiGLU (gated GEMMs, forward and backward)'
     assert out['mlp_t triton fused'] == f'mlp_t (forward and backward); {gated}', out
@@ -155,6 +178,13 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
     assert out['mlp_t mlp_t fused'] == 'mlp_t forward (no-grad); the rest plain', out
     assert out['attention triton fused'] == out['attention gated fused'] == f'attention plain; {gated}', out
     assert out['attention mlp_t fused'] == 'none fused: the model mixes the sequence with attention, not mlp_t'
+    assert out['attention cudnn fused'] == ("attention through cuDNN's fused attention (SDPA's cuDNN backend first); "
+                                            "the rest plain"), out
+    assert out['mlp_t cudnn fused'] == 'none fused: the model mixes the sequence with mlp_t, not attention', out
+    # one call of the attention per block and network call (2 blocks x H_cycles 2 x (L_cycles 2 + 1)), each inside
+    # an order that puts cuDNN first, and the order before it put back after it
+    calls = out.pop('attention cudnn captured: SDPA calls, orders set with cuDNN first, orders put back')
+    assert calls == [12, 12, 12], calls
     assert out['mlp_t_partial_tile mlp_t block under grad equal'] is True, out
     for k, v in out.items():
         if k.endswith('equal'):
@@ -250,6 +280,15 @@ AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused 
     ('triton', 'cpu', 'float32', True, None, True, False, 'off', "warning: kernels='triton' runs on CUDA GPUs"),
     ('triton', 'cpu', 'float32', True, None, True, True, 'triton', "Triton's interpreter on the CPU"),
     ('off', 'cuda', 'bfloat16', True, (9, 0), True, False, 'off', 'off (as configured)'),
+    ('cudnn', 'cuda', 'bfloat16', False, (9, 0), True, False, 'cudnn', 'cudnn (as configured)'),
+    ('cudnn', 'cuda', 'bfloat16', False, (8, 0), True, False, 'cudnn', 'cudnn (as configured)'),
+    ('cudnn', 'cuda', 'bfloat16', False, (7, 5), True, False, 'off',
+     "warning: kernels='cudnn' runs on GPUs of compute capability 8.0 or newer (cuDNN's fused attention), not 7.5"),
+    ('cudnn', 'cuda', 'bfloat16', True, (9, 0), True, False, 'off',
+     "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with mlp_t: plain path"),
+    ('cudnn', 'cpu', 'float32', False, None, True, False, 'off', "warning: kernels='cudnn' runs on CUDA GPUs"),
+    ('cudnn', 'cpu', 'float32', False, None, True, True, 'cudnn', "Triton's interpreter on the CPU"),
+    ('auto', 'cuda', 'bfloat16', False, (9, 0), True, False, 'off', "--kernels=cudnn tries cuDNN's attention"),
 ])
 def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, requested, kind, dtype, mlp_t, cap,
                                                                  have, interp, want, why):
@@ -278,8 +317,8 @@ def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back
         first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
         assert want in first and 'Traceback' not in p.stdout + p.stderr, first
     p = run(args + [f'--out_dir={tmp_path}/bad', '--kernels=cuda'], check=False)
-    assert p.returncode == 1 and ("kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'quack' | "
-                                  "'triton')") in p.stderr, p.stderr
+    assert p.returncode == 1 and ("kernels='cuda' (allowed: 'auto' | 'off' | 'mlp_t' | 'cudnn' | 'gated' | "
+                                  "'quack' | 'triton')") in p.stderr, p.stderr
     # in the interpreter a forced 'mlp_t' (auto's pick on a Hopper GPU) trains and evaluates through its kernel,
     # the EMA's copy included
     p = run(args + [f'--out_dir={tmp_path}/interp', '--kernels=mlp_t'], env={'TRITON_INTERPRET': '1'})
@@ -332,6 +371,20 @@ def test_the_profile_summary_sums_the_gpu_kernels_by_kind(tmp_path):
 def test_bench_refuses_a_kernels_ab_that_is_no_kernels_value_in_one_line():
     for value in ('fast', 'True'):  # True: the flag's old form, a switch
         p = run(['bench.py', '--device=cpu', f'--kernels_ab={value}'], check=False)
-        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'gated' | 'quack' | 'triton'; "
+        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'cudnn' | "
+                f"'gated' | 'quack' | 'triton'; "
                 "kernels_ab also '': no A/B)")
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
+
+
+def test_bench_times_an_attention_model_with_cudnn_s_attention_against_the_plain_path_in_one_run():
+    """The Maze A/B of dev/gpu_speed.sh, tiny on the CPU: kernels=off, then kernels=cudnn on the same model, each
+    timed and named on the A/B line and the bench: line."""
+    p = run(['bench.py', 'config/maze.py', '--device=cpu', '--forward_dtype=float32', '--hidden_size=32',
+             '--num_heads=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2', '--global_batch_size=2',
+             '--eval_batch_size=2', '--steps=1', '--warmup_steps=1', '--eval_batches=1', '--seq_len=16',
+             '--puzzle_emb_len=2', '--puzzle_emb_ndim=32', '--kernels=off', '--kernels_ab=cudnn'],
+            env={'TRITON_INTERPRET': '1'})
+    ab = next(l for l in p.stdout.splitlines() if l.startswith('kernels A/B:'))
+    assert "with kernels=cudnn" in ab and "attention through cuDNN's fused attention" in ab, ab
+    assert re.search(r'\bkernels=off ab_kernels=cudnn ab_ms_per_step=[.\d]+ ', p.stdout), p.stdout[-2000:]
