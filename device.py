@@ -191,9 +191,10 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
     """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
     'cudnn' (an attention model's attention through cuDNN's fused attention, SDPA's cuDNN backend first: GPUs of
     compute capability 8.0 or newer), 'gated' (the mlp_t forward, and the SwiGLUs in their GEMMs' epilogues: both
-    under grad, the channel one without; attention models too), 'quack' ('gated' with the optional quack-kernels package's GEMMs: CUDA GPUs of compute
-    capability 9.x and 10.x, 16-bit), 'triton' (every fused kernel, for experiments) or 'off' (model.py's plain
-    path), for a model that mixes the sequence with mlp_t (mlp_t=True) or attention. 'auto': 'mlp_t' for an
+    under grad, the channel one without; attention models too), 'quack' ('gated' with the optional quack-kernels
+    package's GEMMs: CUDA GPUs of compute capability 9.x and 10.x, 16-bit), 'triton' (every fused kernel, for
+    experiments) or 'off' (model.py's plain path), for a model that mixes the sequence with mlp_t (mlp_t=True) or
+    attention. 'auto': 'mlp_t' for an
     mlp_t model on a Hopper GPU (compute capability 9.x) in bfloat16 with triton installed, the one kernel
     measured faster than the compiled plain path there; off everywhere else (attention models, other GPUs,
     other dtypes), so CPU, XLA and TorchTPU runs keep the plain path. A forced value where it cannot run falls
@@ -220,7 +221,8 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
         if requested == 'cudnn' and mlp_t:
             return 'off', "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with mlp_t: " \
                           "plain path"
-        cap = cuda_capability or (torch.cuda.get_device_capability() if device_type == 'cuda' else None)
+        cap = cuda_capability or (torch.cuda.get_device_capability() if device_type == 'cuda' and
+                                  requested == 'cudnn' else None)
         if requested == 'cudnn' and cap and cap[0] < 8:
             return 'off', (f"warning: kernels='cudnn' runs on GPUs of compute capability 8.0 or newer (cuDNN's "
                            f"fused attention), not {cap[0]}.{cap[1]}: plain path")
@@ -263,9 +265,9 @@ def _why_not_quack(device_type, dtype, cuda_capability, have_quack):
 
 def use_kernels(requested, device_type, dtype, model):
     """choose_kernels for this device, forward dtype and model, applied to model's blocks: backends/kernels.py's fused
-    forward installed ('mlp_t', 'cudnn', 'gated', 'quack', 'triton'; a copy made afterwards, such as the EMA's, keeps it) or
-    the plain forward. Returns (the kernels in effect, why; a forced value says what it fused); a triton or quack
-    that fails to import means the plain path, said in `why`."""
+    forward installed ('mlp_t', 'cudnn', 'gated', 'quack', 'triton'; a copy made afterwards, such as the EMA's,
+    keeps it) or the plain forward. Returns (the kernels in effect, why; a forced value says what it fused); a
+    triton or quack that fails to import means the plain path, said in `why`."""
     choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
     if choice != 'off':
         try:

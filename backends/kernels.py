@@ -724,13 +724,13 @@ def mix_sequence_gated(block, h, quack=False):
 def block_forward(block, h, rope, which='triton'):
     """Block.forward (model.py) with `which`'s fused kernels:
       'mlp_t'  mlp_t's forward where no gradient is taken; everything else plain (under grad, the plain path).
-      'cudnn'  attention through cuDNN's fused attention (cudnn_attention); everything else plain.
-      'gated'  that, and the SwiGLUs' gated GEMMs: under grad both SwiGLUs (mlp_t's over the sequence, the
+      'gated'  'mlp_t', and the SwiGLUs' gated GEMMs: under grad both SwiGLUs (mlp_t's over the sequence, the
                channel one) through gated_mlp, whose GEMMs compute the SwiGLU and its gradient in their
                epilogues; without grad the channel one as swiglu then down_norm (the residual and the RMSNorm in
                the down GEMM's epilogue, where a tile holds the width).
       'quack'  'gated' with quack's gated GEMMs (quack_gated_mlp, quack_swiglu) in place of the Triton ones.
       'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too (its forward and backward).
+      'cudnn'  attention through cuDNN's fused attention (cudnn_attention); everything else plain.
     Attention stays the plain path's but with 'cudnn'."""
     grad, quack = torch.is_grad_enabled(), which == 'quack'
     if which == 'cudnn':

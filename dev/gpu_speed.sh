@@ -4,6 +4,7 @@
 #   STAGES=maze,ref_maze BUDGET_S=400 bash dev/gpu_speed.sh   # chosen stages (sudoku_all: only so)
 #   AB=gated bash dev/gpu_speed.sh                         # the A/B stages time kernels=gated against off, not auto
 #   AB=quack bash dev/gpu_speed.sh                         # ... kernels=quack (quack-kernels, installed as below)
+#   AB_MAZE=cudnn ...                                      # the Maze A/B's value apart (AB=auto: cudnn)
 #   DRY=1 bash dev/gpu_speed.sh                            # on a CPU: each stage starts, tiny, in Triton's interpreter
 # Stages, in this order (each skipped when its estimate no longer fits the budget, each under its own timeout):
 #   check     backends/kernels.py vs the plain path vs float64 at the real shapes, the gated GEMMs' TMA tiles vs
@@ -68,8 +69,8 @@ else
     PROFILE="--profile_steps=0:2 --profile_dir=/tmp/gpu_speed_profile"
 fi
 
-# auto is off for attention models: the Maze A/B times cuDNN's attention instead
-AB_MAZE=$([ "$AB" = auto ] && echo cudnn || echo "$AB")
+# auto is off for attention models: the Maze A/B times cuDNN's attention instead (AB_MAZE=... another value)
+AB_MAZE=${AB_MAZE:-$([ "$AB" = auto ] && echo cudnn || echo "$AB")}
 
 say "gpu_speed: $(date -u +%FT%TZ) | budget ${BUDGET_S} s | stages $STAGES | A/B off vs $AB (Maze: $AB_MAZE) | out $OUT | dry $DRY"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)

@@ -4,8 +4,8 @@ kernels on and off, each fused op's time against the compiled plain path, the to
 summary table of gpu_speed.sh's logs.
     python dev/kernels_check.py exact              # fused vs plain, both vs float64 (float32 for a model's step)
     python dev/kernels_check.py train              # a tiny run's token accuracy after N steps, kernels on and off
-    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (each tile tried) vs compiled plain;
-                                                   # the Maze attention through each of SDPA's backends
+    python dev/kernels_check.py ops                # ms per call, TFLOP/s: fused ops (each tile tried) vs compiled
+                                                   # plain; the Maze attention through each of SDPA's backends
     python dev/kernels_check.py profile TRACE OUT  # the kernels of a bench.py Chrome trace by GPU time, into OUT
     python dev/kernels_check.py table DIR          # gpu_speed.sh's table from the bench and reference logs in DIR
     python dev/kernels_check.py build [CAP]        # each kernel built for compute capability CAP (90), no GPU:
