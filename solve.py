@@ -31,7 +31,7 @@ import time
 
 from configurator import read_config_block  # noqa: E402
 from runkeep.hub import resolve_init_from  # noqa: E402
-from configurator import config_problems  # noqa: E402
+from configurator import KERNELS, config_problems  # noqa: E402
 
 # train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
 # carries its own); for such a state dict they must be those of its training run (the weights do not tell
@@ -63,6 +63,8 @@ eval_views = 1                  # solve each puzzle in K views (symmetries of th
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla, else cuda if any, else cpu) | 'cpu'/'cuda'/'xla'
 threads = 0                     # CPU threads (0: cores other processes leave idle, by 1-minute load average)
 forward_dtype = 'checkpoint'    # 'checkpoint' (training run's) | 'auto' | 'bfloat16' | 'float16' | 'float32'
+kernels = 'auto'                # fused blocks, as train.py's key (docs/speed.md): 'auto' (the fused mlp_t forward
+                                # on a Hopper GPU) | 'off' | 'mlp_t' | 'cudnn' | 'gated' | 'quack' | 'triton'
 check_memory = True             # refuse a model and batch this machine's memory cannot hold (an estimate)
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -80,7 +82,7 @@ RULES = dict(eval_steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v 
              threads=(lambda v: v >= 0, 'a number >= 0'), adapt_minutes=(lambda v: v > 0, 'minutes > 0'),
              adapt_aug=(lambda v: v >= 0, 'a number >= 0'),
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
-             forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'))
+             forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'), kernels=_one_of(*KERNELS))
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
 bad += config_problems({k: config[k] for k in _model_keys if k != 'forward_dtype'})  # train.py's rules (configurator.py)
 if bad:
@@ -93,7 +95,7 @@ from configurator import fail, import_torch  # noqa: E402
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
 from data import load_arrays, load_json, load_metadata  # noqa: E402
-from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores  # noqa: E402
+from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import draw_arc_task, draw_steps, views_problem, vote  # noqa: E402
@@ -512,6 +514,7 @@ def main():
     if task.endswith('.json'):  # tasks never trained: adapted to first, then solved as the test split's are
         adapt_to_new_tasks()
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
+    dtype_why += f" | kernels {use_kernels(kernels, dev.type, dtype, model)[1]}"  # every step is forward-only
     kind, n_steps = puzzle_for(meta), eval_steps or cfg.halt_max_steps
     if kind.correct is None and not task:  # ARC: an answer is right only as a task's output; no verifier
         some = ', '.join(arc_test_tasks(dp)[:3])

@@ -225,6 +225,24 @@ def test_checkpoint_without_its_dataset(sudoku4):
     assert_user_error(p, 'elsewhere', '--data_path', one_line=True)
 
 
+def test_the_kernels_key_is_said_and_a_fused_kernel_solves_as_the_plain_path(sudoku4):
+    """solve.py's kernels key (train.py's): the device line says the choice and why ('auto' on a CPU: off); a forced
+    'mlp_t' (its fused forward, Triton's interpreter on the CPU) gives each puzzle the plain path's verdict, steps
+    and answer."""
+    pytest.importorskip('triton', reason="the kernels need triton (not in torch's CPU wheel)")
+    args = [f'--init_from={sudoku4.ckpt}', '--count=6', '--quiet=True']
+    plain = solve(*args, env={'TRITON_INTERPRET': ''})
+    assert 'kernels auto: off (device cpu: the kernels are for CUDA GPUs)' in plain.stdout, plain.stdout[:2000]
+    fused = solve(*args, '--kernels=mlp_t', env={'TRITON_INTERPRET': '1'})
+    assert ("kernels mlp_t (as configured; Triton's interpreter on the CPU): mlp_t forward (no-grad); the rest "
+            "plain") in fused.stdout, fused.stdout[:2000]
+    untimed = lambda out: {k: re.sub(r'[\d.]+ s( \(in a batch of \d+\))?', 'T', v) for k, v in summaries(out).items()}
+    assert len(untimed(plain.stdout)) == 6 and untimed(fused.stdout) == untimed(plain.stdout), fused.stdout[-2000:]
+    p = solve(*args, '--kernels=fast', check=False)
+    assert_user_error(p, "kernels='fast' (allowed: 'auto' | 'off' | 'mlp_t' | 'cudnn' | 'gated' | 'quack' | "
+                         "'triton')")
+
+
 def test_maze(maze8):
     """Mazes in every input form reach the model (an untrained one: only the plumbing is checked)."""
     q = maze8.questions[0]
