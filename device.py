@@ -194,12 +194,12 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
     under grad, the channel one without; attention models too), 'quack' ('gated' with the optional quack-kernels
     package's GEMMs: CUDA GPUs of compute capability 9.x and 10.x, 16-bit), 'triton' (every fused kernel, for
     experiments) or 'off' (model.py's plain path), for a model that mixes the sequence with mlp_t (mlp_t=True) or
-    attention. 'auto': 'mlp_t' for an
-    mlp_t model on a Hopper GPU (compute capability 9.x) in bfloat16 with triton installed, the one kernel
-    measured faster than the compiled plain path there; off everywhere else (attention models, other GPUs,
-    other dtypes), so CPU, XLA and TorchTPU runs keep the plain path. A forced value where it cannot run falls
-    back to the plain path, `why` starting with 'warning:'. Triton's interpreter (TRITON_INTERPRET=1) runs a
-    forced value but 'quack' on the CPU, slowly: that is how the tests check the kernels."""
+    attention. 'auto': 'mlp_t' for an mlp_t model on a Hopper GPU (compute capability 9.x) in bfloat16 with
+    triton installed, the one kernel measured faster than the compiled plain path there; off everywhere else
+    (attention models, other GPUs, other dtypes), so CPU, XLA and TorchTPU runs keep the plain path. A forced
+    value where it cannot run falls back to the plain path, `why` starting with 'warning:'. Triton's interpreter
+    (TRITON_INTERPRET=1) runs a forced value but 'quack' on the CPU, slowly: that is how the tests check the
+    kernels."""
     if requested == 'off':
         return 'off', 'off (as configured)'
     if have_triton is None:
@@ -218,14 +218,14 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
                            f"not on device {device_type}: plain path")
         if requested == 'mlp_t' and not mlp_t:
             return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
-        if requested == 'cudnn' and mlp_t:
-            return 'off', "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with mlp_t: " \
-                          "plain path"
-        cap = cuda_capability or (torch.cuda.get_device_capability() if device_type == 'cuda' and
-                                  requested == 'cudnn' else None)
-        if requested == 'cudnn' and cap and cap[0] < 8:
-            return 'off', (f"warning: kernels='cudnn' runs on GPUs of compute capability 8.0 or newer (cuDNN's "
-                           f"fused attention), not {cap[0]}.{cap[1]}: plain path")
+        if requested == 'cudnn':
+            if mlp_t:
+                return 'off', "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with " \
+                              "mlp_t: plain path"
+            cap = cuda_capability or (torch.cuda.get_device_capability() if device_type == 'cuda' else None)
+            if cap and cap[0] < 8:
+                return 'off', (f"warning: kernels='cudnn' runs on GPUs of compute capability 8.0 or newer (cuDNN's "
+                               f"fused attention), not {cap[0]}.{cap[1]}: plain path")
         return requested, f"{requested} (as configured" + ("; Triton's interpreter on the CPU)" if interpreter
                                                           else ")")
     if device_type != 'cuda':

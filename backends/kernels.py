@@ -801,8 +801,7 @@ def fuse_blocks(model, which='triton'):
         why = cudnn_why_not(blocks[0], model.config.total_len, device, model.forward_dtype)
     if which == 'quack' and not why:  # here, not at the first step: a failure is one line before the run
         load_quack()
-        weight = blocks[0].mlp.down_proj.weight
-        check_quack(weight.device, model.forward_dtype)
+        check_quack(device, model.forward_dtype)
     for block in blocks:
         block.fused = None if why else FORWARDS[which]
     if why:

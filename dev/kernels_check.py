@@ -303,7 +303,7 @@ def ops():
     import torch
     from backends import kernels
     from model import TRM, TRMConfig, rms_norm, swiglu_inter
-    dev, dtype, sudoku, _, B = setup()
+    dev, dtype, sudoku, maze, B = setup()
     torch.manual_seed(0)
     model = TRM(TRMConfig(**sudoku, forward_dtype=str(dtype).split('.')[-1])).to(dev)
     block = model.net.layers[0]
@@ -375,7 +375,7 @@ def ops():
         print(f"  {'mlp_t':20s} {'seq-maj':7s} {speed('mlp_t', time_ms(lambda: major(h_sm)))}", flush=True)
     print(f"  {'mlp_t_backward':20s} {'seq-maj':7s} "
           f"{speed('mlp_t_backward', time_ms(lambda: major(hg_sm).backward(g_sm)))}", flush=True)
-    attention_ops(dev, dtype)
+    attention_ops(dev, dtype, maze)
     why_not = have_quack()
     if why_not:
         print(f"  quack: not timed ({why_not})", flush=True)
@@ -402,14 +402,13 @@ def ops():
     return 0
 
 
-def attention_ops(dev, dtype):
+def attention_ops(dev, dtype, maze):
     """The Maze model's attention (batch 192, its heads and length, the [B, S, heads, head_dim] projections seen
     as [B, heads, S, head_dim]) through each of SDPA's backends, forward and forward with backward, and the one SDPA
     picks by itself: whether kernels='cudnn' (cuDNN's first) can pay, and how much of a step it could save."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from model import TRMConfig
-    _, _, _, maze, _ = setup()
     cfg = TRMConfig(**maze)
     B, S, H, hd = (2 if DRY else 192), cfg.total_len, cfg.num_heads, cfg.hidden_size // cfg.num_heads
     q, k, v = (torch.randn(B, S, H, hd, device=dev).to(dtype).transpose(1, 2).requires_grad_(True)
