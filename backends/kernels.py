@@ -730,13 +730,9 @@ def block_forward(block, h, rope, which='triton'):
                the down GEMM's epilogue, where a tile holds the width).
       'quack'  'gated' with quack's gated GEMMs (quack_gated_mlp, quack_swiglu) in place of the Triton ones.
       'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too (its forward and backward).
-      'cudnn'  attention through cuDNN's fused attention (cudnn_attention); everything else plain.
+      'cudnn'  an attention block's attention through cuDNN's fused attention (cudnn_attention); the rest plain.
     Attention stays the plain path's but with 'cudnn'."""
     grad, quack = torch.is_grad_enabled(), which == 'quack'
-    if which == 'cudnn':
-        h = block.mix_sequence(h) if hasattr(block, 'mlp_t') else rms_norm(h + cudnn_attention(block, h, rope),
-                                                                            block.eps)
-        return rms_norm(h + block.mlp(h), block.eps)
     if hasattr(block, 'mlp_t') and (which == 'triton' or not grad):
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
     elif hasattr(block, 'mlp_t') and which in ('gated', 'quack'):
@@ -744,8 +740,9 @@ def block_forward(block, h, rope, which='triton'):
     elif hasattr(block, 'mlp_t'):
         h = block.mix_sequence(h)
     else:
-        h = rms_norm(h + block.self_attn(h, rope), block.eps)
-    if which == 'mlp_t':
+        attn = cudnn_attention(block, h, rope) if which == 'cudnn' else block.self_attn(h, rope)
+        h = rms_norm(h + attn, block.eps)
+    if which in ('mlp_t', 'cudnn'):
         return rms_norm(h + block.mlp(h), block.eps)
     if grad:
         return rms_norm(h + gated_swiglu(block.mlp, h, quack=quack), block.eps)
