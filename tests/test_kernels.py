@@ -82,14 +82,14 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
         (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
         block.fused = None
         return [y.detach(), x.grad] + [p.grad.clone() for p in block.parameters()]
+    plain_grads = block_grads(None)
     if 'mlp_t' in modes:  # under grad, kernels='mlp_t' is the plain path itself: the same bits
         out[f'{name} mlp_t block under grad equal'] = all(
-            torch.equal(a, b) for a, b in zip(block_grads(modes['mlp_t']), block_grads(None)))
+            torch.equal(a, b) for a, b in zip(block_grads(modes['mlp_t']), plain_grads))
     # kernels='cudnn' on the CPU: SDPA's order around the same call, which CPU attention ignores: the same bits
     # (mlp_t blocks: the plain path itself)
     out[f'{name} cudnn block under grad equal'] = all(
-        torch.equal(a, b) for a, b in zip(block_grads(modes['cudnn']), block_grads(None)))
-    plain_grads = block_grads(None)
+        torch.equal(a, b) for a, b in zip(block_grads(modes['cudnn']), plain_grads))
     for which in ('gated', 'triton'):  # a block under grad with the gated GEMMs: output, input's and weights' grads
         out[f'{name} {which} block under grad'] = max(rel(a, b) for a, b in zip(block_grads(modes[which]),
                                                                                   plain_grads))
