@@ -490,12 +490,16 @@ def train_step(model, opt, ema_params, carry, batch, step_t, sc, form=None, all_
 
 def read_sums(dev, sums, bad_step):
     """The metric sums since the last log line, summed over ranks, and the first step whose loss was not
-    finite (< 0: none): one reduction, read on every rank."""
+    finite (< 0: none): one reduction, read on every rank. grad_norm is the mean over ranks, as every rank
+    holds the same all-reduced gradient."""
     reduced = torch.cat([v.float().reshape(1) for v in sums.values()])
     dev.all_reduce_sum_([reduced])
     dev.all_reduce_([bad_step], 'max')
     host, bad_at = dev.read([reduced, bad_step])
-    return dict(zip(sums, host)), bad_at[0]
+    out = dict(zip(sums, host))
+    if 'grad_norm' in out:
+        out['grad_norm'] /= dev.world_size
+    return out, bad_at[0]
 
 
 def format_train(line, run_steps, compiles=None):

@@ -4,6 +4,7 @@ Several ranks fail together and never hang: torchrun with gloo on the CPU runs t
 of a pod (a file present on one host only, a rank whose disk is full, another config on one host).
     python -m pytest -q tests/test_dist.py
 """
+import json
 import os
 import tempfile
 
@@ -94,6 +95,21 @@ def test_evaluation_is_the_same_at_world_sizes_1_2_and_3(tmp_path):
         assert p.returncode == 0, p.stderr[-3000:]  # rank 0 once exited first here, and rank 1 aborted
         lines.append(next(l for l in p.stdout.splitlines() if l.startswith('eval on')))
     assert lines[0].startswith('eval on 37:') and lines[0] == lines[1] == lines[2], lines
+
+
+def test_two_ranks_log_the_loss_and_the_gradient_norm_of_one(toy, tmp_path):
+    """The same global batch split over 2 ranks is one step: the log's loss and grad_norm are one process's (every
+    rank holds the all-reduced gradient, so its norm is not summed over ranks as the loss sums are)."""
+    args = [f'--data_path={toy}', '--max_steps=8', '--halt_exploration_prob=0.0'] + FAST
+    run(['train.py', f'--out_dir={tmp_path}/one'] + args)
+    p = torchrun(2, [f'--out_dir={tmp_path}/two'] + args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    logs = [[json.loads(l) for l in open(tmp_path / d / 'metrics.jsonl') if '"kind": "train"' in l]
+            for d in ('one', 'two')]
+    assert [l['step'] for l in logs[0]] == [l['step'] for l in logs[1]] == [4, 8]
+    for a, b in zip(*logs):
+        assert a['loss'] == pytest.approx(b['loss'], rel=1e-4)
+        assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-3), (a['grad_norm'], b['grad_norm'])
 
 
 # (the W&B code runs on rank 0 alone, the same at any world size: three of the four pairs keep the suite short,
