@@ -361,9 +361,9 @@ class TrainLoader:
         sl = slice(self.rank * self.local_B, (self.rank + 1) * self.local_B)
         return _to_batch(self.arrays, self.meta, ex[sl], pz[sl])
 
-    @property
-    def epochs_done(self):
-        return self.epoch + self.cursor / self.n_groups
+    def epochs_done(self, state):
+        """The epochs a loader at `state` (a state_dict()) has drawn."""
+        return state['epoch'] + state['cursor'] / self.n_groups
 
 
 class EvalLoader:

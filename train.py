@@ -289,8 +289,8 @@ def main(index=None):
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
             sums, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at, step)
-            run.log_train(sums, step, run_steps, loader.epochs_done, float(sc.lr_at(step - 1, sc.lr)),
-                          model.flops_per_example())
+            run.log_train(sums, step, run_steps, loader.epochs_done(prefetch.consumed_state),
+                          float(sc.lr_at(step - 1, sc.lr)), model.flops_per_example())
             acc = None
         if stop_now:
             save(' (stop requested)', owed=at_eval)

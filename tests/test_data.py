@@ -3,10 +3,12 @@ The data layer: the seeded, resumable, rank-sliced train loader, the padded eval
 counting only real rows (evaluate.evaluate), the Wilson interval, puzzle types and verifiers by metadata.
     python -m pytest -q tests/test_data.py
 """
+import json
+
 import numpy as np
 import torch
 
-from conftest import TINY, make_reverse_dataset
+from conftest import TINY, make_reverse_dataset, train
 from data import EvalLoader, TrainLoader, load_arrays, write_split
 from device import Device
 from model import TRM, TRMConfig
@@ -60,6 +62,15 @@ def test_train_loader_visits_every_group_once_per_epoch(tmp_path):
     seen = np.concatenate([ld.next_global_indices()[0] for _ in range(4)])
     assert sorted(seen) == list(range(20)) and ld.epoch == 1 and ld.cursor == 0
     assert ld.steps_for(3) == 12
+
+
+def test_the_logged_epoch_counts_the_batches_trained_on(tmp_path):
+    """The loader runs a batch ahead of the step (the next batch is on its way to the device): the log's epoch
+    is that of the batches consumed, so a 2-epoch run of 4 steps per epoch logs epochs 1 and 2."""
+    root = make_reverse_dataset(str(tmp_path / 'd'), n_train=200, n_test=20)
+    train(root, tmp_path / 'o')  # batch 50: 4 steps per epoch
+    lines = [json.loads(l) for l in open(tmp_path / 'o' / 'metrics.jsonl') if '"kind": "train"' in l]
+    assert [(l['step'], l['epoch']) for l in lines] == [(4, 1.0), (8, 2.0)], lines
 
 
 def test_eval_loader_pads_the_last_batch(tmp_path):
