@@ -32,16 +32,30 @@ def boot_id():
         return ''
 
 
+def started(pid):
+    """When process `pid` started, in clock ticks since boot (None off Linux or when there is no such process):
+    a pid outlives its process (a container restarted as pid 1, a host that reuses pids), a pid and its start
+    do not."""
+    try:
+        with open(f'/proc/{int(pid)}/stat') as f:
+            return int(f.read().rsplit(')', 1)[1].split()[19])  # field 22; the name in parentheses may hold spaces
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
 def lock_record():
     return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
-                boot=boot_id(), renewed=time.time(), lease=LEASE_S)
+                boot=boot_id(), started=started(os.getpid()), renewed=time.time(), lease=LEASE_S)
 
 
 def holder_gone(rec):
-    """Whether the run holding a lock ran on this host and is gone (ended, killed, or the host restarted)."""
+    """Whether the run holding a lock ran on this host and is gone (ended, killed, the host restarted, or its
+    pid now another process's)."""
     if not isinstance(rec, dict) or rec.get('host') != socket.gethostname():
         return False  # another host's run: this host cannot tell
     if rec.get('boot') and rec['boot'] != boot_id():
+        return True
+    if rec.get('started') is not None and started(rec.get('pid')) not in (None, rec['started']):
         return True
     try:
         os.kill(int(rec['pid']), 0)

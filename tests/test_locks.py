@@ -16,6 +16,7 @@ from http.server import ThreadingHTTPServer
 import torch
 
 from conftest import BUCKET, ROOT, Preconditioned, assert_user_error, ckpts, finish, read_until, start, train
+from runkeep import locks
 
 
 def assert_unlocked(out):
@@ -51,6 +52,25 @@ def test_one_run_per_out_dir_a_stale_lock_is_taken_over_and_every_exit_removes_i
     p = train(toy, out, f"--init_from={out / ckpts(out)[-1]}", '--eval_only=True')
     assert 'eval on 200' in p.stdout
     assert_unlocked(out)  # eval_only
+
+
+def test_a_lock_whose_pid_now_names_another_process_is_taken_over(toy, tmp_path):
+    """A pid outlives its process: a container restarted as pid 1, a busy host reusing pids. The lock records its
+    holder's start, so a live process of the same pid that started later is not the holder."""
+    out = tmp_path / 'o'
+    out.mkdir()
+    other = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])
+    try:
+        rec = dict(locks.lock_record(), pid=other.pid, started=locks.started(other.pid))
+        assert not locks.holder_gone(rec)  # `other` holds it: alive
+        rec['started'] -= 1  # the holder started before `other` took its pid
+        json.dump(rec, open(out / 'run.lock', 'w'))
+        p = train(toy, out, '--max_steps=2')
+        assert f'pid {other.pid}' in p.stdout and 'taking over' in p.stdout
+        assert_unlocked(out)
+        assert other.poll() is None  # only the lock was taken over
+    finally:
+        other.kill()
 
 
 LOCKER = """
