@@ -89,10 +89,9 @@ gradient_accumulation_steps = 1 # micro-batches per step, each with its rows of 
 # system
 device = 'auto'                 # 'auto' (PJRT_DEVICE: xla; a GPU: cuda; else cpu) | 'cpu'|'cuda'|'xla'|'tpu'
 compile = True                  # torch.compile the step and evaluation (CUDA, TorchTPU, XLA: see step.py)
-kernels = 'auto'                # fused blocks: 'auto'|'off'|'mlp_t' (its no-grad forward)|'cudnn' (attention)|
-                                # 'gated'|'quack'|'triton' (docs/speed.md)
+kernels = 'auto'                # CUDA kernels: 'auto'|'off'|'mlp_t'|'cudnn'|'gated'|'quack'|'triton' (docs/speed.md)
 xla_cache_dir = '~/.cache/trm_xla'  # persistent XLA compilation cache ('' disables)
-gcs_retries = 8                 # attempts per GCS request (exponential backoff) before an upload is given up
+gcs_retries = 8                 # retries of a failed GCS request (exponential backoff) before an upload is given up
 preflight = False               # True: check this machine in minutes instead: two short runs in <out>/preflight
 preflight_phase = 0             # set by preflight: 1|2, a run whose last eval is eval_subset's, no results.json
 watchdog_minutes = 30.0         # no step or eval batch done this long (a hung host): stacks, exit 75 (0: off)
