@@ -104,6 +104,8 @@ class Run:
         problems = []
         if self.master and cfg['overwrite'] and not resume_parts(cfg['init_from'])[0]:  # the old run's files go
             problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
+            # its results too: a stop in this run's final evaluation would leave them beside this run's last step
+            self.results_dropped = not problems and drop_results(self.local, self.gs_out, submission=True)
         fail_together(dev, problems, 'overwrite')
 
     def resume(self, model, ema_model, opt, loader, resume_fixed, last_step, arc=None):

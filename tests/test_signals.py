@@ -58,8 +58,9 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(toy, tmp_path):
 
 def test_a_stop_during_an_evaluation_saves_its_step_at_once_and_the_resume_evaluates(toy, tmp_path):
     out = tmp_path / 'o'
+    train(toy, out, '--max_steps=3', '--lr=1e-3')  # a finished run, which the next replaces: its results.json goes
     # the final evaluation at step 3: 200 batches of one example, 128 supervision steps each (a minute or more)
-    proc = start(toy, out, '--max_steps=3', '--eval_batch_size=1', '--eval_steps=128')
+    proc = start(toy, out, '--max_steps=3', '--eval_batch_size=1', '--eval_steps=128', '--overwrite=True')
     text = read_until(proc, 'step 3/3')
     t0 = time.time()
     proc.send_signal(signal.SIGTERM)
