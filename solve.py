@@ -383,7 +383,8 @@ def load_model(dev):
     try:
         meta, meta_from = load_metadata(dp, 'train'), f"dataset {dp}"
     except (OSError, ValueError) as e:
-        meta = meta_from_weights(sd, model_cfg) if not (index >= 0 or count > 0) and not data_path else None
+        given_puzzles = not (index >= 0 or count > 0) and not data_path
+        meta = meta_from_weights(sd, model_cfg, trained_on) if given_puzzles else None
         if meta is None:
             trained = f" (the checkpoint was trained on data_path={saved.get('data_path')!r})" if ours else ''
             fail(f"data_path={dp!r}: {short(e)}{trained}; give --data_path=DATASET_ROOT")

@@ -592,14 +592,18 @@ def shapes_in(sd):
     return found
 
 
-def meta_from_weights(sd, cfg):
-    """Dataset metadata inferred from the weights, for a checkpoint whose dataset is not on this machine:
-    None unless the shapes say unambiguously which puzzle it is."""
+def meta_from_weights(sd, cfg, trained_on=None):
+    """Dataset metadata for a checkpoint whose dataset is not on this machine: the puzzle kind and length the
+    checkpoint recorded (trained_on, a data_shape dict), or else inferred from the weights' shapes; None unless
+    they say unambiguously which puzzle it is (a 4x4 Sudoku's vocabulary is a maze's)."""
     s = shapes_in(sd)
     V = s.get('vocab_size')
     if V is None:
         return None
-    if 'total_len' in s:
+    kind = (trained_on or {}).get('puzzle_type')
+    if kind:
+        seq_len = int(trained_on['seq_len'])
+    elif 'total_len' in s:
         prefix = cfg.get('puzzle_emb_len', TRMConfig.puzzle_emb_len)
         has_prefix = cfg.get('puzzle_emb_ndim', TRMConfig.puzzle_emb_ndim) > 0
         seq_len = s['total_len'] - (prefix if has_prefix else 0)
@@ -608,7 +612,7 @@ def meta_from_weights(sd, cfg):
     else:
         return None
     meta = dict(vocab_size=V, seq_len=seq_len, num_puzzle_identifiers=s.get('num_puzzle_identifiers', 1),
-                pad_id=0, ignore_label_id=0, blank_identifier_id=0)
+                pad_id=0, ignore_label_id=0, blank_identifier_id=0, **({'puzzle_type': kind} if kind else {}))
     return meta if puzzle_for(meta) else None
 
 

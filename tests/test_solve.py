@@ -225,6 +225,24 @@ def test_checkpoint_without_its_dataset(sudoku4):
     assert_user_error(p, 'elsewhere', '--data_path', one_line=True)
 
 
+def test_a_checkpoint_without_its_dataset_solves_the_kind_it_was_trained_on(maze8):
+    """The weights' shapes may fit another kind (an attention model with RoPE holds no sequence length, and an 8x8
+    maze's vocabulary is a 4x4 Sudoku's): the kind and length the checkpoint recorded decide."""
+    import torch
+    out = maze8.tmp / 'rope'
+    run('train.py', f'--data_path={maze8.data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32',
+        '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=0', '--H_cycles=1',
+        '--L_cycles=1', '--halt_max_steps=2', '--global_batch_size=16', '--epochs=1', '--eval_every_epochs=1',
+        '--forward_dtype=float32', '--xla_cache_dir=')
+    ckpt = torch.load(sorted(glob.glob(str(out / 'ckpt_*.pt')))[-1], map_location='cpu', weights_only=False)
+    ckpt['config']['data_path'] = str(maze8.tmp / 'elsewhere')
+    moved = maze8.tmp / 'rope_moved.pt'
+    torch.save(ckpt, moved)
+    p = solve(f'--init_from={moved}', '--puzzle=' + '/'.join(rows_of(maze8.questions[0])), '--quiet=True')
+    assert '8x8 mazes (' in p.stdout and 'no dataset at' in p.stdout, p.stdout[-2000:]
+    assert list(summaries(p.stdout)) == [1]
+
+
 def test_the_kernels_key_is_said_and_a_fused_kernel_solves_as_the_plain_path(sudoku4):
     """solve.py's kernels key (train.py's): the device line says the choice and why ('auto' on a CPU: off); a forced
     'mlp_t' (its fused forward, Triton's interpreter on the CPU) gives each puzzle the plain path's verdict, steps
