@@ -10,9 +10,10 @@ is fine). A config file may name the recipe it changes in `_base = 'config/basel
 repository root): that file is applied first, so each file holds only what it changes. Names starting with
 '_' are not keys. `read_config_block(path)` gives another script's keys (bench.py takes train.py's), and
 `config_files(path)` what a config file sets (study.py reads the experiments with it). The script learns
-which keys were set, and where, in `_set_by` ({key: the config file or '--key=value'}): a value that only
-happens to equal the default was still chosen (runkeep/hub.py refuses a chosen model key that contradicts a
-published checkpoint's config, and takes the others from it).
+which keys were set, and where, in `_set_by` ({key: the config file or '--key=value'}) and `_set_at` ({key:
+(that file or flag, the file's line or None)}): a value that only happens to equal the default was still chosen
+(runkeep/hub.py refuses a chosen model key that contradicts a published checkpoint's config, and takes the
+others from it), and config_problems(cfg, _set_at) names the file's line or the flag of a value it refuses.
 """
 import ast
 import builtins
@@ -192,6 +193,18 @@ def config_files(path):
                  and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
 
 
+def assigned_lines(path):
+    """{name: the line of the config file at `path` that assigns it last}, for messages; a name set where the
+    parser cannot see it (through globals(), say) has none."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    lines = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+            lines[n.id] = max(n.lineno, lines.get(n.id, 0))
+    return lines
+
+
 def parse_value(text, default):
     """The value of --key=text: a Python literal, else the text itself (a bare string such as out/run1); a
     string key keeps its text (--wandb_run_name=2025 stays '2025')."""
@@ -222,6 +235,12 @@ def shown_path(path):
     return path if rel.startswith('..') else rel
 
 
+def type_said(value):
+    """A value's type as a message says it: 'an int', 'a str', 'None'."""
+    name = type(value).__name__
+    return 'None' if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _help(g, keys):
     script = g.get('__file__')
     doc = (ast.get_docstring(ast.parse(open(script).read())) or '') if script else ''  # (g's __doc__ is now
@@ -244,7 +263,7 @@ def _configure(g, argv):
     keys = list(g.get('config_keys') or [k for k, v in g.items() if not k.startswith('_')
                                           and isinstance(v, (int, float, bool, str))])
     known, defaults = set(keys), {k: g[k] for k in keys}  # the script's own defaults, before any flag
-    set_by = g['_set_by'] = {}
+    set_by, set_at = g['_set_by'], g['_set_at'] = {}, {}
     if any(a in ('-h', '--help', 'help') for a in argv):
         _help(g, keys)
 
@@ -263,21 +282,23 @@ def _configure(g, argv):
 
     def check_type(key, value, where):
         default = defaults[key]
-        if default is None or value is None or type(value) is type(default):
+        if default is None or type(value) is type(default):  # (None too: a number's key would crash on it later)
             return value
         if isinstance(default, float) and type(value) is int:
             return float(value)
-        raise SystemExit(f"config error: {key}={value!r} in {where} is a {type(value).__name__}, "
-                         f"but {key} is a {type(default).__name__} (default {default!r})")
+        raise SystemExit(f"config error: {key}={value!r} in {where} is {type_said(value)}, "
+                         f"but {key} is {type_said(default)} (default {default!r})")
 
     for arg in argv:
         if not arg.startswith('--'):
             # a config file: plain Python that assigns globals (after its _base file's)
             for path, keys in config_files(arg):
+                lines = assigned_lines(path)
                 for key, value in keys.items():
                     check_key(key, path)
-                    g[key] = check_type(key, value, path)
-                    set_by[key] = shown_path(path)
+                    at = f", line {lines[key]}" if key in lines else ''
+                    g[key] = check_type(key, value, shown_path(path) + at)
+                    set_by[key], set_at[key] = shown_path(path), (shown_path(path), lines.get(key))
                 print(f"config: {os.path.relpath(path) if os.path.isabs(path) else path}")
         else:
             if '=' not in arg:
@@ -285,7 +306,7 @@ def _configure(g, argv):
             key, text = arg[2:].split('=', 1)  # the value may itself contain '='
             check_key(key, arg, text)
             g[key] = check_type(key, parse_value(text, g[key]), arg)
-            set_by[key] = arg
+            set_by[key], set_at[key] = arg, (arg, None)
             print(f"config: {key} = {g[key]!r}")
 
 
@@ -304,7 +325,7 @@ KERNELS = ('auto', 'off', 'mlp_t', 'cudnn', 'gated', 'quack', 'triton')
 TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
              eval_every_epochs=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
-             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg,
+             global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg, seed=_nonneg,
              hidden_size=_pos, num_heads=_pos, expansion=_pos, L_layers=_pos, H_cycles=_pos, L_cycles=_pos,
              halt_max_steps=_pos, halt_exploration_prob=(lambda v: 0 <= v <= 1, 'a probability in [0, 1]'),
              pos_encodings=_one_of('rope', 'learned', 'none'), puzzle_emb_ndim=_nonneg, puzzle_emb_len=_pos,
@@ -324,19 +345,45 @@ def fail(message):
     raise SystemExit(' '.join(str(message).split()))
 
 
-def config_problems(cfg):
+def set_where(set_at, keys):
+    """', from FILE, line N and --key=value': where set_at (a script's _set_at) says these keys were set, ''
+    where it names none of them."""
+    found = {}
+    for source, line in (set_at[k] for k in keys if k in set_at):
+        found.setdefault(source, []).extend([line] if line else [])
+
+    def place(path, lines):  # 'FILE', 'FILE, line N' or 'FILE, lines N, M'
+        return path + (f", line{'s' if len(lines) > 1 else ''} {', '.join(map(str, sorted(lines)))}" if lines else '')
+    flags = ' '.join(w for w in found if w.startswith('--'))  # as typed on the command line
+    places = [place(w, at) for w, at in found.items() if not w.startswith('--')] + ([flags] if flags else [])
+    return f", from {' and '.join(places)}" if places else ''
+
+
+def config_problems(cfg, set_at=None):
     """The values of cfg (any of train.py's keys) that break a rule, each as 'key=value (allowed: ...)', then
-    the keys of the model's shape that contradict each other (checked only where each of them is allowed)."""
+    the keys of the model's shape that contradict each other (checked only where each of them is allowed);
+    with set_at (the script's _set_at), each names the config file's line or the flag that set its keys."""
+    set_at = set_at or {}
     broken = {k for k, (ok, _) in TRAIN_RULES.items() if k in cfg and not ok(cfg[k])}
-    bad = [f"{k}={cfg[k]!r} (allowed: {TRAIN_RULES[k][1]})" for k in TRAIN_RULES if k in broken]
+    bad = [f"{k}={cfg[k]!r} (allowed: {TRAIN_RULES[k][1]}){set_where(set_at, [k])}" for k in TRAIN_RULES
+           if k in broken]
     usable = lambda *keys: all(k in cfg and k not in broken for k in keys)
     if usable('puzzle_emb_ndim', 'puzzle_emb_len', 'hidden_size') and \
             cfg['puzzle_emb_ndim'] > cfg['puzzle_emb_len'] * cfg['hidden_size']:
         bad.append(f"puzzle_emb_ndim={cfg['puzzle_emb_ndim']} does not fit in puzzle_emb_len * hidden_size = "
-                   f"{cfg['puzzle_emb_len']} * {cfg['hidden_size']}: lower it or raise puzzle_emb_len")
-    if usable('mlp_t', 'hidden_size', 'num_heads') and not cfg['mlp_t'] and cfg['hidden_size'] % cfg['num_heads']:
+                   f"{cfg['puzzle_emb_len']} * {cfg['hidden_size']}: lower it or raise puzzle_emb_len"
+                   + set_where(set_at, ['puzzle_emb_ndim', 'puzzle_emb_len', 'hidden_size']))
+    attention = usable('mlp_t', 'hidden_size', 'num_heads') and not cfg['mlp_t']
+    if attention and cfg['hidden_size'] % cfg['num_heads']:
         bad.append(f"hidden_size={cfg['hidden_size']} is not divisible by num_heads={cfg['num_heads']} "
-                   "(attention: mlp_t=False)")
+                   "(attention: mlp_t=False)" + set_where(set_at, ['mlp_t', 'hidden_size', 'num_heads']))
+    elif attention and usable('pos_encodings') and cfg['pos_encodings'] == 'rope' and \
+            cfg['hidden_size'] // cfg['num_heads'] % 2:  # RoPE rotates each head's channels in pairs
+        bad.append(f"hidden_size={cfg['hidden_size']} / num_heads={cfg['num_heads']} = "
+                   f"{cfg['hidden_size'] // cfg['num_heads']} channels a head: RoPE (pos_encodings='rope', "
+                   "attention: mlp_t=False) rotates them in pairs (allowed: an even hidden_size / num_heads, or "
+                   "pos_encodings 'learned' | 'none')"
+                   + set_where(set_at, ['mlp_t', 'pos_encodings', 'hidden_size', 'num_heads']))
     return bad
 
 

@@ -37,7 +37,7 @@ def resolve_device(name):
     with TPU chips and no PJRT_DEVICE stops here with one line: its host CPU would train in their place, and
     the launch command of every worker should say what it uses (PJRT_DEVICE=TPU, or --device=cpu).
     'tpu' (TorchTPU) is chosen only by name; where TorchTPU or a chip is missing it stops here, before any
-    work, with one line naming requirements-torchtpu.txt."""
+    work, with one line naming requirements-torchtpu.txt; so does 'cuda' where torch sees no CUDA GPU."""
     if name == 'auto':
         if os.environ.get('PJRT_DEVICE'):
             return 'xla'
@@ -51,6 +51,10 @@ def resolve_device(name):
         raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla', 'tpu'")
     if name == 'tpu':
         torchtpu.require()
+    if name == 'cuda' and not torch.cuda.is_available():
+        why = 'this torch is a CPU-only build' if torch.version.cuda is None else 'torch sees no CUDA GPU here'
+        raise SystemExit(f"config error: device='cuda', but {why}: use --device=cpu, or --device=auto (a GPU "
+                         "where there is one)")
     return name
 
 

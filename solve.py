@@ -84,7 +84,7 @@ RULES = dict(eval_steps=(lambda v: v >= 0, 'a number >= 0'), count=(lambda v: v 
              device=_one_of('auto', 'cpu', 'cuda', 'xla'),
              forward_dtype=_one_of('checkpoint', 'auto', 'bfloat16', 'float16', 'float32'), kernels=_one_of(*KERNELS))
 bad = [f"{k}={config[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(config[k])]
-bad += config_problems({k: config[k] for k in _model_keys if k != 'forward_dtype'})  # train.py's rules (configurator.py)
+bad += config_problems({k: config[k] for k in _model_keys if k != 'forward_dtype'}, _set_at)  # train.py's rules
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
 # -----------------------------------------------------------------------------

@@ -104,10 +104,10 @@ _renamed = dict(eval_interval=('eval_every_epochs', 'it counts epochs'), smoke=(
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 
 
-def config_errors(config):
-    """Every key's allowed values and the model's shape (configurator.py's rules), then the keys that must agree
-    with each other."""
-    return config_problems(config) + [why for broken, why in (
+def config_errors(config, set_at=None):
+    """Every key's allowed values and the model's shape (configurator.py's rules; set_at: where each key was set),
+    then the keys that must agree with each other."""
+    return config_problems(config, set_at) + [why for broken, why in (
         (config['eval_only'] and config['init_from'] == 'scratch',
          "eval_only=True needs --init_from=resume or a checkpoint file"),
         (config['freeze_weights'] and not config['puzzle_emb_ndim'],
@@ -117,7 +117,7 @@ def config_errors(config):
 
 
 config = {k: globals()[k] for k in config_keys}
-if bad := config_errors(config):
+if bad := config_errors(config, _set_at):
     raise SystemExit("config error: " + '; '.join(bad))
 config.update(runkeep.resolve_init_from(dict(config, _set_by=_set_by)))  # hf:// fetched; all_config.yaml's keys
 if bad := config_errors(config):  # what the published run's keys make of the rest

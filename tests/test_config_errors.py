@@ -7,6 +7,7 @@ file with flags after it, values holding '=' and an int where a float is expecte
 """
 import pytest
 
+from configurator import config_problems
 from conftest import FAST, TOY_ARGS, assert_user_error, run
 
 TOY = ['--data_path={toy}', '--out_dir={out}'] + FAST  # a run that starts, but for the key under test
@@ -23,7 +24,7 @@ RULES = [('--lr=-1', 'lr=-1'), ('--H_cycles=0', 'H_cycles=0'), ('--L_cycles=0', 
          ('--global_batch_size=-4', 'global_batch_size=-4'), ('--hidden_size=-1', 'hidden_size=-1'),
          ('--halt_max_steps=0', 'halt_max_steps=0'), ('--pos_encodings=alibi', "pos_encodings='alibi'"),
          ('--keep_last_n=-1', 'keep_last_n=-1'), ('--forward_dtype=int8', "forward_dtype='int8'"),
-         ('--max_minutes=-1', 'max_minutes=-1', '>= 0'),
+         ('--max_minutes=-1', 'max_minutes=-1', '>= 0'), ('--seed=-1', 'seed=-1', '>= 0'),
          # digits that str.isdigit accepts and int() does not (or reads as another digit)
          ('--profile_steps=²:3', "profile_steps='²:3'"), ('--profile_steps=1:³', "profile_steps='1:³'"),
          ('--profile_steps=١:٣', "profile_steps='١:٣'")]
@@ -38,6 +39,12 @@ CASES = [
     # a value of the wrong type: train.py's default is named, not an earlier flag's value
     case(['--L_cycles=four'], 'L_cycles', 'int', id='type'),
     case(['--L_cycles=3', "--L_cycles='x'"], 'L_cycles', '(default 6)', absent=['(default 3)'], id='type-default'),
+    case(['{cfg}'], "L_cycles='x' in {cfg}, line 2", file="lr = 1e-3\nL_cycles = 'x'\n", id='type-in-file'),
+    # None only where the default is None: no key of train.py's
+    case(TOY + ['--max_steps=None'], 'max_steps=None in --max_steps=None is None', 'an int (default 0)',
+         id='none-flag'),
+    case(TOY + ['--seed=None'], 'seed=None', 'an int (default 0)', id='none-seed'),
+    case(['{cfg}'], 'max_steps=None in {cfg}, line 2', file="lr = 1e-3\nmax_steps = None\n", id='none-in-file'),
     # a config file that does not run: its path and line
     case(['{cfg}'], '{cfg}, line 2', file="lr = 1e-3\nx = (\n", id='syntax'),
     case(['{cfg}'], '{cfg}, line 2', 'undefined_name', file="lr = 1e-3\nhidden_size = undefined_name\n",
@@ -45,11 +52,21 @@ CASES = [
     # a value a rule does not allow: the value and what is allowed
     case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
     *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
+    # ... and where it was set: the file and its line, or the flag
+    case(['{cfg}', '--out_dir={out}'], 'lr=-1.0 (allowed: > 0), from {cfg}, line 2',
+         file="hidden_size = 64\nlr = -1.0\n", id='rule-in-file'),
+    case(['{cfg}', '--lr=-2', '--out_dir={out}'], 'lr=-2.0 (allowed: > 0), from --lr=-2', absent=['line'],
+         file="lr = -1.0\n", id='rule-flag-over-file'),
     # keys that contradict each other (the model's shape)
     case(['config/arc1.py', '--hidden_size=16', '--out_dir={out}'], 'puzzle_emb_ndim=512 does not fit', '16 * 16',
-         id='emb-fit'),
+         'from --hidden_size=16', absent=['arc1.py'], id='emb-fit'),
     case(['--mlp_t=False', '--hidden_size=30', '--num_heads=4', '--out_dir={out}'],
          'hidden_size=30 is not divisible by num_heads=4', id='heads-divide'),
+    case(['{cfg}', '--num_heads=4', '--out_dir={out}'], 'hidden_size=30 is not divisible by num_heads=4',
+         'from {cfg}, lines 1, 3 and --num_heads=4', file="mlp_t = False\nlr = 1e-3\nhidden_size = 30\n",
+         id='heads-divide-where'),
+    case(TOY + ['--mlp_t=False', '--pos_encodings=rope', '--hidden_size=30', '--num_heads=2'],
+         'hidden_size=30 / num_heads=2 = 15', "pos_encodings='rope'", 'mlp_t=False', 'allowed', id='rope-odd-head'),
     case(['--mlp_t=False', '--num_heads=0', '--out_dir={out}'], 'num_heads=0 (allowed: > 0)', id='heads'),
 ]
 
@@ -67,6 +84,23 @@ def test_a_config_error_is_one_line_before_torch(toy, tmp_path, args, words, fil
     assert p.returncode == 1 and 'torch' not in imported, p.stderr
     assert all(l.startswith('config: ') for l in p.stdout.splitlines()), p.stdout  # the flags echoed, nothing more
     assert not any(a in line for a in absent), line
+    assert not (tmp_path / 'o').exists()
+
+
+def test_rope_needs_an_even_head_dim_in_attention_only():
+    """RoPE rotates a head's channels in pairs; mlp_t's blocks have no heads (its RoPE tables go unused)."""
+    shape = dict(hidden_size=30, num_heads=2, mlp_t=False, pos_encodings='rope')
+    assert config_problems(shape) and not config_problems(dict(shape, mlp_t=True))
+    assert not config_problems(dict(shape, pos_encodings='learned'))
+    assert not config_problems(dict(shape, hidden_size=32))
+
+
+def test_cuda_without_a_gpu_is_one_line_before_the_run_writes(toy, tmp_path):
+    hidden = dict(CUDA_VISIBLE_DEVICES='')  # a machine without one, wherever this runs
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', *FAST, '--device=cuda'], check=False,
+            env=hidden)
+    assert_user_error(p, "config error: device='cuda'", '--device=cpu', '--device=auto', one_line=True)
+    assert not (tmp_path / 'o').exists()
 
 
 def test_a_config_file_then_flags_with_values_holding_equals_signs_run(toy, tmp_path):
