@@ -70,7 +70,7 @@ def write_split(root, split, inputs, labels, puzzle_identifiers, puzzle_indices,
     of the reference format ignore them)."""
     inputs, labels = np.asarray(inputs), np.asarray(labels)
     if len(inputs) == 0:
-        raise ValueError(f"the {split} split of {root} would hold no examples: a run could not use it")
+        raise ValueError(f"the {split} split of {final_path(root)} would hold no examples: a run could not use it")
     puzzle_indices = np.asarray(puzzle_indices, dtype=np.int32)
     group_indices = np.asarray(group_indices, dtype=np.int32)
     assert inputs.shape == labels.shape and inputs.ndim == 2, (inputs.shape, labels.shape)
@@ -120,19 +120,40 @@ def runs_holding(root):
     return held
 
 
+BUILDING = '.building'  # a build's folder inside the dataset's: building()
+# what the builders write into a dataset's folder: the splits and the files beside them, and the sources they
+# generate (csv/ of --generate, json/ of prepare_arc.py --synthetic). A build that says what it reads replaces
+# these names whether or not it writes them, so the folder holds no earlier build's sources beside its dataset
+BUILT = ('train', 'test', 'identifiers.json', 'test_puzzles.json', 'test_views.npz', 'csv', 'json')
+
+
+def final_path(path):
+    """A path inside a build's folder as it will be once the build is in place: what a message names, as the
+    build's folder is gone after a failure."""
+    return os.sep.join(p for p in os.fspath(path).split(os.sep) if p != BUILDING)
+
+
+def _inside(path, folder):
+    return os.path.commonpath([path, folder]) == folder
+
+
 @contextlib.contextmanager
-def building(root):
-    """with building(root) as tmp: write everything the build makes into tmp (a folder inside root): the
+def building(root, reads=None):
+    """with building(root, reads) as tmp: write everything the build makes into tmp (a folder inside root): the
     splits and the files beside them, and the sources it generates (CSVs, tasks' JSON). When the block ends
-    without an error they replace their namesakes in root (the rest of root, a download cache, stays); after
-    an error the previous dataset is untouched, every file of it, and tmp is removed (root too, if this build
-    made it). A build that fails halfway never leaves half a dataset."""
-    tmp = os.path.join(root, '.building')
+    without an error they replace their namesakes in root, and the names of BUILT it did not write go (the rest
+    of root, a download cache, stays). After an error the previous dataset is untouched, every file of it, and
+    tmp is removed (root too, if this build made it): a build that fails halfway never leaves half a dataset.
+    reads: the folders the build reads its sources from. A name of BUILT that holds one stays (a csv/ that the
+    build reads is its source), unless the build writes it: then it fails, as the swap would delete what it
+    read. None (a builder that does not say what it reads): every name of BUILT it did not write stays."""
+    tmp = os.path.join(root, BUILDING)
     shutil.rmtree(tmp, ignore_errors=True)  # a build that was killed
     new = not os.path.exists(root)
     os.makedirs(tmp)
     try:
         yield tmp
+        names = _replaced(root, sorted(os.listdir(tmp)), reads)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         if new:  # a failed first build leaves no empty folder behind
@@ -146,14 +167,29 @@ def building(root):
     old = os.path.join(root, '.previous')
     shutil.rmtree(old, ignore_errors=True)
     os.makedirs(old)
-    names = sorted(os.listdir(tmp))  # the splits, identifiers.json and whatever else the builder wrote
     for n in names:  # renames only: the old dataset goes aside, then the new one comes in
-        if os.path.exists(os.path.join(root, n)):
+        if os.path.lexists(os.path.join(root, n)):
             os.replace(os.path.join(root, n), os.path.join(old, n))
-    for n in names:
+    for n in os.listdir(tmp):
         os.replace(os.path.join(tmp, n), os.path.join(root, n))
     shutil.rmtree(old)
     os.rmdir(tmp)
+
+
+def _replaced(root, written, reads):
+    """The names of root that go aside for the build's: those it wrote and, reads given, the other names of BUILT
+    but one that holds a folder it reads."""
+    if reads is None:
+        return written
+    names = []
+    for n in sorted(set(written) | set(BUILT)):
+        held = [r for r in reads if r and _inside(os.path.realpath(r), os.path.realpath(os.path.join(root, n)))]
+        if held and n in written:
+            raise ValueError(f"{held[0]} is inside {os.path.join(root, n)}, which this build replaces: move the "
+                             "files it reads out of there")
+        if not held:
+            names.append(n)
+    return names
 
 
 # -----------------------------------------------------------------------------

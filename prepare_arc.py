@@ -662,7 +662,8 @@ def main(argv=None):
     try:
         if not args.synthetic:
             subsets, test_subset = read_sources(args, canvas, out)
-        with building(out) as tmp:  # the previous dataset, every file of it, stays whole until this one is
+        # the previous dataset, every file of it, stays whole until this one is; the JSON it reads stays, in it or not
+        with building(out, reads=[args.json_dir, args.concept_dir]) as tmp:
             if args.synthetic:  # the tasks' JSON is part of the dataset: written with it, into tmp
                 families = lambda names: tuple(names.split(',')) if names else FAMILIES
                 folder = synthetic_json(os.path.join(tmp, 'json'), canvas, args.num_tasks, args.num_eval_tasks,

@@ -223,6 +223,17 @@ def _bfs(grid, n, src):
     return dist, parent, npaths
 
 
+def _gave_up(near, again, found, asked, thr, size, loop_frac):
+    """Why 1000 mazes in a row gave no new one, in one line: most had no goal far enough (a threshold this size or
+    loop_frac cannot reach), or most were mazes made before (too few distinct ones at this size)."""
+    if near >= again:
+        return (f"1000 mazes in a row without a new one whose path is longer than {thr} steps at size {size}: "
+                "lower --min_path_len or --loop_frac")
+    more = ', a larger --size or a higher --loop_frac' if loop_frac < 1 else ' or a larger --size'
+    return (f"{size}x{size} mazes at --loop_frac {loop_frac:g} hold too few distinct ones for the {asked} asked: "
+            f"{found} made, then {again} of the next 1000 were repeats; ask for fewer mazes{more}")
+
+
 def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed=0, loop_frac=0.05):
     """Write csv_dir/{train,test}.csv with random mazes whose shortest S->G path is LONGER than
     min_path_len steps. Per maze: S uniform over open cells, then G uniform over the open cells more
@@ -238,7 +249,7 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
         with writing(os.path.join(csv_dir, f'{split}.csv'), 'w', newline='') as f:
             writer = csv.writer(f, lineterminator='\n')
             writer.writerow(['source', 'question', 'answer', 'rating'])
-            made, misses = 0, 0
+            made, near, again = 0, 0, 0  # the misses since the last maze: no goal far enough, a maze made before
             while made < count:
                 tried += 1
                 grid = generate_maze(size, rnd, loop_frac)
@@ -250,11 +261,10 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
                     g = rnd.choice(far)
                     question[s], question[g] = ord('S'), ord('G')
                 if not far or bytes(question) in seen:
-                    misses += 1
-                    if misses >= 1000:  # e.g. a threshold that this size (or loop_frac) cannot reach
-                        raise ValueError(f"1000 mazes in a row without a new one whose path is longer "
-                                         f"than {thr} steps at size {size}: lower --min_path_len or "
-                                         "--loop_frac")
+                    near, again = near + (not far), again + bool(far)
+                    if near + again >= 1000:
+                        raise ValueError(_gave_up(near, again, len(seen), num_train + num_test, thr, size,
+                                                  loop_frac))
                     continue
                 seen.add(bytes(question))
                 answer = bytearray(question)
@@ -264,7 +274,7 @@ def generate_csvs(csv_dir, num_train, num_test, size=30, min_path_len=None, seed
                     v = parent[v]
                 writer.writerow([f'generated-{size}x{size}-seed{seed}', question.decode(), answer.decode(),
                                  dist[g]])
-                made, misses = made + 1, 0
+                made, near, again = made + 1, 0, 0
                 multi += npaths[g] > 1
                 total_steps += dist[g]
     dt = time.time() - t0
@@ -329,7 +339,8 @@ def main(argv=None):
         csv_dir = args.csv_dir
         if not generate and csv_dir is None:
             csv_dir = download_csvs(os.path.join(out, 'raw'), args.base_url)
-        with building(out) as tmp:  # the previous dataset (its CSVs too) stays whole until this one is
+        # the previous dataset (its CSVs too) stays whole until this one is; the CSVs read stay, in it or not
+        with building(out, reads=[csv_dir]) as tmp:
             if generate:
                 csv_dir = os.path.join(tmp, 'csv')  # in place as <out>/csv with the splits
                 generate_csvs(csv_dir, args.generate, args.num_test, args.size, args.min_path_len, args.seed,

@@ -7,7 +7,8 @@ puzzles.
     python prepare_sudoku.py --generate 2000 --size 4 --output_dir data/sudoku4
 
 Source CSV: header `source,question,answer,rating`, then one puzzle a row, n*n-char row-major strings
-('.' or '0' blank). Tokens: PAD 0, blank 1, digit d -> d+1 (vocab n+2, seq_len n*n). Each original
+('.' or '0' blank); n is --size, else that of train.csv's first well-formed row, and test.csv is read at
+train's n. Tokens: PAD 0, blank 1, digit d -> d+1 (vocab n+2, seq_len n*n). Each original
 puzzle and its `num_aug` shuffled copies form one group; every puzzle holds one example.
 
 Reading is vectorised numpy over the raw bytes (no Python loop per row): every row's structure and
@@ -27,7 +28,7 @@ import time
 import numpy as np
 
 from runkeep import gcs
-from data import DownloadError, building, download, write_split, writing
+from data import DownloadError, building, download, final_path, write_split, writing
 from puzzles import BOXES, Sudoku
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
@@ -105,18 +106,34 @@ def _content(qa, n):
     return err, inputs, labels
 
 
-def _describe(line, n):
-    """What is wrong with one CSV line, in words (scalar; only run for the rows that are reported)."""
-    fields = line.split(',')
+def _grid(chars):
+    """' (9x9)' for a field of 81 characters: the grid it would be, when it is one."""
+    k = math.isqrt(chars)
+    return f" ({k}x{k})" if k in BOXES and k * k == chars else ''
+
+
+def _structure(fields, n, n_from):
+    """What is wrong with a row's structure (pass 1's checks: fields, lengths, rating), in words; None if nothing.
+    n_from: where the size n came from, named when a length differs (the file and line, or --size)."""
     if len(fields) != 4:
         return f"expected 4 fields (source,question,answer,rating), found {len(fields)}"
     _, q, a, r = fields
-    kind = Sudoku(n)
     for name, s in (('question', q), ('answer', a)):
-        if len(s) != kind.L:
-            return f"{name} has {len(s)} characters, expected {kind.L}"
+        if len(s) != n * n:
+            return f"{name} has {len(s)} characters{_grid(len(s))}, expected {n * n} ({n}x{n}: {n_from})"
     if not (re.fullmatch(r'-?[0-9]+', r) and len(r) <= RATING_WIDTH):
         return f"rating {r!r} is not an integer"
+    return None
+
+
+def _describe(line, n, n_from):
+    """What is wrong with one CSV line, in words (scalar; only run for the rows that are reported)."""
+    fields = line.split(',')
+    problem = _structure(fields, n, n_from)
+    if problem:
+        return problem
+    _, q, a, r = fields
+    kind = Sudoku(n)
     for name, s, allowed in (('question', q, kind.question_chars), ('answer', a, kind.chars[1:])):
         for i, ch in enumerate(s):
             if ch not in allowed:
@@ -130,16 +147,20 @@ def _describe(line, n):
     return "malformed row"
 
 
+def _text(raw):
+    """A line's bytes without its '\\n' or '\\r\\n', one char per byte (lengths agree with the checks)."""
+    raw = raw[:-1] if raw.endswith(b'\n') else raw
+    return (raw[:-1] if raw.endswith(b'\r') else raw).decode('latin-1')
+
+
 def _line_at(path, offset):
-    """The line holding byte `offset`, as text with one char per byte (lengths agree with the checks)."""
+    """The line holding byte `offset`."""
     with open(path, 'rb') as f:
         lo = max(0, offset - (1 << 16))
         f.seek(lo)
         before = f.read(offset - lo)
         f.seek(lo + before.rfind(b'\n') + 1)
-        line = f.readline(1 << 16)
-    line = line[:-1] if line.endswith(b'\n') else line
-    return (line[:-1] if line.endswith(b'\r') else line).decode('latin-1')
+        return _text(f.readline(1 << 16))
 
 
 def _last_newline(buf, m):
@@ -151,24 +172,51 @@ def _last_newline(buf, m):
     return -1
 
 
+def _no_size(fields):
+    """Why a malformed row tells no grid size, in words."""
+    k = math.isqrt(len(fields[1])) if len(fields) == 4 else 0
+    if len(fields) == 4 and not (k in BOXES and k * k == len(fields[1])):
+        return (f"question has {len(fields[1])} characters, expected one of "
+                f"{', '.join(str(b * b) for b in sorted(BOXES))}")
+    return _structure(fields, k, "its question's size")
+
+
+def _first_size(f, path, skip_bad):
+    """(n, where it came from) of the first well-formed row of f, read from its first data row on: a malformed
+    row before it is reported or counted by pass 1, as any other. A file without one is an error naming it."""
+    first, rows = None, 0
+    for rows, raw in enumerate(f, 1):
+        fields = _text(raw).split(',')
+        k = math.isqrt(len(fields[1])) if len(fields) == 4 else 0
+        if k in BOXES and not _structure(fields, k, ''):
+            return k, f"the size of {path}:{rows + 1}"
+        first = first or (rows + 1, _no_size(fields))
+    if first is None:
+        raise CSVFormatError(f"{path}: no data rows, only the header")
+    line, why = first
+    raise CSVFormatError(f"{path}: none of its {rows:,} data rows is well-formed (the first, line {line}: {why})"
+                         if skip_bad else f"{path}:{line}: {why}")
+
+
 class _Bad:
     """Handles bad rows: raise at the first, or (skip_bad) count them and keep the first few messages."""
-    def __init__(self, path, n, skip_bad):
-        self.path, self.n, self.skip_bad, self.count, self.messages = path, n, skip_bad, 0, []
+    def __init__(self, path, n, n_from, skip_bad):
+        self.path, self.n, self.n_from, self.skip_bad, self.count, self.messages = path, n, n_from, skip_bad, 0, []
 
     def __call__(self, offsets, lines):
         for offset, line in zip(offsets[:1 if not self.skip_bad else max(0, 5 - len(self.messages))], lines):
-            msg = f"{self.path}:{line}: {_describe(_line_at(self.path, int(offset)), self.n)}"
+            msg = f"{self.path}:{line}: {_describe(_line_at(self.path, int(offset)), self.n, self.n_from)}"
             if not self.skip_bad:
                 raise CSVFormatError(msg)
             self.messages.append(msg)
         self.count += len(offsets)
 
 
-def scan_csv(path, n=None, skip_bad=False):
+def scan_csv(path, n=None, skip_bad=False, n_from=None):
     """Pass 1 over the whole file: every row needs 4 fields, a question and an answer of n*n chars and
     an integer rating. A bad row raises CSVFormatError naming file and line, or with skip_bad is
-    dropped and counted. Returns dict(n, q_off: file offset of each good row's question, rating,
+    dropped and counted. n: the grid size (None: the first well-formed row's), n_from: where it came from
+    (default: --size). Returns dict(n, n_from, q_off: file offset of each good row's question, rating,
     line: its 1-based line number, rows: data rows read, bad: the _Bad tally)."""
     with open(path, 'rb') as f:
         header = f.readline(1 << 16).decode('utf-8', 'replace').lstrip('\ufeff').rstrip('\r\n')
@@ -179,15 +227,11 @@ def scan_csv(path, n=None, skip_bad=False):
             print(f"{path}:1: header {header[:80]!r} differs from {HEADER!r}; reading the columns in that "
                   f"order anyway", file=sys.stderr)
         body = f.tell()
-        if n is None:  # the grid size follows from the first row's question length
-            fields = f.readline(1 << 16).decode('utf-8', 'replace').split(',')
-            L = len(fields[1]) if len(fields) == 4 else -1
-            n = math.isqrt(max(L, 0))
-            if n * n != L or n not in BOXES:
-                raise CSVFormatError(f"{path}:2: cannot tell the grid size: the question has {L} characters, "
-                                     f"expected one of {[k * k for k in BOXES]}")
+        if n is None:
+            n, n_from = _first_size(f, path, skip_bad)
             f.seek(body)
-        bad = _Bad(path, n, skip_bad)
+        n_from = n_from or f"--size {n}"
+        bad = _Bad(path, n, n_from, skip_bad)
         buf = np.zeros(CHUNK + PAD, np.uint8)
         view = memoryview(buf)
         # per good row: question offset, rating, line number; preallocated from the first chunk's line
@@ -219,7 +263,10 @@ def scan_csv(path, n=None, skip_bad=False):
             base += end
             carry = m - end
             buf[:carry] = buf[end:m].copy()
-    return dict(n=n, q_off=cols[0][:kept], rating=cols[1][:kept], line=cols[2][:kept], rows=row0, bad=bad)
+    if row0 == 0:
+        raise CSVFormatError(f"{path}: no data rows, only the header")
+    return dict(n=n, n_from=n_from, q_off=cols[0][:kept], rating=cols[1][:kept], line=cols[2][:kept], rows=row0,
+                bad=bad)
 
 
 def load_rows(path, q_off, n):
@@ -441,13 +488,26 @@ def write_csv(path, puzzles, source):
 # -----------------------------------------------------------------------------
 # build
 
+def _none_kept(csv_path, split, scan, subsample_size, min_difficulty):
+    """Why a split kept no puzzle, in one line naming the option or the CSV."""
+    generated = final_path(csv_path) != os.fspath(csv_path)  # written into the build's folder, gone after this
+    path, bad = f"the generated {os.path.basename(csv_path)}" if generated else csv_path, scan['bad']
+    if split == 'train' and subsample_size == 0:
+        return "--subsample_size 0 keeps no puzzle; ask for at least 1"
+    if split == 'train' and min_difficulty is not None and len(scan['rating']) and \
+            scan['rating'].max() < min_difficulty:
+        return (f"no row of {path} is rated {min_difficulty} or more (--min_difficulty {min_difficulty}; the "
+                f"highest rating: {scan['rating'].max()})")
+    return f"{path}: no valid row left after skipping {bad.count:,} malformed row(s); the first, {bad.messages[0]}"
+
+
 def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_difficulty=None, num_aug=0,
-                rng=None, skip_bad=False):
+                rng=None, skip_bad=False, n_from=None):
     """One split from one CSV. Train takes min_difficulty, subsample_size (seeded) and num_aug; test
-    keeps every row in file order, unaugmented (one group per puzzle)."""
+    keeps every row in file order, unaugmented (one group per puzzle). n, n_from: as scan_csv's."""
     t0 = time.time()
     rng = rng if rng is not None else np.random.default_rng(0)
-    scan = scan_csv(csv_path, n, skip_bad)
+    scan = scan_csv(csv_path, n, skip_bad, n_from)
     n = scan['n']
     candidates = np.arange(len(scan['q_off']))
     if split == 'train' and min_difficulty is not None:
@@ -462,11 +522,14 @@ def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_di
             more = take_rows(csv_path, scan, rest, subsample_size - len(idx))
             idx, inputs, labels = _in_file_order(*zip((idx, inputs, labels), more))
     else:
-        if split == 'train' and subsample_size is not None:
+        if split == 'train' and subsample_size is not None and len(candidates):  # none: the error below says why
             print(f"{split}: subsample_size {subsample_size:,} >= the {len(candidates):,} rows available: "
                   f"keeping all", file=sys.stderr)
         idx, inputs, labels = take_rows(csv_path, scan, candidates)
-    bad, rows, groups = scan['bad'], scan['rows'], len(inputs)
+    if len(inputs) == 0:  # said here, where the cause is known: write_split would only say the split is empty
+        raise ValueError(f"the {split} split of {final_path(output_dir)} would hold no examples: "
+                         f"{_none_kept(csv_path, split, scan, subsample_size, min_difficulty)}")
+    bad, rows, groups, n_from = scan['bad'], scan['rows'], len(inputs), scan['n_from']
     del scan, candidates, idx
     for msg in bad.messages:
         print(f"skipped {msg}", file=sys.stderr)
@@ -479,15 +542,20 @@ def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_di
                 extra=dict(puzzle_type=Sudoku.name, grid_size=n))
     print(f"{split}: {rows:,} rows read, {bad.count:,} bad rows skipped, {groups:,} groups, {N:,} puzzles "
           f"({n}x{n}) in {time.time() - t0:.1f} s")
-    return dict(n=n, rows=rows, skipped=bad.count, groups=groups, puzzles=N)
+    return dict(n=n, n_from=n_from, rows=rows, skipped=bad.count, groups=groups, puzzles=N)
 
 
 def build(csv_dir, output_dir, n=None, subsample_size=None, min_difficulty=None, num_aug=0, seed=0,
           skip_bad=False):
+    """Both splits; test is read at train's grid size, so its rows of another size are bad rows, not a test
+    split that train.py refuses."""
     rng = np.random.default_rng(seed)  # one stream, train first: same seed -> identical files
-    return {split: build_split(os.path.join(csv_dir, f'{split}.csv'), output_dir, split, n, subsample_size,
-                               min_difficulty, num_aug, rng, skip_bad)
-            for split in ('train', 'test')}
+    built, n_from = {}, None
+    for split in ('train', 'test'):
+        built[split] = build_split(os.path.join(csv_dir, f'{split}.csv'), output_dir, split, n, subsample_size,
+                                   min_difficulty, num_aug, rng, skip_bad, n_from)
+        n, n_from = built[split]['n'], built[split]['n_from']
+    return built
 
 
 def main(argv=None):
@@ -520,6 +588,10 @@ def main(argv=None):
     for name in ('generate', 'num_test', 'subsample_size', 'num_aug'):
         if (getattr(args, name) or 0) < 0:
             p.error(f'--{name} must not be negative')
+    for name, split in (('generate', 'train'), ('num_test', 'test')):
+        if args.generate is not None and getattr(args, name) == 0:
+            print(f"error: --{name} 0: the {split} split would hold no examples; ask for at least 1", file=sys.stderr)
+            return 2
     t0 = time.time()
     try:
         csv_dir = args.csv_dir
@@ -529,7 +601,8 @@ def main(argv=None):
             for split in ('train', 'test'):
                 download(f"{args.base_url.rstrip('/')}/{split}.csv", os.path.join(csv_dir, f'{split}.csv'),
                          EXPECTED_ROWS[split] if official else None)
-        with building(args.output_dir) as tmp:  # the previous dataset, CSVs too, stays whole till this one is
+        # the previous dataset, CSVs too, stays whole till this one is; the CSVs read stay, in the dataset or not
+        with building(args.output_dir, reads=[csv_dir]) as tmp:
             if args.generate is not None:
                 n = args.size or 9
                 num_test = args.num_test if args.num_test is not None else max(1, args.generate // 10)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import SUDOKU, assert_user_error, Lines, held_step, popen_train, run, train, write_like
-from data import check_split, write_split
+from data import building, check_split, write_split
 
 
 @pytest.fixture(scope='module')
@@ -61,6 +61,40 @@ def test_a_rebuild_that_fails_halfway_leaves_the_previous_dataset_whole(tmp_path
     assert_user_error(p, 'test.csv')
     assert {s: files(m / s) for s in ('train', 'test')} == before
     assert all(check_split(str(root), s) == [] for root in (d, m) for s in ('train', 'test'))
+
+
+def test_a_rebuild_leaves_no_source_of_an_earlier_build_and_never_deletes_the_csvs_it_reads(tmp_path):
+    """A --csv_dir rebuild over a --generate output (or an ARC synthetic one) takes away the earlier build's csv/
+    (json/, ARC's test files): the folder holds one dataset and its own sources. CSVs the build reads inside the
+    folder stay: csv/ is this dataset's source; in a split's folder, which the build replaces, they are refused."""
+    d, csv = tmp_path / 'd', tmp_path / 'csv'
+    gen = ['prepare_sudoku.py', '--generate', '30', '--size', '4', '--num_test', '5', '--output_dir', str(d)]
+    run(gen)
+    shutil.copytree(d / 'csv', csv)
+    run(['prepare_sudoku.py', '--csv_dir', str(csv), '--output_dir', str(d)])
+    assert sorted(os.listdir(d)) == ['identifiers.json', 'test', 'train']
+    run(gen)
+    run(['prepare_arc.py', '--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3',
+         f'--output_dir={d}'])
+    assert 'json' in os.listdir(d) and 'csv' not in os.listdir(d)
+    run(gen)
+    assert sorted(os.listdir(d)) == ['csv', 'identifiers.json', 'test', 'train']
+    sources = files(d / 'csv')
+    run(['prepare_sudoku.py', '--csv_dir', str(d / 'csv'), '--num_aug', '2', '--output_dir', str(d)])
+    assert files(d / 'csv') == sources and json.load(open(d / 'train' / 'dataset.json'))['total_puzzles'] == 90
+    m = tmp_path / 'm'
+    run(['prepare_maze.py', '--generate', '6', '--size', '6', '--num_test', '3', '--min_path_len', '2',
+         '--output_dir', str(m)])
+    mazes = files(m / 'csv')
+    run(['prepare_maze.py', '--csv_dir', str(m / 'csv'), '--aug', '--output_dir', str(m)])
+    assert files(m / 'csv') == mazes and json.load(open(m / 'train' / 'dataset.json'))['total_puzzles'] == 48
+    shutil.copytree(m / 'csv', m / 'train' / 'mine')  # CSVs in a folder the build replaces: refused, all kept
+    before = {s: files(m / s) for s in ('train', 'test', 'train/mine')}
+    p = run(['prepare_maze.py', '--csv_dir', str(m / 'train' / 'mine'), '--output_dir', str(m)], check=False)
+    assert_user_error(p, str(m / 'train' / 'mine'), str(m / 'train'), one_line=True)
+    assert {s: files(m / s) for s in ('train', 'test', 'train/mine')} == before
+    run(['prepare_maze.py', '--csv_dir', str(m / 'csv'), '--output_dir', str(d)])
+    assert sorted(os.listdir(d)) == ['identifiers.json', 'test', 'train']
 
 
 def test_a_dataset_rebuilt_under_a_running_run_is_not_the_one_it_evaluates_and_the_builder_says_so(tmp_path):
@@ -136,6 +170,25 @@ def test_empty_splits_are_refused_by_the_builders_and_the_trainer(toy, tmp_path)
     assert meta['vocab_size'] == 6
     p = train(d, tmp_path / 'o', check=False)
     assert_user_error(p, 'holds no examples')
+
+
+def test_a_split_a_filter_leaves_empty_is_named_with_the_option_not_the_build_s_folder(tmp_path):
+    """--min_difficulty above every rating, --subsample_size 0: one line naming the cause and the CSV or option;
+    never the builder's .building folder (gone after the failure)."""
+    g, out = tmp_path / 'g', tmp_path / 'o'
+    run(['prepare_sudoku.py', '--generate', '20', '--size', '4', '--num_test', '5', '--output_dir', str(g)])
+    top = max(int(line.rsplit(',', 1)[1]) for line in open(g / 'csv' / 'train.csv').read().splitlines()[1:])
+    args = ['prepare_sudoku.py', '--csv_dir', str(g / 'csv'), '--output_dir', str(out)]
+    p = run(args + ['--min_difficulty', str(top + 1)], check=False)
+    err = assert_user_error(p, f'--min_difficulty {top + 1}', str(g / 'csv' / 'train.csv'), f'highest rating: {top}',
+                            one_line=True)
+    assert '.building' not in err and not os.path.exists(out)
+    err = assert_user_error(run(args + ['--subsample_size', '0'], check=False), '--subsample_size 0', one_line=True)
+    assert '.building' not in err and not os.path.exists(out)
+    with pytest.raises(ValueError) as e:  # a builder that does not say why: the dataset's folder, as given
+        with building(str(out)) as tmp:
+            write_split(tmp, 'train', np.zeros((0, 4)), np.zeros((0, 4)), [], [0], [0], vocab_size=3)
+    assert str(e.value) == f"the train split of {out} would hold no examples: a run could not use it"
 
 
 def test_start_up_data_check_is_fast_on_a_sudoku_extreme_sized_dataset(tmp_path):

@@ -77,6 +77,15 @@ def test_a_maze_generator_that_cannot_reach_the_path_length_is_one_line(tmp_path
     assert not os.path.exists(tmp_path / 'm')
 
 
+def test_a_maze_size_with_too_few_distinct_mazes_says_so_not_the_path_length(tmp_path):
+    """4x4 mazes without loops: a few distinct ones, fewer than 210; the path length (0) is not what stopped it."""
+    p = run(['prepare_maze.py', '--generate=200', '--num_test=10', '--size=4', '--min_path_len=0', '--loop_frac=0',
+             f'--output_dir={tmp_path}/m'], check=False)
+    err = assert_user_error(p, 'too few distinct', 'the 210 asked', 'fewer mazes', 'a larger --size',
+                            'a higher --loop_frac', one_line=True)
+    assert '--min_path_len' not in err and not os.path.exists(tmp_path / 'm')
+
+
 @pytest.mark.parametrize('option,value,allowed', [
     ('min_path_len', '-3', 'at least 0'), ('loop_frac', '-1', 'from 0 to 1'), ('loop_frac', '5', 'from 0 to 1'),
     ('loop_frac', 'nan', 'from 0 to 1'), ('generate', '-5', 'at least 1'), ('seed', '-1', 'at least 0'),

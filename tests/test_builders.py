@@ -20,7 +20,7 @@ import pytest
 
 import prepare_maze as pm
 import prepare_sudoku as ps
-from conftest import ROOT, FileHandler
+from conftest import ROOT, FileHandler, assert_user_error, run
 from data import DownloadError, download, load_arrays, load_metadata
 from puzzles import BOXES, PAD, PATH, Maze, Sudoku, shortest_path_length
 
@@ -399,6 +399,44 @@ def test_sudoku_malformed_rows(csv_dir, tmp_path, capsys):
             ps.scan_csv(csv_dir / 'test.csv')
     (csv_dir / 'test.csv').write_text('a,b,c,d\n' + body)
     assert ps.scan_csv(csv_dir / 'test.csv')['rows'] == 300 and 'differs from' in capsys.readouterr().err
+
+
+def test_sudoku_test_split_is_read_at_the_train_split_s_size(tmp_path):
+    """train.csv of 4x4 rows, test.csv with a 9x9 row first: not a dataset whose splits differ in size, but one
+    line naming test.csv's row and both sizes; with --skip_bad the 9x9 row is a bad row of the 4x4 test split."""
+    d = tmp_path / 'csv'
+    ps.write_csv(d / 'train.csv', ps.generate_puzzles(8, 4, seed=1), 'g')
+    ps.write_csv(d / 'test.csv', [(HARD_9X9['inkala'], INKALA_SOLUTION, 0)] + ps.generate_puzzles(2, 4, seed=2), 'g')
+    args = ['prepare_sudoku.py', '--csv_dir', str(d), '--output_dir', str(tmp_path / 'o')]
+    assert_user_error(run(args, check=False), f"{d / 'test.csv'}:2: question has 81 characters (9x9), expected 16 "
+                      f"(4x4: the size of {d / 'train.csv'}:2)", one_line=True)
+    assert not os.path.exists(tmp_path / 'o')
+    p = run(args + ['--skip_bad'])
+    assert 'test: 3 rows read, 1 bad rows skipped' in p.stdout, p.stdout
+    assert load_metadata(str(tmp_path / 'o'), 'test')['grid_size'] == 4
+
+
+def test_sudoku_grid_size_comes_from_the_first_well_formed_row(tmp_path):
+    """A first row with a field missing is that row's error (or, with --skip_bad, a bad row skipped), not a grid
+    size of -1 characters; a file of no data rows says so."""
+    d = tmp_path / 'csv'
+    ps.write_csv(d / 'test.csv', ps.generate_puzzles(3, 4, seed=2), 'g')
+    ps.write_csv(d / 'train.csv', ps.generate_puzzles(8, 4, seed=1), 'g')
+    lines = (d / 'train.csv').read_text().splitlines()
+    (d / 'train.csv').write_text('\n'.join(lines[:1] + ['g,' + lines[1].split(',')[1]] + lines[1:]) + '\n')
+    args = ['prepare_sudoku.py', '--csv_dir', str(d), '--output_dir', str(tmp_path / 'o')]
+    assert_user_error(run(args, check=False), f"{d / 'train.csv'}:2: expected 4 fields (source,question,answer,"
+                      "rating), found 2", one_line=True)
+    p = run(args + ['--skip_bad'])
+    assert 'train: 9 rows read, 1 bad rows skipped, 8 groups' in p.stdout, p.stdout
+    assert load_metadata(str(tmp_path / 'o'), 'train')['grid_size'] == 4
+    (d / 'train.csv').write_text(ps.HEADER + '\n')
+    for extra in ([], ['--skip_bad'], ['--size', '4']):
+        assert_user_error(run(args + extra, check=False), f"{d / 'train.csv'}: no data rows", one_line=True)
+    (d / 'train.csv').write_text(ps.HEADER + '\nx,1.\nx,12\n')  # rows, none well-formed
+    assert_user_error(run(args, check=False), f"{d / 'train.csv'}:2: expected 4 fields", one_line=True)
+    assert_user_error(run(args + ['--skip_bad'], check=False), f"{d / 'train.csv'}: none of its 2 data rows is "
+                      "well-formed", "line 2: expected 4 fields", one_line=True)
 
 
 # -----------------------------------------------------------------------------
