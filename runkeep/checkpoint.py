@@ -177,12 +177,14 @@ def list_checkpoints(folder):
 
 def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, delete_all=False):
     """Keep the newest keep_last_n checkpoints that are not known to be corrupt (0: keep all), the best, and
-    `protect` (the newest one known to train on); a known-corrupt file holds no slot. delete_all: remove every
+    the newest one at or below step `protect` (the newest known to train on: a divergence sets aside every one
+    after it, so it must outlive the newer ones); a known-corrupt file holds no slot. delete_all: remove every
     checkpoint (a run started over)."""
     found = list_checkpoints(folder)
     good = sorted(s for s, p in found.items() if p not in corrupt)
+    trusted = max((s for s in good if s <= protect), default=None)  # `protect` is a step, seldom a saved one
     keep = set() if delete_all else \
-        set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, protect}
+        set(good if keep_last_n == 0 else good[-keep_last_n:]) | {best_step, trusted}
     for step, path in found.items():
         if step not in keep:
             try:
@@ -341,15 +343,26 @@ def data_problems(ckpt, path, meta, data_path, advice):
             f"{data_path} holds {describe_data(now)}. {advice}"]
 
 
-def set_aside_diverged(local, remote, uploader, first_bad):
-    """Rename local checkpoints of step >= first_bad to *.diverged (and drop their bucket copies), so a resume
-    never picks weights that diverge. Returns the newest checkpoint left."""
-    if uploader:
-        uploader.wait()
-    for folder in [local] + ([remote] if remote else []):
-        for step, path in list_checkpoints(folder).items():
-            if step >= first_bad:
-                gcs.delete_object(path) if gcs.is_gcs(path) else os.replace(path, path + '.diverged')
+def set_aside_diverged(local, remote, uploads, first_bad):
+    """Rename local checkpoints of step >= first_bad to *.diverged (an upload of one not yet begun then skips
+    it), and drop their bucket copies once the uploads under way are done (uploads: records.Uploads, whose wait is
+    bounded), so a resume never picks weights that diverge. A bucket that cannot be reached, or uploads that
+    outlast the wait, are one warning: the divergence's own message follows. Returns the newest checkpoint
+    left."""
+    for step, path in list_checkpoints(local).items():
+        if step >= first_bad:
+            os.replace(path, path + '.diverged')
+    if remote:
+        try:
+            why = '' if not uploads or uploads.settle(interrupted=False) else 'uploads still under way may add one'
+            for step, uri in list_checkpoints(remote).items():
+                if step >= first_bad:
+                    gcs.delete_object(uri)
+        except gcs.GCSError as e:
+            why = str(e)
+        if why:
+            print(f"warning: the checkpoints from step {first_bad} on in {remote} could not all be set aside "
+                  f"({why}): delete them there before a resume, which could pick them")
     left = list_checkpoints(local)
     return left[max(left)] if left else None
 

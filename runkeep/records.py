@@ -274,14 +274,17 @@ def quiet_event_writers(args):
 # -----------------------------------------------------------------------------
 # uploads of a gs:// run's files: its records, its checkpoints, its profile
 
-# copies of growing files (train.log, TensorBoard's events) taken for an upload, removed once uploaded
-SNAPSHOTS = ('.train.log.', '.tb.')
+# copies of growing files (train.log, metrics.jsonl, TensorBoard's events) taken for an upload, removed once
+# uploaded
+GROWING = ('train.log', 'metrics.jsonl')
+SNAPSHOTS = tuple(f'.{name}.' for name in GROWING) + ('.tb.',)
 
 
 def snapshot_of(path):
     """What an upload's local file stands for (a snapshot: the file it copies)."""
     name = os.path.basename(path)
-    return 'train.log' if name.startswith('.train.log.') else 'tb' if name.startswith('.tb.') else name
+    copied = [n for n in GROWING if name.startswith(f'.{n}.')]
+    return copied[0] if copied else 'tb' if name.startswith('.tb.') else name
 
 
 class Uploads:
@@ -302,17 +305,18 @@ class Uploads:
     def wait(self, timeout=None):
         return self.uploader.wait(timeout=timeout)
 
-    def log(self):
-        """train.log as it is now (a preempted VM's disk goes with the VM). The log grows while it uploads,
-        so a snapshot goes, `.train.log.N`, one per upload (they run in order: the newest wins); each is
+    def log(self, name='train.log'):
+        """A growing file of the run's folder (GROWING: train.log, metrics.jsonl) as it is now (a preempted VM's
+        disk goes with the VM, and a resume on a new machine goes on with the bucket's). It grows while it
+        uploads, so a snapshot goes, `.<name>.N`, one per upload (they run in order: the newest wins); each is
         deleted once uploaded, what is left at exit too."""
         self.snapshots += 1
-        snapshot = os.path.join(self.local, f'.train.log.{self.snapshots}')
+        snapshot = os.path.join(self.local, f'.{name}.{self.snapshots}')
         try:
-            shutil.copyfile(os.path.join(self.local, 'train.log'), snapshot)
+            shutil.copyfile(os.path.join(self.local, name), snapshot)
         except OSError:
             return
-        self.submit(snapshot, 'train.log')
+        self.submit(snapshot, name)
 
     def board(self, board):
         """The TensorBoard event file as it is now to <out_dir>/tb/ (a snapshot, as train.log's)."""
@@ -337,21 +341,27 @@ class Uploads:
         else:
             self.on_checkpoint()
 
+    def settle(self, interrupted):
+        """A wait for the uploads, bounded at 18 s after a stop request (a spot VM has ~30 s: the checkpoint gets
+        most of it), else 30 s plus 1 s per 20 MB to send, announced after 3 s. Returns whether all are done."""
+        up = self.uploader
+        size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
+        limit = 18 if interrupted else 30 + size / 20e6
+        if up.wait(timeout=3):
+            return True
+        print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
+              f"{self.remote}", flush=True)
+        return up.wait(timeout=limit - 3)
+
     def finish(self, interrupted, records, board):
-        """The records' uploads, then a wait bounded at 18 s after a stop request (a spot VM has ~30 s: the
-        checkpoint gets most of it), else 30 s plus 1 s per 20 MB to send, announced after 3 s; then the files
-        that did not reach the bucket are named."""
+        """The records' uploads, then their bounded wait (settle); then the files that did not reach the bucket
+        are named."""
         up = self.uploader
         if records:
             records.upload(up)
         self.log()
         self.board(board)
-        size = sum(os.path.getsize(p) for p, _ in list(up.pending) if os.path.exists(p))
-        limit = 18 if interrupted else 30 + size / 20e6
-        if not up.wait(timeout=3):
-            print(f"waiting up to {limit - 3:.0f} s for {len({uri for _, uri in up.pending})} upload(s) to "
-                  f"{self.remote}", flush=True)
-            up.wait(timeout=limit - 3)
+        self.settle(interrupted)
         for what, jobs in (('still running at exit', list(up.pending)), ('failed', list(up.failed))):
             left = [p for p, _ in jobs if os.path.exists(p)]  # a file pruning deleted was replaced by a newer
                                                               # one
@@ -590,11 +600,13 @@ class RunRecords:
         self.log('eval', values, step, scalars)
 
     def uploaded(self, path):
-        """Rank 0: a checkpoint written at path goes to the bucket, with the records so far."""
+        """Rank 0: a checkpoint written at path goes to the bucket, with the records so far (a run killed later
+        leaves there the history up to its checkpoint)."""
         if self.uploads:
             self.uploads.submit(path)
             self.uploads.log()
             self.uploads.board(self.board)
+            self.uploads.log('metrics.jsonl')
 
     def upload_folder(self, path):
         if self.master and self.uploads:

@@ -60,7 +60,7 @@ class Run:
         self.resumed_from = self.last_good = self.run_id = None
         self.owed = False   # the checkpoint resumed was saved by a stop before its step's evaluation was done
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
-        self.verified = -1  # newest checkpoint step whose next step's loss was seen finite
+        self.verified = -1  # newest step whose weights gave a finite loss: checkpoints up to it train on
         self.results_dropped = False  # an older run's results.json removed, at this process's first save
         self.arc = None  # ARC's votes (its pool)
         self.watchdog = self.bound = None  # from resume() on: the watchdog, the bound on a stop request
@@ -214,6 +214,9 @@ class Run:
                     self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
+                uri = f"{self.gs_out.rstrip('/')}/{checkpoint_name(step)}"
+                if self.gs_out and uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the
+                    self.corrupt.remove(uri)             # bucket's prune must not take the new one for it
                 self.records.uploaded(path)
             except Exception as e:
                 problems = [f"saving {path} failed: {e}"]
@@ -281,7 +284,7 @@ class Run:
         """metrics.jsonl from `step` on, W&B, TensorBoard, and a gs:// run's uploads (rank 0; every rank learns
         whether it could)."""
         problems = self.records.open(step, self.run_id, lambda: prune_checkpoints(
-            self.gs_out, self.cfg['keep_last_n'], self.best['step']))
+            self.gs_out, self.cfg['keep_last_n'], self.best['step'], self.corrupt, protect=self.verified))
         fail_together(self.dev, problems, 'opening the records')
 
     def log_train(self, sums, step, run_steps, epoch, lr, flops_per_example):

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import FAST, assert_user_error, ckpt_paths, ckpts, run, train
+from conftest import FAST, assert_user_error, ckpt_paths, ckpts, run, site_hook, train
 from runkeep.checkpoint import CheckpointError, load_checkpoint
 
 
@@ -40,6 +40,34 @@ def test_a_diverging_run_keeps_only_sane_checkpoints_and_a_resume_with_a_lower_l
         assert all(torch.isfinite(v).all() and v.abs().max() <= 1e4 for v in sd.values()), path
     p = train(toy, out, '--lr=1e-3', '--init_from=resume')  # no crash loop: training goes on
     assert 'resuming from' in p.stdout and 'saved' in p.stdout and ckpt_paths(out)[-1].endswith('ckpt_00000040.pt')
+
+
+# the loss that train.py reads of the run's 9th step is NaN (its weights stay finite): the weights saved at step 8
+# gave it, so ckpt_8 is set aside, and the newest checkpoint before it is the one a resume needs
+NAN_AT_STEP_9 = """
+if sys.argv[0].endswith('train.py'):
+    import step
+    real, calls = step.train_step, [0]
+
+    def train_step(*args, **kwargs):
+        carry, loss, metrics = real(*args, **kwargs)
+        calls[0] += 1
+        return carry, loss * float('nan') if calls[0] == 9 else loss, metrics
+
+    step.train_step = train_step
+"""
+
+
+def test_a_divergence_with_keep_last_n_1_keeps_the_newest_checkpoint_known_to_train_on(toy, tmp_path):
+    out = tmp_path / 'o'
+    p = train(toy, out, '--max_steps=16', '--checkpoint_interval=4', '--keep_last_n=1', check=False,
+              env=site_hook(tmp_path / 'hook', NAN_AT_STEP_9))
+    assert_user_error(p, 'loss became NaN or inf at step 9', f'Last good checkpoint: {out}/ckpt_00000004.pt')
+    assert ckpts(out) == ['ckpt_00000004.pt'] and os.path.exists(out / 'ckpt_00000008.pt.diverged')
+    p = train(toy, out, '--init_from=resume', '--max_steps=12', '--checkpoint_interval=4', '--keep_last_n=1')
+    assert f'resuming from {out}/ckpt_00000004.pt (step 4)' in p.stdout
+    # trained on past it, the run keeps its newest one and the newest one known to train on
+    assert ckpts(out) == ['ckpt_00000008.pt', 'ckpt_00000012.pt']
 
 
 def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_path):

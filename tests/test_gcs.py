@@ -1,12 +1,14 @@
 """
 gcs.py against a real GCS emulator server (gcp-storage-emulator, on 127.0.0.1 only): paths, round trips,
 pagination and a lost upload reply (through a proxy), md5 checks, delete, errors, the background uploader,
-and training to a bucket then resuming from it on a "new machine".
+and training to a bucket then resuming from it on a "new machine" (after a kill too), a divergence's checkpoints in
+the bucket, reachable or not.
     python -m pytest -q tests/test_gcs.py
 """
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,7 +20,8 @@ import requests
 from runkeep import checkpoint
 from runkeep import credentials
 from runkeep import gcs
-from conftest import BUCKET, TOY_ARGS, run
+from conftest import BUCKET, TOY_ARGS, assert_user_error, ckpts, run, site_hook
+from test_checkpoints import NAN_AT_STEP_9
 
 
 class Proxy:
@@ -295,3 +298,62 @@ def test_failed_uploads_do_not_stop_training(toy, tmp_path):
     assert 'cannot list gs://test-bucket/down' in p.stdout  # the start-up check of the bucket says it could not look
     assert sorted(os.listdir(f'{tmp_path}/local')) == ['ckpt_00000002.pt', 'ckpt_00000004.pt', 'metrics.jsonl',
                                                         'results.json', 'tb', 'train.log']  # all stays local
+
+
+def bucket_run(toy, out, local, *extra):
+    return ['train.py', f'--data_path={toy}', f'--out_dir={out}', f'--local_dir={local}', '--epochs=1',
+            '--eval_every_epochs=100'] + TOY_ARGS + list(extra)
+
+
+def test_a_divergence_keeps_the_newest_checkpoint_known_to_train_on_in_the_bucket(emu, toy, tmp_path):
+    out, local = f'gs://{BUCKET}/runs/nan', tmp_path / 'local'
+    env = dict(site_hook(tmp_path / 'hook', NAN_AT_STEP_9), STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
+    p = run(bucket_run(toy, out, local, '--max_steps=16', '--log_interval=4', '--checkpoint_interval=4',
+                       '--keep_last_n=1'), env=env, check=False)
+    assert_user_error(p, 'loss became NaN or inf at step 9', f'Last good checkpoint: {local}/ckpt_00000004.pt')
+    assert [u for u, _ in gcs.list_objects(f'{out}/ckpt_')] == [f'{out}/ckpt_00000004.pt']
+    assert ckpts(local) == ['ckpt_00000004.pt']
+
+
+def test_a_divergence_while_the_bucket_is_unreachable_is_its_one_line_and_a_warning(toy, tmp_path):
+    # the autouse fixture points STORAGE_EMULATOR_HOST at a closed port: the bucket cannot be listed or changed
+    out, local = f'gs://{BUCKET}/nan-down', tmp_path / 'local'
+    p = run(bucket_run(toy, out, local, '--max_steps=16', '--log_interval=4', '--checkpoint_interval=4',
+                       '--keep_last_n=1', '--gcs_retries=1'), env=site_hook(tmp_path / 'hook', NAN_AT_STEP_9),
+            check=False)
+    said = assert_user_error(p, 'loss became NaN or inf at step 9', f'Last good checkpoint: {local}/ckpt_00000004.pt')
+    warning = [l for l in said.splitlines() if l.startswith('warning') and 'set aside' in l]
+    assert len(warning) == 1 and out in warning[0] and 'from step 8 on' in warning[0], said[-3000:]
+    assert ckpts(local) == ['ckpt_00000004.pt'] and os.path.exists(local / 'ckpt_00000008.pt.diverged')
+
+
+# the run is killed (SIGKILL: a lost VM) once its checkpoint of step 4 and what went up with it are in the bucket
+KILLED_AFTER_STEP_4 = """
+if sys.argv[0].endswith('train.py'):
+    from runkeep import records
+    real = records.RunRecords.uploaded
+
+    def uploaded(self, path):
+        real(self, path)
+        if path.endswith('ckpt_00000004.pt'):
+            self.uploads.wait(120)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    records.RunRecords.uploaded = uploaded
+"""
+
+
+def test_a_run_killed_after_a_save_leaves_its_metrics_in_the_bucket_for_a_new_machine(emu, toy, tmp_path):
+    out, env = f'gs://{BUCKET}/runs/killed', dict(STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
+    args = ['--log_interval=2', '--checkpoint_interval=2', '--keep_last_n=2']
+    p = run(bucket_run(toy, out, tmp_path / 'a', '--max_steps=8', *args), check=False,
+            env=dict(env, **site_hook(tmp_path / 'hook', KILLED_AFTER_STEP_4)))
+    assert p.returncode == -signal.SIGKILL, p.stdout[-3000:] + p.stderr[-3000:]
+    steps = lambda path: [json.loads(l)['step'] for l in open(path) if json.loads(l)['kind'] == 'train']
+    gcs.download_file(f'{out}/metrics.jsonl', str(tmp_path / 'bucket.jsonl'))
+    assert steps(tmp_path / 'bucket.jsonl') == [2, 4]
+    # a new machine: nothing local; the resume goes on with the bucket's history
+    run(bucket_run(toy, out, tmp_path / 'b', '--max_steps=6', '--init_from=resume', *args), env=env)
+    assert steps(tmp_path / 'b' / 'metrics.jsonl') == [2, 4, 6]
+    gcs.download_file(f'{out}/metrics.jsonl', str(tmp_path / 'bucket.jsonl'))
+    assert steps(tmp_path / 'bucket.jsonl') == [2, 4, 6]
