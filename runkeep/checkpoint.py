@@ -68,7 +68,8 @@ def load_checkpoint(path, name=None):
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
-        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200]
+        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200] or \
+            ('the file is empty' if os.path.isfile(path) and os.path.getsize(path) == 0 else type(e).__name__)
         if isinstance(e, pickle.UnpicklingError) and why.startswith('Unsupported global'):
             what = why.split(' was not an allowed global')[0].removeprefix('Unsupported global: ')
             raise CheckpointError(f"{name or path} holds objects other than tensors and plain values ({what}); "
@@ -425,6 +426,9 @@ def load_training_checkpoint(path, step, local, rank):
             ckpt = load_checkpoint(dest, name=path)
         else:
             ckpt = load_checkpoint(path)
+        if not isinstance(ckpt, dict):
+            raise CheckpointError(f"{path} is not a training checkpoint of this trainer (it holds a "
+                                  f"{type(ckpt).__name__})")
         for k in ('model', 'step', 'carry', 'config', 'optimizer'):
             if k not in ckpt:
                 raise CheckpointError(f"{path} is not a training checkpoint of this trainer (no '{k}')")

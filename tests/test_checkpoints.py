@@ -103,6 +103,20 @@ def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_p
     assert {c: open(c, 'rb').read() for c in ckpt_paths(out)} == before  # nothing overwritten
 
 
+def test_an_empty_checkpoint_and_a_file_of_another_kind_are_each_named_with_what_is_wrong(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--checkpoint_interval=10', '--max_steps=10')
+    open(out / 'ckpt_00000015.pt', 'wb').close()  # a file created, never written
+    torch.save(torch.zeros(3), out / 'ckpt_00000016.pt')  # a tensor saved under a checkpoint's name
+    p = train(toy, out, '--init_from=resume', '--max_steps=12')
+    warnings = [l for l in p.stdout.splitlines() if l.startswith('warning:')]
+    assert any('ckpt_00000015.pt is corrupt or truncated and was not loaded: the file is empty' in l
+               for l in warnings), warnings
+    assert any('ckpt_00000016.pt is not a training checkpoint of this trainer (it holds a Tensor)' in l
+               for l in warnings), warnings
+    assert 'ckpt_00000010.pt (step 10)' in p.stdout
+
+
 def test_resume_from_a_checkpoint_whose_optimizer_state_does_not_fit_is_one_line_that_keeps_it(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=4', '--checkpoint_interval=4')
