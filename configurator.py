@@ -299,7 +299,7 @@ def _configure(g, argv):
                     at = f", line {lines[key]}" if key in lines else ''
                     g[key] = check_type(key, value, shown_path(path) + at)
                     set_by[key], set_at[key] = shown_path(path), (shown_path(path), lines.get(key))
-                print(f"config: {os.path.relpath(path) if os.path.isabs(path) else path}")
+                print(f"config: {shown_path(path)}")
         else:
             if '=' not in arg:
                 raise SystemExit(f"config error: {arg} should look like --key=value (--help lists the keys)")

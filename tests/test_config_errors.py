@@ -87,6 +87,13 @@ def test_a_config_error_is_one_line_before_torch(toy, tmp_path, args, words, fil
     assert not (tmp_path / 'o').exists()
 
 
+def test_a_config_file_outside_the_working_folder_is_echoed_by_its_own_path(tmp_path):
+    cfg = tmp_path / 'mine.py'
+    cfg.write_text("max_steps = -1\n")
+    p = run(['train.py', str(cfg)], check=False)
+    assert p.stdout.splitlines()[0] == f"config: {cfg}", p.stdout  # not '../../tmp/...' from the repository
+
+
 def test_rope_needs_an_even_head_dim_in_attention_only():
     """RoPE rotates a head's channels in pairs; mlp_t's blocks have no heads (its RoPE tables go unused)."""
     shape = dict(hidden_size=30, num_heads=2, mlp_t=False, pos_encodings='rope')
