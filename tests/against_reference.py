@@ -18,7 +18,29 @@ this repository does not hold. On the CPU, tiny widths, float32 and bfloat16:
    save_train_state does, and all_config.yaml (with copies of trm.py and losses.py) written by its own
    save_code_and_config. This trainer reads that folder through its --init_from path with no model key given
    (train.py --eval_only prints the start-up line), and its outputs are compared with the reference's.
-The reference's adam_atan2 import (a CUDA extension, only used to train) is replaced by a stub module.
+3. training steps side by side: for the reference's default variants that run unpatched (attention with RoPE and
+   mlp_t; stablemax loss, no_ACT_continue=True, float32), the reference's model and loss head (ACTLossHead) with the
+   optimizers its create_model makes and its own pretrain.train_batch (forward in training mode, backward, its
+   compute_lr warm-up and cosine, its sign-SGD CastedSparseEmbeddingSignSGD_Distributed as is) beside this
+   trainer's step.train_step (Eager form: our AdamATan2, sign_sgd_update_ and lr_at), 12 steps (LR warm-up over 3,
+   then cosine down to 0.1 x at step 12), each started from the same state: before every step the reference's
+   weights, puzzle table, AdamATan2 moments and step count, ACT carry and step number are copied into ours, and
+   both draw the same exploration numbers (one seed). Hard settings: halt_exploration_prob 0.5, a q_head that
+   halts some rows before halt_max_steps, a random puzzle table, 16 rows over 5 puzzle identifiers (repeats in
+   every batch), a quarter of the labels ignored (-100) and one row with every label ignored. Checked after each
+   step: halted, steps, the carried batch rows and the integer metrics (count, exact_accuracy, q_halt_accuracy,
+   steps) equal; q_continue_loss 0 in ours and absent in the reference; the carried latents, the loss, lm_loss,
+   q_halt_loss, accuracy, both learning rates, every parameter, the AdamATan2 step count and moments, and the whole
+   puzzle table equal within float32 rounding: |ours - theirs| <= 8 float32 epsilons of the value's size (|value|;
+   for a parameter or table row |value| + the update's size, lr / (1 - beta1^t) or the puzzle LR; for a moment the
+   tensor's largest |value|). Each step prints a line; each variant the largest difference of each quantity, in
+   absolute terms and in those epsilons. EMA is not compared: ema=False is the reference's default. Not run: the
+   variants that crash in the reference's code (no_ACT_continue=False, softmax_cross_entropy), and bfloat16.
+The reference's adam_atan2 import (a CUDA extension: its kernel only runs on an NVIDIA GPU) is replaced by a stub
+module whose AdamATan2 is AdamATan2Formula below: the adam-atan2 package's (0.0.3, the latest; the reference's
+requirements.txt names it unpinned) Python step and its CUDA kernel's arithmetic (csrc/adam_atan2.cu) written in
+PyTorch, so that check 3 compares this trainer's optimizer with the package's formula, not with itself. Checks 1
+and 2 do not step it.
 """
 import argparse
 import json
@@ -40,6 +62,56 @@ VARIANTS = {  # train.py's keys; the reference's arch names are the same
 }
 TINY = dict(hidden_size=32, num_heads=2, expansion=2.0, H_cycles=2, L_cycles=2, L_layers=2, halt_max_steps=4,
             puzzle_emb_ndim=32, puzzle_emb_len=2)
+
+
+TRAIN_VARIANTS = ('attention+rope', 'mlp_t (no positions)')  # check 3: the reference's defaults that run unpatched
+TRAIN = dict(lr=1e-2, puzzle_emb_lr=1e-1, weight_decay=0.1, puzzle_emb_weight_decay=0.1, beta1=0.9, beta2=0.95,
+             lr_warmup_steps=3, lr_min_ratio=0.1, total_steps=12, steps=12, batch=16, ids=5)
+
+
+class AdamATan2Formula(torch.optim.Optimizer):
+    """What stands in for the reference's AdamATan2 (check 3). The adam-atan2 package (0.0.3) is a Python
+    Optimizer around a CUDA kernel: its step() makes each parameter's state at its first gradient (step: a float32
+    0-d tensor, exp_avg and exp_avg_sq: zeros), adds 1 to the step, then its kernel (csrc/adam_atan2.cu) computes
+    per element, in float32 for float32 parameters, with its scalars worked out in float64 and rounded to float32:
+        p = p * (1 - lr * weight_decay)
+        m = lerp(m, g, 1 - beta1);  v = lerp(v, g * g, 1 - beta2)     lerp(a, b, w) = fma(w, b, fma(-w, a, a))
+        p = p - lr / (1 - beta1^step) * atan2(m, sqrt(v) / sqrt(1 - beta2^step))
+    Written here with the kernel's order of operations; each fused multiply-add (the lerp's explicit fma, and the
+    last line, which nvcc contracts into one by default) is computed in float64 and rounded once to float32. Not the
+    kernel's bits (a GPU's sqrt, division and atan2 may round differently from the CPU's), but the same formula
+    rounded in float32, which is what this trainer's AdamATan2 is compared with (it computes v as v*beta2 +
+    (1-beta2)*g*g and its LR and bias corrections in float32 on the device, so the two differ by float32 rounding)."""
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), weight_decay=1e-2):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self):
+        def fma(a, b, c):  # float32 in, float32 out: a*b of two float32 values is exact in float64
+            return (a.double() * b.double() + c.double()).float()
+
+        def f32(x):  # a scalar worked out in float64, rounded to float32
+            return torch.tensor(x, dtype=torch.float64).float()
+
+        for group in self.param_groups:
+            lr, (beta1, beta2), wd = group['lr'], group['betas'], group['weight_decay']
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state.update(step=torch.zeros((), dtype=torch.float32), exp_avg=torch.zeros_like(p),
+                                 exp_avg_sq=torch.zeros_like(p))
+                state['step'] += 1
+                t = float(state['step'])
+                step_size, wd_alpha = f32(lr / (1 - beta1 ** t)), f32(1 - lr * wd)
+                bc2_sqrt, mb1, mb2 = f32((1 - beta2 ** t) ** 0.5), f32(1 - beta1), f32(1 - beta2)
+                g, m, v = p.grad, state['exp_avg'], state['exp_avg_sq']
+                param = p * wd_alpha
+                m.copy_(fma(mb1, g, fma(-mb1, m, m)))
+                v.copy_(fma(mb2, g * g, fma(-mb2, v, v)))
+                p.copy_(fma(-step_size, torch.atan2(m, torch.sqrt(v) / bc2_sqrt), param))
+
 
 
 def slug(variant, dtype):
@@ -210,10 +282,136 @@ def reference_to_ours(args, data, variant, keys, dtype):
     found = model_keys(read_all_config(yaml_path), yaml_path)
     ours_model = TRM(TRMConfig.for_data(json.load(open(os.path.join(data, 'train', 'dataset.json'))), **found))
     load_weights(os.path.join(folder, 'step_7'), ours_model, ours_model,
-                 json.load(open(os.path.join(data, 'train', 'dataset.json'))), data)
+                 json.load(open(os.path.join(data, 'train', 'dataset.json'))), data, adapt=False)  # as --eval_only
     same = compare(f"reference -> ours, {variant}, {dtype}", our_outputs(ours_model, batch, len(theirs[0])),
                    theirs)
     return same and run.returncode == 0, '\n'.join(said) if run.returncode == 0 else run.stdout[-2000:] + run.stderr[-2000:]
+
+
+def training_steps(args, data, variant, keys):
+    """3: the reference's train_batch and this trainer's train_step, each step from the reference's state."""
+    import hydra
+    import pretrain
+    from pretrain import PretrainConfig, TrainState
+    from models.sparse_embedding import CastedSparseEmbeddingSignSGD_Distributed
+    from model import TRM, TRMConfig, from_reference_state_dict
+    from step import AdamATan2, StepConfig, train_step, Eager
+    T = TRAIN
+    arch = dict(TINY, **keys, forward_dtype='float32', halt_exploration_prob=0.5)
+    arch.pop('puzzle_emb_ndim')  # the reference's trm.yaml: ${.hidden_size}
+    top = {k: T[k] for k in ('lr', 'puzzle_emb_lr', 'weight_decay', 'puzzle_emb_weight_decay', 'beta1', 'beta2',
+                             'lr_warmup_steps', 'lr_min_ratio')}
+    overrides = ([f'arch.{k}={v}' for k, v in arch.items()] + [f'{k}={v}' for k, v in top.items()]
+                 + [f'data_paths=[{data}]', f'global_batch_size={T["batch"]}'])
+    with hydra.initialize_config_dir(config_dir=os.path.join(args.reference, 'config'), version_base=None):
+        config = PretrainConfig(**hydra.compose(config_name='cfg_pretrain', overrides=overrides))
+    assert config.arch.loss.loss_type == 'stablemax_cross_entropy' and config.arch.no_ACT_continue
+    _, meta = reference_batch(data)
+    torch.manual_seed(2)
+    head = reference_model(config, meta, T['batch'])._orig_mod  # create_model's model with DISABLE_COMPILE set
+    inner = head.model.inner
+    with torch.no_grad():
+        inner.puzzle_emb.weights.copy_(torch.randn_like(inner.puzzle_emb.weights) * 0.5)  # a trained table
+        inner.q_head.weight.normal_(0, 0.3)  # a q_head that halts some rows before halt_max_steps
+        inner.q_head.bias.fill_(4.0)
+    optimizers = [  # as create_model makes them (a puzzle table, weights not frozen)
+        CastedSparseEmbeddingSignSGD_Distributed(head.model.puzzle_emb.buffers(), lr=0,
+                                                 weight_decay=config.puzzle_emb_weight_decay, world_size=1),
+        pretrain.AdamATan2(head.parameters(), lr=0, weight_decay=config.weight_decay,
+                           betas=(config.beta1, config.beta2))]
+    state = TrainState(model=head, optimizers=optimizers, optimizer_lrs=[config.puzzle_emb_lr, config.lr],
+                       carry=None, step=0, total_steps=T['total_steps'])
+    seen = {}
+    head.register_forward_hook(lambda module, inputs, out: seen.update(loss=out[1].detach(), metrics=out[2]))
+    ours = TRM(TRMConfig.for_data(json.load(open(os.path.join(data, 'train', 'dataset.json'))),
+                                  **dict(TINY, **keys, forward_dtype='float32', halt_exploration_prob=0.5,
+                                         loss_type='stablemax', loss_dtype='float64', no_ACT_continue=True)))
+    opt = AdamATan2(ours.parameters(), lr=T['lr'], betas=(T['beta1'], T['beta2']), weight_decay=T['weight_decay'])
+    sc = StepConfig(lr=T['lr'], puzzle_emb_lr=T['puzzle_emb_lr'], puzzle_emb_weight_decay=T['puzzle_emb_weight_decay'],
+                    warmup_steps=T['lr_warmup_steps'], total_steps=T['total_steps'], min_ratio=T['lr_min_ratio'],
+                    global_batch_size=T['batch'])
+    names = [n for n, _ in ours.named_parameters()]
+    ref_params = {from_reference_state_dict({n: None}).popitem()[0]: p for n, p in head.model.named_parameters()}
+    assert sorted(ref_params) == sorted(names), (sorted(ref_params), names)
+    ours.train()
+    head.train()
+    B, L, V = T['batch'], meta.seq_len, meta.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    eps = torch.finfo(torch.float32).eps
+    worst = {}  # quantity -> (largest |diff|, largest |diff| in float32 epsilons of the value's size)
+    ok = True
+
+    def close(name, a, b, scale=None):
+        """|a - b| <= 8 float32 epsilons of `scale` (elementwise; default |b|), recorded under `name`."""
+        a, b = (torch.as_tensor(x).detach().double() for x in (a, b))
+        scale = b.abs() if scale is None else torch.as_tensor(scale).detach().double()
+        diff = (a - b).abs()
+        ratio = float((diff / (eps * scale)).nan_to_num(0.0, posinf=float('inf')).max()) if diff.numel() else 0.0
+        d = float(diff.max()) if diff.numel() else 0.0
+        w = worst.get(name, (0.0, 0.0))
+        worst[name] = (max(w[0], d), max(w[1], ratio))
+        return ratio <= 8
+
+    for t in range(1, T['steps'] + 1):
+        batch = dict(inputs=torch.randint(2, V, (B, L), generator=gen, dtype=torch.int32),
+                     labels=torch.randint(2, V, (B, L), generator=gen, dtype=torch.int32),
+                     puzzle_identifiers=torch.randint(1, 1 + T['ids'], (B,), generator=gen, dtype=torch.int32))
+        batch['labels'][torch.rand(B, L, generator=gen) < 0.25] = -100
+        batch['labels'][t % B] = -100  # a row with nothing to score
+        if state.carry is None:
+            state.carry = head.initial_carry(batch)  # train_batch's first lines, without its torch.device("cuda")
+        # the same state: the reference's weights, table, moments, step count and carry into ours
+        ours.load_state_dict(from_reference_state_dict(head.model.state_dict()))
+        adam = optimizers[1]
+        for i, n in enumerate(names):
+            st = adam.state.get(ref_params[n])
+            opt.state[i] = None if not st else dict(t=st['step'].clone(), exp_avg=st['exp_avg'].clone(),
+                                                    exp_avg_sq=st['exp_avg_sq'].clone())
+        rc = state.carry
+        carry = dict(y=rc.inner_carry.z_H.clone(), z=rc.inner_carry.z_L.clone(), steps=rc.steps.clone(),
+                     halted=rc.halted.clone(), **{k: v.clone() for k, v in rc.current_data.items()})
+        step_t = torch.full((), float(state.step))
+        # the reference's step: its batch's .cuda() leaves the tensors on the CPU
+        torch.manual_seed(100 + t)
+        pretrain.train_batch(config, state, {k: types.SimpleNamespace(cuda=lambda v=v: v)
+                                        for k, v in batch.items()},
+                             global_batch_size=B, rank=0, world_size=1)
+        torch.manual_seed(100 + t)  # the same exploration draws
+        carry, loss, sums = train_step(ours, opt, [], carry, batch, step_t, sc, form=Eager())
+        rc, theirs = state.carry, seen['metrics']
+        good = (torch.equal(carry['halted'], rc.halted) and torch.equal(carry['steps'], rc.steps)
+                and all(torch.equal(carry[k], v) for k, v in rc.current_data.items()))
+        good &= close('latents', torch.stack([carry['y'], carry['z']]),
+                      torch.stack([rc.inner_carry.z_H, rc.inner_carry.z_L]))
+        good &= close('loss', loss, seen['loss'])
+        for k in ('lm_loss', 'q_halt_loss', 'accuracy'):
+            good &= close(k, sums[k], theirs[k])
+        good &= 'q_continue_loss' not in theirs and float(sums['q_continue_loss']) == 0.0
+        good &= all(float(sums[k]) == float(theirs[k])
+                    for k in ('count', 'exact_accuracy', 'q_halt_accuracy', 'steps'))
+        lrs = [float(sc.lr_at(t - 1, sc.puzzle_emb_lr)), float(sc.lr_at(t - 1, sc.lr))]
+        good &= close('learning rates', lrs, [o.param_groups[0]['lr'] for o in optimizers])  # compute_lr's
+        lr = optimizers[1].param_groups[0]['lr']
+        for i, n in enumerate(names):  # a parameter's size: |p| plus its update's, lr / (1 - beta1^t)
+            theirs_p = ref_params[n]
+            good &= close('parameters', dict(ours.named_parameters())[n], theirs_p,
+                          theirs_p.abs() + lr / (1 - T['beta1'] ** t))
+            st = adam.state[theirs_p]
+            good &= float(opt.state[i]['t']) == float(st['step'])
+            good &= close('exp_avg', opt.state[i]['exp_avg'], st['exp_avg'], st['exp_avg'].abs().max())
+            good &= close('exp_avg_sq', opt.state[i]['exp_avg_sq'], st['exp_avg_sq'], st['exp_avg_sq'].abs().max())
+        table = inner.puzzle_emb.weights
+        good &= close('puzzle table', ours.puzzle_emb, table, table.abs() + lrs[0])
+        good &= torch.equal(ours.H_init, inner.H_init) and torch.equal(ours.L_init, inner.L_init)
+        ok &= bool(good)
+        ids = batch['puzzle_identifiers']
+        halted_at = ','.join(str(int(n)) for n in rc.steps[rc.halted].sort().values) or 'no'
+        print(f"training steps, {variant}, float32, step {t} (lr {lrs[1]:.3g}, puzzle lr {lrs[0]:.3g}): "
+              f"{int(rc.halted.sum())}/{B} rows halted (after {halted_at} steps), {int(theirs['count'])} counted, "
+              f"{B - len(ids.unique())} repeated ids, loss {float(seen['loss']):.6g}: {'equal' if good else 'DIFFER'}")
+    print(f"  largest |ours - theirs| over {T['steps']} steps (in float32 epsilons of the value's size): "
+          + ', '.join(f"{k} {d:.3g} ({r:.2g})" for k, (d, r) in worst.items()))
+    return ok, worst
 
 
 def main():
@@ -222,7 +420,7 @@ def main():
     p.add_argument('--work', default='/tmp/refcheck', help='where the datasets, runs and files go')
     args = p.parse_args()
     stub = types.ModuleType('adam_atan2')
-    stub.AdamATan2 = type('AdamATan2', (), {})  # CUDA-only, and only the reference's training uses it
+    stub.AdamATan2 = AdamATan2Formula  # its CUDA kernel's formula in PyTorch (check 3 steps it)
     sys.modules['adam_atan2'] = stub
     sys.path[:0] = [args.reference, ROOT]
     import pretrain
@@ -237,6 +435,9 @@ def main():
             good, said = reference_to_ours(args, data, variant, keys, dtype)
             ok &= good
             notes.append(said)
+    for variant in TRAIN_VARIANTS:
+        good, _ = training_steps(args, data, variant, VARIANTS[variant])
+        ok &= good
     print("train.py --eval_only on the reference's files, no model key given (the last case's lines):")
     print(notes[-1])
     print(f"publish.py (the last case's lines):\n{out.strip()}")
