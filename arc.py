@@ -7,6 +7,7 @@ each batch's answers to ARCVotes.read; solve.py --task ranks one task's answers 
 """
 import json
 import os
+import zipfile
 import zlib
 
 import numpy as np
@@ -38,6 +39,17 @@ def key_grid(key):
 def confidence(q_halt):
     """sigmoid(q_halt logits) in float64 (in float32 every logit above ~16.6 is exactly 1.0: ties)."""
     return np.exp(-np.logaddexp(0.0, -np.asarray(q_halt, np.float64)))
+
+
+def load_views(path):
+    """test_views.npz's arrays, or a ValueError in one line naming the file and advising a rebuild: an empty,
+    cut-short or otherwise damaged copy is no zip of arrays (numpy raises EOFError, BadZipFile, ...)."""
+    try:
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        raise ValueError(f"{path} cannot be read ({str(e) or type(e).__name__}): rebuild the dataset with "
+                         "prepare_arc.py") from e
 
 
 def rank_answers(tally):
@@ -142,8 +154,10 @@ class ARCVotes:
                 raise SystemExit(f"{p} is missing: an ARC dataset's evaluation needs it; rebuild the dataset "
                                  "with prepare_arc.py")
         try:
-            with np.load(paths[0]) as f:
-                views = {k: f[k] for k in f.files}
+            views = load_views(paths[0])
+        except ValueError as e:
+            raise SystemExit(str(e))
+        try:
             with open(paths[1]) as f:
                 puzzles = json.load(f)
             split = load_arrays(root, 'test')

@@ -491,6 +491,7 @@ def _random_grid(rng, h, w, colours, density):
 
 
 FAMILIES = ('dihedral', 'recolour', 'gravity', 'crop', 'tile', 'scale')
+SMALLEST_CANVAS = dict(tile=4, scale=4)  # their outputs double a side of an input at least 2x2
 
 
 def synthetic_task(rng, family, n, pairs=4):
@@ -630,7 +631,24 @@ def option_problem(args):
         value = getattr(args, name)
         if value is not None and (value < low or (high is not None and value > high)):
             return f"--{name} {value}: must be " + (f"from {low} to {high}" if high else f"at least {low}")
-    return None
+    return small_canvas_problem(args)
+
+
+def small_canvas_problem(args):
+    """A synthetic canvas too small for a family asked for (--families, --new_families; default all), in one
+    line; None when each fits. Refused rather than left out: the build's tasks are the families asked, in turn."""
+    if not args.synthetic or args.canvas is None:
+        return None
+    asked = [(name, value.split(',') if value else FAMILIES) for name, value in
+             (('families', args.families), ('new_families', args.new_families)) if name == 'families' or args.new_tasks]
+    small = [f for f in FAMILIES if args.canvas < SMALLEST_CANVAS.get(f, 0) and any(f in fs for _, fs in asked)]
+    if not small:
+        return None
+    fits = ','.join(f for f in FAMILIES if f not in SMALLEST_CANVAS)
+    where = ' or '.join(f'--{n}' for n, fs in asked if set(small) & set(fs))
+    return (f"--canvas {args.canvas}: the families {', '.join(small)} need a canvas of at least "
+            f"{max(SMALLEST_CANVAS[f] for f in small)}; give a larger --canvas, or {where} without them (such as "
+            f"{fits})")
 
 
 def read_sources(args, canvas, out):

@@ -518,10 +518,11 @@ def main():
     dtype_why += f" | kernels {use_kernels(kernels, dev.type, dtype, model)[1]}"  # every step is forward-only
     kind, n_steps = puzzle_for(meta), eval_steps or cfg.halt_max_steps
     if kind.correct is None and not task:  # ARC: an answer is right only as a task's output; no verifier
-        some = ', '.join(arc_test_tasks(dp)[:3])
+        some, unreadable = arc_test_tasks(dp)
         fail(f"--{sources[0]} on {kind.titles} ({dp}): ARC has no verifier, and a grid alone is no task (each "
              f"task's puzzle embedding is trained): solve a task of its test split with --task=ID"
-             + (f" (such as {some})" if some else '') + ", or new tasks with --task=FILE.json (adapted to first)")
+             + (f" (such as {', '.join(some[:3])})" if some else '') + ", or new tasks with --task=FILE.json "
+             "(adapted to first)" + (f"; and {unreadable}" if unreadable else ''))
     per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
@@ -597,7 +598,7 @@ def adapt_to_new_tasks():
     recipe (adapt_args on top), in a folder of this adaptation's own (runkeep/adapt.py); then init_from and
     data_path become the adapted run's last checkpoint and its dataset, whose test split holds every test input
     in adapt_aug + 1 views."""
-    from runkeep.adapt import adapt
+    from runkeep.adapt import adapt, run_of
     try:
         tasks = load_json(task)  # a key twice is refused: JSON readers keep only the last
     except ValueError as e:
@@ -610,9 +611,9 @@ def adapt_to_new_tasks():
         fail(f"png={png} draws one task; {task} holds {len(tasks)}: drop --png or give one task")
     new_tasks[:] = [str(t) for t in tasks]
     _, saved, _, trained_on, _ = read_checkpoint(init_from)
-    seq_len = (trained_on or {}).get('seq_len') or 900  # an ARC-AGI canvas of 30 x 30 unless it says
-    adapted, data = adapt(task, tasks, init_from, saved, int(round(seq_len ** 0.5)), adapt_minutes, adapt_aug,
-                          adapt_args, adapt_dir, device)
+    keep, canvas = run_of(init_from, saved, trained_on)  # a published step_<N>: its all_config.yaml's
+    adapted, data = adapt(task, tasks, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
+                          device)
     globals().update(init_from=adapted, data_path=data)
 
 
@@ -631,11 +632,12 @@ def arc_names(dp):
 
 
 def arc_test_tasks(dp):
-    """The ids of an ARC dataset's test-split tasks (test_views.npz), or [] where it cannot be read."""
+    """(the ids of an ARC dataset's test-split tasks (test_views.npz), '') or ([], why they cannot be read)."""
+    from arc import load_views
     try:
-        return [str(t) for t in np.load(os.path.join(dp, 'test_views.npz'))['tasks']]
-    except (OSError, ValueError, KeyError):
-        return []
+        return [str(t) for t in load_views(os.path.join(dp, 'test_views.npz')).get('tasks', [])], ''
+    except ValueError as e:
+        return [], str(e)
 
 
 def known_arc_task(task_id):

@@ -22,10 +22,12 @@ import subprocess
 import sys
 
 from configurator import fail
+from data import load_metadata
 from model import MODEL_KEYS
 from puzzles import plural
 
 from .checkpoint import list_checkpoints
+from .hub import published_run
 from .records import results_step
 from .signals import HUNG_EXIT, die_with_parent
 
@@ -34,6 +36,7 @@ RECORD = 'adapt.json'
 # train.py's keys an adaptation keeps from the checkpoint's run (besides the model's): how it learned
 RECIPE = ('lr', 'lr_min_ratio', 'lr_warmup_steps', 'beta1', 'beta2', 'weight_decay', 'puzzle_emb_lr',
           'puzzle_emb_weight_decay', 'ema', 'ema_rate', 'grad_clip', 'global_batch_size', 'seed', 'compile')
+ARC_SEQ_LEN = 900  # ARC-AGI's 30 x 30 canvas: a run that says nothing of its grid
 STOPPED = []  # the stop signals (their names) that reached solve.py while it adapted
 CHILD = []  # the step's process while it runs: where a stop signal goes
 
@@ -84,6 +87,20 @@ def finished(out):
     """Whether the run in out ended with its final evaluation: results.json of its newest checkpoint."""
     last = newest(out)
     return bool(last) and results_step(os.path.join(out, 'results.json')) == last[0]
+
+
+def run_of(init_from, saved, trained_on):
+    """What an adaptation keeps of the checkpoint's run: (train.py's keys of its recipe and model, the side of its
+    canvas). A checkpoint of train.py carries its config (`saved`) and its data's shape (`trained_on`); a
+    published step_<N> neither: the all_config.yaml beside it gives them (the grid from the dataset its
+    data_paths names, where that is on this machine). With neither: train.py's defaults, ARC-AGI's canvas."""
+    if saved is None and (saved := published_run(init_from)):
+        try:
+            trained_on = load_metadata(saved['data_path'], 'train') if saved.get('data_path') else None
+        except (OSError, ValueError):  # a dataset built elsewhere
+            trained_on = None
+    keep = {k: v for k, v in (saved or {}).items() if k in RECIPE or k in MODEL_KEYS}
+    return keep, int(round(((trained_on or {}).get('seq_len') or ARC_SEQ_LEN) ** 0.5))
 
 
 def key_of(tasks, init_from, settings):
@@ -142,11 +159,11 @@ def stopped(task, script, out, rc):
     raise SystemExit(code)
 
 
-def adapt(task, tasks, init_from, saved, canvas, minutes, aug, extra, adapt_dir, device):
-    """The tasks ({id: task}) of the file `task` adapted to from the checkpoint init_from (its config `saved`,
-    or None) on a canvas of canvas x canvas, for up to `minutes` with adapt_aug `aug` and train.py flags `extra`:
-    (the adapted run's last checkpoint, its dataset). A finished adaptation of the same tasks, checkpoint and
-    settings is used as it is; a stopped one goes on from its last checkpoint."""
+def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, device):
+    """The tasks ({id: task}) of the file `task` adapted to from the checkpoint init_from with the keys `keep`
+    of its run (run_of) on a canvas of canvas x canvas, for up to `minutes` with adapt_aug `aug` and train.py
+    flags `extra`: (the adapted run's last checkpoint, its dataset). A finished adaptation of the same tasks,
+    checkpoint and settings is used as it is; a stopped one goes on from its last checkpoint."""
     settings = dict(adapt_aug=aug, adapt_args=' '.join(extra.split()))
     record = dict(key=key_of(tasks, init_from, settings), task=os.path.abspath(task),
                   init_from=os.path.abspath(init_from), tasks=list(tasks), **settings)
@@ -170,7 +187,6 @@ def adapt(task, tasks, init_from, saved, canvas, minutes, aug, extra, adapt_dir,
     if not all(os.path.isfile(os.path.join(data, s, 'dataset.json')) for s in ('train', 'test')):
         steps.append(('prepare_arc.py', [f"--challenges={os.path.join(folder, 'challenges.json')}",
                                          f'--canvas={canvas}', f'--num_aug={aug}', f'--output_dir={data}']))
-    keep = {k: v for k, v in (saved or {}).items() if k in RECIPE or k in MODEL_KEYS}
     steps.append(('train.py', [*[f'--{k}={v}' for k, v in keep.items()], f'--init_from=resume:{init_from}',
                                f'--data_path={data}', f'--out_dir={out}', f'--max_minutes={minutes}',
                                '--epochs=1000000', '--eval_every_epochs=1000000', '--tensorboard=False',

@@ -28,6 +28,10 @@ from configurator import config_problems, fail
 ARCH = 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
 LOSS = 'losses@ACTLossHead'
 LOSS_TYPES = dict(stablemax='stablemax_cross_entropy', softmax='softmax_cross_entropy')
+# the reference's config fields outside `arch` that are train.py's keys of the same name and meaning: how it learned
+RECIPE_FIELDS = dict(global_batch_size=int, epochs=int, lr=float, lr_min_ratio=float, lr_warmup_steps=int,
+                     weight_decay=float, beta1=float, beta2=float, puzzle_emb_lr=float, puzzle_emb_weight_decay=float,
+                     seed=int, ema=bool, ema_rate=float)
 # the reference's TRM config fields this trainer has, with their types; the defaults are the reference's, for
 # the fields its all_config.yaml may leave out (None: it must hold them)
 ARCH_FIELDS = dict(hidden_size=(int, None), num_heads=(int, None), expansion=(float, None), H_cycles=(int, None),
@@ -66,13 +70,14 @@ def read_all_config(path):
 
 def typed(value, kind, field, where):
     """value as `kind`, the way the reference's pydantic config accepts it (4 for 4.0, 4.0 for 4), or a
-    one-line refusal (an unresolved interpolation such as '${.hidden_size}' is not a number)."""
+    one-line refusal naming the field ('arch.L_cycles') (an unresolved interpolation such as '${.hidden_size}'
+    is not a number)."""
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind is bool and isinstance(value, bool) or kind is str and isinstance(value, str):
         return value
     if kind is float and number or kind is int and number and float(value).is_integer():
         return kind(value)
-    fail(f"{where}: arch.{field}={value!r} is not {'an' if kind is int else 'a'} {kind.__name__}")
+    fail(f"{where}: {field}={value!r} is not {'an' if kind is int else 'a'} {kind.__name__}")
 
 
 def model_keys(cfg, where):
@@ -85,7 +90,7 @@ def model_keys(cfg, where):
     for field, (kind, default) in ARCH_FIELDS.items():
         if field not in arch and default is None:
             fail(f"{where}: arch.{field} is missing (the reference's TRM config requires it)")
-        keys[field] = typed(arch.get(field, default), kind, field, where)
+        keys[field] = typed(arch.get(field, default), kind, f"arch.{field}", where)
     loss = arch.get('loss') if isinstance(arch.get('loss'), dict) else {}
     types = {v: k for k, v in LOSS_TYPES.items()}
     if loss.get('name') != LOSS or loss.get('loss_type') not in types:
@@ -106,6 +111,21 @@ def model_keys(cfg, where):
     if bad := config_problems(keys):  # train.py's rules, as for the same keys on a command line
         fail(f"{where}: " + '; '.join(f"arch.{b}" for b in bad))
     return keys
+
+
+def published_run(path):
+    """train.py's keys of the run whose state dict `path` is, from the all_config.yaml beside it: its model
+    (model_keys), its recipe (RECIPE_FIELDS it holds) and data_path (the first of data_paths); None without an
+    all_config.yaml. A field that breaks train.py's rules is one line naming the file."""
+    where = all_config_beside(path)
+    if where is None:
+        return None
+    cfg = read_all_config(where)
+    recipe = {k: typed(cfg[k], kind, k, where) for k, kind in RECIPE_FIELDS.items() if k in cfg}
+    if bad := config_problems(recipe):
+        fail(f"{where}: " + '; '.join(bad))
+    data_paths = cfg.get('data_paths') if isinstance(cfg.get('data_paths'), list) else []
+    return {**model_keys(cfg, where), **recipe, **({'data_path': str(data_paths[0])} if data_paths else {})}
 
 
 def same(a, b):
@@ -331,17 +351,15 @@ def all_config(cfg, folder, forward_dtype, arc):
     for k in ('rms_norm_eps', 'rope_theta'):  # written only where they are not the reference's fixed values
         if not same(cfg[k], ARCH_FIELDS[k][1]):
             arch[k] = cfg[k]
-    init = cfg.get('init_from', 'scratch')
+    from .checkpoint import resume_parts
+    started_from = resume_parts(cfg.get('init_from', 'scratch'))[1]  # 'resume:FILE' started from FILE
     return dict(arch=arch, data_paths=[cfg['data_path']], data_paths_test=[],
                 evaluators=[dict(name='arc@ARC')] if arc else [], checkpoint_path=folder,
                 checkpoint_every_eval=True, eval_interval=cfg['eval_every_epochs'], min_eval_interval=0,
-                eval_save_outputs=[], freeze_weights=False,
-                load_checkpoint=None if init in ('scratch', 'resume') else init,
-                project_name=cfg.get('wandb_project'),
+                eval_save_outputs=[], freeze_weights=bool(cfg.get('freeze_weights', False)),
+                load_checkpoint=started_from or None, project_name=cfg.get('wandb_project'),
                 run_name=cfg.get('wandb_run_name') or os.path.basename(os.path.normpath(cfg['out_dir'])),
-                **{k: cfg[k] for k in ('global_batch_size', 'epochs', 'lr', 'lr_min_ratio', 'lr_warmup_steps',
-                                       'weight_decay', 'beta1', 'beta2', 'puzzle_emb_lr',
-                                       'puzzle_emb_weight_decay', 'seed', 'ema', 'ema_rate')})
+                **{k: cfg[k] for k in RECIPE_FIELDS})
 
 
 def train_state(ckpt, cfg):
@@ -370,9 +388,9 @@ def train_state(ckpt, cfg):
 
 
 # all_config.yaml answers for every step_<N> beside it: these fields of it are the run's (a resume may change none
-# of them), so a checkpoint whose run has other values is another run's; the others (lr, epochs, ...) a resume may
-# change, and all_config.yaml takes the newest checkpoint's, said
-RUN_FIELDS = ('arch', 'data_paths', 'global_batch_size', 'seed', 'run_name')
+# of them), so a checkpoint whose run has other values is another run's; the others (lr, epochs, ...) and the arch
+# fields of MAY_DIFFER a resume may change, and all_config.yaml takes the newest checkpoint's, said
+RUN_FIELDS = ('data_paths', 'global_batch_size', 'seed', 'run_name')  # and every arch field but MAY_DIFFER's
 
 
 def folder_problem(folder, config, weights, step):
@@ -398,12 +416,11 @@ def folder_problem(folder, config, weights, step):
     if not isinstance(theirs, dict):
         return ''
     run = f"the run {theirs.get('run_name')!r} (data_paths {theirs.get('data_paths')})"
-    differ = lambda a, b: [k for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))] \
-        if isinstance(a, dict) and isinstance(b, dict) else None
-    fixed = [(f"arch.{k}", (theirs['arch'] or {}).get(k), config['arch'].get(k))
-             for k in differ(theirs.get('arch'), config['arch']) or ()]
-    fixed += [(k, theirs.get(k), config.get(k)) for k in RUN_FIELDS if k != 'arch' and not same(theirs.get(k),
-                                                                                             config.get(k))]
+    differ = lambda a, b: [k for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
+    arch = theirs.get('arch') if isinstance(theirs.get('arch'), dict) else {}
+    changed = [(f"arch.{k}", arch.get(k), config['arch'].get(k)) for k in differ(arch, config['arch'])]
+    changed += [(k, theirs.get(k), config.get(k)) for k in differ(theirs, config) if k != 'arch']
+    fixed = [c for c in changed if c[0] in RUN_FIELDS or c[0].startswith('arch.') and c[0][5:] not in MAY_DIFFER]
     if steps and fixed:
         return (f"out_dir={folder} holds {there} of {run}, whose all_config.yaml has "
                 + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this checkpoint's would have "
@@ -419,10 +436,8 @@ def folder_problem(folder, config, weights, step):
                 all(old[k].dtype == v.dtype and torch.equal(old[k], v) for k, v in weights.items())):
             return (f"out_dir={folder} holds a step_{step} of other weights (of {run}: another run, or other "
                     f"weights of this one, --weights): {then}")
-    changed = differ(theirs, config)
     if changed:
-        print(f"{path} replaced by this checkpoint's: " + ', '.join(f"{k} {theirs.get(k)!r} -> {config.get(k)!r}"
-                                                                  for k in changed))
+        print(f"{path} replaced by this checkpoint's: " + ', '.join(f"{k} {a!r} -> {b!r}" for k, a, b in changed))
     return ''
 
 

@@ -271,3 +271,21 @@ def test_synthetic_tasks_obey_their_rules_and_build_a_held_out_split(tmp_path):
         assert (kind.unaugment(kind.crop(y), views['dihedral'][i], views['colours'][i])
                 == task['test'][views['test_index'][i]]['output']).all()
     assert check_split(str(out), 'train') == []
+
+
+def test_a_canvas_too_small_for_a_family_is_refused_naming_it(tmp_path, capsys):
+    """tile and scale double a grid of at least 2x2: below a 4x4 canvas they have no grid to draw. Refused in one
+    line naming --canvas and those families (the build's families stay what was asked); without them it builds."""
+    for extra in (['--canvas=3'], ['--canvas=2'], ['--canvas=3', '--families=crop', '--new_tasks=6'],
+                  ['--canvas=3', '--families=tile,crop']):
+        assert prepare_arc.main(['--synthetic', '--num_tasks=6', '--num_eval_tasks=6', '--num_aug=1',
+                                 f'--output_dir={tmp_path}/o', *extra]) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.count('\n') == 0 and 'Traceback' not in err, err
+        option = '--new_families' if '--new_tasks=6' in extra else '--families'
+        assert extra[0].replace('=', ' ') in err and 'a canvas of at least 4' in err and f' {option} ' in err, err
+        assert ('scale' in err) == (extra[1:2] != ['--families=tile,crop']) and 'tile' in err, err
+    assert not os.path.exists(tmp_path / 'o')
+    assert prepare_arc.main(['--synthetic', '--canvas=3', '--families=dihedral,recolour,gravity,crop',
+                             '--num_tasks=4', '--num_eval_tasks=2', '--num_aug=1', f'--output_dir={tmp_path}/o']) == 0
+    assert json.load(open(tmp_path / 'o' / 'test' / 'dataset.json'))['seq_len'] == 9

@@ -213,6 +213,36 @@ def test_an_arc_dataset_without_its_test_views_is_refused_in_one_line(synthetic,
     assert 'step 1' not in p.stdout  # refused before training
 
 
+def damage_views(path, how):
+    """test_views.npz as a stopped copy or a hand edit leaves it: empty, cut in half, or without its 'tasks'."""
+    if how == 'no tasks':
+        with np.load(path) as f:
+            kept = {k: f[k] for k in f.files if k != 'tasks'}
+        np.savez(path, **kept)
+    else:
+        data = open(path, 'rb').read()
+        open(path, 'wb').write(data[:len(data) // 2] if how == 'truncated' else b'')
+
+
+@pytest.mark.parametrize('how', ['empty', 'truncated', 'no tasks'])
+def test_a_damaged_test_views_file_is_one_line_in_train_and_solve(synthetic, tiny_run, tmp_path, how):
+    data = tmp_path / 'd'
+    shutil.copytree(synthetic, data)
+    views = data / 'test_views.npz'
+    task = str(np.load(views)['tasks'][0])
+    damage_views(views, how)
+    ckpt = str(tiny_run[1] / 'ckpt_00000003.pt')
+    for args in (['train.py', f'--data_path={data}', f'--out_dir={tmp_path}/o'] + TINY_ARC,
+                 ['solve.py', f'--init_from={ckpt}', f'--data_path={data}', f'--task={task}', '--device=cpu'],
+                 ['solve.py', f'--init_from={ckpt}', f'--data_path={data}', '--index=0', '--device=cpu']):
+        p = run(args, check=False)
+        said = ['rebuild the dataset with prepare_arc.py'] + ([str(views)] if how != 'no tasks' else [])
+        if '--index=0' in args:  # refused on ARC anyway (no verifier): the damage is said in the same line
+            said = ['--index', '--task=ID'] + (said if how != 'no tasks' else [])
+        assert_user_error(p, *said, one_line=True)
+        assert 'step 1' not in p.stdout
+
+
 # -----------------------------------------------------------------------------
 # on XLA (the CPU's): the answers' gather and read add no graph after the first batch
 

@@ -1,10 +1,11 @@
 """
 What decides an ARC number, and what a run leaves of it: a submission belongs to the last checkpoint's step or is
-absent (in a bucket too); test_views.npz that does not match the test split is refused at start; ties go to the
-lowest view and an empty crop never leads (the confidence in float64, the order the same whatever the batches);
-the ARC Prize's score (per test output) beside the reference's (per task); test inputs without a known solution
-are submitted but not scored; the vote pooled over a run's evaluations, carried by its checkpoints so a resume
-continues it exactly. Tiny runs on synthetic tasks, a minute or two in all.
+absent (in a bucket too); test_views.npz that does not match the test split is refused at start; ties go to a
+grid before an empty crop (which otherwise ranks by its votes, as in the reference), then to the lowest view (the
+confidence in float64, the order the same whatever the batches); the ARC Prize's score (per test output) beside
+the reference's (per task); test inputs without a known solution are submitted but not scored; the vote pooled over
+a run's evaluations, carried by its checkpoints so a resume continues it exactly. Tiny runs on synthetic tasks, a
+minute or two in all.
     OMP_NUM_THREADS=1 python -m pytest -q -x tests/test_arc_vote.py
 """
 import json
@@ -18,7 +19,7 @@ import torch
 
 from runkeep import gcs
 from conftest import BUCKET, ROOT, assert_user_error, ckpts, finish, read_until, run, start
-from arc import ARCVotes
+from arc import ARCVotes, rank_answers
 from device import Device
 from evaluate import format_eval
 from puzzles import ARC
@@ -123,7 +124,7 @@ def test_test_views_of_other_tasks_than_the_split_s_are_refused_at_start(synthet
 
 
 # -----------------------------------------------------------------------------
-# ties: the lowest view first, an empty crop never ahead of a grid, sigmoid(q_halt) in float64
+# ties: a grid before an empty crop, then the lowest view; sigmoid(q_halt) in float64; else votes, as the reference
 
 RIGHT = np.array([[1, 2], [3, 4], [5, 6]], np.uint8)  # 3 rows: its bytes sort after a grid of fewer rows
 WRONG = np.array([[9, 9]], np.uint8)
@@ -166,7 +167,7 @@ def tied_votes(order, batch):
     return votes
 
 
-def test_ties_go_to_the_lowest_view_and_an_empty_crop_never_leads_in_any_batch_order():
+def test_ties_go_to_the_lowest_view_and_to_a_grid_before_an_empty_crop_in_any_batch_order():
     n = sum(map(len, CASES))
     orders = [(np.arange(n), n), (np.arange(n)[::-1], 3), (np.random.default_rng(1).permutation(n), 5)]
     results = []
@@ -179,6 +180,26 @@ def test_ties_go_to_the_lowest_view_and_an_empty_crop_never_leads_in_any_batch_o
         assert [a['attempt_2'] for a in sub['a']] == [WRONG.tolist(), WRONG.tolist(), [[0]], WRONG.tolist()]
         results.append((res, sub, votes.votes('last')))
     assert all(r == results[0] for r in results[1:])  # confidences summed exactly: the same in any order
+
+
+def test_an_empty_crop_with_more_votes_leads_as_in_the_reference():
+    """Only a tie puts an empty crop after a grid: with more votes it ranks first, as the reference's evaluator
+    ranks every answer by (votes, mean confidence), so pass@1 misses and attempt 1 is the empty answer ([[0]])."""
+    rows = [(0, RIGHT, 0.9), (1, EMPTY, 0.2), (2, EMPTY, 0.2), (3, WRONG, 0.5)]
+    n = len(rows)
+    views = dict(tasks=np.array(['a']), task=np.zeros(n, np.int32), test_index=np.zeros(n, np.int32),
+                 view=np.arange(n), dihedral=np.zeros(n, np.uint8), colours=np.tile(np.arange(10, dtype=np.uint8),
+                                                                                    (n, 1)))
+    votes = ARCVotes(KIND, views, {'a': dict(train=[], test=[dict(input=[[0]], output=RIGHT.tolist())])})
+    votes.start()
+    canvas = np.stack([np.zeros(100, np.uint8) if a is None else KIND.to_canvas(a) for _, a, _ in rows])
+    votes.add('last', np.arange(n), canvas, np.array([q for *_, q in rows]))
+    tally = votes.votes('last')[('a', 0)]
+    reference = [a for a, _ in sorted(tally.items(), key=lambda kv: [kv[1][0], kv[1][1] / kv[1][0]], reverse=True)]
+    assert rank_answers(tally) == reference and reference[0] == bytes((0, 0))
+    res = votes.score()['last']
+    assert (res['pass@1'], res['pass@2']) == (0.0, 1.0), res
+    assert votes.submission()['a'] == [dict(attempt_1=[[0]], attempt_2=RIGHT.tolist())]
 
 
 # -----------------------------------------------------------------------------

@@ -318,3 +318,36 @@ def test_a_publish_that_cannot_write_is_one_line_and_leaves_nothing_behind(table
             assert_user_error(p, f'{out}/{failing}', 'File too large')
             assert len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert not (tmp_path / 'new').exists() and tree(kept) == {'notes.txt': b'mine'}
+
+
+def test_a_resume_that_changed_what_a_resume_may_change_publishes_beside_its_earlier_steps(table_run, tmp_path):
+    """halt_exploration_prob and forward_dtype may change at a resume (train.py) and differ from the published
+    run's (the loader): a later checkpoint of the same run goes beside step_6, all_config.yaml takes its values
+    and says so, as for lr."""
+    out, pub = tmp_path / 'x' / 'run', tmp_path / 'pub'  # the run's folder name: its run_name
+    shutil.copytree(table_run['out'], out)
+    shutil.copytree(table_run['folder'], pub)
+    train(table_run['data'], out, '--init_from=resume', '--max_steps=8', '--halt_exploration_prob=0.5',
+          '--forward_dtype=bfloat16', '--lr=1e-3', args=TABLE_ARGS)
+    p = publish(f'--init_from={out}/ckpt_00000008.pt', f'--out_dir={pub}')
+    assert sorted(os.listdir(pub)) == ['all_config.yaml', 'step_6', 'step_6_train_state.pt', 'step_8']
+    cfg = yaml.safe_load(open(pub / 'all_config.yaml'))
+    assert (cfg['arch']['halt_exploration_prob'], cfg['arch']['forward_dtype'], cfg['lr']) == (0.5, 'bfloat16', 1e-3)
+    said = next(l for l in p.stdout.splitlines() if 'all_config.yaml replaced' in l)
+    for words in ("arch.halt_exploration_prob 0.1 -> 0.5", "arch.forward_dtype 'float32' -> 'bfloat16'",
+                  "lr 0.002 -> 0.001"):
+        assert words in said, said
+
+
+def test_all_config_records_freeze_weights_and_the_file_an_adaptation_started_from(table_run, tmp_path):
+    """load_checkpoint is the file init_from started from, resume: or not (null from scratch); freeze_weights the
+    run's."""
+    ckpt = table_run['ckpt']
+    for init, freeze in ((f'resume:{ckpt}', True), (ckpt, False)):
+        out = tmp_path / f'frozen{freeze}'
+        train(table_run['data'], out, f'--init_from={init}', '--max_steps=2', f'--freeze_weights={freeze}',
+              args=TABLE_ARGS)
+        publish(f'--init_from={out}/ckpt_00000002.pt')
+        cfg = yaml.safe_load(open(out / 'published' / 'all_config.yaml'))
+        assert (cfg['load_checkpoint'], cfg['freeze_weights']) == (ckpt, freeze), cfg
+    assert yaml.safe_load(open(f"{table_run['folder']}/all_config.yaml"))['load_checkpoint'] is None

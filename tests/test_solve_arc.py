@@ -5,6 +5,7 @@ refusals (a training task, a task never trained, an unknown ID, --views > 1), ea
 """
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,6 +203,37 @@ def files(folder):
         for n in names:
             out[os.path.relpath(os.path.join(d, n), folder)] = open(os.path.join(d, n), 'rb').read()
     return out
+
+
+def test_an_adaptation_from_a_published_step_keeps_the_run_s_recipe_and_grid(arc_run, tmp_path):
+    """A published step_<N> carries no config: the adaptation takes the run's recipe and model from the
+    all_config.yaml beside it, and the canvas from the dataset its data_paths names, as from the run's own
+    checkpoint (loss_dtype has no field there)."""
+    import torch
+    from model import MODEL_KEYS
+    from runkeep.adapt import RECIPE
+    data, ckpt = arc_run
+    run(['publish.py', f'--init_from={ckpt}', f'--out_dir={tmp_path}/pub'])
+    task = write_task(tmp_path / 'task.json', [[2, 1, 1]])
+    p = solve(f'{tmp_path}/pub/step_3', f'--task={task}', '--adapt_minutes=1', '--adapt_aug=1',
+              '--adapt_args=--max_steps=1', f'--adapt_dir={tmp_path}/a')
+    assert 'task task: ' in p.stdout, p.stdout[-3000:]
+    keys = [k for k in (*RECIPE, *MODEL_KEYS) if k != 'loss_dtype']
+    theirs = torch.load(ckpt, weights_only=True)['config']
+    adapted = torch.load(os.path.join(tmp_path, 'a', 'run', ckpts(tmp_path / 'a' / 'run')[-1]),
+                         weights_only=True)['config']
+    assert {k: adapted[k] for k in keys} == {k: theirs[k] for k in keys}
+    assert json.load(open(tmp_path / 'a' / 'data' / 'train' / 'dataset.json'))['seq_len'] == 100  # 10 x 10
+    for field, value, words in (('lr', 'fast', "lr='fast' is not a float"),
+                                ('global_batch_size', 0, 'global_batch_size=0 (allowed: ')):
+        text = open(tmp_path / 'pub' / 'all_config.yaml').read()
+        bad = tmp_path / f'bad_{field}'
+        bad.mkdir()
+        os.link(tmp_path / 'pub' / 'step_3', bad / 'step_3')
+        (bad / 'all_config.yaml').write_text(re.sub(rf'(?m)^{field}: .*$', f'{field}: {value}', text))
+        p = solve(bad / 'step_3', f'--task={task}', f'--adapt_dir={tmp_path}/b', check=False)
+        assert_user_error(p, f"{bad / 'all_config.yaml'}: {words}", one_line=True)
+        assert not os.path.exists(tmp_path / 'b')
 
 
 def test_task_files_of_one_name_keep_their_own_adaptations(arc_run, tmp_path):
