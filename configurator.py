@@ -223,8 +223,8 @@ def parse_flags(text, defaults, where):
         if not tok.startswith('--') or '=' not in tok:
             raise SystemExit(f"config error: {where}: {tok!r} should look like --key=value")
         k, t = tok[2:].split('=', 1)
-        if k not in defaults:
-            raise SystemExit(f"config error: {where}: unknown key {k!r}")
+        if problem := key_problem(k, where, defaults, {}):
+            raise SystemExit(f"config error: {problem}")
         out[k] = parse_value(t, defaults[k])
     return out
 
@@ -239,6 +239,30 @@ def type_said(value):
     """A value's type as a message says it: 'an int', 'a str', 'None'."""
     name = type(value).__name__
     return 'None' if value is None else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def key_problem(key, where, known, renamed, value=None):
+    """Why `key`, set in `where` (a config file and its line, or a --key=value flag), is none of a script's keys
+    `known`, in one line (renamed: {old key: (its new name, a note)}, its keys of earlier releases); None when it
+    is one. Shared by the scripts' flags and files and by the study's experiment files."""
+    if key in known:
+        return None
+    if key in renamed:
+        new, note = renamed[key]
+        write = f"--{new}={value}" if where.startswith('--') else f"{new} = ..."
+        return f"'{key}' in {where} is now called {new}{f' ({note})' if note else ''}: write {write}"
+    close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
+    return f"unknown key '{key}' in {where}" + (f"; did you mean {', '.join(close)}?" if close else
+                                                 "; --help lists every key")
+
+
+def type_problem(key, value, default, where):
+    """Why `value`, set in `where`, cannot be a key whose default is `default`, in one line; None when it can (an
+    int where a float is expected can; None only where the default is None: a number's key would crash on it)."""
+    if default is None or type(value) is type(default) or isinstance(default, float) and type(value) is int:
+        return None
+    return (f"{key}={value!r} in {where} is {type_said(value)}, but {key} is {type_said(default)} "
+            f"(default {default!r})")
 
 
 def _help(g, keys):
@@ -270,24 +294,13 @@ def _configure(g, argv):
     renamed = g.get('_renamed') or {}  # {old key: (its new name, a note)}: the script's keys of earlier releases
 
     def check_key(key, where, value=None):
-        if key in renamed and key not in known:
-            new, note = renamed[key]
-            write = f"--{new}={value}" if where.startswith('--') else f"{new} = ..."
-            raise SystemExit(f"config error: '{key}' in {where} is now called {new}{f' ({note})' if note else ''}: "
-                             f"write {write}")
-        if key not in known:
-            close = difflib.get_close_matches(key, sorted(known), n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; --help lists every key"
-            raise SystemExit(f"config error: unknown key '{key}' in {where}{hint}")
+        if problem := key_problem(key, where, known, renamed, value):
+            raise SystemExit(f"config error: {problem}")
 
-    def check_type(key, value, where):
-        default = defaults[key]
-        if default is None or type(value) is type(default):  # (None too: a number's key would crash on it later)
-            return value
-        if isinstance(default, float) and type(value) is int:
-            return float(value)
-        raise SystemExit(f"config error: {key}={value!r} in {where} is {type_said(value)}, "
-                         f"but {key} is {type_said(default)} (default {default!r})")
+    def check_type(key, value, where):  # the value, as its default's type
+        if problem := type_problem(key, value, defaults[key], where):
+            raise SystemExit(f"config error: {problem}")
+        return float(value) if isinstance(defaults[key], float) and type(value) is int else value
 
     for arg in argv:
         if not arg.startswith('--'):
@@ -295,9 +308,9 @@ def _configure(g, argv):
             for path, keys in config_files(arg):
                 lines = assigned_lines(path)
                 for key, value in keys.items():
-                    check_key(key, path)
-                    at = f", line {lines[key]}" if key in lines else ''
-                    g[key] = check_type(key, value, shown_path(path) + at)
+                    where = shown_path(path) + (f", line {lines[key]}" if key in lines else '')
+                    check_key(key, where)
+                    g[key] = check_type(key, value, where)
                     set_by[key], set_at[key] = shown_path(path), (shown_path(path), lines.get(key))
                 print(f"config: {shown_path(path)}")
         else:

@@ -45,16 +45,15 @@ import time
 from collections import deque
 
 from runkeep import gcs
-from configurator import parse_flags
+from configurator import Tee, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from runkeep.locks import holder_gone, lock_record
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
-from configurator import Tee
 from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
-                        duration, flop_rate, has_results, load_experiments, model_cost, order_runs, own_steps,
-                        partition, read_results, run_flops, saved_evals, schedule, share_cost, state, value_problem)
+                        duration, family_of, flop_rate, has_results, load_experiments, model_cost, order_runs,
+                        own_steps, partition, read_results, run_flops, saved_evals, schedule, share_cost, state)
 from studies.report import make_report
 
 # -----------------------------------------------------------------------------
@@ -141,9 +140,8 @@ if [k for k in EXTRA if k in RUNNER_KEYS]:
     raise SystemExit(f"config error: --extra sets {', '.join(k for k in EXTRA if k in RUNNER_KEYS)}, which "
                      f"study.py sets for every run (not allowed in --extra: {', '.join(RUNNER_KEYS)}): the "
                      "runs go to --out_root/<the file's out_dir name> and resume with --init_from=resume")
-if any(value_problem(k, v) for k, v in EXTRA.items()):
-    raise SystemExit("config error: --extra: "
-                     + '; '.join(filter(None, map(value_problem, EXTRA, EXTRA.values()))))
+if bad := [p for k, v in EXTRA.items() if (p := type_problem(k, v, TRAIN_DEFAULTS[k], '--extra'))]:
+    raise SystemExit("config error: " + '; '.join(bad))
 if seeds > 1 and 'seed' in EXTRA:
     raise SystemExit("config error: --seeds and --extra='--seed=...' together (allowed: one of them)")
 # --pod (dry run): chips of a TPU slice and their bf16 peak (FLOP/s); v4 and v5p names count TensorCores (2 a chip)
@@ -272,11 +270,12 @@ def my_runs(runs):
 
 def print_families(names):
     fams = {}
-    for n in names:
-        fams.setdefault(n.rsplit('_', 1)[0], []).append(n.rsplit('_', 1)[1])
+    for n in names:  # a name without '_' is a family of its own, selected by its name
+        f = family_of(n)
+        fams.setdefault(f + '_*' * ('_' in n), []).append(n[len(f) + 1:] or n)
     print(f"{len(names)} experiments in {config_dir}, by family (select with --pattern='<family>_*'):")
     for f, pts in fams.items():
-        print(f"  {f + '_*':<14} {' '.join(pts)}")
+        print(f"  {f:<14} {' '.join(pts)}")
     print("\npython study.py --pattern='rec_*' --dry_run=True     commands and costs\n"
           "python study.py --pattern='rec_*,tn_*' --scale=cpu  run (a CPU twin), then --report=True\n"
           "python study.py --help                            every key, the scales, the design")
@@ -316,7 +315,9 @@ def print_dry_run(exps):
         t = flops[e.run] / rate / nproc if rate else None
         print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} "
               f"steps x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training "
-              f"{c['train_flops']:.3g} FLOPs | {c['evals']} evaluation(s) {c['eval_flops']:.3g} FLOPs"
+              f"{c['train_flops']:.3g} FLOPs | {c['evals']} evaluation(s)"
+              + (f", {c['passes']} passes (the EMA's and the raw weights)" if c['passes'] > c['evals'] else '')
+              + (f", {c['views']} views each" if c['views'] > 1 else '') + f": {c['eval_flops']:.3g} FLOPs"
               + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '') if t else '')
               + (f" | on a {POD['name']}: about {duration(flops[e.run] / POD['rate'])} (assumed MFU)" if POD else ''))
         print()

@@ -3,6 +3,7 @@ A study's plan: the experiment files and what each run is at a scale (its flags,
 costs before it runs, where it stands (finished, started, nothing) and the evaluations it saved. study.py
 runs the plan and studies/report.py compares the results; both pass the CLI's values in one Options.
 """
+import ast
 import fnmatch
 import json
 import os
@@ -11,7 +12,8 @@ import shlex
 from dataclasses import dataclass
 
 from runkeep import gcs
-from configurator import config_files, read_config_block
+from configurator import (assigned_lines, config_files, config_problems, key_problem, read_config_block, shown_path,
+                          type_problem)
 from puzzles import shape_from_name
 from runkeep.checkpoint import list_checkpoints
 
@@ -51,8 +53,8 @@ RUNNER_KEYS = ('out_dir', 'local_dir', 'init_from', 'eval_only')  # the runner s
 # these is still the run the study asks for
 NOT_SHAPING = ('out_dir', 'local_dir', 'data_cache_dir', 'init_from', 'overwrite', 'eval_only',
                'eval_batch_size', 'log_interval', 'checkpoint_interval', 'keep_last_n', 'wandb_log',
-               'wandb_project', 'wandb_run_name', 'device', 'compile', 'xla_cache_dir', 'gcs_retries',
-               'check_memory')
+               'wandb_project', 'wandb_run_name', 'tensorboard', 'profile_steps', 'device', 'compile', 'kernels',
+               'xla_cache_dir', 'gcs_retries', 'watchdog_minutes', 'check_memory')
 EVAL_FILE = re.compile(r'views(\d+)-steps(\d+)\.json')  # train.py --eval_only's record in <out_dir>/evals
 
 
@@ -82,14 +84,18 @@ def fmt_value(v):
     return repr(v) if isinstance(v, float) else str(v)
 
 
-def value_problem(key, value):
-    """'key=value (allowed: ...)' when value cannot be train.py's key (not its default's type; an int where a
-    float is expected is fine, as configurator.py takes it), else ''."""
-    default = TRAIN_DEFAULTS[key]
-    if type(value) is type(default) or (type(default) is float and type(value) is int):
-        return ''
-    kind = {bool: 'True or False', int: 'an int', float: 'a number', str: 'a str'}[type(default)]
-    return f"{key}={value!r} (allowed: {kind}, as train.py's default {default!r})"
+def read_renamed(path):
+    """A script's _renamed ({old key: (its new name, a note)}: its keys of earlier releases), read from its source
+    (train.py is a script, never imported)."""
+    for n in ast.parse(open(path).read()).body:
+        if isinstance(n, ast.Assign) and any(getattr(t, 'id', None) == '_renamed' for t in n.targets):
+            v = n.value
+            return {k.arg: ast.literal_eval(k.value) for k in v.keywords} if isinstance(v, ast.Call) else \
+                ast.literal_eval(v)
+    return {}
+
+
+TRAIN_RENAMED = read_renamed(os.path.join(HERE, 'train.py'))
 
 
 def read_meta(path):
@@ -101,17 +107,23 @@ def read_meta(path):
 
 def effective(path):
     """(train.py's config for this file, as configurator.py applies it: defaults, _base chain, the file; its
-    '_' names)."""
-    cfg = dict(TRAIN_DEFAULTS)
+    '_' names; where each key was set: {key: (file, line)}). What train.py would refuse (an unknown key, another
+    type, a value its rules forbid) is a SystemExit of one line per problem in train.py's words, naming the file
+    and line: said before a dry run costs it (a zero batch divides by zero) and before anything runs."""
+    cfg, set_at, bad = dict(TRAIN_DEFAULTS), {}, []
     for p, keys in config_files(path):
-        unknown = [k for k in keys if k not in TRAIN_DEFAULTS]
-        if unknown:
-            raise SystemExit(f"config error: {p} sets unknown key(s) {unknown}")
-        bad = list(filter(None, map(value_problem, keys, keys.values())))
-        if bad:  # refused here, before a dry run costs it and every run of it fails
-            raise SystemExit(f"config error: {p} sets {'; '.join(bad)}")
-        cfg.update(keys)
-    return cfg, read_meta(path)
+        lines, shown = assigned_lines(p), shown_path(p)
+        for k, v in keys.items():
+            where = f"{shown}, line {lines[k]}" if k in lines else shown
+            if problem := key_problem(k, where, TRAIN_DEFAULTS, TRAIN_RENAMED) or \
+                    type_problem(k, v, TRAIN_DEFAULTS[k], where):
+                bad.append(problem)  # the value before it stays, for the rules below
+            else:
+                cfg[k], set_at[k] = v, (shown, lines.get(k))
+    bad += config_problems(cfg, set_at)
+    if bad:
+        raise SystemExit('\n'.join(f"config error: {b}" for b in bad))
+    return cfg, read_meta(path), set_at
 
 
 # -----------------------------------------------------------------------------
@@ -219,8 +231,8 @@ class Experiment:
     def __init__(self, path, opts, name=None, seed=0):
         self.path, self.name, self.seed, self.opts = path, name or os.path.basename(path)[:-3], seed, opts
         self.run = self.name + (f"-s{seed}" if seed else '')  # the run's label: one per seed
-        self.family = self.name.rsplit('_', 1)[0] if '_' in self.name else self.name
-        self.cfg, self.meta = effective(path)
+        self.family = family_of(self.name)
+        self.cfg, self.meta, set_at = effective(path)
         base = self.meta.get('_base')
         self.base_cfg = effective(base)[0] if base else dict(TRAIN_DEFAULTS)
         self.varied = {k: v for k, v in self.cfg.items() if v != self.base_cfg.get(k) and k not in NOT_VARIED}
@@ -238,6 +250,11 @@ class Experiment:
         if gcs.is_gcs(opts.root):
             self.flags['local_dir'] = self.local
         self.run_cfg = {**self.cfg, **self.flags, **opts.extra}
+        # what the scale and --extra make of a file train.py takes (--extra=--global_batch_size=0 included)
+        set_at = {**set_at, **{k: (f'--scale={opts.scale}', None) for k in self.flags},
+                  **{k: ('--extra', None) for k in opts.extra}}
+        if bad := config_problems(self.run_cfg, set_at):
+            raise SystemExit('\n'.join(f"config error: {b}" for b in bad))
         nproc = opts.nproc
         launcher = ['train.py'] if nproc == 1 else ['-m', 'torch.distributed.run', '--standalone',
                                                      f'--nproc_per_node={nproc}', 'train.py']
@@ -312,6 +329,11 @@ class Experiment:
         return self.name[len(self.family) + 1:] or self.name
 
 
+def family_of(name):
+    """An experiment's family: its name up to the last '_'; a name without one (a recipe of its own) is one."""
+    return name.rsplit('_', 1)[0] if '_' in name else name
+
+
 def load_experiments(patterns, opts):
     """(every experiment's name in opts.config_dir, the Experiments the patterns select: each seed of each,
     in the patterns' order); names only without patterns. Experiments that are one run share it (same_as)."""
@@ -326,11 +348,16 @@ def load_experiments(patterns, opts):
     # in the patterns' order
     chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))
     if not chosen:
-        fams = sorted({n.rsplit('_', 1)[0] for n in names}, key=natural_key)
-        raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: "
-                         f"{', '.join(f + '_*' for f in fams)}")
-    exps = [Experiment(os.path.join(config_dir, n + '.py'), opts, seed=s) for n in chosen
-            for s in range(opts.seeds)]
+        fams = sorted({family_of(n) + '_*' * ('_' in n) for n in names}, key=natural_key)
+        raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: {', '.join(fams)}")
+    exps, bad = [], []
+    for n in chosen:  # every bad value of every file said at once, each line once (a shared _base's too)
+        try:
+            exps += [Experiment(os.path.join(config_dir, n + '.py'), opts, seed=s) for s in range(opts.seeds)]
+        except SystemExit as ex:
+            bad += [line for line in str(ex).splitlines() if line not in bad]
+    if bad:
+        raise SystemExit('\n'.join(bad))
     for e in exps:
         e.family_keys = list(dict.fromkeys(k for x in exps if x.family == e.family for k in x.varied))
     by_dir = {}
@@ -452,24 +479,37 @@ def cost(e, data=None):
     every = max(1, steps_for(c['eval_every_epochs'], d['groups'], d['mean'], B))
     middle = len(evaluation_steps(steps, every)) - 1  # and the final one
     sub = min(c['eval_subset'] or d['test'], d['test'])
-    eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * (middle * sub + d['test'])
+    # train.py evaluates the raw weights too at an intermediate evaluation with an EMA (not at the final one),
+    # and every pass runs each puzzle in eval_views views (evaluate.py)
+    sub_passes = middle * (1 + bool(c['ema']))
+    eval_flops = fwd * (c['eval_steps'] or c['halt_max_steps']) * c['eval_views'] * (sub_passes * sub + d['test'])
     return dict(params=params, fpe=fpe, steps=steps, batch=B, train_flops=fpe * steps * B,
-                eval_flops=eval_flops,
-                evals=middle + 1)
+                eval_flops=eval_flops, evals=middle + 1, passes=sub_passes + 1, views=c['eval_views'])
 
 
 def flop_rate(opts, bench_file='', examples_per_s=0.0):
     """(FLOP/s, where it comes from) of the device, from bench.py's figure: its output in bench_file, or its
     examples_per_s for config/baseline.py at opts.scale; (None, why not) without one."""
     if bench_file:
-        lines = [l for l in open(bench_file).read().splitlines() if l.startswith('bench:')]
+        want = ("(expected: bench.py's output, whose last 'bench:' line gives examples_per_s=N and "
+                "flops_per_example=N)")
+        try:
+            lines = [l for l in open(bench_file).read().splitlines() if l.startswith('bench:')]
+        except (OSError, UnicodeDecodeError) as ex:
+            raise SystemExit(f"config error: bench_file={bench_file!r} cannot be read "
+                             f"({getattr(ex, 'strerror', None) or ex}) {want}")
         if not lines:
-            raise SystemExit(f"config error: bench_file={bench_file!r} has no 'bench:' line (bench.py's last "
-                             "line)")
+            raise SystemExit(f"config error: bench_file={bench_file!r} has no 'bench:' line {want}")
         kv = dict(t.split('=', 1) for t in lines[-1].split()[1:] if '=' in t)
-        rate = float(kv['examples_per_s']) * float(kv['flops_per_example'])
-        return rate, (f"{bench_file}: {float(kv['examples_per_s']):.1f} examples/s x "
-                      f"{float(kv['flops_per_example']) / 1e9:.2f} GFLOPs = {rate / 1e12:.3g} TFLOP/s")
+        try:
+            eps, fpe = float(kv['examples_per_s']), float(kv['flops_per_example'])
+        except (KeyError, ValueError):
+            eps = fpe = float('nan')
+        if not (eps > 0 and fpe > 0):  # missing, or no speed at all (0, nan)
+            raise SystemExit(f"config error: bench_file={bench_file!r}: its last 'bench:' line has no positive "
+                             f"examples_per_s and flops_per_example {want}")
+        rate = eps * fpe
+        return rate, (f"{bench_file}: {eps:.1f} examples/s x {fpe / 1e9:.2f} GFLOPs = {rate / 1e12:.3g} TFLOP/s")
     if examples_per_s > 0:
         ref = Experiment(os.path.join(HERE, 'config', 'baseline.py'), opts, 'baseline')
         rc = cost(ref)

@@ -351,9 +351,25 @@ def fit_power_law(xs, errs):
     return out
 
 
+def one_per_run(done):
+    """The points of each family, one per run: experiments of one family that are one run (one out_dir, as
+    size_L2 and size_d512) would weigh twice in its fit and be drawn twice; they are one point, labelled by
+    each ('L2=d512'). Families sharing a run keep it each."""
+    out, first = [], {}
+    for p in done:
+        key = (p['family'], p['out_dir'])
+        if key in first:
+            first[key]['point'] += '=' + p['point']
+        else:
+            first[key] = dict(p)
+            out.append(first[key])
+    return out
+
+
 def family_fits(done):
-    """(family, x key, x label, xs, errors, fit) for every family with at least two distinct x on an axis."""
-    fits = []
+    """(family, x key, x label, xs, errors, fit) for every family with at least two distinct x on an axis,
+    one point per run."""
+    fits, done = [], one_per_run(done)
     for f in dict.fromkeys(r['family'] for r in done):
         for key, label in FIT_AXES:
             pts = [r for r in done if r['family'] == f and r.get(key) is not None]
@@ -441,7 +457,7 @@ def plot(rows, folder, opts, views=()):
               "the tables are written")
         return []
     seeds = opts.seeds
-    done = [p for p in points(rows, seeds) if p['status'] == 'done' and p.get('exact') is not None]
+    done = one_per_run([p for p in points(rows, seeds) if p['status'] == 'done' and p.get('exact') is not None])
     fams = list(dict.fromkeys(r['family'] for r in done))
     colors = {f: plt.get_cmap('tab10')(i % 10) for i, f in enumerate(fams)}
     title = f"scale {opts.scale}"

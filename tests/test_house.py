@@ -101,9 +101,10 @@ def test_config_files_hold_only_what_they_change_and_their_base_comes_first(tmp_
     base.write_text("hidden_size = 128\nL_cycles = 2\n")
     cfg.write_text(f"_base = {str(base)!r}\nL_cycles = 4\n")
     assert config_files(str(cfg)) == [(str(base), dict(hidden_size=128, L_cycles=2)), (str(cfg), dict(L_cycles=4))]
-    base.write_text("hidden_sise = 128\n")  # a typo in the base is named with the base's path
+    base.write_text("lr = 1e-3\nhidden_sise = 128\n")  # a typo in the base is named with the base's path and line
     p = run(['train.py', str(cfg)], check=False)
-    assert p.returncode == 1 and f"unknown key 'hidden_sise' in {base}; did you mean hidden_size" in p.stderr, p.stderr
+    assert p.returncode == 1 and f"unknown key 'hidden_sise' in {base}, line 2; did you mean hidden_size" in p.stderr, \
+        p.stderr
     base.write_text(f"_base = {str(cfg)!r}\n")
     p = run(['train.py', str(cfg)], check=False)
     assert p.returncode == 1 and 'names itself as _base' in p.stderr and 'Traceback' not in p.stderr, p.stderr

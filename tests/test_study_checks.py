@@ -1,0 +1,151 @@
+"""
+What a study (study.py) checks and counts: one point per run in a family's fit and plots (two experiments that
+are one run weigh once), the evaluations a run really makes in its cost, keys that do not shape a result
+leaving a finished run reused, bad experiment files and bench files refused in one line each before anything
+runs, and a file name without a family. Fake results.json files, and one tiny real run at the cpu scale.
+    python -m pytest -q tests/test_study_checks.py
+"""
+import json
+import os
+import re
+import shutil
+
+import pytest
+
+from conftest import ROOT, assert_user_error, run
+
+STUDY = os.path.join(ROOT, 'config', 'study')
+
+
+def fake_results(out, leaf, params=10 ** 6, exact=0.5, config=None):
+    """A finished run's results.json, as train.py writes it (the keys a study reads)."""
+    os.makedirs(f'{out}/{leaf}', exist_ok=True)
+    fe = dict(exact_accuracy=exact, exact_ci_low=max(0, exact - 0.02), exact_ci_high=min(1, exact + 0.02),
+              token_accuracy=exact, q_halt_accuracy=1.0, count=1000)
+    json.dump(dict(parameters=params, train_flops=params * 1e6, flops_per_example_step=params, step=100,
+                   final_eval=fe, best_eval=None, config=config or {}, wall_s=dict(total=1.0), device_hours=1e-3,
+                   world_size=1), open(f'{out}/{leaf}/results.json', 'w'))
+
+
+def test_experiments_that_are_one_run_are_one_point_of_their_family(tmp_path):
+    from studies.plan import Options, load_experiments
+    from studies import report
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for f in os.listdir(STUDY):
+        if f.startswith('size_'):
+            shutil.copy(os.path.join(STUDY, f), cfg)  # size_L2 and size_d512 are one run: out/study/base
+    law = lambda p: 0.4 * (p / 1e6) ** -0.7 + 0.05
+    sizes = dict(size_L1=2.6e6, base=5e6, size_L4=9.9e6, size_d256=1.3e6, size_d384=2.9e6, size_d768=11.3e6,
+                 size_d1024=20e6)
+    for i, (leaf, p) in enumerate(sizes.items()):  # off the law by turns, so how much each point weighs shows
+        fake_results(out, leaf, int(p), 1 - law(p) * (1 + 0.15 * (-1) ** i))
+    run(['study.py', '--pattern=size_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
+    line = next(l for l in open(f'{out}/report.md').read().splitlines() if l.startswith('| size_* | parameters |'))
+    want = report.fit_power_law([int(p) for p in sizes.values()], [1 - (1 - law(p) * (1 + 0.15 * (-1) ** i))
+                                                             for i, p in enumerate(sizes.values())])
+    assert f"| 7 | {report.fit_text(want)} |" in line, (line, report.fit_text(want))
+    # the plots draw the shared run once, labelled by both points
+    opts = Options(scale='full', root=out, local_root=out, data_root='', config_dir=str(cfg), extra={},
+                   extra_args=[], nproc=1, seeds=1)
+    drawn = report.one_per_run(report.points(report.collect(load_experiments(['size_*'], opts)[1]), 1))
+    assert sorted(r['point'] for r in drawn) == ['L1', 'L2=d512', 'L4', 'd1024', 'd256', 'd384', 'd768']
+    assert os.path.getsize(f'{out}/acc_vs_params.png') > 5000
+
+
+def eval_cost(text):
+    """(passes, FLOPs) of the dry run's line of a run's evaluations."""
+    m = re.search(r'\| (\d+) evaluation\(s\)(?:, (\d+) passes)?[^:|]*:? ([\d.e+]+) FLOPs', text)
+    assert m, text
+    return int(m[2] or m[1]), float(m[3])
+
+
+def test_the_dry_run_counts_the_evaluations_train_py_makes(tmp_path):
+    tmp, out = str(tmp_path), f'{tmp_path}/out'
+    (tmp_path / 'cfg').mkdir()
+    shutil.copy(os.path.join(STUDY, 'rec_L2.py'), tmp_path / 'cfg')
+    # an evaluation every 4 epochs of 40 steps: one in the middle, of the EMA and of the raw weights, then the
+    # final one (the EMA's), each in 2 views
+    study = ['study.py', '--pattern=rec_L2', '--scale=cpu', f'--config_dir={tmp}/cfg', f'--out_root={out}',
+             f'--data_root={tmp}/data', '--extra=--max_steps=40 --eval_every_epochs=4 --eval_views=2']
+    run(study)
+    log = open(f'{out}/rec_L2/train.log').read()
+    passes = len(re.findall(r'^eval (on|of the raw weights)', log, re.M))
+    evals = [json.loads(l) for l in open(f'{out}/rec_L2/metrics.jsonl') if '"eval_flops"' in l]
+    flops = sum(e['eval_flops'] + e.get('raw', {}).get('eval_flops', 0) for e in evals)
+    assert passes == 3 and all(e['views'] == 2 for e in evals)
+    got = eval_cost(run(study + ['--dry_run=True']).stdout)
+    assert got[0] == passes and got[1] == pytest.approx(flops, rel=5e-3), (got, passes, flops)
+
+
+def test_keys_that_do_not_shape_a_result_leave_a_finished_run_reused(tmp_path):
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    shutil.copy(os.path.join(STUDY, 'rec_L2.py'), cfg)
+    fake_results(out, 'rec_L2', config=dict(L_cycles=2, max_steps=0, tensorboard=True, watchdog_minutes=30.0,
+                                            profile_steps='', kernels='auto'))
+    listing = ['study.py', '--pattern=rec_L2', f'--config_dir={cfg}', f'--out_root={out}', '--list_only=True']
+    for extra in ('', '--tensorboard=False --watchdog_minutes=0 --profile_steps=1:2 --kernels=off'):
+        p = run(listing + [f'--extra={extra}'])
+        assert re.search(r'^rec_L2 .*\[done\]$', p.stdout, re.M), (extra, p.stdout)
+    p = run(listing + ['--extra=--tensorboard=False --max_steps=7'])  # a key that does shape it
+    line = next(l for l in p.stdout.splitlines() if l.startswith('rec_L2 '))
+    assert 'done, not used' in line and 'max_steps' in line and 'tensorboard' not in line, line
+
+
+@pytest.mark.parametrize('lines, words', [
+    (['global_batch_size = 0'], ['global_batch_size=0', '(allowed: > 0)']),
+    (['expansion = 0.0'], ['expansion=0.0', '(allowed: > 0)']),
+    (['epochs = 0'], ['epochs=0', '(allowed: > 0)']),
+    (['L_layers = 0'], ['L_layers=0', '(allowed: > 0)']),
+    (['L_cycle = 3'], ["unknown key 'L_cycle'", 'did you mean L_cycles']),
+    (['eval_interval = 3'], ["'eval_interval'", 'is now called eval_every_epochs', 'write eval_every_epochs = ...']),
+    (["L_cycles = '3'"], ["L_cycles='3'", 'is a str, but L_cycles is an int']),
+    (["pos_encodings = 'rotary'"], ["pos_encodings='rotary'", "'rope' | 'learned' | 'none'"]),
+])
+def test_bad_values_in_an_experiment_file_are_refused_before_anything_runs(tmp_path, lines, words):
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    (cfg / 'bad_one.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/bad_one'\n"
+                                    + '\n'.join(lines) + '\n')
+    study = ['study.py', '--pattern=bad_*', f'--config_dir={cfg}', f'--out_root={tmp_path}/out',
+             f'--data_root={tmp_path}/data']
+    for more in (['--dry_run=True', '--examples_per_s=1000'], ['--scale=cpu']):
+        p = run(study + more, check=False)
+        said = assert_user_error(p, f'{cfg}/bad_one.py, line 3', *words, one_line=True)
+        assert said.startswith('config error: ') and 'parameters |' not in p.stdout, said
+        assert not os.path.exists(f'{tmp_path}/data') and not os.path.exists(f'{tmp_path}/out')
+
+
+def test_every_problem_of_every_experiment_is_its_own_line(tmp_path):
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    (cfg / 'bad_one.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/bad_one'\n"
+                                    "global_batch_size = 0\nlr = 'fast'\n")
+    (cfg / 'bad_two.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/bad_two'\nhidden_sise = 8\n")
+    p = run(['study.py', '--pattern=bad_*', f'--config_dir={cfg}', '--dry_run=True'], check=False)
+    said = assert_user_error(p).strip()
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 3 and all(l.startswith('config error: ') for l in lines), said
+    one = [l for l in lines if 'bad_one.py, line' in l]
+    assert any('line 3' in l and 'global_batch_size=0' in l for l in one), lines
+    assert any('line 4' in l and "lr='fast'" in l for l in one), lines
+    assert 'bad_two.py, line 3' in lines[2] and 'did you mean hidden_size' in lines[2], lines
+
+
+def test_a_config_file_whose_name_has_no_family_is_listed(tmp_path):
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    shutil.copy(os.path.join(STUDY, 'rec_L2.py'), cfg)
+    (cfg / 'mybase.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/mybase'\n")
+    p = run(['study.py', f'--config_dir={cfg}'])
+    assert re.search(r'^  rec_\* +L2$', p.stdout, re.M) and re.search(r'^  mybase +mybase$', p.stdout, re.M), p.stdout
+
+
+def test_a_bench_file_that_cannot_give_a_speed_is_one_line(tmp_path):
+    dry = ['study.py', '--pattern=rec_L2', '--dry_run=True']
+    p = run(dry + [f'--bench_file={tmp_path}/none.txt'], check=False)
+    assert_user_error(p, 'bench_file=', 'none.txt', 'No such file', "'bench:'", 'examples_per_s', one_line=True)
+    (tmp_path / 'cut.txt').write_text("bench: device=cpu batch=32 ms_per_step=12.0\n")
+    p = run(dry + [f'--bench_file={tmp_path}/cut.txt'], check=False)
+    assert_user_error(p, 'bench_file=', 'cut.txt', 'examples_per_s', 'flops_per_example', one_line=True)
