@@ -89,6 +89,12 @@ def batch_sums(preds, q_halt, row_loss, first, labels, valid, h):
     )
 
 
+def stops_every_step(dev):
+    """Whether a stop check may come after every step (a supervision step, a training step): on a single process
+    off XLA (and TorchTPU) it reads the process's own flag, with no rank to agree with and no graph to cut."""
+    return dev.world_size == 1 and dev.type not in ('xla', 'tpu')
+
+
 @torch.no_grad()
 def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
              should_stop=None, progress=None, arc=None, arc_pool_at=None):
@@ -99,10 +105,11 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     view 0's (the puzzles as they are), and by_views holds vote@k, verified@k, oracle@k (and accepted@k)
     for each k of view_counts(K), after the last of the n_steps (test-time depth counts: views x steps) and
     with q_halt's stop (each view's answer where it stopped).
-    should_stop: asked before every batch, and within one after every halt_max_steps supervision steps
-    (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop at the same
-    point; the steps keep their one graph each); when it says stop, the evaluation is abandoned and (None,
-    None) returned. progress(i): told after every supervision step of a batch (a watchdog's heartbeat).
+    should_stop(within=False): asked before every batch, and within one (within=True) after every halt_max_steps
+    supervision steps (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop
+    at the same point; the steps keep their one graph each), or after every step where stops_every_step; when it
+    says stop, the evaluation is abandoned and (None, None) returned. progress(i): told after every supervision
+    step of a batch (a watchdog's heartbeat).
     arc: the loader's dataset's arc.ARCVotes, which count every row's answer (ARCVotes.read) and score the vote;
     arc_pool_at: the step of the checkpoint evaluated, whose answers join a pooling run's pool (None: not)."""
     predict = predict or model.predict
@@ -112,6 +119,8 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
     sums, example, verified, by_views = {}, None, 0, {}
+    within = should_stop and (lambda: should_stop(within=True))
+    chunk = 1 if stops_every_step(dev) else halt_max_steps
     if arc is not None:
         arc.start(loader.example_idx)
     for batch in loader:
@@ -121,7 +130,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         inverse = batch.pop('views_inverse', None)
         rows_index = batch.pop('example_index', None)
         b = dev.to_device(batch)
-        out = predict(b, n_steps, loss_at=h, should_stop=should_stop, chunk=halt_max_steps,
+        out = predict(b, n_steps, loss_at=h, should_stop=within, chunk=chunk,
                       on_step=progress and (lambda i, pred, q_halt: progress(i + 1)))
         if out is None:
             model.train(was_training)

@@ -25,7 +25,7 @@ import torch
 from configurator import Tee
 from data import load_metadata
 from device import launch_tpu, resolve_device, under_torchrun
-from evaluate import format_eval
+from evaluate import format_eval, stops_every_step
 from puzzles import render_example
 from step import format_train
 
@@ -65,6 +65,7 @@ class Run:
         self.arc = None  # ARC's votes (its pool)
         self.watchdog = self.bound = None  # from resume() on: the watchdog, the bound on a stop request
         self.stop_every, self.t_calibrate = 1, None
+        self.alone = stops_every_step(dev)  # a stop check reads this process's own flag, after every step
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
         self.budget = TimeBudget(cfg.get('max_minutes', 0), self.clock)  # --max_minutes
@@ -150,7 +151,8 @@ class Run:
         # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
         self.watchdog = Watchdog(cfg['watchdog_minutes'], self.records.log_watchdog, warmup=cfg['log_interval'] + 1,
                                  folder=self.local)
-        self.bound = StopBound(self.watchdog.waiting, lambda: list_checkpoints(self.local))
+        # the bound counts from the request or the watchdog's last report of finished work, whichever is later
+        self.bound = StopBound(self.watchdog.waiting, lambda: list_checkpoints(self.local), lambda: self.watchdog.last)
         return step, carry
 
     # --- what the run is doing, for the watchdog, the stop's bound and the time budget --------------------
@@ -246,12 +248,14 @@ class Run:
     def stop_requested(self, step, start_step, at_eval=False):
         """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps
         (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable.
-        With --max_minutes the same reduction also says whether the budget ends the run (TimeBudget.agree)."""
+        With --max_minutes the same reduction also says whether the budget ends the run (TimeBudget.agree).
+        A single process off XLA reads its own flag after every step too (self.alone)."""
         stop = False
         if self.budget.seconds and (step % self.stop_every == 0 or at_eval):
             stop = self.budget.agree(self.dev, step, self.stop_every, at_eval)
         elif step % self.stop_every == 0:
             stop = self.stop_agreed()
+        stop = stop or (self.alone and STOP['requested'])
         if step == start_step + 5:
             self.t_calibrate = time.time()
         if step == start_step + 10:
@@ -368,13 +372,17 @@ class Run:
 
 
 class Watched:
-    """What an evaluation under Run.evaluating asks of the run: should_stop() between batches (every rank's
-    verdict on a stop request), progress(i) after each supervision step (the watchdog's heartbeat)."""
+    """What an evaluation under Run.evaluating asks of the run: should_stop() between batches and within one
+    (every rank's verdict on a stop request), progress(i) after each supervision step (the watchdog's heartbeat)."""
 
     def __init__(self, run):
         self.run = run
 
-    def should_stop(self):
+    def should_stop(self, within=False):
+        """Every rank's verdict, between batches and (within) inside one. A single process, asked after every
+        supervision step, reads its own flag there: no reduction, no device read, no report (the step made one)."""
+        if within and self.run.alone and not STOP['requested']:
+            return False
         stop = self.run.stop_agreed()
         self.run.watchdog.progress('an evaluation batch')
         return self.run.bound.acted(stop)

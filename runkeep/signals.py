@@ -3,9 +3,9 @@ How a run's process ends: a stop request (SIGTERM from a spot preemption, Ctrl-C
 cannot reach, a launcher's signals, an orphaned worker, a failed allocation.
     install_signal_handlers()   SIGTERM and Ctrl-C: a stop request (STOP), said at once; the loop saves a
                                 checkpoint at the ranks' next stop check and every rank exits together
-    StopBound(...)              a stop request not acted on within STOP_GRACE_S ends the process in one line
-                                naming the last checkpoint kept; a collective broken by it, or a failed
-                                allocation, is one line too
+    StopBound(...)              a stop request not acted on while the run finishes nothing for STOP_GRACE_S
+                                ends the process in one line naming the last checkpoint kept; a collective
+                                broken by it, or a failed allocation, is one line too
     forward_signals()           torch_xla's launcher: the signals go on to its workers
     follow_launcher()           a torch_xla worker: its signals come through the launcher; it dies with it
     die_with_parent(pid)        a child of study.py or solve.py, before exec: it saves and stops when they end
@@ -39,8 +39,8 @@ PARENT = dict(pid=os.getppid(), gone=False)
 # lives: so this signal only asks whether the parent process is gone, and that is one stop request. Not SIGTERM:
 # three of those end the process without its checkpoint.
 PARENT_GONE = signal.SIGUSR1
-# a stop request that the run has not acted on this long after its signal (the step under way never reaches its
-# stop check) ends the process (StopBound): a spot VM's notice is about 30 s
+# a stop request that the run has not acted on this long after its signal and after the last thing it finished
+# (the step under way never reaches its stop check) ends the process (StopBound): a spot VM's notice is about 30 s
 STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
 
 # what a hard exit (os._exit: no atexit) runs first, each called with quick=True after a stop request: the
@@ -248,16 +248,17 @@ def out_of_memory(kind, value):
 
 
 class StopBound:
-    """A stop request that the run has not acted on STOP_GRACE_S after its signal (acted(True) at a stop check
-    says it was) ends the process: nothing can be saved in the middle of a step, so a line names the last
-    checkpoint kept (checkpoints(): the run's {step: path}), the out_dir's lock is removed, and the exit code is
+    """A stop request that the run has not acted on STOP_GRACE_S after its signal and after the last thing the
+    run finished (last(): its time, the watchdog's last report; acted(True) at a stop check says it was acted on)
+    ends the process: nothing can be saved in the middle of a step, so a line names the last checkpoint kept
+    (checkpoints(): the run's {step: path}), the out_dir's lock is removed, and the exit code is
     HUNG_EXIT after a SIGTERM (a preemption: a launcher may run it again), 130 after a Ctrl-C (a person stopped
     it: a loop that reruns on HUNG_EXIT ends). waiting(): (what the run waits for, the last thing it finished),
     in words. Also, as the process's excepthook: a collective broken by another rank's end at its bound, and a
     failed allocation, each one line."""
 
-    def __init__(self, waiting, checkpoints=dict):
-        self.waiting, self.checkpoints = waiting, checkpoints
+    def __init__(self, waiting, checkpoints=dict, last=lambda: 0.0):
+        self.waiting, self.checkpoints, self.last = waiting, checkpoints, last
         self.done = threading.Event()
         threading.Thread(target=self.watch, daemon=True, name='stop-bound').start()
         previous = sys.excepthook
@@ -283,10 +284,12 @@ class StopBound:
 
     def watch(self):
         while not self.done.wait(0.25):
-            if STOP['requested'] and not STOP['acted'] and time.time() - STOP['at'] >= STOP_GRACE_S:
+            # a run that keeps finishing work (an evaluation batch's slow supervision steps) comes to its stop
+            # check and saves; one that finishes nothing for the grace never will
+            if STOP['requested'] and not STOP['acted'] and time.time() - max(STOP['at'], self.last()) >= STOP_GRACE_S:
                 awaited, last = self.waiting()
-                self.end_unanswered(f" in {STOP_GRACE_S:g} s: {awaited} never came to its stop check (the "
-                                    f"last thing finished: {last})")
+                self.end_unanswered(f" (nothing finished for {STOP_GRACE_S:g} s): {awaited} never came to its stop "
+                                    f"check (the last thing finished: {last})")
 
     def end_unanswered(self, why):
         """The end of a stop request the run could not act on: said, the lock removed, the exit code."""

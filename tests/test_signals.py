@@ -105,10 +105,11 @@ def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_los
     assert 'got SIGTERM' in log and 'got SIGINT' in log
 
 
-def test_a_stop_during_one_long_evaluation_batch_is_honoured_between_chunks_of_its_steps(toy, tmp_path):
+def test_a_stop_during_one_long_evaluation_batch_is_honoured_within_it(toy, tmp_path):
     out = tmp_path / 'o'
     # the final evaluation: one batch of all 200 examples for 2000 supervision steps (many minutes here); a
-    # sitecustomize.py says when the batch's 10th step is done: its stop check before the batch has passed
+    # sitecustomize.py says when the batch's 10th step is done: its stop check before the batch has passed (one
+    # process: after every step; ranks agree every halt_max_steps steps: test_stop_bounded.py's torchrun test)
     said = site_hook(tmp_path / 'hook', """import model
 real, calls = model.TRM.predict_step, [0]
 

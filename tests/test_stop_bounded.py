@@ -1,11 +1,13 @@
 """
-A stop request always ends the run: one that the step under way does not reach within TRM_STOP_GRACE_S (20 s;
+A stop request always ends the run: one not reached while the run finishes nothing for TRM_STOP_GRACE_S (20 s;
 a spot VM's notice is about 30) ends the process with a line naming the last checkpoint kept and exit code 75
 (the same command resumes from it), in one process, in every torchrun rank, under torch_xla's launcher; a stop
-that reaches its check saves and exits 0 as always, however long the save. A sitecustomize.py on PYTHONPATH
-stands in for a step that never ends (a paper-size step thrashing a machine without swap).
+that reaches its check saves and exits 0 as always, however long the save, and so does a run whose evaluation
+outlasts the grace while its steps keep finishing. A sitecustomize.py on PYTHONPATH stands in for a step that
+never ends (a paper-size step thrashing a machine without swap) or a slow one.
     python -m pytest -q tests/test_stop_bounded.py
 """
+import json
 import os
 import signal
 import subprocess
@@ -13,8 +15,9 @@ import sys
 import time
 
 import pytest
+import torch
 
-from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train, site_hook
+from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train, site_hook, train
 
 GRACE = 3  # seconds (TRM_STOP_GRACE_S), so the tests take seconds
 
@@ -95,18 +98,89 @@ checkpoint.write_checkpoint = write_checkpoint
     assert len(ckpts(out)) == 1 and not os.path.exists(out / 'run.lock')
 
 
+def slow_evaluation_steps(tmp_path, seconds):
+    """Every evaluation supervision step of this process takes `seconds` more (a laptop's CPU, a batch of many
+    views): progress, slowly."""
+    return hook(tmp_path, f'''import model
+real = model.TRM.predict_step
+
+
+def predict_step(self, *args, **kwargs):
+    time.sleep({seconds})
+    return real(self, *args, **kwargs)
+
+
+model.TRM.predict_step = predict_step
+''')
+
+
+def test_a_stop_in_a_slow_evaluation_that_progresses_saves_its_step_and_the_resume_evaluates_it(toy, tmp_path):
+    # the final evaluation's batches (4 supervision steps, eval_steps == halt_max_steps) outlast the bound, yet
+    # a step finishes every GRACE / 2: the run is no hang, and its stop saves the step's checkpoint, owing it
+    out = tmp_path / 'o'
+    args = ['--max_steps=40', '--checkpoint_interval=10', '--eval_every_epochs=1000']
+    proc = popen_train(toy, out, *args, env=slow_evaluation_steps(tmp_path, GRACE / 2))
+    lines = Lines(proc)
+    lines.until('step 40/40')
+    time.sleep(2)  # inside the evaluation's first batch
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert proc.returncode == 0 and 'stopped cleanly' in text and 'not reached' not in text, text[-3000:]
+    assert ckpts(out)[-1] == 'ckpt_00000040.pt' and 'eval on' not in text, text[-3000:]
+    assert torch.load(out / 'ckpt_00000040.pt', weights_only=True)['eval_owed']
+    assert not os.path.exists(out / 'run.lock') and not os.path.exists(out / 'results.json')
+    p = train(toy, out, *args, '--init_from=resume')  # the evaluation owed, done first
+    assert 'eval on 200' in p.stdout, p.stdout[-3000:]
+    assert json.load(open(out / 'results.json'))['step'] == 40
+
+
+def test_two_torchrun_ranks_in_a_slow_evaluation_that_progresses_come_to_their_stop_check_and_save(toy, tmp_path):
+    # across ranks a stop check inside a batch is their agreement, after every halt_max_steps (4) supervision
+    # steps: here after 4 of a batch's 8, which outlast the bound. One rank alone is signalled; its steps finish
+    out = tmp_path / 'o'
+    proc = torchrun(toy, out, ['--max_steps=40', '--checkpoint_interval=10', '--eval_every_epochs=1000',
+                               '--eval_steps=8'], slow_evaluation_steps(tmp_path, GRACE / 2))
+    lines = Lines(proc)
+    lines.until('step 40/40')
+    time.sleep(2)
+    ranks = subprocess.run(['pgrep', '-P', str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2, ranks
+    os.kill(int(ranks[1]), signal.SIGTERM)  # one rank: as when one host is told first
+    text = lines.rest(120)
+    assert proc.returncode == 0 and 'stopped cleanly' in text and 'not reached' not in text, text[-3000:]
+    assert ckpts(out)[-1] == 'ckpt_00000040.pt' and 'eval on' not in text, text[-3000:]
+    assert torch.load(out / 'ckpt_00000040.pt', weights_only=True)['eval_owed']
+
+
+def test_a_run_that_stops_finishing_work_after_the_request_is_ended_the_grace_after_the_last(tmp_path):
+    # the bound on its own: a run that finished work for 3 x GRACE after the request, then nothing
+    script = f'''import sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from runkeep.signals import STOP, StopBound
+last = [time.time()]
+StopBound(lambda: ('step 13', 'step 12'), dict, lambda: last[0])
+STOP.update(requested=True, signal='SIGTERM', at=time.time())
+for _ in range(6):
+    time.sleep({GRACE / 2})
+    last[0] = time.time()
+print('progressed', round(time.time() - STOP['at']), flush=True)
+time.sleep({4 * GRACE})
+'''
+    t = time.time()
+    p = subprocess.run([sys.executable, '-c', script], env=dict(os.environ, TRM_STOP_GRACE_S=str(GRACE)),
+                       capture_output=True, text=True, timeout=60)
+    took = time.time() - t
+    assert p.returncode == 75 and 'progressed' in p.stdout, (p.returncode, p.stdout, p.stderr)
+    assert 'nothing finished for 3 s' in p.stdout and 'step 13 never came to its stop check' in p.stdout, p.stdout
+    assert 4 * GRACE - 1 < took < 6 * GRACE, took  # 3 x GRACE of progress, then GRACE: not at the request's GRACE
+
+
 def test_every_torchrun_rank_ends_when_one_rank_s_step_does_not(toy, tmp_path):
     # rank 1's step 12 never ends, so rank 0 waits in that step's all-reduce: a VM's shutdown signals every
     # process (torchrun and both ranks); each rank ends itself, before torchrun's own 30 s would kill it
     out = tmp_path / 'o'
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **step_never_ends(tmp_path, rank='1'))
-    env.pop('PJRT_DEVICE', None)
-    proc = subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
-                             'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=200',
-                             '--checkpoint_interval=10', '--log_interval=1', '--global_batch_size=48']
-                            + [a for a in FAST if not a.startswith('--global_batch_size')],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
-                            start_new_session=True)
+    proc = torchrun(toy, out, ['--max_steps=200', '--checkpoint_interval=10', '--log_interval=1'],
+                    step_never_ends(tmp_path, rank='1'))
     lines = Lines(proc)
     lines.until('test hook: step 12 never ends')  # rank 0 then waits for rank 1 in step 12, or soon will
     t = time.time()
@@ -145,6 +219,17 @@ def test_under_torch_xla_s_launcher_the_worker_ends_and_so_does_the_launcher(toy
         time.sleep(0.2)
     assert not [w for w in workers if alive(w)], 'a worker outlived its launcher'
     assert 'Traceback' not in text and not os.path.exists(out / 'run.lock')
+
+
+def torchrun(toy, out, args, env):
+    """train.py in two torchrun ranks on the CPU, in its own session."""
+    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **env)
+    env.pop('PJRT_DEVICE', None)
+    return subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                             'train.py', f'--data_path={toy}', f'--out_dir={out}', '--global_batch_size=48']
+                            + [a for a in FAST if not a.startswith('--global_batch_size')] + args,
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                            start_new_session=True)
 
 
 def descendants(pid):
