@@ -375,26 +375,36 @@ def thread_reserve():
 
 
 def memory_headroom():
-    """(bytes this process may still allocate, what bounds it in words): the smallest of the machine's
-    MemAvailable, the address space RLIMIT_AS leaves (the limit less what this process has mapped and what
-    the run's threads will reserve: thread_reserve) and what its cgroup's memory limit leaves; (None, '')
-    where none is known. TRM_MEMORY_AVAILABLE (bytes) stands in for MemAvailable (tests: a smaller machine)."""
+    """(bytes this process may still allocate, what bounds it in words): the smallest of host_headroom's and
+    address_space_headroom's; (None, '') where none is known."""
+    found = [h for h in (host_headroom(), address_space_headroom()) if h[0] is not None]
+    return min(found) if found else (None, '')
+
+
+def host_headroom():
+    """(bytes, words) the host's processes share: the smaller of the machine's MemAvailable and what its cgroup's
+    memory limit leaves; (None, '') where neither is known. TRM_MEMORY_AVAILABLE (bytes) stands in for
+    MemAvailable (tests: a smaller machine)."""
     found = []
     free = os.environ.get('TRM_MEMORY_AVAILABLE')
     free = int(float(free)) if free else available_memory()
     if free is not None:
         found.append((free, 'available on this machine (MemAvailable)'))
-    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if cap != resource.RLIM_INFINITY:
-        mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
-        reserve = thread_reserve()
-        found.append((max(0, cap - mapped - reserve), f"left by this process's address-space limit (RLIMIT_AS "
-                                                      f"{cap / GB:.1f} GB, {mapped / GB:.1f} GB of it mapped, "
-                                                      f"{reserve / GB:.2f} GB for its threads' malloc arenas and "
-                                                      "stacks)"))
     if (cgroup := cgroup_headroom()) is not None:
         found.append((cgroup[0], f"left by {cgroup[1]}"))
     return min(found) if found else (None, '')
+
+
+def address_space_headroom():
+    """(bytes, words) the address space RLIMIT_AS leaves this process, each process its own: the limit less what
+    it has mapped and what the run's threads will reserve (thread_reserve); (None, '') without a limit."""
+    cap = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if cap == resource.RLIM_INFINITY:
+        return None, ''
+    mapped = (_read_int('/proc/self/status', 'VmSize:') or 0) * 1024
+    reserve = thread_reserve()
+    return (max(0, cap - mapped - reserve), f"left by this process's address-space limit (RLIMIT_AS {cap / GB:.1f} "
+            f"GB, {mapped / GB:.1f} GB of it mapped, {reserve / GB:.2f} GB for its threads' malloc arenas and stacks)")
 
 
 def resident_bytes():

@@ -619,9 +619,9 @@ def fits(e, kind, ids, status):
     d = e.data
     if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
         return True
-    from device import memory_headroom, resident_bytes
-    from runkeep.memory import config_memory, memory_problem
-    c = e.run_cfg
+    from device import resident_bytes
+    from runkeep.memory import config_memory, headrooms, memory_problem
+    c, own = e.run_cfg, (None, '')  # own: a limit each process has to itself (RLIMIT_AS, inherited by each run)
     if kind == 'cuda':
         try:
             out = subprocess.run(['nvidia-smi', '--query-gpu=index,memory.free,compute_cap', '--format=csv,noheader,'
@@ -633,7 +633,7 @@ def fits(e, kind, ids, status):
             return True  # its train.py checks its GPU itself
         where = 'free on its GPU (nvidia-smi)'
     else:
-        give, where = memory_headroom()
+        (give, where), own = headrooms()
         cap = None
         if slots > 1 and give is not None:
             give, where = give // slots, f"{where}, a {slots}th of it for each of --slots={slots}"
@@ -642,7 +642,7 @@ def fits(e, kind, ids, status):
     steps = (cost(e) or {}).get('steps')
     what = f"its train.py ({steps:,} steps at batch {c['global_batch_size']})" if steps else 'its train.py'
     problem = memory_problem(parts, nproc if kind == 'cpu' else 1, what, where, give,
-                             '--check_memory=False (study.py)')
+                             '--check_memory=False (study.py)', own)
     if problem:
         status[e.run] = ('NOT RUN', problem)
         print(f"study: {e.run}: not run (its dataset not built either): {problem}", flush=True)

@@ -9,24 +9,30 @@ from .signals import STOP
 
 
 class Clock:
-    """This process's wall seconds by phase: start-up (to the first step), training (the loop, evaluations
-    apart, checkpoint saves included) and evaluation."""
+    """This process's wall seconds by phase, which never overlap and add up to its time: evaluation, start-up (to
+    the first step) and training (the loop, checkpoint saves included), these two without the evaluations in them
+    (before the loop: a resume's owed evaluation, a finished run's missing results.json)."""
 
     def __init__(self, started):
-        self.started, self.loop_start, self.eval = started, None, 0.0
+        self.started, self.loop_start = started, None
+        self.eval = self.eval_before = 0.0  # evaluation seconds, and those of them before the loop began
 
     def __call__(self):
         now = time.time()
         start = self.loop_start or now
-        return dict(startup=start - self.started, train=now - start - self.eval, eval=self.eval)
+        return dict(startup=start - self.started - self.eval_before, train=now - start - (self.eval - self.eval_before),
+                    eval=self.eval)
 
     @contextlib.contextmanager
     def evaluating(self):
-        t = time.time()
+        t, before = time.time(), self.loop_start is None
         try:
             yield
         finally:
-            self.eval += time.time() - t
+            spent = time.time() - t
+            self.eval += spent
+            if before:
+                self.eval_before += spent
 
 
 def eval_rows(loader):

@@ -6,13 +6,14 @@ anyway), instead of finding out when the machine, out of memory and without swap
                                    the puzzle-embedding table, the ACT carry, a training step's activations, an
                                    evaluation batch, the allocator's slack; need() adds them up at the peak;
                                    config_memory(cfg, data, device_type) the same from train.py's keys
+    headrooms()                    what a CPU process may allocate: the host's limits, shared, and its own
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
 The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
 builds them (docs/reliability.md: how close the estimate came to measured runs).
 """
 import math
 
-from device import GB, memory_headroom, resident_bytes, size  # what this machine gives
+from device import address_space_headroom, host_headroom, size  # what this machine gives
 
 
 # -----------------------------------------------------------------------------
@@ -142,13 +143,26 @@ def describe(parts):
     return ', '.join(f"{names[k]} {size(v)}" for k, v in parts.items() if v)
 
 
-def memory_problem(parts, processes, what, where, give, override):
-    """'' when `processes` processes of this need fit in `give` bytes, else one line: the need and its parts,
-    what the machine gives (`where`), and what to change or `override` to start anyway."""
-    total = processes * need(parts)
-    if give is None or total <= give:
+def headrooms():
+    """What this process may still allocate on a CPU, as two limits ((bytes, words) each, or (None, '')): the
+    host's, which its processes share (device.host_headroom), and this process's own (the address space RLIMIT_AS
+    leaves it: each process has the whole limit), known only where it is the smaller."""
+    host, own = host_headroom(), address_space_headroom()
+    return host, own if own[0] is not None and (host[0] is None or own[0] < host[0]) else (None, '')
+
+
+def memory_problem(parts, processes, what, where, give, override, own=(None, '')):
+    """'' when `processes` processes of this need fit in `give` bytes (what a limit they share leaves them,
+    `where` in words) and one of them in `own` (bytes, words: what a limit of each process's own leaves it,
+    RLIMIT_AS's), else one line: the need and its parts, the limit that refuses it (the tighter one, in its
+    words), and what to change or `override` to start anyway."""
+    each = need(parts)
+    refused = [(g / n, g, w, n) for g, w, n in ((give, where, processes), (*own, 1)) if g is not None and n * each > g]
+    if not refused:
         return ''
-    each = f"{processes} processes x {size(need(parts))}" if processes > 1 else size(total)
-    return (f"{what} needs about {each} of memory ({describe(parts)}), more than the {size(give)} {where}: "
-            f"lower global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, "
-            f"run it on a larger machine, or set {override} to start it anyway")
+    _, give, where, n = min(refused)
+    many = f"{n} processes x {size(each)} of memory" if n > 1 else \
+        f"{size(each)} of memory" + (f" in each of its {processes} processes" if processes > 1 else '')
+    return (f"{what} needs about {many} ({describe(parts)}), more than the {size(give)} {where}: lower "
+            f"global_batch_size (or raise gradient_accumulation_steps), eval_batch_size or eval_views, run it on "
+            f"a larger machine, or set {override} to start it anyway")

@@ -10,12 +10,12 @@ import json
 import os
 
 from data import check_split, load_metadata
-from device import memory_headroom, resident_bytes, size
+from device import resident_bytes, size
 from puzzles import puzzle_for, puzzle_type, views_problem
 
 from . import gcs
 from .locks import release_locks
-from .memory import config_memory, config_shape, describe, latent_bytes, memory_problem, need
+from .memory import config_memory, config_shape, describe, headrooms, latent_bytes, memory_problem, need
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
@@ -118,9 +118,9 @@ def init_from_problems(init_from):
 
 def memory_problems(cfg, dev, meta):
     """A CPU or CUDA run this machine cannot carry, found before anything is allocated: memory.run_memory of its
-    config, dataset and batch against what this process may still allocate (a CPU: the host's ranks share it)
-    or its GPU's free memory; [message]. Rank 0 says the estimate in a line when it is over half of that.
-    check_memory=False, XLA and TorchTPU: not checked."""
+    config, dataset and batch against what this process may still allocate (a CPU: the host's ranks share its
+    MemAvailable and cgroup, each has RLIMIT_AS to itself) or its GPU's free memory; [message]. Rank 0 says
+    the estimate in a line when it is over half of that. check_memory=False, XLA and TorchTPU: not checked."""
     if not cfg['check_memory'] or dev.type not in ('cpu', 'cuda'):
         return []
     import torch
@@ -132,17 +132,20 @@ def memory_problems(cfg, dev, meta):
         return []  # train.py refuses those views in their own words, before any allocation
     processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.type == 'cpu' else 1  # sharing its memory
     parts = config_memory(cfg, meta, dev.type, dev.world_size)
+    own = (None, '')  # a limit of this process's own (RLIMIT_AS), which holds one process's need
     if dev.type == 'cuda':
         give, total = torch.cuda.mem_get_info(dev.device)
         where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
     else:
-        give, where = memory_headroom()
-    if dev.master and give is not None and give / 2 < processes * need(parts) <= give:  # a close fit, said
-        print(f"memory: about {size(need(parts))} more than the {size(resident_bytes())} this process holds "
-              f"({describe(parts)})" + (f", {processes} processes" if processes > 1 else '')
-              + f"; {size(give)} {where}")
+        (give, where), own = headrooms()
     problem = memory_problem(parts, processes, 'this run' if train else 'this evaluation', where, give,
-                             '--check_memory=False')
+                             '--check_memory=False', own)
+    close = [(g, w, n) for g, w, n in ((give, where, processes), (*own, 1)) if g is not None
+             and g / 2 < n * need(parts)]
+    if dev.master and close and not problem:  # a close fit, said
+        g, w, n = close[0]
+        print(f"memory: about {size(need(parts))} more than the {size(resident_bytes())} this process holds "
+              f"({describe(parts)})" + (f", {n} processes" if n > 1 else '') + f"; {size(g)} {w}")
     return [problem] if problem else []
 
 

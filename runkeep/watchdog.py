@@ -14,7 +14,7 @@ import time
 from configurator import Tee  # the script's output (and rank 0's train.log)
 
 
-from .locks import release_locks
+from .locks import boot_id, release_locks, started
 from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT
 
 
@@ -28,15 +28,17 @@ class Watchdog:
     that batch is the evaluation's yardstick: for the rest of it, a unit of work up to SLOW_FACTOR x the
     slowest of that batch's is no hang, whatever `minutes` says (a batch of many views may take a step longer
     than the limit). minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as
-    the last one remembered (the same command, waiting at the same point) exits with HUNG_AGAIN_EXIT instead,
-    so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever. waiting() says what the run
-    waits for and what it finished last (signals.StopBound names them when a stop cannot be acted on)."""
+    the last one remembered (the same command, waiting at the same point) in an earlier launch exits with
+    HUNG_AGAIN_EXIT instead, so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever; a
+    sibling rank's firing in this launch (launch_id) gives its verdict. waiting() says what the run waits for
+    and what it finished last (signals.StopBound names them when a stop cannot be acted on)."""
     SLOW_FACTOR = 3
 
     def __init__(self, minutes, record=None, warmup=2, folder=None):
         self.limit, self.record, self.warmup, self.folder = 60.0 * minutes, record, warmup, folder
         self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', None, False
         self.paused, self.slowest = False, 0.0  # in an evaluation's first batch; its slowest unit (s)
+        self.launch = launch_id()  # now: a launcher gone by the firing has no start to read
         self.done = threading.Event()
         if self.limit > 0:
             threading.Thread(target=self.watch, daemon=True, name='watchdog').start()
@@ -120,20 +122,38 @@ class Watchdog:
         os._exit(code)  # the main thread is stuck: only a hard exit ends the process
 
     def remember(self, work):
-        """Whether the firing remembered in the folder was on `work` too; then `work` is remembered, with the
-        exit code (for a torch_xla launcher: ended_abruptly)."""
+        """Whether this firing repeats the one remembered in the folder: one on `work` too in an earlier launch,
+        or one of this launch that did (a sibling rank hung with this one: the launch's verdict, so every rank,
+        and a torch_xla launcher reading the file, say the same); then `work` is remembered, with the launch and
+        the exit code (for a torch_xla launcher: ended_abruptly)."""
         if not self.folder:
             return False
         path = os.path.join(self.folder, 'watchdog.json')
         try:
             with open(path) as f:
-                again = {k: v for k, v in json.load(f).items() if k in work} == work
+                last = json.load(f)
+            if last.get('launch') == self.launch:
+                again = last.get('exit_code') == HUNG_AGAIN_EXIT
+            else:
+                again = {k: v for k, v in last.items() if k in work} == work
         except (OSError, ValueError, AttributeError):
             again = False
         try:
             with open(f'{path}.{os.getpid()}.tmp', 'w') as f:
-                json.dump(dict(work, exit_code=HUNG_AGAIN_EXIT if again else HUNG_EXIT), f)
+                json.dump(dict(work, launch=self.launch, exit_code=HUNG_AGAIN_EXIT if again else HUNG_EXIT), f)
             os.replace(f'{path}.{os.getpid()}.tmp', path)
         except OSError as e:
             print(f"watchdog: could not remember this firing in {path} ({e.strerror or e})", file=sys.stderr)
         return again
+
+
+def launch_id():
+    """This launch of the run, the same in each of its ranks on this host: the process that started them
+    (torch_xla's launcher, TRM_LAUNCHER_PID; torchrun's agent, with its workers' restart count) or a lone
+    process itself, by host, boot, pid and start (a pid outlives its process, a pid and its start do not)."""
+    if os.environ.get('TRM_LAUNCHER_PID'):
+        pid = int(os.environ['TRM_LAUNCHER_PID'])
+    else:
+        pid = os.getppid() if 'LOCAL_RANK' in os.environ else os.getpid()  # under torchrun: its agent
+    return dict(host=socket.gethostname(), boot=boot_id(), pid=pid, started=started(pid),
+                restart=os.environ.get('TORCHELASTIC_RESTART_COUNT'))

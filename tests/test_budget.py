@@ -10,6 +10,9 @@ import json
 import os
 import re
 import signal
+import time
+
+import torch
 
 from conftest import TOY_ARGS, Lines, ckpts, popen_train, run, train
 from test_dist import torchrun
@@ -76,3 +79,20 @@ def test_the_ranks_stop_at_the_same_step_when_one_of_them_is_out_of_time(toy, tm
     assert len(said) == 1, out[-3000:]  # rank 0 says it, for both
     step = int(said[0][1])
     assert json.load(open(tmp_path / 'o' / 'results.json'))['step'] == step < int(said[0][2])
+
+
+def test_an_evaluation_before_the_loop_is_counted_once_and_no_phase_is_negative(toy, tmp_path):
+    # a finished run whose results.json is gone evaluates again at start-up, in a process that trains nothing
+    out = tmp_path / 'o'
+    train(toy, out)
+    os.remove(out / 'results.json')
+    before = torch.load(out / ckpts(out)[-1], weights_only=False)['timing']  # the run's phases up to its last save
+    t = time.time()
+    p = train(toy, out, '--init_from=resume', '--eval_steps=64')
+    took = time.time() - t
+    assert 'results.json of step' in p.stdout and 'evaluating' in p.stdout, p.stdout[-3000:]
+    wall = json.load(open(out / 'results.json'))['wall_s']
+    assert wall['train'] == before['train'], (before, wall)  # this process trained nothing
+    more = {k: wall[k] - before[k] for k in ('startup', 'eval')}  # this process's phases, which never overlap
+    assert 0 < more['startup'] and 0 < more['eval'] and more['startup'] + more['eval'] <= took, (more, took)
+    assert min(wall.values()) >= 0 and abs(wall['total'] - wall['startup'] - wall['train'] - wall['eval']) < 1e-6

@@ -39,22 +39,26 @@ def evaluate(trained, sudoku4, tmp_path, *extra, env=None, limit=None):
 
 
 def test_views_beyond_memory_are_refused_in_one_line_before_anything_runs(trained, sudoku4, tmp_path):
-    # the machine's memory: a run that would evaluate in 100,000 views, refused before its first step
+    # the machine's memory (8 GB, whatever this machine has): a run that would evaluate in 100,000 views (about
+    # 24 GB), refused before its first step
+    small = dict(TRM_MEMORY_AVAILABLE='8e9')
     p = run(['train.py', f'--data_path={sudoku4}', f'--out_dir={tmp_path / "new"}', '--max_steps=2',
-             '--eval_views=100000'] + SUDOKU, check=False, timeout=300)
+             '--eval_views=100000'] + SUDOKU, check=False, timeout=300, env=small)
     assert_user_error(p, 'eval_views=100000', 'at most', 'memory', 'GB', one_line=True)
     assert all(l.startswith('config: ') for l in p.stdout.splitlines()), p.stdout  # the flags echoed, nothing more
     assert not os.path.exists(tmp_path / 'new' / 'ckpt_00000002.pt')
     # and solve.py's views, refused before it solves anything
     p = run(['solve.py', f'--init_from={trained}/ckpt_00000004.pt', '--index=0', '--eval_views=10000000',
-             '--device=cpu'], check=False, timeout=300)
+             '--device=cpu'], check=False, timeout=300, env=small)
     assert_user_error(p, 'views=10000000', 'at most')
     last = (p.stdout + p.stderr).strip().splitlines()[-1]  # after the line describing the checkpoint
     assert 'memory' in last and 'views=10000000' in last, p.stdout + p.stderr
     assert 'device cpu' not in p.stdout and 'puzzle 1' not in p.stdout
-    # the address space (RLIMIT_AS): 40,000 views of 50 puzzles, about 9.5 GB by the estimate, within this
-    # machine's memory but not within 6 GB of address space (torch and its libraries map 4-5 GB of it at start-up)
-    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=40000', limit=6_000_000_000)
+    # the address space (RLIMIT_AS): 40,000 views of 50 puzzles, about 9.5 GB by the estimate, within the
+    # machine's memory (as large as need be) but not within 6 GB of address space (torch and its libraries map 4-5
+    # GB of it at start-up)
+    p = evaluate(trained, sudoku4, tmp_path, '--eval_views=40000', limit=6_000_000_000,
+                 env=dict(TRM_MEMORY_AVAILABLE='1e13'))
     assert_user_error(p, 'config error: eval_views=40000', 'RLIMIT_AS 6.0 GB', 'views at this batch size')
     assert not os.path.exists(tmp_path / 'o' / 'evals')
     # a container's cgroup (v2) of 1 GB, 0.3 GB of it in use
@@ -113,14 +117,15 @@ def test_a_run_beyond_its_address_space_limit_is_refused_before_it_allocates(toy
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
 
 
-def toy_need(toy, batch):
-    """The estimate the start-up check makes of the toy run (FAST) at `batch`: memory.need of config_memory."""
+def toy_need(toy, batch, processes=1):
+    """The estimate the start-up check makes of the toy run (FAST) at `batch`: memory.need of config_memory (one
+    of `processes` ranks')."""
     from configurator import parse_flags, read_config_block
     from data import load_metadata
     from runkeep.memory import config_memory, need
     defaults = {k: v for k, (v, _) in read_config_block(os.path.join(ROOT, 'train.py')).items()}
     cfg = dict(defaults, **dict(parse_flags(' '.join(FAST), defaults, 'FAST'), global_batch_size=batch))
-    return need(config_memory(cfg, load_metadata(toy, 'train'), 'cpu'))
+    return need(config_memory(cfg, load_metadata(toy, 'train'), 'cpu', processes))
 
 
 def test_a_run_the_check_passes_under_an_address_space_limit_runs_and_one_beyond_it_fails_in_one_line(toy,
@@ -146,6 +151,31 @@ def test_a_run_the_check_passes_under_an_address_space_limit_runs_and_one_beyond
     p = run(LIMITED + [str(limit)] + cmd('x', 4 * batch) + ['--check_memory=False'], env=env, check=False)
     assert_user_error(p, 'out of memory in the first step', 'lower global_batch_size', '--init_from=resume')
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+
+
+def test_ranks_under_an_address_space_limit_are_each_checked_against_their_own(toy, tmp_path):
+    # RLIMIT_AS bounds each process's address space: two ranks that each fit it run (MemAvailable, the cgroup
+    # set aside; they alone are shared by a host's ranks)
+    env = dict(TRM_MEMORY_AVAILABLE='1e13', TRM_CGROUP_ROOT=str(tmp_path / 'no-cgroup'))
+    torchrun = lambda limit, out, batch: run(
+        LIMITED + [str(limit), '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+                   f'--data_path={toy}', f'--out_dir={tmp_path / out}'] + FAST
+        + ['--max_steps=2', '--epochs=100', f'--global_batch_size={batch}'], env=env, check=False, timeout=300)
+    probe = 8_000_000_000  # what a rank's check leaves under a limit: refused far beyond it, it names it
+    m = re.search(r"more than the ([\d.]+) (GB|MB) left by this process's address-space limit",
+                  torchrun(probe, 'probe', 100_000).stderr)
+    assert m
+    held = probe - float(m[1]) * (1e9 if m[2] == 'GB' else 1e6)
+    # a limit that leaves each rank 0.6 GB, and ranks it estimates at 0.5-0.7 of that each: they run
+    limit, batch = int(held + 0.6e9), 50
+    while toy_need(toy, batch + 50, processes=2) <= 0.7 * 0.6e9:
+        batch += 50
+    p = torchrun(limit, 'o', batch)
+    assert p.returncode == 0 and os.path.exists(tmp_path / 'o' / 'results.json'), (batch, p.stderr[-3000:])
+    # twice that batch: each rank beyond it, refused in its limit's words
+    p = torchrun(limit, 'x', 2 * batch)
+    assert 'this run needs about' in p.stderr and 'of memory in each of its 2 processes' in p.stderr, p.stderr[-3000:]
+    assert "left by this process's address-space limit (RLIMIT_AS" in p.stderr and not os.path.exists(tmp_path / 'x')
 
 
 SCRIPTS = [['train.py', '--data_path=data/none', '--out_dir=out/none'], ['bench.py'], ['study.py'],

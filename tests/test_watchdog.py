@@ -4,8 +4,10 @@ same command resumes; a slow evaluation that progresses is not ended.
 """
 import json
 import os
+import re
 
 from conftest import TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
+from test_dist import torchrun
 
 
 def hang_at(tmp_path, what):
@@ -46,6 +48,17 @@ def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, 
     p = run(args, timeout=300)
     assert f'resuming from {out}/ckpt_00000020.pt (step 20)' in p.stdout
     assert json.load(open(f'{out}/results.json'))['step'] == 40
+
+
+def test_ranks_that_hang_together_exit_75_and_the_rerun_that_hangs_there_again_70(toy, tmp_path):
+    # every rank writes the folder's watchdog.json: a sibling's record of this same launch is no earlier hang
+    args = [f'--data_path={toy}', f'--out_dir={tmp_path}/o', *TOY_ARGS, '--max_steps=40', '--checkpoint_interval=10',
+            '--log_interval=2', '--init_from=resume', '--watchdog_minutes=0.05']
+    hung = hang_at(tmp_path, 'step 25')  # both ranks, in every launch (the rerun resumes at step 20)
+    first, second = (torchrun(2, args, env=hung) for _ in range(2))
+    codes = lambda p: sorted(re.findall(r'exiting with code (\d+):', p.stderr))
+    assert codes(first) == ['75', '75'], first.stderr[-3000:]
+    assert codes(second) == ['70', '70'], second.stderr[-3000:]  # the same work hung again: a loop on 75 ends
 
 
 def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(toy, tmp_path):
