@@ -88,7 +88,9 @@ def _grid(g, canvas, where):
         raise ValueError(f"{where}: not a grid (a non-empty list of rows)")
     w = len(g[0])
     for r, row in enumerate(g):
-        if len(row) != w or not row:
+        if not row:
+            raise ValueError(f"{where}: row {r + 1} is empty (a grid holds at least one cell a row)")
+        if len(row) != w:
             raise ValueError(f"{where}: row {r + 1} has {len(row)} cells, row 1 {w}: not a rectangle")
         bad = [v for v in row if type(v) is not int or not 0 <= v <= 9]
         if bad:

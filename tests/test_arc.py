@@ -199,11 +199,11 @@ def write_task(folder, subset, task, solutions=True):
 
 
 def test_bad_input_gets_one_line(tmp_path, capsys):
-    def refused(*words, folder=tmp_path):
+    def refused(*words, folder=tmp_path, absent=None):
         assert prepare_arc.main(['--json_dir', str(folder), '--concept_dir', str(folder), '--num_aug', '2',
                                  '--output_dir', str(tmp_path / 'out')]) == 1
         err = capsys.readouterr().err.strip()
-        assert err.count('\n') == 0 and all(w in err for w in words), err
+        assert err.count('\n') == 0 and all(w in err for w in words) and not (absent and absent in err), err
     refused('arc-agi_training_challenges.json: no such file')
     good = dict(train=[dict(input=[[1, 2]], output=[[2, 1]])], test=[dict(input=[[3]])])
     for subset in ('training', 'evaluation', 'concept'):
@@ -217,6 +217,8 @@ def test_bad_input_gets_one_line(tmp_path, capsys):
     refused('train pair 1 input: a 1x31 grid, over the 30x30 canvas')
     write_task(tmp_path, 'evaluation', dict(good, train=[dict(input=[[1, 2], [3]], output=[[1]])]))
     refused('not a rectangle')
+    write_task(tmp_path, 'evaluation', dict(good, train=[dict(input=[[]], output=[[1]])]))
+    refused('train pair 1 input: row 1 is empty', absent='not a rectangle')
     write_task(tmp_path, 'evaluation', good)
     with open(tmp_path / 'arc-agi_evaluation_solutions.json', 'w') as f:
         json.dump({}, f)
