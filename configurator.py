@@ -193,16 +193,22 @@ def config_files(path):
                  and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
 
 
-def assigned_lines(path):
-    """{name: the line of the config file at `path` that assigns it last}, for messages; a name set where the
-    parser cannot see it (through globals(), say) has none."""
+def places(path, keys):
+    """{key: (the config file at `path` as messages name it, the line that assigns the key last, or None)} for
+    the keys it sets (a name set where the parser cannot see it, through globals() say, has no line)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     lines = {}
     for n in ast.walk(tree):
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             lines[n.id] = max(n.lineno, lines.get(n.id, 0))
-    return lines
+    return {k: (shown_path(path), lines.get(k)) for k in keys}
+
+
+def place_words(at):
+    """A place of places() (or a flag's: ('--key=value', None)) as a message says it: 'FILE, line N'."""
+    where, line = at
+    return where + (f", line {line}" if line else '')
 
 
 def parse_value(text, default):
@@ -306,12 +312,11 @@ def _configure(g, argv):
         if not arg.startswith('--'):
             # a config file: plain Python that assigns globals (after its _base file's)
             for path, keys in config_files(arg):
-                lines = assigned_lines(path)
+                at = places(path, keys)
                 for key, value in keys.items():
-                    where = shown_path(path) + (f", line {lines[key]}" if key in lines else '')
-                    check_key(key, where)
-                    g[key] = check_type(key, value, where)
-                    set_by[key], set_at[key] = shown_path(path), (shown_path(path), lines.get(key))
+                    check_key(key, place_words(at[key]))
+                    g[key] = check_type(key, value, place_words(at[key]))
+                    set_by[key], set_at[key] = at[key][0], at[key]
                 print(f"config: {shown_path(path)}")
         else:
             if '=' not in arg:
@@ -368,8 +373,8 @@ def set_where(set_at, keys):
     def place(path, lines):  # 'FILE', 'FILE, line N' or 'FILE, lines N, M'
         return path + (f", line{'s' if len(lines) > 1 else ''} {', '.join(map(str, sorted(lines)))}" if lines else '')
     flags = ' '.join(w for w in found if w.startswith('--'))  # as typed on the command line
-    places = [place(w, at) for w, at in found.items() if not w.startswith('--')] + ([flags] if flags else [])
-    return f", from {' and '.join(places)}" if places else ''
+    said = [place(w, at) for w, at in found.items() if not w.startswith('--')] + ([flags] if flags else [])
+    return f", from {' and '.join(said)}" if said else ''
 
 
 def config_problems(cfg, set_at=None):

@@ -708,6 +708,12 @@ class Device:
         return peak_tflops_of(name)
 
 
+def stops_every_step(dev):
+    """Whether a stop check may come after every step (a supervision step, a training step): on a single process
+    off XLA (and TorchTPU) it reads the process's own flag, with no rank to agree with and no graph to cut."""
+    return dev.world_size == 1 and dev.type not in ('xla', 'tpu')
+
+
 def cpu_name():
     model, ext = cpu_features()
     return f"{model} [{' '.join(ext) or 'no AVX2'}], {torch.get_num_threads()} threads"

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from data import IGNORE_LABEL_ID
+from device import stops_every_step
 from puzzles import Grid, vote
 
 
@@ -87,12 +88,6 @@ def batch_sums(preds, q_halt, row_loss, first, labels, valid, h):
         loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
             q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
     )
-
-
-def stops_every_step(dev):
-    """Whether a stop check may come after every step (a supervision step, a training step): on a single process
-    off XLA (and TorchTPU) it reads the process's own flag, with no rank to agree with and no graph to cut."""
-    return dev.world_size == 1 and dev.type not in ('xla', 'tpu')
 
 
 @torch.no_grad()

@@ -106,10 +106,16 @@ def _content(qa, n):
     return err, inputs, labels
 
 
+def _side(chars):
+    """The side of the Sudoku grid a field of `chars` characters holds (9 for 81), or None when it holds none."""
+    k = math.isqrt(chars)
+    return k if k in BOXES and k * k == chars else None
+
+
 def _grid(chars):
     """' (9x9)' for a field of 81 characters: the grid it would be, when it is one."""
-    k = math.isqrt(chars)
-    return f" ({k}x{k})" if k in BOXES and k * k == chars else ''
+    k = _side(chars)
+    return f" ({k}x{k})" if k else ''
 
 
 def _structure(fields, n, n_from):
@@ -174,8 +180,8 @@ def _last_newline(buf, m):
 
 def _no_size(fields):
     """Why a malformed row tells no grid size, in words."""
-    k = math.isqrt(len(fields[1])) if len(fields) == 4 else 0
-    if len(fields) == 4 and not (k in BOXES and k * k == len(fields[1])):
+    k = _side(len(fields[1])) if len(fields) == 4 else 0
+    if k is None:
         return (f"question has {len(fields[1])} characters, expected one of "
                 f"{', '.join(str(b * b) for b in sorted(BOXES))}")
     return _structure(fields, k, "its question's size")
@@ -187,8 +193,8 @@ def _first_size(f, path, skip_bad):
     first, rows = None, 0
     for rows, raw in enumerate(f, 1):
         fields = _text(raw).split(',')
-        k = math.isqrt(len(fields[1])) if len(fields) == 4 else 0
-        if k in BOXES and not _structure(fields, k, ''):
+        k = _side(len(fields[1])) if len(fields) == 4 else None
+        if k and not _structure(fields, k, ''):
             return k, f"the size of {path}:{rows + 1}"
         first = first or (rows + 1, _no_size(fields))
     if first is None:

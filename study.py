@@ -52,8 +52,9 @@ from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
 from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
-                        duration, family_of, flop_rate, has_results, load_experiments, model_cost, order_runs,
-                        own_steps, partition, read_results, run_flops, saved_evals, schedule, share_cost, state)
+                        duration, family_pattern, flop_rate, has_results, load_experiments, model_cost, order_runs,
+                        own_steps, partition, point_of, read_results, run_flops, saved_evals, schedule, share_cost,
+                        state)
 from studies.report import make_report
 
 # -----------------------------------------------------------------------------
@@ -271,8 +272,7 @@ def my_runs(runs):
 def print_families(names):
     fams = {}
     for n in names:  # a name without '_' is a family of its own, selected by its name
-        f = family_of(n)
-        fams.setdefault(f + '_*' * ('_' in n), []).append(n[len(f) + 1:] or n)
+        fams.setdefault(family_pattern(n), []).append(point_of(n))
     print(f"{len(names)} experiments in {config_dir}, by family (select with --pattern='<family>_*'):")
     for f, pts in fams.items():
         print(f"  {f:<14} {' '.join(pts)}")

@@ -24,8 +24,8 @@ import torch
 
 from configurator import Tee
 from data import load_metadata
-from device import launch_tpu, resolve_device, under_torchrun
-from evaluate import format_eval, stops_every_step
+from device import launch_tpu, resolve_device, stops_every_step, under_torchrun
+from evaluate import format_eval
 from puzzles import render_example
 from step import format_train
 
@@ -216,9 +216,9 @@ class Run:
                     self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
                 write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                  protect=self.verified)
-                uri = f"{self.gs_out.rstrip('/')}/{checkpoint_name(step)}"
-                if self.gs_out and uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the
-                    self.corrupt.remove(uri)             # bucket's prune must not take the new one for it
+                uri = self.gs_out and f"{self.gs_out.rstrip('/')}/{checkpoint_name(step)}"
+                if uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the bucket's prune must
+                    self.corrupt.remove(uri)  # not take the new one for it
                 self.records.uploaded(path)
             except Exception as e:
                 problems = [f"saving {path} failed: {e}"]

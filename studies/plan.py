@@ -12,7 +12,7 @@ import shlex
 from dataclasses import dataclass
 
 from runkeep import gcs
-from configurator import (assigned_lines, config_files, config_problems, key_problem, read_config_block, shown_path,
+from configurator import (config_files, config_problems, key_problem, place_words, places, read_config_block,
                           type_problem)
 from puzzles import shape_from_name
 from runkeep.checkpoint import list_checkpoints
@@ -112,14 +112,14 @@ def effective(path):
     and line: said before a dry run costs it (a zero batch divides by zero) and before anything runs."""
     cfg, set_at, bad = dict(TRAIN_DEFAULTS), {}, []
     for p, keys in config_files(path):
-        lines, shown = assigned_lines(p), shown_path(p)
+        at = places(p, keys)
         for k, v in keys.items():
-            where = f"{shown}, line {lines[k]}" if k in lines else shown
+            where = place_words(at[k])
             if problem := key_problem(k, where, TRAIN_DEFAULTS, TRAIN_RENAMED) or \
                     type_problem(k, v, TRAIN_DEFAULTS[k], where):
                 bad.append(problem)  # the value before it stays, for the rules below
             else:
-                cfg[k], set_at[k] = v, (shown, lines.get(k))
+                cfg[k], set_at[k] = v, at[k]
     bad += config_problems(cfg, set_at)
     if bad:
         raise SystemExit('\n'.join(f"config error: {b}" for b in bad))
@@ -326,12 +326,22 @@ class Experiment:
         return text + (f" ({self.twin_note})" if self.twin_note else '')
 
     def point(self):
-        return self.name[len(self.family) + 1:] or self.name
+        return point_of(self.name)
 
 
 def family_of(name):
     """An experiment's family: its name up to the last '_'; a name without one (a recipe of its own) is one."""
     return name.rsplit('_', 1)[0] if '_' in name else name
+
+
+def point_of(name):
+    """An experiment's point in its family: its name after the last '_' (a name without one: the name)."""
+    return name[len(family_of(name)) + 1:] or name
+
+
+def family_pattern(name):
+    """The --pattern that selects an experiment's family: 'rec_*' for rec_L4; a name without '_', the name."""
+    return family_of(name) + '_*' if '_' in name else name
 
 
 def load_experiments(patterns, opts):
@@ -348,7 +358,7 @@ def load_experiments(patterns, opts):
     # in the patterns' order
     chosen = list(dict.fromkeys(n for p in patterns for n in names if fnmatch.fnmatchcase(n, p)))
     if not chosen:
-        fams = sorted({family_of(n) + '_*' * ('_' in n) for n in names}, key=natural_key)
+        fams = sorted({family_pattern(n) for n in names}, key=natural_key)
         raise SystemExit(f"no experiment matches {','.join(patterns)!r}; families: {', '.join(fams)}")
     exps, bad = [], []
     for n in chosen:  # every bad value of every file said at once, each line once (a shared _base's too)
