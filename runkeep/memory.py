@@ -128,11 +128,10 @@ def latent_bytes(shape):
 
 
 def need(parts):
-    """The peak of a run's parts: what stays (weights, EMA, table, optimizer, carry, slack) and the larger of a
-    training step (gradients and activations) and an evaluation batch."""
-    step = parts.get('gradients', 0) + parts.get('activations', 0)
-    stays = sum(v for k, v in parts.items() if k not in ('gradients', 'activations', 'evaluation'))
-    return stays + max(step, parts['evaluation'])
+    """The peak of a run's parts: all of them together, an evaluation batch beside a training step's. The
+    evaluation after a step does not get the step's freed memory back: the allocator keeps its heap mapped (a
+    trim gives back pages, not address space) and maps the evaluation's large tensors anew."""
+    return sum(parts.values())
 
 
 def describe(parts):

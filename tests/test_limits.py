@@ -117,15 +117,25 @@ def test_a_run_beyond_its_address_space_limit_is_refused_before_it_allocates(toy
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
 
 
-def toy_need(toy, batch, processes=1):
-    """The estimate the start-up check makes of the toy run (FAST) at `batch`: memory.need of config_memory (one
-    of `processes` ranks')."""
+def toy_need(toy, batch, processes=1, **keys):
+    """The estimate the start-up check makes of the toy run (FAST, `keys` overridden) at `batch`: memory.need of
+    config_memory (one of `processes` ranks')."""
     from configurator import parse_flags, read_config_block
     from data import load_metadata
     from runkeep.memory import config_memory, need
     defaults = {k: v for k, (v, _) in read_config_block(os.path.join(ROOT, 'train.py')).items()}
-    cfg = dict(defaults, **dict(parse_flags(' '.join(FAST), defaults, 'FAST'), global_batch_size=batch))
+    cfg = dict(defaults, **dict(parse_flags(' '.join(FAST), defaults, 'FAST'), global_batch_size=batch, **keys))
     return need(config_memory(cfg, load_metadata(toy, 'train'), 'cpu', processes))
+
+
+def held_back(probe_cmd, env):
+    """What the start-up check holds back under an address-space limit (the process itself, torch): it refuses
+    the far larger run `probe_cmd` under an 8 GB limit, naming what the limit leaves it."""
+    probe = 8_000_000_000
+    p = run(LIMITED + [str(probe)] + probe_cmd, env=env, check=False)
+    m = re.search(r"more than the ([\d.]+) (GB|MB) left by this process's address-space limit", p.stderr)
+    assert m, p.stderr[-3000:]
+    return probe - float(m[1]) * (1e9 if m[2] == 'GB' else 1e6)
 
 
 def test_a_run_the_check_passes_under_an_address_space_limit_runs_and_one_beyond_it_fails_in_one_line(toy,
@@ -134,12 +144,7 @@ def test_a_run_the_check_passes_under_an_address_space_limit_runs_and_one_beyond
     env = dict(TRM_MEMORY_AVAILABLE='1e13', TRM_CGROUP_ROOT=str(tmp_path / 'no-cgroup'))
     cmd = lambda out, batch: ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path / out}'] + FAST + [
         '--max_steps=2', '--epochs=100', f'--global_batch_size={batch}']
-    # what the check leaves under a limit (it refuses a far larger run, naming it): `held` is what it holds back
-    probe = 8_000_000_000
-    p = run(LIMITED + [str(probe)] + cmd('probe', 100_000), env=env, check=False)
-    m = re.search(r"more than the ([\d.]+) (GB|MB) left by this process's address-space limit", p.stderr)
-    assert m, p.stderr[-3000:]
-    held = probe - float(m[1]) * (1e9 if m[2] == 'GB' else 1e6)
+    held = held_back(cmd('probe', 100_000), env)
     # a limit that leaves the check 0.5 GB, and a run it estimates at 90% of that: it must run to its end
     limit, batch = int(held + 0.5e9), 50
     while toy_need(toy, batch + 50) <= 0.9 * 0.5e9:
@@ -151,6 +156,21 @@ def test_a_run_the_check_passes_under_an_address_space_limit_runs_and_one_beyond
     p = run(LIMITED + [str(limit)] + cmd('x', 4 * batch) + ['--check_memory=False'], env=env, check=False)
     assert_user_error(p, 'out of memory in the first step', 'lower global_batch_size', '--init_from=resume')
     assert len([l for l in p.stderr.splitlines() if l.strip()]) == 1, p.stderr
+
+
+def test_a_run_the_check_passes_with_a_large_evaluation_batch_completes_its_first_evaluation(toy, tmp_path):
+    # the first evaluation comes after training, whose freed memory the allocator keeps mapped (glibc's heap):
+    # under RLIMIT_AS an evaluation batch (here 8 training batches) must fit beside the step's, not in its place.
+    # The grid is fine (steps of 10, up to 95% of what the check leaves): a coarser one lands below the gap.
+    env = dict(TRM_MEMORY_AVAILABLE='1e13', TRM_CGROUP_ROOT=str(tmp_path / 'no-cgroup'))
+    cmd = lambda out, batch: ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path / out}'] + FAST + [
+        '--max_steps=2', '--epochs=100', f'--global_batch_size={batch}', f'--eval_batch_size={8 * batch}']
+    limit, batch = int(held_back(cmd('probe', 100_000), env) + 0.8e9), 50
+    while toy_need(toy, batch + 10, eval_batch_size=8 * (batch + 10)) <= 0.95 * 0.8e9:
+        batch += 10
+    p = run(LIMITED + [str(limit)] + cmd('o', batch), env=env, check=False)
+    assert p.returncode == 0 and 'out of memory' not in p.stderr, (batch, p.stderr[-3000:])
+    assert os.path.exists(tmp_path / 'o' / 'results.json')
 
 
 def test_ranks_under_an_address_space_limit_are_each_checked_against_their_own(toy, tmp_path):
