@@ -14,6 +14,7 @@ import os
 import resource
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -620,6 +621,34 @@ class Device:
         import torch_xla.debug.metrics as met
         data = met.metric_data('ExecuteTime')
         return data[1] / 1e9 if data else 0.0
+
+    def execution_mark(self):
+        """XLA: (now, graphs executed so far), where busy_fraction() starts counting; None elsewhere."""
+        if self.type != 'xla':
+            return None
+        import torch_xla.debug.metrics as met
+        data = met.metric_data('ExecuteTime')
+        return time.time(), (data[0] if data else 0)
+
+    def busy_fraction(self, mark):
+        """XLA: the share of the time since `mark` (execution_mark's) in which the device was executing; None
+        elsewhere. Each ExecuteTime sample (its end as wall time, its nanoseconds) runs from a graph's dispatch to
+        its end, so a graph queued behind others counts their time too: where the host runs ahead, the samples'
+        sum is several times the wall time, their union is not. The metric keeps only its newest samples: where
+        it dropped some since `mark`, the share is over the time the kept ones cover."""
+        if self.type != 'xla':
+            return None
+        import torch_xla.debug.metrics as met
+        since, count = mark
+        now, data = time.time(), met.metric_data('ExecuteTime')
+        spans = sorted((max(end - ns / 1e9, since), end) for end, ns in (data[2] if data else []) if end > since)
+        if len(spans) < (data[0] if data else 0) - count:
+            since = spans[0][0] if spans else now
+        busy, reach = 0.0, since
+        for start, end in spans:
+            busy += max(0.0, end - max(start, reach))
+            reach = max(reach, end)
+        return busy / max(now - since, 1e-9)
 
     def peak_memory(self):
         """(bytes, what was measured)."""

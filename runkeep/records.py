@@ -394,14 +394,15 @@ def log_line(m, step, n_steps, seconds, epoch, lr, batch, q_continue):
                 ms_per_step=1e3 * seconds / n_steps)
 
 
-def device_figures(dev, n_steps, host_s, exec_s, flops_per_s, xla_then):
-    """The device's side of a log line over its n_steps: on XLA the host's and the device's milliseconds per
-    step (which one bounds a step: the host's tracing or the device's execution), MFU where the chip's peak is
+def device_figures(dev, n_steps, host_s, mark, seconds, flops_per_s, xla_then):
+    """The device's side of a log line over its n_steps in `seconds`: on XLA the host's and the device's
+    milliseconds per step (which one bounds a step: the host's tracing or the device's execution, the time it
+    was busy since `mark`, execution_mark's), MFU where the chip's peak is
     known (the model's FLOPs per second over the chips' peak), memory in use (TPU: HBM; CUDA: allocated; else
     the RSS), and XLA's compilations since xla_then."""
     out, peak = {}, dev.peak_tflops()  # one chip's dense bf16 TFLOP/s (None on a CPU)
     if dev.type == 'xla':
-        out.update(host_ms=1e3 * host_s / n_steps, device_ms=1e3 * (dev.execute_seconds() - exec_s) / n_steps)
+        out.update(host_ms=1e3 * host_s / n_steps, device_ms=1e3 * dev.busy_fraction(mark) * seconds / n_steps)
     if peak:
         out['mfu'] = flops_per_s / (peak * 1e12 * dev.world_size)
     mem, out['memory'] = dev.memory_in_use()
@@ -514,7 +515,7 @@ def drop_results(local, gs_out, submission=False):
 
 class LogWindow:
     """The steps since the last training log line: when it began, the host's seconds in them (XLA: tracing and
-    dispatch), the device's execution seconds and XLA's counters at its start (an evaluation's or a save's
+    dispatch), the device's execution mark and XLA's counters at its start (an evaluation's or a save's
     graphs are skipped: not the training's)."""
 
     def __init__(self):
@@ -526,7 +527,7 @@ class LogWindow:
 
     def reset(self, step):
         self.t0, self.last_step, self.host_s = time.time(), step, 0.0
-        self.exec_s, self.then = self.dev.execute_seconds(), self.dev.xla_counters()
+        self.mark, self.then = self.dev.execution_mark(), self.dev.xla_counters()
 
     def skip_graphs(self):
         if self.dev is not None:
@@ -580,10 +581,9 @@ class RunRecords:
     def train_line(self, sums, step, epoch, lr, flops_per_example):
         """A training line's values over the window's steps, from the metric sums of every rank."""
         w, cfg = self.window, self.cfg
-        n = step - w.last_step
-        line = log_line(sums, step, n, time.time() - w.t0, epoch, lr, cfg['global_batch_size'],
-                        not cfg['no_ACT_continue'])
-        line.update(device_figures(self.dev, n, w.host_s, w.exec_s, flops_per_example * line['examples_per_s'],
+        n, seconds = step - w.last_step, time.time() - w.t0
+        line = log_line(sums, step, n, seconds, epoch, lr, cfg['global_batch_size'], not cfg['no_ACT_continue'])
+        line.update(device_figures(self.dev, n, w.host_s, w.mark, seconds, flops_per_example * line['examples_per_s'],
                                    w.then))
         return line
 

@@ -28,6 +28,12 @@ def test_xla_training_matches_cpu_and_stops_compiling(toy, tmp_path):
     compiles = [r['compiles'] for r in xr]
     assert compiles[1] == compiles[-1], compiles  # no new graph after warm-up (steps 1 and 2 differ)
     assert 'CPU fallbacks: none' in x.stdout
+    # the device's share of a step is the time it was busy: not more than the step's wall time, although the host
+    # runs ahead and each graph's ExecuteTime counts the graphs it was queued behind
+    lines = [json.loads(l) for l in open(f'{tmp_path}/x/metrics.jsonl')]
+    lines = [l for l in lines if l['kind'] == 'train']
+    assert len(lines) == 6 and all(0 < l['device_ms'] <= l['ms_per_step'] for l in lines), [
+        (l['device_ms'], l['ms_per_step']) for l in lines]
     a = torch.load(f'{tmp_path}/x/ckpt_00000030.pt', weights_only=True)
     b = torch.load(f'{tmp_path}/c/ckpt_00000030.pt', weights_only=True)
     for k in b['model']:
