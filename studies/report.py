@@ -254,9 +254,13 @@ def collect_views(exps):
                 res = rec['eval']
                 n = float(res['count'])
                 per_view = float(res['eval_flops']) / max(n, 1) / K
+                # one view: evaluate's headline figures are at min(halt_max_steps, S), its exact_by_steps runs to
+                # S and its q_halt stop looks at all S; the verifier's count is known at S only within halt_max_steps
+                last = (res.get('exact_by_steps') or [res['exact_accuracy']])[-1]
+                deeper = S > int(rec['config']['halt_max_steps'])
                 by = res.get('by_views') or [dict(
-                    views=1, vote=res['exact_accuracy'], verified=res['exact_accuracy'],
-                    oracle=res['exact_accuracy'], accepted=res.get('verified_accuracy'),
+                    views=1, vote=last, verified=last, oracle=last,
+                    accepted=None if deeper else res.get('verified_accuracy'),
                     **{m + '_q_halt': res['exact_accuracy_q_halt'] for m in ('vote', 'verified', 'oracle')})]
                 for v in by:
                     k = int(v['views'])

@@ -120,3 +120,27 @@ def test_a_bucket_out_root_s_saved_evaluations_are_found_skipped_and_reported(em
             os.removedirs(os.path.dirname(local))
         except OSError:
             pass
+
+
+def test_one_view_beyond_halt_max_steps_is_reported_after_its_last_step(tmp_path):
+    """A one-view evaluation at S > halt_max_steps: evaluate's headline figures are at halt_max_steps, its
+    exact_by_steps runs to S. The report's row at S steps takes the accuracy after the S-th (a finished run made
+    by hand, as train.py writes it: no training here)."""
+    cfg, out = tmp_path / 'cfg', tmp_path / 'out'
+    cfg.mkdir()
+    (cfg / 'deep_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/deep_p0'\n"
+                                    "halt_max_steps = 4\n")
+    (out / 'deep_p0' / 'evals').mkdir(parents=True)
+    fe = dict(exact_accuracy=0.5, exact_ci_low=0.4, exact_ci_high=0.6, token_accuracy=0.9, q_halt_accuracy=1.0,
+              count=100, exact_accuracy_q_halt=0.375, verified_accuracy=0.5)
+    json.dump(dict(parameters=1000, train_flops=1e9, flops_per_example_step=1e3, step=10, final_eval=fe,
+                   config=dict(halt_max_steps=4)), open(out / 'deep_p0' / 'results.json', 'w'))
+    deep = dict(fe, views=1, eval_flops=8 * 100 * 1e3, exact_by_steps=[0.125, 0.25, 0.375, 0.5, 0.5, 0.5, 0.5, 0.75])
+    json.dump(dict(step=10, checkpoint='ckpt_00000010.pt', seconds=3.5, device='cpu', world_size=1,
+                   config=dict(halt_max_steps=4), eval=deep),
+              open(out / 'deep_p0' / 'evals' / 'views1-steps8.json', 'w'))
+    run(['study.py', '--pattern=deep_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
+    row, = csv.DictReader(open(out / 'report_views.csv'))
+    assert (row['views'], row['steps'], row['halt_max_steps']) == ('1', '8', '4')
+    assert (row['vote'], row['verified'], row['oracle']) == ('0.75', '0.75', '0.75'), row
+    assert row['vote_q_halt'] == '0.375' and row['accepted'] == '', row  # the verifier's count is at step 4
