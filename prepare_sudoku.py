@@ -591,9 +591,11 @@ def main(argv=None):
         args.output_dir = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
     if args.generate is not None and args.csv_dir is not None:
         p.error('--generate and --csv_dir exclude each other')
-    for name in ('generate', 'num_test', 'subsample_size', 'num_aug'):
+    for name in ('generate', 'num_test', 'subsample_size', 'num_aug', 'min_rating'):
         if (getattr(args, name) or 0) < 0:
-            p.error(f'--{name} must not be negative')
+            p.error(f'--{name} {getattr(args, name)}: must not be negative')
+    if not 0 <= args.seed < 2 ** 32:  # numpy's seeds
+        p.error(f'--seed {args.seed}: must be from 0 to {2 ** 32 - 1}')
     for name, split in (('generate', 'train'), ('num_test', 'test')):
         if args.generate is not None and getattr(args, name) == 0:
             print(f"error: --{name} 0: the {split} split would hold no examples; ask for at least 1", file=sys.stderr)

@@ -87,6 +87,17 @@ def test_a_maze_size_with_too_few_distinct_mazes_says_so_not_the_path_length(tmp
 
 
 @pytest.mark.parametrize('option,value,allowed', [
+    ('seed', '-1', 'from 0 to 4294967295'), ('seed', str(2 ** 32), 'from 0 to 4294967295'),
+    ('min_rating', '-1', 'must not be negative'),
+])
+def test_the_sudoku_generator_s_options_are_checked_at_start(tmp_path, option, value, allowed):
+    p = run(['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5', f'--{option}={value}',
+             f'--output_dir={tmp_path}/s'], check=False)
+    assert_user_error(p, f'--{option}', value, allowed)
+    assert 'generated' not in p.stdout and not os.path.exists(tmp_path / 's')
+
+
+@pytest.mark.parametrize('option,value,allowed', [
     ('min_path_len', '-3', 'at least 0'), ('loop_frac', '-1', 'from 0 to 1'), ('loop_frac', '5', 'from 0 to 1'),
     ('loop_frac', 'nan', 'from 0 to 1'), ('generate', '-5', 'at least 1'), ('seed', '-1', 'at least 0'),
     ('num_test', '0', 'at least 1'), ('size', '3', 'at least 4'), ('subsample_size', '-2', 'at least 1'),
