@@ -148,13 +148,18 @@ def read_config_block(path, section=None):
         exec(builtins.compile(src, path, 'exec'), {}, scope)
     except Exception as e:
         raise SystemExit(f"config error: cannot read the config block of {path}: {type(e).__name__}: {e}")
-    meanings = {}
+    meanings, key = {}, None
     for tok in tokenize.generate_tokens(io.StringIO(src).readline):
-        if tok.type == tokenize.COMMENT and tok.start[1] > 0:  # a comment after code: the meaning of that
-                                                               # line's key
-            line = tok.line.split('=', 1)[0].strip()
-            if line.isidentifier():
-                meanings[line] = tok.string.lstrip('# ').strip()
+        if tok.type != tokenize.COMMENT:
+            key = None if tok.type == tokenize.NAME and tok.start[1] == 0 else key  # a new key's line
+            continue
+        text, code = tok.string.lstrip('# ').strip(), tok.line[:tok.start[1]].strip()
+        if tok.start[1] > 0 and not code and key:  # an indented comment alone on its line: the meaning goes on
+            meanings[key] += ' ' + text
+        elif (key := code.split('=', 1)[0].strip()).isidentifier():  # a comment after code: its key's meaning
+            meanings[key] = text
+        else:
+            key = None
     keys = [k for k in scope if not k.startswith('_')]
     if section:
         head = next((i for i in range(start, end) if lines[i].split('(')[0].strip() == f'# {section}'), None)

@@ -416,3 +416,5 @@ def test_help_lists_every_key():
         line = next((l for l in p.stdout.splitlines() if l.strip().startswith(f'--{k}=')), None)
         assert line is not None, k
         assert meaning and meaning in line, (k, line)
+    # a meaning that goes on in the comment lines below its key is shown whole: kernels' allowed values
+    assert "| 'gated' | 'quack' | 'triton'" in keys['kernels'][1] and "maze rows joined by '/'" in keys['puzzle'][1]
