@@ -1,5 +1,5 @@
 # arc_emb_len_16: the paper's ARC-AGI-1 recipe (config/arc1.py) itself (puzzle_emb_len = 16): this family's base point.
-# Family arc_emb_len_* -- puzzle embedding length: prefix tokens that carry the task's embedding (puzzle_emb_ndim 512 split over them).
+# Family arc_emb_len_* -- puzzle embedding length: prefix positions before the grid; the task's 512-wide embedding fills the first, the rest start at zero.
 # It shares out_dir 'out/study/arc_base' with the other families' base points: the study trains it once.
 #   one run:      python train.py config/study/arc_emb_len_16.py
 #   its dataset:  python prepare_arc.py --version 1 --concept_dir ../shared/arc --num_aug 1000 --output_dir data/arc1concept-aug-1000

@@ -1,5 +1,5 @@
 # arc_emb_len_4: the paper's ARC-AGI-1 recipe (config/arc1.py) with puzzle_emb_len = 4.
-# Family arc_emb_len_* -- puzzle embedding length: prefix tokens that carry the task's embedding (puzzle_emb_ndim 512 split over them).
+# Family arc_emb_len_* -- puzzle embedding length: prefix positions before the grid; the task's 512-wide embedding fills the first, the rest start at zero.
 #   one run:      python train.py config/study/arc_emb_len_4.py
 #   its dataset:  python prepare_arc.py --version 1 --concept_dir ../shared/arc --num_aug 1000 --output_dir data/arc1concept-aug-1000
 #   the family:   python study.py --pattern='arc_emb_len_*' [--scale=gpu|cpu] [--dry_run=True | --report=True]
