@@ -81,14 +81,12 @@ def startup_problems(cfg, dev):
                         f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
                         f"prepare_maze.py) or point data_path at one whose splits agree")
     problems += init_from_problems(cfg['init_from'])
-    for what in ('global_batch_size', 'eval_batch_size'):
-        B = cfg[what] or cfg['global_batch_size']
-        if B % dev.world_size:
-            problems.append(f"{what}={B} is not divisible by the world size {dev.world_size}")
-    k = cfg['gradient_accumulation_steps']
-    if cfg['global_batch_size'] % (dev.world_size * k):
-        problems.append(f"global_batch_size={cfg['global_batch_size']} is not divisible by the world size "
-                        f"{dev.world_size} x gradient_accumulation_steps={k}")
+    B, k, n = cfg['global_batch_size'], cfg['gradient_accumulation_steps'], dev.world_size
+    if B % (n * k):  # one line for the training batch: the accumulation named where there is one
+        problems.append(f"global_batch_size={B} is not divisible by the world size {n}"
+                        + (f" x gradient_accumulation_steps={k}" if k > 1 else ''))
+    if cfg['eval_batch_size'] and cfg['eval_batch_size'] % n:  # unset, it is global_batch_size's
+        problems.append(f"eval_batch_size={cfg['eval_batch_size']} is not divisible by the world size {n}")
     out_dir = cfg['out_dir']
     if dev.hosts > 1 and not gcs.is_gcs(out_dir):
         problems.append(f"out_dir={out_dir!r} is local, but the run spans {dev.hosts} hosts: only one would "

@@ -73,11 +73,14 @@ def test_hosts_with_different_configs_are_refused_at_start(toy, tmp_path):
     assert_all_ranks_stopped_with(p, 'the hosts differ in their config')
 
 
-def test_eval_batch_size_not_divisible_by_the_world_is_refused_before_the_first_step(toy, tmp_path):
-    p = torchrun(3, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4', '--eval_batch_size=32']
-                 + FAST)
-    assert_all_ranks_stopped_with(p, 'eval_batch_size=32 is not divisible by the world size 3')
+def test_batch_sizes_not_divisible_by_the_world_are_refused_before_the_first_step(toy, tmp_path):
+    p = torchrun(3, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST
+                 + ['--global_batch_size=50', '--eval_batch_size=32'])
+    assert_all_ranks_stopped_with(p, 'eval_batch_size=32 is not divisible by the world size 3',
+                                  'global_batch_size=50 is not divisible by the world size 3')
     assert 'step 1/' not in p.stdout
+    said = [l for l in (p.stdout + p.stderr).splitlines() if 'start-up checks failed' in l]
+    assert said and all(l.count('global_batch_size=50') == 1 and 'gradient_accumulation' not in l for l in said), said
 
 
 def test_evaluation_is_the_same_at_world_sizes_1_2_and_3(tmp_path):
