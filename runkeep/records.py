@@ -63,7 +63,7 @@ class Records:
                     with open(path) as f:  # a torn last line goes
                         kept = [l for i, l in enumerate(f, 1)
                                 if l.endswith('\n') and self.readable(l, i, path)
-                                and json.loads(l).get('step', 0) <= step]
+                                and (json.loads(l).get('step') or 0) <= step]  # an older watchdog's: null
                     lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the
                                                        # bucket's
         finally:

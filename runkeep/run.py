@@ -150,7 +150,7 @@ class Run:
         # a rank that stops making progress (a dead host, a stuck collective) ends, to be rerun; armed once the
         # first log line is past (the graphs of the first steps and of the log's reduction are compiled by then)
         self.watchdog = Watchdog(cfg['watchdog_minutes'], self.records.log_watchdog, warmup=cfg['log_interval'] + 1,
-                                 folder=self.local)
+                                 folder=self.local, step=step or None)
         # the bound counts from the request or the watchdog's last report of finished work, whichever is later
         self.bound = StopBound(self.watchdog.waiting, lambda: list_checkpoints(self.local), lambda: self.watchdog.last)
         return step, carry

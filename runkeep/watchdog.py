@@ -19,10 +19,10 @@ from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT
 
 
 class Watchdog:
-    """Watchdog(minutes, record, folder): when `minutes` pass with no progress() (a finished training step,
-    evaluation batch or evaluation supervision step) or host() (an evaluation's work on the host: a batch's
-    views, its scoring), every thread's stack goes to stderr and train.log, record(values) is called (rank 0: a
-    line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT, for a rerun.
+    """Watchdog(minutes, record, folder, step: a resume's): when `minutes` pass with no progress() (a finished
+    training step, evaluation batch or evaluation supervision step) or host() (an evaluation's work on the host: a
+    batch's views, its scoring), every thread's stack goes to stderr and train.log, record(values) is called (rank
+    0: a line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT, for a rerun.
     It is armed by the `warmup`-th report (the first steps compile their graphs); pause(), at an evaluation's
     start, disarms it until the evaluation's first batch is done (its views, its graphs, all its steps), and
     that batch is the evaluation's yardstick: for the rest of it, a unit of work up to SLOW_FACTOR x the
@@ -34,9 +34,9 @@ class Watchdog:
     and what it finished last (signals.StopBound names them when a stop cannot be acted on)."""
     SLOW_FACTOR = 3
 
-    def __init__(self, minutes, record=None, warmup=2, folder=None):
+    def __init__(self, minutes, record=None, warmup=2, folder=None, step=None):
         self.limit, self.record, self.warmup, self.folder = 60.0 * minutes, record, warmup, folder
-        self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', None, False
+        self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', step, False
         self.paused, self.slowest = False, 0.0  # in an evaluation's first batch; its slowest unit (s)
         self.launch = launch_id()  # now: a launcher gone by the firing has no start to read
         self.done = threading.Event()

@@ -100,3 +100,21 @@ def test_a_long_evaluation_is_not_ended_while_it_progresses_and_is_when_it_hangs
             check=False)
     assert p.returncode == 75 and '(watchdog_minutes=0.01; the last: an evaluation batch)' in p.stderr, p.stderr[-2000:]
     assert 'in evaluate' in p.stderr and 'watchdog: nothing finished' in open(f'{tmp_path}/hung/train.log').read()
+
+
+def test_a_hang_in_a_resume_s_first_evaluation_is_recorded_at_its_step_and_the_rerun_resumes(toy, tmp_path):
+    # a resume whose results.json is missing evaluates before any training step: the watchdog's record names
+    # the checkpoint's step (a null one stopped every later resume reading metrics.jsonl)
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--max_steps=10', '--init_from=resume']
+    run(args)
+    os.remove(f'{out}/results.json')
+    p = run(args + ['--watchdog_minutes=0.05', '--log_interval=1', '--eval_batch_size=2'],
+            env=hang_at(tmp_path, 'an evaluation batch'), timeout=300, check=False)
+    assert p.returncode == 75 and 'waiting for the evaluation after step 10' in p.stderr, p.stderr[-2000:]
+    hung = [r for r in records(out) if r['kind'] == 'watchdog']
+    assert len(hung) == 1 and hung[0]['step'] == 10, hung
+    with open(f'{out}/metrics.jsonl', 'a') as f:  # and one an older trainer wrote
+        f.write(json.dumps(dict(kind='watchdog', step=None, waiting='the evaluation of the checkpoint')) + '\n')
+    p = run(args, timeout=300)
+    assert json.load(open(f'{out}/results.json'))['step'] == 10 and 'Traceback' not in p.stderr
