@@ -21,6 +21,7 @@ import time
 from configurator import Tee  # the script's output: rank 0 also copies it to train.log (Run)
 
 from . import gcs
+from .signals import BEFORE_HARD_EXIT
 
 # -----------------------------------------------------------------------------
 # metrics.jsonl and results.json
@@ -556,6 +557,9 @@ class RunRecords:
                     "--init_from=resume"]
         if self.cfg['wandb_log']:
             self.wandb = start_wandb(self.cfg, self.local, run_id)
+            # an offline run's file is written whole only by finish(): a hard exit (a hang, a stop that could not
+            # be acted on) finishes it too, or the history since the last full block would be lost
+            BEFORE_HARD_EXIT.append(lambda quick=False: self.finish_wandb(1 if quick else 4))
         if self.cfg['tensorboard']:
             self.board = TensorBoardWriter.open(self.local, step, self.cfg)
         if self.gs_out:
@@ -659,7 +663,13 @@ class RunRecords:
             self.board.close()
         if self.uploads:
             self.uploads.finish(interrupted, self.records, self.board)
-        if self.wandb:
-            finish = threading.Thread(target=self.wandb.finish, daemon=True)
+        self.finish_wandb(4 if interrupted else 60)
+
+    def finish_wandb(self, seconds):
+        """Rank 0: W&B's run finished, waiting `seconds` at most (on a thread: a W&B that hangs never holds the
+        exit; what did not reach it stays for `wandb sync`)."""
+        run, self.wandb = self.wandb, None
+        if run:
+            finish = threading.Thread(target=run.finish, daemon=True)
             finish.start()
-            finish.join(timeout=4 if interrupted else 60)
+            finish.join(timeout=seconds)

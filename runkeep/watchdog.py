@@ -14,8 +14,8 @@ import time
 from configurator import Tee  # the script's output (and rank 0's train.log)
 
 
-from .locks import boot_id, release_locks, started
-from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT
+from .locks import boot_id, started
+from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT, before_hard_exit
 
 
 class Watchdog:
@@ -118,7 +118,7 @@ class Watchdog:
                                  exit_code=code))
         except Exception as e:
             print(f"watchdog: could not record it ({e})", file=sys.stderr)
-        release_locks()
+        before_hard_exit()  # the locks, W&B
         os._exit(code)  # the main thread is stuck: only a hard exit ends the process
 
     def remember(self, work):

@@ -118,3 +118,18 @@ def test_a_hang_in_a_resume_s_first_evaluation_is_recorded_at_its_step_and_the_r
         f.write(json.dumps(dict(kind='watchdog', step=None, waiting='the evaluation of the checkpoint')) + '\n')
     p = run(args, timeout=300)
     assert json.load(open(f'{out}/results.json'))['step'] == 10 and 'Traceback' not in p.stderr
+
+
+def test_a_hung_run_s_offline_w_and_b_history_is_written_before_it_exits(toy, tmp_path):
+    # an offline W&B run's file is written whole only by its finish(): the watchdog's hard exit finishes it
+    out = f'{tmp_path}/o'
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--max_steps=40', '--log_interval=5',
+            '--watchdog_minutes=0.05', '--wandb_log=True']
+    env = dict(hang_at(tmp_path, 'step 25'), WANDB_MODE='offline', WANDB_SILENT='true', HOME=str(tmp_path))
+    p = run(args, env=env, timeout=300, check=False)
+    assert p.returncode == 75, p.stderr[-2000:]
+    logged = [r for r in records(out) if r['kind'] == 'train']
+    history, = [open(os.path.join(d, f), 'rb').read() for d, _, fs in os.walk(f'{out}/wandb') for f in fs
+                if f.endswith('.wandb')]
+    # each history record names its keys: every logged line's train/loss is in the file (the summary adds one)
+    assert len(logged) == 4 and history.count(b'train/loss') >= len(logged), (len(history), len(logged))
