@@ -616,9 +616,10 @@ class RunRecords:
         if self.master and self.uploads:
             self.uploads.folder(path)
 
-    def finish(self, step, final_eval, best, run_id, wall, parameters, flops_per_example, arc=None):
-        """Rank 0: results.json (wall: seconds by phase over every process of the run), and ARC's submission.json
-        first, which results.json names with its step and vote (the file itself is the ARC Prize's format)."""
+    def finish(self, step, final_eval, best, run_id, wall, device_s, parameters, flops_per_example, arc=None):
+        """Rank 0: results.json (wall: seconds by phase over every process of the run, device_s their
+        device-seconds), and ARC's submission.json first, which results.json names with its step and vote (the
+        file itself is the ARC Prize's format)."""
         if not self.master:
             return
         cfg, dev = self.cfg, self.dev
@@ -629,7 +630,7 @@ class RunRecords:
             device=dev.name(), world_size=dev.world_size, final_eval=final_eval, best_eval=best,
             **(dict(arc_submission=sub) if sub else {}), step=step, examples_seen=step * cfg['global_batch_size'],
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
-            device_hours=wall['total'] * dev.world_size / 3600))
+            device_hours=device_s / 3600))
 
     def write_evaluation(self, res, step, seconds, checkpoint, arc=None):
         """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study

@@ -67,6 +67,7 @@ class Run:
         self.stop_every, self.t_calibrate = 1, None
         self.alone = stops_every_step(dev)  # a stop check reads this process's own flag, after every step
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
+        self.device_s = 0.0  # their device-seconds: each process's wall time x its world size
         self.clock = Clock(started or time.time())  # this process's wall seconds by phase
         self.budget = TimeBudget(cfg.get('max_minutes', 0), self.clock)  # --max_minutes
         self.data_path = fetch_data(cfg['data_path'], cfg['data_cache_dir'], dev)
@@ -133,6 +134,8 @@ class Run:
                     arc.restore(ckpt.get('arc_pool'))
                 step, self.best = ckpt['step'], ckpt['best']
                 self.timing = dict(ckpt.get('timing') or {})
+                # an older checkpoint's processes: taken to have had this world size
+                self.device_s = ckpt.get('device_s', sum(self.timing.values()) * self.dev.world_size)
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
                 self.owed = bool(ckpt.get('eval_owed')) and step < last_step and not cfg['eval_only']
@@ -209,7 +212,7 @@ class Run:
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
+                         device_s=self.device_seconds(), data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
                          **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
@@ -238,6 +241,10 @@ class Run:
         process's."""
         now = self.clock()
         return {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
+
+    def device_seconds(self):
+        """Device-seconds over all of this run's processes: a resume may run on another number of devices."""
+        return self.device_s + sum(self.clock().values()) * self.dev.world_size
 
     def new_best(self, step, res):
         if res['exact_accuracy'] > self.best['exact_accuracy']:
@@ -319,8 +326,8 @@ class Run:
         ARC's submission.json first."""
         if self.master and example:
             print(render_example(self.meta, *example))
-        self.records.finish(step, final_eval, self.best, self.run_id, self.timing_total(), parameters,
-                            flops_per_example, arc)
+        self.records.finish(step, final_eval, self.best, self.run_id, self.timing_total(), self.device_seconds(),
+                            parameters, flops_per_example, arc)
 
     def evaluate_checkpoint(self, evaluate, step, arc=None):
         """--eval_only: init_from's weights on the whole test split (evaluate(): (results, example)), printed;

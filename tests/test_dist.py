@@ -10,6 +10,7 @@ import tempfile
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import ROOT, TOY_ARGS, free_port, our_frames, run
 from data import write_split
@@ -113,6 +114,13 @@ def test_two_ranks_log_the_loss_and_the_gradient_norm_of_one(toy, tmp_path):
     for a, b in zip(*logs):
         assert a['loss'] == pytest.approx(b['loss'], rel=1e-4)
         assert a['grad_norm'] == pytest.approx(b['grad_norm'], rel=1e-3), (a['grad_norm'], b['grad_norm'])
+    # resumed in one process: the run's device-hours count each process's time by its own world size
+    first = sum(torch.load(tmp_path / 'two' / 'ckpt_00000008.pt', weights_only=False)['timing'].values())
+    run(['train.py', f'--out_dir={tmp_path}/two', '--init_from=resume'] + args + ['--max_steps=12'])
+    res = json.load(open(tmp_path / 'two' / 'results.json'))
+    later = res['wall_s']['total'] - first
+    assert res['world_size'] == 1 and later > 0
+    assert res['device_hours'] * 3600 == pytest.approx(2 * first + later, rel=1e-3), (res['device_hours'], first)
 
 
 # (the W&B code runs on rank 0 alone, the same at any world size: three of the four pairs keep the suite short,
