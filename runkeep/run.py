@@ -212,7 +212,8 @@ class Run:
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                          config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         device_s=self.device_seconds(), data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
+                         device_s=self.device_seconds(), data=data_shape(self.meta), identifiers=self.identifiers,
+                         eval_owed=owed,
                          **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
