@@ -16,8 +16,9 @@ An experiment is a file, config/study/<family>_<point>.py, that train.py also ru
 recipe in `_base` and holds only what the run changes. Points that are one configuration share an out_dir
 and are trained once. Runs go to <out_root>/<last part of the file's out_dir>. A run whose results.json was
 made with the command the study runs now is skipped; made with another, it is reported NOT REUSED and left
-alone; any other run resumes its newest checkpoint (--init_from=resume). Rerun the same command after a
-stop or a crash to continue. One study at a time runs into an out_root (study.lock names it).
+alone; a started run resumes its newest checkpoint (--init_from=resume) if that was saved with this command
+too, else it is NOT REUSED likewise. Rerun the same command after a stop or a crash to continue. One study
+at a time runs into an out_root (study.lock names it).
 
 Scales (--scale), flags applied after the file's: full (the files as they are; out/study), gpu (one GPU, a
 tenth of the epochs; out/study-gpu), cpu (a CPU twin: generated 4x4 Sudoku and 8x8 mazes, a model 16
@@ -53,8 +54,8 @@ from runkeep.startup import local_folder
 from puzzles import KINDS
 from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
                         duration, family_pattern, flop_rate, has_results, load_experiments, model_cost, order_runs,
-                        own_steps, partition, point_of, read_results, run_flops, saved_evals, schedule, share_cost,
-                        state)
+                        own_steps, partition, point_of, read_results, resume_problem, run_flops, saved_evals, schedule,
+                        share_cost, state)
 from studies.report import make_report
 
 # -----------------------------------------------------------------------------
@@ -577,7 +578,8 @@ def run_study(exps):
             status[e.run] = (f"on host {h}", None)
     todo = []
     for e in mine:
-        why = read_results(e)[1] if has_results(e) else None
+        # a finished run of another configuration is not reused, a started one not resumed
+        why = read_results(e)[1] if has_results(e) else resume_problem(e) or None
         if why is None:
             todo.append(e)
         elif why:  # neither reused nor trained over: said here and in the summary
@@ -585,9 +587,11 @@ def run_study(exps):
             print(f"study: {e.run}: {why}")
         else:
             status[e.run] = ('done before', None)
+    held = sum(s == 'NOT REUSED' for s, _ in status.values())
     where = f"host {index} of {hosts}: {len(mine)} of the " if hosts_mode == 'share' else ''
     print(f"study: scale {scale}, {len(exps)} experiment(s), {where}{len(runs)} run(s): "
-          f"{len(mine) - len(todo)} finished before, {len(todo)} to run, in {ROOT}"
+          f"{len(mine) - len(todo) - held} finished before, " + (f"{held} not reused, " if held else '')
+          + f"{len(todo)} to run, in {ROOT}"
           + (f"; {slots} at once on {kind} "
              f"({', '.join(p['label'] for p in plans)})" if slots > 1 else ''))
     todo = [e for e in todo if fits(e, kind, ids, status)] if check_memory else todo

@@ -15,7 +15,7 @@ from runkeep import gcs
 from configurator import (config_files, config_problems, key_problem, place_words, places, read_config_block,
                           type_problem)
 from puzzles import shape_from_name
-from runkeep.checkpoint import list_checkpoints
+from runkeep.checkpoint import checkpoint_name, list_checkpoints
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'train.py')).items()}
@@ -406,7 +406,9 @@ def state(e):
         why = read_results(e)[1]
         return f"done, not used: {why}" if why else 'done'
     steps = checkpoint_steps(e)
-    return f"started (checkpoint at step {steps[-1]})" if steps else 'not started'
+    why = resume_problem(e, steps)
+    return (f"started (checkpoint at step {steps[-1]})" + (f", not used: {why}" if why else '')) if steps \
+        else 'not started'
 
 
 def fetch(e, name):
@@ -435,18 +437,46 @@ def read_results(e):
         what = 'empty' if os.path.isfile(path) and not os.path.getsize(path) else f"{type(ex).__name__}: {ex}"
         return None, (f"unreadable results.json in {e.out_dir} ({what}); not reused: move it away and rerun "
                       "to evaluate the run's last checkpoint again")
+    if diffs := config_diffs(e, res.get('config')):
+        return None, (f"{e.out_dir}/results.json was made with another configuration ({diffs}): "
+                      f"not reused, and not retrained over it: move {e.out_dir} away to train it again")
+    return res, ''
+
+
+def config_diffs(e, recorded):
+    """Where a run's recorded config (its results.json's, a checkpoint's) and the command the study runs now
+    differ, on the keys that shape the result (the dataset by its name: a copy elsewhere is the same data):
+    "key 'then' there, 'now' now; ..." or ''."""
     now, diffs = e.run_cfg, []
-    for k, was in (res.get('config') or {}).items():
+    for k, was in (recorded or {}).items():
         if k in NOT_SHAPING or k not in now:
             continue
         a, b = (str(was).rstrip('/').split('/')[-1], str(now[k]).rstrip('/').split('/')[-1]) \
             if k == 'data_path' else (was, now[k])
         if a != b:
             diffs.append(f"{k} {a!r} there, {b!r} now")
-    if diffs:
-        return None, (f"{e.out_dir}/results.json was made with another configuration ({'; '.join(diffs)}): "
-                      f"not reused, and not retrained over it: move {e.out_dir} away to train it again")
-    return res, ''
+    return '; '.join(diffs)
+
+
+def resume_problem(e, steps=None):
+    """Why a started run (checkpoints, no results.json) is not resumed, as read_results says why a finished one
+    is not reused: its newest readable checkpoint was saved with another configuration than the command the
+    study runs now (a resume would finish a run of both, which its results.json would record as this one); ''
+    when it resumes. steps: its checkpoint_steps, if listed already."""
+    import torch
+    for step in reversed(checkpoint_steps(e) if steps is None else steps):
+        name = checkpoint_name(step)
+        local = os.path.join(e.local, name)
+        path = local if os.path.exists(local) else fetch(e, name)
+        try:  # its tensors mapped, not read: study.py's memory check takes its own size for each run's process
+            saved = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['config']
+        except Exception:  # missing, unreadable or not train.py's: train.py tries an older one too, and says so
+            continue
+        if diffs := config_diffs(e, saved if isinstance(saved, dict) else {}):
+            return (f"{e.out_dir}/{name} was saved with another configuration ({diffs}): not resumed, and not "
+                    f"trained over: move {e.out_dir} away to train it again")
+        return ''
+    return ''
 
 
 # -----------------------------------------------------------------------------

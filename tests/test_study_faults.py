@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_user_error, run
+from conftest import ROOT, assert_user_error, held_step, run
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 EXTRA = '--max_steps=20 --checkpoint_interval=10 --log_interval=10'
@@ -43,8 +43,8 @@ def args(tmp, data_root, pattern='rec_L2', extra=EXTRA, *more):
             f'--data_root={data_root}', '--scale=cpu', f'--extra={extra}'] + list(more)
 
 
-def start(cmd, **kw):
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+def start(cmd, env=None, **kw):
+    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
     env.pop('PJRT_DEVICE', None)
     kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), **kw)
     return subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=env, start_new_session=True, **kw)
@@ -132,6 +132,35 @@ def test_a_result_recorded_with_another_configuration_is_not_reused(grid, data_r
     # what does not shape the result (how often it logs) reuses it
     p = run(args(grid, data_root, extra=EXTRA.replace('log_interval=10', 'log_interval=5')))
     assert re.search(r'rec_L2 +done before', summary(p.stdout)), p.stdout
+
+
+def test_a_started_run_recorded_with_another_configuration_is_not_resumed(grid, data_root):
+    out = f'{grid}/out/rec_L2'
+    # a half-done run: its train.py waits in step 11 (checkpoint 10 saved) until the study is stopped
+    p = start(args(grid, data_root), env=held_step(f'{grid}/hook', 11, argv=['/rec_L2']))
+    wait_for(lambda: os.path.exists(f'{out}/ckpt_00000010.pt') or p.poll() is not None)
+    p.send_signal(signal.SIGTERM)  # it saves a checkpoint and stops
+    p.communicate(timeout=300)
+    kept = sorted(f for f in os.listdir(out) if f.startswith('ckpt_'))
+    assert kept and not os.path.exists(f'{out}/results.json'), os.listdir(out)
+    # the experiment file changed since: lr 1e-4 -> 3e-4 (0.002 -> 0.006 at the cpu scale)
+    path = f'{grid}/cfg/rec_L2.py'
+    text = open(path).read()
+    open(path, 'a').write("lr = 3e-4\n")
+    p = run(args(grid, data_root), check=False)
+    assert p.returncode == 1 and 'resuming' not in p.stdout, p.stdout[-3000:]
+    line = next(l for l in summary(p.stdout).splitlines() if 'rec_L2' in l)
+    assert 'NOT REUSED' in line and 'lr 0.002 there, 0.006 now' in line and kept[-1] in line, line
+    assert 'move ' in line and '0 finished before, 1 not reused, 0 to run' in p.stdout, p.stdout[-3000:]
+    assert sorted(f for f in os.listdir(out) if f.startswith('ckpt_')) == kept  # nothing trained over it
+    assert not os.path.exists(f'{out}/results.json')
+    p = run(args(grid, data_root, 'rec_L2', EXTRA, '--list_only=True'))
+    assert 'not resumed' in p.stdout and 'lr 0.002 there' in p.stdout, p.stdout
+    # the file as it was: the run resumes and finishes
+    open(path, 'w').write(text)
+    p = run(args(grid, data_root))
+    assert re.search(r'rec_L2 \[.*\]: resuming from its checkpoint', p.stdout), p.stdout[-3000:]
+    assert json.load(open(f'{out}/results.json'))['step'] == 20
 
 
 def test_a_pod_host_without_an_index_is_told_to_give_one():
