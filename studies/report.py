@@ -429,6 +429,11 @@ PANELS = {
         ('per_puzzle', 'examples per training puzzle = 1 + augmentations (log scale)', True, 'Augmentations')),
 }
 ABLATIONS = 'acc_ablations.png'  # one bar per run
+STEPS_PNG, FITS_PNG, VIEWS_PNG = 'acc_vs_supervision_steps.png', 'error_fits.png', 'acc_vs_test_compute.png'
+# the files a report may write beside report.md and report.csv: one it does not write this time is an earlier
+# report's, of runs this one may not compare (a config edited since, another --pattern), and is removed
+OWN_FILES = (*(f for _, _, f, _ in EVERY_FAMILY), *PANELS, ABLATIONS, STEPS_PNG, FITS_PNG, VIEWS_PNG,
+             'report_views.csv')
 # Where each family is drawn beyond EVERY_FAMILY, the supervision steps, the fits and test-time compute:
 # (figure, panel: 0 left, 1 right) of PANELS, or (ABLATIONS, 0). A new family that studies another axis adds
 # its line here (and, for an axis no figure has, a figure in PANELS).
@@ -526,9 +531,9 @@ def plot(rows, folder, opts, views=()):
         else:
             plt.close(fig)
     for name, fig in ((ABLATIONS, plot_ablations(plt, done, title, colors, ylabel)),
-                      ('acc_vs_supervision_steps.png', plot_supervision_steps(plt, done, title)),
-                      ('error_fits.png', plot_fits(plt, done, title, colors, seeds)),
-                      ('acc_vs_test_compute.png', plot_views(plt, views, opts.scale))):
+                      (STEPS_PNG, plot_supervision_steps(plt, done, title)),
+                      (FITS_PNG, plot_fits(plt, done, title, colors, seeds)),
+                      (VIEWS_PNG, plot_views(plt, views, opts.scale))):
         if fig:
             save(fig, name)
     return written
@@ -673,9 +678,13 @@ def make_report(exps, opts, folder):
     rows, views = collect(exps), collect_views(exps)
     print(write_tables(rows, folder, opts, views))
     pngs = plot(rows, folder, opts, views)
+    written = pngs + ([os.path.join(folder, 'report_views.csv')] if views else [])
+    stale = [p for p in (os.path.join(folder, f) for f in OWN_FILES) if p not in written and os.path.exists(p)]
+    for p in stale:
+        os.remove(p)
     print(f"\nreport: {os.path.join(folder, 'report.md')}, {os.path.join(folder, 'report.csv')}"
-          + (f", {os.path.join(folder, 'report_views.csv')}" if views else '')
-          + ''.join(f", {p}" for p in pngs))
+          + ''.join(f", {p}" for p in written)
+          + (f"; removed an earlier report's {', '.join(stale)} (not written this time)" if stale else ''))
     for r in rows:
         if r.get('not_used'):
             print(f"report: {r['run']}: {r['not_used']}")

@@ -265,6 +265,33 @@ def test_a_study_runs_skips_resumes_reports_failures_and_compares(tiny_grid):
     assert 'acc_vs_data.png' not in os.listdir(out)  # no data or aug family selected
 
 
+def test_a_report_removes_its_own_earlier_files_it_does_not_write_again(tmp_path):
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for i in range(2):
+        name = f'w_p{i}'
+        (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n"
+                                        f"hidden_size = {64 * (i + 1)}\n")
+        fake_run(out, name, 10 ** 5 * (i + 1), 0.5 + 0.2 * i)
+    # w_p1 evaluated again in 2 views (train.py --eval_only's record)
+    os.makedirs(f'{out}/w_p1/evals')
+    json.dump(dict(step=100, seconds=1.0, config=dict(halt_max_steps=16),
+                   eval=dict(count=1000, eval_flops=1e12, exact_accuracy=0.7, verified_accuracy=0.7,
+                             exact_accuracy_q_halt=0.7)), open(f'{out}/w_p1/evals/views2-steps16.json', 'w'))
+    report = ['study.py', '--pattern=w_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True']
+    run(report)
+    drawn = ('acc_vs_params.png', 'acc_vs_flops.png', 'acc_vs_device_hours.png', 'error_fits.png',
+             'acc_vs_test_compute.png', 'report_views.csv')
+    assert all(os.path.exists(f'{out}/{f}') for f in drawn), os.listdir(out)
+    # w_p1's result recorded with another configuration: the report leaves it out, and its files that showed it
+    res = json.load(open(f'{out}/w_p1/results.json'))
+    json.dump(dict(res, config=dict(hidden_size=999)), open(f'{out}/w_p1/results.json', 'w'))
+    p = run(report)
+    assert re.search(r'\| w_p1 \|.*other configuration', open(f'{out}/report.md').read())
+    assert not [f for f in drawn if os.path.exists(f'{out}/{f}')], os.listdir(out)
+    assert f'{out}/acc_vs_params.png' in p.stdout.split('removed')[1], p.stdout[-2000:]
+
+
 def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_grid):
     tmp = tiny_grid
     out = f'{tmp}/out'
