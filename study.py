@@ -559,6 +559,7 @@ def lock_study():
 
 
 def run_study(exps):
+    """Runs the selected runs not finished before; (the exit code, {run: (status, why)} as the summary says)."""
     lock_study()
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -611,7 +612,7 @@ def run_study(exps):
               "resume)")
     elif bad:
         print(f"study: {len(bad)} run(s) did not finish: {', '.join(bad)}")
-    return 1 if bad or STOP['requested'] else 0
+    return 1 if bad or STOP['requested'] else 0, status
 
 
 def fits(e, kind, ids, status):
@@ -825,12 +826,13 @@ def run_evals(exps):
 
 # -----------------------------------------------------------------------------
 
-def write_report(exps):
-    """The report (studies.report.make_report); one that cannot be written (a full disk, a file-size limit) is
-    a line, not a traceback: each run's own files hold its results. Whether it was written."""
+def write_report(exps, told=None):
+    """The report (studies.report.make_report; told: the study's status of each run); one that cannot be written
+    (a full disk, a file-size limit) is a line, not a traceback: each run's own files hold its results. Whether
+    it was written."""
     folder = report_dir or LOCAL_ROOT
     try:
-        make_report(exps, OPTS, folder)
+        make_report(exps, OPTS, folder, told)
         return True
     except OSError as ex:
         print(f"\nstudy: the report cannot be written in {folder} ({ex.filename or 'a file there'}: "
@@ -855,7 +857,7 @@ if __name__ == '__main__':
         write_report(exps)  # with the test-time table and plot
         sys.exit(rc)
     else:
-        rc = run_study(exps)
+        rc, told = run_study(exps)
         print()
-        write_report(exps)  # what is finished so far, compared
+        write_report(exps, told)  # what is finished so far, compared; what failed, as the summary says
         sys.exit(rc)

@@ -386,9 +386,13 @@ def load_experiments(patterns, opts):
 # state of a run: finished (results.json), started (checkpoints), nothing
 
 def has_results(e):
+    return has_file(e, 'results.json')
+
+
+def has_file(e, name):
     if gcs.is_gcs(e.out_dir):
-        return gcs.object_exists(f"{e.out_dir}/results.json")
-    return os.path.exists(os.path.join(e.out_dir, 'results.json'))
+        return gcs.object_exists(f"{e.out_dir}/{name}")
+    return os.path.exists(os.path.join(e.out_dir, name))
 
 
 def checkpoint_steps(e):

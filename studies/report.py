@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-from .plan import checkpoint_steps, cost, fetch, read_results, saved_evals
+from .plan import checkpoint_steps, cost, fetch, has_file, read_results, saved_evals
 
 
 # -----------------------------------------------------------------------------
@@ -46,7 +46,9 @@ ARC_COLUMNS = dict(arc_pass1='arc_pass@1', arc_pass2='arc_pass@2', arc_pass2_ci_
                    arc_test_outputs='arc_test_outputs', arc_unscored='arc_unscored')
 
 
-def collect(exps):
+def collect(exps, told=None):
+    """One row per run. told: the study's own {run: (status, why)} when the report is made at its end, so that a
+    run it saw fail, or did not run or reuse, is said so in the row and not read as unfinished."""
     rows = []
     for e in exps:
         r = dict(name=e.name, run=e.run, seed=e.seed, family=e.family, point=e.point(),
@@ -81,12 +83,18 @@ def collect(exps):
             steps = checkpoint_steps(e)
             if steps:
                 r['status'] = f"started (step {steps[-1]})"
+            elif has_file(e, 'train.log'):  # it ended (failed) or is still before its first checkpoint
+                r['status'] = 'started, no checkpoint (see its train.log)'
             c = cost(e)
             if c and 'error' not in c:
                 r.update(params=c['params'], train_flops=c['train_flops'], steps=c['steps'])
+            s, said = (told or {}).get(e.same_as or e.run, ('', None))
             if why:  # its numbers are not this configuration's, or cannot be read: not shown as done
                 r.update(not_used=why, status=('unreadable results.json' if why.startswith('unreadable') else
                                                'not used: results.json of another configuration'))
+            elif s in ('FAILED', 'NOT RUN', 'NOT REUSED'):  # as the study's summary says, with its reason
+                r.update(not_used=f"{s} {said or ''}".strip(),
+                         status='not used: checkpoint of another configuration' if s == 'NOT REUSED' else s)
         rows.append(r)
     return rows
 
@@ -673,9 +681,10 @@ def plot_views(plt, views, scale):
 
 # -----------------------------------------------------------------------------
 
-def make_report(exps, opts, folder):
-    """The report of these experiments' runs into folder: report.md (printed), the CSVs and the plots."""
-    rows, views = collect(exps), collect_views(exps)
+def make_report(exps, opts, folder, told=None):
+    """The report of these experiments' runs into folder: report.md (printed), the CSVs and the plots; told: the
+    study's status of each run, at its end (collect)."""
+    rows, views = collect(exps, told), collect_views(exps)
     print(write_tables(rows, folder, opts, views))
     pngs = plot(rows, folder, opts, views)
     written = pngs + ([os.path.join(folder, 'report_views.csv')] if views else [])

@@ -5,6 +5,7 @@ and --extra, an unreadable results.json in the report, and two studies on one ou
 processes on tiny cpu-scale runs (4x4 Sudoku), real files.
     python -m pytest -q tests/test_study_faults.py
 """
+import csv
 import json
 import os
 import re
@@ -104,6 +105,25 @@ def test_a_failed_runs_reason_is_its_error_not_its_last_line(grid, data_root):
     line = next(l for l in summary(text).splitlines() if 'rec_L2' in l)
     assert re.search(r'FAILED +exit code -9 \(killed by SIGKILL\)', line), line
     assert 'step ' not in line and 'saved ' not in line, line
+
+
+def test_a_run_that_diverged_is_reported_failed_not_not_started(grid, data_root):
+    # lr 1e-4 -> 10.0 (200 at the cpu scale): the run diverges by its first checkpoint, which is not saved
+    with open(f'{grid}/cfg/rec_L2.py', 'a') as f:
+        f.write("lr = 10.0\n")
+    p = run(args(grid, data_root), check=False)
+    line = next(l for l in summary(p.stdout).splitlines() if 'rec_L2' in l)
+    assert 'FAILED' in line and re.search('NaN|diverged', line), line
+    # the table under the summary, report.md and report.csv say it too
+    for text in (summary(p.stdout), open(f'{grid}/out/report.md').read()):
+        row = next(l for l in text.splitlines() if l.startswith('| rec_L2 |'))
+        assert row.endswith('| FAILED |'), row
+    assert next(csv.DictReader(open(f'{grid}/out/report.csv')))['status'] == 'FAILED'
+    assert re.search(r'report: rec_L2: FAILED exit code 1: .*(NaN|diverged)', p.stdout), p.stdout[-3000:]
+    # a report made later reads the run's folder: started (its train.log), not 'not started'
+    run(args(grid, data_root, 'rec_L2', EXTRA, '--report=True'))
+    row = next(l for l in open(f'{grid}/out/report.md').read().splitlines() if l.startswith('| rec_L2 |'))
+    assert 'not started' not in row and 'started' in row and 'train.log' in row, row
 
 
 def test_a_result_recorded_with_another_configuration_is_not_reused(grid, data_root):
