@@ -350,7 +350,8 @@ def print_plan(runs, flops, rate):
     def on_host(host_of, h):  # (its runs in starting order, (slot, start) of each, its wall time)
         mine = [e for e, x in zip(runs, host_of) if x == h]
         mine = order_runs(mine, [flops.get(e.run) for e in mine], slots)
-        return (mine, *schedule([secs(e, per_slot) for e in mine], slots))
+        # without a rate, the runs' FLOPs place them all the same (no time is said)
+        return (mine, *schedule([secs(e, per_slot) if rate else flops.get(e.run, mean) for e in mine], slots))
 
     by_share = partition([e.run for e in runs], [share_cost(e) for e in runs], hosts)[0]
     shown = by_share if share else [0] * len(runs)

@@ -456,6 +456,14 @@ def wall_times(plan):
     return dict(sequential=seconds(m[1]), share=seconds(m[2]))
 
 
+def test_a_dry_run_without_a_speed_spreads_the_runs_over_the_slots():
+    # without --examples_per_s no time is printed, but the runs are placed by their FLOPs, as the runner does
+    p = run(['study.py', "--pattern=rec_*", '--slots=2', '--dry_run=True'])
+    slots = re.findall(r'host 0 slot (\d) \(cpu \d\): (rec_L\d+)', p.stdout)
+    assert len(slots) == 5 and {s for s, _ in slots} == {'0', '1'}, p.stdout
+    assert 'starts about' not in p.stdout
+
+
 def test_new_families_keep_their_variation_at_the_cpu_scale():
     p = run(['study.py', "--pattern=lr_*,bs_*,abl_halt1,abl_halt2,abl_noemb", '--scale=cpu', '--dry_run=True'])
     blocks = {b.split()[0]: b for b in re.split(r'\n(?=\S)', p.stdout) if b.strip()}
