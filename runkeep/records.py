@@ -334,6 +334,34 @@ class Uploads:
                 for name in names:
                     self.submit(os.path.join(folder, name))
 
+    def catch_up(self, checkpoint, done, skip=()):
+        """At a resume: what the run's earlier processes left only here (the bucket unreachable at their end) sent
+        now, ahead of this process's files, where the bucket lacks it or holds another size: the checkpoint
+        resumed (a local path), metrics.jsonl, the files of tb/ and profile/ but `skip` (this process's own,
+        still written), and for a run found `done` its results.json (and ARC's submission.json; otherwise a
+        results.json here is an earlier finish's, not this run's). train.log, which this process extends, goes
+        with its first checkpoint or at its end, as always."""
+        try:
+            there = dict(gcs.list_objects(self.remote + '/'))
+        except gcs.GCSError as e:
+            print(f"warning: cannot list {self.remote} ({e}); files only in {self.local} are sent by the next "
+                  "resume")
+            return
+        names = ['metrics.jsonl'] + (['submission.json', 'results.json'] if done else [])
+        paths = ([] if gcs.is_gcs(checkpoint) else [checkpoint]) + [os.path.join(self.local, n) for n in names]
+        for sub in ('tb', 'profile'):
+            for folder, _, files in sorted(os.walk(os.path.join(self.local, sub))):
+                paths += [os.path.join(folder, n) for n in sorted(files)]
+        sent = []
+        for path in paths:
+            name = os.path.relpath(path, self.local).replace(os.sep, '/')
+            if name not in skip and os.path.isfile(path) and \
+                    there.get(f'{self.remote}/{name}') != os.path.getsize(path):
+                self.log(name) if name == 'metrics.jsonl' else self.submit(path, name)
+                sent.append(name)
+        if sent:
+            print(f"{self.remote} lacks what an earlier process left in {self.local}: uploading {', '.join(sent)}")
+
     def uploaded(self, path, uri):
         """After each upload: a snapshot goes; a checkpoint prunes the bucket's older ones."""
         if os.path.basename(path).startswith(SNAPSHOTS):
@@ -611,6 +639,14 @@ class RunRecords:
             self.uploads.log()
             self.uploads.board(self.board)
             self.uploads.log('metrics.jsonl')
+
+    def catch_up(self, checkpoint, done, prune):
+        """Rank 0 of a gs:// run that resumed `checkpoint`: what its earlier processes left only in the local
+        folder goes to the bucket (Uploads.catch_up), the uploads opened where open() did not (a run found
+        done); the end waits for them as for its own."""
+        if self.master and self.gs_out and checkpoint:
+            self.uploads = self.uploads or Uploads(self.local, self.gs_out, prune)
+            self.uploads.catch_up(checkpoint, done, [f'tb/{self.board.name}'] if self.board else [])
 
     def upload_folder(self, path):
         if self.master and self.uploads:

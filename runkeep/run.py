@@ -294,10 +294,15 @@ class Run:
 
     def open_records(self, step):
         """metrics.jsonl from `step` on, W&B, TensorBoard, and a gs:// run's uploads (rank 0; every rank learns
-        whether it could)."""
-        problems = self.records.open(step, self.run_id, lambda: prune_checkpoints(
-            self.gs_out, self.cfg['keep_last_n'], self.best['step'], self.corrupt, protect=self.verified))
+        whether it could), led by what its earlier processes left only in the local folder."""
+        problems = self.records.open(step, self.run_id, self.prune_bucket)
         fail_together(self.dev, problems, 'opening the records')
+        self.records.catch_up(self.resumed_from, False, self.prune_bucket)
+
+    def prune_bucket(self):
+        """After each upload: the bucket's checkpoints pruned like the local folder's."""
+        prune_checkpoints(self.gs_out, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
+                          protect=self.verified)
 
     def log_train(self, sums, step, run_steps, epoch, lr, flops_per_example):
         """A training line over the steps since the last one (the metric sums of every rank): printed by rank 0
@@ -361,6 +366,7 @@ class Run:
         if self.master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
                   f"(raise --max_steps or --epochs to train on)")
+        self.records.catch_up(self.resumed_from, True, self.prune_bucket)  # a bucket down at its end: sent now
         return True
 
     def logged(self, kind, step):

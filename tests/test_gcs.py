@@ -2,11 +2,12 @@
 gcs.py against a real GCS emulator server (gcp-storage-emulator, on 127.0.0.1 only): paths, round trips,
 pagination and a lost upload reply (through a proxy), md5 checks, delete, errors, the background uploader,
 and training to a bucket then resuming from it on a "new machine" (after a kill too), a divergence's checkpoints in
-the bucket, reachable or not.
+the bucket, reachable or not, and what an upload outage at a run's end left only local sent by its rerun.
     python -m pytest -q tests/test_gcs.py
 """
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -26,7 +27,8 @@ from test_checkpoints import NAN_AT_STEP_9
 
 class Proxy:
     """A real HTTP proxy in front of the emulator adding what the emulator lacks: list pagination
-    (it ignores maxResults) and, on request, losing the reply to one resumable upload chunk."""
+    (it ignores maxResults) and, on request, losing the reply to one resumable upload chunk, or an outage of
+    uploads (every resumable upload started after the one of a given object answers 503, while `refusing`)."""
 
     def __init__(self, upstream):
         self.upstream = upstream
@@ -34,6 +36,7 @@ class Proxy:
         self.drop_reply_at = None  # byte offset of the chunk whose reply is replaced by a 503
         self.corrupt_uploads = False  # flip the first byte of every upload chunk in transit
         self.dropped = 0
+        self.refuse_uploads_after, self.refusing = None, False  # the object name (bytes) last let through
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -56,8 +59,11 @@ class Proxy:
         query = parse_qs(url.query)
         if self.corrupt_uploads and h.command == "PUT" and body:
             body = bytes([body[0] ^ 0xFF]) + body[1:]
+        starts_upload = h.command == "POST" and query.get("uploadType") == ["resumable"]
         if h.command == "GET" and url.path.endswith("/o") and "maxResults" in query:
             status, resp_headers, content = self.paginate(url.path, query)
+        elif starts_upload and self.refusing:
+            status, resp_headers, content = 503, {}, b""
         else:
             r = requests.request(h.command, self.upstream + h.path, data=body, headers=headers,
                                  allow_redirects=False, timeout=10)
@@ -69,6 +75,8 @@ class Proxy:
                 self.drop_reply_at = None
                 self.dropped += 1
                 status, resp_headers, content = 503, {}, b""
+            if starts_upload and self.refuse_uploads_after and self.refuse_uploads_after in body:
+                self.refusing = True
         h.send_response(status)
         for k, v in resp_headers.items():
             if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
@@ -357,3 +365,33 @@ def test_a_run_killed_after_a_save_leaves_its_metrics_in_the_bucket_for_a_new_ma
     assert steps(tmp_path / 'b' / 'metrics.jsonl') == [2, 4, 6]
     gcs.download_file(f'{out}/metrics.jsonl', str(tmp_path / 'bucket.jsonl'))
     assert steps(tmp_path / 'bucket.jsonl') == [2, 4, 6]
+
+
+@pytest.mark.parametrize('results_lost', [False, True])
+def test_a_rerun_uploads_what_a_bucket_outage_at_the_end_left_only_local(emu, proxy, toy, tmp_path, results_lost):
+    # uploads refused from the checkpoint of step 4 to the end: its checkpoints, results.json and history past step
+    # 4 stay local; the same command with the bucket back finds the run done (or, results.json lost, evaluates it)
+    out, local = f'gs://{BUCKET}/runs/outage-{results_lost}', tmp_path / 'local'
+    args = bucket_run(toy, out, local, '--max_steps=8', '--log_interval=2', '--checkpoint_interval=2',
+                      '--keep_last_n=2', '--gcs_retries=1', '--init_from=resume')
+    env = dict(STORAGE_EMULATOR_HOST=proxy.url.replace('http://', ''))
+    proxy.refuse_uploads_after = b'outage-%s/ckpt_00000004.pt' % str(results_lost).encode()
+    p = run(args, env=env)
+    assert re.search(rf'upload\(s\) to {out} (failed|still running at exit); only in .*ckpt_00000008.pt', p.stdout) \
+        and proxy.refusing, p.stdout[-3000:]
+    in_bucket = lambda: dict((u[len(out) + 1:], size) for u, size in gcs.list_objects(f'{out}/'))
+    assert 'ckpt_00000008.pt' not in in_bucket() and 'results.json' not in in_bucket()
+    if results_lost:
+        os.remove(local / 'results.json')
+    proxy.refusing = False
+    p = run(args, env=env)
+    assert ('results.json of step 8 is missing: evaluating' if results_lost else 'nothing to do') in p.stdout
+    bucket = in_bucket()
+    assert sorted(n for n in bucket if n.startswith('ckpt_')) == ['ckpt_00000004.pt', 'ckpt_00000008.pt'], bucket
+    for name in ['metrics.jsonl', 'results.json'] + [f'tb/{n}' for n in os.listdir(local / 'tb')]:
+        assert bucket.get(name) == os.path.getsize(local / name), (name, bucket)
+    gcs.download_file(f'{out}/results.json', str(tmp_path / 'results.json'))
+    assert json.load(open(tmp_path / 'results.json'))['step'] == 8
+    gcs.download_file(f'{out}/train.log', str(tmp_path / 'train.log'))
+    assert 'step 8/' in open(tmp_path / 'train.log').read()
+    assert f'{out} lacks what an earlier process left in {local}: uploading ckpt_00000008.pt' in p.stdout
