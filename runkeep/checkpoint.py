@@ -68,8 +68,10 @@ def load_checkpoint(path, name=None):
         return torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e:
         m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
-        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200] or \
-            ('the file is empty' if os.path.isfile(path) and os.path.getsize(path) == 0 else type(e).__name__)
+        why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200]
+        if not why or isinstance(e, KeyError):  # a KeyError's text: a bare byte that the unpickler looked up
+            why = 'the file is empty' if os.path.isfile(path) and os.path.getsize(path) == 0 else \
+                'not a PyTorch file' if isinstance(e, KeyError) else type(e).__name__
         if isinstance(e, pickle.UnpicklingError) and why.startswith('Unsupported global'):
             what = why.split(' was not an allowed global')[0].removeprefix('Unsupported global: ')
             raise CheckpointError(f"{name or path} holds objects other than tensors and plain values ({what}); "
@@ -559,18 +561,12 @@ def read_checkpoint(path):
         fail(f"init_from={path}: no such file")
     try:
         ckpt = load_checkpoint(path)
-    except CheckpointError as e:
+    except CheckpointError:
         try:  # checkpoints of earlier train.py versions hold numpy scalars in their results: allow those only
             with torch.serialization.safe_globals(numpy_scalar_types()):
                 ckpt = load_checkpoint(path)
-        except CheckpointError:
-            text = str(e.__cause__ or e)
-            m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(Check the documentation|$)', text, re.S)
-            detail = m.group(1) if m and m.group(1) else text.strip().splitlines()[0]
-            detail = ' '.join(detail.split())
-            fail(f"init_from={path} does not load as a checkpoint (not a PyTorch file, a corrupt or "
-                 f"truncated one, or one holding more than weights and plain values): "
-                 f"{detail if len(detail) <= 160 else detail[:160] + '...'}")
+        except CheckpointError as e:
+            fail(f"init_from: {e}")  # as train.py and publish.py say it
     found = weights_in(ckpt)
     if found is None:
         fail(f"init_from={path} is neither a checkpoint of train.py nor a state dict of the reference "

@@ -369,8 +369,22 @@ def test_setup_errors(sudoku4, tmp_path):
     assert_user_error(p, '--init_from', one_line=True)
     p = solve(f'--init_from={tmp_path / "none.pt"}', q, check=False)
     assert_user_error(p, 'no such file', one_line=True)
+    # an empty file, a text file, a JSON file: what train.py and publish.py say of them
+    (tmp_path / 'empty.pt').write_bytes(b'')
+    (tmp_path / 'text.pt').write_text('hello\n')
+    for name, why in (('empty.pt', 'the file is empty'), ('text.pt', 'not a PyTorch file')):
+        p = solve(f'--init_from={tmp_path / name}', q, check=False)
+        assert_user_error(p, f'init_from: checkpoint {tmp_path / name} is corrupt or truncated and was not loaded: '
+                          f'{why}', one_line=True)
     p = solve(f'--init_from={sudoku4.data / "train" / "dataset.json"}', q, check=False)
-    assert_user_error(p, 'does not load as a checkpoint', one_line=True)
+    assert_user_error(p, 'dataset.json is corrupt or truncated', one_line=True)
+    # a published step_<N> that is empty, beside its all_config.yaml
+    run('publish.py', f'--init_from={sudoku4.ckpt}', f'--out_dir={tmp_path}/pub')
+    step = glob.glob(str(tmp_path / 'pub' / 'step_*'))[0]
+    open(step, 'wb').close()
+    p = solve(f'--init_from={step}', q, check=False)
+    assert_user_error(p, f'{step} is corrupt or truncated and was not loaded: the file is empty')
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     p = solve(f'--init_from={sudoku4.ckpt}', check=False)
     assert_user_error(p, 'nothing to solve', one_line=True)
     p = solve(f'--init_from={sudoku4.ckpt}', q, '--count=3', check=False)
