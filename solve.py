@@ -383,7 +383,8 @@ def load_model(dev):
     try:
         meta, meta_from = load_metadata(dp, 'train'), f"dataset {dp}"
     except (OSError, ValueError) as e:
-        given_puzzles = not (index >= 0 or count > 0) and not data_path
+        # a data_path of the checkpoint's (or of its all_config.yaml's) may be the publisher's: not the user's word
+        given_puzzles = not (index >= 0 or count > 0) and 'data_path' not in _set_by
         meta = meta_from_weights(sd, model_cfg, trained_on) if given_puzzles else None
         if meta is None:
             trained = f" (the checkpoint was trained on data_path={saved.get('data_path')!r})" if ours else ''

@@ -225,6 +225,23 @@ def test_checkpoint_without_its_dataset(sudoku4):
     assert_user_error(p, 'elsewhere', '--data_path', one_line=True)
 
 
+def test_a_published_step_without_its_dataset(sudoku4, tmp_path):
+    """The same for a published step_<N>, whose all_config.yaml names the publisher's dataset: the puzzle kind
+    comes from the weights, the answer is the checkpoint's."""
+    import yaml
+    run('publish.py', f'--init_from={sudoku4.ckpt}', f'--out_dir={tmp_path}/pub')
+    cfg = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))
+    cfg['data_paths'] = [str(tmp_path / 'elsewhere')]
+    (tmp_path / 'pub' / 'all_config.yaml').write_text(yaml.safe_dump(cfg))
+    step = glob.glob(str(tmp_path / 'pub' / 'step_*'))[0]
+    i = sudoku4.solved[0]
+    p = solve(f'--init_from={step}', f'--puzzle={sudoku4.puzzles[i]}', '--quiet=True')
+    assert '4x4 Sudokus (the weights (no dataset at' in p.stdout, p.stdout[-2000:]
+    assert summaries(p.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
+    p = solve(f'--init_from={step}', '--index=0', check=False)
+    assert_user_error(p, 'elsewhere', '--data_path', one_line=True)
+
+
 def test_a_checkpoint_without_its_dataset_solves_the_kind_it_was_trained_on(maze8):
     """The weights' shapes may fit another kind (an attention model with RoPE holds no sequence length, and an 8x8
     maze's vocabulary is a 4x4 Sudoku's): the kind and length the checkpoint recorded decide."""
