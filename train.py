@@ -119,8 +119,8 @@ def config_errors(config, set_at=None):
 config = {k: globals()[k] for k in config_keys}
 if bad := config_errors(config, _set_at):
     raise SystemExit("config error: " + '; '.join(bad))
-config.update(runkeep.resolve_init_from(dict(config, _set_by=_set_by)))  # hf:// fetched; all_config.yaml's keys
-if bad := config_errors(config):  # what the published run's keys make of the rest
+config.update(runkeep.resolve_init_from(dict(config, _set_by=_set_by), ours=True))  # hf:// fetched; its run's keys
+if bad := config_errors(config):  # what init_from's run's keys make of the rest
     raise SystemExit("config error: " + '; '.join(bad))
 globals().update(config)
 # -----------------------------------------------------------------------------

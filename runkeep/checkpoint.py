@@ -60,12 +60,13 @@ def save_atomic(obj, path):
         raise CheckpointError(f"could not write {path}: {why}") from e
 
 
-def load_checkpoint(path, name=None):
+def load_checkpoint(path, name=None, mmap=False):
     """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code. name: what
-    errors call the file (the bucket URI of a downloaded copy). A file that does not load is one line naming
-    it (torch's own text advises weights_only=False, which would run whatever an unknown file holds)."""
+    errors call the file (the bucket URI of a downloaded copy); mmap: the tensors mapped, not read. A file that
+    does not load is one line naming it (torch's own text advises weights_only=False, which would run whatever
+    an unknown file holds)."""
     try:
-        return torch.load(path, map_location='cpu', weights_only=True)
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
     except Exception as e:
         m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
         why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200]

@@ -6,11 +6,12 @@ The reference implementation's published checkpoint layout, and the Hugging Face
 Reading (train.py and solve.py, after the configurator): resolve_init_from() fetches an
 hf://OWNER/REPO[@REVISION]/PATH/step_<N> into a local cache (resumable, once per commit) and takes the model keys
 from the all_config.yaml beside the file, refusing a key the config files or the command line set to another
-value, and the model keys that break train.py's rules (configurator.py). Writing (publish.py): export() turns a
-checkpoint of train.py into the layout, all or nothing, and never over another run's files (one all_config.yaml
-answers for every step_<N> beside it); upload() commits it to a hub repository. The hub's own client
-(huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN (or `hf auth login`) the identity.
-The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
+value, and the model keys that break train.py's rules (configurator.py); for train.py a checkpoint of its own
+gives its run's model keys too, where none is set (one set to another value is used, and said). Writing
+(publish.py): export() turns a checkpoint of train.py into the layout, all or nothing, and never over another
+run's files (one all_config.yaml answers for every step_<N> beside it); upload() commits it to a hub repository.
+The hub's own client (huggingface_hub) makes every request: HF_ENDPOINT picks the server, HF_TOKEN (or `hf auth
+login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
 Nothing here imports torch at import time: train.py resolves init_from before its config checks.
 """
 import contextlib
@@ -133,13 +134,44 @@ def same(a, b):
     return float(a) == float(b) if number(a) and number(b) else a == b
 
 
-def resolve_init_from(g):
+def run_keys(g, set_by, keys):
+    """A run's model keys ({key: value}) against a script's config globals `g`: (those keys, in g's types; the
+    updates: the ones that no config file or flag set (`set_by`), the run's values; {key: the run's value} of
+    the ones set to another value)."""
+    keys = {k: type(g[k])(v) if isinstance(g[k], float) else v for k, v in keys.items() if k in g}
+    differ = {k: v for k, v in keys.items() if k in set_by and not same(g[k], v)}
+    return keys, {k: v for k, v in keys.items() if k not in set_by}, differ
+
+
+def said_keys(g, set_by, keys, differ, whose):
+    """The start-up line's words on a run's model keys: those taken, then each one set to another value."""
+    return (', '.join(f"{k}={v!r}" for k, v in keys.items() if k not in differ)
+            + ''.join(f"; {k}={g[k]!r} as set ({set_by[k]}), {whose} {v!r}" for k, v in differ.items()))
+
+
+def train_run(path):
+    """weights_in's dict of a checkpoint of train.py at `path` (its run's config, its step), or None: a state
+    dict, or a file that does not load (loading its weights says why). Memory-mapped: the tensors are not read."""
+    from configurator import import_torch
+    import_torch()  # where an address-space limit leaves it no room: one line
+    from .checkpoint import CheckpointError, load_checkpoint, weights_in
+    try:
+        found = weights_in(load_checkpoint(path, mmap=True))
+    except CheckpointError:
+        return None
+    return found if found and found['config'] else None
+
+
+def resolve_init_from(g, ours=False):
     """A script's config globals `g` after the configurator (train.py's, solve.py's): the updates that make
     init_from a local file and its model keys those of the published run, {key: value}. init_from=hf://...:
     fetched into the cache. With an all_config.yaml beside the file: its model keys, checked against the keys
     the config files and the command line set (`_set_by`), refused in one line where one contradicts it; a
     data_path left '' (solve.py: "the checkpoint's") becomes its first data_paths. Says where the config came
-    from in one line. Without the YAML: nothing changes (the keys are the script's, as for any file)."""
+    from in one line. Without the YAML: nothing changes (the keys are the script's, as for any file), but with
+    `ours` (train.py) a checkpoint of train.py to start from (not a resume's) gives its run's model keys where no
+    config file or flag set them; one set to another value is used (changing no weight's shape, H_cycles at test
+    time, say), and said in that line."""
     init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
     resume = 'resume:' if init_from.startswith('resume:') else ''  # resume, else start from the file after it
     init_from = init_from[len(resume):]
@@ -154,30 +186,32 @@ def resolve_init_from(g):
              "hf://OWNER/REPO@REVISION/PATH/step_<N>)")
     yaml_path = all_config_beside(init_from) if init_from and os.path.isfile(init_from) else None
     if yaml_path is None:
+        found = ours and not resume and init_from and os.path.isfile(init_from) and train_run(init_from)
+        if found:
+            from model import MODEL_KEYS
+            keys, taken, differ = run_keys(g, set_by, {k: v for k, v in found['config'].items() if k in MODEL_KEYS})
+            print(f"init_from={shown}: a checkpoint of train.py (step {found['step']}); model config from its run: "
+                  + said_keys(g, set_by, keys, differ, "the checkpoint's"))
+            return {**updates, **taken}
         if shown != init_from:
             print(f"init_from={shown}: {init_from}; no all_config.yaml beside it in the repository: the model "
                   "keys are this run's config, as for any state dict")
         return updates
     cfg = read_all_config(yaml_path)
     where = posixpath.join(posixpath.dirname(shown), 'all_config.yaml') if shown != init_from else yaml_path
-    keys = {k: type(g[k])(v) if isinstance(g[k], float) else v
-            for k, v in model_keys(cfg, where).items() if k in g}
-    clash = [f"{k}={g[k]!r} ({set_by[k]}) but the published run has {k}={v!r}" for k, v in keys.items()
-             if k in set_by and k not in MAY_DIFFER and not same(g[k], v)]
+    keys, taken, differ = run_keys(g, set_by, model_keys(cfg, where))
+    clash = [f"{k}={g[k]!r} ({set_by[k]}) but the published run has {k}={v!r}" for k, v in differ.items()
+             if k not in MAY_DIFFER]
     if clash:
         fail(f"config error: init_from={shown}: {'; '.join(clash)} ({where}). The weights were trained with "
              "the run's values: drop the key (it is taken from there), or start from scratch to change it")
-    kept = {k: v for k, v in keys.items() if k in set_by and not same(g[k], v)}
-    updates.update({k: v for k, v in keys.items() if k not in set_by})
+    updates.update(taken)
     data_paths = cfg.get('data_paths') if isinstance(cfg.get('data_paths'), list) else []
     if g.get('data_path') == '' and data_paths and 'data_path' not in set_by:
         updates['data_path'] = str(data_paths[0])
     cached = f", cached at {init_from}" if shown != init_from else ''
     print(f"init_from={shown}: a checkpoint in the reference's published layout{cached}; model config from "
-          f"{where}: "
-          + ', '.join(f"{k}={v!r}" for k, v in keys.items() if k not in kept)
-          + ''.join(f"; {k}={g[k]!r} as set ({set_by[k]}), the run's {v!r}" for k, v in kept.items())
-          + f"; trained on data_paths={data_paths}")
+          f"{where}: " + said_keys(g, set_by, keys, differ, "the run's") + f"; trained on data_paths={data_paths}")
     return updates
 
 

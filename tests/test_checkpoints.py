@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from conftest import FAST, assert_user_error, ckpt_paths, ckpts, run, site_hook, train
+from conftest import FAST, assert_user_error, ckpt_paths, ckpts, eval_lines, run, site_hook, train
 from runkeep.checkpoint import CheckpointError, load_checkpoint
 
 
@@ -159,3 +159,26 @@ def test_stale_tmp_files_are_removed_at_start(toy, tmp_path):
     (out / 'ckpt_00000123.pt.tmp').write_bytes(b'half a file')
     train(toy, out, '--max_steps=4')
     assert not glob.glob(str(out / '*.tmp'))
+
+
+def test_a_checkpoint_file_gives_the_model_keys_its_run_had_unless_set_and_a_set_one_is_said(toy, tmp_path):
+    """init_from=FILE (not a resume) of train.py: the model keys that no config file or flag sets come from the run
+    that saved it (H_cycles, L_cycles, halt_max_steps change no weight's shape: the defaults would load and
+    evaluate another recursion); a key set to another value is used (more H_cycles at test time), and said."""
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4')
+    ckpt = ckpt_paths(out)[-1]
+    bare = ['train.py', f'--data_path={toy}', f'--init_from={ckpt}', '--eval_only=True', '--device=cpu',
+            '--global_batch_size=50', '--xla_cache_dir=']
+    typed = train(toy, tmp_path / 'a', f'--init_from={ckpt}', '--eval_only=True')  # the run's keys, all typed
+    p = run(bare + [f'--out_dir={tmp_path}/b'])
+    assert eval_lines(p.stdout) == eval_lines(typed.stdout) and eval_lines(typed.stdout), p.stdout[-3000:]
+    said = next(l for l in p.stdout.splitlines() if l.startswith(f'init_from={ckpt}: '))
+    assert 'hidden_size=32' in said and 'H_cycles=2' in said and 'halt_max_steps=4' in said, said
+    recipe = tmp_path / 'deeper.py'
+    recipe.write_text('H_cycles = 3\n')
+    p = run(bare + [f'--out_dir={tmp_path}/c', str(recipe), '--halt_max_steps=6'])
+    said = next(l for l in p.stdout.splitlines() if l.startswith(f'init_from={ckpt}: '))
+    assert f"H_cycles=3 as set ({recipe}), the checkpoint's 2" in said, said
+    assert "halt_max_steps=6 as set (--halt_max_steps=6), the checkpoint's 4" in said, said
+    assert eval_lines(p.stdout), p.stdout[-3000:]
