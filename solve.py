@@ -612,7 +612,13 @@ def adapt_to_new_tasks():
         fail(f"png={png} draws one task; {task} holds {len(tasks)}: drop --png or give one task")
     new_tasks[:] = [str(t) for t in tasks]
     _, saved, _, trained_on, _ = read_checkpoint(init_from)
-    keep, canvas = run_of(init_from, saved, trained_on)  # a published step_<N>: its all_config.yaml's
+    keep, canvas, learned = run_of(init_from, saved, trained_on)  # a published step_<N>: its all_config.yaml's
+    # what solving the adapted run would refuse, refused before the minutes of adapting
+    if (kind := learned and puzzle_for(learned)) and kind.name != 'arc':
+        fail(f"task={task}: --task solves ARC tasks; {init_from} was trained on {kind.titles} (give an ARC "
+             "checkpoint, or solve its puzzles with --puzzle, --file, --index or --count)")
+    if problem := views_problem(puzzle_for(dict(puzzle_type='arc', seq_len=canvas * canvas)), eval_views):
+        fail(f"eval_views={eval_views}: {problem}")
     adapted, data = adapt(task, tasks, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
                           device)
     globals().update(init_from=adapted, data_path=data)

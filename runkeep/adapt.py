@@ -91,16 +91,19 @@ def finished(out):
 
 def run_of(init_from, saved, trained_on):
     """What an adaptation keeps of the checkpoint's run: (train.py's keys of its recipe and model, the side of its
-    canvas). A checkpoint of train.py carries its config (`saved`) and its data's shape (`trained_on`); a
-    published step_<N> neither: the all_config.yaml beside it gives them (the grid from the dataset its
-    data_paths names, where that is on this machine). With neither: train.py's defaults, ARC-AGI's canvas."""
-    if saved is None and (saved := published_run(init_from)):
+    canvas, the data it learned: a data_shape or dataset.json dict, or None). A checkpoint of train.py carries its
+    config (`saved`) and its data's shape (`trained_on`); a published step_<N> neither: the all_config.yaml beside
+    it gives them (the data from the dataset its data_paths names, where that is on this machine, as for a
+    checkpoint saved before it recorded its data). With neither: train.py's defaults, ARC-AGI's canvas."""
+    if saved is None:
+        saved = published_run(init_from)
+    if saved and not trained_on and saved.get('data_path'):
         try:
-            trained_on = load_metadata(saved['data_path'], 'train') if saved.get('data_path') else None
+            trained_on = load_metadata(saved['data_path'], 'train')
         except (OSError, ValueError):  # a dataset built elsewhere
             trained_on = None
     keep = {k: v for k, v in (saved or {}).items() if k in RECIPE or k in MODEL_KEYS}
-    return keep, int(round(((trained_on or {}).get('seq_len') or ARC_SEQ_LEN) ** 0.5))
+    return keep, int(round(((trained_on or {}).get('seq_len') or ARC_SEQ_LEN) ** 0.5)), trained_on
 
 
 def key_of(tasks, init_from, settings):

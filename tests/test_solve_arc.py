@@ -271,6 +271,29 @@ def test_a_task_id_twice_in_a_task_file_is_refused_before_anything_is_built(arc_
     assert not os.path.exists(tmp_path / 'a')
 
 
+
+def test_what_solving_refuses_is_refused_before_a_task_file_is_adapted_to(arc_run, tmp_path):
+    """--task=FILE.json adapts for minutes before it solves: views above 1 and a checkpoint of another puzzle kind,
+    which solving refuses, are refused first, in one line, and nothing is built."""
+    data, ckpt = arc_run
+    task = write_task(tmp_path / 'task.json', [[2, 1, 1]])
+    p = solve(ckpt, f'--task={task}', '--eval_views=2', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/a',
+              check=False)
+    assert_user_error(p, 'eval_views=2', 'stored augmentations', 'views must be 1', one_line=True)
+    assert not os.path.exists(tmp_path / 'a') and 'prepare_arc' not in p.stdout
+    sudoku, out = tmp_path / 's4', tmp_path / 'o4'
+    run(['prepare_sudoku.py', '--generate', '40', '--size', '4', '--num_test', '4', '--output_dir', str(sudoku)],
+        env=ENV)
+    run(['train.py', f'--data_path={sudoku}', f'--out_dir={out}', '--hidden_size=32', '--num_heads=2',
+         '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2', '--global_batch_size=8',
+         '--max_steps=1', '--forward_dtype=float32', '--device=cpu', '--xla_cache_dir=', '--tensorboard=False'],
+        env=ENV)
+    p = solve(out / 'ckpt_00000001.pt', f'--task={task}', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/b',
+              check=False)
+    assert_user_error(p, f'task={task}: --task solves ARC tasks', '4x4 Sudokus', one_line=True)
+    assert not os.path.exists(tmp_path / 'b')
+
+
 def start_adapting(cwd, ckpt, task, folder):
     """solve.py adapting to a task for minutes, in its own session (a terminal's process group): (its process,
     its output's Lines), once train.py has done a step."""
