@@ -604,7 +604,9 @@ def adapt_to_new_tasks():
         tasks = load_json(task)  # a key twice is refused: JSON readers keep only the last
     except ValueError as e:
         fail(e)  # the file named first
-    if isinstance(tasks, dict) and 'train' in tasks and 'test' in tasks:
+    if isinstance(tasks, dict) and ('train' in tasks or 'test' in tasks):
+        if lacks := [k for k in ('train', 'test') if k not in tasks]:
+            fail(f"task={task}: one task is {{'train': [...], 'test': [...]}}; it has no {lacks[0]!r}")
         tasks = {os.path.splitext(os.path.basename(task))[0]: tasks}
     if not isinstance(tasks, dict) or not tasks:
         fail(f"task={task}: expected one task ({{'train': [...], 'test': [...]}}) or {{task id: task}}")

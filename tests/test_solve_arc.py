@@ -294,6 +294,14 @@ def test_what_solving_refuses_is_refused_before_a_task_file_is_adapted_to(arc_ru
     assert not os.path.exists(tmp_path / 'b')
 
 
+def test_a_task_without_its_test_inputs_is_named_as_the_user_s_file(arc_run, tmp_path):
+    data, ckpt = arc_run
+    lone = tmp_path / 'lone.json'
+    lone.write_text(json.dumps(dict(train=[dict(input=[[1]], output=[[2]])])))
+    p = solve(ckpt, f'--task={lone}', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/a', check=False)
+    assert_user_error(p, f"task={lone}: ", "no 'test'", one_line=True)
+    assert not os.path.exists(tmp_path / 'a')
+
 def start_adapting(cwd, ckpt, task, folder):
     """solve.py adapting to a task for minutes, in its own session (a terminal's process group): (its process,
     its output's Lines), once train.py has done a step."""
