@@ -44,6 +44,8 @@ ARCH_FIELDS = dict(hidden_size=(int, None), num_heads=(int, None), expansion=(fl
 # set explicitly, they win; every other model key set to another value than the run's is refused
 MAY_DIFFER = ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')
 HUB_RE = re.compile(r'hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>[^@]+)$')
+# a file fetch() cached (TRM_HUB_CACHE/OWNER--REPO/COMMIT/PATH, on whichever machine it ran)
+CACHED_RE = re.compile(r'(?:^|/)(?P<owner>[^/]+?)--(?P<name>[^/]+)/(?P<commit>[0-9a-f]{40})/(?P<path>.+)$')
 COMMIT_RE = re.compile(r'[0-9a-f]{40}')
 
 
@@ -387,6 +389,8 @@ def all_config(cfg, folder, forward_dtype, arc):
             arch[k] = cfg[k]
     from .checkpoint import resume_parts
     started_from = resume_parts(cfg.get('init_from', 'scratch'))[1]  # 'resume:FILE' started from FILE
+    if m := CACHED_RE.search(started_from or ''):  # shared with the weights: the hub's address, not a cache path
+        started_from = f"hf://{m['owner']}/{m['name']}@{m['commit']}/{m['path']}"
     return dict(arch=arch, data_paths=[cfg['data_path']], data_paths_test=[],
                 evaluators=[dict(name='arc@ARC')] if arc else [], checkpoint_path=folder,
                 checkpoint_every_eval=True, eval_interval=cfg['eval_every_epochs'], min_eval_interval=0,

@@ -356,3 +356,15 @@ def test_solve_takes_a_hub_checkpoint(hub, table_run, tmp_path):
             check=False)
     assert 'init_from=hf://alice/trm-toy/toy/step_6: a checkpoint in the reference' in p.stdout
     assert_user_error(p, f"dataset {table_run['data']} holds no puzzle kind that solve.py knows")
+
+
+def test_a_run_started_from_the_hub_publishes_the_hub_address_it_started_from(hub, table_run, tmp_path):
+    # all_config.yaml's load_checkpoint is shared with the weights: the portable hf:// address (at the commit the
+    # run started from), never the publisher's cache path
+    publish_to(hub, table_run)
+    commit = FakeHub.repos['alice/trm-toy']['branches']['main']
+    train(table_run['data'], tmp_path / 'ft', '--init_from=hf://alice/trm-toy/toy/step_6', '--max_steps=2',
+          args=TABLE_ARGS, env=dict(hub, HF_TOKEN=TOKEN))
+    run(['publish.py', f"--init_from={tmp_path / 'ft' / 'ckpt_00000002.pt'}", f'--out_dir={tmp_path}/pub'])
+    config = open(tmp_path / 'pub' / 'all_config.yaml').read()
+    assert f'load_checkpoint: hf://alice/trm-toy@{commit}/toy/step_6\n' in config, config
