@@ -211,9 +211,9 @@ class Run:
                          ema=ema_model.state_dict() if ema_model is not model else None,
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
-                         config=self.cfg, best=self.best, run_id=self.run_id, timing=self.timing_total(),
-                         device_s=self.device_seconds(), data=data_shape(self.meta), identifiers=self.identifiers,
-                         eval_owed=owed,
+                         config=self.cfg, best=self.best, run_id=self.run_id,
+                         **dict(zip(('timing', 'device_s'), self.spent())), data=data_shape(self.meta),
+                         identifiers=self.identifiers, eval_owed=owed,
                          **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
@@ -237,15 +237,13 @@ class Run:
         if self.dev.type == 'xla':
             self.dev.read(checkpoint_tensors(self.dev, model, ema_model, carry))
 
-    def timing_total(self):
-        """Wall seconds by phase over all of this run's processes: the checkpoint's totals plus this
-        process's."""
+    def spent(self):
+        """(wall seconds by phase, device-seconds) over all of this run's processes, at one moment: the
+        checkpoint's totals plus this process's (its wall time x its world size: a resume may run on another
+        number of devices)."""
         now = self.clock()
-        return {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
-
-    def device_seconds(self):
-        """Device-seconds over all of this run's processes: a resume may run on another number of devices."""
-        return self.device_s + sum(self.clock().values()) * self.dev.world_size
+        timing = {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
+        return timing, self.device_s + sum(now.values()) * self.dev.world_size
 
     def new_best(self, step, res):
         if res['exact_accuracy'] > self.best['exact_accuracy']:
@@ -332,8 +330,8 @@ class Run:
         ARC's submission.json first."""
         if self.master and example:
             print(render_example(self.meta, *example))
-        self.records.finish(step, final_eval, self.best, self.run_id, self.timing_total(), self.device_seconds(),
-                            parameters, flops_per_example, arc)
+        self.records.finish(step, final_eval, self.best, self.run_id, *self.spent(), parameters, flops_per_example,
+                            arc)
 
     def evaluate_checkpoint(self, evaluate, step, arc=None):
         """--eval_only: init_from's weights on the whole test split (evaluate(): (results, example)), printed;

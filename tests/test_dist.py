@@ -120,7 +120,7 @@ def test_two_ranks_log_the_loss_and_the_gradient_norm_of_one(toy, tmp_path):
     res = json.load(open(tmp_path / 'two' / 'results.json'))
     later = res['wall_s']['total'] - first
     assert res['world_size'] == 1 and later > 0
-    assert res['device_hours'] * 3600 == pytest.approx(2 * first + later, rel=1e-3), (res['device_hours'], first)
+    assert res['device_hours'] * 3600 == pytest.approx(2 * first + later, rel=1e-9), (res['device_hours'], first)
 
 
 # (the W&B code runs on rank 0 alone, the same at any world size: three of the four pairs keep the suite short,
