@@ -207,13 +207,13 @@ class Run:
                         f"saved. The last good checkpoint is {self.last_good or 'none'}; continue from it "
                         f"with --init_from=resume and a lower --lr (now {self.cfg['lr']})"]
         elif self.master:
+            timing, device_s = self.spent()
             state = dict(model=model.state_dict(),
                          ema=ema_model.state_dict() if ema_model is not model else None,
                          optimizer=opt.state_dict(), step=step, loader=loader_state,
                          carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
-                         config=self.cfg, best=self.best, run_id=self.run_id,
-                         **dict(zip(('timing', 'device_s'), self.spent())), data=data_shape(self.meta),
-                         identifiers=self.identifiers, eval_owed=owed,
+                         config=self.cfg, best=self.best, run_id=self.run_id, timing=timing, device_s=device_s,
+                         data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
                          **(self.arc.pool_state() if self.arc else {}))
             try:
                 if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it

@@ -15,7 +15,7 @@ from runkeep import gcs
 from configurator import (config_files, config_problems, key_problem, place_words, places, read_config_block,
                           type_problem)
 from puzzles import shape_from_name
-from runkeep.checkpoint import checkpoint_name, list_checkpoints
+from runkeep.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 TRAIN_DEFAULTS = {k: v for k, (v, _) in read_config_block(os.path.join(HERE, 'train.py')).items()}
@@ -467,13 +467,12 @@ def resume_problem(e, steps=None):
     is not reused: its newest readable checkpoint was saved with another configuration than the command the
     study runs now (a resume would finish a run of both, which its results.json would record as this one); ''
     when it resumes. steps: its checkpoint_steps, if listed already."""
-    import torch
     for step in reversed(checkpoint_steps(e) if steps is None else steps):
         name = checkpoint_name(step)
         local = os.path.join(e.local, name)
         path = local if os.path.exists(local) else fetch(e, name)
         try:  # its tensors mapped, not read: study.py's memory check takes its own size for each run's process
-            saved = torch.load(path, map_location='cpu', weights_only=True, mmap=True)['config']
+            saved = load_checkpoint(path, mmap=True)['config']
         except Exception:  # missing, unreadable or not train.py's: train.py tries an older one too, and says so
             continue
         if diffs := config_diffs(e, saved if isinstance(saved, dict) else {}):
