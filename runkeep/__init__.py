@@ -4,9 +4,10 @@ checks, locks, resume, atomic checkpoints, records and uploads, the watchdog, si
 time budgets, published checkpoints, GCS, TorchTPU and the pre-flight.
 
 The front, all that train.py uses: resolve_init_from (an hf:// checkpoint fetched, the model keys of the run a
-checkpoint comes from; before the config checks), Run (one run's verbs), launch (its process or processes) and start_worker (a torch_xla worker's
-signals). The other scripts take the module they need: gcs (the builders' gs:// output), checkpoint, hub and adapt
-(solve.py, publish.py), memory (study.py, solve.py), locks, startup and signals (study.py).
+checkpoint comes from; before the config checks), Run (one run's verbs), launch (its process or processes) and
+start_worker (a torch_xla worker's signals). The other scripts take the module they need: gcs (the builders' gs://
+output), checkpoint, hub and adapt (solve.py, publish.py), memory (study.py, solve.py), locks, startup and signals
+(study.py).
 """
 import importlib
 
