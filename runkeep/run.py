@@ -410,7 +410,8 @@ def launch(main, config, started):
     """train.py's process: SIGTERM and Ctrl-C become stop requests; then with preflight=True two short runs of
     this command and a verdict instead (preflight.py); a TorchTPU run's launcher (one process per TPU device,
     through torchrun); torch_xla's launcher (one worker per local chip, each running main(index) and following
-    the launcher); else main() itself. started: the process's start (time.time()). Returns the exit code."""
+    the launcher); else main() itself, a message it exits with written as one line. started: the process's
+    start (time.time()). Returns the exit code."""
     kind = resolve_device(config['device'])  # a device that cannot run here says so now, in one line
     install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
     if config['preflight']:
@@ -429,7 +430,16 @@ def launch(main, config, started):
             folder = (config['local_dir'] or local_folder(out_dir)) if gcs.is_gcs(out_dir) else out_dir
             return ended_abruptly(folder, started)  # the watchdog's code, when it fired
         return 0
-    main()
+    try:
+        main()
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        # torchrun's ranks share one stderr, and Python writes an exit message and its newline apart, so another
+        # rank's line could land between them: one write keeps each line whole
+        sys.stderr.write(e.code + '\n')
+        sys.stderr.flush()
+        return 1
     return 0
 
 

@@ -75,8 +75,21 @@ def test_hosts_with_different_configs_are_refused_at_start(toy, tmp_path):
 
 
 def test_batch_sizes_not_divisible_by_the_world_are_refused_before_the_first_step(toy, tmp_path):
+    # each rank's writes to stderr recorded: the ranks share it, so a line written in two parts can take in
+    # another rank's line between them
+    wrapper = ("import io, json\nclass Writes(io.RawIOBase):\n    def writable(self):\n        return True\n"
+               "    def write(self, b):\n"
+               f"        with open({str(tmp_path)!r} + '/writes_' + os.environ['RANK'], 'a') as f:\n"
+               "            f.write(json.dumps(bytes(b).decode()) + '\\n')\n"
+               "        return os.write(2, b)\n"
+               "sys.stderr = io.TextIOWrapper(Writes(), write_through=True)\n")
     p = torchrun(3, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST
-                 + ['--global_batch_size=50', '--eval_batch_size=32'])
+                 + ['--global_batch_size=50', '--eval_batch_size=32'], wrapper=wrapper)
+    for rank in range(3):
+        with open(tmp_path / f'writes_{rank}') as f:
+            writes = [json.loads(line) for line in f]
+        said = [w for w in writes if 'start-up checks failed' in w]
+        assert len(said) == 1 and said[0].startswith('start-up checks') and said[0].endswith('size 3\n'), writes
     assert_all_ranks_stopped_with(p, 'eval_batch_size=32 is not divisible by the world size 3',
                                   'global_batch_size=50 is not divisible by the world size 3')
     assert 'step 1/' not in p.stdout
