@@ -35,7 +35,9 @@ real, calls = step.train_step, [0]
 def train_step(*args, **kwargs):
     calls[0] += 1
     if calls[0] == {at} and os.environ.get('RANK', '0') in {[str(rank)] if rank is not None else ['0', '1']!r}:
-        print('test hook: step {at} never ends', flush=True)
+        # one write that starts a line: another rank's line may be half written (its text, then its newline)
+        sys.stdout.write('\\ntest hook: step {at} never ends\\n')
+        sys.stdout.flush()
         threading.Event().wait()
     return real(*args, **kwargs)
 
