@@ -62,12 +62,18 @@ FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4'] 
 SUDOKU = TOY_ARGS + ['--mlp_t=False', '--epochs=100', '--eval_every_epochs=1000', '--log_interval=4']
 
 
+def script_env(env=None):
+    """The environment of a script a test starts: the user's, less what would point it at their own W&B account
+    (W&B is off unless `env` says otherwise) or at a TPU, plus `env` (where a value is None: without it)."""
+    e = {k: v for k, v in os.environ.items() if not k.startswith('WANDB_') and k != 'PJRT_DEVICE'}
+    e.update(dict(dict(WANDB_MODE='disabled', PYTHONUNBUFFERED='1'), **(env or {})))
+    return {k: v for k, v in e.items() if v is not None}
+
+
 def run(args, timeout=600, env=None, check=True):
     """Run a script of this repo in a new process (cwd = repository root), as a user would."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    e.pop('PJRT_DEVICE', None)
-    e.update(env or {})
-    p = subprocess.run([sys.executable] + args, cwd=ROOT, env=e, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable] + args, cwd=ROOT, env=script_env(env), capture_output=True, text=True,
+                       timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}")
     return p
@@ -360,10 +366,9 @@ def write_like(root, kind, side, n=20, seed=0, splits=('train', 'test')):
 
 def start(data, out, *extra, args=FAST, **kw):
     """train.py in the background (its own session, so a failed test can kill the whole group)."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
     kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT), **kw)
     return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=e, text=True, start_new_session=True, **kw)
+                            + list(extra), cwd=ROOT, env=script_env(), text=True, start_new_session=True, **kw)
 
 
 def read_until(proc, prefix, timeout=300):
@@ -390,10 +395,8 @@ def finish(proc, timeout):
 
 def popen_train(data, out, *extra, args=FAST, env=None):
     """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
-    e.pop('PJRT_DEVICE', None) if 'PJRT_DEVICE' not in (env or {}) else None
     return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            + list(extra), cwd=ROOT, env=script_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             bufsize=0, start_new_session=True)
 
 

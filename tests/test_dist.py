@@ -142,7 +142,7 @@ def test_two_ranks_log_the_loss_and_the_gradient_norm_of_one(toy, tmp_path):
 def test_wandb_trouble_never_stops_a_run(toy, tmp_path, ranks, how):
     home = tmp_path / 'home'
     home.mkdir()
-    env = dict(HOME=str(home), WANDB_MODE='', WANDB_CONFIG_DIR=str(home / '.config'), WANDB_SILENT='true')
+    env = dict(HOME=str(home), WANDB_MODE=None, WANDB_CONFIG_DIR=str(home / '.config'), WANDB_SILENT='true')
     if how == 'server unreachable':
         env.update(WANDB_API_KEY='0' * 40, WANDB_BASE_URL=f'http://127.0.0.1:{free_port()}')  # a closed port
     args = [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=8', '--wandb_log=True'] + FAST
@@ -150,6 +150,7 @@ def test_wandb_trouble_never_stops_a_run(toy, tmp_path, ranks, how):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert 'W&B unavailable' in out and 'wandb sync' in out
+    assert how != 'not logged in' or 'W&B unavailable (not logged in' in out, out[-3000:]
     assert 'step 8/8' in out and os.path.exists(tmp_path / 'o' / 'ckpt_00000008.pt')
     assert [d for d in os.listdir(tmp_path / 'o' / 'wandb') if d.startswith('offline-run-')]
 
