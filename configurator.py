@@ -3,11 +3,11 @@ Poor man's configurator, after nanoGPT. Run from a script as
     exec(open('configurator.py').read())
 after the script has set its config globals (its "config block": the lines from `# config` to the next
 `# -----` line, one `key = default  # meaning` a line). It reads sys.argv: plain-Python config files
-(`config/baseline.py`) are executed in order, then `--key=value` overrides are applied; `--help` lists
-every key with its default and meaning and exits. Every key must be one of the script's config keys;
-values are parsed as Python literals and must keep the default's type (an int where a float is expected
-is fine). A config file may name the recipe it changes in `_base = 'config/baseline.py'` (a path from the
-repository root): that file is applied first, so each file holds only what it changes. Names starting with
+(`config/baseline.py`) are executed in order, then `--key=value` overrides are applied, wherever they are typed (a
+flag wins over every file); `--help` lists every key with its default and meaning and exits. Every key must be one
+of the script's config keys; values are parsed as Python literals and must keep the default's type (an int where a
+float is expected is fine). A config file may name the recipe it changes in `_base = 'config/baseline.py'` (a path
+from the repository root): that file is applied first, so each file holds only what it changes. Names starting with
 '_' are not keys. `read_config_block(path)` gives another script's keys (bench.py takes train.py's), and
 `config_files(path)` what a config file sets (study.py reads the experiments with it). The script learns
 which keys were set, and where, in `_set_by` ({key: the config file or '--key=value'}) and `_set_at` ({key:
@@ -313,7 +313,8 @@ def _configure(g, argv):
             raise SystemExit(f"config error: {problem}")
         return float(value) if isinstance(defaults[key], float) and type(value) is int else value
 
-    for arg in argv:
+    # the config files in their order, then the flags, wherever they were typed: a flag always wins over a file
+    for arg in sorted(argv, key=lambda a: a.startswith('--')):
         if not arg.startswith('--'):
             # a config file: plain Python that assigns globals (after its _base file's)
             for path, keys in config_files(arg):

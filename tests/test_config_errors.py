@@ -57,6 +57,9 @@ CASES = [
          file="hidden_size = 64\nlr = -1.0\n", id='rule-in-file'),
     case(['{cfg}', '--lr=-2', '--out_dir={out}'], 'lr=-2.0 (allowed: > 0), from --lr=-2', absent=['line'],
          file="lr = -1.0\n", id='rule-flag-over-file'),
+    # flags come after every config file, wherever they are typed
+    case(['--lr=-2', '{cfg}', '--out_dir={out}'], 'lr=-2.0 (allowed: > 0), from --lr=-2', absent=['line'],
+         file="lr = 1e-3\n", id='rule-flag-before-file'),
     # keys that contradict each other (the model's shape)
     case(['config/arc1.py', '--hidden_size=16', '--out_dir={out}'], 'puzzle_emb_ndim=512 does not fit', '16 * 16',
          'from --hidden_size=16', absent=['arc1.py'], id='emb-fit'),
