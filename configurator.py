@@ -185,7 +185,11 @@ def config_files(path):
             raise SystemExit(f"config error: cannot read config file {path}: {e.strerror}")
         scope = {}
         try:  # (builtins.compile: train.py has its own 'compile')
-            exec(builtins.compile(src, path, 'exec'), {}, scope)
+            tree = ast.parse(src, path)
+            if n := bare_annotation(tree):
+                raise SystemExit(f"config error: {path}, line {n.lineno}: '{ast.unparse(n)}' sets nothing (a config "
+                                 f"file is Python): write {ast.unparse(n.target)} = {ast.unparse(n.annotation)}")
+            exec(builtins.compile(tree, path, 'exec'), {}, scope)
         except SyntaxError as e:
             raise SystemExit(f"config error: {path}, line {e.lineno}: {e.msg}")
         except Exception as e:  # the line of the file where it was raised
@@ -196,6 +200,19 @@ def config_files(path):
         path = scope.get('_base')
     return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and not callable(v)
                  and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
+
+
+def bare_annotation(tree):
+    """The first `key: value` statement of a config file's own scope (its functions' and classes' left out): an
+    annotation, which binds nothing, where `key = value` was meant (a flat YAML file, a typo); None if none."""
+    todo = list(tree.body)
+    while todo:
+        n = todo.pop(0)
+        if isinstance(n, ast.AnnAssign) and n.value is None:
+            return n
+        if not isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            todo[:0] = [c for c in ast.iter_child_nodes(n) if isinstance(c, ast.stmt)]
+    return None
 
 
 def places(path, keys):

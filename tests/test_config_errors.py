@@ -49,6 +49,9 @@ CASES = [
     case(['{cfg}'], '{cfg}, line 2', file="lr = 1e-3\nx = (\n", id='syntax'),
     case(['{cfg}'], '{cfg}, line 2', 'undefined_name', file="lr = 1e-3\nhidden_size = undefined_name\n",
          id='name'),
+    # `key: value` (a flat YAML file, or a typo for '='): an annotation, which sets nothing
+    case(['{cfg}'], "{cfg}, line 2: 'max_steps: 2' sets nothing", 'write max_steps = 2',
+         file="lr = 1e-3\nmax_steps: 2\n", id='annotation'),
     # a value a rule does not allow: the value and what is allowed
     case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
     *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
