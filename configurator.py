@@ -144,8 +144,8 @@ def read_config_block(path, section=None):
     end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith('# -----'))
     src = '\n' * start + '\n'.join(lines[start:end])  # keeps line numbers for errors
     scope = {}
-    try:
-        exec(builtins.compile(src, path, 'exec'), {}, scope)
+    try:  # one namespace, as a module has: a function or comprehension in the block sees the names before it
+        exec(builtins.compile(src, path, 'exec'), scope)
     except Exception as e:
         raise SystemExit(f"config error: cannot read the config block of {path}: {type(e).__name__}: {e}")
     meanings, key = {}, None
@@ -189,7 +189,7 @@ def config_files(path):
             if n := bare_annotation(tree):
                 raise SystemExit(f"config error: {path}, line {n.lineno}: '{ast.unparse(n)}' sets nothing (a config "
                                  f"file is Python): write {ast.unparse(n.target)} = {ast.unparse(n.annotation)}")
-            exec(builtins.compile(tree, path, 'exec'), {}, scope)
+            exec(builtins.compile(tree, path, 'exec'), scope)  # one namespace: its functions see its names
         except SyntaxError as e:
             raise SystemExit(f"config error: {path}, line {e.lineno}: {e.msg}")
         except Exception as e:  # the line of the file where it was raised
@@ -198,6 +198,8 @@ def config_files(path):
             raise SystemExit(f"config error: {path}, line {line}: {type(e).__name__}: {e}")
         chain.append((path, scope))
         path = scope.get('_base')
+        if path is not None and not isinstance(path, str):  # (True would open file descriptor 1, stdout)
+            raise SystemExit(f"config error: {chain[-1][0]}: _base must be a path string, got {type_said(path)}")
     return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and not callable(v)
                  and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
 

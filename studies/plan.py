@@ -101,7 +101,7 @@ TRAIN_RENAMED = read_renamed(os.path.join(HERE, 'train.py'))
 def read_meta(path):
     """The '_' names of a config file (_base, _prepare): study.py's, not train.py's."""
     scope = {}
-    exec(compile(open(path).read(), path, 'exec'), {}, scope)
+    exec(compile(open(path).read(), path, 'exec'), scope)  # one namespace, as configurator.config_files has
     return {k: v for k, v in scope.items() if k.startswith('_') and not k.startswith('__')}
 
 

@@ -8,7 +8,7 @@ file with flags after it, values holding '=' and an int where a float is expecte
 import pytest
 
 from configurator import config_problems
-from conftest import FAST, TOY_ARGS, assert_user_error, run
+from conftest import FAST, TOY_ARGS, assert_user_error, run, step_lines
 
 TOY = ['--data_path={toy}', '--out_dir={out}'] + FAST  # a run that starts, but for the key under test
 
@@ -52,6 +52,11 @@ CASES = [
     # `key: value` (a flat YAML file, or a typo for '='): an annotation, which sets nothing
     case(['{cfg}'], "{cfg}, line 2: 'max_steps: 2' sets nothing", 'write max_steps = 2',
          file="lr = 1e-3\nmax_steps: 2\n", id='annotation'),
+    # a _base that is no path (True would be open()'s file descriptor 1: stdout)
+    case(['{cfg}'], '{cfg}: _base must be a path string, got an int', file="_base = 5\n", id='base-int'),
+    case(['{cfg}'], '{cfg}: _base must be a path string, got a list', file="_base = ['config/quickstart.py']\n",
+         id='base-list'),
+    case(['{cfg}'], '{cfg}: _base must be a path string, got a bool', file="_base = True\n", id='base-bool'),
     # a value a rule does not allow: the value and what is allowed
     case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
     *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
@@ -123,3 +128,12 @@ def test_a_config_file_then_flags_with_values_holding_equals_signs_run(toy, tmp_
              '--wandb_run_name=x=y'] + TOY_ARGS)
     assert "out_dir = '" + f'{tmp_path}/a=b' in p.stdout and "wandb_run_name = 'x=y'" in p.stdout
     assert 'eval on 200' in p.stdout
+
+
+def test_a_config_file_is_one_scope_its_functions_and_comprehensions_read_its_names(toy, tmp_path):
+    cfg = tmp_path / 'scope.py'
+    cfg.write_text(f"data_path = '{toy}'\n_n = 2\ndef _twice(k):\n    return _n * k\n"
+                   "globals()['log_interval'] = _twice(1)\n"  # a name set through globals() is set too
+                   "max_steps = [_n * i for i in range(3)][-1]\n")
+    p = run(['train.py', str(cfg), f'--out_dir={tmp_path}/o', '--epochs=2', '--eval_every_epochs=100'] + TOY_ARGS)
+    assert [r['step'] for r in step_lines(p.stdout)] == [2, 4], p.stdout

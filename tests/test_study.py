@@ -205,6 +205,14 @@ def tiny_grid(tmp_path):
     return str(tmp_path)
 
 
+def test_an_experiment_file_is_one_scope_its_comprehensions_read_its_names(tmp_path):
+    (tmp_path / 'cfg').mkdir()
+    (tmp_path / 'cfg' / 'rec_x.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/rec_x'\n_n = 2\n"
+                                               "L_cycles = [_n * i for i in range(3)][-1]\n")
+    p = run(study_args(tmp_path, 'rec_x', '--dry_run=True'))
+    assert 'rec_x  [rec: L_cycles=4]' in p.stdout, p.stdout
+
+
 def test_a_study_runs_skips_resumes_reports_failures_and_compares(tiny_grid):
     tmp = tiny_grid
     out = f'{tmp}/out'
