@@ -504,10 +504,13 @@ def read_sums(dev, sums, bad_step):
 
 def format_train(line, run_steps, compiles=None):
     """A training log line; XLA's add the host's and the device's time per step and the compilations so
-    far."""
+    far. A line in whose steps no row halted has no accuracies or steps: n/a."""
+    def halted(k, spec):
+        return format(line[k], spec) if k in line else 'n/a'
     text = (f"step {line['step']}/{run_steps} | epoch {line['epoch']:.1f} | loss {line['loss']:.4f} | "
-            f"acc {line['accuracy']:.4f} | exact {line['exact_accuracy']:.4f} | steps {line['steps']:.1f} | "
-            f"grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | {line['examples_per_s']:.0f} ex/s")
+            f"acc {halted('accuracy', '.4f')} | exact {halted('exact_accuracy', '.4f')} | "
+            f"steps {halted('steps', '.1f')} | grad_norm {line['grad_norm']:.3f} | lr {line['lr']:.2e} | "
+            f"{line['examples_per_s']:.0f} ex/s")
     if 'host_ms' in line:  # XLA: the host's tracing and dispatch, and the device's execution, per step
         text += f" | host_ms {line['host_ms']:.1f} | device_ms {line['device_ms']:.1f}"
     return text + (f" | compiles {compiles}" if compiles is not None else '')

@@ -409,14 +409,14 @@ class Uploads:
 
 
 def log_line(m, step, n_steps, seconds, epoch, lr, batch, q_continue):
-    """A log line's values from the metric sums m of the last n_steps steps of `batch` examples each (the
-    rows that halted in them). The loss's terms (loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss))
-    each on its own; q_continue_loss only where it is learned."""
-    cnt = max(m['count'], 1)
+    """A log line's values from the metric sums m of the last n_steps steps of `batch` examples each. The
+    accuracies and steps are means over the rows that halted in them, and absent where none did (undefined,
+    not 0). The loss's terms (loss = lm_loss + 0.5 * (q_halt_loss + q_continue_loss)) each on its own;
+    q_continue_loss only where it is learned."""
+    cnt = m['count']
+    halted = {k: m[k] / cnt for k in ('accuracy', 'exact_accuracy', 'q_halt_accuracy', 'steps')} if cnt else {}
     terms = ('lm_loss', 'q_halt_loss') + (('q_continue_loss',) if q_continue else ())
-    return dict(step=step, epoch=epoch, loss=m['loss'] / (batch * n_steps),
-                accuracy=m['accuracy'] / cnt, exact_accuracy=m['exact_accuracy'] / cnt,
-                q_halt_accuracy=m['q_halt_accuracy'] / cnt, steps=m['steps'] / cnt,
+    return dict(step=step, epoch=epoch, loss=m['loss'] / (batch * n_steps), **halted,
                 grad_norm=m['grad_norm'] / n_steps, lr=lr,
                 **{k: m[k] / (batch * n_steps) for k in terms if k in m},
                 examples_per_s=batch * n_steps / max(seconds, 1e-9),

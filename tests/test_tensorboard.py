@@ -56,7 +56,7 @@ def assert_board_equals_records(folder, tb=None):
                            ('perf/examples_per_s', 'examples_per_s', train),
                            ('eval/exact_accuracy', 'exact_accuracy', evals), ('eval/loss', 'loss', evals),
                            ('eval/exact_ci_high', 'exact_ci_high', evals)]:
-        assert series(acc, tag) == [(r['step'], np.float32(r[key])) for r in rows], tag
+        assert series(acc, tag) == [(r['step'], np.float32(r[key])) for r in rows if key in r], tag
     return acc
 
 
@@ -125,6 +125,26 @@ def test_q_continue_s_loss_is_logged_when_it_is_learned(toy, tmp_path):
             r['lm_loss'] + 0.5 * (r['q_halt_loss'] + r['q_continue_loss']), rel=1e-4), r
     assert [v for _, v in series(board(out / 'tb'), 'train/q_continue_loss')] == \
         [np.float32(r['q_continue_loss']) for r in rows]
+
+
+def test_a_window_where_no_row_halted_has_no_accuracy_or_steps(toy, tmp_path):
+    """Rows halt only at halt_max_steps=4 here (q_halt starts far below 0), so the lines of steps 1-3 cover
+    no halted row: their accuracies and steps are undefined, not 0, on the console, in metrics.jsonl and in
+    TensorBoard (W&B logs the same scalars)."""
+    out = tmp_path / 'o'
+    p = train(toy, out, '--max_steps=6', '--log_interval=1')
+    rows, halted = records(out, 'train'), ('accuracy', 'exact_accuracy', 'q_halt_accuracy', 'steps')
+    assert [r['step'] for r in rows] == list(range(1, 7))
+    none = [r['step'] for r in rows if not any(k in r for k in halted)]
+    assert none and 4 not in none, rows
+    assert all(all(k in r for k in halted) and r['steps'] >= 1 for r in rows if r['step'] not in none), rows
+    for s in none:
+        line = next(l for l in p.stdout.splitlines() if l.startswith(f'step {s}/6 '))
+        assert '| acc n/a | exact n/a | steps n/a |' in line, line
+    acc = board(out / 'tb')
+    for key in halted:
+        assert series(acc, f'train/{key}') == [(r['step'], np.float32(r[key])) for r in rows if key in r], key
+    assert [s for s, _ in series(acc, 'train/loss')] == list(range(1, 7))
 
 
 def test_tensorboard_false_writes_no_events(toy, tmp_path):
