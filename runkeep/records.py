@@ -9,6 +9,7 @@ Nothing here imports torch.
 """
 import atexit
 import contextlib
+import glob
 import json
 import numbers
 import os
@@ -185,10 +186,11 @@ def wandb_log_safe(run, values, step):
 
 class TensorBoardWriter:
     """TensorBoard's event files of a run (rank 0), written by torch's SummaryWriter into <run>/tb: one file
-    per process, which begins by purging the steps after the one it continues from (TensorBoard's reader drops
-    them from the files before it), so a resumed run shows every step once, as metrics.jsonl does. A failure
-    (a full or read-only disk) is one warning, and the run goes on without events; a tb/ deleted under the
-    run is made again, and the rest of the history goes into a new file there."""
+    per process, which begins by purging the steps after the one it continues from (TensorBoard's Python reader
+    drops them from the files before it), and the files before it are first cut to that step (its fast loader
+    ignores the purge), so a resumed run shows every step once, as metrics.jsonl does. A failure (a full or
+    read-only disk) is one warning, and the run goes on without events; a tb/ deleted under the run is made
+    again, and the rest of the history goes into a new file there."""
 
     def __init__(self, writer):
         self.writer = writer
@@ -201,6 +203,7 @@ class TensorBoardWriter:
     @classmethod
     def open(cls, local, step, cfg):
         try:
+            cut_events(os.path.join(local, 'tb'), step)
             board = cls(cls.summary_writer(os.path.join(local, 'tb'), step + 1))
             if step == 0:  # the config once, as a table
                 board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
@@ -263,6 +266,34 @@ class TensorBoardWriter:
     def close(self):
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+def cut_events(folder, step):
+    """The event files in folder (earlier processes') without their records past `step`, each rewritten
+    through cut.tmp (no 'tfevents' in its name: TensorBoard reads no leftover of it); a torn last record goes
+    too. A record is TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the Event's CRC; the records
+    kept are copied as they are. A file that cannot be cut is a warning."""
+    from tensorboard.compat.proto.event_pb2 import Event
+    tmp = os.path.join(folder, 'cut.tmp')
+    for path in sorted(glob.glob(os.path.join(folder, '*tfevents*'))):
+        try:
+            with open(path, 'rb') as f:
+                data = f.read()
+            kept, at = [], 0
+            while at + 12 <= len(data) and (end := at + 16 + int.from_bytes(data[at:at + 8], 'little')) <= len(data):
+                if Event.FromString(data[at + 12:end - 4]).step <= step:
+                    kept.append(data[at:end])
+                at = end
+            if sum(map(len, kept)) < len(data):
+                with open(tmp, 'wb') as f:
+                    f.writelines(kept)
+                os.replace(tmp, path)
+        except Exception as e:
+            print(f"warning: cannot cut {path} to the steps up to {step} ({e}); TensorBoard's fast loader may "
+                  "show its later steps (tensorboard --load_fast=false does not)")
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
 
 
 def quiet_event_writers(args):

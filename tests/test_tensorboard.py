@@ -1,11 +1,13 @@
 """
 Seeing a run as TPU users do: TensorBoard's event files read back with TensorBoard's own reader and its own
-server, equal to metrics.jsonl, after a stop and a resume too, in a gs:// bucket (the GCS emulator), off when
-asked; XLA's compilations, the memory in use and the evaluation loss in the records; a profile of chosen steps
-that its viewer's loader parses (torch.profiler on the CPU, torch_xla's profiler on XLA), a range past the run's
-last step said at start, a profile a full disk did not let through not reported as written.
+server (its fast loader too), equal to metrics.jsonl, after a stop and a resume too, in a gs:// bucket (the GCS
+emulator), off when asked; XLA's compilations, the memory in use and the evaluation loss in the records; a
+profile of chosen steps that its viewer's loader parses (torch.profiler on the CPU, torch_xla's profiler on XLA),
+a range past the run's last step said at start, a profile a full disk did not let through not reported as
+written.
     python -m pytest -q tests/test_tensorboard.py
 """
+import contextlib
 import glob
 import gzip
 import json
@@ -202,34 +204,62 @@ def test_a_stopped_and_resumed_run_shows_every_step_once(toy, tmp_path):
 # -----------------------------------------------------------------------------
 # a real TensorBoard server on a study's out_root: every run's scalars through its HTTP API
 
-def test_a_tensorboard_server_serves_every_run_of_a_study_folder(toy, tmp_path):
-    root = tmp_path / 'study'
-    train(toy, root / 'lr_a', '--max_steps=8')
-    stopped_and_resumed(toy, root / 'resumed')
+@contextlib.contextmanager
+def served(root, names, log, *flags):
+    """A real TensorBoard server on root (flags: its own, e.g. --load_fast=true for its Rust data server), once
+    it lists every run in names: the runs' tags, and a (run, tag) -> [(step, float32)] reader."""
     port = free_port()
-    log = open(tmp_path / 'tb.log', 'w')
     server = subprocess.Popen([sys.executable, '-m', 'tensorboard.main', '--logdir', str(root), '--port',
-                               str(port), '--host', '127.0.0.1'], stdout=log, stderr=log)
+                               str(port), '--host', '127.0.0.1', *flags], stdout=log, stderr=log)
     try:
         url, runs = f'http://127.0.0.1:{port}/data/plugin/scalars', {}
         deadline = time.time() + 120
-        while set(runs) != {'lr_a/tb', 'resumed/tb'}:
-            assert server.poll() is None and time.time() < deadline, open(tmp_path / 'tb.log').read()[-3000:]
+        while set(runs) != {f'{name}/tb' for name in names}:
+            assert server.poll() is None and time.time() < deadline, open(log.name).read()[-3000:]
             try:
                 runs = requests.get(f'{url}/tags', timeout=5).json()
             except requests.RequestException:
                 pass
             time.sleep(0.5)
-        for name in ('lr_a', 'resumed'):
-            assert {'train/loss', 'eval/exact_accuracy', 'perf/memory_gib'} <= set(runs[f'{name}/tb'])
-            got = requests.get(f'{url}/scalars', params=dict(run=f'{name}/tb', tag='train/loss'),
-                               timeout=10).json()
-            want = [(r['step'], np.float32(r['loss'])) for r in records(root / name, 'train')]
-            assert [(s, np.float32(v)) for _, s, v in got] == want, name
+
+        def scalars(name, tag):
+            got = requests.get(f'{url}/scalars', params=dict(run=f'{name}/tb', tag=tag), timeout=10).json()
+            return [(s, np.float32(v)) for _, s, v in got]
+        yield runs, scalars
     finally:
         server.terminate()
         server.wait(timeout=30)
         log.close()
+
+
+def test_a_tensorboard_server_serves_every_run_of_a_study_folder(toy, tmp_path):
+    root = tmp_path / 'study'
+    train(toy, root / 'lr_a', '--max_steps=8')
+    stopped_and_resumed(toy, root / 'resumed')
+    with served(root, ['lr_a', 'resumed'], open(tmp_path / 'tb.log', 'w')) as (runs, scalars):
+        for name in ('lr_a', 'resumed'):
+            assert {'train/loss', 'eval/exact_accuracy', 'perf/memory_gib'} <= set(runs[f'{name}/tb'])
+            want = [(r['step'], np.float32(r['loss'])) for r in records(root / name, 'train')]
+            assert scalars(name, 'train/loss') == want, name
+
+
+def test_a_resume_past_a_lost_checkpoint_s_evaluation_shows_every_step_once_in_the_fast_loader(toy, tmp_path):
+    """An evaluation logged at step 16, whose checkpoint was lost (a kill during its save): the resume from
+    step 10 evaluates at 20 and 40, and TensorBoard's data server, which ignores the purge a resumed file
+    begins with, shows the evaluations metrics.jsonl holds, and no step 16."""
+    root, out = tmp_path / 'study', tmp_path / 'study' / 'r'
+    train(toy, out, '--max_steps=16', '--checkpoint_interval=10')
+    assert [r['step'] for r in records(out, 'eval')] == [16]
+    os.remove(out / 'ckpt_00000016.pt')
+    p = train(toy, out, '--checkpoint_interval=10', '--init_from=resume')
+    assert 'ckpt_00000010.pt (step 10)' in p.stdout, p.stdout[-3000:]
+    evals = records(out, 'eval')
+    assert [r['step'] for r in evals] == [20, 40]
+    assert_board_equals_records(out)  # TensorBoard's Python loader
+    with served(root, ['r'], open(tmp_path / 'tb.log', 'w'), '--load_fast=true') as (_, scalars):
+        for tag, key in [('eval/loss', 'loss'), ('eval/exact_accuracy', 'exact_accuracy')]:
+            assert scalars('r', tag) == [(r['step'], np.float32(r[key])) for r in evals], tag
+        assert scalars('r', 'train/loss') == [(r['step'], np.float32(r['loss'])) for r in records(out, 'train')]
 
 
 # -----------------------------------------------------------------------------
