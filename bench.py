@@ -114,6 +114,10 @@ compile_modes = ('default', 'max-autotune-no-cudagraphs')
 if compile_mode not in compile_modes:
     raise SystemExit(f"config error: compile_mode={compile_mode!r} (allowed: {' | '.join(map(repr, compile_modes))}; "
                      f"the modes with CUDA graphs overwrite the carry one step returns before the next step reads it)")
+profile_span = parse_steps(profile_steps) if profile_steps else None  # traced after the timing, read here
+if profile_steps and profile_span is None:
+    raise SystemExit(f"config error: profile_steps={profile_steps!r} (allowed: '' or 'START:END' with "
+                     "0 <= START < END)")
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)
 loss_dtype = resolve_loss_dtype(loss_dtype, device_type)
@@ -461,7 +465,7 @@ if kernels_ab:
             traceback.print_exc()
             print(f"kernels A/B: the run with kernels={ab_in} failed ({type(e).__name__}: {str(e)[:300]}); the "
                   f"figures above are kernels={kernels_in}'s")
-            profile_steps = ''  # nothing left to trace
+            profile_span = None  # nothing left to trace
     if ab_kernels:
         # ratios are the second's speed over the first's: above 1, kernels=<second> is faster
         print(f"kernels A/B: train {dt * 1e3:.1f} ms/step with kernels={kernels_in}, {ab_dt * 1e3:.1f} with "
@@ -515,12 +519,8 @@ if device_type == 'xla':
           + '; in evaluation: ' + (', '.join(f'{n} x{c}' for n, c in eval_fallbacks.items()) or 'none'))
 
 # --- profile: END-START more steps under the profiler, after the timing (train.py's Profiler) ---------------
-if profile_steps:
-    span = parse_steps(profile_steps)
-    if span is None:
-        raise SystemExit(f"config error: profile_steps={profile_steps!r} (allowed: '' or 'START:END' with "
-                         "0 <= START < END)")
-    prof = Profiler(dev, profile_dir, 0, span[1] - span[0])
+if profile_span:
+    prof = Profiler(dev, profile_dir, 0, profile_span[1] - profile_span[0])
     prof.begin(0)
     with prof.phase('train_step'):
         run_steps(prof.end)

@@ -3,7 +3,7 @@ bench.py smoke runs, as a user runs it (a subprocess), on the CPU and on CPU-XLA
 asserted: only that the summary line holds every field, the fields are numbers, and XLA stops compiling.
     python -m pytest -q tests/test_bench.py
 """
-from conftest import XLA_ENV, run
+from conftest import XLA_ENV, assert_user_error, run
 
 BENCH_TINY = ['--global_batch_size=8', '--hidden_size=32', '--num_heads=2', '--H_cycles=2', '--L_cycles=2',
               '--halt_max_steps=3', '--steps=3', '--warmup_steps=2', '--eval_batches=1', '--forward_dtype=float32',
@@ -41,6 +41,13 @@ def test_bench_refuses_a_compile_mode_with_cuda_graphs_in_one_line():
                 "with CUDA graphs overwrite the carry one step returns before the next step reads it)")
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
 
+
+def test_bench_refuses_a_bad_profile_steps_before_anything_runs():
+    # the span is read with the other flags: a typo costs no benchmark, and is not left for after the timing
+    for value in ('3', '0-3', '3:1'):
+        p = run(['bench.py', '--device=cpu', f'--profile_steps={value}'] + BENCH_TINY, check=False)
+        said = assert_user_error(p, f"profile_steps='{value}'", "'START:END' with 0 <= START < END", one_line=True)
+        assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
 
 def test_bench_on_xla_stops_compiling():
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True']
