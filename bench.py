@@ -47,11 +47,12 @@ from configurator import import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
-from configurator import read_config_block  # noqa: E402
+from configurator import config_problems, read_config_block  # noqa: E402
 
 # every key of train.py with its default, so that its config files and flags work here unchanged
 _here = os.path.dirname(os.path.abspath(__file__))
-globals().update({k: v for k, (v, _) in read_config_block(os.path.join(_here, 'train.py')).items()})
+_train_keys = read_config_block(os.path.join(_here, 'train.py'))
+globals().update({k: v for k, (v, _) in _train_keys.items()})
 # -----------------------------------------------------------------------------
 # config: bench's own keys (train.py's are above)
 global_batch_size = 0           # batch size; 0: 768 on a GPU or TPU, 64 on the CPU (config files may set it)
@@ -82,6 +83,14 @@ checkpoint_dir = ''             # first time a checkpoint of this model and batc
 config_keys = [k for k, v in globals().items()
                if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(_here, 'configurator.py')).read())
+# train.py's keys pass train.py's rules (global_batch_size's 0 is bench's: the device's default, below); bench's
+# own counts may not be negative
+_bad = config_problems({k: globals()[k] for k in _train_keys if (k, globals()[k]) != ('global_batch_size', 0)},
+                       _set_at)
+_bad += [f"{k}={globals()[k]!r} (allowed: >= 0)" for k in config_keys if k not in _train_keys
+         and type(globals()[k]) in (int, float) and globals()[k] < 0]
+if _bad:
+    raise SystemExit("config error: " + '; '.join(_bad))
 # -----------------------------------------------------------------------------
 
 from data import in_views, load_metadata  # noqa: E402
@@ -114,10 +123,7 @@ compile_modes = ('default', 'max-autotune-no-cudagraphs')
 if compile_mode not in compile_modes:
     raise SystemExit(f"config error: compile_mode={compile_mode!r} (allowed: {' | '.join(map(repr, compile_modes))}; "
                      f"the modes with CUDA graphs overwrite the carry one step returns before the next step reads it)")
-profile_span = parse_steps(profile_steps) if profile_steps else None  # traced after the timing, read here
-if profile_steps and profile_span is None:
-    raise SystemExit(f"config error: profile_steps={profile_steps!r} (allowed: '' or 'START:END' with "
-                     "0 <= START < END)")
+profile_span = parse_steps(profile_steps) if profile_steps else None  # (checked above) traced after the timing
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)
 loss_dtype = resolve_loss_dtype(loss_dtype, device_type)

@@ -42,6 +42,22 @@ def test_bench_refuses_a_compile_mode_with_cuda_graphs_in_one_line():
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
 
 
+def test_bench_refuses_what_train_refuses_and_negative_values_of_its_own_keys_in_one_line():
+    # train.py's keys pass train.py's rules (configurator.config_problems), naming the flag; bench's own counts
+    # may not be negative; each refused before anything is built
+    cases = [(['--mlp_t=False', '--hidden_size=60', '--num_heads=8'],
+              ['hidden_size=60 is not divisible by num_heads=8', '--hidden_size=60 --num_heads=8']),
+             (['--global_batch_size=-8'], ['global_batch_size=-8 (allowed: > 0), from --global_batch_size=-8']),
+             (['--pos_encodings=alibi'], ["pos_encodings='alibi' (allowed: 'rope' | 'learned' | 'none')"]),
+             (['--eval_batch_size=-2', '--halt_max_steps=0'], ['eval_batch_size=-2 (allowed: >= 0)',
+                                                               'halt_max_steps=0 (allowed: > 0)']),
+             (['--emb_update_batch=-3', '--num_puzzle_identifiers=-1'],
+              ['num_puzzle_identifiers=-1', 'emb_update_batch=-3', '(allowed: >= 0)'])]
+    for flags, words in cases:
+        p = run(['bench.py', '--device=cpu'] + BENCH_TINY + flags, check=False)
+        said = assert_user_error(p, *words, one_line=True)
+        assert said.startswith('config error: ') and 'model:' not in p.stdout, (flags, said)
+
 def test_bench_refuses_a_bad_profile_steps_before_anything_runs():
     # the span is read with the other flags: a typo costs no benchmark, and is not left for after the timing
     for value in ('3', '0-3', '3:1'):
