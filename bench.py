@@ -493,8 +493,12 @@ if vs_eager and device_type == 'xla' and compiled:
     t0 = time.perf_counter()
     run_eager(1)
     eager_first_s = time.perf_counter() - t0
-    run_eager(warmup_steps - 1)
+    # its warm-up as it is timed: a lazy step's graphs depend on where the syncs fall, and host_and_device's
+    # differ from run_eager's (warmed up by run_eager alone, the first timed step compiles)
+    host_and_device(warmup_steps - 1, Eager())  # (XLA: warmup_steps >= 2)
+    compiles_eager_warm = dev.xla_report()[0]
     eager_host_s, eager_device_s = host_and_device(steps, Eager())
+    compiles_eager_end = dev.xla_report()[0]
     # then the two steps alternated one by one: a shared machine's speed drifts within seconds, and the median of
     # per-round ratios sees both steps at the same moment
     rounds = [host_and_device(1)[1] / max(host_and_device(1, Eager())[1], 1e-9) for _ in range(steps)]
@@ -516,7 +520,8 @@ if device_type == 'xla':
               f"{eager_device_s * 1e3:.1f} ms/step | first step {eager_first_s:.1f} s | compiled/eager "
               f"device time {device_s / eager_device_s:.3f}, max(host, device) "
               f"{max(host_s, device_s) / max(eager_host_s, eager_device_s):.3f}; the two alternated step by step, "
-              f"median of {steps} rounds: device time {alternated:.3f}")
+              f"median of {steps} rounds: device time {alternated:.3f} | compilations {compiles_eager_warm} "
+              f"after its warm-up, {compiles_eager_end} after its timed steps")
     print(f"xla: compilations {compiles_warm} after warm-up, {compiles_end} after the timed steps"
           f"{' (no recompilation)' if compiles_end == compiles_warm else ' -- RECOMPILED: run with PT_XLA_DEBUG_LEVEL=2'}"
           f"; evaluation {compiles_eval_warm} -> {compiles_eval_end}")

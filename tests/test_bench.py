@@ -74,6 +74,9 @@ def test_bench_on_xla_stops_compiling():
     ratio = float(s['device_ms_per_step']) / float(s['eager_device_ms_per_step'])
     assert abs(float(s['device_vs_eager']) - ratio) < 0.01, (s['device_vs_eager'], ratio)
     assert float(s['device_vs_eager_alternated']) > 0 and 'alternated step by step, median of' in out
+    # the eager step warmed up as the compiled one is: no compilation among its timed steps
+    n = out.split('xla: eager step')[1].split(' | compilations ')[1].split()
+    assert n[0] == n[4], n
     assert int(s['compiles_warm']) > 0 and s['compiles_warm'] == s['compiles_end']  # timed steps reused the graphs
     assert float(s['host_ms_per_step']) > 0 and float(s['device_ms_per_step']) > 0 and s['host_flush_mb'] == '1'
     assert 'caches flushed (1 MiB)' in out
