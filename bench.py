@@ -7,7 +7,7 @@ puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
     python bench.py config/maze.py                              # the shape from the config: 900 tokens
     python bench.py config/arc1.py --global_batch_size=8        # ARC-AGI-1: 900 tokens, an 876,406-row table
-    python bench.py --compile=False                             # CUDA, XLA: eager (train.py compiles)
+    python bench.py --compile=False                             # CUDA, TorchTPU, XLA: eager (train.py compiles)
     python bench.py --compile_mode=max-autotune-no-cudagraphs   # CUDA
     python bench.py --seq_align=1                               # mlp_t without the sequence padding (A/B)
     python bench.py --kernels=off --kernels_ab=mlp_t            # CUDA: backends/kernels.py off, then kernels=mlp_t
@@ -19,9 +19,9 @@ puzzle embedding, EMA), on random batches or on a dataset:
 The task's shape (tokens per example, vocabulary): from the dataset's metadata when data_path holds one, else
 from data_path's name ('maze' -> 30x30 maze, 900 tokens, vocab 6; 'sudoku6' -> 6x6; 'arc1...' / 'arc2...' ->
 ARC-AGI's 30x30 canvas, 900 tokens, vocab 12, and its puzzle embedding table's rows; else 9x9 Sudoku, 81
-tokens, vocab 11); --seq_len / --vocab_size / --num_puzzle_identifiers override it. On CUDA and XLA the step
-and the evaluation are compiled (train.py's compile=True: step.step_form and step.compiled_predict, the ones
-train.py uses). On
+tokens, vocab 11); --seq_len / --vocab_size / --num_puzzle_identifiers override it. On CUDA, TorchTPU and XLA the
+step and the evaluation are compiled (train.py's compile=True: step.step_form and step.compiled_predict, the ones
+train.py uses, with the device's torch.compile backend). On
 XLA it also splits a step's time into the host's (tracing, hashing, dispatch; each step waited for, so the two
 do not overlap) and the device's execution (torch_xla's ExecuteTime), and says which one bounds the step;
 with vs_eager=True it measures the eager (lazy) step too, in the same run, and prints the ratio of the two
@@ -107,9 +107,9 @@ if device_type == 'xla':
     if warmup_steps < 2:  # step 1 also creates the optimizer state: a graph of its own
         print(f"note: warmup_steps={warmup_steps} -> 2 on XLA (the first two steps compile different graphs)")
         warmup_steps = 2
-compiled = bool(compile) and device_type in ('cuda', 'xla')
+compiled = bool(compile) and device_type != 'cpu'  # as train.py compiles
 if compile and device_type == 'cpu':
-    print("note: compile=True applies to CUDA and XLA (the train.py key); the CPU runs the step eagerly")
+    print("note: compile=True applies to CUDA, TorchTPU and XLA (the train.py key); the CPU runs the step eagerly")
 global_batch_size = global_batch_size or (64 if device_type == 'cpu' else 768)
 if steps < 0 or (steps == 0 and not checkpoint_dir):
     raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
@@ -208,9 +208,11 @@ model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
 ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  # the same update as an EMA
                                                                                 # model's
-# train.py's step: compiled on CUDA and XLA with the same helper (forward + loss + its backward; the update)
-form = step_form(device_type, compiled, compile_mode)
-predict = compiled_predict(model, compile_mode) if compiled else model.predict
+# train.py's step: compiled on CUDA, TorchTPU and XLA with the same helper (forward + loss + its backward; the
+# update), by the device's torch.compile backend as train.py's (TorchTPU's; None: inductor)
+form = step_form(device_type, compiled, compile_mode, dev.compile_backend)
+predict = compiled_predict(model, compile_mode, dev.compile_backend) if compiled else model.predict
+compiler = f"backend {dev.compile_backend!r}" if dev.compile_backend else compile_mode
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
                 global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
@@ -228,7 +230,7 @@ print(f"device: {device_type} | {name} | peak {f'{peak} TFLOP/s bf16' if peak el
 print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'attention'}, pos {pos_encodings}, "
       f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} "
       f"tokens | {forward_dtype}, loss {loss_type} {loss_dtype} | {flops / 1e9:.2f} GFLOPs per example-step "
-      f"| data {data_path or 'random'} | {f'compiled ({compile_mode})' if compiled else 'eager'}"
+      f"| data {data_path or 'random'} | {f'compiled ({compiler})' if compiled else 'eager'}"
       + (f" | mlp_t sequence axis {cfg.total_len} -> {cfg.total_len + model.net.layers[0].seq_pad} "
          f"(seq_align {seq_align})" if mlp_t else ''))
 
@@ -458,8 +460,8 @@ if kernels_ab:
         model.__dict__.pop('_compiled_predict', None)  # compiled afresh, as the step is: the blocks changed
         if compiled:
             torch._dynamo.reset()  # no graph of the first way is reused, whatever dynamo's guards see
-        form = step_form(device_type, compiled, compile_mode)
-        predict = compiled_predict(model, compile_mode) if compiled else model.predict
+        form = step_form(device_type, compiled, compile_mode, dev.compile_backend)
+        predict = compiled_predict(model, compile_mode, dev.compile_backend) if compiled else model.predict
         try:  # a kernel that fails (to build, to run) on this GPU: said, and the first variant's figures kept
             ab_first_s = run_steps(1)
             run_steps(warmup_steps - 1)
@@ -506,6 +508,7 @@ if vs_eager and device_type == 'xla' and compiled:
 elif vs_eager:
     print("note: vs_eager=True applies to XLA with compile=True; ignored")
 variant = getattr(form, 'variant', 'eager (lazy tracing every step)' if device_type == 'xla' else
+                  f'{dev.compile_backend} (torch.compile backend)' if compiled and dev.compile_backend else
                   f'inductor ({compile_mode})' if compiled else 'eager')
 
 if device_type == 'xla':

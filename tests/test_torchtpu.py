@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from conftest import ROOT, assert_user_error, run
+from conftest import ROOT, assert_user_error, run, site_hook
 from device import choose_dtype, peak_tflops_of, resolve_device, resolve_loss_dtype
 
 DRIVER = os.path.join(ROOT, 'tests', 'tpu_kind_driver.py')
@@ -117,6 +117,39 @@ def test_the_tpu_kind_on_two_cpu_processes_trains_saves_and_resumes_as_the_cpu_k
     for run_ in (first, second):
         assert run_[0]['compiles'] > 0 and {r['compiles'] for r in run_} == {run_[0]['compiles']}, run_
 
+
+def test_bench_compiles_the_tpu_kind_s_step_and_evaluation_with_its_compiler_as_train_does(tmp_path):
+    # bench.py --device=tpu on TorchTPU.on_cpu(1) (the default TorchTPU here): the step and the evaluation are
+    # compiled by the TorchTPU's torch.compile backend, as train.py's are, not timed eagerly
+    env = site_hook(tmp_path / 'site', """
+if sys.argv[0].endswith('bench.py'):
+    import torch
+    from backends import torchtpu
+    torchtpu.require = lambda: None  # no TorchTPU here: its code on the CPU stands in
+    on_cpu, real_init = torchtpu.TorchTPU.on_cpu, torchtpu.TorchTPU.__init__
+
+    def init(self, *args, **kwargs):
+        if args or kwargs:
+            real_init(self, *args, **kwargs)
+        else:
+            self.__dict__.update(vars(on_cpu(1)))
+    torchtpu.TorchTPU.__init__ = init
+    real_compile = torch.compile
+
+    def compile(*args, **kwargs):
+        print(f"test hook: torch.compile backend={kwargs.get('backend')}", flush=True)
+        return real_compile(*args, **kwargs)
+    torch.compile = compile
+""")
+    p = run(['bench.py', '--device=tpu', '--global_batch_size=8', '--hidden_size=32', '--num_heads=2',
+             '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2', '--steps=1',
+             '--warmup_steps=1', '--eval_batches=1', '--forward_dtype=float32', '--loss_dtype=float32'], env=env)
+    assert "TorchTPU's code on the CPU (gloo)" in p.stdout, p.stdout
+    backends = [l.split('=', 1)[1] for l in p.stdout.splitlines() if l.startswith('test hook: torch.compile')]
+    assert backends == ['aot_eager'] * 3, p.stdout  # the step's two parts and the evaluation's step
+    line = [l for l in p.stdout.splitlines() if l.startswith('bench: device=')][-1]
+    s = dict(kv.split('=', 1) for kv in line.split()[1:])
+    assert s['device'] == 'tpu' and s['compiled'] == '1' and s['variant'] == 'aot_eager', line
 
 def torchtpu_uses(path):
     """What of TorchTPU a file's code uses: imports of torch_tpu or torchtpu, torch.tpu's attributes, and
