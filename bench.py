@@ -111,11 +111,10 @@ compiled = bool(compile) and device_type != 'cpu'  # as train.py compiles
 if compile and device_type == 'cpu':
     print("note: compile=True applies to CUDA, TorchTPU and XLA (the train.py key); the CPU runs the step eagerly")
 global_batch_size = global_batch_size or (64 if device_type == 'cpu' else 768)
-if steps < 0 or (steps == 0 and not checkpoint_dir):
+if steps == 0 and not checkpoint_dir:  # (a negative count is refused above)
     raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
-if seq_len < 0 or vocab_size < 0 or seq_align < 1:
-    raise SystemExit(f"config error: seq_len={seq_len}, vocab_size={vocab_size}, seq_align={seq_align}; "
-                     f"seq_len and vocab_size >= 0 (0: derived), seq_align >= 1")
+if seq_align < 1:
+    raise SystemExit(f"config error: seq_align={seq_align} (allowed: >= 1)")
 if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
     raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
                      f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
