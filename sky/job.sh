@@ -6,6 +6,7 @@
 #   dataset_once   setup: gs://$BUCKET/data/$DATA built by $BUILD and uploaded by the first node, the first
 #                  time only; every later launch finds its marker, gs://$BUCKET/data/$DATA.built
 #   fetch_dataset  run: a local copy of it in data/$DATA, where study.py's experiment files look for it
+#   job_torchrun   run: torchrun, whose exit code is its first failed rank's (torchrun's own is 1 whatever theirs)
 #   job_exit       run, last: the exit code SkyPilot acts on: 0 done, 75 run again (recover_on_exit_codes),
 #                  anything else stops the job (max_restarts_on_errors: 0)
 
@@ -79,6 +80,22 @@ fetch_dataset() {
   local copy
   copy=$(gcs_call fetch "gs://$BUCKET/data/$DATA" ~/.cache/trm_data) || return 1
   mkdir -p "data/$(dirname "$DATA")" && ln -sfn "$copy" "data/$DATA"
+}
+
+job_torchrun() {
+  # job_torchrun ARGS: `torchrun ARGS`, exiting with the code of the rank that failed first, so that the
+  # watchdog's 75 (run again) and 70 (not) reach job_exit as they are; a rank a signal ended: 1
+  python - "$@" <<'EOF'
+import sys
+from torch.distributed import run
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+try:
+    run.main(sys.argv[1:])
+except ChildFailedError as e:
+    print(e, file=sys.stderr)  # torchrun's summary of the failures
+    code = e.get_first_failure()[1].exitcode if e.failures else 1
+    sys.exit(code if code > 0 else 1)
+EOF
 }
 
 job_exit() {

@@ -28,6 +28,7 @@ import yaml
 from runkeep import gcs
 from conftest import BUCKET, ROOT, TOY_ARGS, Lines, free_port, site_hook
 from runkeep.signals import HUNG_AGAIN_EXIT, HUNG_EXIT
+from test_watchdog import hang_at
 
 SKY = os.path.join(ROOT, 'sky')
 TASKS = sorted(f for f in os.listdir(SKY) if f.endswith('.yaml'))
@@ -486,6 +487,23 @@ def test_a_config_error_ends_the_job_and_the_watchdog_s_exit_runs_it_again(emu, 
                       ('job_exit 0 gs://test-bucket/nothing/results.json', HUNG_EXIT),
                       ('kill -TERM $$; job_exit 1', HUNG_EXIT), ('job_exit 0', 0)):
         assert sourced(cmd, bin_dir).returncode == want, cmd
+
+
+
+def test_the_multi_node_task_ends_with_its_ranks_watchdog_code_not_torchrun_s(emu, bin_dir, tmp_path):
+    """torchrun exits 1 whatever code its ranks failed with: the job ends with theirs, 75 (run again) when the
+    watchdog fires, 70 (not) when the next run hangs on the same work (the same node: its watchdog.json), 1."""
+    envs = dict(SUDOKU4, DATA='sudoku4-60-hung', ARGS=SUDOKU4['ARGS'] + ' --log_interval=2 --watchdog_minutes=0.05')
+    node = one_node(tmp_path, 'vm', 'gpu-nodes.yaml', 'sky-managed-x_trm-gpu-nodes_6-0', envs,
+                    SKYPILOT_NUM_GPUS_PER_NODE='2')
+    node.run_env = hang_at(tmp_path, 'step 25', root=node.workdir)  # both ranks, in every run
+    for want in (HUNG_EXIT, HUNG_AGAIN_EXIT):
+        node.envs['MASTER_PORT'] = str(free_port())  # torchrun's rendezvous: a port of its own per launch
+        text, code = ran(launch(node, bin_dir)[1])
+        assert sorted(re.findall(r'exiting with code (\d+):', text)) == [str(want)] * 2, text[-3000:]
+        assert code == want and f'job: exit code {want}' in text, text[-3000:]
+    p = sourced('job_torchrun --standalone --nproc_per_node=2 train.py --lr=-1; job_exit $?', bin_dir)
+    assert p.returncode == 1 and 'config error: lr=-1' in p.stderr, p.stderr[-3000:]  # a rank's 1 stays 1
 
 
 def sourced(cmd, bin_dir, bucket=BUCKET):

@@ -6,14 +6,15 @@ import json
 import os
 import re
 
-from conftest import TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
+from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
 from test_dist import torchrun
 
 
-def hang_at(tmp_path, what):
+def hang_at(tmp_path, what, root=ROOT):
     """The environment of a run that blocks for good at the watchdog's report `what` ('step 25', 'an evaluation
     batch') once the watchdog is armed, as a rank stuck in a collective would: a sitecustomize.py on PYTHONPATH,
-    which Python runs first in every process the run starts (torch_xla's workers too), wraps Watchdog.progress."""
+    which Python runs first in every process the run starts (torch_xla's workers too), wraps Watchdog.progress
+    (the trainer's in `root`)."""
     return site_hook(tmp_path / 'hang', f'''from runkeep import watchdog
 progress = watchdog.Watchdog.progress
 
@@ -23,7 +24,7 @@ def hang(self, what, step=None):
         threading.Event().wait()
 
 watchdog.Watchdog.progress = hang
-''')
+''', root=root)
 
 
 def records(folder):
