@@ -58,12 +58,14 @@ def test_bench_refuses_what_train_refuses_and_negative_values_of_its_own_keys_in
         said = assert_user_error(p, *words, one_line=True)
         assert said.startswith('config error: ') and 'model:' not in p.stdout, (flags, said)
 
+
 def test_bench_refuses_a_bad_profile_steps_before_anything_runs():
     # the span is read with the other flags: a typo costs no benchmark, and is not left for after the timing
     for value in ('3', '0-3', '3:1'):
         p = run(['bench.py', '--device=cpu', f'--profile_steps={value}'] + BENCH_TINY, check=False)
         said = assert_user_error(p, f"profile_steps='{value}'", "'START:END' with 0 <= START < END", one_line=True)
         assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
+
 
 def test_bench_on_xla_stops_compiling():
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True']

@@ -489,7 +489,6 @@ def test_a_config_error_ends_the_job_and_the_watchdog_s_exit_runs_it_again(emu, 
         assert sourced(cmd, bin_dir).returncode == want, cmd
 
 
-
 def test_the_multi_node_task_ends_with_its_ranks_watchdog_code_not_torchrun_s(emu, bin_dir, tmp_path):
     """torchrun exits 1 whatever code its ranks failed with: the job ends with theirs, 75 (run again) when the
     watchdog fires, 70 (not) when the next run hangs on the same work (the same node: its watchdog.json), 1."""

@@ -151,6 +151,7 @@ if sys.argv[0].endswith('bench.py'):
     s = dict(kv.split('=', 1) for kv in line.split()[1:])
     assert s['device'] == 'tpu' and s['compiled'] == '1' and s['variant'] == 'aot_eager', line
 
+
 def torchtpu_uses(path):
     """What of TorchTPU a file's code uses: imports of torch_tpu or torchtpu, torch.tpu's attributes, and
     the names of its collectives ('tpu_dist') and of its compiler (backend='tpu')."""
