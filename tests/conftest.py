@@ -177,14 +177,17 @@ def eval_lines(out):
 
 
 def step_lines(out):
+    """The training log lines' fields, as numbers; a field a line says is n/a (no row halted in its steps) is
+    absent from its row."""
     rows = []
     for l in out.splitlines():
         if l.startswith('step '):
             row = {}
-            for field in l.split('|'):  # 'step 20/320', 'loss 1.23', ..., '456 ex/s'
+            for field in l.split('|'):  # 'step 20/320', 'loss 1.23', 'acc n/a', ..., '456 ex/s'
                 a, b = field.split()
-                key, val = (b, a) if b == 'ex/s' else (a, b.split('/')[0])
-                row[key] = float(val)
+                key, val = (b, a) if b == 'ex/s' else (a, b if b == 'n/a' else b.split('/')[0])
+                if val != 'n/a':
+                    row[key] = float(val)
             rows.append(row)
     return rows
 
