@@ -66,7 +66,8 @@ def script_env(env=None):
     """The environment of a script a test starts: the user's, less what would point it at their own W&B account
     (W&B is off unless `env` says otherwise) or at a TPU, plus `env` (where a value is None: without it)."""
     e = {k: v for k, v in os.environ.items() if not k.startswith('WANDB_') and k != 'PJRT_DEVICE'}
-    e.update(dict(dict(WANDB_MODE='disabled', PYTHONUNBUFFERED='1'), **(env or {})))
+    e.update(WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    e.update(env or {})
     return {k: v for k, v in e.items() if v is not None}
 
 
@@ -399,8 +400,8 @@ def finish(proc, timeout):
 def popen_train(data, out, *extra, args=FAST, env=None):
     """train.py in the background, stdout and stderr on one raw pipe (read through Lines), its own session."""
     return subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}'] + args
-                            + list(extra), cwd=ROOT, env=script_env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            bufsize=0, start_new_session=True)
+                            + list(extra), cwd=ROOT, env=script_env(env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
 
 
 class Lines:

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, Preconditioned, run
+from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, Preconditioned, run, script_env
 
 FAST = TOY_ARGS + ['--epochs=1', '--eval_every_epochs=100', '--log_interval=2', '--checkpoint_interval=2']
 
@@ -67,7 +67,7 @@ def test_a_resume_on_a_new_machine_keeps_the_bucket_s_metrics_history(emulator, 
 
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
     def train_here(out, *extra):  # the default local_dir is relative: the processes run in tmp_path
-        e = dict(os.environ, WANDB_MODE='disabled', STORAGE_EMULATOR_HOST=host(emulator))
+        e = script_env(dict(STORAGE_EMULATOR_HOST=host(emulator)))
         p = subprocess.run([sys.executable, os.path.join(ROOT, 'train.py'), f'--data_path={toy}',
                             f'--out_dir={out}'] + FAST + list(extra), cwd=tmp_path, env=e, capture_output=True,
                            text=True, timeout=300)
@@ -170,7 +170,7 @@ def test_a_bucket_that_never_answers_is_a_bounded_wait_that_says_what_it_waits_f
 
 
 def test_sigterm_ends_a_wait_for_the_bucket_at_start_within_seconds(stall, toy, tmp_path):
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', STORAGE_EMULATOR_HOST=stall.addr)
+    e = script_env(dict(STORAGE_EMULATOR_HOST=stall.addr))
     p = subprocess.Popen([sys.executable] + train_args(toy, f'gs://{BUCKET}/r10b', tmp_path / 'l'), cwd=ROOT, env=e,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -276,7 +276,7 @@ class SlowBucket(Preconditioned):
 
 def test_the_exit_after_a_stop_fits_in_a_spot_vm_s_notice_when_the_bucket_does_not_answer(toy, tmp_path):
     srv, addr = serve(SlowBucket)
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', STORAGE_EMULATOR_HOST=addr)
+    e = script_env(dict(STORAGE_EMULATOR_HOST=addr))
     p = subprocess.Popen([sys.executable] + train_args(toy, f'gs://{BUCKET}/r9x', tmp_path / 'l', '--epochs=200',
                                                         '--log_interval=1'),
                          cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from conftest import ROOT, SUDOKU, assert_user_error
+from conftest import ROOT, SUDOKU, assert_user_error, script_env
 
 # what a copy of the repository needs to run its scripts (its tests and docs stay behind)
 LEFT_BEHIND = {'.git', '.venv', 'venv', 'docs', 'tests', 'out', 'data', 'wandb', '__pycache__', '.pytest_cache',
@@ -42,8 +42,7 @@ def forked_copy(tmp_path):
 
 
 def in_copy(repo, *args, check=True):
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    p = subprocess.run([sys.executable, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, *args], cwd=repo, env=script_env(), capture_output=True, text=True, timeout=600)
     assert not check or p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return p
 

@@ -13,7 +13,7 @@ import time
 
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, held_step, run
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, held_step, run, script_env
 
 SMOKE = TOY_ARGS + ['--preflight=True', '--eval_subset=20', '--log_interval=1']
 
@@ -38,8 +38,7 @@ def test_a_preflight_whose_second_run_was_stopped_before_evaluating_fails(toy, t
     assert '=== pre-flight check' in first.stdout and 'OK ===' in first.stdout, first.stdout[-3000:]
     go = tmp_path / 'go'
     # the second run's first step waits for the file `go`
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1',
-             **held_step(tmp_path / 'hook', 1, go, argv=['--preflight_phase=2']))
+    e = script_env(held_step(tmp_path / 'hook', 1, go, argv=['--preflight_phase=2']))
     proc = subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=e, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     log = out / 'preflight' / 'phase2.out'

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from conftest import (FAST, ROOT, TOY_ARGS, XLA_ENV, Lines, ckpts, finish, popen_train, read_until, site_hook, start,
-                      train)
+from conftest import (FAST, ROOT, TOY_ARGS, XLA_ENV, Lines, ckpts, finish, popen_train, read_until, script_env,
+                      site_hook, start, train)
 
 
 def assert_unlocked(out):
@@ -42,7 +42,7 @@ def test_sigterm_saves_and_resume_continues(toy, tmp_path):
 def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(toy, tmp_path):
     args = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--data_path={toy}',
             f'--out_dir={tmp_path}/o', '--epochs=200', '--eval_every_epochs=1000', '--log_interval=2'] + TOY_ARGS
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', OMP_NUM_THREADS='1')
+    e = script_env(dict(OMP_NUM_THREADS='1'))
     proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     text = read_until(proc, 'step 4/')
@@ -240,9 +240,7 @@ def test_a_run_stops_once_when_its_parent_is_killed_and_not_when_a_parent_s_thre
         pytest.importorskip('torch_xla')
     out = tmp_path / 'o'
     args = [a for a in FAST if a != '--device=cpu'] + [f'--device={device}', '--epochs=400', '--log_interval=1']
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(XLA_ENV if device == 'xla' else {}))
-    if device == 'cpu':
-        e.pop('PJRT_DEVICE', None)
+    e = script_env(XLA_ENV if device == 'xla' else {})
     cmd = [sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}'] + args
     proc = subprocess.Popen([sys.executable, '-c', PARENT, str(out / 'run.lock')] + cmd, cwd=ROOT, env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)

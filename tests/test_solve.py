@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from conftest import assert_user_error
+from conftest import assert_user_error, script_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -31,11 +31,8 @@ TINY_KEYS = ['--hidden_size=32', '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cy
 
 def run(script, *args, env=None, check=True, timeout=600):
     """A script of the repository in a new process, cwd = the repository root."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    e.pop('PJRT_DEVICE', None)
-    e.update(env or {})
-    p = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=e, capture_output=True, text=True,
-                       timeout=timeout)
+    p = subprocess.run([sys.executable, script, *map(str, args)], cwd=ROOT, env=script_env(env), capture_output=True,
+                       text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{script} {args} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\n"
                              f"stderr:\n{p.stderr[-4000:]}")

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, Lines, assert_user_error, ckpts, run
+from conftest import ROOT, Lines, assert_user_error, ckpts, run, script_env
 
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
             '--puzzle_emb_len=2', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=3', '--global_batch_size=16',
@@ -188,7 +188,7 @@ def write_task(path, test_input):
 
 def solve_in(cwd, ckpt, *args, check=True):
     """solve.py run from the folder cwd (its default adaptation folder, out/adapt/..., lies there)."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **ENV)
+    e = script_env(ENV)
     p = subprocess.run([sys.executable, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}', '--device=cpu',
                         '--threads=1', *args], cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
     if check and p.returncode:
@@ -305,7 +305,7 @@ def test_a_task_without_its_test_inputs_is_named_as_the_user_s_file(arc_run, tmp
 def start_adapting(cwd, ckpt, task, folder):
     """solve.py adapting to a task for minutes, in its own session (a terminal's process group): (its process,
     its output's Lines), once train.py has done a step."""
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **ENV)
+    e = script_env(ENV)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}', '--device=cpu',
                              '--threads=1', f'--task={task}', '--adapt_minutes=10', '--adapt_aug=1',
                              '--adapt_args=--log_interval=1', f'--adapt_dir={folder}'], cwd=cwd, env=e,

@@ -22,6 +22,7 @@ if ROOT not in sys.path:
 
 from model import TRM, TRMConfig, rms_norm, round_up, swiglu_inter  # noqa: E402
 from step import AdamATan2, Compiled, Eager, StepConfig, compiled_predict, forward_loss, train_step  # noqa: E402
+from conftest import script_env  # noqa: E402
 
 # Sudoku's shape (81 tokens + 16 puzzle-embedding positions = 97, padded to 104) at a small width
 SUDOKU_SMALL = dict(vocab_size=11, seq_len=81, num_puzzle_identifiers=3, hidden_size=32, num_heads=2, H_cycles=2,
@@ -233,9 +234,7 @@ def test_train_and_bench_use_the_same_compiled_step():
 # bench.py: the task's shape from the config, not a Sudoku assumed
 
 def run_bench(args):
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
-    env.pop('PJRT_DEVICE', None)
-    p = subprocess.run([sys.executable, 'bench.py'] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+    p = subprocess.run([sys.executable, 'bench.py'] + args, cwd=ROOT, env=script_env(), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, f"bench.py {args} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     line = [l for l in p.stdout.splitlines() if l.startswith('bench: device=')][-1]

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train, site_hook, train
+from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train, script_env, site_hook, train
 
 GRACE = 3  # seconds (TRM_STOP_GRACE_S), so the tests take seconds
 
@@ -225,8 +225,7 @@ def test_under_torch_xla_s_launcher_the_worker_ends_and_so_does_the_launcher(toy
 
 def torchrun(toy, out, args, env):
     """train.py in two torchrun ranks on the CPU, in its own session."""
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **env)
-    env.pop('PJRT_DEVICE', None)
+    env = script_env(env)
     return subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
                              'train.py', f'--data_path={toy}', f'--out_dir={out}', '--global_batch_size=48']
                             + [a for a in FAST if not a.startswith('--global_batch_size')] + args,

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, ROOT, ckpts, read_until, start
+from conftest import FAST, ROOT, ckpts, read_until, script_env, start
 
 
 def assert_unlocked(out):
@@ -26,7 +26,7 @@ def assert_unlocked(out):
 def test_a_run_whose_output_is_gone_trains_and_exits_0(toy, tmp_path, gone):
     out = tmp_path / 'o'
     args = ' '.join([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=4'] + FAST)
-    e = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1')
+    e = script_env()
     r, w = os.pipe()
     os.close(r)  # for 'reader': `( train.py ... & wait ) | head -c 1`, the reader left before the first line
     stdout, redirect = (w, '') if gone == 'reader' else (subprocess.PIPE, gone)

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, held_step, run
+from conftest import BUCKET, ROOT, held_step, run, script_env
 from configurator import config_files, read_config_block
 
 STUDY = os.path.join(ROOT, 'config', 'study')
@@ -170,9 +170,7 @@ def study_args(tmp, pattern, *more):
 
 
 def start(args, env=None):
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
-    env.pop('PJRT_DEVICE', None)
-    return subprocess.Popen([sys.executable] + args, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable] + args, cwd=ROOT, env=script_env(env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_user_error, held_step, run
+from conftest import ROOT, assert_user_error, held_step, run, script_env
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 EXTRA = '--max_steps=20 --checkpoint_interval=10 --log_interval=10'
@@ -45,10 +45,8 @@ def args(tmp, data_root, pattern='rec_L2', extra=EXTRA, *more):
 
 
 def start(cmd, env=None, **kw):
-    env = dict(os.environ, WANDB_MODE='disabled', PYTHONUNBUFFERED='1', **(env or {}))
-    env.pop('PJRT_DEVICE', None)
     kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), **kw)
-    return subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=env, start_new_session=True, **kw)
+    return subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=script_env(env), start_new_session=True, **kw)
 
 
 def wait_for(cond, timeout=300):
