@@ -188,7 +188,8 @@ class TensorBoardWriter:
     """TensorBoard's event files of a run (rank 0), written by torch's SummaryWriter into <run>/tb: one file
     per process, which begins by purging the steps after the one it continues from (TensorBoard's Python reader
     drops them from the files before it), and the files before it are first cut to that step (its fast loader
-    ignores the purge), so a resumed run shows every step once, as metrics.jsonl does. A failure (a full or
+    ignores the purge), so a resumed run shows every step once, as metrics.jsonl does (a gs:// run on a new
+    machine fetches its bucket's files first: cut here, the resume sends them back). A failure (a full or
     read-only disk) is one warning, and the run goes on without events; a tb/ deleted under the run is made
     again, and the rest of the history goes into a new file there."""
 
@@ -201,8 +202,10 @@ class TensorBoardWriter:
         return os.path.basename(self.path)
 
     @classmethod
-    def open(cls, local, step, cfg):
+    def open(cls, local, step, cfg, remote=None):
         try:
+            if remote:
+                fetch_events(remote, os.path.join(local, 'tb'))
             cut_events(os.path.join(local, 'tb'), step)
             board = cls(cls.summary_writer(os.path.join(local, 'tb'), step + 1))
             if step == 0:  # the config once, as a table
@@ -294,6 +297,23 @@ def cut_events(folder, step):
         finally:
             with contextlib.suppress(OSError):
                 os.remove(tmp)
+
+
+def fetch_events(remote, folder):
+    """The event files under the bucket's <remote>/tb that folder lacks (a new machine's), fetched into it, each
+    through fetch.tmp (no 'tfevents' in its name); one that cannot be fetched is a warning."""
+    try:
+        there = gcs.list_objects(f"{remote.rstrip('/')}/tb/")
+    except gcs.GCSError as e:
+        print(f"warning: cannot list {remote}/tb ({e}); its earlier event files may show steps past the resumed "
+              "checkpoint in TensorBoard's fast loader (tensorboard --load_fast=false does not)")
+        return
+    for uri, _ in there:
+        path = os.path.join(folder, uri.rsplit('/', 1)[1])
+        if 'tfevents' in os.path.basename(path) and not os.path.exists(path):
+            tmp = gcs.download_if_there(uri, os.path.join(folder, 'fetch.tmp'), "it is left as it is")
+            if tmp:
+                os.replace(tmp, path)
 
 
 def quiet_event_writers(args):
@@ -620,7 +640,7 @@ class RunRecords:
             # be acted on) finishes it too, or the history since the last full block would be lost
             BEFORE_HARD_EXIT.append(lambda quick=False: self.finish_wandb(1 if quick else 4))
         if self.cfg['tensorboard']:
-            self.board = TensorBoardWriter.open(self.local, step, self.cfg)
+            self.board = TensorBoardWriter.open(self.local, step, self.cfg, self.gs_out)
         if self.gs_out:
             self.uploads = Uploads(self.local, self.gs_out, prune)
         return []
