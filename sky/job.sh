@@ -89,6 +89,7 @@ job_torchrun() {
 import sys
 from torch.distributed import run
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+sys.argv[0] = 'torchrun'  # the name its usage errors give (python -'s is '-')
 try:
     run.main(sys.argv[1:])
 except ChildFailedError as e:

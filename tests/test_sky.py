@@ -503,6 +503,8 @@ def test_the_multi_node_task_ends_with_its_ranks_watchdog_code_not_torchrun_s(em
         assert code == want and f'job: exit code {want}' in text, text[-3000:]
     p = sourced('job_torchrun --standalone --nproc_per_node=2 train.py --lr=-1; job_exit $?', bin_dir)
     assert p.returncode == 1 and 'config error: lr=-1' in p.stderr, p.stderr[-3000:]  # a rank's 1 stays 1
+    p = sourced('job_torchrun --nproc_per_node', bin_dir)  # a typo in the yaml: torchrun's usage, named so
+    assert p.returncode == 2 and 'torchrun: error: argument --nproc-per-node' in p.stderr, p.stderr[-3000:]
 
 
 def sourced(cmd, bin_dir, bucket=BUCKET):
