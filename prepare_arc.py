@@ -683,7 +683,8 @@ def main(argv=None):
         if not args.synthetic:
             subsets, test_subset = read_sources(args, canvas, out)
         # the previous dataset, every file of it, stays whole until this one is; the JSON it reads stays, in it or not
-        with building(out, reads=[args.json_dir, args.concept_dir]) as tmp:
+        files = [os.path.dirname(os.path.abspath(f)) for f in (args.challenges, args.solutions) if f]
+        with building(out, reads=[args.json_dir, args.concept_dir] + files) as tmp:
             if args.synthetic:  # the tasks' JSON is part of the dataset: written with it, into tmp
                 families = lambda names: tuple(names.split(',')) if names else FAMILIES
                 folder = synthetic_json(os.path.join(tmp, 'json'), canvas, args.num_tasks, args.num_eval_tasks,

@@ -8,6 +8,7 @@ are built unscored, and a malformed file is one line that writes nothing.
 import json
 import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -96,6 +97,19 @@ def test_a_challenges_file_with_its_solutions_is_a_dataset_of_its_demonstrations
     train_labels = {r.tobytes() for r in np.load(out / 'train' / 'all__labels.npy')}
     assert not any(r.tobytes() in train_labels for r in test['labels'])
     assert set(names[1:]) >= {names[i] for i in test['puzzle_identifiers']}  # every test row's puzzle was trained
+
+
+def test_a_rebuild_from_the_challenges_and_solutions_in_its_own_json_folder_keeps_them(new_tasks, tmp_path):
+    """The twin's second build into the twin's folder: json/ holds the files it reads, so it stays, every file of it
+    (an earlier build's sources it does not read would go, these never)."""
+    out = tmp_path / 'twin'
+    shutil.copytree(new_tasks, out)
+    before = {k: v for k, v in tree(out).items() if k.startswith('json' + os.sep)}
+    run(['prepare_arc.py', f'--challenges={out}/json/arc-agi_new_challenges.json',
+         f'--solutions={out}/json/arc-agi_new_solutions.json', '--canvas=6', '--num_aug=7', f'--output_dir={out}'])
+    after = tree(out)
+    assert {k: v for k, v in after.items() if k.startswith('json' + os.sep)} == before, sorted(after)
+    assert check_split(str(out), 'test') == [] and len(json.load(open(out / 'test_puzzles.json'))) == 8
 
 
 def write_json(path, obj):
