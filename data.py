@@ -10,6 +10,7 @@ puzzle_indices are example offsets per puzzle, group_indices puzzle offsets per 
 its augmentations form one group).
 """
 import contextlib
+import fcntl
 import json
 import os
 import re
@@ -146,20 +147,31 @@ def building(root, reads=None):
     tmp is removed (root too, if this build made it): a build that fails halfway never leaves half a dataset.
     reads: the folders the build reads its sources from. A name of BUILT that holds one stays (a csv/ that the
     build reads is its source), unless the build writes it: then it fails, as the swap would delete what it
-    read. None (a builder that does not say what it reads): every name of BUILT it did not write stays."""
-    tmp = os.path.join(root, BUILDING)
-    shutil.rmtree(tmp, ignore_errors=True)  # a build that was killed
+    read. None (a builder that does not say what it reads): every name of BUILT it did not write stays. A build
+    into a root that a live build holds (_build_lock) is refused in one line; a killed build's tmp is removed."""
+    tmp, lock = os.path.join(root, BUILDING), None
     new = not os.path.exists(root)
-    os.makedirs(tmp)
     try:
+        lock = _build_lock(root)  # a second build into root stops here, before it touches anything
+        shutil.rmtree(tmp, ignore_errors=True)  # a build that was killed (its lock went with it)
+        os.makedirs(tmp)
         yield tmp
         names = _replaced(root, sorted(os.listdir(tmp)), reads)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if new:  # a failed first build leaves no empty folder behind
+        if lock is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _unlock(root, lock)
+        if new:  # a failed first build leaves no empty folder behind (a live build's holds its lock file)
             with contextlib.suppress(OSError):
                 os.rmdir(root)
         raise
+    try:
+        _swap(root, tmp, names)
+    finally:
+        _unlock(root, lock)
+
+
+def _swap(root, tmp, names):
     for host, pid, out_dir in runs_holding(root):  # renames keep its open files: it goes on with the old data
         print(f"warning: {root} is in use by the run on {host}, pid {pid} (out_dir {out_dir}): it goes on "
               "training and evaluating on the dataset it started with; runs started or resumed from now get "
@@ -174,6 +186,39 @@ def building(root, reads=None):
         os.replace(os.path.join(tmp, n), os.path.join(root, n))
     shutil.rmtree(old)
     os.rmdir(tmp)
+
+
+def _build_lock(root):
+    """The lock of a build into root, held until _unlock: an flock on root/.building.lock, which the OS releases
+    when the process dies, so a killed build's folder is told from a live one's. Held by a live build: a
+    ValueError naming it."""
+    path = os.path.join(root, BUILDING + '.lock')
+    while True:
+        os.makedirs(root, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors='replace').strip() or '?'
+            os.close(fd)
+            raise ValueError(f"{root} is being built by another build (pid {pid}): wait for it to end, or build "
+                             "into another folder") from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            with contextlib.suppress(OSError):  # the pid only names this build to a second one
+                os.ftruncate(fd, 0)
+                os.write(fd, str(os.getpid()).encode())
+            return fd
+        os.close(fd)  # the file of a build that ended as this one opened it (_unlock removed it): lock a new one
+
+
+def _unlock(root, fd):
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(root, BUILDING + '.lock'))  # while held: no build can take the lock of a gone file
+    os.close(fd)
 
 
 def _replaced(root, written, reads):

@@ -1,15 +1,18 @@
 """
 The builders against a hostile user: a full disk or a file-size limit in the middle of a build (the previous
 dataset stays whole, every file of it, and the one line names the file that could not be written), generator
-options out of range, a bad solutions file, and two tasks under one id.
+options out of range, a bad solutions file, two tasks under one id, and a second build into a folder being built.
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_builder_faults.py
 """
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
-from conftest import assert_user_error, run, tree
+from conftest import ROOT, Lines, assert_user_error, run, script_env, site_hook, tree
 from disks import small_disk
 
 SYNTHETIC = ['--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3']
@@ -168,3 +171,56 @@ def test_a_download_onto_a_full_disk_names_the_file(server, tmp_path):
         assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-3000:]
         last = p.stderr.strip().splitlines()[-1]  # after the download's progress line
         assert last == f"error: cannot write {disk / 'm' / 'raw' / 'train.csv.part'}: No space left on device", last
+
+
+# a build that says 'test hook: the build waits' as it comes to write its first split, and waits there until the
+# file $TEST_GO exists: how a test acts on a build that is surely mid-way, however fast the machine
+HELD_BUILD = """
+import data
+real = data.write_split
+
+
+def write_split(*args, **kwargs):
+    print('test hook: the build waits', flush=True)
+    while not os.path.exists(os.environ['TEST_GO']):
+        time.sleep(0.05)
+    return real(*args, **kwargs)
+
+
+data.write_split = write_split
+"""
+
+
+def held_build(args, hook, go):
+    """A builder run as a user would, in the background (its own session), held at its first split (HELD_BUILD)
+    until the file `go` exists; returns (process, its Lines) once it waits there."""
+    proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=script_env(dict(site_hook(hook, HELD_BUILD),
+                            TEST_GO=str(go))), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
+                            start_new_session=True)
+    lines = Lines(proc)
+    lines.until('test hook: the build waits')
+    return proc, lines
+
+
+def test_a_second_build_into_a_folder_being_built_is_refused_and_a_killed_build_s_leftover_is_not(tmp_path):
+    out, go = tmp_path / 's', tmp_path / 'go'
+    build = lambda folder, seed: ['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5', f'--seed={seed}',
+                                  f'--output_dir={folder}']
+    first, lines = held_build(build(out, 1), tmp_path / 'hook', go)
+    try:
+        p = run(build(out, 2), check=False)
+        assert_user_error(p, str(out), 'being built', f'pid {first.pid}', one_line=True)
+        open(go, 'w').close()
+        text = lines.rest(300)
+    finally:
+        lines.kill()
+    assert first.returncode == 0, text[-3000:]
+    run(build(tmp_path / 'alone', 1))
+    assert tree(out) == tree(tmp_path / 'alone')  # the first build whole, nothing of the refused one
+    # a build that was killed mid-way: the next one removes what it left and builds
+    os.remove(go)
+    killed, lines = held_build(build(out, 3), tmp_path / 'hook', go)
+    lines.kill()
+    assert killed.returncode == -signal.SIGKILL and os.path.isdir(out / '.building')
+    run(build(out, 1))
+    assert tree(out) == tree(tmp_path / 'alone')
