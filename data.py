@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
@@ -186,6 +187,13 @@ def _swap(root, tmp, names):
         os.replace(os.path.join(tmp, n), os.path.join(root, n))
     shutil.rmtree(old)
     os.rmdir(tmp)
+
+
+def interrupted(root):
+    """A builder's end on Ctrl-C (or a launcher passing SIGINT on), out of its `with building(root)`: the one line
+    that says root is untouched (building removed this build's files) and the exit code of a SIGINT."""
+    print(f"stopped by SIGINT: {root} is as it was before this build", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 def _build_lock(root):

@@ -42,7 +42,6 @@ import argparse
 import contextlib
 import json
 import os
-import signal
 import sys
 import time
 
@@ -50,7 +49,7 @@ import numpy as np
 
 from runkeep import gcs
 from data import METADATA_FIELDS, DownloadError, WriteError, building, cannot_write, download, load_json, save_array
-from data import writing
+from data import interrupted, writing
 from puzzles import ARC
 
 ARC_MAX = 30  # the side of ARC-AGI's largest grid, and of its canvas
@@ -698,8 +697,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or solve.py passing it on: the build's files are gone (data.building)
-        print(f"stopped by SIGINT: {out} is as it was before this build", file=sys.stderr)
-        return 128 + signal.SIGINT
+        return interrupted(out)
     print(f"wrote {out}: {built['identifiers']:,} puzzle identifiers, {built['train_rows']:,} train rows, "
           f"{built['test_rows']:,} test rows; {built['solved']:,} of {built['test_inputs']:,} test inputs with "
           "solutions")

@@ -25,7 +25,7 @@ from collections import Counter, deque
 import numpy as np
 
 from runkeep import gcs
-from data import DownloadError, WriteError, building, download, write_split, writing
+from data import DownloadError, WriteError, building, download, interrupted, write_split, writing
 from puzzles import GOAL, OPEN, PAD, PATH, START, WALL, Maze, shortest_path_length
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
@@ -352,6 +352,8 @@ def main(argv=None):
                                                     # empty split, a full disk, a failed download or upload
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the build's files are gone (data.building)
+        return interrupted(out)
     print(f"wrote {out}")
     return 0
 

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from runkeep import gcs
-from data import DownloadError, building, download, final_path, write_split, writing
+from data import DownloadError, building, download, final_path, interrupted, write_split, writing
 from puzzles import BOXES, Sudoku
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
@@ -627,6 +627,8 @@ def main(argv=None):
                                                   # ValueError; a full disk: data.WriteError, a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the build's files are gone (data.building)
+        return interrupted(args.output_dir)
     print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")
     return 0
 

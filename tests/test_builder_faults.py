@@ -1,7 +1,8 @@
 """
 The builders against a hostile user: a full disk or a file-size limit in the middle of a build (the previous
 dataset stays whole, every file of it, and the one line names the file that could not be written), generator
-options out of range, a bad solutions file, two tasks under one id, and a second build into a folder being built.
+options out of range, a bad solutions file, two tasks under one id, a second build into a folder being built, and
+Ctrl-C.
     OMP_NUM_THREADS=1 python -m pytest -q tests/test_builder_faults.py
 """
 import json
@@ -173,26 +174,29 @@ def test_a_download_onto_a_full_disk_names_the_file(server, tmp_path):
         assert last == f"error: cannot write {disk / 'm' / 'raw' / 'train.csv.part'}: No space left on device", last
 
 
-# a build that says 'test hook: the build waits' as it comes to write its first split, and waits there until the
-# file $TEST_GO exists: how a test acts on a build that is surely mid-way, however fast the machine
+# a build that says 'test hook: the build waits' as it comes to write its first array, and waits there until the
+# file $TEST_GO exists: how a test acts on a build that is surely mid-way, however fast the machine. Ctrl-C is
+# Python's KeyboardInterrupt, as in a terminal (a test runner started in the background may pass SIGINT ignored)
 HELD_BUILD = """
 import data
-real = data.write_split
+real, waited = data.save_array, []
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def write_split(*args, **kwargs):
-    print('test hook: the build waits', flush=True)
+def save_array(*args, **kwargs):
+    if not waited:
+        waited.append(print('test hook: the build waits', flush=True))
     while not os.path.exists(os.environ['TEST_GO']):
         time.sleep(0.05)
     return real(*args, **kwargs)
 
 
-data.write_split = write_split
+data.save_array = save_array
 """
 
 
 def held_build(args, hook, go):
-    """A builder run as a user would, in the background (its own session), held at its first split (HELD_BUILD)
+    """A builder run as a user would, in the background (its own session), held at its first array (HELD_BUILD)
     until the file `go` exists; returns (process, its Lines) once it waits there."""
     proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=script_env(dict(site_hook(hook, HELD_BUILD),
                             TEST_GO=str(go))), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
@@ -224,3 +228,24 @@ def test_a_second_build_into_a_folder_being_built_is_refused_and_a_killed_build_
     assert killed.returncode == -signal.SIGKILL and os.path.isdir(out / '.building')
     run(build(out, 1))
     assert tree(out) == tree(tmp_path / 'alone')
+
+
+@pytest.mark.parametrize('args', [
+    ['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5'],
+    ['prepare_maze.py', '--generate=10', '--size=8', '--num_test=3', '--min_path_len=4'],
+    ['prepare_arc.py'] + SYNTHETIC,
+], ids=['sudoku', 'maze', 'arc'])
+def test_ctrl_c_in_a_rebuild_is_one_line_and_leaves_the_previous_dataset_whole(tmp_path, args):
+    out = tmp_path / 'd'
+    run(args + ['--seed=1', f'--output_dir={out}'])
+    before = tree(out)
+    proc, lines = held_build(args + ['--seed=2', f'--output_dir={out}'], tmp_path / 'hook', tmp_path / 'go')
+    try:
+        proc.send_signal(signal.SIGINT)
+        text = lines.rest(120)
+    finally:
+        lines.kill()
+    assert proc.returncode == 128 + signal.SIGINT and 'Traceback' not in text, text[-3000:]
+    said = lines.seen[lines.seen.index('test hook: the build waits') + 1:]
+    assert said == [f"stopped by SIGINT: {out} is as it was before this build"], said
+    assert tree(out) == before
