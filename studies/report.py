@@ -575,17 +575,31 @@ def plot_fits(plt, done, title, colors, seeds):
         return None
     fig, axes = plt.subplots(1, len(axes_used), figsize=(6 * len(axes_used), 4.5), squeeze=False)
     for ax, (key, label) in zip(axes.flat, axes_used):
+        # a log axis has no 0: a run that solved every test puzzle is drawn at a floor below the others, marked
+        positive = [e for _, k, _, _, errs, _ in fits if k == key for e in errs if e > 0]
+        floor, solved = 100 * min(positive) / 2 if positive else 0.1, 0
         for f, k, _, xs, errs, fit in fits:
             if k != key:
                 continue
             what = f"error {fit_text(fit)} (as a fraction), R² {fit['r2']:.2f}" if fit['meaningful'] else \
                 'no meaningful fit (report.md says why)'
-            ax.plot(xs, [100 * e for e in errs], 'o', color=colors[f], label=f"{f}_*: {what}")
+            ax.plot([x for x, e in zip(xs, errs) if e > 0], [100 * e for e in errs if e > 0], 'o', color=colors[f],
+                    label=f"{f}_*: {what}")
+            zeros = [x for x, e in zip(xs, errs) if e == 0]
+            if zeros:
+                ax.plot(zeros, [floor] * len(zeros), 'v', color=colors[f], mfc='none', ms=8)
+                solved += len(zeros)
             if fit['meaningful']:
                 grid = np.geomspace(min(xs), max(xs), 100)
                 ax.plot(grid, 100 * (fit['a'] * grid ** -fit['b'] + fit['c']), '-', color=colors[f], lw=1)
+        if solved:
+            ax.axhline(floor, color='grey', ls=':', lw=0.8)
+            ax.plot([], [], 'v', color='grey', mfc='none', ms=8,
+                    label=f"0 % error: {solved} point(s), drawn at the floor")
         ax.set_xscale('log')
         ax.set_yscale('log')
+        if solved:  # the floor inside the axis; with no other error the axis up to 100%
+            ax.set_ylim(floor / 2, None if positive else 100)
         ax.set_xlabel(f"{label} (log scale)")
         ax.set_ylabel('error = 100% - exact accuracy (%, log scale)'
                       + (f'\nmean of {seeds} seeds' if seeds > 1 else ''))

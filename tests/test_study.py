@@ -14,12 +14,15 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
 from runkeep import gcs
 from conftest import BUCKET, ROOT, held_step, run, script_env
 from configurator import config_files, read_config_block
+from studies.plan import Options, load_experiments
+from studies.report import collect, plot_fits, points
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 BASE = {'config/baseline.py': 'data/sudoku-extreme-1k-aug-1000', 'config/maze.py': 'data/maze-30x30-hard-1k'}
@@ -379,11 +382,11 @@ def test_seeds_run_each_point_in_its_own_folder_and_the_report_gives_mean_and_sp
     assert p.returncode != 0 and '--seeds' in p.stderr + p.stdout
 
 
-def fake_run(out, name, params, exact):
+def fake_run(out, name, params, exact, by_steps=None):
     """A finished run's results.json, as train.py writes it (the keys the report reads)."""
     os.makedirs(f'{out}/{name}', exist_ok=True)
     fe = dict(exact_accuracy=exact, exact_ci_low=max(0, exact - 0.02), exact_ci_high=min(1, exact + 0.02),
-              token_accuracy=exact, q_halt_accuracy=1.0, count=1000)
+              token_accuracy=exact, q_halt_accuracy=1.0, count=1000, exact_by_steps=by_steps or [exact / 2, exact])
     json.dump(dict(parameters=params, train_flops=params * 1e6, flops_per_example_step=params, step=100,
                    final_eval=fe, best_eval=None, config={}, wall_s=dict(total=params / 1e4), device_hours=params / 1e7,
                    world_size=1), open(f'{out}/{name}/results.json', 'w'))
@@ -411,6 +414,41 @@ def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
     assert re.search(r'\| few_\* \| parameters \| 3 \|.*no: 3 distinct points: a, b and c fit them exactly', md), md
     assert re.search(r'\| flat_\* \| parameters \| 5 \|.*no: flat', md), md
     assert os.path.getsize(f'{out}/error_fits.png') > 5000 and os.path.getsize(f'{out}/acc_vs_device_hours.png') > 5000
+
+
+def fit_points(tmp_path, exacts):
+    """The report's finished points of family w, one run per exact accuracy, as make_report collects them."""
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for i, exact in enumerate(exacts):
+        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
+                                        f"hidden_size = {64 * (i + 1)}\n")
+        fake_run(out, f'w_p{i}', 10 ** 5 * 2 ** i, exact)
+    opts = Options(scale='full', root=out, local_root=out, data_root=str(tmp_path / 'data'), config_dir=str(cfg),
+                   extra={}, extra_args=[], nproc=1, seeds=1)
+    return points(collect(load_experiments(['w_*'], opts)[1]), 1)
+
+
+@pytest.mark.parametrize('exacts', [(0.5, 0.7, 0.85, 0.95, 1.0), (1.0, 1.0, 1.0, 1.0)])
+def test_error_fits_draw_a_run_that_solved_everything(tmp_path, exacts):
+    # a log axis cannot show an error of 0: such a run is drawn at the floor, marked so, and matplotlib says nothing
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    done = fit_points(tmp_path, exacts)
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        fig = plot_fits(plt, done, 'test', {'w': 'C0'}, 1)
+        fig.savefig(tmp_path / 'error_fits.png')
+    assert [ax.get_xlabel() for ax in fig.axes] == ['parameters (log scale)', 'training FLOPs (log scale)']
+    for ax, per_param in zip(fig.axes, (1, 10 ** 6)):  # fake_run: train_flops = 1e6 x params
+        drawn = {(x, y) for l in ax.get_lines() if l.get_linestyle() == 'None' for x, y in l.get_xydata()}
+        assert sorted(x for x, _ in drawn) == [per_param * 10 ** 5 * 2 ** i for i in range(len(exacts))], drawn
+        lo, hi = ax.get_ylim()
+        assert all(lo < y < hi for _, y in drawn) and hi >= 10 * lo, (drawn, lo, hi)  # at least a decade shown
+        floor = [t.get_text() for t in ax.get_legend().get_texts() if '0 % error' in t.get_text()]
+        assert floor == [f"0 % error: {exacts.count(1.0)} point(s), drawn at the floor"], floor
+    plt.close(fig)
 
 
 def test_a_bucket_out_root_s_report_reads_each_run_s_results_from_the_bucket(emulator, tmp_path):
