@@ -105,8 +105,8 @@ def pct(x):
 
 def points(rows, seeds):
     """One row per experiment of `seeds` runs: with one seed its run's row, bars its 95% Wilson interval; with
-    more, the mean of its finished seeds (exact, device-hours), bars their min-max, std and the per-seed values
-    beside."""
+    more, the mean of its finished seeds (exact, its curve by supervision steps, device-hours), bars their
+    min-max, std and the per-seed values beside."""
     out = []
     for name in dict.fromkeys(r['name'] for r in rows):
         group = [r for r in rows if r['name'] == name]
@@ -124,8 +124,11 @@ def points(rows, seeds):
             mean = sum(vals) / len(vals)
             std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
             hours = [r['device_hours'] for r in done if r.get('device_hours') is not None]
+            curves = [r['exact_by_steps'] for r in done]  # every seed's, so that the curve ends at the mean
             p.update(exact=mean, exact_std=std, bar_lo=min(vals), bar_hi=max(vals),
-                     device_hours=sum(hours) / len(hours) if hours else None)
+                     device_hours=sum(hours) / len(hours) if hours else None,
+                     exact_by_steps=[sum(c[i] for c in curves) / len(curves)
+                                     for i in range(min(len(c) for c in curves))])
         out.append(p)
     return out
 
@@ -539,7 +542,7 @@ def plot(rows, folder, opts, views=()):
         else:
             plt.close(fig)
     for name, fig in ((ABLATIONS, plot_ablations(plt, done, title, colors, ylabel)),
-                      (STEPS_PNG, plot_supervision_steps(plt, done, title)),
+                      (STEPS_PNG, plot_supervision_steps(plt, done, title, seeds)),
                       (FITS_PNG, plot_fits(plt, done, title, colors, seeds)),
                       (VIEWS_PNG, plot_views(plt, views, opts.scale))):
         if fig:
@@ -609,8 +612,9 @@ def plot_fits(plt, done, title, colors, seeds):
     return fig
 
 
-def plot_supervision_steps(plt, done, title):
-    """One panel per family: held-out exact accuracy against the supervision steps run at test time."""
+def plot_supervision_steps(plt, done, title, seeds):
+    """One panel per family: held-out exact accuracy against the supervision steps run at test time (with
+    seeds, the mean of the finished seeds at each step)."""
     from matplotlib.ticker import MaxNLocator
     with_steps = [r for r in done if len(r.get('exact_by_steps') or []) > 0]
     if not with_steps:
@@ -631,7 +635,7 @@ def plot_supervision_steps(plt, done, title):
         ax.set_title(f"{f}_* ({title})")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel('supervision steps at test time (dotted: halt_max_steps)')
-        ax.set_ylabel('held-out exact accuracy (%)')
+        ax.set_ylabel('held-out exact accuracy (%)' + ('\nmean of the finished seeds' if seeds > 1 else ''))
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -22,7 +22,7 @@ from runkeep import gcs
 from conftest import BUCKET, ROOT, held_step, run, script_env
 from configurator import config_files, read_config_block
 from studies.plan import Options, load_experiments
-from studies.report import collect, plot_fits, points
+from studies.report import collect, plot_fits, plot_supervision_steps, points
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 BASE = {'config/baseline.py': 'data/sudoku-extreme-1k-aug-1000', 'config/maze.py': 'data/maze-30x30-hard-1k'}
@@ -416,17 +416,25 @@ def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
     assert os.path.getsize(f'{out}/error_fits.png') > 5000 and os.path.getsize(f'{out}/acc_vs_device_hours.png') > 5000
 
 
-def fit_points(tmp_path, exacts):
-    """The report's finished points of family w, one run per exact accuracy, as make_report collects them."""
+def fake_study(tmp_path, pattern, runs, seeds=1):
+    """A study's experiment files and finished runs, runs = {folder: (params, exact[, exact_by_steps])} (folder:
+    the experiment's name, <name>-s<seed> for seed > 0); the report's rows of the pattern, as make_report
+    collects them."""
     cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
-    cfg.mkdir()
-    for i, exact in enumerate(exacts):
-        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
+    cfg.mkdir(exist_ok=True)
+    for i, name in enumerate(dict.fromkeys(folder.split('-s')[0] for folder in runs)):
+        (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n"
                                         f"hidden_size = {64 * (i + 1)}\n")
-        fake_run(out, f'w_p{i}', 10 ** 5 * 2 ** i, exact)
+    for folder, run_ in runs.items():
+        fake_run(out, folder, *run_)
     opts = Options(scale='full', root=out, local_root=out, data_root=str(tmp_path / 'data'), config_dir=str(cfg),
-                   extra={}, extra_args=[], nproc=1, seeds=1)
-    return points(collect(load_experiments(['w_*'], opts)[1]), 1)
+                   extra={}, extra_args=[], nproc=1, seeds=seeds)
+    return collect(load_experiments([pattern], opts)[1])
+
+
+def fit_points(tmp_path, exacts):
+    """The report's finished points of family w, one run per exact accuracy."""
+    return points(fake_study(tmp_path, 'w_*', {f'w_p{i}': (10 ** 5 * 2 ** i, x) for i, x in enumerate(exacts)}), 1)
 
 
 @pytest.mark.parametrize('exacts', [(0.5, 0.7, 0.85, 0.95, 1.0), (1.0, 1.0, 1.0, 1.0)])
@@ -448,6 +456,28 @@ def test_error_fits_draw_a_run_that_solved_everything(tmp_path, exacts):
         assert all(lo < y < hi for _, y in drawn) and hi >= 10 * lo, (drawn, lo, hi)  # at least a decade shown
         floor = [t.get_text() for t in ax.get_legend().get_texts() if '0 % error' in t.get_text()]
         assert floor == [f"0 % error: {exacts.count(1.0)} point(s), drawn at the floor"], floor
+    plt.close(fig)
+
+
+# seed 1 of s_a not run, s_c only seed 0; each seed's exact accuracy by supervision steps its own
+SEED_RUNS = {'s_a': (10 ** 5, 0.5, [0.1, 0.5]), 's_a-s2': (10 ** 5, 0.9, [0.3, 0.9]),
+             's_b': (2 * 10 ** 5, 0.6, [0.2, 0.6]), 's_b-s1': (2 * 10 ** 5, 0.8, [0.4, 0.8]),
+             's_b-s2': (2 * 10 ** 5, 0.7, [0.3, 0.7]), 's_c': (4 * 10 ** 5, 0.9, [0.5, 0.9])}
+
+
+def test_with_seeds_the_supervision_steps_curve_is_the_mean_of_the_finished_seeds(tmp_path):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    done = points(fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3), 3)
+    assert [(p['name'], p['exact']) for p in done] == [('s_a', pytest.approx(0.7)), ('s_b', pytest.approx(0.7)),
+                                                       ('s_c', 0.9)]
+    assert [p['exact_by_steps'] for p in done] == [pytest.approx([0.2, 0.7]), pytest.approx([0.3, 0.7]), [0.5, 0.9]]
+    fig = plot_supervision_steps(plt, done, 'test', 3)
+    ax = fig.axes[0]
+    assert [list(l.get_ydata()) for l in ax.get_lines()] == [pytest.approx([100 * y for y in p['exact_by_steps']])
+                                                             for p in done]
+    assert 'mean of the finished seeds' in ax.get_ylabel(), ax.get_ylabel()
     plt.close(fig)
 
 
