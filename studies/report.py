@@ -118,11 +118,13 @@ def points(rows, seeds):
             out.append(p)
             continue
         vals = [r['exact'] for r in done]
-        p.update(seeds_done=len(done), per_seed=vals,
-                 status='done' if done else group[0]['status'])
+        p.update(seeds_done=len(done), status='done' if done else group[0]['status'],
+                 per_seed=[r['exact'] if r['status'] == 'done' else None
+                           for r in sorted(group, key=lambda r: r['seed'])])  # an unfinished seed keeps its place
         if done:
             mean = sum(vals) / len(vals)
-            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else 0.0
+            # one value has no sample standard deviation: None, not 0
+            std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else None
             hours = [r['device_hours'] for r in done if r.get('device_hours') is not None]
             curves = [r['exact_by_steps'] for r in done]  # every seed's, so that the curve ends at the mean
             p.update(exact=mean, exact_std=std, bar_lo=min(vals), bar_hi=max(vals),
@@ -141,7 +143,7 @@ def seed_stats(rows, seeds):
             stats[p['name']] = (p['exact'], p['exact_std'], p['bar_lo'], p['bar_hi'], p['seeds_done'])
     for r in rows if seeds == 1 else []:
         if r['status'] == 'done':
-            stats[r['name']] = (r['exact'], 0.0, r['exact'], r['exact'], 1)
+            stats[r['name']] = (r['exact'], None, r['exact'], r['exact'], 1)
     return stats
 
 
@@ -197,9 +199,9 @@ def write_tables(rows, folder, opts, views=()):
                 p['name'], p['family'], p['varied'], f"{p['params']:,}" if p.get('params') else '',
                 f"{p['train_flops']:.3g}" if p.get('train_flops') else '',
                 f"{p['steps']:,}" if p.get('steps') else '',
-                f"{pct(p['exact'])} ± {pct(p['exact_std'])} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})" if done
-                else '',
-                f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) for v in p['per_seed']),
+                f"{pct(p['exact'])} ± {pct(p['exact_std']) or 'n/a'} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})"
+                if done else '',
+                f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) or '–' for v in p['per_seed']),
                 f"{p['device_hours']:.3g}" if p.get('device_hours') is not None else '', p['status']]) + ' |')
     md += fits_section(rows, seeds)
     md += views_section(views)
@@ -405,7 +407,7 @@ def fits_section(rows, seeds):
     if not fits:
         return []
     lines = ["\n## Fits: error = a · X^-b + c\n",
-             "Error = 1 - held-out exact accuracy" + (f" (mean of {seeds} seeds)" if seeds > 1 else '')
+             "Error = 1 - held-out exact accuracy" + (" (mean of the finished seeds)" if seeds > 1 else '')
              + ", per family against its parameters, training FLOPs and training puzzles (where the family "
                "has two or more distinct values). Least squares with b > 0 and 0 <= c < the smallest error; "
                "a fit is meaningful with 4 or more distinct points, an error spread of 1 percentage point or "
@@ -482,7 +484,7 @@ def plot(rows, folder, opts, views=()):
     colors = {f: plt.get_cmap('tab10')(i % 10) for i, f in enumerate(fams)}
     title = f"scale {opts.scale}"
     ylabel = ('held-out exact accuracy (%)\nbars: 95% Wilson interval' if seeds == 1 else
-              f'held-out exact accuracy (%)\nmean of {seeds} seeds, bars: min-max')
+              'held-out exact accuracy (%)\nmean of the finished seeds, bars: min-max')
     written = []
 
     def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
@@ -605,7 +607,7 @@ def plot_fits(plt, done, title, colors, seeds):
             ax.set_ylim(floor / 2, None if positive else 100)
         ax.set_xlabel(f"{label} (log scale)")
         ax.set_ylabel('error = 100% - exact accuracy (%, log scale)'
-                      + (f'\nmean of {seeds} seeds' if seeds > 1 else ''))
+                      + ('\nmean of the finished seeds' if seeds > 1 else ''))
         ax.set_title(f"Error vs {label}: a·X^-b + c ({title})", fontsize=10)
         ax.grid(alpha=0.3, which='both')
         ax.legend(fontsize=7)

@@ -416,6 +416,13 @@ def test_fits_recover_a_power_law_and_say_when_they_mean_nothing(tmp_path):
     assert os.path.getsize(f'{out}/error_fits.png') > 5000 and os.path.getsize(f'{out}/acc_vs_device_hours.png') > 5000
 
 
+def pyplot():
+    import matplotlib
+    matplotlib.use('Agg')  # no display: as the report draws
+    import matplotlib.pyplot as plt
+    return plt
+
+
 def fake_study(tmp_path, pattern, runs, seeds=1):
     """A study's experiment files and finished runs, runs = {folder: (params, exact[, exact_by_steps])} (folder:
     the experiment's name, <name>-s<seed> for seed > 0); the report's rows of the pattern, as make_report
@@ -440,9 +447,7 @@ def fit_points(tmp_path, exacts):
 @pytest.mark.parametrize('exacts', [(0.5, 0.7, 0.85, 0.95, 1.0), (1.0, 1.0, 1.0, 1.0)])
 def test_error_fits_draw_a_run_that_solved_everything(tmp_path, exacts):
     # a log axis cannot show an error of 0: such a run is drawn at the floor, marked so, and matplotlib says nothing
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     done = fit_points(tmp_path, exacts)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
@@ -466,9 +471,7 @@ SEED_RUNS = {'s_a': (10 ** 5, 0.5, [0.1, 0.5]), 's_a-s2': (10 ** 5, 0.9, [0.3, 0
 
 
 def test_with_seeds_the_supervision_steps_curve_is_the_mean_of_the_finished_seeds(tmp_path):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     done = points(fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3), 3)
     assert [(p['name'], p['exact']) for p in done] == [('s_a', pytest.approx(0.7)), ('s_b', pytest.approx(0.7)),
                                                        ('s_c', 0.9)]
@@ -478,6 +481,24 @@ def test_with_seeds_the_supervision_steps_curve_is_the_mean_of_the_finished_seed
     assert [list(l.get_ydata()) for l in ax.get_lines()] == [pytest.approx([100 * y for y in p['exact_by_steps']])
                                                              for p in done]
     assert 'mean of the finished seeds' in ax.get_ylabel(), ax.get_ylabel()
+    plt.close(fig)
+
+
+def test_a_seed_report_keeps_each_seed_in_its_place_and_gives_no_spread_of_one_seed(tmp_path):
+    plt = pyplot()
+    rows = fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3)
+    out = str(tmp_path / 'out')
+    run(['study.py', '--pattern=s_*', '--seeds=3', f'--config_dir={tmp_path}/cfg', f'--out_root={out}',
+         '--report=True'])
+    md = open(f'{out}/report.md').read()
+    assert '| 70.0 ± 28.3 (50.0-90.0) | 2/3 | 50.0, –, 90.0 |' in md, md  # seed 1 of s_a not run
+    assert '| 70.0 ± 10.0 (60.0-80.0) | 3/3 | 60.0, 80.0, 70.0 |' in md, md
+    assert '| 90.0 ± n/a (90.0-90.0) | 1/3 | 90.0, –, – |' in md, md  # one value has no standard deviation
+    assert 'mean of the finished seeds' in md and 'mean of 3 seeds' not in md, md
+    std = {r['run']: r['exact_std'] for r in csv.DictReader(open(f'{out}/report.csv'))}
+    assert std['s_c'] == std['s_c-s1'] == '' and float(std['s_a-s1']) == pytest.approx(0.2828, abs=1e-4), std
+    fig = plot_fits(plt, points(rows, 3), 'test', {'s': 'C0'}, 3)
+    assert all('mean of the finished seeds' in ax.get_ylabel() for ax in fig.axes)
     plt.close(fig)
 
 
