@@ -286,11 +286,14 @@ def main(index=None):
         if run.out_of_time:  # --max_minutes: this step is the last, in time for the final evaluation
             run_steps, at_eval = step, True
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:
+            # the next sums start from zeros the read's graph makes: the step after a log line then runs the
+            # graph of the steps before it (XLA; where the sums are traced into the step's graph)
+            zeros = {k: torch.zeros_like(v) for k, v in acc.items()}
             sums, bad_at = read_sums(dev, acc, bad_step)  # on every rank: the same graphs on every rank
             run.check_divergence(bad_at, step)
             run.log_train(sums, step, run_steps, loader.epochs_done(prefetch.consumed_state),
                           float(sc.lr_at(step - 1, sc.lr)), model.flops_per_example())
-            acc = None
+            acc = zeros
         if stop_now:
             save(' (stop requested)', owed=at_eval)
         elif at_eval:

@@ -40,6 +40,20 @@ def test_xla_training_matches_cpu_and_stops_compiling(toy, tmp_path):
         torch.testing.assert_close(a['model'][k], b['model'][k], rtol=1e-3, atol=2e-4, msg=k)
 
 
+@pytest.mark.parametrize('extra', [['--compile=False'], ['--gradient_accumulation_steps=2', '--grad_clip=1.0']],
+                         ids=['lazy_step', 'accumulation'])
+def test_the_steps_after_a_log_line_run_the_graph_of_the_steps_before_it(toy, tmp_path, extra):
+    """The lazy step (where compile is off) and gradient accumulation trace the metric sums into the step's graph:
+    the step after a log line, which starts new sums, must run the same graph as the others, or each log line
+    costs a compilation (the whole step's, for the lazy one) and warns that every step may be compiling."""
+    x = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/x', '--device=xla', '--log_interval=11',
+             '--max_steps=33', '--eval_every_epochs=100'] + [a for a in TOY_ARGS if a != '--device=cpu'] + extra,
+            env=XLA_ENV)
+    compiles = [r['compiles'] for r in step_lines(x.stdout)]
+    assert len(compiles) == 3 and compiles[0] == compiles[-1], compiles
+    assert 'warning' not in x.stdout, x.stdout[-3000:]
+
+
 XLA_EVAL = """
 import json, sys
 import torch, torch_xla, torch_xla.debug.metrics as met
