@@ -14,6 +14,7 @@ another run's step files (one all_config.yaml answers for all of them) is refuse
 the folder as it was (published.export).
 """
 import os
+import urllib.parse
 
 # -----------------------------------------------------------------------------
 # config
@@ -73,6 +74,8 @@ print(f"load it with --init_from={paths[0]} (train.py, solve.py; the model keys 
 if repo:
     where = (path_in_repo or os.path.basename(run_folder)).strip('/')
     commit = upload(paths, repo, where, revision, private, commit_message)
+    # without @REVISION an hf:// address reads main: another branch's file is named with it (a '/' in it encoded)
+    branch = '' if revision == 'main' else '@' + urllib.parse.quote(revision, safe='')
     print(f"committed to {repo} (revision {revision}) as {commit}: load it with "
-          f"--init_from=hf://{repo}/{where}/step_{ckpt['step']} (this exact commit: "
+          f"--init_from=hf://{repo}{branch}/{where}/step_{ckpt['step']} (this exact commit: "
           f"hf://{repo}@{commit}/{where}/step_{ckpt['step']})")

@@ -284,6 +284,22 @@ def test_a_revision_and_a_new_commit(hub, table_run, tmp_path):
     assert eval_lines(pinned.stdout) == eval_lines(a.stdout)
 
 
+def test_a_publish_to_a_branch_prints_the_address_of_that_branch(hub, table_run, tmp_path):
+    """Committed to a branch other than main, the printed load command names the branch (URL-encoded: it has a
+    '/'), and followed it loads what was committed there, not main's file of the same path."""
+    publish_to(hub, table_run)  # the EMA's weights on main
+    repo = FakeHub.repos['alice/trm-toy']
+    repo['branches']['exp/v1'] = repo['branches']['main']
+    p = publish_to(hub, table_run, '--weights=model', f'--out_dir={tmp_path}/raw', '--revision=exp/v1')
+    uri = re.search(r'committed to .*: load it with --init_from=(\S+)', p.stdout)[1]
+    there = evaluate(hub, table_run, tmp_path / 'a', uri, env=dict(HF_TOKEN=TOKEN))
+    here = evaluate(hub, table_run, tmp_path / 'b', f'{tmp_path}/raw/step_6')
+    cached = os.path.join(hub['TRM_HUB_CACHE'], 'alice--trm-toy', repo['branches']['exp/v1'], 'toy', 'step_6')
+    assert f'cached at {cached}' in there.stdout and repo['branches']['exp/v1'] != repo['branches']['main']
+    assert eval_lines(there.stdout) == eval_lines(here.stdout) and eval_lines(here.stdout)
+    assert uri == 'hf://alice/trm-toy@exp%2Fv1/toy/step_6'
+
+
 def test_an_interrupted_download_resumes(hub, tmp_path):
     """A 5 MB checkpoint (a 40,000-row table): a connection that dies halfway is resumed within the run; a run
     killed during the download leaves what it fetched (written as it arrives, a megabyte at a time), and the
