@@ -518,8 +518,10 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
                 os.rmdir(d)
         if isinstance(e, (FileExistsError, NotADirectoryError)) and not os.path.isdir(folder):
             fail(f"out_dir={folder} is not a folder, and cannot be made one ({e.strerror}): give a folder")
-        why = str(e).replace(stage + os.sep, folder + os.sep) if isinstance(e, CheckpointError) else \
-            f"could not write {os.path.join(folder, os.path.basename(e.filename or names[1]))}: {e.strerror or e}"
+        # a staged file is named where it was going; anything else (a folder above out_dir) as it is
+        why = str(e) if isinstance(e, CheckpointError) else \
+            f"could not write {e.filename or os.path.join(stage, names[1])}: {e.strerror or e}"
+        why = why.replace(stage + os.sep, folder + os.sep)
         fail(f"publish: {why}; nothing was published, and {folder} is as it was before")
     os.rmdir(stage)
     return [os.path.join(folder, n) for n in names]

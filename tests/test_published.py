@@ -320,6 +320,15 @@ def test_a_publish_that_cannot_write_is_one_line_and_leaves_nothing_behind(table
         assert not (tmp_path / 'new').exists() and tree(kept) == {'notes.txt': b'mine'}
 
 
+def test_a_folder_on_the_way_that_cannot_be_made_is_the_path_named(table_run, tmp_path):
+    """A folder above out_dir that cannot be made (here a name longer than a file system takes; a read-only
+    parent alike) is what the one line names, not a path inside out_dir."""
+    long = tmp_path / ('x' * 300)
+    p = publish(f'--init_from={table_run["ckpt"]}', f'--out_dir={long}/pub', check=False)
+    said = assert_user_error(p, f'could not write {long}: ', 'nothing was published', one_line=True)
+    assert f'{long}/pub/' not in said and not os.listdir(tmp_path)
+
+
 def test_a_resume_that_changed_what_a_resume_may_change_publishes_beside_its_earlier_steps(table_run, tmp_path):
     """halt_exploration_prob and forward_dtype may change at a resume (train.py) and differ from the published
     run's (the loader): a later checkpoint of the same run goes beside step_6, all_config.yaml takes its values
