@@ -167,13 +167,14 @@ def train_run(path):
 def resolve_init_from(g, ours=False):
     """A script's config globals `g` after the configurator (train.py's, solve.py's): the updates that make
     init_from a local file and its model keys those of the published run, {key: value}. init_from=hf://...:
-    fetched into the cache. With an all_config.yaml beside the file: its model keys, checked against the keys
-    the config files and the command line set (`_set_by`), refused in one line where one contradicts it; a
-    data_path left '' (solve.py: "the checkpoint's") becomes its first data_paths. Says where the config came
-    from in one line. Without the YAML: nothing changes (the keys are the script's, as for any file), but with
-    `ours` (train.py) a checkpoint of train.py to start from (not a resume's) gives its run's model keys where no
-    config file or flag set them; one set to another value is used (changing no weight's shape, H_cycles at test
-    time, say), and said in that line."""
+    fetched into the cache. With an all_config.yaml beside a state dict (not beside a checkpoint of train.py,
+    which has its own config): its model keys, checked against the keys the config files and the command line
+    set (`_set_by`), refused in one line where one contradicts it; a data_path left '' (solve.py: "the
+    checkpoint's") becomes its first data_paths. Says where the config came from in one line. Otherwise:
+    nothing changes (the keys are the script's, as for any file), but with `ours` (train.py) a checkpoint of
+    train.py to start from (not a resume's) gives its run's model keys where no config file or flag set them; one
+    set to another value is used (changing no weight's shape, H_cycles at test time, say), and said in that
+    line."""
     init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
     resume = 'resume:' if init_from.startswith('resume:') else ''  # resume, else start from the file after it
     init_from = init_from[len(resume):]
@@ -187,15 +188,19 @@ def resolve_init_from(g, ours=False):
         fail(f"init_from={init_from}: a hub checkpoint is hf://OWNER/REPO/PATH/step_<N> (a revision: "
              "hf://OWNER/REPO@REVISION/PATH/step_<N>)")
     yaml_path = all_config_beside(init_from) if init_from and os.path.isfile(init_from) else None
+    # a checkpoint of train.py carries its run's config: an all_config.yaml beside it (publish.py --out_dir=its
+    # run folder) answers for the step files there, not for it
+    found = init_from and os.path.isfile(init_from) and (yaml_path or ours and not resume) and train_run(init_from)
+    if found:
+        yaml_path = None
     if yaml_path is None:
-        found = ours and not resume and init_from and os.path.isfile(init_from) and train_run(init_from)
-        if found:
+        if found and ours and not resume:
             from model import MODEL_KEYS
             keys, taken, differ = run_keys(g, set_by, {k: v for k, v in found['config'].items() if k in MODEL_KEYS})
             print(f"init_from={shown}: a checkpoint of train.py (step {found['step']}); model config from its run: "
                   + said_keys(g, set_by, keys, differ, "the checkpoint's"))
             return {**updates, **taken}
-        if shown != init_from:
+        if shown != init_from and not found:
             print(f"init_from={shown}: {init_from}; no all_config.yaml beside it in the repository: the model "
                   "keys are this run's config, as for any state dict")
         return updates

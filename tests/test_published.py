@@ -159,6 +159,21 @@ def test_without_all_config_the_keys_are_the_config_s_as_before(table_run, tmp_p
     assert_user_error(run(base + [f'--out_dir={tmp_path}/b'], check=False), 'not weights of this model')
 
 
+def test_a_checkpoint_of_train_py_beside_an_all_config_keeps_its_own_config(table_run, tmp_path):
+    """publish.py --out_dir=<the run folder> puts an all_config.yaml beside the run's checkpoints: it answers for
+    the step files there, not for a checkpoint of train.py, which carries its run's config (a key set to another
+    value is used and said, as without the YAML)."""
+    folder = tmp_path / 'run'
+    folder.mkdir()
+    ckpt = shutil.copy(table_run['ckpt'], folder)
+    publish(f'--init_from={ckpt}', f'--out_dir={folder}')
+    p = run(['train.py', f'--data_path={table_run["data"]}', f'--out_dir={tmp_path}/o', f'--init_from={ckpt}',
+             '--H_cycles=3', *EVAL])
+    said = next(l for l in p.stdout.splitlines() if l.startswith(f'init_from={ckpt}:'))
+    assert "a checkpoint of train.py (step 6)" in said and "H_cycles=3 as set (--H_cycles=3), the checkpoint's 2" \
+        in said and eval_lines(p.stdout)
+
+
 def test_a_file_neither_ours_nor_the_references_is_named_in_one_line(table_run, tmp_path, sudoku4):
     lightning = tmp_path / 'model.ckpt'
     torch.save({'state_dict': {'w': torch.zeros(2)}, 'epoch': 3}, lightning)
