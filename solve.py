@@ -30,7 +30,7 @@ import re
 import time
 
 from configurator import read_config_block  # noqa: E402
-from runkeep.hub import resolve_init_from  # noqa: E402
+from runkeep.hub import all_config_beside, resolve_init_from  # noqa: E402
 from configurator import KERNELS, config_problems  # noqa: E402
 
 # train.py's model keys with their defaults: read for a reference state dict only (a train.py checkpoint
@@ -366,7 +366,11 @@ def load_model(dev):
     why)."""
     sd, saved, what, trained_on, identifiers = read_checkpoint(init_from)
     ours = saved is not None
+    published = None if ours else all_config_beside(init_from)  # its model keys, which no flag may contradict
     dp = data_path or (saved or {}).get('data_path', '')
+    if not dp and published:
+        fail(f"init_from={init_from} is a reference state dict whose {published} names no dataset (data_paths): "
+             "give --data_path (the dataset it was trained on)")
     if not dp and not ours:
         fail(f"init_from={init_from} is a reference state dict: give --data_path (the dataset it was trained "
              "on) and its model keys (--hidden_size, --L_layers, --H_cycles, --L_cycles, --mlp_t, ...)")
@@ -408,9 +412,12 @@ def load_model(dev):
     try:
         model.load_state_dict(fill_absent_table(sd, model))
     except RuntimeError:
-        where = f"the checkpoint's config and {meta_from}" if ours else \
-            f"the model keys (--hidden_size etc.) and {meta_from}"
-        fail(mismatch_message(sd, model, cfg, init_from, where, ours))
+        where = "the checkpoint's config" if ours else published or "the model keys (--hidden_size etc.)"
+        message = mismatch_message(sd, model, cfg, init_from, f"{where} and {meta_from}", ours or bool(published))
+        if published:  # the dataset, or the YAML is another run's (its keys cannot be set against it)
+            message += (f" if the weights say another dataset; else {published} is not the config of the run "
+                        "these weights come from: put the step file beside its own run's all_config.yaml")
+        fail(message)
     print(f"{init_from}: {what} | {model.num_params():,} parameters | H_cycles {cfg.H_cycles}, L_cycles "
           f"{cfg.L_cycles}, halt_max_steps {cfg.halt_max_steps} | {puzzle_for(meta).titles} ({meta_from})")
     warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp)

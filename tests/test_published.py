@@ -226,6 +226,23 @@ def test_a_published_model_too_large_for_the_machine_is_refused_by_solve_in_one_
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def test_solve_names_the_all_config_a_published_model_was_built_from(trained, sudoku4, tmp_path):
+    """The model keys of a step file come from the all_config.yaml beside it, which no flag may contradict: where
+    the weights do not fit them (a YAML of another run: hidden_size 64 for weights of 32), or where it names no
+    dataset, solve.py's one line names that file, not flags (--hidden_size) that it would then refuse."""
+    publish(f'--init_from={trained}/ckpt_00000004.pt', f'--out_dir={tmp_path}/pub')
+    yaml_path = tmp_path / 'pub' / 'all_config.yaml'
+    cfg = yaml.safe_load(open(yaml_path))
+    solve = ['solve.py', f'--init_from={tmp_path}/pub/step_4', '--count=1', '--device=cpu']
+    yaml_path.write_text(yaml.safe_dump(dict(cfg, arch=dict(cfg['arch'], hidden_size=64))))
+    said = assert_user_error(run(solve, check=False), f'built from {yaml_path} and dataset {sudoku4}',
+                             'hidden_size=32 (here 64)', f'else {yaml_path} is not', one_line=True)
+    assert '--hidden_size' not in said
+    yaml_path.write_text(yaml.safe_dump(dict(cfg, data_paths=[])))
+    said = assert_user_error(run(solve, check=False), '--data_path', f'{yaml_path} names no dataset', one_line=True)
+    assert '--hidden_size' not in said
+
+
 def test_a_table_of_other_rows_than_the_dataset_s_is_refused(table_run, tmp_path):
     """The published table has 12 rows; a dataset with 5 identifiers is refused where checkpoints of this
     trainer are (checkpoint.load_weights), in one line."""
