@@ -211,7 +211,10 @@ ema_params = [p.detach().clone() for p in model.parameters()] if ema else None  
 # update), by the device's torch.compile backend as train.py's (TorchTPU's; None: inductor)
 form = step_form(device_type, compiled, compile_mode, dev.compile_backend)
 predict = compiled_predict(model, compile_mode, dev.compile_backend) if compiled else model.predict
-compiler = f"backend {dev.compile_backend!r}" if dev.compile_backend else compile_mode
+compiler = f"backend {dev.compile_backend!r}" if dev.compile_backend else 'xla_backend' if device_type == 'xla' \
+    else compile_mode
+if compile_mode != 'default' and (compiler != compile_mode or not compiled):
+    print(f"note: compile_mode={compile_mode!r} is inductor's (CUDA): not used on {device_type}")
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
                 global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,

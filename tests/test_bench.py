@@ -68,9 +68,11 @@ def test_bench_refuses_a_bad_profile_steps_before_anything_runs():
 
 
 def test_bench_on_xla_stops_compiling():
-    s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True']
-                       + BENCH_TINY, env=XLA_ENV)
+    s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True',
+                        '--compile_mode=max-autotune-no-cudagraphs'] + BENCH_TINY, env=XLA_ENV)
     assert s['device'] == 'xla' and s['variant'] == 'one_graph'  # one process, one micro-batch: the step one graph
+    assert '| compiled (xla_backend)' in out  # what compiled it, not an inductor mode XLA has no use for
+    assert "note: compile_mode='max-autotune-no-cudagraphs' is inductor's (CUDA): not used on xla" in out
     # vs_eager: the eager step timed in the same run, and the ratio of the device times
     assert float(s['eager_device_ms_per_step']) > 0 and float(s['eager_host_ms_per_step']) > 0
     ratio = float(s['device_ms_per_step']) / float(s['eager_device_ms_per_step'])
