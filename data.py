@@ -189,10 +189,15 @@ def _swap(root, tmp, names):
     os.rmdir(tmp)
 
 
-def interrupted(root):
-    """A builder's end on Ctrl-C (or a launcher passing SIGINT on), out of its `with building(root)`: the one line
-    that says root is untouched (building removed this build's files) and the exit code of a SIGINT."""
-    print(f"stopped by SIGINT: {root} is as it was before this build", file=sys.stderr)
+def interrupted(root, upload=''):
+    """A builder's end on Ctrl-C (or a launcher passing SIGINT on): the one line that says root is untouched
+    (building removed this build's files), or with `upload` (the gs:// URI root was being sent to, after its
+    build) that root is the new build and the bucket lacks it; the exit code of a SIGINT."""
+    if upload:
+        print(f"stopped by SIGINT: {root} is built, but its upload to {upload} did not finish: the same command "
+              "builds and uploads it again", file=sys.stderr)
+    else:
+        print(f"stopped by SIGINT: {root} is as it was before this build", file=sys.stderr)
     return 128 + signal.SIGINT
 
 

@@ -678,6 +678,7 @@ def main(argv=None):
     bucket_uri = out if gcs.is_gcs(out) else ''
     if bucket_uri:
         out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
+    uploading = ''
     try:
         if not args.synthetic:
             subsets, test_subset = read_sources(args, canvas, out)
@@ -692,12 +693,13 @@ def main(argv=None):
                 subsets = [(s, kaggle_subset(folder, s, canvas)) for s in ('training', 'evaluation')]
                 test_subset = 'evaluation'
             built = build(subsets, test_subset, tmp, num_aug, args.seed, canvas)
+        uploading = bucket_uri  # (a Ctrl-C from here on leaves the new build in out)
         out = gcs.publish_dataset(out, bucket_uri)  # built locally, then uploaded for every host
     except (ValueError, DownloadError, WriteError, OSError, gcs.GCSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C, or solve.py passing it on: the build's files are gone (data.building)
-        return interrupted(out)
+        return interrupted(out, uploading)
     print(f"wrote {out}: {built['identifiers']:,} puzzle identifiers, {built['train_rows']:,} train rows, "
           f"{built['test_rows']:,} test rows; {built['solved']:,} of {built['test_inputs']:,} test inputs with "
           "solutions")

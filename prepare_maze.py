@@ -335,6 +335,7 @@ def main(argv=None):
     bucket_uri = out if gcs.is_gcs(out) else ''
     if bucket_uri:
         out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
+    uploading = ''
     try:
         csv_dir = args.csv_dir
         if not generate and csv_dir is None:
@@ -347,13 +348,14 @@ def main(argv=None):
                               args.loop_frac)
             build_dataset(csv_dir, tmp, aug=args.aug, subsample_size=args.subsample_size, seed=args.seed,
                           skip_bad=args.skip_bad)
+        uploading = bucket_uri  # (a Ctrl-C from here on leaves the new build in out)
         out = gcs.publish_dataset(out, bucket_uri)  # built locally, then uploaded for every host
     except (ValueError, DownloadError, WriteError, OSError, gcs.GCSError) as e:  # bad rows or options, an
                                                     # empty split, a full disk, a failed download or upload
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the build's files are gone (data.building)
-        return interrupted(out)
+        return interrupted(out, uploading)
     print(f"wrote {out}")
     return 0
 

@@ -600,7 +600,7 @@ def main(argv=None):
         if args.generate is not None and getattr(args, name) == 0:
             print(f"error: --{name} 0: the {split} split would hold no examples; ask for at least 1", file=sys.stderr)
             return 2
-    t0 = time.time()
+    t0, uploading = time.time(), ''
     try:
         csv_dir = args.csv_dir
         if args.generate is None and csv_dir is None:
@@ -622,13 +622,14 @@ def main(argv=None):
                       f"{os.path.join(args.output_dir, 'csv')}")
             build(csv_dir, tmp, args.size, args.subsample_size, args.min_difficulty, args.num_aug, args.seed,
                   args.skip_bad)
+        uploading = bucket_uri  # (a Ctrl-C from here on leaves the new build in output_dir)
         args.output_dir = gcs.publish_dataset(args.output_dir, bucket_uri)  # built here, then uploaded
     except (ValueError, DownloadError, RuntimeError, OSError, gcs.GCSError) as e:  # CSVFormatError: a
                                                   # ValueError; a full disk: data.WriteError, a RuntimeError
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the build's files are gone (data.building)
-        return interrupted(args.output_dir)
+        return interrupted(args.output_dir, uploading)
     print(f"done in {time.time() - t0:.1f} s -> {args.output_dir}")
     return 0
 

@@ -71,10 +71,12 @@ def script_env(env=None):
     return {k: v for k, v in e.items() if v is not None}
 
 
-def run(args, timeout=600, env=None, check=True):
-    """Run a script of this repo in a new process (cwd = repository root), as a user would."""
-    p = subprocess.run([sys.executable] + args, cwd=ROOT, env=script_env(env), capture_output=True, text=True,
-                       timeout=timeout)
+def run(args, timeout=600, env=None, check=True, cwd=None):
+    """Run a script of this repo in a new process, as a user would: in the repository's root, or in `cwd` (where
+    what a script writes under its current folder, a gs:// dataset's local build, should go)."""
+    script = [os.path.join(ROOT, args[0])] + args[1:] if cwd else args  # (a script's path, not `-c CODE`)
+    p = subprocess.run([sys.executable] + script, cwd=cwd or ROOT, env=script_env(env), capture_output=True,
+                       text=True, timeout=timeout)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} exited {p.returncode}\nstdout:\n{p.stdout[-4000:]}\nstderr:\n{p.stderr[-4000:]}")
     return p

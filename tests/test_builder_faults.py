@@ -249,3 +249,30 @@ def test_ctrl_c_in_a_rebuild_is_one_line_and_leaves_the_previous_dataset_whole(t
     said = lines.seen[lines.seen.index('test hook: the build waits') + 1:]
     assert said == [f"stopped by SIGINT: {out} is as it was before this build"], said
     assert tree(out) == before
+
+
+SIGINT_IN_UPLOAD = """
+from runkeep import gcs
+def publish_dataset(local_dir, uri):  # Ctrl-C once the dataset is built, while it is uploaded
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(60)
+gcs.publish_dataset = publish_dataset
+"""
+
+
+@pytest.mark.parametrize('args', [
+    ['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5'],
+    ['prepare_maze.py', '--generate=10', '--size=8', '--num_test=3', '--min_path_len=4'],
+    ['prepare_arc.py'] + SYNTHETIC,
+], ids=['sudoku', 'maze', 'arc'])
+def test_ctrl_c_in_the_upload_of_a_built_dataset_says_it_is_built_and_not_uploaded(tmp_path, args):
+    """A gs:// output is built in data/upload/... (under the current folder, here tmp_path), then uploaded: a
+    Ctrl-C in the upload leaves the new build there, not the folder as it was, and the line says so."""
+    uri = 'gs://test-bucket/d'
+    p = run(args + [f'--output_dir={uri}'], env=site_hook(tmp_path / 'hook', SIGINT_IN_UPLOAD), check=False,
+            cwd=tmp_path)
+    local = os.path.join('data', 'upload', 'test-bucket', 'd')
+    assert p.returncode == 128 + signal.SIGINT and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.splitlines() == [f"stopped by SIGINT: {local} is built, but its upload to {uri} did not "
+                                     "finish: the same command builds and uploads it again"], p.stderr
+    assert os.path.isfile(tmp_path / local / 'train' / 'dataset.json')

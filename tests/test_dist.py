@@ -163,7 +163,7 @@ def test_dataset_in_a_bucket_is_built_uploaded_fetched_and_trained_on(emu, tmp_p
     from conftest import BUCKET
     uri = f'gs://{BUCKET}/datasets/s4'
     run(['prepare_sudoku.py', '--generate', '200', '--size', '4', '--num_test', '20', '--num_aug', '1',
-         '--output_dir', uri], env=dict(STORAGE_EMULATOR_HOST=os.environ['STORAGE_EMULATOR_HOST']))
+         '--output_dir', uri], env=dict(STORAGE_EMULATOR_HOST=os.environ['STORAGE_EMULATOR_HOST']), cwd=tmp_path)
     names = sorted(os.path.basename(u) for u, _ in gcs.list_objects(uri + '/'))
     assert 'all__inputs.npy' in names and 'dataset.json' in names
     cache = tmp_path / 'cache'
