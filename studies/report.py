@@ -126,11 +126,12 @@ def points(rows, seeds):
             # one value has no sample standard deviation: None, not 0
             std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else None
             hours = [r['device_hours'] for r in done if r.get('device_hours') is not None]
-            curves = [r['exact_by_steps'] for r in done]  # every seed's, so that the curve ends at the mean
+            # every seed's curve, so that it ends at the mean (a results.json of an earlier trainer has none)
+            curves = [r['exact_by_steps'] for r in done if r['exact_by_steps']]
             p.update(exact=mean, exact_std=std, bar_lo=min(vals), bar_hi=max(vals),
                      device_hours=sum(hours) / len(hours) if hours else None,
                      exact_by_steps=[sum(c[i] for c in curves) / len(curves)
-                                     for i in range(min(len(c) for c in curves))])
+                                     for i in range(min(map(len, curves)))] if curves else [])
         out.append(p)
     return out
 

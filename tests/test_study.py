@@ -386,7 +386,7 @@ def fake_run(out, name, params, exact, by_steps=None):
     """A finished run's results.json, as train.py writes it (the keys the report reads)."""
     os.makedirs(f'{out}/{name}', exist_ok=True)
     fe = dict(exact_accuracy=exact, exact_ci_low=max(0, exact - 0.02), exact_ci_high=min(1, exact + 0.02),
-              token_accuracy=exact, q_halt_accuracy=1.0, count=1000, exact_by_steps=by_steps or [exact / 2, exact])
+              token_accuracy=exact, q_halt_accuracy=1.0, count=1000, exact_by_steps=[exact / 2, exact] if by_steps is None else by_steps)
     json.dump(dict(parameters=params, train_flops=params * 1e6, flops_per_example_step=params, step=100,
                    final_eval=fe, best_eval=None, config={}, wall_s=dict(total=params / 1e4), device_hours=params / 1e7,
                    world_size=1), open(f'{out}/{name}/results.json', 'w'))
@@ -482,6 +482,11 @@ def test_with_seeds_the_supervision_steps_curve_is_the_mean_of_the_finished_seed
                                                              for p in done]
     assert 'mean of the finished seeds' in ax.get_ylabel(), ax.get_ylabel()
     plt.close(fig)
+    # a seed whose results hold no curve (an earlier trainer's) leaves the curve to the seeds that have one
+    older = {'s_d': (8 * 10 ** 5, 0.6, []), 's_d-s1': (8 * 10 ** 5, 0.8, [0.4, 0.8])}
+    (tmp_path / 'older').mkdir()
+    [p] = points(fake_study(tmp_path / 'older', 's_d', older, seeds=3), 3)
+    assert p['exact'] == pytest.approx(0.7) and p['exact_by_steps'] == [0.4, 0.8]
 
 
 def test_a_seed_report_keeps_each_seed_in_its_place_and_gives_no_spread_of_one_seed(tmp_path):
