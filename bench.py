@@ -214,7 +214,8 @@ predict = compiled_predict(model, compile_mode, dev.compile_backend) if compiled
 compiler = f"backend {dev.compile_backend!r}" if dev.compile_backend else 'xla_backend' if device_type == 'xla' \
     else compile_mode
 if compile_mode != 'default' and (compiler != compile_mode or not compiled):
-    print(f"note: compile_mode={compile_mode!r} is inductor's (CUDA): not used on {device_type}")
+    why = device_type if compiled else f'{device_type}, not compiled'
+    print(f"note: compile_mode={compile_mode!r} is inductor's, for a compiled CUDA step: not used here ({why})")
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
                 global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
