@@ -253,6 +253,7 @@ def test_ctrl_c_in_a_rebuild_is_one_line_and_leaves_the_previous_dataset_whole(t
 
 SIGINT_IN_UPLOAD = """
 from runkeep import gcs
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as HELD_BUILD's
 def publish_dataset(local_dir, uri):  # Ctrl-C once the dataset is built, while it is uploaded
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(60)
