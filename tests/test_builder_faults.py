@@ -17,6 +17,10 @@ from conftest import ROOT, Lines, assert_user_error, run, script_env, site_hook,
 from disks import small_disk
 
 SYNTHETIC = ['--synthetic', '--canvas=6', '--num_tasks=12', '--num_eval_tasks=4', '--num_aug=3']
+# a small build of each builder, in seconds
+SMALL_BUILDS = [['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5'],
+                ['prepare_maze.py', '--generate=10', '--size=8', '--num_test=3', '--min_path_len=4'],
+                ['prepare_arc.py'] + SYNTHETIC]
 
 
 def limited(limit, script, *args):
@@ -230,11 +234,7 @@ def test_a_second_build_into_a_folder_being_built_is_refused_and_a_killed_build_
     assert tree(out) == tree(tmp_path / 'alone')
 
 
-@pytest.mark.parametrize('args', [
-    ['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5'],
-    ['prepare_maze.py', '--generate=10', '--size=8', '--num_test=3', '--min_path_len=4'],
-    ['prepare_arc.py'] + SYNTHETIC,
-], ids=['sudoku', 'maze', 'arc'])
+@pytest.mark.parametrize('args', SMALL_BUILDS, ids=['sudoku', 'maze', 'arc'])
 def test_ctrl_c_in_a_rebuild_is_one_line_and_leaves_the_previous_dataset_whole(tmp_path, args):
     out = tmp_path / 'd'
     run(args + ['--seed=1', f'--output_dir={out}'])
@@ -261,11 +261,7 @@ gcs.publish_dataset = publish_dataset
 """
 
 
-@pytest.mark.parametrize('args', [
-    ['prepare_sudoku.py', '--generate=30', '--size=4', '--num_test=5'],
-    ['prepare_maze.py', '--generate=10', '--size=8', '--num_test=3', '--min_path_len=4'],
-    ['prepare_arc.py'] + SYNTHETIC,
-], ids=['sudoku', 'maze', 'arc'])
+@pytest.mark.parametrize('args', SMALL_BUILDS, ids=['sudoku', 'maze', 'arc'])
 def test_ctrl_c_in_the_upload_of_a_built_dataset_says_it_is_built_and_not_uploaded(tmp_path, args):
     """A gs:// output is built in data/upload/... (under the current folder, here tmp_path), then uploaded: a
     Ctrl-C in the upload leaves the new build there, not the folder as it was, and the line says so."""
