@@ -204,7 +204,7 @@ class TensorBoardWriter:
     @classmethod
     def open(cls, local, step, cfg, remote=None):
         try:
-            if remote:
+            if remote and step:  # a resume: what its catch_up sends back cut
                 fetch_events(remote, os.path.join(local, 'tb'))
             cut_events(os.path.join(local, 'tb'), step)
             board = cls(cls.summary_writer(os.path.join(local, 'tb'), step + 1))
