@@ -22,8 +22,9 @@ IGNORE_LABEL_ID = -100  # labels the loss skips: data.py maps each dataset's own
 
 # The latent state a supervision step carries, each [B, total_len, hidden_size]: y, the answer, and z, the
 # reasoning state (the reference's z_H and z_L). Every latent starts a fresh row from a fixed random vector, a
-# buffer under the reference's name. The carry, checkpoints, the memory check and solve.py go by these two
-# tables: a recursion with another set of latents changes them, TRM.recursion and the buffers in TRM.__init__.
+# buffer under the reference's name (TRM.__init__ makes one per latent). The carry, checkpoints, the memory check
+# and solve.py go by these two tables: a recursion with another set of latents changes them, TRMConfig.net_calls
+# and TRM.recursion.
 LATENTS = ('y', 'z')
 INIT_BUFFERS = dict(y='H_init', z='L_init')
 
