@@ -321,8 +321,8 @@ def load_json(path, keys=None):
 def check_split(root, split, chunk=1 << 20):
     """Problems that would stop a run hours in, found now: [] when the split opens, is not empty, its arrays
     agree with dataset.json and each other, and every token, label and identifier is inside its range.
-    Vectorised over the memory-mapped arrays, a chunk of rows at a time (1M rows of 81 tokens: 0.09 s
-    measured, the files in the page cache)."""
+    Vectorised over the memory-mapped arrays, a chunk of rows at a time, so a million-row split is checked at
+    every start (docs/log.md: its time)."""
     try:
         meta, a = load_metadata(root, split), load_arrays(root, split)
     except (OSError, ValueError) as e:

@@ -24,7 +24,7 @@ class AdamATan2:
     (foreach), so it runs on CPU, CUDA and XLA. The learning rate may be a device tensor, and the step
     count lives on the device, so a changing LR or bias correction never recompiles an XLA graph.
     A plain class rather than a torch.optim.Optimizer: that base class imports torch._dynamo on its first
-    call, 2 s of CPU at the start of every run that never compiles. Its state_dict has torch.optim's
+    call, a start-up cost for every run that never compiles. Its state_dict has torch.optim's
     layout."""
     def __init__(self, params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0):
         self.params = list(params)
@@ -310,8 +310,8 @@ def xla_backend(gm, example_inputs):
     dynamo bridge, compiled, then replayed with each call's tensors (what backend='openxla' ends in too). Unlike
     'openxla', no AOTAutograd first: a torch.func.grad in the graph runs as torch's autograd on lazy tensors,
     so the backward is the eager step's own (its formulas, its HLO), and the first call skips AOTAutograd's
-    retrace and the bridge's CPU-fallback partitioner (43 s -> 19-25 s for the first training step at width 64
-    on a 2-core AVX2 machine). An op with no XLA lowering would run on the CPU during that one trace and its result
+    retrace and the bridge's CPU-fallback partitioner, both of which lengthen the first training step. An op
+    with no XLA lowering would run on the CPU during that one trace and its result
     would be frozen into the graph as a constant: the fallback counters are read around the trace, and such a
     graph goes to the bridge's partitioning path instead, which runs those ops on the CPU at every call.
     Called under no_grad, as every compiled function here is: the replayed graph's outputs carry no autograd
