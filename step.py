@@ -135,8 +135,9 @@ def sign_sgd_update_(table, ids, grads, lr, weight_decay):
 
 
 def lr_at(step, base_lr, warmup_steps, total_steps, min_ratio):
-    """Linear warmup, then cosine to min_ratio * base_lr. `step` (0-based, the step about to run) may be
-    a tensor, so the schedule runs on the device. Never exactly 0: an XLA graph specialises on 0."""
+    """Linear warmup, then cosine to min_ratio * base_lr (0 from the last step on with min_ratio = 0). `step`
+    (0-based, the step about to run) may be a tensor, so the schedule runs on the device. The warmup starts at
+    base_lr / warmup_steps, not at 0: an XLA graph specialises on 0."""
     step = torch.as_tensor(step, dtype=torch.float32)
     warm = base_lr * (step + 1) / max(1, warmup_steps)
     progress = ((step + 1 - warmup_steps) / max(1, total_steps - warmup_steps)).clamp(0, 1)
