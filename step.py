@@ -273,7 +273,6 @@ class Compiled(Eager):
     once with static shapes, by inductor in `mode` or by the named torch.compile `backend`. The backward call
     and the gradient all-reduce stay between them."""
     def __init__(self, mode='default', backend=None):
-        self.mode = mode
         kw = dict(backend=backend) if backend else dict(mode=mode)
         self.forward = torch.compile(forward_loss, dynamic=False, **kw)
         self._update = torch.compile(apply_update, dynamic=False, **kw)
