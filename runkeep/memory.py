@@ -20,8 +20,8 @@ from device import address_space_headroom, host_headroom, size  # what this mach
 # what a run needs
 
 DTYPE_BYTES = dict(float32=4, bfloat16=2, float16=2, float64=8)
-# a process's memory beyond its live tensors at a step's or an evaluation's peak, as a share of them: 9-29% measured
-# on CPU runs (glibc's allocator keeps what it freed, and reuses it only in pieces that fit; docs/reliability.md)
+# a process's memory beyond its live tensors at a step's or an evaluation's peak, as a share of them, with room over
+# what CPU runs showed (glibc's allocator keeps what it freed, and reuses it only in pieces that fit; docs/log.md)
 ALLOCATOR_SLACK = 0.3
 
 

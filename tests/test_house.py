@@ -91,7 +91,7 @@ def test_the_scripts_allow_the_model_s_choices():
 
 def test_config_files_hold_only_what_they_change_and_their_base_comes_first(tmp_path):
     d = train_defaults()
-    for name in ('baseline', 'maze', 'sudoku_att', 'quickstart', 'sudoku_tta'):
+    for name in ('baseline', 'maze', 'sudoku_att', 'quickstart', 'sudoku_tta', 'maze_quickstart', 'arc_twin'):
         for path, keys in config_files(os.path.join(ROOT, 'config', name + '.py')):
             repeated = [k for k in keys if keys[k] == d[k] and k not in ('data_path', 'out_dir')]
             assert not repeated, (path, repeated)  # a default written again is a second source of it
