@@ -268,7 +268,32 @@ def load_metadata(root, split):
     missing = [k for k in METADATA_FIELDS if k not in meta]
     if missing:
         raise ValueError(f"{path} lacks the field(s) {missing}")
+    if bad := metadata_problem(meta):
+        field, allowed = bad
+        raise ValueError(f"{path}: the field {field} is {meta[field]!r}; it must be {allowed}")
     return meta
+
+
+def metadata_problem(meta):
+    """(field, what it may be) of the first field of dataset.json a run could not use, or None: a value of
+    another type, or an id outside the table it indexes, would fail hours in (the padded rows of an evaluation)
+    or be blamed on another setting."""
+    whole = lambda v: isinstance(v, int) and not isinstance(v, bool)
+    for k in ('vocab_size', 'seq_len', 'num_puzzle_identifiers'):
+        if not whole(meta[k]) or meta[k] < 1:
+            return k, 'a whole number >= 1'
+    for k in ('total_groups', 'total_puzzles'):
+        if not whole(meta[k]) or meta[k] < 0:
+            return k, 'a whole number >= 0'
+    m = meta['mean_puzzle_examples']
+    if not (whole(m) or isinstance(m, float)) or not m > 0:
+        return 'mean_puzzle_examples', 'a number > 0'
+    for k, n in (('pad_id', 'vocab_size'), ('blank_identifier_id', 'num_puzzle_identifiers')):
+        if not whole(meta[k]) or not 0 <= meta[k] < meta[n]:
+            return k, f'a whole number in [0, {meta[n]})'
+    if meta['ignore_label_id'] is not None and not whole(meta['ignore_label_id']):
+        return 'ignore_label_id', 'a whole number or null'
+    return None
 
 
 def load_arrays(root, split, set_name='all'):

@@ -151,6 +151,29 @@ def test_invalid_dataset_json_names_the_file(toy, tmp_path):
     assert_user_error(p, os.path.join('test', 'dataset.json'))
 
 
+@pytest.mark.parametrize('field,value,allowed', [
+    ('seq_len', '8', 'a whole number >= 1'),  # a string: the shape check read it as a shape it was not
+    ('vocab_size', 6.0, 'a whole number >= 1'),
+    ('num_puzzle_identifiers', '1', 'a whole number >= 1'),
+    ('mean_puzzle_examples', 0, 'a number > 0'),  # was blamed on --epochs ("less than one step")
+    ('pad_id', 99, 'a whole number in [0, 6)'),  # the padded rows of an evaluation: an IndexError there
+    ('blank_identifier_id', 5, 'a whole number in [0, 1)'),
+])
+def test_a_dataset_json_field_of_the_wrong_type_or_range_is_one_line_naming_it(toy, tmp_path, field, value,
+                                                                               allowed):
+    """A hand-edited or foreign dataset.json: the file, the field, its value and what it may be, at start (a
+    padding id outside its table once trained a run up to its first evaluation and died there in a traceback)."""
+    d = copy_dataset(toy, tmp_path / 'd')
+    path = os.path.join(d, 'test', 'dataset.json')
+    meta = json.load(open(path))
+    json.dump(dict(meta, **{field: value}), open(path, 'w'))
+    assert check_split(d, 'test') == [f"{path}: the field {field} is {value!r}; it must be {allowed}"]
+    if field == 'blank_identifier_id':
+        p = train(d, tmp_path / 'o', '--puzzle_emb_ndim=8', '--max_steps=2', check=False)
+        assert_user_error(p, 'start-up checks failed', path, field)
+        assert 'step 1/' not in p.stdout
+
+
 def test_empty_splits_are_refused_by_the_builders_and_the_trainer(toy, tmp_path):
     p = run(['prepare_sudoku.py', '--generate', '0', '--size', '4', '--num_test', '10',
              '--output_dir', str(tmp_path / 'g')], check=False)
