@@ -356,14 +356,23 @@ def check_split(root, split, chunk=1 << 20):
     n, L, V = len(a['inputs']), meta['seq_len'], meta['vocab_size']
     if n == 0:
         return [f"{where} holds no examples (an empty split): rebuild it with more puzzles"]
-    problems = []
+    problems = [f"{where}/all__{name}.npy holds {a[name].dtype} values; it must hold integers"
+                for name in ARRAY_NAMES if not np.issubdtype(a[name].dtype, np.integer)]
     for name in ('inputs', 'labels'):
         if a[name].shape != (n, L):
             problems.append(f"{where}/all__{name}.npy has shape {a[name].shape}; dataset.json says "
                             f"[{n}, {L}]")
+    problems += [f"{where}/all__{name}.npy has shape {a[name].shape}; it must be one-dimensional, not empty"
+                 for name in ('puzzle_identifiers', 'puzzle_indices', 'group_indices')
+                 if a[name].ndim != 1 or not len(a[name])]
+    if problems:
+        return problems
     pi, gi = np.asarray(a['puzzle_indices']), np.asarray(a['group_indices'])
-    if pi[0] != 0 or pi[-1] != n or (np.diff(pi) < 1).any() or len(a['puzzle_identifiers']) != len(pi) - 1:
+    if pi[0] != 0 or pi[-1] != n or (np.diff(pi) < 1).any():
         problems.append(f"{where}/all__puzzle_indices.npy does not split the {n} examples into puzzles")
+    elif len(a['puzzle_identifiers']) != len(pi) - 1:
+        problems.append(f"{where}/all__puzzle_identifiers.npy holds {len(a['puzzle_identifiers'])} puzzle "
+                        f"identifiers; all__puzzle_indices.npy holds {len(pi) - 1} puzzles")
     if gi[0] != 0 or gi[-1] != len(pi) - 1 or (np.diff(gi) < 1).any():
         problems.append(f"{where}/all__group_indices.npy does not split the {len(pi) - 1} puzzles into "
                         "groups")

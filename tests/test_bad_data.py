@@ -151,6 +151,22 @@ def test_invalid_dataset_json_names_the_file(toy, tmp_path):
     assert_user_error(p, os.path.join('test', 'dataset.json'))
 
 
+@pytest.mark.parametrize('name,change,said', [
+    ('puzzle_identifiers', lambda a: a[:-5], 'holds 995 puzzle identifiers; all__puzzle_indices.npy holds 1000 '
+                                              'puzzles'),  # was blamed on all__puzzle_indices.npy
+    ('puzzle_indices', lambda a: a[:, None], 'has shape (1001, 1); it must be one-dimensional, not empty'),  # a traceback
+    ('puzzle_indices', lambda a: a[:0], 'has shape (0,); it must be one-dimensional, not empty'),  # a traceback
+    ('group_indices', lambda a: a[:0], 'has shape (0,); it must be one-dimensional, not empty'),
+    ('inputs', lambda a: a + 0.5, 'holds float64 values; it must hold integers'),  # trained on, truncated
+])
+def test_index_arrays_of_the_wrong_length_shape_or_type_are_one_line_naming_the_file(toy, tmp_path, name, change,
+                                                                                     said):
+    d = copy_dataset(toy, tmp_path / 'd')
+    path = os.path.join(d, 'train', f'all__{name}.npy')
+    np.save(path, change(np.load(path)))
+    assert check_split(d, 'train') == [f"{path} {said}"]
+
+
 @pytest.mark.parametrize('field,value,allowed', [
     ('seq_len', '8', 'a whole number >= 1'),  # a string: the shape check read it as a shape it was not
     ('vocab_size', 6.0, 'a whole number >= 1'),
