@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 
-from data import check_split, load_metadata
+from data import check_split, load_arrays, load_metadata
 from device import resident_bytes, size
 from puzzles import puzzle_for, puzzle_type, views_problem
 
@@ -80,6 +80,13 @@ def startup_problems(cfg, dev):
         problems.append(f"{root}: the train split holds {describe_data(shapes['train'])}, the test split "
                         f"{describe_data(shapes['test'])}; rebuild the dataset whole (prepare_sudoku.py / "
                         f"prepare_maze.py) or point data_path at one whose splits agree")
+    if len(shapes) == 2:  # the model's puzzle-embedding table is the train split's: the evaluation indexes it
+        table = load_metadata(root, 'train')['num_puzzle_identifiers']
+        ids = load_arrays(root, 'test')['puzzle_identifiers']
+        if len(ids) and (top := int(ids.max())) >= table:
+            problems.append(f"{os.path.join(root, 'test', 'all__puzzle_identifiers.npy')} holds the identifier "
+                            f"{top}; the train split has num_puzzle_identifiers={table}: the test split names "
+                            "puzzles the model has no embedding of. Rebuild the dataset whole")
     problems += init_from_problems(cfg['init_from'])
     B, k, n = cfg['global_batch_size'], cfg['gradient_accumulation_steps'], dev.world_size
     if B % (n * k):  # one line for the training batch: the accumulation named where there is one

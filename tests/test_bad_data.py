@@ -34,6 +34,21 @@ def test_train_and_test_splits_of_another_shape_or_puzzle_fail_at_start(sudoku4,
     assert_user_error(p, 'start-up checks failed', 'sudoku', 'maze')
 
 
+def test_test_identifiers_outside_the_train_split_s_table_fail_at_start(sudoku4, tmp_path):
+    """The model's puzzle-embedding table is the train split's: a test split that names more puzzles (its own
+    dataset.json agreeing) once trained up to the first evaluation and died there in an IndexError."""
+    d = shutil.copytree(sudoku4, tmp_path / 'd')
+    path = os.path.join(d, 'test', 'dataset.json')
+    json.dump(dict(json.load(open(path)), num_puzzle_identifiers=5), open(path, 'w'))
+    ids = os.path.join(d, 'test', 'all__puzzle_identifiers.npy')
+    a = np.load(ids)
+    a[7] = 3
+    np.save(ids, a)
+    p = train(d, tmp_path / 'o', '--max_steps=2', '--puzzle_emb_ndim=8', args=SUDOKU, check=False)
+    assert_user_error(p, 'start-up checks failed', ids, 'identifier 3', 'num_puzzle_identifiers=1')
+    assert 'step 1/' not in p.stdout
+
+
 def files(folder):
     return {n: open(os.path.join(folder, n), 'rb').read() for n in sorted(os.listdir(folder))
             if os.path.isfile(os.path.join(folder, n))}
