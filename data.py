@@ -422,7 +422,8 @@ class TrainLoader:
     eval_every_epochs epochs) and always hold exactly global_batch_size rows; each rank takes its slice.
 
     Reproducible and resumable: the epoch's group order comes from (seed, epoch) and a batch's random
-    draws from (seed, batch_index), so the position (epoch, cursor, batch_index) is the whole state."""
+    draws from (seed, batch_index), so the position (epoch, cursor, batch_index) is the whole state; it is saved
+    with the group count it indexes (a resume onto a dataset rebuilt with another count says so)."""
 
     def __init__(self, root, global_batch_size, rank=0, world_size=1, seed=0, split='train'):
         if global_batch_size % world_size:
@@ -442,7 +443,7 @@ class TrainLoader:
         return steps_for(epochs, self.n_groups, self.meta['mean_puzzle_examples'], self.B)
 
     def state_dict(self):
-        return dict(epoch=self.epoch, cursor=self.cursor, batch_index=self.batch_index)
+        return dict(epoch=self.epoch, cursor=self.cursor, batch_index=self.batch_index, groups=self.n_groups)
 
     def load_state_dict(self, state):
         self.epoch, self.cursor, self.batch_index = \

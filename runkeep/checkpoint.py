@@ -484,6 +484,10 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
         problems = [f"{path} does not fit this run ({' '.join(str(e).split())[:300]}); the file is kept. "
                     "Move it aside to resume from the one before"]
     fail_together(dev, problems, 'resume')
+    was = ckpt['loader'].get('groups')  # the same kind and shape (check_resume), but a rebuild can change the count
+    if dev.master and was is not None and was != loader.n_groups:
+        print(f"  groups: {was} -> {loader.n_groups} (the dataset at {cfg['data_path']} was rebuilt since this "
+              "checkpoint: the epochs, the LR schedule and the rest of this epoch's order follow the new count)")
     step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
     carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
     if dev.rank == 0:

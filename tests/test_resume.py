@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from conftest import SUDOKU, TOY_ARGS, assert_user_error, ckpt_paths, ckpts, run, train
+from conftest import SUDOKU, TOY_ARGS, assert_user_error, ckpt_paths, ckpts, make_reverse_dataset, run, train
 
 
 def files(folder):
@@ -73,6 +73,17 @@ def test_a_resume_onto_a_dataset_of_another_shape_is_one_line(toy, trained, tmp_
     p = train(toy, out, '--init_from=resume', '--max_steps=8', args=SUDOKU, check=False)
     assert_user_error(p, 'ckpt_00000004.pt', 'seq_len', '16', '8')
     assert ckpts(out) == ['ckpt_00000004.pt']
+
+
+def test_a_resume_onto_a_dataset_rebuilt_at_its_path_says_what_changed(tmp_path):
+    data, out = make_reverse_dataset(str(tmp_path / 'd')), tmp_path / 'o'
+    train(data, out, '--max_steps=4', '--epochs=4')
+    shutil.rmtree(data)
+    make_reverse_dataset(data, n_train=500, seed=1)  # the same kind and shape, half the groups
+    p = train(data, out, '--init_from=resume', '--max_steps=6', '--epochs=4')
+    said = [l for l in p.stdout.splitlines() if 'groups: 1000 -> 500' in l]
+    assert said and 'rebuilt' in said[0], p.stdout[-2000:]
+    assert ckpts(out)[-1] == 'ckpt_00000006.pt'
 
 
 def test_max_steps_below_the_checkpoint_says_so_and_changes_nothing(toy, tmp_path):
