@@ -113,7 +113,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
     was_training = model.training
     model.eval()
     h = min(halt_max_steps, n_steps) - 1
-    sums, example, verified, by_views = {}, None, 0, {}
+    sums, example, verified, ran, by_views = {}, None, 0, 0, {}
     within = should_stop and (lambda: should_stop(within=True))
     chunk = 1 if stops_every_step(dev) else halt_max_steps
     if arc is not None:
@@ -142,6 +142,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         keys = sorted(part)
         flat_part = torch.cat([part[k].reshape(-1).float() for k in keys])
         inp, v = batch['inputs'][:B], batch['valid'][:B]
+        ran += int(v.sum())
         if K > 1:  # every view's answer after the last step and where q_halt stopped it: one graph, one read
             at_stop, q_stop = at_first(preds_all, q_all, first_all)
             p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, q_stop, preds[h],
@@ -166,6 +167,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
                 i = int(np.argmax(v))
                 example = (inp[i], p[i], bool(ok[i]))
     sums['verified'] = np.array([float(verified)])
+    sums['ran'] = np.array([float(ran)])  # the rows run, labelled or not (a hidden test set's are not)
     sums.update({'views_' + name: np.asarray(c) for name, c in by_views.items()})
     keys = sorted(sums)
     # a host copy, so a graph input: torch.full makes 0 and 1 XLA constants, and a rank verifying 0 or 1
@@ -188,7 +190,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         res['verified_accuracy'] = float(s['verified'][0]) / max(n, 1)
     # the cost: forward FLOPs of every step of every view of every puzzle
     res['views'] = K
-    res['eval_flops'] = float(model.flops_per_example(train=False)) * n_steps * K * n
+    res['eval_flops'] = float(model.flops_per_example(train=False)) * n_steps * K * float(s['ran'][0])
     if arc is not None:
         res.update(arc.results(arc_pool_at))
     if K > 1:

@@ -293,6 +293,10 @@ def test_a_run_on_a_test_split_without_solutions_submits_every_task_and_claims_n
     assert list(sub) == list(puzzles) and all(len(v) == len(puzzles[t]['test']) for t, v in sub.items())
     final = json.load(open(out / 'results.json'))['final_eval']
     assert final['arc_pass@2'] is None and final['arc_prize_pass@2'] is None and final['arc_unscored'] == 4
+    # its cost is that of the same rows with solutions: every view of every test input ran
+    train(synthetic, tmp_path / 'known', '--epochs=1')
+    known = json.load(open(tmp_path / 'known' / 'results.json'))['final_eval']
+    assert final['eval_flops'] == known['eval_flops'] > 0, (final['eval_flops'], known['eval_flops'])
 
 
 def test_the_study_report_shows_both_scores(tmp_path):
