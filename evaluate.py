@@ -216,14 +216,18 @@ def arc_scores(s):
 
 def format_eval(r):
     """An evaluation's log line (evaluate's results), with one more line per view count."""
-    line = (f"eval on {int(r['count'])}: exact {r['exact_accuracy']:.4f} (95% CI {r['exact_ci_low']:.4f}-"
-            f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f}"
-            f" | q_halt acc {r['q_halt_accuracy']:.4f}"
-            f" | steps {r['steps']:.0f}")
-    if 'verified_accuracy' in r:
-        line += f" | verified {r['verified_accuracy']:.4f}"
-    line += f" | with q_halt stop: exact {r['exact_accuracy_q_halt']:.4f} in {r['steps_q_halt']:.2f} steps"
-    if len(r['exact_by_steps']) > r['steps']:
+    if not r['count']:  # a hidden test set's rows: their zeros are no accuracy
+        line = (f"eval on 0 rows with a known answer: no exact, token or q_halt accuracy | steps "
+                f"{r['steps']:.0f}")
+    else:
+        line = (f"eval on {int(r['count'])}: exact {r['exact_accuracy']:.4f} (95% CI {r['exact_ci_low']:.4f}-"
+                f"{r['exact_ci_high']:.4f}) | token {r['token_accuracy']:.4f}"
+                f" | q_halt acc {r['q_halt_accuracy']:.4f}"
+                f" | steps {r['steps']:.0f}")
+        if 'verified_accuracy' in r:
+            line += f" | verified {r['verified_accuracy']:.4f}"
+        line += f" | with q_halt stop: exact {r['exact_accuracy_q_halt']:.4f} in {r['steps_q_halt']:.2f} steps"
+    if r['count'] and len(r['exact_by_steps']) > r['steps']:
         line += ' | exact by steps: ' + ' '.join(f"{i + 1}:{a:.3f}"
                                                  for i, a in enumerate(r['exact_by_steps']))
     if 'arc' in r:  # ARC's vote over the stored views: this checkpoint's, and pooled over the run's evaluations

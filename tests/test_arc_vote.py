@@ -289,6 +289,8 @@ def test_a_run_on_a_test_split_without_solutions_submits_every_task_and_claims_n
     p = train(data, out, '--epochs=1')
     line = arc_lines(p.stdout)[0]
     assert line.startswith('ARC 4 tasks (4 test outputs, none with a known solution: no pass@K'), line
+    line = next(l for l in p.stdout.splitlines() if l.startswith('eval on'))  # no accuracy of no rows
+    assert line.startswith('eval on 0 rows with a known answer: no exact') and 'CI' not in line, line
     sub = json.load(open(out / 'submission.json'))
     assert list(sub) == list(puzzles) and all(len(v) == len(puzzles[t]['test']) for t, v in sub.items())
     final = json.load(open(out / 'results.json'))['final_eval']
