@@ -310,8 +310,9 @@ def main(index=None):
         compiles, fallbacks = dev.xla_report()
         print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")
     run.end(stop_now)
-    if stop_now and dev.master:
-        print("stopped cleanly; rerun with --init_from=resume to continue")
+    if stop_now and dev.master:  # an ARC run's submission is its final evaluation's, so a stop leaves none
+        print("stopped cleanly" + (", without a submission.json (the final evaluation writes it)" if arc else "")
+              + "; rerun with --init_from=resume to continue")
 
 
 if __name__ == '__main__':

@@ -66,7 +66,8 @@ def test_a_finished_run_trained_on_and_stopped_keeps_no_earlier_submission(synth
     out = tmp_path / 'o'
     train(synthetic, out, '--epochs=1')
     assert json.load(open(out / 'results.json'))['step'] == 2 and os.path.exists(out / 'submission.json')
-    trained_on_and_stopped(synthetic, out)
+    text = trained_on_and_stopped(synthetic, out)
+    assert 'stopped cleanly, without a submission.json (the final evaluation writes it)' in text, text[-3000:]
     assert ckpts(out)[-1] > 'ckpt_00000004.pt'
     assert not os.path.exists(out / 'results.json') and not os.path.exists(out / 'submission.json')
 
