@@ -42,6 +42,10 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class UnreadableCheckpoint(CheckpointError):
+    """The OS would not read the file (its mode, an I/O error): its bytes are not known to be corrupt."""
+
+
 def save_atomic(obj, path):
     """torch.save to path.tmp, then rename: readers see the old file or the whole new one, never half. A
     failure (a full disk) removes the .tmp and raises CheckpointError naming the path and the OS error."""
@@ -68,6 +72,8 @@ def load_checkpoint(path, name=None, mmap=False):
     try:
         return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
     except Exception as e:
+        if isinstance(e, OSError) and e.errno is not None:
+            raise UnreadableCheckpoint(f"cannot read {name or path} ({e.strerror})") from e
         m = re.search(r'WeightsUnpickler error:\s*(.*?)\s*(?:Check the documentation|$)', str(e), re.S)
         why = ' '.join((m[1] if m and m[1] else str(e)).split())[:200]
         if not why or isinstance(e, KeyError):  # a KeyError's text: a bare byte that the unpickler looked up
@@ -376,8 +382,9 @@ def set_aside_diverged(local, remote, uploads, first_bad):
 
 def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
     """(the newest checkpoint that every rank can load, its path), or (None, None); rank 0 picks the step.
-    Non-zero ranks read the bucket copy (the same bytes as rank 0's); paths found unreadable are added to
-    `corrupt`. An unreadable newest checkpoint gives way to an older one only for training on: one at
+    Non-zero ranks read the bucket copy (the same bytes as rank 0's); paths found corrupt are added to
+    `corrupt`, and a file the OS will not read (its mode, an I/O error) stops every rank, naming it. A corrupt
+    newest checkpoint gives way to an older one only for training on: one at
     `last_step` (the run's final weights) or one to be evaluated (eval_only) is refused, never replaced by
     an earlier one. Checkpoints found but none loadable, or a bucket that cannot be listed, is an error:
     never a fresh start that would overwrite them."""
@@ -405,9 +412,14 @@ def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
                           'init_from=resume')
         path = found.get(step) or f"{remote.rstrip('/')}/{checkpoint_name(step)}"
         ckpt, why = load_training_checkpoint(path, step, local, dev.rank)
+        # a file that may be whole is never passed over: the resume would train its steps again, and its first save
+        # would delete it
+        fail_together(dev, [f"{why}: it may be whole, so no older checkpoint is used in its place; let this user "
+                            "read it, or move it aside to resume from the one before"]
+                      if isinstance(why, UnreadableCheckpoint) else [], 'init_from=resume')
         if dev.agree([float(ckpt is None)], 'max')[0] == 0:
             return ckpt, path
-        newest = newest or (step, why)
+        newest = newest or (step, why and str(why))
         if why:
             print(f"warning: rank {dev.rank}: {why}; trying an older checkpoint")
             corrupt.append(path)
@@ -420,7 +432,7 @@ def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
 
 def load_training_checkpoint(path, step, local, rank):
     """(the checkpoint at path, None) (downloaded first from a bucket, to a temporary file in `local` removed
-    on every path), or (None, why it cannot be used)."""
+    on every path), or (None, the error that says why it cannot be used)."""
     dest = os.path.join(local, f'.rank{rank}_{checkpoint_name(step)}')
     try:
         if gcs.is_gcs(path):
@@ -439,7 +451,7 @@ def load_training_checkpoint(path, step, local, rank):
     except gcs.Stopped as e:
         raise SystemExit(f"{e}; nothing was changed")
     except Exception as e:
-        return None, str(e)
+        return None, e
     finally:
         if os.path.exists(dest):
             os.remove(dest)

@@ -103,6 +103,31 @@ def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_p
     assert {c: open(c, 'rb').read() for c in ckpt_paths(out)} == before  # nothing overwritten
 
 
+# the script after it, run as this user but reading files as their mode says, root included (CAP_DAC_OVERRIDE and
+# CAP_DAC_READ_SEARCH left out of the bounding set before the exec; another user cannot drop them, nor needs to)
+MODE_BOUND = ("import ctypes, os, sys; libc = ctypes.CDLL(None); [libc.prctl(24, cap, 0, 0, 0) for cap in (1, 2)]; "
+              "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
+def test_a_checkpoint_that_cannot_be_read_stops_the_resume_and_is_kept(toy, tmp_path):
+    """A whole checkpoint the OS will not read (its mode, another user's file; an I/O error) is not corrupt: a
+    resume that went on from an older one would train those steps again and delete it at its first save."""
+    out = tmp_path / 'o'
+    train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--max_steps=20')
+    newest = ckpt_paths(out)[-1]
+    before = {c: open(c, 'rb').read() for c in ckpt_paths(out)}
+    os.chmod(newest, 0)
+    if run(['-c', MODE_BOUND, '-c', f'open({newest!r}, "rb")'], check=False).returncode == 0:
+        pytest.skip('this user reads files whatever their mode')
+    p = run(['-c', MODE_BOUND, 'train.py', f'--data_path={toy}', f'--out_dir={out}', '--init_from=resume',
+             '--max_steps=40', '--checkpoint_interval=15', '--keep_last_n=2'] + FAST, check=False)
+    assert os.path.exists(newest), 'the checkpoint that could not be read was deleted'
+    os.chmod(newest, 0o644)
+    assert_user_error(p, 'ckpt_00000020.pt', 'Permission denied', one_line=True)
+    assert 'corrupt' not in p.stdout + p.stderr and 'resuming from' not in p.stdout
+    assert {c: open(c, 'rb').read() for c in ckpt_paths(out)} == before  # nothing trained again, nothing deleted
+
+
 def test_an_empty_checkpoint_and_a_file_of_another_kind_are_each_named_with_what_is_wrong(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--checkpoint_interval=10', '--max_steps=10')
