@@ -420,8 +420,9 @@ def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
         if dev.agree([float(ckpt is None)], 'max')[0] == 0:
             return ckpt, path
         newest = newest or (step, why and str(why))
-        if why:
-            print(f"warning: rank {dev.rank}: {why}; trying an older checkpoint")
+        if why:  # the newest at the run's last step, or the one to evaluate, is not passed over: the next turn refuses
+            then = '' if i == 0 and (eval_only or step == last_step) else '; trying an older checkpoint'
+            print(f"warning: rank {dev.rank}: {why}{then}")
             corrupt.append(path)
     if found:
         fail_together(dev, [f"checkpoints found ({', '.join(found[s] for s in sorted(found))}) but none "

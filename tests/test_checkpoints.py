@@ -82,6 +82,7 @@ def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_p
     # evaluated again: refused, never step 10's weights evaluated in its place
     p = train(toy, out, '--init_from=resume', '--eval_only=True', check=False)
     assert_user_error(p, 'ckpt_00000020.pt')
+    assert 'trying an older checkpoint' not in p.stdout  # none is tried: the warning must not say so
     assert 'eval on' not in p.stdout and not os.path.exists(out / 'evals')
     # trained on: named, the run goes on from step 10, and the corrupt file holds no slot when pruning
     p = train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--init_from=resume', '--max_steps=40')
@@ -97,6 +98,7 @@ def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_p
     # at the run's last step the newest is refused outright (an older one would stand in for its final weights)
     p = train(toy, out, '--init_from=resume', check=False)
     assert_user_error(p, 'ckpt_00000040.pt', 'an older one is not used')
+    assert 'trying an older checkpoint' not in p.stdout
     # training on, the older ones are tried too
     p = train(toy, out, '--init_from=resume', '--epochs=3', check=False)
     assert_user_error(p, 'none could be loaded', 'ckpt_00000040.pt')
