@@ -383,8 +383,8 @@ def set_aside_diverged(local, remote, uploads, first_bad):
 def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
     """(the newest checkpoint that every rank can load, its path), or (None, None); rank 0 picks the step.
     Non-zero ranks read the bucket copy (the same bytes as rank 0's); paths found corrupt are added to
-    `corrupt`, and a file the OS will not read (its mode, an I/O error) stops every rank, naming it. A corrupt
-    newest checkpoint gives way to an older one only for training on: one at
+    `corrupt`, and a file the OS will not read (its mode, an I/O error) or the bucket does not send stops every
+    rank, naming it. A corrupt newest checkpoint gives way to an older one only for training on: one at
     `last_step` (the run's final weights) or one to be evaluated (eval_only) is refused, never replaced by
     an earlier one. Checkpoints found but none loadable, or a bucket that cannot be listed, is an error:
     never a fresh start that would overwrite them."""
@@ -414,8 +414,8 @@ def find_resume_checkpoint(dev, local, remote, corrupt, last_step, eval_only):
         ckpt, why = load_training_checkpoint(path, step, local, dev.rank)
         # a file that may be whole is never passed over: the resume would train its steps again, and its first save
         # would delete it
-        fail_together(dev, [f"{why}: it may be whole, so no older checkpoint is used in its place; let this user "
-                            "read it, or move it aside to resume from the one before"]
+        fail_together(dev, [f"{why}: it may be whole, so no older checkpoint is used in its place; rerun once it "
+                            "can be read, or move it aside to resume from the one before"]
                       if isinstance(why, UnreadableCheckpoint) else [], 'init_from=resume')
         if dev.agree([float(ckpt is None)], 'max')[0] == 0:
             return ckpt, path
@@ -451,6 +451,8 @@ def load_training_checkpoint(path, step, local, rank):
         return ckpt, None
     except gcs.Stopped as e:
         raise SystemExit(f"{e}; nothing was changed")
+    except gcs.GCSError as e:  # an object listed a moment ago: one gone since is passed over, one not sent may be whole
+        return None, e if isinstance(e, gcs.NotFoundError) else UnreadableCheckpoint(str(e))
     except Exception as e:
         return None, e
     finally:

@@ -27,8 +27,9 @@ from test_checkpoints import NAN_AT_STEP_9
 
 class Proxy:
     """A real HTTP proxy in front of the emulator adding what the emulator lacks: list pagination
-    (it ignores maxResults) and, on request, losing the reply to one resumable upload chunk, or an outage of
-    uploads (every resumable upload started after the one of a given object answers 503, while `refusing`)."""
+    (it ignores maxResults) and, on request, losing the reply to one resumable upload chunk, an outage of
+    uploads (every resumable upload started after the one of a given object answers 503, while `refusing`), or of
+    the downloads of the objects whose names hold `fail_downloads`."""
 
     def __init__(self, upstream):
         self.upstream = upstream
@@ -37,6 +38,7 @@ class Proxy:
         self.corrupt_uploads = False  # flip the first byte of every upload chunk in transit
         self.dropped = 0
         self.refuse_uploads_after, self.refusing = None, False  # the object name (bytes) last let through
+        self.fail_downloads = None
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -62,7 +64,8 @@ class Proxy:
         starts_upload = h.command == "POST" and query.get("uploadType") == ["resumable"]
         if h.command == "GET" and url.path.endswith("/o") and "maxResults" in query:
             status, resp_headers, content = self.paginate(url.path, query)
-        elif starts_upload and self.refusing:
+        elif starts_upload and self.refusing or \
+                self.fail_downloads and query.get("alt") == ["media"] and self.fail_downloads in h.path:
             status, resp_headers, content = 503, {}, b""
         else:
             r = requests.request(h.command, self.upstream + h.path, data=body, headers=headers,
@@ -311,6 +314,21 @@ def test_failed_uploads_do_not_stop_training(toy, tmp_path):
 def bucket_run(toy, out, local, *extra):
     return ['train.py', f'--data_path={toy}', f'--out_dir={out}', f'--local_dir={local}', '--epochs=1',
             '--eval_every_epochs=100'] + TOY_ARGS + list(extra)
+
+
+def test_a_checkpoint_the_bucket_does_not_send_stops_the_resume_and_stays(emu, proxy, toy, tmp_path):
+    # a new machine, and the download of the newest checkpoint fails (an outage): the file may be whole, so the resume
+    # stops, rather than train its steps again from an older one whose first save would delete it from the bucket
+    out, args = f'gs://{BUCKET}/runs/unsent', ['--log_interval=2', '--keep_last_n=2']
+    run(bucket_run(toy, out, tmp_path / 'a', '--max_steps=4', '--checkpoint_interval=2', *args),
+        env=dict(STORAGE_EMULATOR_HOST=emu.replace('http://', '')))
+    proxy.fail_downloads = 'ckpt_00000004.pt'
+    p = run(bucket_run(toy, out, tmp_path / 'b', '--max_steps=8', '--checkpoint_interval=3', '--gcs_retries=1',
+                       '--init_from=resume', *args), env=dict(STORAGE_EMULATOR_HOST=proxy.url.replace('http://', '')),
+            check=False)
+    assert_user_error(p, f'{out}/ckpt_00000004.pt', 'HTTP 503')
+    assert 'resuming from' not in p.stdout
+    assert sorted(u for u, _ in gcs.list_objects(f'{out}/ckpt_')) == [f'{out}/ckpt_0000000{i}.pt' for i in (2, 4)]
 
 
 def test_a_divergence_keeps_the_newest_checkpoint_known_to_train_on_in_the_bucket(emu, toy, tmp_path):
