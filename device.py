@@ -203,8 +203,8 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
     triton installed, the one kernel measured faster than the compiled plain path there; off everywhere else
     (attention models, other GPUs, other dtypes), so CPU, XLA and TorchTPU runs keep the plain path. A forced
     value where it cannot run falls back to the plain path, `why` starting with 'warning:'. Triton's interpreter
-    (TRITON_INTERPRET=1) runs a forced value but 'quack' on the CPU, slowly: that is how the tests check the
-    kernels."""
+    (TRITON_INTERPRET=1) runs a forced value but 'quack' on the CPU, slowly, in float32 only: that is how the tests
+    check the kernels."""
     if requested == 'off':
         return 'off', 'off (as configured)'
     if have_triton is None:
@@ -221,6 +221,9 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
         if device_type != 'cuda' and not interpreter:
             return 'off', (f"warning: kernels='{requested}' runs on CUDA GPUs (or the CPU with TRITON_INTERPRET=1), "
                            f"not on device {device_type}: plain path")
+        if interpreter and requested != 'cudnn' and dtype != 'float32':  # its bfloat16 gives wrong numbers
+            return 'off', (f"warning: kernels='{requested}' in Triton's interpreter runs in float32 only, not "
+                           f"forward dtype {dtype}: plain path")
         if requested == 'mlp_t' and not mlp_t:
             return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
         if requested == 'cudnn':

@@ -288,6 +288,14 @@ AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): the fused 
      "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with mlp_t: plain path"),
     ('cudnn', 'cpu', 'float32', False, None, True, False, 'off', "warning: kernels='cudnn' runs on CUDA GPUs"),
     ('cudnn', 'cpu', 'float32', False, None, True, True, 'cudnn', "Triton's interpreter on the CPU"),
+    # the interpreter computes the Triton kernels in float32 only (bfloat16 there gives wrong numbers, NaN
+    # gradients): a 16-bit forward dtype, auto's pick on a CPU with native bf16, keeps the plain path; cuDNN's
+    # attention runs no Triton kernel
+    ('mlp_t', 'cpu', 'bfloat16', True, None, True, True, 'off',
+     "warning: kernels='mlp_t' in Triton's interpreter runs in float32 only, not forward dtype bfloat16: plain path"),
+    ('gated', 'cpu', 'bfloat16', True, None, True, True, 'off', "float32 only, not forward dtype bfloat16"),
+    ('triton', 'cpu', 'float16', True, None, True, True, 'off', "float32 only, not forward dtype float16"),
+    ('cudnn', 'cpu', 'bfloat16', False, None, True, True, 'cudnn', "Triton's interpreter on the CPU"),
     ('auto', 'cuda', 'bfloat16', False, (9, 0), True, False, 'off', "--kernels=cudnn tries cuDNN's attention"),
 ])
 def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, requested, kind, dtype, mlp_t, cap,
