@@ -72,6 +72,18 @@ fi
 # auto is off for attention models: the Maze A/B times cuDNN's attention instead (AB_MAZE=... another value)
 AB_MAZE=${AB_MAZE:-$([ "$AB" = auto ] && echo cudnn || echo "$AB")}
 
+# a misspelt stage or value is said now, not after the stages before it have spent the session's time
+KNOWN_STAGES="check sudoku sudoku_all ref_mlp train ops maze ref_maze autotune"
+for s in ${STAGES//,/ }; do
+    case " $KNOWN_STAGES " in *" $s "*) ;; *)
+        echo "gpu_speed: STAGES names '$s' (allowed: ${KNOWN_STAGES// /, })" >&2; exit 1 ;; esac
+done
+KERNELS=$("$PY" -c 'from configurator import KERNELS; print(*KERNELS)')
+for kv in "AB=$AB" "AB_MAZE=$AB_MAZE"; do
+    case " $KERNELS " in *" ${kv#*=} "*) ;; *)
+        echo "gpu_speed: ${kv%%=*}='${kv#*=}' (allowed: ${KERNELS// /, })" >&2; exit 1 ;; esac
+done
+
 say "gpu_speed: $(date -u +%FT%TZ) | budget ${BUDGET_S} s | stages $STAGES | A/B off vs $AB (Maze: $AB_MAZE) | out $OUT | dry $DRY"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 say "machine: ${GPU:-no GPU (nvidia-smi absent)} | $(nproc) CPUs"
@@ -173,8 +185,6 @@ for stage in ${STAGES//,/ }; do
         ref_maze) ref_stage ref_maze maze 192 ;;
         autotune) run_stage autotune "$OUT/knobs.txt" "$PY" bench.py config/baseline.py --kernels="$AB_SUDOKU" \
                 --compile_mode=max-autotune-no-cudagraphs $SUDOKU_ARGS ;;
-        *) say "note: unknown stage '$stage' (allowed: check sudoku sudoku_all ref_mlp train ops maze ref_maze" \
-               "autotune)" ;;
     esac
 done
 

@@ -362,6 +362,22 @@ def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_pa
     assert len(os.listdir(tmp_path / 'out')) <= 8
 
 
+def test_the_gpu_script_refuses_a_stage_or_kernels_value_it_does_not_know_before_any_stage(tmp_path):
+    """A misspelt stage or A/B value is said in one line before the first stage starts, not after the stages
+    before it have spent the GPU session's time (or with every A/B stage refused by bench.py)."""
+    for extra, want in ((dict(STAGES='sudoku,ref-mlp'), "gpu_speed: STAGES names 'ref-mlp' (allowed: check, sudoku, "
+                                                        "sudoku_all, ref_mlp, train, ops, maze, ref_maze, autotune)"),
+                        (dict(STAGES='sudoku', AB='gatd'), "gpu_speed: AB='gatd' (allowed: auto, off, mlp_t, cudnn, "
+                                                           "gated, quack, triton)"),
+                        (dict(STAGES='maze', AB_MAZE='cudn'), "gpu_speed: AB_MAZE='cudn' (allowed: auto, off, "
+                                                              "mlp_t, cudnn, gated, quack, triton)")):
+        env = dict(os.environ, DRY='1', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1', **extra)
+        p = subprocess.run(['bash', 'dev/gpu_speed.sh'], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], (extra, p.stdout[-2000:], p.stderr)
+        assert '== ' not in p.stdout, (extra, p.stdout[-2000:])
+
+
 def test_the_profile_summary_sums_the_gpu_kernels_by_kind(tmp_path):
     trace = tmp_path / 'trace.json'
     events = [dict(cat='kernel', name='_mlp_t_forward', ts=0, dur=30), dict(cat='kernel', name='_mlp_t_forward',
