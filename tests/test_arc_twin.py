@@ -21,7 +21,7 @@ from puzzles import ARC
 DATA = ['--synthetic', '--canvas=6', '--num_tasks=60', '--num_eval_tasks=24', '--num_aug=7',
         '--new_tasks=24']  # the twin's set, and new tasks beside it (the set is the same with or without them)
 EPOCHS = 100  # 487 steps at batch 64
-ADAPT_EPOCHS = 80  # the new tasks: 24 x 3 demonstrations x 8 views = 576 rows, 720 steps at batch 64
+ADAPT_EPOCHS = 80  # the new tasks: an epoch draws one of 8 views of each of 24 tasks (3 demonstrations): 90 steps
 
 
 @pytest.fixture(scope='module')
