@@ -199,38 +199,39 @@ class Run:
         then rank 0 writes, prunes and uploads, and every rank learns whether that worked. owed: a stop came
         before this step's evaluation was done (the checkpoint says so: its resume evaluates it first, so a
         pooled vote loses none). Returns the checkpoint's path."""
-        dev, keys = self.dev, sorted(carry)
-        sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
-        path, problems, t_save = os.path.join(self.local, checkpoint_name(step)), [], time.time()
-        if sane[0] == 0:
-            problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
-                        f"saved. The last good checkpoint is {self.last_good or 'none'}; continue from it "
-                        f"with --init_from=resume and a lower --lr (now {self.cfg['lr']})"]
-        elif self.master:
-            timing, device_s = self.spent()
-            state = dict(model=model.state_dict(),
-                         ema=ema_model.state_dict() if ema_model is not model else None,
-                         optimizer=opt.state_dict(), step=step, loader=loader_state,
-                         carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
-                         config=self.cfg, best=self.best, run_id=self.run_id, timing=timing, device_s=device_s,
-                         data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
-                         **(self.arc.pool_state() if self.arc else {}))
-            try:
-                if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
-                    self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
-                write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
-                                 protect=self.verified)
-                uri = self.gs_out and f"{self.gs_out.rstrip('/')}/{checkpoint_name(step)}"
-                if uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the bucket's prune must
-                    self.corrupt.remove(uri)  # not take the new one for it
-                self.records.uploaded(path)
-            except Exception as e:
-                problems = [f"saving {path} failed: {e}"]
-        fail_together(dev, problems, f'checkpoint at step {step}')
-        self.budget.saved(time.time() - t_save)
-        self.records.window.skip_graphs()  # the save's graphs are not the training's
-        self.last_good = path
-        return path
+        with self.bound.save():  # a stop request that comes meanwhile waits for it
+            dev, keys = self.dev, sorted(carry)
+            sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
+            path, problems, t_save = os.path.join(self.local, checkpoint_name(step)), [], time.time()
+            if sane[0] == 0:
+                problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
+                            f"saved. The last good checkpoint is {self.last_good or 'none'}; continue from it "
+                            f"with --init_from=resume and a lower --lr (now {self.cfg['lr']})"]
+            elif self.master:
+                timing, device_s = self.spent()
+                state = dict(model=model.state_dict(),
+                             ema=ema_model.state_dict() if ema_model is not model else None,
+                             optimizer=opt.state_dict(), step=step, loader=loader_state,
+                             carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
+                             config=self.cfg, best=self.best, run_id=self.run_id, timing=timing, device_s=device_s,
+                             data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
+                             **(self.arc.pool_state() if self.arc else {}))
+                try:
+                    if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
+                        self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
+                    write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
+                                     protect=self.verified)
+                    uri = self.gs_out and f"{self.gs_out.rstrip('/')}/{checkpoint_name(step)}"
+                    if uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the bucket's prune must
+                        self.corrupt.remove(uri)  # not take the new one for it
+                    self.records.uploaded(path)
+                except Exception as e:
+                    problems = [f"saving {path} failed: {e}"]
+            fail_together(dev, problems, f'checkpoint at step {step}')
+            self.budget.saved(time.time() - t_save)
+            self.records.window.skip_graphs()  # the save's graphs are not the training's
+            self.last_good = path
+            return path
 
     def warm_save(self, model, ema_model, carry):
         """XLA: the save's graph compiled now, after the first step, not in a spot VM's last seconds."""

@@ -260,6 +260,7 @@ class StopBound:
     def __init__(self, waiting, checkpoints=dict, last=lambda: 0.0):
         self.waiting, self.checkpoints, self.last = waiting, checkpoints, last
         self.done = threading.Event()
+        self.saving, self.saved = False, 0.0  # a checkpoint under way; when the last one ended
         threading.Thread(target=self.watch, daemon=True, name='stop-bound').start()
         previous = sys.excepthook
 
@@ -282,11 +283,23 @@ class StopBound:
     def stop(self):
         self.done.set()
 
+    @contextlib.contextmanager
+    def save(self):
+        """A checkpoint being written (on every rank: the others wait for rank 0's write): a stop request that
+        comes meanwhile waits for it, however long it takes, and the grace counts from its end. Ended by the bound
+        it would be lost, and with it the last checkpoint a large run had time for."""
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving, self.saved = False, time.time()
+
     def watch(self):
         while not self.done.wait(0.25):
             # a run that keeps finishing work (an evaluation batch's slow supervision steps) comes to its stop
             # check and saves; one that finishes nothing for the grace never will
-            if STOP['requested'] and not STOP['acted'] and time.time() - max(STOP['at'], self.last()) >= STOP_GRACE_S:
+            if STOP['requested'] and not STOP['acted'] and not self.saving and \
+                    time.time() - max(STOP['at'], self.last(), self.saved) >= STOP_GRACE_S:
                 awaited, last = self.waiting()
                 self.end_unanswered(f" (nothing finished for {STOP_GRACE_S:g} s): {awaited} never came to its stop "
                                     f"check (the last thing finished: {last})")

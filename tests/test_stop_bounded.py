@@ -100,6 +100,35 @@ checkpoint.write_checkpoint = write_checkpoint
     assert len(ckpts(out)) == 1 and not os.path.exists(out / 'run.lock')
 
 
+def test_a_stop_during_a_save_that_outlasts_the_grace_waits_for_it_and_saves_and_exits_as_always(toy, tmp_path):
+    # a checkpoint_interval save under way when the request comes (a large checkpoint on a slow disk) is work
+    # the run finishes: it is not thrown away by the bound, and the stop's own checkpoint follows
+    out = tmp_path / 'o'
+    env = hook(tmp_path, '''from runkeep import checkpoint
+from runkeep.signals import STOP
+real = checkpoint.write_checkpoint
+
+
+def write_checkpoint(state, path, tag='', *args, **kwargs):
+    if 'stop requested' not in tag:
+        print('test hook: a slow save begins', flush=True)
+        while not STOP['requested']:
+            time.sleep(0.05)
+        time.sleep(2 * float(os.environ['TRM_STOP_GRACE_S']))
+    return real(state, path, tag, *args, **kwargs)
+
+
+checkpoint.write_checkpoint = write_checkpoint
+''')
+    proc = popen_train(toy, out, '--epochs=200', '--log_interval=1', '--checkpoint_interval=10', env=env)
+    lines = Lines(proc)
+    lines.until('test hook: a slow save begins')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert proc.returncode == 0 and 'stopped cleanly' in text and 'not reached' not in text, text[-3000:]
+    assert ckpts(out) == ['ckpt_00000010.pt', 'ckpt_00000011.pt'] and not os.path.exists(out / 'run.lock')
+
+
 def slow_evaluation_steps(tmp_path, seconds):
     """Every evaluation supervision step of this process takes `seconds` more (a laptop's CPU, a batch of many
     views): progress, slowly."""
