@@ -146,7 +146,8 @@ def write_json(path, obj):
 
 def stopped(task, script, out, rc):
     """The end of an adaptation that a stop signal interrupted, in one line; exit HUNG_EXIT after a SIGTERM (a
-    job that a launcher may run again), 130 after a Ctrl-C, as train.py's own stops."""
+    job that a launcher may run again), 130 after a Ctrl-C: the adaptation is unfinished, though train.py, its
+    checkpoint saved, exited 0."""
     name = STOPPED[0]
     code = HUNG_EXIT if name == 'SIGTERM' else 128 + signal.SIGINT
     last = newest(out)
