@@ -2,7 +2,8 @@
 How a run's process ends: a stop request (SIGTERM from a spot preemption, Ctrl-C), the bound on a stop the run
 cannot reach, a launcher's signals, an orphaned worker, a failed allocation.
     install_signal_handlers()   SIGTERM and Ctrl-C: a stop request (STOP), said at once; the loop saves a
-                                checkpoint at the ranks' next stop check and every rank exits together
+                                checkpoint at the ranks' next stop check and every rank exits together; a
+                                terminal's hangup (SIGHUP) is ignored, except by torchrun's ranks (a stop)
     StopBound(...)              a stop request not acted on while the run finishes nothing for STOP_GRACE_S
                                 ends the process in one line naming the last checkpoint kept; a collective
                                 broken by it, or a failed allocation, is one line too
@@ -94,16 +95,17 @@ def on_parent_gone():
 
 
 def read_signals(fd):
-    """A thread's loop: every SIGTERM, SIGINT and PARENT_GONE, as the interpreter writes it to the wakeup pipe
-    the moment it arrives, to on_signal. So a main thread blocked in one long call (a collective, a kernel:
-    Python runs its own handlers only between calls) still has its stop request said at once, and bounded."""
+    """A thread's loop: every SIGTERM, SIGINT, PARENT_GONE and a torchrun rank's SIGHUP, as the interpreter writes
+    it to the wakeup pipe the moment it arrives, to on_signal. So a main thread blocked in one long call (a
+    collective, a kernel: Python runs its own handlers only between calls) still has its stop request said at
+    once, and bounded."""
     while True:
         try:
             got = os.read(fd, 64)
         except InterruptedError:
             continue
         for signum in got:
-            if signum in (signal.SIGTERM, signal.SIGINT):
+            if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 on_signal(signum)
             elif signum == PARENT_GONE:
                 on_parent_gone()
@@ -130,11 +132,19 @@ def say(line):
 def install_signal_handlers():
     """In a process's main thread (torch_xla.launch runs the training in a worker thread): SIGTERM, SIGINT and
     PARENT_GONE reach read_signals through the interpreter's wakeup pipe; their Python handlers do nothing (they
-    only keep the signals' default actions, ending the process, away)."""
+    only keep the signals' default actions, ending the process, away). A terminal's hangup (SIGHUP: an SSH session
+    whose connection drops) is ignored, as under nohup: the run goes on, its output in train.log; but under
+    torchrun, whose agent ends at a hangup and passes it on to its ranks (killing them 30 s later), it is a stop
+    request too."""
+    stops = [signal.SIGTERM, signal.SIGINT, PARENT_GONE]
+    if 'LOCAL_RANK' in os.environ:  # a torchrun rank
+        stops.append(signal.SIGHUP)
+    else:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
     r, w = os.pipe()
     os.set_blocking(w, False)
     signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    for signum in (signal.SIGTERM, signal.SIGINT, PARENT_GONE):
+    for signum in stops:
         signal.signal(signum, lambda signum, frame: None)
     threading.Thread(target=read_signals, args=(r,), daemon=True, name='signals').start()
 
@@ -310,7 +320,7 @@ class StopBound:
             kept = (lambda found: found[max(found)] if found else None)(self.checkpoints())
         except Exception:  # an unreadable folder, or none (eval_only)
             kept = None
-        code = HUNG_EXIT if STOP['signal'] == 'SIGTERM' else 128 + signal.SIGINT
+        code = 128 + signal.SIGINT if STOP['signal'] == 'SIGINT' else HUNG_EXIT
         say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
             f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
             f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")

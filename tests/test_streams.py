@@ -75,3 +75,42 @@ def test_sigterm_after_stdout_s_reader_left_saves_the_stop_checkpoint(toy, tmp_p
     assert f'step {step}/' in log
     assert_unlocked(out)
 
+
+
+
+def hung_up(cmd, out):
+    """`cmd` (train.py's, alone or under torchrun) in the foreground of an SSH session whose connection drops: the
+    hangup (SIGHUP, which a shell there does not ignore as nohup does) to its process group, then a terminal
+    nobody reads. Returns its exit code and train.log."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
+    read_until(proc, 'step 4/')
+    os.killpg(proc.pid, signal.SIGHUP)
+    proc.stdout.close()
+    try:
+        rc = proc.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return rc, open(out / 'train.log').read()
+
+
+def test_a_closed_ssh_session_s_hangup_does_not_stop_the_run(toy, tmp_path):
+    out = tmp_path / 'o'
+    rc, log = hung_up([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=30'] + FAST,
+                      out)
+    assert rc == 0, (rc, log[-3000:])
+    assert ckpts(out) == ['ckpt_00000030.pt'] and os.path.exists(out / 'results.json') and 'eval on 200' in log
+    assert_unlocked(out)
+
+
+def test_under_torchrun_whose_agent_ends_at_a_hangup_the_ranks_save_and_stop(toy, tmp_path):
+    # torchrun's agent ends at a SIGHUP and passes it on to its ranks, killing them 30 s later: they save first
+    out = tmp_path / 'o'
+    rc, log = hung_up([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2',
+                       'train.py', f'--data_path={toy}', f'--out_dir={out}', '--epochs=200', '--global_batch_size=48']
+                      + [a for a in FAST if not a.startswith(('--epochs', '--global_batch_size'))], out)
+    assert 'got SIGHUP' in log and 'stopped cleanly' in log, (rc, log[-3000:])
+    assert len(ckpts(out)) == 1
+    assert_unlocked(out)
