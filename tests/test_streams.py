@@ -76,8 +76,6 @@ def test_sigterm_after_stdout_s_reader_left_saves_the_stop_checkpoint(toy, tmp_p
     assert_unlocked(out)
 
 
-
-
 def hung_up(cmd, out):
     """`cmd` (train.py's, alone or under torchrun) in the foreground of an SSH session whose connection drops: the
     hangup (SIGHUP, which a shell there does not ignore as nohup does) to its process group, then a terminal
