@@ -233,6 +233,10 @@ class Experiment:
         self.run = self.name + (f"-s{seed}" if seed else '')  # the run's label: one per seed
         self.family = family_of(self.name)
         self.cfg, self.meta, set_at = effective(path)
+        if opts.seeds > 1 and self.cfg['seed'] != TRAIN_DEFAULTS['seed']:
+            # its seed-0 run would train this seed, which a seed s run may train again: one run, two seeds
+            raise SystemExit(f"config error: {place_words(set_at['seed'])} sets seed = {self.cfg['seed']!r}, and "
+                             f"--seeds={opts.seeds} trains seeds 0 .. {opts.seeds - 1} (allowed: one of them)")
         base = self.meta.get('_base')
         self.base_cfg = effective(base)[0] if base else dict(TRAIN_DEFAULTS)
         self.varied = {k: v for k, v in self.cfg.items() if v != self.base_cfg.get(k) and k not in NOT_VARIED}

@@ -382,6 +382,18 @@ def test_seeds_run_each_point_in_its_own_folder_and_the_report_gives_mean_and_sp
     assert p.returncode != 0 and '--seeds' in p.stderr + p.stdout
 
 
+def test_seeds_refuse_a_file_that_sets_its_own_seed(tmp_path):
+    # its seed-0 run would train the file's seed and seed 1 with --seed=1: with seed = 1 the two are one run,
+    # reported as two seeds
+    (tmp_path / 'cfg').mkdir()
+    (tmp_path / 'cfg' / 'sd_a.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/sd_a'\nseed = 1\n")
+    p = run(study_args(tmp_path, 'sd_a', '--seeds=2', '--dry_run=True'), check=False)
+    out = p.stderr + p.stdout
+    assert p.returncode != 0 and 'python train.py' not in out, out
+    assert re.search(r'sd_a\.py, line 3.*seed = 1.*--seeds=2', out), out
+    assert 'Traceback' not in out, out
+
+
 def fake_run(out, name, params, exact, by_steps=None):
     """A finished run's results.json, as train.py writes it (the keys the report reads)."""
     os.makedirs(f'{out}/{name}', exist_ok=True)
