@@ -53,6 +53,8 @@ def collect(exps, told=None):
     for e in exps:
         r = dict(name=e.name, run=e.run, seed=e.seed, family=e.family, point=e.point(),
                  varied=e.varied_text(),
+                 # what this run trains differently from its base, at this scale (an ablation's bar label)
+                 changes=[f"{k}={e.run_cfg[k]!r}" for k in e.varied],
                  out_dir=e.out_dir, lr=e.run_cfg['lr'], global_batch_size=e.run_cfg['global_batch_size'],
                  H_cycles=e.run_cfg['H_cycles'], L_cycles=e.run_cfg['L_cycles'],
                  hidden_size=e.run_cfg['hidden_size'], L_layers=e.run_cfg['L_layers'],
@@ -558,12 +560,12 @@ def plot_ablations(plt, done, title, colors, ylabel):
     abl = [r for r in done if drawn_in(r['family'], ABLATIONS)]
     if not abl:
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.6 * len(abl)), 4.5))  # a bar as wide as its longest key=value
     ys = [100 * r['exact'] for r in abl]
     err = [[100 * (r['exact'] - r['bar_lo']) for r in abl],
            [100 * (r['bar_hi'] - r['exact']) for r in abl]]
     ax.bar(range(len(abl)), ys, yerr=err, capsize=4, color=[colors[r['family']] for r in abl])
-    ax.set_xticks(range(len(abl)), [f"{r['point']}\n{r['varied'][:28]}" for r in abl], fontsize=7)
+    ax.set_xticks(range(len(abl)), ['\n'.join([r['point'], *r['changes']]) for r in abl], fontsize=7)
     ax.set_ylabel(ylabel)
     ax.set_ylim(0, 103)
     ax.set_title(f"Ablations ({title})")

@@ -22,7 +22,7 @@ from runkeep import gcs
 from conftest import BUCKET, ROOT, held_step, run, script_env
 from configurator import config_files, read_config_block
 from studies.plan import Options, load_experiments
-from studies.report import collect, plot_fits, plot_supervision_steps, points
+from studies.report import collect, plot_ablations, plot_fits, plot_supervision_steps, points
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 BASE = {'config/baseline.py': 'data/sudoku-extreme-1k-aug-1000', 'config/maze.py': 'data/maze-30x30-hard-1k'}
@@ -586,3 +586,31 @@ def test_new_families_keep_their_variation_at_the_cpu_scale():
     assert flag('bs_256', 'lr') == '0.00115' and 'same run as lr_1e-4' in blocks['bs_768']
     assert '--halt_max_steps' not in blocks['abl_halt1'] and '--eval_steps=2 ' in blocks['abl_halt1']
     assert flag('abl_noemb', 'puzzle_emb_ndim') == '32' and 'embedding ON against the cpu base' in blocks['abl_noemb']
+
+
+def test_the_ablation_bars_are_labelled_each_by_what_its_run_changes(tmp_path):
+    plt = pyplot()
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    names = ['abl_actcont', 'abl_attn', 'abl_halt1', 'abl_halt2', 'abl_halt8', 'abl_noema', 'abl_noemb']
+    for i, name in enumerate(names):  # abl_halt16 is the base run
+        shutil.copy(os.path.join(STUDY, name + '.py'), cfg)
+        fake_run(out, name, 10 ** 5, 0.5 + 0.05 * i)
+    opts = Options(scale='cpu', root=out, local_root=out, data_root=str(tmp_path / 'data'), config_dir=str(cfg),
+                   extra={}, extra_args=[], nproc=1, seeds=1)
+    done = points(collect(load_experiments(['abl_*'], opts)[1]), 1)
+    fig = plot_ablations(plt, done, 'test', {'abl': 'C0'}, 'exact')
+    fig.tight_layout()
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    labels = {t.get_text().split('\n')[0]: t for t in ax.get_xticklabels()}
+    text = {p: t.get_text() for p, t in labels.items()}
+    # what each run trains at this scale, and nothing another run changes (the cpu twin of halt8 trains 2 steps,
+    # of noemb a 32-wide embedding)
+    assert 'no_ACT_continue=False' in text['actcont'] and 'halt_max_steps' not in text['actcont'], text
+    assert 'mlp_t=False' in text['attn'] and "pos_encodings='rope'" in text['attn'], text
+    assert 'no_ACT_continue' not in text['attn'] and 'halt_max_steps=2' in text['halt8'], text
+    assert 'puzzle_emb_ndim=32' in text['noemb'] and 'ema=False' in text['noema'], text
+    boxes = sorted((t.get_window_extent() for t in labels.values()), key=lambda b: b.x0)
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:])), [(b.x0, b.x1) for b in boxes]  # none overlap
+    plt.close(fig)
