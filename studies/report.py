@@ -687,7 +687,8 @@ def plot_views(plt, views, scale):
                             ax.annotate(f"k={r['views']}", (x, y), fontsize=7, color=c, textcoords='offset points',
                                         xytext=(3, -10))
             ax.set_xscale('log')
-            ax.set_ylim(max(0.0, min(ys_all) - 5) if ys_all else 0, 101.5)
+            # room below the lowest point for its k label (a run at 0 %: below 0, not on the x axis's numbers)
+            ax.set_ylim(max(-5.0, min(ys_all) - 5) if ys_all else 0, 101.5)
             ax.grid(alpha=0.3, which='both')
             ax.set_ylabel('held-out accuracy (%)')
         left.set_xlabel('test-time FLOPs per puzzle (log): k views x S steps x forward FLOPs')

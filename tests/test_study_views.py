@@ -144,3 +144,25 @@ def test_one_view_beyond_halt_max_steps_is_reported_after_its_last_step(tmp_path
     assert (row['views'], row['steps'], row['halt_max_steps']) == ('1', '8', '4')
     assert (row['vote'], row['verified'], row['oracle']) == ('0.75', '0.75', '0.75'), row
     assert row['vote_q_halt'] == '0.375' and row['accepted'] == '', row  # the verifier's count is at step 4
+
+
+def test_the_test_compute_plot_keeps_points_and_labels_at_0_percent_inside_its_axes():
+    """Runs that solve nothing yet (a first tiny study): their points and k labels are drawn inside the panel,
+    not on its frame and over the x axis's numbers."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    from studies.report import plot_views
+    views = [dict(run=run, family='rec', steps=S, views=k, flops_per_puzzle=1e7 * k * S * (1 + i),
+                  **{m + q: 0.0 for m in ('vote', 'verified', 'oracle') for q in ('', '_q_halt')})
+             for i, run in enumerate(('rec_L2', 'rec_L4')) for S in (2, 8) for k in (1, 2, 4)]
+    fig = plot_views(plt, views, 'cpu')
+    fig.tight_layout()
+    fig.canvas.draw()
+    for ax in fig.axes:
+        frame = ax.get_window_extent()
+        assert ax.get_ylim()[0] < 0, ax.get_ylim()  # a point at 0 % is above the frame's bottom
+        labels = [t for t in ax.texts if t.get_text().startswith('k=')]
+        assert labels and all(t.get_window_extent().y0 > frame.y0 for t in labels), \
+            [(t.get_text(), t.get_window_extent().y0, frame.y0) for t in labels]
+    plt.close(fig)
