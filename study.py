@@ -52,10 +52,10 @@ from runkeep.locks import holder_gone, lock_record
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
-from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Options, build_display, checkpoint_steps, cost,
-                        duration, family_pattern, flop_rate, has_results, load_experiments, model_cost, order_runs,
-                        own_steps, partition, point_of, read_results, resume_problem, run_flops, saved_evals, schedule,
-                        share_cost, state)
+from studies.plan import (NOT_SHAPING, RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Experiment, Options, build_display,
+                        checkpoint_steps, cost, duration, family_pattern, flop_rate, has_results, load_experiments,
+                        model_cost, order_runs, own_steps, partition, point_of, read_results, resume_problem, run_flops,
+                        saved_evals, schedule, share_cost, state)
 from studies.report import make_report
 
 # -----------------------------------------------------------------------------
@@ -689,7 +689,12 @@ def run_slots(todo, plans, status, failed_data):
         while queue and free and not STOP['requested']:
             # a missing dataset does not skip the run: train.py then fails at start-up on every rank together,
             # so on a pod every host goes through the same sequence even if only one host's build failed
-            e, slot = queue.pop(0), free.pop(0)
+            e = queue.pop(0)
+            if why := changed_since(e):
+                status[e.run] = ('NOT RUN', why)
+                print(f"\nstudy: {e.run}: not run: {why}", flush=True)
+                continue
+            slot = free.pop(0)
             steps = checkpoint_steps(e)
             on = f" on slot {slot} ({plans[slot]['label']})" if not echo else ''
             print(f"\nstudy: {e.run} [{e.varied_text()}]: "
@@ -719,6 +724,19 @@ def run_slots(todo, plans, status, failed_data):
                       + (f" | last {r.last_eval[:40]}" if r.last_eval else ''),
                       flush=True)
         time.sleep(0.05 if echo else 0.2)
+
+
+def changed_since(e):
+    """Why run e is not started: its file (or its _base) now says another configuration than the one this study
+    costed, checked and reports, and train.py would read the file as it is now; '' when it is unchanged."""
+    try:
+        now = Experiment(e.path, OPTS, seed=e.seed).run_cfg
+    except SystemExit as ex:
+        return f"{e.path} changed since the study started and is now refused: {ex}"
+    diffs = [f"{k} {v!r} then, {now.get(k)!r} now" for k, v in e.run_cfg.items()
+             if k not in NOT_SHAPING and now.get(k) != v]
+    return (f"{e.path} changed since the study started ({'; '.join(diffs)}): rerun the study to run it as it is "
+            "now") if diffs else ''
 
 
 def finished(r, status, failed_data):

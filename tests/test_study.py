@@ -314,6 +314,31 @@ def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_
     assert json.load(open(f'{out}/rec_L2/results.json'))['step'] == 40
 
 
+def test_a_file_edited_while_the_study_runs_is_not_run_as_another_configuration(tiny_grid, tmp_path):
+    # the study costs, checks and prints the command of the file as it was at its start; train.py would read the
+    # file as it is when the run starts: a run of neither, and the study's own report would not use it
+    tmp = tiny_grid
+    out, go = f'{tmp}/out', tmp_path / 'go'
+    p = start(study_args(tmp, 'rec_*'), env=held_step(f'{tmp}/hook', 3, go=go, argv=['/rec_L2']))
+    wait_for(lambda: 'test hook: step 3 waits' in (open(f'{out}/rec_L2/train.log').read()
+                                                   if os.path.exists(f'{out}/rec_L2/train.log') else '')
+             or p.poll() is not None)
+    edited = f'{tmp}/cfg/rec_L4.py'
+    text = open(edited).read()
+    open(edited, 'w').write(text.replace('L_cycles = 4 ', 'L_cycles = 5 '))
+    go.write_text('')
+    text = p.communicate(timeout=600)[0]
+    assert p.returncode == 1, text
+    summary = text.split('study: summary')[1]
+    assert re.search(r'rec_L2 +done', summary), summary
+    assert re.search(rf'rec_L4 +NOT RUN +{re.escape(edited)} changed since the study started \(L_cycles 4 then, 5 '
+                     r'now\)', summary), summary
+    assert not os.path.exists(f'{out}/rec_L4/results.json')
+    p = run(study_args(tmp, 'rec_*'))  # as the file is now
+    assert '1 finished before, 1 to run' in p.stdout, p.stdout
+    assert json.load(open(f'{out}/rec_L4/results.json'))['config']['L_cycles'] == 5
+
+
 def results_of(out, names):
     """What must not depend on how the runs were scheduled: steps, accuracies, parameters, FLOPs."""
     got = {}
