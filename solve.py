@@ -477,6 +477,13 @@ def puzzles(kind, meta, dp, source):
             texts = read_puzzle_file(puzzle, kind)
         elif puzzle:
             texts = [(puzzle, 'puzzle 1 (--puzzle)')]
+            # a file's name that is no file (a typo) and no puzzle either: say so, not how many characters it has
+            if re.search(r'[A-Za-z_][^./]*\.[A-Za-z][A-Za-z0-9]{1,4}$', puzzle) and not looks_like(puzzle):
+                try:
+                    kind.parse(puzzle, '')
+                except ValueError:
+                    fail(f"puzzle={puzzle}: no such file; --puzzle takes one puzzle ({article(kind.title)} has "
+                         f"{kind.text_shape()}) or the path of a file of them")
         else:
             if not os.path.isfile(file):
                 fail(f"file={file}: no such file")

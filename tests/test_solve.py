@@ -354,6 +354,10 @@ def test_puzzle_errors(sudoku4, tmp_path):
                       one_line=True)
     p = solve(ck, f'--file={tmp_path / "none.txt"}', check=False)
     assert_user_error(p, 'no such file', one_line=True)
+    # --puzzle also takes a file: a mistyped name is said to be no file, not counted as a puzzle's characters
+    p = solve(ck, f'--puzzle={tmp_path / "none.txt"}', check=False)
+    assert_user_error(p, f'puzzle={tmp_path / "none.txt"}: no such file', "16 characters from '.01234'",
+                      one_line=True)
 
 
 def test_other_kind_errors(sudoku4, maze8):
