@@ -140,6 +140,8 @@ class Grid:
         rows = text.replace('\r', '').replace('/', '\n').split('\n')
         while rows and rows[-1] == '':
             rows.pop()
+        while rows and rows[0] == '':  # a quoted block of lines often opens with a line end
+            rows.pop(0)
         if len(rows) == 1 and len(rows[0]) == self.L:
             rows = [rows[0][i:i + self.n] for i in range(0, self.L, self.n)]
         shape = f"{article(self.title)} has {self.text_shape()}"

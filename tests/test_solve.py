@@ -287,7 +287,9 @@ def test_maze(maze8):
     assert [b[0].split(':')[0] for b in bs] == ['puzzle 1 (lines 1-8 of mazes.txt)', 'puzzle 2 (line 10 of mazes.txt)',
                                                 'puzzle 3 (line 11 of mazes.txt)', 'puzzle 4 (lines 13-20 of mazes.txt)']
     assert bs[0][1:9] == [r.replace('', ' ')[1:].rstrip() for r in rows_of(q)]  # the maze as given, cell by cell
-    for args in (['--puzzle=' + '/'.join(rows_of(q))], ['--index=1']):
+    # a maze pasted between two line ends (a quoted block of lines) is its rows, not a first row left empty
+    for args in (['--puzzle=' + '/'.join(rows_of(q))], ['--puzzle=\n' + '\n'.join(rows_of(q)) + '\n'],
+                 ['--index=1']):
         one = solve(f'--init_from={maze8.ckpt}', *args, '--quiet=True')
         assert list(summaries(one.stdout)) == [1] and 'solved' in one.stdout
 
