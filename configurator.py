@@ -170,9 +170,10 @@ def read_config_block(path, section=None):
     return {k: (scope[k], meanings.get(k, '')) for k in keys}
 
 
-def config_files(path):
-    """[(file, {key: value})] that a config file applies, in order: its `_base` chain first, then itself."""
-    chain = []
+def config_files(path, binary_hint=''):
+    """[(file, {key: value})] that a config file applies, in order: its `_base` chain first, then itself.
+    binary_hint: said after the typed file's name where that file is not text (a checkpoint typed without its key)."""
+    chain, typed = [], path
     while path:
         if any(path == p for p, _ in chain):
             raise SystemExit(f"config error: {chain[0][0]} names itself as _base (through {path})")
@@ -183,6 +184,9 @@ def config_files(path):
                 src = f.read()
         except OSError as e:
             raise SystemExit(f"config error: cannot read config file {path}: {e.strerror}")
+        except UnicodeDecodeError:
+            raise SystemExit(f"config error: {path} is not a text file, so no config file (one is Python, such as "
+                             f"config/quickstart.py){binary_hint if path == typed else ''}")
         scope = {}
         try:  # (builtins.compile: train.py has its own 'compile')
             tree = ast.parse(src, path)
@@ -336,7 +340,8 @@ def _configure(g, argv):
     for arg in sorted(argv, key=lambda a: a.startswith('--')):
         if not arg.startswith('--'):
             # a config file: plain Python that assigns globals (after its _base file's)
-            for path, keys in config_files(arg):
+            hint = f"; a checkpoint is given as --init_from={arg}" if 'init_from' in known else ''
+            for path, keys in config_files(arg, hint):
                 at = places(path, keys)
                 for key, value in keys.items():
                     check_key(key, place_words(at[key]))

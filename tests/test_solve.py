@@ -407,6 +407,10 @@ def test_setup_errors(sudoku4, tmp_path):
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     p = solve(f'--init_from={sudoku4.ckpt}', check=False)
     assert_user_error(p, 'nothing to solve', one_line=True)
+    # the checkpoint typed without its key, where a config file goes: no config file, and the key named
+    p = solve(sudoku4.ckpt, '--index=3', check=False)
+    assert_user_error(p, f'config error: {sudoku4.ckpt} is not a text file', f'--init_from={sudoku4.ckpt}',
+                      one_line=True)
     p = solve(f'--init_from={sudoku4.ckpt}', q, '--count=3', check=False)
     assert_user_error(p, 'give one source of puzzles', one_line=True)
     p = solve(f'--init_from={sudoku4.ckpt}', '--index=100', check=False)
