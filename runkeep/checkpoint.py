@@ -577,6 +577,11 @@ def read_checkpoint(path):
     a file that is none of these is refused in one line."""
     if not path:
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
+    if os.path.isdir(path):  # a run's folder, or a published one: the newest checkpoint in it is the likely one
+        numbered = [(int(m.group(1) or m.group(2)), f) for f in os.listdir(path)
+                    if (m := re.fullmatch(r'ckpt_(\d+)\.pt|step_(\d+)', f))]
+        fail(f"init_from={path} is a folder, not a checkpoint file"
+             + (f": name one in it, such as --init_from={os.path.join(path, max(numbered)[1])}" if numbered else ''))
     if not os.path.isfile(path):
         fail(f"init_from={path}: no such file")
     try:

@@ -401,6 +401,11 @@ def test_setup_errors(sudoku4, tmp_path):
     # a published step_<N> that is empty, beside its all_config.yaml
     run('publish.py', f'--init_from={sudoku4.ckpt}', f'--out_dir={tmp_path}/pub')
     step = glob.glob(str(tmp_path / 'pub' / 'step_*'))[0]
+    # a run's or a published folder given for its checkpoint: the folder is said, with a checkpoint in it
+    for folder, inside in ((tmp_path / 'pub', step), (os.path.dirname(sudoku4.ckpt), sudoku4.ckpt)):
+        p = solve(f'--init_from={folder}', q, check=False)
+        assert_user_error(p, f'init_from={folder} is a folder, not a checkpoint file', f'--init_from={inside}',
+                          one_line=True)
     open(step, 'wb').close()
     p = solve(f'--init_from={step}', q, check=False)
     assert_user_error(p, f'{step} is corrupt or truncated and was not loaded: the file is empty')
