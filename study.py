@@ -52,10 +52,10 @@ from runkeep.locks import holder_gone, lock_record
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
-from studies.plan import (NOT_SHAPING, RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Experiment, Options, build_display,
-                        checkpoint_steps, cost, duration, family_pattern, flop_rate, has_results, load_experiments,
-                        model_cost, order_runs, own_steps, partition, point_of, read_results, resume_problem, run_flops,
-                        saved_evals, schedule, share_cost, state)
+from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Experiment, Options, build_display,
+                        checkpoint_steps, config_diffs, cost, duration, family_pattern, flop_rate, has_results,
+                        load_experiments, model_cost, order_runs, own_steps, partition, point_of, read_results,
+                        resume_problem, run_flops, saved_evals, schedule, share_cost, state)
 from studies.report import make_report
 
 # -----------------------------------------------------------------------------
@@ -730,13 +730,12 @@ def changed_since(e):
     """Why run e is not started: its file (or its _base) now says another configuration than the one this study
     costed, checked and reports, and train.py would read the file as it is now; '' when it is unchanged."""
     try:
-        now = Experiment(e.path, OPTS, seed=e.seed).run_cfg
+        now = Experiment(e.path, OPTS, seed=e.seed)
     except SystemExit as ex:
         return f"{e.path} changed since the study started and is now refused: {ex}"
-    diffs = [f"{k} {v!r} then, {now.get(k)!r} now" for k, v in e.run_cfg.items()
-             if k not in NOT_SHAPING and now.get(k) != v]
-    return (f"{e.path} changed since the study started ({'; '.join(diffs)}): rerun the study to run it as it is "
-            "now") if diffs else ''
+    diffs = config_diffs(now, e.run_cfg, then='then')
+    return f"{e.path} changed since the study started ({diffs}): rerun the study to run it as it is now" \
+        if diffs else ''
 
 
 def finished(r, status, failed_data):

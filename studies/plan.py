@@ -451,10 +451,10 @@ def read_results(e):
     return res, ''
 
 
-def config_diffs(e, recorded):
-    """Where a run's recorded config (its results.json's, a checkpoint's) and the command the study runs now
-    differ, on the keys that shape the result (the dataset by its name: a copy elsewhere is the same data):
-    "key 'then' there, 'now' now; ..." or ''."""
+def config_diffs(e, recorded, then='there'):
+    """Where a run's recorded config (its results.json's, a checkpoint's, or the one the study started with)
+    and the command the study runs now differ, on the keys that shape the result (the dataset by its name: a copy
+    elsewhere is the same data): "key 'recorded' there, 'now' now; ..." (`then` for 'there') or ''."""
     now, diffs = e.run_cfg, []
     for k, was in (recorded or {}).items():
         if k in NOT_SHAPING or k not in now:
@@ -462,7 +462,7 @@ def config_diffs(e, recorded):
         a, b = (str(was).rstrip('/').split('/')[-1], str(now[k]).rstrip('/').split('/')[-1]) \
             if k == 'data_path' else (was, now[k])
         if a != b:
-            diffs.append(f"{k} {a!r} there, {b!r} now")
+            diffs.append(f"{k} {a!r} {then}, {b!r} now")
     return '; '.join(diffs)
 
 
