@@ -490,10 +490,11 @@ def test_sudoku_download(server, tmp_path, csv_dir):
 
 
 # -----------------------------------------------------------------------------
-# full-size speed and memory (opt-in: about a minute to write 800 MB of CSV)
+# full-size memory (opt-in: about a minute to write 800 MB of CSV); its wall time is printed, not asserted: a
+# test does not race the clock of a slower or shared machine
 
 @pytest.mark.skipif(not os.environ.get('TRM_BENCH_FULL'), reason='set TRM_BENCH_FULL=1 to run the full-size build')
-def test_sudoku_full_size_build_speed(tmp_path):
+def test_sudoku_full_size_build_memory(tmp_path):
     d = tmp_path / 'csv'
     d.mkdir()
     write_synthetic_csv(d / 'train.csv', ps.EXPECTED_ROWS['train'], seed=1)
@@ -506,7 +507,7 @@ def test_sudoku_full_size_build_speed(tmp_path):
     seconds = int(wall.group(1) or 0) * 3600 + int(wall.group(2)) * 60 + float(wall.group(3))
     rss_mb = int(re.search(r'Maximum resident set size \(kbytes\): (\d+)', res.stderr).group(1)) / 1024
     print(f"full-size build: {seconds:.2f} s wall, {rss_mb:.0f} MB peak RSS")
-    assert seconds <= 15 and rss_mb <= 1024
+    assert rss_mb <= 1024
 
 
 # -----------------------------------------------------------------------------
