@@ -206,14 +206,17 @@ def prune_checkpoints(folder, keep_last_n, best_step, corrupt=(), protect=-1, de
 def bucket_checkpoints(out_dir, resume):
     """Rank 0 at start: ({step: uri} of out_dir's checkpoints or None, [problem]). The listing is also the
     check that the bucket lets this run in: a bucket that answers no (it does not exist, no permission: HTTP
-    4xx) stops the run at start, as does one that cannot be reached when resuming (no checkpoint could be
-    picked); a new run goes on without it (its uploads are retried)."""
+    4xx) or credentials that cannot be used (a broken key file) stop the run at start, as does a bucket that
+    cannot be reached when resuming (no checkpoint could be picked); a new run goes on without it (its uploads
+    are retried)."""
     bucket = gcs.split_gcs(out_dir)[0]
     try:
         return list_checkpoints(out_dir), []
     except gcs.Stopped as e:
         return None, [f"{e}; nothing was started"]
     except gcs.GCSError as e:
+        if e.refused and e.status is None:  # the credentials: no request was sent
+            return None, [f"out_dir={out_dir}: {e}"]
         if e.refused:
             return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check "
                           "that the bucket exists and that this identity may read and write it"]

@@ -38,6 +38,14 @@ class CredentialsError(Exception):
         super().__init__(msg)
         self.status = status  # the token endpoint's HTTP status, or None for a key file or network problem
 
+    refused = False  # no retry changes it (a refusal with its status says so itself)
+
+
+class KeyFileError(CredentialsError):
+    """The key file itself is unusable (unreadable, not a service-account key, a key that cannot sign): as with
+    a refusal, no retry mends it."""
+    refused = True
+
 
 _token_lock = threading.Lock()
 _token = None
@@ -81,29 +89,29 @@ def _load_service_account(path):
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as e:
-        raise CredentialsError(f"{where}: cannot read the key file: {e.strerror or e}") from None
+        raise KeyFileError(f"{where}: cannot read the key file: {e.strerror or e}") from None
     except UnicodeDecodeError:
-        raise CredentialsError(f"{where}: the key file is not UTF-8 text") from None
+        raise KeyFileError(f"{where}: the key file is not UTF-8 text") from None
     try:
         info = json.loads(text)
     except ValueError as e:
-        raise CredentialsError(f"{where}: the key file is not valid JSON ({e})") from None
+        raise KeyFileError(f"{where}: the key file is not valid JSON ({e})") from None
     if not isinstance(info, dict):
-        raise CredentialsError(f"{where}: the key file is not a JSON object")
+        raise KeyFileError(f"{where}: the key file is not a JSON object")
     kind = info.get("type")
     if kind != "service_account":
         hint = (" (user credentials from `gcloud auth application-default login`: unset "
                 "GOOGLE_APPLICATION_CREDENTIALS and the gcloud CLI's login is used instead)"
                 if kind == "authorized_user" else "")
-        raise CredentialsError(f"{where}: credentials of type {kind!r} are not supported; only service-account "
-                               f"key files (\"type\": \"service_account\") are{hint}")
+        raise KeyFileError(f"{where}: credentials of type {kind!r} are not supported; only service-account "
+                           f"key files (\"type\": \"service_account\") are{hint}")
     missing = [k for k in ("client_email", "private_key", "private_key_id") if not info.get(k)]
     if missing:
-        raise CredentialsError(f"{where}: the service-account key file lacks {', '.join(missing)}")
+        raise KeyFileError(f"{where}: the service-account key file lacks {', '.join(missing)}")
     wrong = [k for k in ("client_email", "private_key", "private_key_id", "token_uri")
              if k in info and not isinstance(info[k], str)]
     if wrong:
-        raise CredentialsError(f"{where}: in the key file, {', '.join(wrong)} must be text")
+        raise KeyFileError(f"{where}: in the key file, {', '.join(wrong)} must be text")
     return {**info, "token_uri": info.get("token_uri") or DEFAULT_TOKEN_URI}
 
 
@@ -111,23 +119,23 @@ def _signing_credentials(info, where):
     """google-auth's credentials for the key, with the storage scope, checked by signing once: a key google-auth
     cannot sign with is named here rather than failing inside the token exchange."""
     if service_account is None:
-        raise CredentialsError(f"{where}: a service-account key file needs the google-auth package "
+        raise KeyFileError(f"{where}: a service-account key file needs the google-auth package "
                                "(pip install -r requirements.txt)")
     # the PEM block's name, read before google-auth parses the key, says what an unusable key is
     block = re.search(r"-----BEGIN ([A-Z ]+)-----", info["private_key"])
     if not block or block.group(1) not in ("PRIVATE KEY", "RSA PRIVATE KEY"):
-        raise CredentialsError(f"{where}: private_key is not a usable RSA private key: expected a PEM 'PRIVATE "
+        raise KeyFileError(f"{where}: private_key is not a usable RSA private key: expected a PEM 'PRIVATE "
                                f"KEY' or 'RSA PRIVATE KEY' block, found "
                                f"{repr(block.group(1)) if block else 'no PEM block'} (encrypted keys are not "
                                "supported)")
     try:
         creds = service_account.Credentials.from_service_account_info(info, scopes=[GCS_SCOPE])
     except (ValueError, auth_errors.GoogleAuthError) as e:
-        raise CredentialsError(f"{where}: private_key is not a usable RSA private key: {e}") from None
+        raise KeyFileError(f"{where}: private_key is not a usable RSA private key: {e}") from None
     try:
         creds.sign_bytes(b"")  # google-auth takes any PEM key here and finds out only when it signs
     except TypeError:  # an EC or Ed25519 key's sign() takes other arguments than RSA's
-        raise CredentialsError(f"{where}: private_key is not a usable RSA private key: not an RSA key "
+        raise KeyFileError(f"{where}: private_key is not a usable RSA private key: not an RSA key "
                                "(RS256 needs RSA)") from None
     return creds
 

@@ -67,14 +67,16 @@ def _emulator_host():
 # errors, and the credentials each request carries
 
 class GCSError(Exception):
-    def __init__(self, msg, status=None):
+    def __init__(self, msg, status=None, refused=False):
         super().__init__(msg)
         self.status = status  # HTTP status, or None for network / credential errors
+        self._refused = refused
 
     @property
     def refused(self):
-        """The server answered, and no retry changes the answer (a 4xx: no such bucket, no permission)."""
-        return self.status is not None and not _is_transient(self.status)
+        """No retry changes the answer: the server said no (a 4xx: no such bucket, no permission), or the
+        credentials cannot be used (a broken key file)."""
+        return self._refused or self.status is not None and not _is_transient(self.status)
 
 class NotFoundError(GCSError, FileNotFoundError):
     pass  # also a FileNotFoundError so callers can treat a missing object like a missing file
@@ -88,7 +90,7 @@ def _auth_headers(force_refresh=False):
     try:
         token = credentials.get_token(force_refresh)
     except credentials.CredentialsError as e:
-        raise GCSError(str(e), e.status) from None
+        raise GCSError(str(e), e.status, e.refused) from None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 # -----------------------------------------------------------------------------

@@ -312,7 +312,7 @@ def test_a_bad_key_file_is_one_gcs_error_for_the_client(clean_env, token_server,
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
     with pytest.raises(gcs.GCSError, match="not valid JSON") as e:
         client.exists("gs://bucket/run1/ckpt_00000100.pt")
-    assert str(path) in str(e.value) and e.value.status is None and not e.value.refused
+    assert str(path) in str(e.value) and e.value.status is None and e.value.refused  # no retry mends the file
     token_server.refuse = True
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS",
                      write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri))
@@ -369,3 +369,20 @@ def test_credential_order(clean_env, token_server, rsa_key, tmp_path):
     clean_env.delenv("STORAGE_EMULATOR_HOST")
     clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS", "")
     assert credentials.get_token() == "from-metadata" and token_server.metadata_hits == 2
+
+
+@pytest.mark.parametrize("content", [None, "{not json",
+                                     json.dumps({"type": "service_account", "client_email": EMAIL,
+                                                 "private_key_id": KEY_ID})])
+def test_a_broken_key_file_stops_a_new_run_at_start(toy, tmp_path, content):
+    # the key file cannot mend itself while the run trains: training on would upload nothing, and a spot VM's
+    # preemption would take every checkpoint with it
+    from conftest import TOY_ARGS, assert_user_error, run
+    key = tmp_path / "key.json"
+    if content is not None:
+        key.write_text(content)
+    p = run(["train.py", f"--data_path={toy}", "--out_dir=gs://bucket/run1", f"--local_dir={tmp_path / 'l'}",
+             "--max_steps=2"] + TOY_ARGS, check=False,
+            env=dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=str(key)))
+    assert_user_error(p, f"GOOGLE_APPLICATION_CREDENTIALS={key}")
+    assert "step 1" not in p.stdout and "step 2" not in p.stdout and "HTTP None" not in p.stdout + p.stderr
