@@ -370,7 +370,8 @@ _range = lambda v: v == '' or (v.count(':') == 1 and all(p.isascii() and p.isdig
                                and int(v.split(':')[0]) < int(v.split(':')[1]))
 # train.py's and bench.py's key kernels (device.choose_kernels)
 KERNELS = ('auto', 'off', 'mlp_t', 'cudnn', 'gated', 'quack', 'triton')
-TRAIN_RULES = dict(out_dir=(lambda v: bool(v.strip()), 'a folder or gs://BUCKET/prefix, not empty'),
+_out = lambda v: bool(v.strip()) and not (v.startswith('gs://') and not v[len('gs://'):].partition('/')[0])
+TRAIN_RULES = dict(out_dir=(_out, 'a folder or gs://BUCKET/prefix, not empty'),
              eval_every_epochs=_pos, eval_subset=_nonneg, eval_steps=_nonneg, eval_views=_pos,
              eval_batch_size=_nonneg, log_interval=_pos, checkpoint_interval=_nonneg, keep_last_n=_nonneg,
              global_batch_size=_pos, epochs=_pos, max_steps=_nonneg, max_minutes=_nonneg, seed=_nonneg,

@@ -302,3 +302,9 @@ def test_the_exit_after_a_stop_fits_in_a_spot_vm_s_notice_when_the_bucket_does_n
     assert 'could not remove the lock' in out and 'lease' in out, out[-3000:]
     saved = re.search(r'saved \S+(ckpt_\d{8}\.pt) \(stop requested\)', out)
     assert saved and re.search(rf'only in \S+: .*{saved.group(1)}', out), out[-3000:]
+
+
+@pytest.mark.parametrize('out', ['gs://', 'gs:///run1'])
+def test_a_gs_out_dir_without_a_bucket_is_one_line(toy, tmp_path, out):
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=2'] + TOY_ARGS, check=False)
+    assert_user_error(p, f'out_dir={out!r}', 'gs://BUCKET', one_line=True)
