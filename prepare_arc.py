@@ -675,9 +675,7 @@ def main(argv=None):
     num_aug = args.num_aug if args.num_aug is not None else (100 if args.synthetic else 1000)
     out = args.output_dir or (f'data/arc-synthetic-{canvas}' if args.synthetic
                               else f'data/arc{args.version or 1}concept-aug-{num_aug}')
-    bucket_uri = out if gcs.is_gcs(out) else ''
-    if bucket_uri:
-        out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
+    out, bucket_uri = gcs.build_folder(out)
     uploading = ''
     try:
         if not args.synthetic:

@@ -332,9 +332,7 @@ def main(argv=None):
     generate = args.generate is not None
     out = args.output_dir or (f'data/maze-gen-{args.size}x{args.size}' if generate
                               else 'data/maze-30x30-hard-1k')
-    bucket_uri = out if gcs.is_gcs(out) else ''
-    if bucket_uri:
-        out = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
+    out, bucket_uri = gcs.build_folder(out)
     uploading = ''
     try:
         csv_dir = args.csv_dir

@@ -586,9 +586,7 @@ def main(argv=None):
     b.add_argument('--seed', type=int, default=0, help='subsample and augmentation seed (default: 0)')
     b.add_argument('--skip_bad', action='store_true', help='skip malformed rows (counted) instead of failing')
     args = p.parse_args(argv)
-    bucket_uri = args.output_dir if gcs.is_gcs(args.output_dir) else ''
-    if bucket_uri:
-        args.output_dir = os.path.join('data', 'upload', bucket_uri[len('gs://'):])
+    args.output_dir, bucket_uri = gcs.build_folder(args.output_dir)
     if args.generate is not None and args.csv_dir is not None:
         p.error('--generate and --csv_dir exclude each other')
     for name in ('generate', 'num_test', 'subsample_size', 'num_aug', 'min_rating'):

@@ -514,6 +514,25 @@ def upload_dataset(local_dir, uri):
         raise GCSError(f"the dataset was built in {local_dir}, but its upload to {uri} failed: {e}") from e
 
 
+def build_folder(output_dir):
+    """(the folder a builder writes into, the gs:// uri publish_dataset then uploads it to, or ''): a gs://
+    output_dir is built in data/upload/BUCKET/PREFIX. Its bucket is listed first, so one that does not exist or
+    refuses ends the builder in one line before it builds (one that does not answer is said, and the build goes
+    on: the upload retries it)."""
+    if not is_gcs(output_dir):
+        return output_dir, ''
+    try:
+        split_gcs(output_dir)
+        GCS(retries=2).list(output_dir.rstrip('/') + '/')
+    except GCSError as e:
+        if e.refused:
+            raise SystemExit(f"error: --output_dir {output_dir}: {e}") from None
+        print(f"warning: cannot list {output_dir} ({e}); building anyway, then uploading", file=sys.stderr)
+    except ValueError as e:
+        raise SystemExit(f"error: --output_dir {output_dir}: {e}") from None
+    return os.path.join('data', 'upload', output_dir[len('gs://'):]), output_dir
+
+
 def publish_dataset(local_dir, uri):
     """Where a dataset a builder just wrote ends up: local_dir, or with a gs:// uri the whole folder uploaded
     there for every host to fetch (said in one line)."""

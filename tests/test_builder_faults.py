@@ -262,7 +262,7 @@ gcs.publish_dataset = publish_dataset
 
 
 @pytest.mark.parametrize('args', SMALL_BUILDS, ids=['sudoku', 'maze', 'arc'])
-def test_ctrl_c_in_the_upload_of_a_built_dataset_says_it_is_built_and_not_uploaded(tmp_path, args):
+def test_ctrl_c_in_the_upload_of_a_built_dataset_says_it_is_built_and_not_uploaded(emu, tmp_path, args):
     """A gs:// output is built in data/upload/... (under the current folder, here tmp_path), then uploaded: a
     Ctrl-C in the upload leaves the new build there, not the folder as it was, and the line says so."""
     uri = 'gs://test-bucket/d'
@@ -273,3 +273,13 @@ def test_ctrl_c_in_the_upload_of_a_built_dataset_says_it_is_built_and_not_upload
     assert p.stderr.splitlines() == [f"stopped by SIGINT: {local} is built, but its upload to {uri} did not "
                                      "finish: the same command builds and uploads it again"], p.stderr
     assert os.path.isfile(tmp_path / local / 'train' / 'dataset.json')
+
+
+@pytest.mark.parametrize('args', SMALL_BUILDS, ids=['sudoku', 'maze', 'arc'])
+def test_a_gs_output_dir_the_bucket_refuses_stops_the_build_before_it_starts(emu, tmp_path, args):
+    # a typo'd bucket said after a build of an hour is an hour lost
+    for uri, words in (('gs://no-such-bucket-9/d', ['gs://no-such-bucket-9/d', 'HTTP 404']),
+                       ('gs://', ["gs://", 'no bucket'])):
+        p = run(args + [f'--output_dir={uri}'], check=False, cwd=tmp_path)
+        assert_user_error(p, *words, one_line=True)
+        assert not os.path.exists(tmp_path / 'data'), tree(tmp_path)  # nothing was built
