@@ -119,6 +119,19 @@ _NETWORK_ERRORS = (requests.ConnectionError, requests.Timeout, requests.exceptio
 def _is_transient(status):
     return status in (408, 429) or status >= 500
 
+def _read_timeout():
+    """GCS_READ_TIMEOUT's seconds (30 when unset); a value that is no such number ends the process in one line,
+    as the first client is made at start."""
+    value = os.environ.get("GCS_READ_TIMEOUT", "").strip()
+    try:
+        seconds = float(value or 30)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise SystemExit(f"GCS_READ_TIMEOUT={value!r}: expected the seconds to wait for GCS's answer, a number > 0 "
+                         "(unset: 30)")
+    return seconds
+
 class GCS:
     """GCS JSON API client. Every call retries transient failures with exponential backoff and jitter."""
 
@@ -129,7 +142,7 @@ class GCS:
         self.retries, self.backoff, self.max_backoff = retries, backoff, max_backoff
         # (connect, read) seconds; requests applies the read timeout to each wait for bytes, not to a whole
         # transfer, so a large file needs no larger one. Transfers get twice the read timeout.
-        self.timeout = timeout or (10.0, float(os.environ.get("GCS_READ_TIMEOUT") or 30))
+        self.timeout = timeout or (10.0, _read_timeout())
         self.transfer_timeout = (self.timeout[0], 2 * self.timeout[1])
         self.chunk_size = chunk_size
         self.stop = None  # a callable: True ends every wait of this client with Stopped

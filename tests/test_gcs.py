@@ -311,6 +311,13 @@ def test_failed_uploads_do_not_stop_training(toy, tmp_path):
                                                         'results.json', 'tb', 'train.log']  # all stays local
 
 
+@pytest.mark.parametrize('value', ['60s', '0', 'nan'])
+def test_a_gcs_read_timeout_that_is_no_number_of_seconds_is_one_line(emu, toy, tmp_path, value):
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/rt', f'--local_dir={tmp_path}/local',
+             '--max_steps=2'] + TOY_ARGS, check=False, env=dict(GCS_READ_TIMEOUT=value))
+    assert_user_error(p, f'GCS_READ_TIMEOUT={value!r}', 'seconds', one_line=True)
+
+
 def bucket_run(toy, out, local, *extra):
     return ['train.py', f'--data_path={toy}', f'--out_dir={out}', f'--local_dir={local}', '--epochs=1',
             '--eval_every_epochs=100'] + TOY_ARGS + list(extra)
