@@ -120,14 +120,14 @@ def _signing_credentials(info, where):
     cannot sign with is named here rather than failing inside the token exchange."""
     if service_account is None:
         raise KeyFileError(f"{where}: a service-account key file needs the google-auth package "
-                               "(pip install -r requirements.txt)")
+                           "(pip install -r requirements.txt)")
     # the PEM block's name, read before google-auth parses the key, says what an unusable key is
     block = re.search(r"-----BEGIN ([A-Z ]+)-----", info["private_key"])
     if not block or block.group(1) not in ("PRIVATE KEY", "RSA PRIVATE KEY"):
         raise KeyFileError(f"{where}: private_key is not a usable RSA private key: expected a PEM 'PRIVATE "
-                               f"KEY' or 'RSA PRIVATE KEY' block, found "
-                               f"{repr(block.group(1)) if block else 'no PEM block'} (encrypted keys are not "
-                               "supported)")
+                           f"KEY' or 'RSA PRIVATE KEY' block, found "
+                           f"{repr(block.group(1)) if block else 'no PEM block'} (encrypted keys are not "
+                           "supported)")
     try:
         creds = service_account.Credentials.from_service_account_info(info, scopes=[GCS_SCOPE])
     except (ValueError, auth_errors.GoogleAuthError) as e:
@@ -136,7 +136,7 @@ def _signing_credentials(info, where):
         creds.sign_bytes(b"")  # google-auth takes any PEM key here and finds out only when it signs
     except TypeError:  # an EC or Ed25519 key's sign() takes other arguments than RSA's
         raise KeyFileError(f"{where}: private_key is not a usable RSA private key: not an RSA key "
-                               "(RS256 needs RSA)") from None
+                           "(RS256 needs RSA)") from None
     return creds
 
 
