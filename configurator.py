@@ -177,13 +177,18 @@ def config_files(path, binary_hint=''):
     while path:
         if any(path == p for p, _ in chain):
             raise SystemExit(f"config error: {chain[0][0]} names itself as _base (through {path})")
+        named = path  # as the command line or the _base line says it
         if not os.path.exists(path) and not os.path.isabs(path):  # a _base is a path from the repository root
             path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
         try:
             with open(path) as f:
                 src = f.read()
         except OSError as e:
-            raise SystemExit(f"config error: cannot read config file {path}: {e.strerror}")
+            if not chain:
+                raise SystemExit(f"config error: cannot read config file {path}: {e.strerror}")
+            said_by = place_words(places(chain[-1][0], ['_base'])['_base'])  # the file to edit, not only the path
+            raise SystemExit(f"config error: {said_by}: _base = {named!r}: cannot read config file {path}: "
+                             f"{e.strerror} (allowed: a path from the repository root or the working folder)")
         except UnicodeDecodeError:
             raise SystemExit(f"config error: {path} is not a text file, so no config file (one is Python, such as "
                              f"config/quickstart.py){binary_hint if path == typed else ''}")

@@ -57,6 +57,9 @@ CASES = [
     case(['{cfg}'], '{cfg}: _base must be a path string, got a list', file="_base = ['config/quickstart.py']\n",
          id='base-list'),
     case(['{cfg}'], '{cfg}: _base must be a path string, got a bool', file="_base = True\n", id='base-bool'),
+    # a _base that names no file: the file and line that name it, not only the path it was looked for at
+    case(['{cfg}'], "{cfg}, line 2: _base = 'config/nosuch.py'", 'No such file', file="lr = 1e-3\n_base = "
+         "'config/nosuch.py'\n", id='base-missing'),
     # a value a rule does not allow: the value and what is allowed
     case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
     *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
