@@ -341,6 +341,9 @@ def _configure(g, argv):
             raise SystemExit(f"config error: {problem}")
         return float(value) if isinstance(defaults[key], float) and type(value) is int else value
 
+    # a flag without '=' first: in `--L_cycles 4` the 4 would otherwise be read as a config file
+    if flag := next((a for a in argv if a.startswith('--') and '=' not in a), None):
+        raise SystemExit(f"config error: {flag} should look like --key=value (--help lists the keys)")
     # the config files in their order, then the flags, wherever they were typed: a flag always wins over a file
     for arg in sorted(argv, key=lambda a: a.startswith('--')):
         if not arg.startswith('--'):
@@ -354,8 +357,6 @@ def _configure(g, argv):
                     set_by[key], set_at[key] = at[key][0], at[key]
                 print(f"config: {shown_path(path)}")
         else:
-            if '=' not in arg:
-                raise SystemExit(f"config error: {arg} should look like --key=value (--help lists the keys)")
             key, text = arg[2:].split('=', 1)  # the value may itself contain '='
             check_key(key, arg, text)
             g[key] = check_type(key, parse_value(text, g[key]), arg)

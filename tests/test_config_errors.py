@@ -36,6 +36,9 @@ CASES = [
          id='unknown-in-file'),
     case(TOY + ['--config_keys=[]'], "unknown key 'config_keys'", id='config_keys'),
     case(['--no_such_file.py'], '--no_such_file.py', 'should look like --key=value', id='not-a-flag'),
+    # a flag and its value apart: the flag named, not its value read as a config file
+    case(['--L_cycles', '4'], '--L_cycles should look like --key=value', absent=['cannot read'],
+         id='flag-without-equals'),
     # a value of the wrong type: train.py's default is named, not an earlier flag's value
     case(['--L_cycles=four'], 'L_cycles', 'int', id='type'),
     case(['--L_cycles=3', "--L_cycles='x'"], 'L_cycles', '(default 6)', absent=['(default 3)'], id='type-default'),
