@@ -123,6 +123,13 @@ if odd_views := [k for k in VIEWS[:-1] if k & (k - 1)]:
                      f"{VIEWS[-1]} views (allowed: powers of two, and the largest any count)")
 if slots < 1 or seeds < 1:
     raise SystemExit(f"config error: slots={slots}, seeds={seeds} (allowed: >= 1)")
+# 0 or -1 says 'none' or 'from the environment': a value below it is a mistake, not the same thing
+if bad := [f"{k}={v!r} (allowed: {what})" for k, v, ok, what in (
+        ('examples_per_s', examples_per_s, 0 <= examples_per_s < float('inf'), 'examples/s > 0, or 0: none'),
+        ('host_index', host_index, host_index >= -1, 'a host index >= 0, or -1: from the environment'),
+        ('num_hosts', num_hosts, num_hosts >= 0, 'hosts >= 1, or 0: from the environment'),
+        ('status_every', status_every, status_every > 0, 'seconds > 0')) if not ok]:
+    raise SystemExit("config error: " + '; '.join(bad))
 if hosts_mode not in ('all', 'share'):
     raise SystemExit(f"config error: hosts_mode={hosts_mode!r} (allowed: 'all' | 'share')")
 if os.environ.get('PJRT_DEVICE') and nproc > 1:

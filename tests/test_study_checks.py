@@ -149,3 +149,18 @@ def test_a_bench_file_that_cannot_give_a_speed_is_one_line(tmp_path):
     (tmp_path / 'cut.txt').write_text("bench: device=cpu batch=32 ms_per_step=12.0\n")
     p = run(dry + [f'--bench_file={tmp_path}/cut.txt'], check=False)
     assert_user_error(p, 'bench_file=', 'cut.txt', 'examples_per_s', 'flops_per_example', one_line=True)
+
+
+@pytest.mark.parametrize('flag,words', [
+    ('--examples_per_s=-5', ['examples_per_s=-5.0', '0: none']),
+    ('--examples_per_s=1e999', ['examples_per_s=inf', '0: none']),
+    ('--host_index=-5', ['host_index=-5', '-1']),
+    ('--num_hosts=-3', ['num_hosts=-3', '0']),
+    ('--status_every=-1', ['status_every=-1.0', '> 0']),
+])
+def test_a_negative_count_or_speed_is_refused_not_taken_as_none(tmp_path, flag, words):
+    """A key whose 0 or -1 means 'none' or 'from the environment' takes no other value below it (nor an infinite
+    speed): each is one line with the allowed values, before any run or plan."""
+    p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', f'--out_root={tmp_path}/out', flag], check=False)
+    said = assert_user_error(p, 'config error: ', *words, 'allowed', one_line=True)
+    assert 'parameters |' not in p.stdout, said
