@@ -392,7 +392,10 @@ TRAIN_RULES = dict(out_dir=(_out, 'a folder or gs://BUCKET/prefix, not empty'),
              puzzle_emb_weight_decay=_nonneg, ema_rate=_unit, grad_clip=_nonneg,
              gradient_accumulation_steps=_pos, kernels=_one_of(*KERNELS),
              device=_one_of('auto', 'cpu', 'cuda', 'xla', 'tpu'), gcs_retries=_pos, watchdog_minutes=_nonneg,
-             preflight_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"))
+             preflight_phase=_one_of(0, 1, 2), profile_steps=(_range, "'' or 'START:END' with 0 <= START < END"),
+             # W&B's own rule for a project's name: one it refuses leaves the run without W&B
+             wandb_project=(lambda v: len(v) <= 128 and not set(v) & set('/\\#?%:'),
+                            "at most 128 characters, none of / \\ # ? % :"))
 
 
 def fail(message):

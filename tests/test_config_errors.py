@@ -66,6 +66,11 @@ CASES = [
     # a value a rule does not allow: the value and what is allowed
     case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
     *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
+    # a project name W&B refuses: the run would go on without W&B, its start-up saying so among many lines
+    case(TOY + ['--wandb_log=True', '--wandb_project=sudoku/mlp'], "wandb_project='sudoku/mlp'", 'allowed', '/',
+         id='wandb-project-slash'),
+    case(TOY + ['--wandb_log=True', f"--wandb_project={'p' * 129}"], 'wandb_project=', 'allowed', '128',
+         id='wandb-project-long'),
     # ... and where it was set: the file and its line, or the flag
     case(['{cfg}', '--out_dir={out}'], 'lr=-1.0 (allowed: > 0), from {cfg}, line 2',
          file="hidden_size = 64\nlr = -1.0\n", id='rule-in-file'),
