@@ -154,26 +154,33 @@ def save_submission(local, remote, name, arc, step, retries):
 
 def start_wandb(cfg, local, run_id):
     """A W&B run; where W&B cannot be reached or is not logged in, an offline one in the run's folder (one
-    warning line, `wandb sync` later). W&B is never a reason to lose a run."""
+    warning line, `wandb sync` later); where that cannot start either, one warning line and None. W&B is never a
+    reason to lose a run."""
     import wandb
     kw = dict(project=cfg['wandb_project'], name=cfg['wandb_run_name'] or None, id=run_id, resume='allow',
-              config=cfg, dir=local)
-    mode = os.environ.get('WANDB_MODE', 'online')
-    try:
-        if mode not in ('offline', 'disabled'):
+              config=cfg, dir=local, settings=wandb.Settings(init_timeout=30))
+    first = lambda e: str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    offline = os.environ.get('WANDB_MODE', 'online') in ('offline', 'disabled')
+    unavailable = None
+    if not offline:
+        try:
             if not wandb.api.api_key:
                 raise RuntimeError("not logged in (wandb login, or WANDB_API_KEY)")
             import requests  # a quick look first: wandb.init itself waits long for a server that is not there
             requests.head(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai'), timeout=5)
-        return wandb.init(settings=wandb.Settings(init_timeout=30), **kw)
-    except Exception as e:
-        print(f"warning: W&B unavailable ({str(e).splitlines()[0][:200]}); logging offline in {local}/wandb: "
+            return wandb.init(**kw)
+        except Exception as e:
+            unavailable = first(e)
+    try:
+        run = wandb.init(**kw, **(dict(mode='offline') if unavailable else {}))
+    except Exception as e:  # the offline run's folder cannot be written: no `wandb sync` to promise
+        print(f"warning: W&B {f'unavailable ({unavailable}), and its offline run ' if unavailable else ''}cannot "
+              f"start in {local}/wandb ({first(e)}); training goes on without W&B")
+        return None
+    if unavailable:
+        print(f"warning: W&B unavailable ({unavailable}); logging offline in {local}/wandb: "
               f"`wandb sync {local}/wandb/offline-run-*` uploads it later")
-        try:
-            return wandb.init(mode='offline', **kw)
-        except Exception as e2:
-            print(f"warning: W&B offline failed too ({e2}); training goes on without W&B")
-            return None
+    return run
 
 
 def wandb_log_safe(run, values, step):

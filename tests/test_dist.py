@@ -155,6 +155,21 @@ def test_wandb_trouble_never_stops_a_run(toy, tmp_path, ranks, how):
     assert [d for d in os.listdir(tmp_path / 'o' / 'wandb') if d.startswith('offline-run-')]
 
 
+@pytest.mark.parametrize('mode', ['offline', None])  # asked offline; online, not logged in (offline is the fallback)
+def test_a_wandb_folder_that_cannot_be_written_is_one_warning_that_says_no_w_b(toy, tmp_path, mode):
+    home = tmp_path / 'home'
+    home.mkdir()
+    (tmp_path / 'o').mkdir()
+    (tmp_path / 'o' / 'wandb').write_text('')  # a file where W&B's folder goes
+    env = dict(HOME=str(home), WANDB_MODE=mode, WANDB_CONFIG_DIR=str(home / '.config'), WANDB_SILENT='true')
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4', '--wandb_log=True']
+            + FAST, env=env, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and 'step 4/4' in out, out[-3000:]
+    said = [l for l in out.splitlines() if 'W&B' in l]
+    assert len(said) == 1 and 'without W&B' in said[0] and 'wandb sync' not in said[0], said
+
+
 # -----------------------------------------------------------------------------
 # a dataset in a bucket: built once, fetched by one process per host, never half used
 
