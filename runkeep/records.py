@@ -156,7 +156,11 @@ def start_wandb(cfg, local, run_id):
     """A W&B run; where W&B cannot be reached or is not logged in, an offline one in the run's folder (one
     warning line, `wandb sync` later); where that cannot start either, one warning line and None. W&B is never a
     reason to lose a run."""
-    import wandb
+    try:
+        import wandb
+    except Exception as e:  # not installed, or an install it cannot load
+        print(f"warning: W&B cannot be imported ({e}): pip install wandb; training goes on without W&B")
+        return None
     kw = dict(project=cfg['wandb_project'], name=cfg['wandb_run_name'] or None, id=run_id, resume='allow',
               config=cfg, dir=local, settings=wandb.Settings(init_timeout=30))
     first = lambda e: str(e).splitlines()[0][:200] if str(e) else type(e).__name__

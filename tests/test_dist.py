@@ -170,6 +170,17 @@ def test_a_wandb_folder_that_cannot_be_written_is_one_warning_that_says_no_w_b(t
     assert len(said) == 1 and 'without W&B' in said[0] and 'wandb sync' not in said[0], said
 
 
+def test_wandb_log_without_wandb_importable_is_one_warning_and_the_run_goes_on(toy, tmp_path):
+    hide = "import sys, runpy; sys.modules['wandb'] = None; sys.argv[0] = 'train.py'; runpy.run_path('train.py', " \
+           "run_name='__main__')"  # as where wandb is not installed
+    p = run(['-c', hide, f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4', '--wandb_log=True']
+            + FAST, env=dict(WANDB_MODE=None), check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and 'step 4/4' in out and 'Traceback' not in out, out[-3000:]
+    said = [l for l in out.splitlines() if 'W&B' in l]
+    assert len(said) == 1 and 'pip install wandb' in said[0] and 'without W&B' in said[0], said
+
+
 # -----------------------------------------------------------------------------
 # a dataset in a bucket: built once, fetched by one process per host, never half used
 
