@@ -217,7 +217,9 @@ class TensorBoardWriter:
         try:
             if remote and step:  # a resume: what its catch_up sends back cut
                 fetch_events(remote, os.path.join(local, 'tb'))
-            cut_events(os.path.join(local, 'tb'), step)
+            # from scratch (a new run over an earlier one: --overwrite): none of the earlier records are this run's,
+            # its config text at step 0 neither
+            cut_events(os.path.join(local, 'tb'), step if step else -1)
             board = cls(cls.summary_writer(os.path.join(local, 'tb'), step + 1))
             if step == 0:  # the config once, as a table
                 board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
@@ -284,9 +286,9 @@ class TensorBoardWriter:
 
 def cut_events(folder, step):
     """The event files in folder (earlier processes') without their records past `step`, each rewritten
-    through cut.tmp (no 'tfevents' in its name: TensorBoard reads no leftover of it); a torn last record goes
-    too. A record is TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the Event's CRC; the records
-    kept are copied as they are. A file that cannot be cut is a warning."""
+    through cut.tmp (no 'tfevents' in its name: TensorBoard reads no leftover of it), or removed where none is
+    left; a torn last record goes too. A record is TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the
+    Event's CRC; the records kept are copied as they are. A file that cannot be cut is a warning."""
     from tensorboard.compat.proto.event_pb2 import Event
     tmp = os.path.join(folder, 'cut.tmp')
     for path in sorted(glob.glob(os.path.join(folder, '*tfevents*'))):
@@ -298,7 +300,9 @@ def cut_events(folder, step):
                 if Event.FromString(data[at + 12:end - 4]).step <= step:
                     kept.append(data[at:end])
                 at = end
-            if sum(map(len, kept)) < len(data):
+            if not kept:
+                os.remove(path)
+            elif sum(map(len, kept)) < len(data):
                 with open(tmp, 'wb') as f:
                     f.writelines(kept)
                 os.replace(tmp, path)

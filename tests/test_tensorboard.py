@@ -149,6 +149,15 @@ def test_a_window_where_no_row_halted_has_no_accuracy_or_steps(toy, tmp_path):
     assert [s for s, _ in series(acc, 'train/loss')] == list(range(1, 7))
 
 
+def test_a_run_started_over_an_earlier_one_shows_its_own_config_alone(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4', '--lr=2e-3')
+    train(toy, out, '--max_steps=4', '--lr=1e-3', '--overwrite=True')  # the same folder, from scratch
+    acc = assert_board_equals_records(out)
+    configs = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors('config/text_summary')]
+    assert len(configs) == 1 and '| lr | 0.001 |' in configs[0], configs
+
+
 def test_tensorboard_false_writes_no_events(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=4', '--tensorboard=False')
