@@ -85,12 +85,15 @@ class Stopped(GCSError):
     pass  # GCS.stop() said to stop while a request waited
 
 def _auth_headers(force_refresh=False):
-    """The Authorization header for a request (none for an emulator); a credential problem is a GCSError like
-    any other, so callers catch one kind of error."""
+    """The Authorization header for a request (none for an emulator). A token refused, or a key file that
+    cannot work, is a GCSError like any other, so callers catch one kind of error; a token not had for now (the
+    metadata server did not answer, the token endpoint's 5xx) is _NoToken, retried as a bucket's 503 is."""
     try:
         token = credentials.get_token(force_refresh)
     except credentials.CredentialsError as e:
-        raise GCSError(str(e), e.status, e.refused) from None
+        if e.refused or e.status is not None and not _is_transient(e.status):
+            raise GCSError(str(e), e.status, e.refused) from None
+        raise _NoToken(str(e)) from None
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 # -----------------------------------------------------------------------------
@@ -98,6 +101,9 @@ def _auth_headers(force_refresh=False):
 
 class _Transient(Exception):
     pass  # a problem worth retrying that isn't an HTTP status (bad checksum, stalled upload)
+
+class _NoToken(_Transient):
+    pass
 
 class _BadStatus(Exception):
     def __init__(self, r):
@@ -164,18 +170,21 @@ class GCS:
         return self._url(f"/storage/v1/b/{_quote(bucket)}/o/{_quote(name)}", **params)
 
     def _with_retries(self, what, attempt, watch=True):
-        """Call attempt(auth_headers) until it returns; retry connection errors, 408/429/5xx and
-        _Transient; refresh the token once on 401; fail at once on other statuses. watch: a long attempt is
-        a wait worth announcing (not so for a transfer, whose attempts take long when all is well)."""
-        refreshed, err, t0 = False, None, time.time()
-        for i in range(self.retries + 1):
+        """Call attempt(auth_headers) until it returns; retry connection errors, 408/429/5xx and _Transient (a
+        token not had for now among them); refresh the token once on 401; fail at once on other statuses.
+        watch: a long attempt is a wait worth announcing (not so for a transfer, whose attempts take long when
+        all is well)."""
+        refreshed, refresh, err, t0, i = False, False, None, time.time(), 0
+        while True:
             try:
-                return self._attempt(what, attempt, _auth_headers(), watch or i > 0,
+                auth, refresh = _auth_headers(force_refresh=refresh), False
+                return self._attempt(what, attempt, auth, watch or i > 0,
                                      f"attempt {i + 1} of {self.retries + 1}", err, t0)
             except _BadStatus as e:
                 if e.status == 401 and not refreshed and not _emulator_host():
-                    _auth_headers(force_refresh=True)  # token revoked or expired early
-                    refreshed, err = True, e
+                    # token revoked or expired early: the same attempt again with a new one
+                    refreshed = refresh = True
+                    err = e
                     continue
                 if not _is_transient(e.status):
                     cls = NotFoundError if e.status == 404 else GCSError
@@ -183,10 +192,11 @@ class GCS:
                 err = e
             except (*_NETWORK_ERRORS, _Transient) as e:
                 err = e
-            if i < self.retries:
-                delay = min(self.max_backoff, self.backoff * 2 ** i)
-                self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other
-                                                                     # hosts
+            if i == self.retries:
+                break
+            delay = min(self.max_backoff, self.backoff * 2 ** i)
+            self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other hosts
+            i += 1
         raise GCSError(f"GCS {what} failed after {self.retries + 1} attempts: {err}",
                        getattr(err, "status", None))
 

@@ -73,12 +73,15 @@ class TokenServer:
     POST /token verifies the JWT's RS256 signature with the public key (openssl) and its header and
     claims; it answers {"access_token": ...} or 400 {"error": "invalid_grant", ...} saying why.
     `refuse` makes it answer 400 invalid_grant anyway; `fail_next` answers that many requests with 503.
-    GET /metadata plays the GCE metadata server's token URL, to test the order of credential sources."""
+    GET /metadata plays the GCE metadata server's token URL, to test the order of credential sources;
+    `metadata_fail_next` answers that many of its requests with 503; the stand-in bucket answers 401 to a token
+    in `revoked`."""
 
     def __init__(self, pub, workdir):
         self.pub, self.workdir = pub, workdir
         self.hits, self.metadata_hits, self.rejections, self.claims, self.gcs_auth = 0, 0, [], [], []
-        self.refuse, self.fail_next, self.expires_in = False, 0, 3600
+        self.refuse, self.fail_next, self.expires_in, self.metadata_fail_next = False, 0, 3600, 0
+        self.revoked = set()
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -96,9 +99,14 @@ class TokenServer:
             def do_GET(self):
                 if self.path == "/metadata" and self.headers.get("Metadata-Flavor") == "Google":
                     outer.metadata_hits += 1
+                    if outer.metadata_fail_next:
+                        outer.metadata_fail_next -= 1
+                        return self.reply(503, {"error": "unavailable"})
                     return self.reply(200, {"access_token": "from-metadata", "expires_in": 3600})
                 if self.path.startswith("/storage/v1/b/"):  # a stand-in bucket: records who asked
                     outer.gcs_auth.append(self.headers.get("Authorization"))
+                    if self.headers.get("Authorization") in outer.revoked:
+                        return self.reply(401, {"error": {"message": "Invalid Credentials"}})
                     return self.reply(200, {"name": "ckpt_00000100.pt"})
                 self.reply(404, {"error": "not_found"})
 
@@ -205,6 +213,30 @@ def test_gcs_client_sends_the_service_account_token(clean_env, token_server, rsa
     assert client.exists("gs://bucket/run1/ckpt_00000100.pt")
     assert client.exists("gs://bucket/run1/ckpt_00000100.pt")
     assert token_server.gcs_auth == ["Bearer token-1", "Bearer token-1"] and token_server.hits == 1
+
+
+def test_a_metadata_server_that_fails_once_is_retried_by_the_client(clean_env, token_server):
+    # a VM's metadata server answers 503 now and then: the client's own retries wait it out, as for the bucket
+    clean_env.setattr(credentials, "METADATA_TOKEN_URL", token_server.url + "/metadata")
+    clean_env.setattr(credentials, "_token_from_gcloud", lambda: None)
+    token_server.metadata_fail_next = 1
+    client = gcs.GCS(endpoint=token_server.url, retries=2, backoff=0.01)
+    assert client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    assert token_server.metadata_hits == 2 and token_server.gcs_auth == ["Bearer from-metadata"]
+
+
+def test_a_revoked_token_is_replaced_once_and_the_request_made_again(clean_env, token_server, rsa_key, tmp_path):
+    clean_env.setenv("GOOGLE_APPLICATION_CREDENTIALS",
+                     write_key(tmp_path / "sa.json", rsa_key["pkcs8"], token_server.token_uri))
+    client = gcs.GCS(endpoint=token_server.url, retries=0)
+    assert client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    token_server.revoked.add("Bearer token-1")  # the bucket refuses the cached token before its expiry
+    assert client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    assert token_server.gcs_auth == ["Bearer token-1", "Bearer token-1", "Bearer token-2"]
+    token_server.revoked.add("Bearer token-2")
+    token_server.refuse = True  # and the key no longer gets a token: one line naming the key file, no loop
+    with pytest.raises(gcs.GCSError, match="sa.json"):
+        client.exists("gs://bucket/run1/ckpt_00000100.pt")
 
 
 def test_token_refreshed_shortly_before_expiry(clean_env, token_server, rsa_key, tmp_path):
