@@ -252,8 +252,12 @@ def fetch_file(repo, revision, path, uri, optional=False):
     folder = os.path.join(hub_cache(), repo.replace('/', '--'))
     ref = os.path.join(folder, 'refs', urllib.parse.quote(revision, safe=''))
     cached = lambda commit: os.path.join(folder, commit, *path.split('/'))
+    # the hub's word that a commit has no such file: a hub out of reach later cannot tell it from a file never fetched
+    absent = cached(revision) + '.absent'
     if COMMIT_RE.fullmatch(revision) and os.path.isfile(cached(revision)):
         return cached(revision), revision
+    if optional and os.path.isfile(absent):
+        return None, None
     endpoint, url = constants.ENDPOINT, hf_hub_url(repo, path, revision=revision)
     try:
         if constants.is_offline_mode():
@@ -261,6 +265,9 @@ def fetch_file(repo, revision, path, uri, optional=False):
         meta = get_hf_file_metadata(url)
     except RemoteEntryNotFoundError:
         if optional:
+            if COMMIT_RE.fullmatch(revision):
+                os.makedirs(os.path.dirname(absent), exist_ok=True)
+                open(absent, 'w').close()
             return None, None
         fail(f"init_from={uri}: {repo} has no file {path} at revision {revision} ({endpoint})")
     except RevisionNotFoundError:
@@ -276,8 +283,9 @@ def fetch_file(repo, revision, path, uri, optional=False):
         if isinstance(e, HfHubHTTPError) and status and status < 500:
             fail(f"init_from={uri}: the hub answered HTTP {status} for {path} ({short(e)})")
         commit = open(ref).read().strip() if os.path.isfile(ref) else revision
-        if optional and COMMIT_RE.fullmatch(revision):  # beside a cached file: it had none
-            return None, None
+        if optional:  # all_config.yaml, whose model keys the weights need: not to be taken for none
+            fail(f"init_from={uri}: {path} (the model config beside it) is not cached in {folder}, and "
+                 f"{endpoint} did not answer for it ({short(e)}): rerun once it does")
         if os.path.isfile(cached(commit)):
             print(f"warning: cannot reach {endpoint} ({short(e)}): using the copy of {path} cached from "
                   f"commit {commit[:12]} of {revision!r}")

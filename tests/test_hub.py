@@ -23,7 +23,7 @@ import urllib.parse
 import pytest
 
 from conftest import ROOT, assert_user_error, eval_lines, run, train
-from test_published import TABLE_ARGS, make_ids_dataset
+from test_published import MODEL_FLAGS, TABLE_ARGS, make_ids_dataset
 
 TOKEN = 'hf_test_writer'
 
@@ -35,8 +35,9 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
     upload URL, POST /api/models/{repo}/commit/{revision}. Private repositories answer only to TOKEN. Class
     state, reset per test: `repos` {repo: dict(private, branches {name: commit}, commits {commit: {path:
     ('lfs', oid) | ('regular', bytes)}})}, `objects` {oid: bytes}, `log` [(method, path, Range)], `drop_once`
-    (storage paths that send half their bytes, then close) and `stall` (path -> Event: send half, then wait)."""
-    repos, objects, log, drop_once, stall, hub, cdn = {}, {}, [], set(), {}, '', ''
+    (storage paths that send half their bytes, then close), `stall` (path -> Event: send half, then wait) and
+    `unavailable` (repository paths answered 503, as a hub in trouble does)."""
+    repos, objects, log, drop_once, stall, unavailable, hub, cdn = {}, {}, [], set(), {}, set(), '', ''
 
     def log_message(self, *args):
         pass
@@ -79,6 +80,8 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
         if not m:
             return self.error(404, 'RepoNotFound', 'no such page')
         repo, rev, path = m[1], urllib.parse.unquote(m[2]), urllib.parse.unquote(m[3])
+        if path in self.unavailable:
+            return self.error(503, 'ServiceUnavailable', 'Service Unavailable')
         r = self.repos.get(repo)
         if r is None or r['private'] and not self.authorized():
             return self.error(401, 'RepoNotFound', 'Repository not found')
@@ -191,6 +194,7 @@ def hub(tmp_path, monkeypatch):
     """FakeHub on 127.0.0.1 (the hub) and 127.0.0.2 (its storage host); yields the environment that points the
     scripts at it, with a cache and a client home of their own (no token unless a test adds it)."""
     FakeHub.repos, FakeHub.objects, FakeHub.log, FakeHub.drop_once, FakeHub.stall = {}, {}, [], set(), {}
+    FakeHub.unavailable = set()
     servers = [http.server.ThreadingHTTPServer((host, 0), FakeHub) for host in ('127.0.0.1', '127.0.0.2')]
     FakeHub.hub, FakeHub.cdn = (f'http://{s.server_address[0]}:{s.server_address[1]}' for s in servers)
     threads = [threading.Thread(target=s.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
@@ -352,6 +356,31 @@ def test_what_is_missing_or_out_of_reach_is_one_line(hub, table_run, tmp_path, r
                  env=dict(HF_ENDPOINT=refused))
     assert_user_error(p, f'cannot reach {refused}', 'toy/step_6 is not cached in', 'check the network')
     assert not gets('/cdn/')
+
+
+def test_a_model_config_the_hub_did_not_answer_for_is_not_taken_for_none(hub, table_run, tmp_path, refused):
+    """all_config.yaml gives the model keys of the checkpoint beside it: where the hub does not answer for it (a
+    server error, out of reach, HF_HUB_OFFLINE) and no copy is cached, the run stops in one line naming it, not
+    builds the model from this run's keys as for a repository without one (here H_cycles=3 against the
+    published 2 would run unnoticed). A repository that has none is said so, online and from the cache."""
+    publish_to(hub, table_run, '--private=False')
+    uri = 'hf://alice/trm-toy/toy/step_6'
+    typed = [a for a in MODEL_FLAGS if not a.startswith('--H_cycles')] + ['--H_cycles=3']
+    FakeHub.unavailable.add('toy/all_config.yaml')
+    for env in ({}, dict(HF_ENDPOINT=refused), dict(HF_HUB_OFFLINE='1')):  # the step file cached after the first
+        p = evaluate(hub, table_run, tmp_path / 'a', uri, *typed, check=False, env=env)
+        assert_user_error(p, f'init_from={uri}', 'toy/all_config.yaml', 'is not cached', one_line=True)
+    FakeHub.unavailable.clear()
+    assert_user_error(evaluate(hub, table_run, tmp_path / 'a', uri, *typed, check=False),
+                      'H_cycles=3 (--H_cycles=3) but the published run has H_cycles=2', one_line=True)
+
+    repo = FakeHub.repos['alice/trm-toy']
+    files = {k: v for k, v in repo['commits'][repo['branches']['main']].items() if k != 'toy/all_config.yaml'}
+    repo['commits']['b' * 40] = files
+    bare = f"hf://alice/trm-toy@{'b' * 40}/toy/step_6"
+    for env in ({}, dict(HF_ENDPOINT=refused)):
+        p = evaluate(hub, table_run, tmp_path / 'b', bare, *MODEL_FLAGS, env=env)
+        assert 'no all_config.yaml beside it in the repository' in p.stdout and eval_lines(p.stdout)
 
 
 def test_a_private_repository_needs_the_token(hub, table_run, tmp_path):
