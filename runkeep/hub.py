@@ -283,15 +283,19 @@ def fetch_file(repo, revision, path, uri, optional=False):
         if isinstance(e, HfHubHTTPError) and status and status < 500:
             fail(f"init_from={uri}: the hub answered HTTP {status} for {path} ({short(e)})")
         commit = open(ref).read().strip() if os.path.isfile(ref) else revision
+        # offline by choice asks nothing of the hub: the network is not what to check then
+        offline = isinstance(e, OfflineModeIsEnabled)
+        why = 'HF_HUB_OFFLINE is set' if offline else f"cannot reach {endpoint} ({short(e)})"
+        then = 'unset HF_HUB_OFFLINE to download it' if offline else \
+            'check the network (or HF_ENDPOINT), then rerun'
         if optional:  # all_config.yaml, whose model keys the weights need: not to be taken for none
             fail(f"init_from={uri}: {path} (the model config beside it) is not cached in {folder}, and "
-                 f"{endpoint} did not answer for it ({short(e)}): rerun once it does")
+                 + (f"HF_HUB_OFFLINE is set: {then}" if offline else
+                    f"{endpoint} did not answer for it ({short(e)}): rerun once it does"))
         if os.path.isfile(cached(commit)):
-            print(f"warning: cannot reach {endpoint} ({short(e)}): using the copy of {path} cached from "
-                  f"commit {commit[:12]} of {revision!r}")
+            print(f"warning: {why}: using the copy of {path} cached from commit {commit[:12]} of {revision!r}")
             return cached(commit), commit
-        fail(f"init_from={uri}: cannot reach {endpoint} ({short(e)}) and {path} is not cached in {folder}: "
-             "check the network (or HF_ENDPOINT), then rerun")
+        fail(f"init_from={uri}: {why} and {path} is not cached in {folder}: {then}")
     if not meta.commit_hash:
         fail(f"init_from={uri}: {endpoint} does not answer as a Hugging Face hub (no X-Repo-Commit header for "
              f"{url}): check HF_ENDPOINT")

@@ -355,6 +355,12 @@ def test_what_is_missing_or_out_of_reach_is_one_line(hub, table_run, tmp_path, r
     p = evaluate(hub, table_run, tmp_path / 'o', 'hf://alice/trm-toy/toy/step_6', check=False,
                  env=dict(HF_ENDPOINT=refused))
     assert_user_error(p, f'cannot reach {refused}', 'toy/step_6 is not cached in', 'check the network')
+    # offline by choice: nothing was asked of the hub, and the network is not what to check
+    p = evaluate(hub, table_run, tmp_path / 'o', 'hf://alice/trm-toy/toy/step_6', check=False,
+                 env=dict(HF_HUB_OFFLINE='1'))
+    said = assert_user_error(p, 'HF_HUB_OFFLINE is set', 'toy/step_6 is not cached in', 'unset HF_HUB_OFFLINE',
+                             one_line=True)
+    assert 'cannot reach' not in said and 'check the network' not in said
     assert not gets('/cdn/')
 
 
