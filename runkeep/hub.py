@@ -20,6 +20,7 @@ import os
 import posixpath
 import re
 import shutil
+import signal
 import sys
 import time
 import urllib.parse
@@ -376,6 +377,11 @@ def download(meta, url, dest, name, uri):
             got = os.path.getsize(part) if os.path.isfile(part) else 0
             fail(f"init_from={uri}: the download of {name} stopped at {got / 1e6:.1f} MB of {size} "
                  f"({short(e)}); rerun to resume it")
+        except KeyboardInterrupt:  # Ctrl-C (a builder's words and exit code): what arrived is kept
+            got = os.path.getsize(part) if os.path.isfile(part) else 0
+            print(f"stopped by SIGINT: the download of {name} stopped at {got / 1e6:.1f} MB of {size}; the same "
+                  "command resumes it", file=sys.stderr)
+            raise SystemExit(128 + signal.SIGINT)
         os.replace(part, dest)
 
 

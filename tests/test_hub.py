@@ -22,7 +22,7 @@ import urllib.parse
 
 import pytest
 
-from conftest import ROOT, assert_user_error, eval_lines, run, train
+from conftest import ROOT, assert_user_error, eval_lines, run, script_env, site_hook, train
 from test_published import MODEL_FLAGS, TABLE_ARGS, make_ids_dataset
 
 TOKEN = 'hf_test_writer'
@@ -343,6 +343,26 @@ def test_an_interrupted_download_resumes(hub, tmp_path):
     assert f'resuming after the {have / 1e6:.1f} MB fetched before' in p.stdout
     assert gets('/cdn/')[-1][2] == f'bytes={have}-' and not part.exists()
     assert open(part.with_suffix(''), 'rb').read() == FakeHub.objects[oid] and eval_lines(p.stdout)
+
+    # Ctrl-C during the download: one line, the exit code of a SIGINT, and what arrived kept for the next run
+    # (Python's KeyboardInterrupt, as in a terminal: a test runner in the background may pass SIGINT ignored)
+    cache = tmp_path / 'cache3'
+    part = cache / 'alice--trm-toy' / commit / 'toy' / 'step_1.incomplete'
+    release = FakeHub.stall[f'/cdn/{oid}'] = threading.Event()
+    hook = site_hook(tmp_path / 'hook', 'signal.signal(signal.SIGINT, signal.default_int_handler)\n')
+    proc = subprocess.Popen([sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={tmp_path}/d',
+                             f'--init_from={uri}', '--eval_only=True', '--device=cpu'], cwd=ROOT,
+                            env=script_env(dict(env, TRM_HUB_CACHE=str(cache), **hook)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    while not (part.exists() and part.stat().st_size >= 2 ** 21):
+        assert time.time() < deadline + 120 and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    release.set()
+    assert proc.returncode == 128 + signal.SIGINT and 'Traceback' not in err, err[-3000:]
+    assert len(err.strip().splitlines()) == 1 and 'stopped by SIGINT' in err and 'resume' in err, err
+    assert part.stat().st_size >= 2 ** 21
 
 
 def test_what_is_missing_or_out_of_reach_is_one_line(hub, table_run, tmp_path, refused):
