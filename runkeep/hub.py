@@ -454,6 +454,17 @@ def train_state(ckpt, cfg):
 RUN_FIELDS = ('data_paths', 'global_batch_size', 'seed', 'run_name')  # and every arch field but MAY_DIFFER's
 
 
+def run_changes(theirs, config):
+    """The fields that all_config.yaml `theirs` (a dict) and `config` give other values, as (field, theirs, ours),
+    and those of them that no resume changes: where they differ, `config` is another run's."""
+    differ = lambda a, b: [k for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
+    arch = theirs.get('arch') if isinstance(theirs.get('arch'), dict) else {}
+    changed = [(f"arch.{k}", arch.get(k), config['arch'].get(k)) for k in differ(arch, config['arch'])]
+    changed += [(k, theirs.get(k), config.get(k)) for k in differ(theirs, config) if k != 'arch']
+    fixed = [c for c in changed if c[0] in RUN_FIELDS or c[0].startswith('arch.') and c[0][5:] not in MAY_DIFFER]
+    return changed, fixed
+
+
 def folder_problem(folder, config, weights, step):
     """Why `folder` cannot take step_<step> (the state dict `weights`) and the all_config.yaml `config` (a
     dict), in one line, or '': it holds step files of another run (RUN_FIELDS differ, or no all_config.yaml
@@ -477,11 +488,7 @@ def folder_problem(folder, config, weights, step):
     if not isinstance(theirs, dict):
         return ''
     run = f"the run {theirs.get('run_name')!r} (data_paths {theirs.get('data_paths')})"
-    differ = lambda a, b: [k for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
-    arch = theirs.get('arch') if isinstance(theirs.get('arch'), dict) else {}
-    changed = [(f"arch.{k}", arch.get(k), config['arch'].get(k)) for k in differ(arch, config['arch'])]
-    changed += [(k, theirs.get(k), config.get(k)) for k in differ(theirs, config) if k != 'arch']
-    fixed = [c for c in changed if c[0] in RUN_FIELDS or c[0].startswith('arch.') and c[0][5:] not in MAY_DIFFER]
+    changed, fixed = run_changes(theirs, config)
     if steps and fixed:
         return (f"out_dir={folder} holds {there} of {run}, whose all_config.yaml has "
                 + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this checkpoint's would have "
@@ -553,13 +560,32 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
 def upload(paths, repo, path_in_repo, revision='main', private=True, message=''):
     """The files committed to a hub repository (created, private unless said otherwise, when it does not exist)
     under path_in_repo; returns the commit's id. A refusal of the hub is one line."""
+    import tempfile
+    import yaml
     from huggingface_hub import CommitOperationAdd, HfApi, constants
-    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.errors import (HfHubHTTPError, RemoteEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
     import httpx2
     api = HfApi()  # HF_ENDPOINT's hub, the token of HF_TOKEN or `hf auth login`
     ops = [CommitOperationAdd(path_in_repo=posixpath.join(path_in_repo, os.path.basename(p)), path_or_fileobj=p)
            for p in paths]
+    theirs_at = posixpath.join(path_in_repo, 'all_config.yaml')
     try:
+        # one all_config.yaml answers for every step_<N> beside it on the hub too (folder_problem's rule)
+        try:
+            with tempfile.TemporaryDirectory() as tmp, open(api.hf_hub_download(
+                    repo, theirs_at, revision=revision, cache_dir=tmp)) as f:
+                theirs = yaml.safe_load(f)
+        except (RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
+            theirs = None  # none there, or no repository or branch yet (the commit says which)
+        with open(next(p for p in paths if p.endswith('all_config.yaml'))) as f:
+            fixed = run_changes(theirs, yaml.safe_load(f))[1] if isinstance(theirs, dict) else []
+        if fixed:
+            fail(f"upload to {repo}: its {path_in_repo}/ holds the steps of the run {theirs.get('run_name')!r}, "
+                 f"whose all_config.yaml has " + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this "
+                 "checkpoint's has " + ', '.join(f"{k}={b!r}" for k, _, b in fixed) + "; it answers for every "
+                 "step_<N> beside it (they would load with the new values): give another --path_in_repo; "
+                 "nothing was committed")
         api.create_repo(repo, private=private, exist_ok=True)
         return api.create_commit(repo, ops, revision=revision,
                                  commit_message=message or f"{path_in_repo}: a TRM checkpoint").oid

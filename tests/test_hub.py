@@ -419,6 +419,26 @@ def test_a_private_repository_needs_the_token(hub, table_run, tmp_path):
     assert eval_lines(evaluate(hub, table_run, tmp_path / 'b', uri, env=dict(HF_TOKEN=TOKEN)).stdout)
 
 
+def test_a_publish_into_a_hub_folder_of_another_run_s_steps_is_refused(hub, table_run, tmp_path):
+    """One all_config.yaml answers for every step_<N> beside it, on the hub as in a local folder: a checkpoint of
+    another run (here L_cycles 3, which changes no weight's shape) committed into a path_in_repo that holds a run's
+    steps would make them load with its values. Refused in one line, nothing committed; another path takes it."""
+    import torch
+    publish_to(hub, table_run)
+    first = FakeHub.repos['alice/trm-toy']['branches']['main']
+    ckpt = torch.load(table_run['ckpt'], weights_only=True)
+    ckpt['config']['L_cycles'] = 3
+    torch.save(ckpt, tmp_path / 'other.pt')
+    other = dict(ckpt=str(tmp_path / 'other.pt'))
+    p = publish_to(hub, other, f'--out_dir={tmp_path}/pub', check=False)
+    assert_user_error(p, 'alice/trm-toy', 'toy/', 'arch.L_cycles=2', 'arch.L_cycles=3', '--path_in_repo',
+                      'nothing was committed', one_line=True)
+    assert FakeHub.repos['alice/trm-toy']['branches']['main'] == first
+    publish_to(hub, other, f'--out_dir={tmp_path}/pub', '--path_in_repo=toy3')
+    assert 'toy3/all_config.yaml' in FakeHub.repos['alice/trm-toy']['commits'][
+        FakeHub.repos['alice/trm-toy']['branches']['main']]
+
+
 def test_solve_takes_a_hub_checkpoint(hub, table_run, tmp_path):
     """solve.py resolves hf:// the same way (here its dataset is not one solve.py knows: it says so after
     loading the layout's keys and data_path)."""
