@@ -3,9 +3,11 @@ backends/kernels.py, the fused Triton blocks (train.py's kernels key), on a mach
 plain path's through Triton's interpreter (TRITON_INTERPRET=1, in a process of its own: the variable must be set
 before triton is imported; float32, as the interpreter has no bfloat16, which the GPU's check covers:
 dev/gpu_speed.sh), the compiled kernels for a Hopper GPU (Triton's own ptxas, no GPU needed), the choice 'auto'
-makes and says, and dev/gpu_speed.sh's dry run. Skipped where triton is not installed (torch's CPU wheel).
+makes and says, and dev/gpu_speed.sh's dry run. The tests that run or build a kernel skip where triton is not
+installed (torch's CPU wheel); the choice and its fallback to the plain path run there too, where they matter.
     python -m pytest -q tests/test_kernels.py
 """
+import importlib.util
 import json
 import os
 import re
@@ -14,10 +16,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, make_reverse_dataset, run
+from conftest import ROOT, make_reverse_dataset, run, site_hook
 from device import choose_kernels
 
-triton = pytest.importorskip('triton', reason="the kernels need triton (not in torch's CPU wheel)")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec('triton') is None,
+                                  reason="the kernels need triton (not in torch's CPU wheel)")
 
 INTERPRETED = r'''
 import json, sys
@@ -161,6 +164,7 @@ def interpreted(script, timeout=600):
     return json.loads(p.stdout.splitlines()[-1])
 
 
+@needs_triton
 def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter():
     """float32 through Triton's interpreter, with every kernel (kernels='triton'), with the gated GEMMs and mlp_t's
     no-grad forward (kernels='gated') and with mlp_t's no-grad forward alone (kernels='mlp_t'): the forward of a
@@ -196,6 +200,7 @@ def test_the_fused_blocks_compute_the_plain_path_s_function_in_the_interpreter()
             assert v < 1e-4, (k, v, out)
 
 
+@needs_triton
 def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
     """Each kernel at the Sudoku model's shapes with every tile its autotuner tries (the gated GEMMs at the channel
     SwiGLU's K and at mlp_t's, a K no tile divides), compiled for sm_90a by Triton's own ptxas (no GPU needed): it
@@ -220,6 +225,7 @@ def test_the_kernels_build_for_a_hopper_gpu_without_spilling_registers():
             assert all(c['TMA'] or not c['PERSIST'] for c in configs), configs
 
 
+@needs_triton
 def test_the_tma_tiles_are_offered_only_where_a_tma_copy_can_read_every_matrix(monkeypatch):
     """The autotuner's candidates for one call of a gated GEMM: every tile on compute capability 9.0 and newer
     where each matrix starts and each of its rows begins 16-byte aligned; the threads' loads alone before Hopper,
@@ -310,6 +316,7 @@ def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, req
     assert choice == want and why in text, (choice, text)
 
 
+@needs_triton
 def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back_in_one_line(tmp_path):
     data = make_reverse_dataset(str(tmp_path / 'data'), n_train=64, n_test=8)
     args = ['train.py', f'--data_path={data}', '--device=cpu', '--max_steps=1', '--hidden_size=32',
@@ -336,6 +343,28 @@ def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back
     assert any(l.startswith('eval on') for l in p.stdout.splitlines()), p.stdout[-2000:]
 
 
+def test_without_triton_every_forced_kernels_value_trains_on_the_plain_path_said_in_one_line(tmp_path):
+    """torch's CPU wheel brings no triton: each forced value, the interpreter's too, is one warning on the first
+    line and the run trains and evaluates on the plain path, with no traceback. Where triton is installed, the runs
+    here do not see it, as on that wheel."""
+    data = make_reverse_dataset(str(tmp_path / 'data'), n_train=64, n_test=8)
+    args = ['train.py', f'--data_path={data}', '--device=cpu', '--max_steps=1', '--hidden_size=32',
+            '--num_heads=2', '--puzzle_emb_ndim=0', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2',
+            '--global_batch_size=8', '--forward_dtype=float32', '--loss_dtype=float32', '--xla_cache_dir=',
+            '--log_interval=1']
+    env = site_hook(tmp_path / 'hook', "sys.modules['triton'] = None  # what `import triton` finds: no such package\n")
+    for which, interpret, extra in (('mlp_t', '1', []), ('gated', '', []), ('triton', '', []), ('quack', '', []),
+                                    ('cudnn', '1', ['--mlp_t=False', '--pos_encodings=rope'])):
+        p = run(args + [f'--out_dir={tmp_path}/{which}', f'--kernels={which}'] + extra,
+                env=dict(env, TRITON_INTERPRET=interpret))
+        first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
+        assert (f"kernels warning: kernels='{which}' needs the triton package, which is not installed: plain path "
+                "|") in first, first
+        assert 'Traceback' not in p.stdout + p.stderr and any(l.startswith('eval on') for l in p.stdout.splitlines()), \
+            p.stdout[-2000:] + p.stderr[-2000:]
+
+
+@needs_triton
 def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_path):
     """dev/gpu_speed.sh with DRY=1 and AB=gated: each stage at tiny shapes on the CPU (bench.py's kernels A/B,
     off then gated, on both models through the interpreter included), the reference's stages skipped where .gpu
@@ -401,6 +430,7 @@ def test_bench_refuses_a_kernels_ab_that_is_no_kernels_value_in_one_line():
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
 
 
+@needs_triton
 def test_bench_times_an_attention_model_with_cudnn_s_attention_against_the_plain_path_in_one_run():
     """The Maze A/B of dev/gpu_speed.sh, tiny on the CPU: kernels=off, then kernels=cudnn on the same model, each
     timed and named on the A/B line and the bench: line."""
