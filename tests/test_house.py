@@ -206,6 +206,17 @@ def test_the_readme_is_a_front_door():
     assert not re.search(r'\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b', readme)  # no commit hash
 
 
+def test_the_test_requirements_install_on_macos_without_torch_xla():
+    """README: on macOS all but the XLA parts run. torch_xla has Linux wheels only: a requirement of it that applies
+    there stops `pip install -r requirements-test.txt` at 'No matching distribution found', and no test runs."""
+    from packaging.requirements import Requirement
+    lines = [l.split('#')[0].strip() for l in open(os.path.join(ROOT, 'requirements-test.txt'))]
+    reqs = [Requirement(l) for l in lines if l and not l.startswith('-r')]
+    on = {system: {r.name for r in reqs if r.marker is None or r.marker.evaluate(
+        dict(sys_platform=system.lower(), platform_system=system))} for system in ('Linux', 'Darwin')}
+    assert 'torch_xla' in on['Linux'] and on['Darwin'] == on['Linux'] - {'torch_xla'}, on
+
+
 @pytest.mark.parametrize('requested,kind,cap,native,want,why', [
     ('auto', 'cuda', (9, 0), None, 'bfloat16', 'compute capability 9.0'),   # H100
     ('auto', 'cuda', (7, 5), None, 'float32', 'compute capability 7.5'),    # T4: no native bf16
