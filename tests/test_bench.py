@@ -3,6 +3,8 @@ bench.py smoke runs, as a user runs it (a subprocess), on the CPU and on CPU-XLA
 asserted: only that the summary line holds every field, the fields are numbers, and XLA stops compiling.
     python -m pytest -q tests/test_bench.py
 """
+import pytest
+
 from conftest import XLA_ENV, assert_user_error, run
 
 BENCH_TINY = ['--global_batch_size=8', '--hidden_size=32', '--num_heads=2', '--H_cycles=2', '--L_cycles=2',
@@ -68,6 +70,7 @@ def test_bench_refuses_a_bad_profile_steps_before_anything_runs():
 
 
 def test_bench_on_xla_stops_compiling():
+    pytest.importorskip('torch_xla')  # Linux wheels only
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True',
                         '--compile_mode=max-autotune-no-cudagraphs'] + BENCH_TINY, env=XLA_ENV)
     assert s['device'] == 'xla' and s['variant'] == 'one_graph'  # one process, one micro-batch: the step one graph

@@ -455,6 +455,7 @@ def test_the_gpu_task_resumes_after_a_preemption_notice_and_after_a_lost_vm(emu,
 def test_the_tpu_task_runs_under_torch_xla_s_launcher_and_resumes_after_a_notice(emu, bin_dir, tmp_path):
     """The TPU pod task's own run on the CPU's XLA device (--env PJRT_DEVICE=CPU): torch_xla's launcher and its
     worker, in a process group of its own, stop on the notice; the next VM resumes and ends."""
+    pytest.importorskip('torch_xla')  # Linux wheels only
     args = SUDOKU4['ARGS'].replace('--device=cpu', '--device=auto') + ' --max_steps=60'
     envs = dict(SUDOKU4, DATA='sudoku4-60-xla', PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1', ARGS=args)
     job_id = 'sky-managed-2026-11-25-16-00-00-000001_trm-tpu-pod_1-0'

@@ -323,6 +323,7 @@ def test_a_bucket_run_resumed_on_a_new_machine_cuts_the_bucket_s_earlier_events_
 # XLA (torch_xla on the CPU): compilations at each log line, memory, evaluation loss, torch_xla's profile
 
 def test_xla_compilations_memory_eval_loss_and_its_profile(toy, tmp_path):
+    pytest.importorskip('torch_xla')  # Linux wheels only
     out = tmp_path / 'o'
     p = train(toy, out, '--device=xla', '--max_steps=24', '--log_interval=2', '--profile_steps=14:16',
               env=XLA_ENV)

@@ -6,6 +6,8 @@ import json
 import os
 import re
 
+import pytest
+
 from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook
 from test_dist import torchrun
 
@@ -63,6 +65,7 @@ def test_ranks_that_hang_together_exit_75_and_the_rerun_that_hangs_there_again_7
 
 
 def test_a_hung_rank_under_torch_xla_launch_ends_the_command_with_the_same_code(toy, tmp_path):
+    pytest.importorskip('torch_xla')  # Linux wheels only
     out = f'{tmp_path}/o'
     p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, '--device=auto', '--compile=False', '--max_steps=8',
              '--log_interval=2', '--watchdog_minutes=0.05'], env=dict(XLA_ENV, **hang_at(tmp_path, 'step 4')),
