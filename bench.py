@@ -167,7 +167,10 @@ n_eval_steps = eval_steps or halt_max_steps
 puzzle = puzzle_for(meta if data_path else dict(seq_len=seq_len, vocab_size=vocab_size))  # the views' kind
 if not isinstance(eval_views, int) or eval_views < 1:
     raise SystemExit(f"config error: eval_views={eval_views!r} (allowed: an integer >= 1; 1: no views)")
-if problem := views_problem(puzzle, eval_views):
+# as train.py checks them: the whole evaluation batch in K views, each row with the model's latents
+row_bytes = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, **{k: globals()[k] for k in MODEL_KEYS}).latent_bytes(
+    getattr(torch, forward_dtype).itemsize)
+if problem := views_problem(puzzle, eval_views, eval_B, row_bytes):
     raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the shape: {shape[2]})")
 if data_path:
     from data import EvalLoader, TrainLoader

@@ -119,3 +119,12 @@ def test_bench_writes_and_uploads_a_checkpoint_as_train_writes_one(emu, tmp_path
     p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir={tmp_path}/a_file/ck'] + tiny,
             check=False)
     assert p.returncode == 1 and f"checkpoint_dir='{tmp_path}/a_file/ck'" in p.stderr and 'Traceback' not in p.stderr, p.stderr
+
+
+def test_bench_refuses_views_its_evaluation_batch_cannot_hold():
+    # the memory check counts every puzzle of the evaluation batch in K views, each with the model's latents (as
+    # train.py's does), not one puzzle: 64 puzzles in 100 views need about 89 MB, more than the 50 MB given
+    p = run(['bench.py', '--device=cpu', '--eval_batch_size=64', '--eval_views=100'] + BENCH_TINY, check=False,
+            env=dict(TRM_MEMORY_AVAILABLE='5e7'))
+    said = assert_user_error(p, 'eval_views=100', 'a batch of 64 puzzles', one_line=True)
+    assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
