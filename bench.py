@@ -115,6 +115,9 @@ if steps == 0 and not checkpoint_dir:  # (a negative count is refused above)
     raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
 if seq_align < 1:
     raise SystemExit(f"config error: seq_align={seq_align} (allowed: >= 1)")
+if vocab_size == 1:  # random batches draw their tokens from 1 .. vocab_size-1
+    raise SystemExit(f"config error: vocab_size={vocab_size} (allowed: 0 or >= 2: token 0 is PAD, so a vocabulary "
+                     "of 1 has no token to hold)")
 if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
     raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
                      f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")

@@ -54,7 +54,8 @@ def test_bench_refuses_what_train_refuses_and_negative_values_of_its_own_keys_in
              (['--eval_batch_size=-2', '--halt_max_steps=0'], ['eval_batch_size=-2 (allowed: >= 0)',
                                                                'halt_max_steps=0 (allowed: > 0)']),
              (['--emb_update_batch=-3', '--num_puzzle_identifiers=-1'],
-              ['num_puzzle_identifiers=-1', 'emb_update_batch=-3', '(allowed: >= 0)'])]
+              ['num_puzzle_identifiers=-1', 'emb_update_batch=-3', '(allowed: >= 0)']),
+             (['--vocab_size=1'], ['vocab_size=1 (allowed: 0 or >= 2', 'PAD'])]  # no token to draw a batch from
     for flags, words in cases:
         p = run(['bench.py', '--device=cpu'] + BENCH_TINY + flags, check=False)
         said = assert_user_error(p, *words, one_line=True)
