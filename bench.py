@@ -89,6 +89,9 @@ _bad = config_problems({k: globals()[k] for k in _train_keys if (k, globals()[k]
                        _set_at)
 _bad += [f"{k}={globals()[k]!r} (allowed: >= 0)" for k in config_keys if k not in _train_keys
          and type(globals()[k]) in (int, float) and globals()[k] < 0]
+if freeze_weights and not puzzle_emb_ndim:  # train.py's rule: its step would train nothing
+    _bad.append("freeze_weights=True trains only the puzzle embedding, and puzzle_emb_ndim=0 has none: nothing "
+                "would train")
 if _bad:
     raise SystemExit("config error: " + '; '.join(_bad))
 # -----------------------------------------------------------------------------
@@ -207,7 +210,7 @@ batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) f
 # --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------
 cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
                 **{k: globals()[k] for k in MODEL_KEYS})
-model = TRM(cfg, seq_align=seq_align).to(dev.device)
+model = TRM(cfg, seq_align=seq_align).to(dev.device).requires_grad_(not freeze_weights)  # as train.py's
 kernels_in, kernels_why = use_kernels(kernels, device_type, forward_dtype, model)  # train.py's: fused blocks, or plain
 model.train()
 opt = AdamATan2(model.parameters(), lr=lr, betas=(beta1, beta2), weight_decay=weight_decay)
@@ -225,7 +228,7 @@ if compile_mode != 'default' and (compiler != compile_mode or not compiled):
 sc = StepConfig(lr=lr, puzzle_emb_lr=puzzle_emb_lr, puzzle_emb_weight_decay=puzzle_emb_weight_decay,
                 warmup_steps=lr_warmup_steps, total_steps=10 ** 6, min_ratio=lr_min_ratio,
                 global_batch_size=global_batch_size, ema_rate=ema_rate if ema else None, grad_clip=grad_clip,
-                gradient_accumulation_steps=gradient_accumulation_steps)
+                gradient_accumulation_steps=gradient_accumulation_steps, freeze_weights=freeze_weights)
 step_t = torch.zeros((), device=dev.device)  # the step count lives on the device (the LR schedule runs there)
 carry = model.initial_carry(batches[0])
 loss = None
@@ -240,6 +243,7 @@ print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'atten
       f"D {hidden_size}, H_cycles {H_cycles}, L_cycles {L_cycles} | batch {global_batch_size} x {seq_len} "
       f"tokens | {forward_dtype}, loss {loss_type} {loss_dtype} | {flops / 1e9:.2f} GFLOPs per example-step "
       f"| data {data_path or 'random'} | {f'compiled ({compiler})' if compiled else 'eager'}"
+      + (' | trains the puzzle embedding only (freeze_weights)' if freeze_weights else '')
       + (f" | mlp_t sequence axis {cfg.total_len} -> {cfg.total_len + model.net.layers[0].seq_pad} "
          f"(seq_align {seq_align})" if mlp_t else ''))
 
@@ -253,8 +257,8 @@ if checkpoint_dir:
     from device import to_cpu
     from runkeep.checkpoint import CheckpointError, save_atomic
     for p in model.parameters():  # AdamATan2's moments exist from the first step on: their bytes belong in
-                                  # the file
-        p.grad = torch.zeros_like(p)
+                                  # the file (frozen weights have none)
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
     opt.init_state()
     opt.zero_grad()
     remote = checkpoint_dir if gcs.is_gcs(checkpoint_dir) else ''

@@ -129,3 +129,19 @@ def test_bench_refuses_views_its_evaluation_batch_cannot_hold():
             env=dict(TRM_MEMORY_AVAILABLE='5e7'))
     said = assert_user_error(p, 'eval_views=100', 'a batch of 64 puzzles', one_line=True)
     assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
+
+
+def test_bench_measures_train_s_step_with_frozen_weights(tmp_path):
+    # freeze_weights=True (config/adapt/adapt_emb_*.py): train.py's step trains the puzzle embedding only, so the
+    # weights get no gradient, no AdamATan2 moments and no EMA; bench's step and checkpoint are that step's, and
+    # what train.py refuses (nothing to train) is refused here too
+    p = run(['bench.py', '--device=cpu'] + BENCH_TINY + ['--freeze_weights=True', '--puzzle_emb_ndim=0'], check=False)
+    assert_user_error(p, 'freeze_weights=True', 'puzzle_emb_ndim=0', one_line=True)
+    tiny = [a for a in BENCH_TINY if not a.startswith(('--steps=', '--eval_batches='))]
+    run(['bench.py', '--device=cpu', '--freeze_weights=True', '--steps=0', '--eval_batches=0',
+         f'--checkpoint_dir={tmp_path}/ck'] + tiny)
+    import torch
+    ck = torch.load(f'{tmp_path}/ck/ckpt_bench.pt', weights_only=True)
+    assert ck['optimizer']['state'] == {}, sorted(ck['optimizer']['state'])
+    s, out = run_bench(['--device=cpu', '--freeze_weights=True'] + BENCH_TINY)
+    assert 'trains the puzzle embedding only (freeze_weights)' in out
