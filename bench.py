@@ -47,7 +47,7 @@ from configurator import import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
-from configurator import config_problems, read_config_block  # noqa: E402
+from configurator import config_problems, read_config_block, set_where  # noqa: E402
 
 # every key of train.py with its default, so that its config files and flags work here unchanged
 _here = os.path.dirname(os.path.abspath(__file__))
@@ -87,8 +87,8 @@ exec(open(os.path.join(_here, 'configurator.py')).read())
 # own counts may not be negative
 _bad = config_problems({k: globals()[k] for k in _train_keys if (k, globals()[k]) != ('global_batch_size', 0)},
                        _set_at)
-_bad += [f"{k}={globals()[k]!r} (allowed: >= 0)" for k in config_keys if k not in _train_keys
-         and type(globals()[k]) in (int, float) and globals()[k] < 0]
+_bad += [f"{k}={globals()[k]!r} (allowed: >= 0){set_where(_set_at, [k])}" for k in config_keys
+         if k not in _train_keys and type(globals()[k]) in (int, float) and globals()[k] < 0]
 if freeze_weights and not puzzle_emb_ndim:  # train.py's rule: its step would train nothing
     _bad.append("freeze_weights=True trains only the puzzle embedding, and puzzle_emb_ndim=0 has none: nothing "
                 "would train")
@@ -115,19 +115,21 @@ if compile and device_type == 'cpu':
     print("note: compile=True applies to CUDA, TorchTPU and XLA (the train.py key); the CPU runs the step eagerly")
 global_batch_size = global_batch_size or (64 if device_type == 'cpu' else 768)
 if steps == 0 and not checkpoint_dir:  # (a negative count is refused above)
-    raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)")
+    raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)"
+                     f"{set_where(_set_at, ['steps'])}")
 if seq_align < 1:
-    raise SystemExit(f"config error: seq_align={seq_align} (allowed: >= 1)")
+    raise SystemExit(f"config error: seq_align={seq_align} (allowed: >= 1){set_where(_set_at, ['seq_align'])}")
 if vocab_size == 1:  # random batches draw their tokens from 1 .. vocab_size-1
     raise SystemExit(f"config error: vocab_size={vocab_size} (allowed: 0 or >= 2: token 0 is PAD, so a vocabulary "
-                     "of 1 has no token to hold)")
-if kernels not in KERNEL_CHOICES or kernels_ab not in ('',) + KERNEL_CHOICES:
-    raise SystemExit(f"config error: kernels={kernels!r}, kernels_ab={kernels_ab!r} (allowed: "
-                     f"{' | '.join(map(repr, KERNEL_CHOICES))}; kernels_ab also '': no A/B)")
+                     f"of 1 has no token to hold){set_where(_set_at, ['vocab_size'])}")
+if kernels_ab not in ('',) + KERNEL_CHOICES:  # (kernels: refused above with train.py's keys)
+    raise SystemExit(f"config error: kernels_ab={kernels_ab!r} (allowed: '' (no A/B) | "
+                     f"{' | '.join(map(repr, KERNEL_CHOICES))}){set_where(_set_at, ['kernels_ab'])}")
 compile_modes = ('default', 'max-autotune-no-cudagraphs')
 if compile_mode not in compile_modes:
     raise SystemExit(f"config error: compile_mode={compile_mode!r} (allowed: {' | '.join(map(repr, compile_modes))}; "
-                     f"the modes with CUDA graphs overwrite the carry one step returns before the next step reads it)")
+                     f"the modes with CUDA graphs overwrite the carry one step returns before the next step reads it)"
+                     f"{set_where(_set_at, ['compile_mode'])}")
 profile_span = parse_steps(profile_steps) if profile_steps else None  # (checked above) traced after the timing
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
 forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)

@@ -40,7 +40,8 @@ def test_bench_refuses_a_compile_mode_with_cuda_graphs_in_one_line():
     for mode in ('reduce-overhead', 'max-autotune', 'fast'):
         p = run(['bench.py', '--device=cpu', f'--compile_mode={mode}'] + BENCH_TINY, check=False)
         want = (f"config error: compile_mode={mode!r} (allowed: 'default' | 'max-autotune-no-cudagraphs'; the modes "
-                "with CUDA graphs overwrite the carry one step returns before the next step reads it)")
+                "with CUDA graphs overwrite the carry one step returns before the next step reads it), "
+                f"from --compile_mode={mode}")
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
 
 
@@ -145,3 +146,17 @@ def test_bench_measures_train_s_step_with_frozen_weights(tmp_path):
     assert ck['optimizer']['state'] == {}, sorted(ck['optimizer']['state'])
     s, out = run_bench(['--device=cpu', '--freeze_weights=True'] + BENCH_TINY)
     assert 'trains the puzzle embedding only (freeze_weights)' in out
+
+
+def test_bench_names_where_a_refused_value_of_its_own_keys_was_set(tmp_path):
+    # as train.py's keys are refused: the config file's line or the flag that set the value
+    cfg = tmp_path / 'bench_cfg.py'
+    cfg.write_text("seq_align = 8\nsteps = -3\n")
+    p = run(['bench.py', str(cfg), '--device=cpu'] + [a for a in BENCH_TINY if not a.startswith('--steps=')],
+            check=False)
+    assert_user_error(p, f"steps=-3 (allowed: >= 0), from {cfg}, line 2", one_line=True)
+    for flag, words in (('--seq_align=0', 'seq_align=0 (allowed: >= 1), from --seq_align=0'),
+                        ('--kernels_ab=nope', "kernels_ab='nope' (allowed: "),
+                        ('--compile_mode=fast', "compile_mode='fast' (allowed: ")):
+        p = run(['bench.py', '--device=cpu'] + BENCH_TINY + [flag], check=False)
+        assert_user_error(p, words, f"from {flag}", one_line=True)
