@@ -708,9 +708,11 @@ def views_problem(kind, K, rows=1, row_bytes=0, memory=None):
     if memory is None:
         from device import memory_headroom  # (torch: only when views are asked for)
     memory, what = memory_headroom() if memory is None else (memory, 'available')
+    # the need rounded up and what there is down: the two never read as the same size
+    size = lambda n, r: f"{r(n / 1e8) / 10:,.1f} GB" if n >= 1e9 else f"{r(n / 1e6):,} MB"
     if memory is not None and K * per_view > memory:
-        return (f"{K} views of a batch of {plural(rows, 'puzzle')} need {K * per_view / 1e9:,.1f} GB of memory "
-                f"at least ({per_view / 1e6:.3g} MB a view), more than the {memory / 1e9:.1f} GB {what}: at most "
+        return (f"{K} views of a batch of {plural(rows, 'puzzle')} need {size(K * per_view, math.ceil)} of memory "
+                f"at least ({per_view / 1e6:.3g} MB a view), more than the {size(memory, math.floor)} {what}: at most "
                 f"{max(1, memory // per_view):,} views at this batch size")
     return None
 

@@ -6,6 +6,7 @@ every kind and size, then a small trained 4x4 Sudoku model evaluated in views.
 import csv
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -78,6 +79,15 @@ def test_a_kind_without_symmetries_refuses_views():
     assert 'no symmetries' in views_problem(Plain(3), 4) and 'views must be 1' in views_problem(Plain(3), 4)
     assert 'unknown' in views_problem(None, 2)
     assert views_problem(Sudoku(6), 16) is None and views_problem(Maze(8), 8) is None
+
+
+def test_views_that_need_more_memory_than_there_is_say_both_figures_apart():
+    # 104.5 MB against 50 MB: not '0.1 GB' twice, which reads as a need no larger than what there is
+    problem = views_problem(Sudoku(9), 100, rows=64, row_bytes=13_000, memory=50_000_000)
+    need, have = re.search(r'need (\S+ [MG]B) of memory .* than the (\S+ [MG]B) available', problem).groups()
+    assert need != have and (need, have) == ('105 MB', '50 MB'), problem
+    big = views_problem(Sudoku(9), 1000, rows=64, row_bytes=13_000, memory=1_000_000_000)  # 1.04 GB against 1
+    assert 'need 1.1 GB' in big and 'the 1.0 GB available' in big, big
 
 
 def test_vote_counts_answers_breaks_ties_by_confidence_and_prefers_accepted():
