@@ -134,6 +134,10 @@ def _structure(fields, n, n_from):
 
 def _describe(line, n, n_from):
     """What is wrong with one CSV line, in words (scalar; only run for the rows that are reported)."""
+    try:  # in the characters its writer typed (_text reads one per byte): an 'é' is one, not two
+        line = line.encode('latin-1').decode('utf-8')
+    except UnicodeDecodeError:
+        pass
     fields = line.split(',')
     problem = _structure(fields, n, n_from)
     if problem:

@@ -350,6 +350,7 @@ BAD_ROWS = [  # (how to break a good row, words the message must contain)
     (lambda s, q, a, r: f"{s},{q[:-1]},{a},{r}", 'question has 80 characters'),
     (lambda s, q, a, r: f"{s},{q},{a}5,{r}", 'answer has 82 characters'),
     (lambda s, q, a, r: f"{s},x{q[1:]},{a},{r}", "invalid character 'x' at position 1"),
+    (lambda s, q, a, r: f"{s},{q[:4]}\u00e9{q[5:]},{a},{r}", "invalid character '\u00e9' at position 5"),  # 2 bytes
     (lambda s, q, a, r: f"{s},{q},0{a[1:]},{r}", "answer has the invalid character '0'"),
     (lambda s, q, a, r: f"{s},{q},{a},1.5", "rating '1.5' is not an integer"),
     (lambda s, q, a, r: f"{s},{q},{a},", "rating '' is not an integer"),
