@@ -295,6 +295,13 @@ def print_list(exps):
         print(f"{e.run:<16} {e.family:<10} {e.varied_text():<52} {e.out_dir}  [{where}]")
 
 
+def run_seconds(e, flops, rate, devices):
+    """A run's seconds: its FLOPs at `rate` FLOP/s on `devices` devices, or its max_minutes where that is less
+    (the time budget stops its training; an adaptation's epochs are more than any budget lets it train)."""
+    t, budget = flops / (rate * devices), 60 * (e.run_cfg.get('max_minutes') or 0)
+    return min(t, budget) if budget > 0 else t
+
+
 def print_dry_run(exps):
     rate, why = flop_rate(OPTS, bench_file, examples_per_s)
     print(f"scale {scale}: {len(exps)} experiment(s), {sum(not e.same_as for e in exps)} run(s) | {why}\n")
@@ -320,13 +327,15 @@ def print_dry_run(exps):
             print(f"  cost: the model cannot be built: {c['error']}\n")
             continue
         flops[e.run] = c['train_flops'] + c['eval_flops']
-        t = flops[e.run] / rate / nproc if rate else None
+        t = run_seconds(e, flops[e.run], rate, nproc) if rate else None
+        capped = t is not None and t < flops[e.run] / rate / nproc
         print(f"  {c['params']:,} parameters | {c['fpe'] / 1e9:.3g} GFLOPs per example-step | {c['steps']:,} "
               f"steps x batch {c['batch']} = {c['steps'] * c['batch']:,} examples | training "
               f"{c['train_flops']:.3g} FLOPs | {c['evals']} evaluation(s)"
               + (f", {c['passes']} passes (the EMA's and the raw weights)" if c['passes'] > c['evals'] else '')
               + (f", {c['views']} views each" if c['views'] > 1 else '') + f": {c['eval_flops']:.3g} FLOPs"
-              + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '') if t else '')
+              + (f" | about {duration(t)}" + (f" on {nproc} processes" if nproc > 1 else '')
+                 + (" (its max_minutes)" if capped else '') if t else '')
               + (f" | on a {POD['name']}: about {duration(flops[e.run] / POD['rate'])} (assumed MFU)" if POD else ''))
         print()
         total['train'] += c['train_flops']
@@ -352,7 +361,7 @@ def print_plan(runs, flops, rate):
     per_host = len(ids) if kind in ('tpu', 'cuda') else nproc  # devices one host gives a run
     per_slot = max(1, per_host // slots) if kind == 'tpu' else nproc
     mean = sum(flops.values()) / len(flops) if flops else 1.0
-    secs = lambda e, d: flops.get(e.run, mean) / (rate * d) if rate else 0.0
+    secs = lambda e, d: run_seconds(e, flops.get(e.run, mean), rate, d) if rate else 0.0
 
     def on_host(host_of, h):  # (its runs in starting order, (slot, start) of each, its wall time)
         mine = [e for e, x in zip(runs, host_of) if x == h]

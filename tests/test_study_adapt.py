@@ -8,6 +8,7 @@ report lists the family's ARC scores. About a minute on one core.
 import csv
 import json
 import os
+import re
 
 from conftest import ROOT, run
 
@@ -53,3 +54,24 @@ def test_a_family_of_adaptations_starts_each_run_from_the_checkpoint_and_reports
     rows = {r['name']: r for r in csv.DictReader(open(out / 'report.csv'))}
     assert set(rows) == {'ad_full_1', 'ad_emb_1'}
     assert all(r['arc_prize_pass2'] != '' and r['arc_pooled_pass2'] != '' for r in rows.values()), rows
+
+
+def test_a_dry_run_times_a_run_with_a_budget_by_its_max_minutes_not_by_its_epochs(tmp_path):
+    """An adaptation's epochs are more than any budget lets it train (config/adapt/*: 100000): its time is at
+    most its max_minutes, which is what the estimate says (a speed figure slow enough that its epochs would take
+    hours)."""
+    data = tmp_path / 'pre'
+    run(['prepare_arc.py', '--synthetic', '--canvas=4', '--num_tasks=4', '--num_eval_tasks=2', '--num_aug=2',
+         f'--output_dir={data}'], env=ENV)
+    base, cfg = tmp_path / 'tiny.py', tmp_path / 'cfg'
+    base.write_text(''.join(f"{k} = {v!r}\n" for k, v in TINY.items()))
+    cfg.mkdir()
+    for name, budget in (('ad_full_1', 0.1), ('ad_full_2', 0.2)):
+        (cfg / f'{name}.py').write_text(
+            f"_base = {str(base)!r}\nout_dir = 'out/{name}'\ninit_from = '{tmp_path}/pre_run/ckpt_00000003.pt'\n"
+            f"data_path = {str(data)!r}\nepochs = 100000\neval_every_epochs = 20\nmax_minutes = {budget}\n")
+    p = run(['study.py', f'--config_dir={cfg}', '--pattern=ad_*', f'--out_root={tmp_path}/out', '--dry_run=True',
+             '--examples_per_s=1'], env=ENV)
+    about = re.findall(r'\| about (.+)$', p.stdout, re.M)
+    assert about == ['6 s (its max_minutes)', '12 s (its max_minutes)'], p.stdout[-3000:]
+    assert 'sequential, each run on 1 device(s) (hosts_mode=all, slots=1): 18 s' in p.stdout, p.stdout[-3000:]
