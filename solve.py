@@ -98,7 +98,7 @@ from data import load_arrays, load_json, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
-from puzzles import draw_arc_task, draw_steps, views_problem, vote  # noqa: E402
+from puzzles import draw_arc_task, draw_steps, read_tasks, views_problem, vote  # noqa: E402
 from runkeep.checkpoint import fill_absent_table, identifier_mismatch, meta_from_weights  # noqa: E402
 from runkeep.checkpoint import mismatch_message, read_checkpoint  # noqa: E402
 
@@ -635,6 +635,10 @@ def adapt_to_new_tasks():
              "checkpoint, or solve its puzzles with --puzzle, --file, --index or --count)")
     if problem := views_problem(puzzle_for(dict(puzzle_type='arc', seq_len=canvas * canvas)), eval_views):
         fail(f"eval_views={eval_views}: {problem}")
+    try:  # prepare_arc.py's checks, here, so that the line names the user's file and not the folder's copy
+        read_tasks(tasks, f"task={task}", canvas, unsolved=True)
+    except ValueError as e:
+        fail(f"{e} (the canvas of {init_from}'s run)" if 'canvas' in str(e) else e)
     adapted, data = adapt(task, tasks, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
                           device)
     globals().update(init_from=adapted, data_path=data)

@@ -170,10 +170,11 @@ def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_pat
     assert 'task t1: 3 demonstrations, 1 test input; 2 stored views' in p.stdout, p.stdout[-3000:]
     assert 'solution not known' in p.stdout and 'no solution known' in p.stdout
 
-    bad = tmp_path / 'bad.json'  # a colour outside 0-9: the builder's one line
+    bad = tmp_path / 'bad.json'  # a colour outside 0-9: the builder's line, naming the user's file, before it runs
     bad.write_text(json.dumps(dict(train=[dict(input=[[12]], output=[[1]])], test=[dict(input=[[1]])])))
     p = solve(ckpt, f'--task={bad}', f'--adapt_dir={tmp_path}/c', check=False)
-    assert_user_error(p, 'bad', 'not a colour 0-9', 'prepare_arc.py failed')
+    assert_user_error(p, f'task={bad}: task bad: train pair 1 input', 'not a colour 0-9', one_line=True)
+    assert not os.path.exists(tmp_path / 'c')
 
 
 def write_task(path, test_input):
@@ -301,6 +302,15 @@ def test_a_task_without_its_test_inputs_is_named_as_the_user_s_file(arc_run, tmp
     p = solve(ckpt, f'--task={lone}', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/a', check=False)
     assert_user_error(p, f"task={lone}: ", "no 'test'", one_line=True)
     assert not os.path.exists(tmp_path / 'a')
+
+
+def test_a_grid_over_the_checkpoint_s_canvas_is_named_in_the_user_s_file_before_anything_is_built(arc_run, tmp_path):
+    data, ckpt = arc_run
+    big = write_task(tmp_path / 'big.json', [[1] * 11] * 2)  # the run's canvas is 10x10
+    p = solve(ckpt, f'--task={big}', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/a', check=False)
+    assert_user_error(p, f"task={big}: ", 'test pair 1 input: a 2x11 grid, over the 10x10 canvas', one_line=True)
+    assert 'challenges.json' not in p.stderr and not os.path.exists(tmp_path / 'a')
+    assert 'prepare_arc' not in p.stdout
 
 def start_adapting(cwd, ckpt, task, folder):
     """solve.py adapting to a task for minutes, in its own session (a terminal's process group): (its process,
