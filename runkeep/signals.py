@@ -6,7 +6,7 @@ cannot reach, a launcher's signals, an orphaned worker, a failed allocation.
                                 terminal's hangup (SIGHUP) is ignored, except by torchrun's ranks (a stop)
     StopBound(...)              a stop request not acted on while the run finishes nothing for STOP_GRACE_S
                                 ends the process in one line naming the last checkpoint kept; a collective
-                                broken by it, or a failed allocation, is one line too
+                                broken by it or by a killed rank, or a failed allocation, is one line too
     forward_signals()           torch_xla's launcher: the signals go on to its workers
     follow_launcher()           a torch_xla worker: its signals come through the launcher; it dies with it
     die_with_parent(pid)        a child of study.py or solve.py, before exec: it saves and stops when they end
@@ -257,6 +257,13 @@ def out_of_memory(kind, value):
         "can't allocate memory" in text or 'out of memory' in text.lower()))
 
 
+def in_collective(tb):
+    """Whether a traceback ends inside torch.distributed (a collective whose peer is gone)."""
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f'torch{os.sep}distributed{os.sep}' in tb.tb_frame.f_code.co_filename
+
+
 class StopBound:
     """A stop request that the run has not acted on STOP_GRACE_S after its signal and after the last thing the
     run finished (last(): its time, the watchdog's last report; acted(True) at a stop check says it was acted on)
@@ -264,8 +271,8 @@ class StopBound:
     (checkpoints(): the run's {step: path}), the out_dir's lock is removed, and the exit code is
     HUNG_EXIT after a SIGTERM (a preemption: a launcher may run it again), 130 after a Ctrl-C (a person stopped
     it: a loop that reruns on HUNG_EXIT ends). waiting(): (what the run waits for, the last thing it finished),
-    in words. Also, as the process's excepthook: a collective broken by another rank's end at its bound, and a
-    failed allocation, each one line."""
+    in words. Also, as the process's excepthook: a collective broken by another rank's end (at its bound, or with
+    no stop request: a rank killed outright), and a failed allocation, each one line."""
 
     def __init__(self, waiting, checkpoints=dict, last=lambda: 0.0):
         self.waiting, self.checkpoints, self.last = waiting, checkpoints, last
@@ -280,6 +287,8 @@ class StopBound:
             if STOP['requested'] and not STOP['acted'] and not issubclass(kind, SystemExit):
                 self.end_unanswered(f": {self.waiting()[0]} ended in {kind.__name__}: "
                                     f"{' '.join(str(value).split())} (another rank or host ended meanwhile)")
+            if in_collective(tb):  # a rank killed unasked (OOM killer, a lost host): its launcher names it
+                return self.collective_broke(kind, value)
             previous(kind, value, tb)
         sys.excepthook = broken
 
@@ -316,10 +325,7 @@ class StopBound:
 
     def end_unanswered(self, why):
         """The end of a stop request the run could not act on: said, the lock removed, the exit code."""
-        try:
-            kept = (lambda found: found[max(found)] if found else None)(self.checkpoints())
-        except Exception:  # an unreadable folder, or none (eval_only)
-            kept = None
+        kept = self.last_kept()
         code = 128 + signal.SIGINT if STOP['signal'] == 'SIGINT' else HUNG_EXIT
         say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
             f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
@@ -329,6 +335,20 @@ class StopBound:
         flush.start()
         flush.join(2)  # the main thread may hold a stream's lock for good
         os._exit(code)
+
+    def last_kept(self):
+        try:
+            return (lambda found: found[max(found)] if found else None)(self.checkpoints())
+        except Exception:  # an unreadable folder, or none (eval_only)
+            return None
+
+    def collective_broke(self, kind, value):
+        """A collective that failed with no stop request: one line on stderr (and train.log) naming the last
+        checkpoint kept; the process then ends with exit code 1."""
+        print(f"pid {os.getpid()}: a collective in {self.waiting()[0]} failed ({kind.__name__}: "
+              f"{' '.join(str(value).split())[:300]}): another rank or host ended (its launcher's lines say "
+              f"which); the last checkpoint kept: {self.last_kept() or 'none'} (the same command with "
+              "--init_from=resume continues from it)", file=sys.stderr, flush=True)
 
     def out_of_memory(self, error):
         """An allocation failed (on this machine, or this process's address-space limit): one line on stderr (and

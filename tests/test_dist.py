@@ -68,6 +68,22 @@ def test_a_failed_save_on_rank_0_stops_every_rank_with_its_message(toy, tmp_path
     assert_all_ranks_stopped_with(p, 'checkpoint at step 4 failed on rank(s) [0]', 'File too large')
 
 
+def test_a_rank_killed_mid_run_ends_the_other_in_one_line_naming_the_checkpoint_to_resume(toy, tmp_path):
+    # rank 1 dies as the kernel's OOM killer or a lost host ends it: rank 0's all-reduce in step 12 breaks
+    wrapper = ("import signal, step\nreal, calls = step.train_step, [0]\n"
+               "def train_step(*a, **k):\n    calls[0] += 1\n"
+               "    if calls[0] == 12 and os.environ['RANK'] == '1':\n        os.kill(os.getpid(), signal.SIGKILL)\n"
+               "    return real(*a, **k)\nstep.train_step = train_step\n")
+    args = [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--checkpoint_interval=10'] + FAST
+    p = torchrun(2, args + ['--max_steps=40'], wrapper=wrapper)
+    kept = f'the last checkpoint kept: {tmp_path}/o/ckpt_00000010.pt'
+    assert_all_ranks_stopped_with(p, 'another rank or host ended', kept)
+    said = [l for l in (p.stdout + p.stderr).splitlines() if kept in l]
+    assert len(said) == 1 and '--init_from=resume' in said[0], said
+    p = run(['train.py', '--init_from=resume', '--max_steps=12'] + args)
+    assert f'resuming from {tmp_path}/o/ckpt_00000010.pt' in p.stdout and 'step 12/12' in p.stdout, p.stdout[-3000:]
+
+
 def test_hosts_with_different_configs_are_refused_at_start(toy, tmp_path):
     wrapper = "if os.environ['RANK'] == '1':\n    sys.argv.append('--lr=0.001')\n"
     p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST, wrapper=wrapper)
