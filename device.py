@@ -583,6 +583,18 @@ class Device:
             state['tpu'] = tpu
         return state
 
+    def rng_states(self):
+        """Every rank's rng_state(), in rank order, on every rank (a collective: every rank calls it); None where
+        the ranks' streams are not gathered (XLA, TorchTPU: a resume reseeds the ranks after the first)."""
+        if self.world_size == 1:
+            return [self.rng_state()]
+        if self.type not in ('cpu', 'cuda'):
+            return None
+        import torch.distributed as dist
+        states = [None] * self.world_size
+        dist.all_gather_object(states, self.rng_state())
+        return states
+
     def set_rng_state(self, state):
         torch.set_rng_state(state['cpu'])
         if self.type == 'cuda' and 'cuda' in state:

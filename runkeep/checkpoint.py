@@ -6,8 +6,9 @@ weights checked sane, the carry gathered). run.Run calls these; solve.py and ben
 files: solve.py's checkpoint is read here (ours or a reference state dict), and weights that do not fit its model
 are told in words (which keys to check).
 A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
-batch), rng, config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the
-rows of its puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its step's evaluation was
+batch), rng (rank 0's random streams), rng_ranks (every rank's, in rank order; None on XLA and TorchTPU pods),
+config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the rows of its
+puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its step's evaluation was
 done: the resume evaluates it first), and with a pooled ARC vote arc_pool.
 """
 import hashlib
@@ -508,9 +509,12 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
               "checkpoint: the epochs, the LR schedule and the rest of this epoch's order follow the new count)")
     step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
     carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
-    if dev.rank == 0:
+    streams = ckpt.get('rng_ranks')
+    if streams and len(streams) == dev.world_size:  # each rank's own: bit for bit, exploration included
+        dev.set_rng_state(streams[dev.rank])
+    elif dev.rank == 0:
         dev.set_rng_state(ckpt['rng'])
-    else:  # other ranks' exploration streams: reseeded deterministically from the step
+    else:  # another world size, a pod, an older checkpoint: the other ranks' exploration streams reseeded
         dev.manual_seed(cfg['seed'] + dev.rank + 1000003 * step)
     weights = float(sum(p.double().nan_to_num().sum() for p in ckpt['model'].values()
                         if p.is_floating_point()))  # a fingerprint of the loaded bytes, on the host

@@ -202,6 +202,7 @@ class Run:
         with self.bound.save():  # a stop request that comes meanwhile waits for it
             dev, keys = self.dev, sorted(carry)
             sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
+            rng_ranks = dev.rng_states()  # each rank's ACT exploration stream, where it goes on
             path, problems, t_save = os.path.join(self.local, checkpoint_name(step)), [], time.time()
             if sane[0] == 0:
                 problems = [f"the weights diverged by step {step} (non-finite or above {MAX_WEIGHT:g}): nothing "
@@ -213,6 +214,7 @@ class Run:
                              ema=ema_model.state_dict() if ema_model is not model else None,
                              optimizer=opt.state_dict(), step=step, loader=loader_state,
                              carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
+                             rng_ranks=rng_ranks,
                              config=self.cfg, best=self.best, run_id=self.run_id, timing=timing, device_s=device_s,
                              data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
                              **(self.arc.pool_state() if self.arc else {}))

@@ -152,6 +152,24 @@ def test_two_ranks_log_the_loss_and_the_gradient_norm_of_one(toy, tmp_path):
     assert res['device_hours'] * 3600 == pytest.approx(2 * first + later, rel=1e-9), (res['device_hours'], first)
 
 
+def test_a_resumed_torchrun_run_trains_on_as_the_uninterrupted_one_did(toy, tmp_path):
+    """Bit for bit on the CPU, ACT exploration included: every rank's random stream is saved and restored (rows
+    halt from the first steps with no_ACT_continue=False, so each rank's exploration draws decide which)."""
+    args = [f'--data_path={toy}', '--max_steps=16', '--checkpoint_interval=8', '--no_ACT_continue=False'] + FAST \
+        + ['--log_interval=1']
+    p = torchrun(2, [f'--out_dir={tmp_path}/straight'] + args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    os.makedirs(tmp_path / 'resumed')
+    os.replace(tmp_path / 'straight' / 'ckpt_00000008.pt', tmp_path / 'resumed' / 'ckpt_00000008.pt')
+    p = torchrun(2, [f'--out_dir={tmp_path}/resumed', '--init_from=resume'] + args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    keys = ('step', 'loss', 'steps', 'accuracy', 'grad_norm')
+    logs = [[tuple(l.get(k) for k in keys) for l in map(json.loads, open(tmp_path / d / 'metrics.jsonl'))
+             if l['kind'] == 'train' and l['step'] > 8] for d in ('straight', 'resumed')]
+    assert len(logs[0]) == 8 and any((l[2] or 4) < 4 for l in logs[0]), logs[0]  # rows halted early
+    assert logs[0] == logs[1]
+
+
 # (the W&B code runs on rank 0 alone, the same at any world size: three of the four pairs keep the suite short,
 # since wandb's own service takes a core for tens of seconds on this 2-core machine)
 @pytest.mark.parametrize('how,ranks', [('not logged in', 1), ('not logged in', 2), ('server unreachable', 1)])
