@@ -218,8 +218,10 @@ class TensorBoardWriter:
             if remote and step:  # a resume: what its catch_up sends back cut
                 fetch_events(remote, os.path.join(local, 'tb'))
             # from scratch (a new run over an earlier one: --overwrite): none of the earlier records are this run's,
-            # its config text at step 0 neither
+            # its config text at step 0 neither, here or in the bucket
             cut_events(os.path.join(local, 'tb'), step if step else -1)
+            if remote and not step:
+                drop_events(remote)
             board = cls(cls.summary_writer(os.path.join(local, 'tb'), step + 1))
             if step == 0:  # the config once, as a table
                 board.writer.add_text('config', '\n'.join(['| key | value |', '|---|---|'] + [
@@ -329,6 +331,18 @@ def fetch_events(remote, folder):
             tmp = gcs.download_if_there(uri, os.path.join(folder, 'fetch.tmp'), "it is left as it is")
             if tmp:
                 os.replace(tmp, path)
+
+
+def drop_events(remote):
+    """The event files under the bucket's <remote>/tb deleted (an earlier run's, which TensorBoard on the bucket
+    would show beside this one's); one that cannot be deleted is a warning."""
+    try:
+        for uri, _ in gcs.list_objects(f"{remote.rstrip('/')}/tb/"):
+            if 'tfevents' in uri.rsplit('/', 1)[1]:
+                gcs.delete_object(uri)
+    except gcs.GCSError as e:
+        print(f"warning: cannot delete the earlier run's event files in {remote}/tb ({e}); TensorBoard on the "
+              "bucket shows them beside this run's")
 
 
 def quiet_event_writers(args):

@@ -289,6 +289,22 @@ def test_a_bucket_run_s_events_reach_the_bucket_and_read_back_equal(emu, toy, tm
     assert not [n for n in os.listdir(local) if n.startswith('.tb.')]  # the upload snapshots are gone
 
 
+def test_a_bucket_run_started_over_an_earlier_one_leaves_only_its_own_events_there(emu, toy, tmp_path):
+    """--overwrite=True into a gs:// out_dir: the earlier run's event file goes from the bucket as from the local
+    folder, so TensorBoard on the bucket shows the new run's steps and config alone."""
+    out, local, env = f'gs://{BUCKET}/tb/over', tmp_path / 'l', dict(STORAGE_EMULATOR_HOST=emu[7:])
+    train(toy, out, f'--local_dir={local}', '--max_steps=12', '--checkpoint_interval=6', env=env)
+    train(toy, out, f'--local_dir={local}', '--max_steps=8', '--checkpoint_interval=4', '--lr=1e-3',
+          '--overwrite=True', env=env)
+    client = gcs.GCS(endpoint=emu)
+    uris = [uri for uri, _ in client.list(out + '/tb/')]
+    assert [uri.rsplit('/', 1)[1] for uri in uris] == os.listdir(local / 'tb'), uris
+    client.download(uris[0], str(tmp_path / 'copy' / uris[0].rsplit('/', 1)[1]))
+    acc = assert_board_equals_records(local, tb=tmp_path / 'copy')
+    configs = [e.tensor_proto.string_val[0].decode() for e in acc.Tensors('config/text_summary')]
+    assert len(configs) == 1 and '| lr | 0.001 |' in configs[0], configs
+
+
 def event_steps(path):
     """The steps of every scalar record in one event file, in order, read with TensorBoard's own record reader."""
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
