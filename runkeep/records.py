@@ -66,8 +66,9 @@ class Records:
                         kept = [l for i, l in enumerate(f, 1)
                                 if l.endswith('\n') and self.readable(l, i, path)
                                 and (json.loads(l).get('step') or 0) <= step]  # an older watchdog's: null
-                    lines = max(lines, kept, key=len)  # the newest copy: the local one or (a new machine) the
-                                                       # bucket's
+                    # the newest copy: the local one, or the bucket's on a new machine or on one whose folder
+                    # another machine's resume has overtaken since (it may hold more lines, of steps since undone)
+                    lines = max(lines, kept, key=lambda c: (c and json.loads(c[-1]).get('time') or 0, len(c)))
         finally:
             if os.path.exists(self.path + '.bucket'):
                 os.remove(self.path + '.bucket')

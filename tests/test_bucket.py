@@ -65,6 +65,25 @@ def test_a_resume_on_a_new_machine_keeps_the_bucket_s_metrics_history(emulator, 
     assert open(tmp_path / 'new' / 'train.log').read() == log
 
 
+def test_a_resume_back_on_the_first_machine_goes_on_with_the_bucket_s_newer_metrics(emulator, toy, tmp_path):
+    """The first machine trained to step 5 (a line every step), its checkpoints past step 2 never reached the
+    bucket; a second machine resumed from step 2 to step 6 (a line every 2 steps); the first machine, back with its
+    folder as it was, resumes step 6 from the bucket: the history is the second machine's up to step 6, though the
+    first machine's older copy holds more lines."""
+    out, env, client = f'gs://{BUCKET}/lost/back', dict(STORAGE_EMULATOR_HOST=host(emulator)), gcs.GCS(endpoint=emulator)
+    run(train_args(toy, out, tmp_path / 'a', '--max_steps=5', '--log_interval=1', '--keep_last_n=0'), env=env)
+    for step in (4, 5):
+        client.delete(f'{out}/ckpt_{step:08d}.pt')
+    p = run(train_args(toy, out, tmp_path / 'b', '--max_steps=6', '--init_from=resume'), env=env)
+    assert '(step 2)' in p.stdout, p.stdout[-3000:]
+    p = run(train_args(toy, out, tmp_path / 'a', '--max_steps=8', '--init_from=resume'), env=env)
+    assert '(step 6)' in p.stdout, p.stdout[-3000:]
+    client.download(f'{out}/metrics.jsonl', str(tmp_path / 'm.jsonl'))
+    lines = [json.loads(l) for l in open(tmp_path / 'm.jsonl')]
+    assert [(l['kind'], l['step']) for l in lines] == [('train', 1), ('train', 2), ('train', 4), ('train', 6),
+                                                       ('eval', 6), ('train', 8), ('eval', 8)], lines
+
+
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
     def train_here(out, *extra):  # the default local_dir is relative: the processes run in tmp_path
         e = script_env(dict(STORAGE_EMULATOR_HOST=host(emulator)))
