@@ -82,6 +82,10 @@ def test_a_resume_back_on_the_first_machine_goes_on_with_the_bucket_s_newer_metr
     lines = [json.loads(l) for l in open(tmp_path / 'm.jsonl')]
     assert [(l['kind'], l['step']) for l in lines] == [('train', 1), ('train', 2), ('train', 4), ('train', 6),
                                                        ('eval', 6), ('train', 8), ('eval', 8)], lines
+    # train.log too: the bucket's (the first machine's log, continued by the second), continued by the third process
+    client.download(f'{out}/train.log', str(tmp_path / 'train.log'))
+    log = open(tmp_path / 'train.log').read()
+    assert log.count(' pid ') == 3 and log.index('(step 2)') < log.index('(step 6)'), log
 
 
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
