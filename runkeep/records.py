@@ -637,6 +637,20 @@ def drop_results(local, gs_out, submission=False):
     return True
 
 
+def drop_evaluations(local, gs_out):
+    """Rank 0, a new run over an earlier one (--overwrite=True): the earlier run's --eval_only records (evals/,
+    ARC's submissions with them) removed, local and in the bucket, since a study would take one of the same step
+    and name for this run's. A bucket that cannot delete one is a warning."""
+    shutil.rmtree(os.path.join(local, 'evals'), ignore_errors=True)
+    if gs_out:
+        try:
+            for uri, _ in gcs.list_objects(f"{gs_out.rstrip('/')}/evals/"):
+                gcs.delete_object(uri)
+        except gcs.GCSError as e:
+            print(f"warning: cannot delete the earlier run's evaluations in {gs_out}/evals ({e}): they are not "
+                  "this run's")
+
+
 # -----------------------------------------------------------------------------
 # one run's records, as Run (run.py) keeps them: rank 0 writes, every rank calls at the same points
 

@@ -36,7 +36,7 @@ from .checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_p
                          load_weights, prune_checkpoints, resume_parts, set_aside_diverged, start_file_missing,
                          write_checkpoint)
 from .locks import lock_bucket, lock_local, mark_data, release_locks
-from .records import RunRecords, drop_results, remove_unfinished, start_log
+from .records import RunRecords, drop_evaluations, drop_results, remove_unfinished, start_log
 from .signals import (STOP, StopBound, ended_abruptly, exit_if_orphaned, follow_launcher, forward_signals,
                       install_signal_handlers)
 from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,
@@ -108,6 +108,8 @@ class Run:
             problems = delete_all_checkpoints([self.local] + ([self.gs_out] if self.gs_out else []))
             # its results too: a stop in this run's final evaluation would leave them beside this run's last step
             self.results_dropped = not problems and drop_results(self.local, self.gs_out, submission=True)
+            if not problems:
+                drop_evaluations(self.local, self.gs_out)
         fail_together(dev, problems, 'overwrite')
 
     def resume(self, model, ema_model, opt, loader, resume_fixed, last_step, arc=None):

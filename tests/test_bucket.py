@@ -88,6 +88,18 @@ def test_a_resume_back_on_the_first_machine_goes_on_with_the_bucket_s_newer_metr
     assert log.count(' pid ') == 3 and log.index('(step 2)') < log.index('(step 6)'), log
 
 
+def test_a_run_started_over_an_earlier_one_leaves_none_of_its_evaluations(emulator, toy, tmp_path):
+    """--overwrite=True: the earlier run's --eval_only records (evals/) go with its checkpoints, here and in the
+    bucket; a study would otherwise take them for the new run's, at the same step and name."""
+    out, local, env = f'gs://{BUCKET}/lost/over', tmp_path / 'l', dict(STORAGE_EMULATOR_HOST=host(emulator))
+    run(train_args(toy, out, local, '--max_steps=4'), env=env)
+    run(train_args(toy, out, local, '--max_steps=4', '--eval_only=True', '--init_from=resume'), env=env)
+    client = gcs.GCS(endpoint=emulator)
+    assert [uri for uri, _ in client.list(f'{out}/evals/')] == [f'{out}/evals/views1-steps4.json']
+    run(train_args(toy, out, local, '--max_steps=4', '--lr=1e-3', '--overwrite=True'), env=env)
+    assert not client.list(f'{out}/evals/') and not os.path.exists(local / 'evals')
+
+
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
     def train_here(out, *extra):  # the default local_dir is relative: the processes run in tmp_path
         e = script_env(dict(STORAGE_EMULATOR_HOST=host(emulator)))
