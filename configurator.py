@@ -170,6 +170,14 @@ def read_config_block(path, section=None):
     return {k: (scope[k], meanings.get(k, '')) for k in keys}
 
 
+def find_file(path):
+    """Where a file a config names is (a _base, a study's builder): the path as written from the working folder,
+    else from the repository's root, wherever the command runs."""
+    if os.path.exists(path) or os.path.isabs(path):
+        return path
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+
+
 def config_files(path, binary_hint=''):
     """[(file, {key: value})] that a config file applies, in order: its `_base` chain first, then itself.
     binary_hint: said after the typed file's name where that file is not text (a checkpoint typed without its key)."""
@@ -178,8 +186,7 @@ def config_files(path, binary_hint=''):
         if any(path == p for p, _ in chain):
             raise SystemExit(f"config error: {chain[0][0]} names itself as _base (through {path})")
         named = path  # as the command line or the _base line says it
-        if not os.path.exists(path) and not os.path.isabs(path):  # a _base is a path from the repository root
-            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
+        path = find_file(path)
         try:
             with open(path) as f:
                 src = f.read()

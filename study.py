@@ -46,7 +46,7 @@ import time
 from collections import deque
 
 from runkeep import gcs
-from configurator import Tee, parse_flags, type_problem
+from configurator import Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from runkeep.locks import holder_gone, lock_record
 from runkeep.signals import die_with_parent
@@ -455,6 +455,9 @@ class Running:
         self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
         env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path)})  # a run's rank 0: not again
+        # the script (the first .py: train.py, prepare_*.py) is the repository's, wherever the study was started
+        if (at := next((i for i, a in enumerate(cmd) if a.endswith('.py')), None)) is not None:
+            cmd = cmd[:at] + [find_file(cmd[at])] + cmd[at + 1:]
         self.p = subprocess.Popen([sys.executable] + cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                   env=child_env(env), start_new_session=True,
                                   preexec_fn=lambda: _child_setup(parent, cores))

@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass
 
 from runkeep import gcs
-from configurator import (config_files, config_problems, key_problem, place_words, places, read_config_block,
-                          type_problem)
+from configurator import (config_files, config_problems, key_problem, place_words, places,
+                          find_file, read_config_block, type_problem)
 from puzzles import shape_from_name
 from runkeep.checkpoint import checkpoint_name, list_checkpoints, load_checkpoint
 
@@ -101,6 +101,7 @@ TRAIN_RENAMED = read_renamed(os.path.join(HERE, 'train.py'))
 def read_meta(path):
     """The '_' names of a config file (_base, _prepare): study.py's, not train.py's."""
     scope = {}
+    path = find_file(path)
     exec(compile(open(path).read(), path, 'exec'), scope)  # one namespace, as configurator.config_files has
     return {k: v for k, v in scope.items() if k.startswith('_') and not k.startswith('__')}
 
@@ -270,8 +271,7 @@ class Experiment:
             list(opts.extra_args) + [f'--init_from={resume}']
         shown = (['torchrun'] + self.cmd[2:]) if nproc > 1 else (['python'] + self.cmd)
         # cpu scale: one thread per run. These models are too small to gain from a second thread, and beside
-        # other jobs a multi-threaded one crawls (measured on a busy 2-core machine: 5 examples/s with 2
-        # threads, 77-150 with 1). A value set by the user is kept.
+        # other jobs a multi-threaded one crawls. A value set by the user is kept.
         self.env = {'OMP_NUM_THREADS': '1'} if opts.scale == 'cpu' and 'OMP_NUM_THREADS' not in os.environ else {}
         self.display = ' '.join([f"{k}={v}" for k, v in self.env.items()] + [shlex.quote(x) for x in shown])
         self.same_as = None  # the experiment whose run (out_dir) this one shares

@@ -354,6 +354,16 @@ def results_of(out, names):
     return got
 
 
+def test_a_study_started_from_another_folder_builds_and_trains_with_the_repository_s_scripts(tiny_grid):
+    tmp = tiny_grid
+    elsewhere = os.path.join(tmp, 'elsewhere')
+    os.mkdir(elsewhere)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, 'study.py')] + study_args(tmp, 'rec_L2')[1:], cwd=elsewhere,
+                       env=script_env(None), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0 and "can't open file" not in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    assert json.load(open(f'{tmp}/out/rec_L2/results.json'))['step'] == 40
+
+
 def test_parallel_slots_give_the_sequential_results_and_a_killed_study_resumes(tiny_grid):
     tmp = tiny_grid
     names = ['rec_L2', 'rec_L4']
