@@ -424,9 +424,8 @@ def test_the_profile_summary_sums_the_gpu_kernels_by_kind(tmp_path):
 def test_bench_refuses_a_kernels_ab_that_is_no_kernels_value_in_one_line():
     for value in ('fast', 'True'):  # True: the flag's old form, a switch
         p = run(['bench.py', '--device=cpu', f'--kernels_ab={value}'], check=False)
-        want = (f"config error: kernels='auto', kernels_ab='{value}' (allowed: 'auto' | 'off' | 'mlp_t' | 'cudnn' | "
-                f"'gated' | 'quack' | 'triton'; "
-                "kernels_ab also '': no A/B)")
+        want = (f"config error: kernels_ab='{value}' (allowed: '' (no A/B) | 'auto' | 'off' | 'mlp_t' | 'cudnn' | "
+                f"'gated' | 'quack' | 'triton'), from --kernels_ab={value}")
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], p.stderr
 
 
