@@ -465,6 +465,13 @@ def run_changes(theirs, config):
     return changed, fixed
 
 
+def clash_words(fixed):
+    """run_changes' `fixed`, where a folder holds another run's steps, in the words both refusals use."""
+    return ("whose all_config.yaml has " + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this "
+            "checkpoint's would have " + ', '.join(f"{k}={b!r}" for k, _, b in fixed) + "; it answers for every "
+            "step_<N> beside it (they would load with the new values)")
+
+
 def folder_problem(folder, config, weights, step):
     """Why `folder` cannot take step_<step> (the state dict `weights`) and the all_config.yaml `config` (a
     dict), in one line, or '': it holds step files of another run (RUN_FIELDS differ, or no all_config.yaml
@@ -490,10 +497,7 @@ def folder_problem(folder, config, weights, step):
     run = f"the run {theirs.get('run_name')!r} (data_paths {theirs.get('data_paths')})"
     changed, fixed = run_changes(theirs, config)
     if steps and fixed:
-        return (f"out_dir={folder} holds {there} of {run}, whose all_config.yaml has "
-                + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this checkpoint's would have "
-                + ', '.join(f"{k}={b!r}" for k, _, b in fixed) + "; it answers for every step_<N> beside it (they "
-                f"would load with the new values): {then}")
+        return f"out_dir={folder} holds {there} of {run}, {clash_words(fixed)}: {then}"
     mine = os.path.join(folder, f'step_{step}')
     if os.path.isfile(mine):
         try:
@@ -582,10 +586,7 @@ def upload(paths, repo, path_in_repo, revision='main', private=True, message='')
             fixed = run_changes(theirs, yaml.safe_load(f))[1] if isinstance(theirs, dict) else []
         if fixed:
             fail(f"upload to {repo}: its {path_in_repo}/ holds the steps of the run {theirs.get('run_name')!r}, "
-                 f"whose all_config.yaml has " + ', '.join(f"{k}={a!r}" for k, a, _ in fixed) + " where this "
-                 "checkpoint's has " + ', '.join(f"{k}={b!r}" for k, _, b in fixed) + "; it answers for every "
-                 "step_<N> beside it (they would load with the new values): give another --path_in_repo; "
-                 "nothing was committed")
+                 f"{clash_words(fixed)}: give another --path_in_repo; nothing was committed")
         api.create_repo(repo, private=private, exist_ok=True)
         return api.create_commit(repo, ops, revision=revision,
                                  commit_message=message or f"{path_in_repo}: a TRM checkpoint").oid

@@ -336,14 +336,20 @@ def fetch_events(remote, folder):
 
 def drop_events(remote):
     """The event files under the bucket's <remote>/tb deleted (an earlier run's, which TensorBoard on the bucket
-    would show beside this one's); one that cannot be deleted is a warning."""
+    would show beside this one's)."""
+    drop_in_bucket(f"{remote.rstrip('/')}/tb/", lambda name: 'tfevents' in name,
+                   "event files", "TensorBoard on the bucket shows them beside this run's")
+
+
+def drop_in_bucket(prefix, wanted, what, then):
+    """An earlier run's objects under the bucket's prefix whose names `wanted` takes, deleted; a bucket that cannot
+    delete one is a warning naming `what` and what follows (`then`)."""
     try:
-        for uri, _ in gcs.list_objects(f"{remote.rstrip('/')}/tb/"):
-            if 'tfevents' in uri.rsplit('/', 1)[1]:
+        for uri, _ in gcs.list_objects(prefix):
+            if wanted(uri.rsplit('/', 1)[1]):
                 gcs.delete_object(uri)
     except gcs.GCSError as e:
-        print(f"warning: cannot delete the earlier run's event files in {remote}/tb ({e}); TensorBoard on the "
-              "bucket shows them beside this run's")
+        print(f"warning: cannot delete the earlier run's {what} in {prefix.rstrip('/')} ({e}); {then}")
 
 
 def quiet_event_writers(args):
@@ -643,12 +649,7 @@ def drop_evaluations(local, gs_out):
     and name for this run's. A bucket that cannot delete one is a warning."""
     shutil.rmtree(os.path.join(local, 'evals'), ignore_errors=True)
     if gs_out:
-        try:
-            for uri, _ in gcs.list_objects(f"{gs_out.rstrip('/')}/evals/"):
-                gcs.delete_object(uri)
-        except gcs.GCSError as e:
-            print(f"warning: cannot delete the earlier run's evaluations in {gs_out}/evals ({e}): they are not "
-                  "this run's")
+        drop_in_bucket(f"{gs_out.rstrip('/')}/evals/", lambda name: True, "evaluations", "they are not this run's")
 
 
 # -----------------------------------------------------------------------------
