@@ -590,7 +590,6 @@ def main(argv=None):
     b.add_argument('--seed', type=int, default=0, help='subsample and augmentation seed (default: 0)')
     b.add_argument('--skip_bad', action='store_true', help='skip malformed rows (counted) instead of failing')
     args = p.parse_args(argv)
-    args.output_dir, bucket_uri = gcs.build_folder(args.output_dir)
     if args.generate is not None and args.csv_dir is not None:
         p.error('--generate and --csv_dir exclude each other')
     for name in ('generate', 'num_test', 'subsample_size', 'num_aug', 'min_rating'):
@@ -602,6 +601,7 @@ def main(argv=None):
         if args.generate is not None and getattr(args, name) == 0:
             print(f"error: --{name} 0: the {split} split would hold no examples; ask for at least 1", file=sys.stderr)
             return 2
+    args.output_dir, bucket_uri = gcs.build_folder(args.output_dir)  # the bucket checked once the options are
     t0, uploading = time.time(), ''
     try:
         csv_dir = args.csv_dir
