@@ -194,7 +194,7 @@ def evaluate_and_save(run, step, last_step, model, ema_model, loaders, arc, save
     raw = evaluation(run, model, loaders[eval_subset], arc)[0] if res and ema and not final else None
     if res is None or (ema and not final and raw is None):
         if save:
-            save(' (stop requested)', owed=True)
+            save(' (stop requested)', owed='final' if final else True)
         return False
     run.log_eval(step, res, raw, xla_before, log)
     run.new_best(step, res)
@@ -237,6 +237,8 @@ def main(index=None):
     if eval_only:
         return run.evaluate_checkpoint(lambda: evaluation(run, ema_model, loaders[0], arc, show_example=True),
                                        step, arc)
+    if run.owed_final:  # the time budget's last step: its final evaluation, as the run stopped in it would have
+        run_steps = step
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
         done = run.finished_before(step, run_steps, end) or evaluate_and_save(

@@ -59,6 +59,7 @@ class Run:
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
         self.owed = False   # the checkpoint resumed was saved by a stop before its step's evaluation was done
+        self.owed_final = False  # ... before its final evaluation, at a step short of the run's last
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
         self.verified = -1  # newest step whose weights gave a finite loss: checkpoints up to it train on
         self.results_dropped = False  # an older run's results.json removed, at this process's first save
@@ -141,9 +142,13 @@ class Run:
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
                 self.verified = step
                 self.owed = bool(ckpt.get('eval_owed')) and step < last_step and not cfg['eval_only']
+                # a final evaluation short of last_step: the time budget's, which ended the run there
+                self.owed_final = self.owed and ckpt.get('eval_owed') == 'final'
                 if self.owed and self.master:  # at the last step: at_the_end evaluates it, results.json missing
                     print(f"{self.resumed_from}: a stop came before its evaluation at step {step} was done: "
-                          "evaluating it before training on")
+                          + ("evaluating it as the run's final one (the time budget's last step; rerun with "
+                             "--init_from=resume to train on)" if self.owed_final else
+                             "evaluating it before training on"))
         if init_file and ckpt is None:  # a training run onto other identifiers adapts the network
             said = load_weights(init_file, model, ema_model, self.meta, self.data_path,
                                 adapt=not cfg['eval_only'])

@@ -10,11 +10,13 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 
 import torch
 
-from conftest import TOY_ARGS, Lines, ckpts, popen_train, run, train
+from conftest import ROOT, TOY_ARGS, Lines, ckpts, popen_train, run, script_env, site_hook, train
 from test_dist import torchrun
 
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
@@ -46,6 +48,47 @@ def test_a_time_budget_ends_the_run_with_its_final_evaluation_and_a_resume_train
     later = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
     assert len(later) == 1 and int(later[0][1]) > step, p.stdout[-3000:]
     assert json.load(open(out / 'results.json'))['step'] == int(later[0][1])
+
+
+def test_a_stop_during_the_budget_s_final_evaluation_is_made_good_by_the_resume_alone(tmp_path):
+    # the final evaluation waits for the stop request (a hook in the first process only), so the stop surely lands
+    # in it; the same command again then evaluates that step once, as the run's final, and ends
+    data, out = tmp_path / 'arc', tmp_path / 'o'
+    run(['prepare_arc.py', '--synthetic', '--canvas=4', '--num_tasks=4', '--num_eval_tasks=2', '--num_aug=2',
+         f'--output_dir={data}'], env=ENV)
+    hook = site_hook(tmp_path / 'hook', """
+if sys.argv[0].endswith('train.py'):
+    import evaluate
+    from runkeep.signals import STOP
+    real = evaluate.evaluate
+
+    def held(*args, **kwargs):
+        print('test hook: the evaluation waits', flush=True)
+        while not STOP['requested']:
+            time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    evaluate.evaluate = held
+""")
+    cmd = [sys.executable, 'train.py', f'--data_path={data}', f'--out_dir={out}', '--max_minutes=0.05',
+           '--init_from=resume'] + TINY_ARC + ['--eval_every_epochs=100000']
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env({**ENV, **hook}), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+    lines = Lines(proc)
+    said = VERDICT.fullmatch(lines.until('time budget:').split(' (--max_minutes')[0])
+    lines.until('test hook: the evaluation waits')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    step = int(said[1])
+    assert proc.returncode == 0 and 'stop requested' in text, text[-3000:]
+    assert ckpts(out) == [f'ckpt_{step:08d}.pt'] and not os.path.exists(out / 'results.json'), text[-3000:]
+    p = run(cmd[1:], env=ENV)
+    evals = [l for l in p.stdout.splitlines() if l.startswith('eval ')]
+    assert len(evals) == 1 and evals[0].startswith('eval on 6:'), p.stdout[-3000:]  # once, the whole test split
+    assert 'time budget: stopping' not in p.stdout and ckpts(out) == [f'ckpt_{step:08d}.pt'], p.stdout[-3000:]
+    assert json.load(open(out / 'results.json'))['step'] == step and os.path.exists(out / 'submission.json')
+    logged = [json.loads(l) for l in open(out / 'metrics.jsonl')]
+    assert [r['step'] for r in logged if r['kind'] == 'eval'] == [step], logged
 
 
 def test_sigterm_during_a_budgeted_run_saves_and_resumes_as_always(toy, tmp_path):
