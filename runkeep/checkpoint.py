@@ -32,7 +32,9 @@ from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_toget
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
 MAX_WEIGHT = 1e4
-CKPT_RE = re.compile(r'ckpt_(\d{8})\.pt$')
+# checkpoint_name's: eight digits at least (a ninth from step 10^8 on); the lister, the pruning and solve.py's
+# hint read names by it alone
+CKPT_RE = re.compile(r'ckpt_(\d{8,})\.pt$')
 
 
 def checkpoint_name(step):
@@ -585,8 +587,8 @@ def read_checkpoint(path):
     if not path:
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
     if os.path.isdir(path):  # a run's folder, or a published one: the newest checkpoint in it is the likely one
-        numbered = [(int(m.group(1) or m.group(2)), f) for f in os.listdir(path)
-                    if (m := re.fullmatch(r'ckpt_(\d+)\.pt|step_(\d+)', f))]
+        numbered = [(int(m.group(1)), f) for f in os.listdir(path)
+                    if (m := CKPT_RE.fullmatch(f) or re.fullmatch(r'step_(\d+)', f))]
         fail(f"init_from={path} is a folder, not a checkpoint file"
              + (f": name one in it, such as --init_from={os.path.join(path, max(numbered)[1])}" if numbered else ''))
     if not os.path.isfile(path):

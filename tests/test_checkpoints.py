@@ -209,3 +209,20 @@ def test_a_checkpoint_file_gives_the_model_keys_its_run_had_unless_set_and_a_set
     assert f"H_cycles=3 as set ({recipe}), the checkpoint's 2" in said, said
     assert "halt_max_steps=6 as set (--halt_max_steps=6), the checkpoint's 4" in said, said
     assert eval_lines(p.stdout), p.stdout[-3000:]
+
+
+def test_checkpoints_past_step_99_999_999_are_found_by_the_resume_the_pruning_and_solve_py_s_hint(toy, tmp_path):
+    # a run's checkpoint renumbered to just below 10^8 steps: the writer's names grow a ninth digit from there on
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=2')
+    ck = torch.load(out / 'ckpt_00000002.pt', weights_only=True)
+    ck['step'] = 99_999_998
+    torch.save(ck, out / 'ckpt_99999998.pt')
+    os.remove(out / 'ckpt_00000002.pt')
+    many = ['--init_from=resume', '--epochs=6000000', '--checkpoint_interval=1', '--keep_last_n=2', '--log_interval=1']
+    train(toy, out, *many, '--max_steps=100000001')
+    assert ckpts(out) == ['ckpt_100000000.pt', 'ckpt_100000001.pt'], ckpts(out)
+    p = train(toy, out, *many, '--max_steps=100000002')
+    assert f'resuming from {out}/ckpt_100000001.pt (step 100000001)' in p.stdout, p.stdout[-3000:]
+    p = run(['solve.py', f'--init_from={out}', f'--data_path={toy}', '--index=0', '--device=cpu'], check=False)
+    assert_user_error(p, f'--init_from={out}/ckpt_100000002.pt', one_line=True)
