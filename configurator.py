@@ -47,6 +47,8 @@ class Tee:
     # in OUTPUT_LOG_VAR): written from here only once the parent's reading end is gone, so each line is there once
     parent_log = None
     OUTPUT_LOG_VAR = 'TRM_OUTPUT_LOG'
+    OUTPUT_FROM_VAR = 'TRM_OUTPUT_LOG_FROM'  # where the parent's part for this process begins: its header, then
+                                             # this process's output
 
     def __init__(self, stream):
         self.stream, self.closed_seen = stream, False
@@ -65,6 +67,18 @@ class Tee:
             cls.parent_log = path
         else:
             cls.open_log(path)
+
+    @classmethod
+    def own_part(cls, path, size):
+        """Where the part of the log at path (`size` bytes now) that is this process's begins: the parent's
+        header for it, where a parent appends the output there; else the log's end."""
+        parent = os.environ.get(cls.OUTPUT_LOG_VAR)
+        if parent and os.path.realpath(parent) == os.path.realpath(path):
+            try:
+                return min(int(os.environ.get(cls.OUTPUT_FROM_VAR, size)), size)
+            except ValueError:
+                pass
+        return size
 
     @classmethod
     def open_log(cls, path):

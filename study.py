@@ -452,9 +452,12 @@ class Running:
             self.log = open(log_path, 'ab')
         except OSError as ex:
             self.log_failed(ex)
+        start = self.log.tell() if self.log else 0
         self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
-        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path)})  # a run's rank 0: not again
+        # a run's rank 0 writes the log not again; a gs:// run resumed on another machine puts the bucket's log
+        # before what follows `start` (OUTPUT_FROM_VAR), not in its place
+        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path), Tee.OUTPUT_FROM_VAR: str(start)})
         # the script (the first .py: train.py, prepare_*.py) is the repository's, wherever the study was started
         if (at := next((i for i, a in enumerate(cmd) if a.endswith('.py')), None)) is not None:
             cmd = cmd[:at] + [find_file(cmd[at])] + cmd[at + 1:]

@@ -567,26 +567,31 @@ def groups(line):
 def start_log(local, gs_out, resuming):
     """Rank 0: stdout and stderr also into <local>/train.log; a gs:// run resumed on a new machine first
     fetches the bucket's log, so it goes on with it, and so does one on a machine whose log the bucket's goes on
-    from (another machine resumed the run since)."""
+    from (another machine resumed the run since). Under a study, which wrote its header for this process (and
+    maybe its first lines) into the log already, that part follows the bucket's log."""
     log = os.path.join(local, 'train.log')
     if gs_out and resuming:
         here = f"{log} goes on as it is" if os.path.exists(log) else "train.log starts anew here"
         bucket = gcs.download_if_there(f"{gs_out.rstrip('/')}/train.log", log + '.bucket',
                                        f"{here}, and its upload replaces the bucket's")
-        if bucket and continues(bucket, log):
-            os.replace(bucket, log)
-        elif bucket:
-            os.remove(bucket)
+        if bucket:
+            try:
+                with open(log, 'rb') as f:
+                    ours = f.read()
+            except FileNotFoundError:
+                ours = b''
+            start = Tee.own_part(log, len(ours))
+            if continues(bucket, ours[:start]):
+                with open(bucket, 'ab') as f:
+                    f.write(ours[start:])
+                os.replace(bucket, log)
+            else:
+                os.remove(bucket)
     Tee.log_to(log)
 
 
-def continues(path, log):
-    """Whether the file at path is the file at log (absent: empty) with more lines after it."""
-    try:
-        with open(log, 'rb') as f:
-            ours = f.read()
-    except FileNotFoundError:
-        ours = b''
+def continues(path, ours):
+    """Whether the file at path is `ours` (bytes) with more lines after it."""
     with open(path, 'rb') as f:
         return os.path.getsize(path) > len(ours) and f.read(len(ours)) == ours
 

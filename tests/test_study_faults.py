@@ -1,7 +1,8 @@
 """
 Nothing lost in a study (study.py): a closed stdout, the flags the runner owns, a FAILED run's reason, a
 finished run recorded with another configuration, a pod host without an index, bad values in experiment files
-and --extra, an unreadable results.json in the report, and two studies on one out_root. Real study.py
+and --extra, an unreadable results.json in the report, two studies on one out_root, and a gs:// run's train.log
+when a study resumes it on a new machine. Real study.py
 processes on tiny cpu-scale runs (4x4 Sudoku), real files.
     python -m pytest -q tests/test_study_faults.py
 """
@@ -18,7 +19,8 @@ import time
 
 import pytest
 
-from conftest import ROOT, assert_user_error, held_step, run, script_env
+from runkeep import gcs
+from conftest import BUCKET, ROOT, assert_user_error, held_step, run, script_env
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 EXTRA = '--max_steps=20 --checkpoint_interval=10 --log_interval=10'
@@ -44,9 +46,10 @@ def args(tmp, data_root, pattern='rec_L2', extra=EXTRA, *more):
             f'--data_root={data_root}', '--scale=cpu', f'--extra={extra}'] + list(more)
 
 
-def start(cmd, env=None, **kw):
+def start(cmd, env=None, cwd=ROOT, **kw):
     kw = dict(dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), **kw)
-    return subprocess.Popen([sys.executable] + cmd, cwd=ROOT, env=script_env(env), start_new_session=True, **kw)
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, cmd[0])] + cmd[1:], cwd=cwd, env=script_env(env),
+                            start_new_session=True, **kw)
 
 
 def wait_for(cond, timeout=300):
@@ -251,3 +254,28 @@ def test_a_second_study_on_the_same_out_root_refuses_to_start(grid, data_root):
     p = run(args(grid, data_root, 'rec_L4'))
     assert 'taking over' in p.stdout and re.search(r'rec_L4 +done', summary(p.stdout)), p.stdout[-3000:]
     assert not os.path.exists(lock)  # released at the end
+
+
+def test_a_gs_run_resumed_by_a_study_on_a_new_machine_keeps_the_first_machine_s_log(emulator, grid, data_root,
+                                                                                      tmp_path):
+    """A study stopped mid-run (a spot VM's notice), then rerun on a new machine (an empty working folder) with
+    the same gs:// out_root: the run resumes from the bucket, and the bucket's train.log is the first machine's,
+    continued by the second's (the study's header for the new process goes before train.py fetches the log)."""
+    out, env = f'gs://{BUCKET}/study_log', dict(STORAGE_EMULATOR_HOST=emulator.replace('http://', ''))
+    cmd = [a if not a.startswith('--out_root=') else f'--out_root={out}'
+           for a in args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=30'))]
+    first, second = tmp_path / 'first', tmp_path / 'second'
+    first.mkdir(), second.mkdir()
+    p = start(cmd, env=dict(env, **held_step(tmp_path / 'hook', 15, argv=('rec_L2',))), cwd=first)
+    log = first / 'out' / BUCKET / 'study_log' / 'rec_L2' / 'train.log'
+    wait_for(lambda: p.poll() is not None or log.exists() and 'test hook: step 15 waits' in log.read_text())
+    p.send_signal(signal.SIGTERM)
+    text = p.communicate(timeout=300)[0]
+    assert 'stopped; rerun the same command' in text, text[-3000:]
+    p = run(cmd, env=env, cwd=second)
+    assert 'resuming from' in p.stdout and re.search(r'rec_L2 +done', summary(p.stdout)), p.stdout[-3000:]
+    gcs.GCS(endpoint=emulator).download(f'{out}/rec_L2/train.log', str(tmp_path / 'bucket.log'))
+    bucket = (tmp_path / 'bucket.log').read_text()
+    assert bucket.count('\n=== ') == 2 and bucket.index('step 10/30') < bucket.index('test hook: step 15 waits') \
+        < bucket.index('resuming from') < bucket.index('step 30/30'), bucket
+    assert (second / 'out' / BUCKET / 'study_log' / 'rec_L2' / 'train.log').read_text() == bucket
