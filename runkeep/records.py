@@ -288,20 +288,25 @@ class TensorBoardWriter:
 
 
 def cut_events(folder, step):
-    """The event files in folder (earlier processes') without their records past `step`, each rewritten
-    through cut.tmp (no 'tfevents' in its name: TensorBoard reads no leftover of it), or removed where none is
-    left; a torn last record goes too. A record is TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the
-    Event's CRC; the records kept are copied as they are. A file that cannot be cut is a warning."""
-    from tensorboard.compat.proto.event_pb2 import Event
+    """The event files in folder (earlier processes') without their records past `step`, nor past the step
+    before the one a later file's process resumed from (its purge: a machine back on the run holds in its own file
+    the steps another machine undid since), each rewritten through cut.tmp (no 'tfevents' in its name:
+    TensorBoard reads no leftover of it), or removed where none is left; a torn last record goes too. A record is
+    TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the Event's CRC; the records kept are copied as they
+    are. A file that cannot be cut is a warning."""
+    from tensorboard.compat.proto.event_pb2 import Event, SessionLog
     tmp = os.path.join(folder, 'cut.tmp')
-    for path in sorted(glob.glob(os.path.join(folder, '*tfevents*'))):
+    for path in sorted(glob.glob(os.path.join(folder, '*tfevents*')), reverse=True):  # the latest purge first
         try:
             with open(path, 'rb') as f:
                 data = f.read()
-            kept, at = [], 0
+            kept, at, starts = [], 0, []
             while at + 12 <= len(data) and (end := at + 16 + int.from_bytes(data[at:at + 8], 'little')) <= len(data):
-                if Event.FromString(data[at + 12:end - 4]).step <= step:
+                event = Event.FromString(data[at + 12:end - 4])
+                if event.step <= step:
                     kept.append(data[at:end])
+                if event.session_log.status == SessionLog.START:
+                    starts.append(event.step)
                 at = end
             if not kept:
                 os.remove(path)
@@ -309,6 +314,7 @@ def cut_events(folder, step):
                 with open(tmp, 'wb') as f:
                     f.writelines(kept)
                 os.replace(tmp, path)
+            step = min([step] + [s - 1 for s in starts])
         except Exception as e:
             print(f"warning: cannot cut {path} to the steps up to {step} ({e}); TensorBoard's fast loader may "
                   "show its later steps (tensorboard --load_fast=false does not)")

@@ -305,12 +305,13 @@ def test_a_bucket_run_started_over_an_earlier_one_leaves_only_its_own_events_the
     assert len(configs) == 1 and '| lr | 0.001 |' in configs[0], configs
 
 
-def event_steps(path):
-    """The steps of every scalar record in one event file, in order, read with TensorBoard's own record reader."""
+def event_steps(path, tag=None):
+    """The steps of every scalar record in one event file (of `tag`, if given), in order, read with TensorBoard's
+    own record reader: what its fast loader reads, which ignores the purge a resumed file begins with."""
     from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
     from tensorboard.compat.proto.event_pb2 import Event
     events = (Event.FromString(r) for r in RawEventFileLoader(str(path)).Load())
-    return [e.step for e in events if e.HasField('summary')]
+    return [e.step for e in events if e.HasField('summary') and (tag is None or e.summary.value[0].tag == tag)]
 
 
 def test_a_bucket_run_resumed_on_a_new_machine_cuts_the_bucket_s_earlier_events_too(emu, toy, tmp_path):
@@ -333,6 +334,31 @@ def test_a_bucket_run_resumed_on_a_new_machine_cuts_the_bucket_s_earlier_events_
         client.download(uri, str(tmp_path / 'after' / uri.rsplit('/', 1)[1]))
     assert max(event_steps(tmp_path / 'after' / first.rsplit('/', 1)[1])) == 10
     assert_board_equals_records(tmp_path / 'second', tb=tmp_path / 'after')
+
+
+def test_a_machine_back_on_a_bucket_run_sends_none_of_its_undone_steps_there(emu, toy, tmp_path):
+    """The first machine trained and evaluated to step 16, whose checkpoint never reached the bucket; a second
+    machine resumed from step 10 to 24; the first, back with its folder as it was, resumes step 24 from the
+    bucket: its own event file, which still holds steps 11-16 and their evaluation, goes to the bucket only
+    without them (they were undone), so every file there read as the fast loader reads it shows each step
+    once, metrics.jsonl's."""
+    out, env = f'gs://{BUCKET}/tb/back', dict(STORAGE_EMULATOR_HOST=emu[7:])
+    first, second = tmp_path / 'first', tmp_path / 'second'
+    train(toy, out, f'--local_dir={first}', '--max_steps=16', '--checkpoint_interval=10', env=env)
+    client = gcs.GCS(endpoint=emu)
+    client.delete(f'{out}/ckpt_00000016.pt')
+    train(toy, out, f'--local_dir={second}', '--max_steps=24', '--checkpoint_interval=10', '--init_from=resume',
+          env=env)
+    p = train(toy, out, f'--local_dir={first}', '--max_steps=28', '--checkpoint_interval=10', '--init_from=resume',
+              env=env)
+    assert '(step 24)' in p.stdout, p.stdout[-3000:]
+    for uri, _ in client.list(out + '/tb/'):
+        client.download(uri, str(tmp_path / 'bucket' / uri.rsplit('/', 1)[1]))
+    files = sorted(glob.glob(str(tmp_path / 'bucket' / '*tfevents*')))
+    assert len(files) == 3, files
+    for tag, kind in (('eval/exact_accuracy', 'eval'), ('train/loss', 'train')):
+        steps = sorted(s for f in files for s in event_steps(f, tag))
+        assert steps == [r['step'] for r in records(first, kind)], (tag, steps)
 
 
 # -----------------------------------------------------------------------------
