@@ -69,16 +69,16 @@ class Tee:
             cls.open_log(path)
 
     @classmethod
-    def own_part(cls, path, size):
-        """Where the part of the log at path (`size` bytes now) that is this process's begins: the parent's
-        header for it, where a parent appends the output there; else the log's end."""
+    def own_part(cls, path):
+        """Where the part of the log at path that is this process's begins (a byte offset): the parent's header
+        for it, where a parent appends the output there; else None (its end)."""
         parent = os.environ.get(cls.OUTPUT_LOG_VAR)
         if parent and os.path.realpath(parent) == os.path.realpath(path):
             try:
-                return min(int(os.environ.get(cls.OUTPUT_FROM_VAR, size)), size)
-            except ValueError:
+                return int(os.environ[cls.OUTPUT_FROM_VAR])
+            except (KeyError, ValueError):
                 pass
-        return size
+        return None
 
     @classmethod
     def open_log(cls, path):

@@ -49,6 +49,7 @@ from runkeep import gcs
 from configurator import Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from runkeep.locks import holder_gone, lock_record
+from runkeep.records import take_bucket_log
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
@@ -452,12 +453,13 @@ class Running:
             self.log = open(log_path, 'ab')
         except OSError as ex:
             self.log_failed(ex)
-        start = self.log.tell() if self.log else 0
+        self.start = self.log.tell() if self.log else None  # where this process's part of the log begins
         self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
         parent = os.getpid()
         # a run's rank 0 writes the log not again; a gs:// run resumed on another machine puts the bucket's log
-        # before what follows `start` (OUTPUT_FROM_VAR), not in its place
-        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path), Tee.OUTPUT_FROM_VAR: str(start)})
+        # before this process's part (OUTPUT_FROM_VAR), not in its place
+        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path)},
+                   **({Tee.OUTPUT_FROM_VAR: str(self.start)} if self.start is not None else {}))
         # the script (the first .py: train.py, prepare_*.py) is the repository's, wherever the study was started
         if (at := next((i for i, a in enumerate(cmd) if a.endswith('.py')), None)) is not None:
             cmd = cmd[:at] + [find_file(cmd[at])] + cmd[at + 1:]
@@ -764,9 +766,13 @@ def finished(r, status, failed_data):
     e = r.e
     rc, _ = r.close()
     took = time.time() - r.t0
-    if gcs.is_gcs(e.out_dir):  # the run uploaded its train.log before this study had copied its last lines there
+    # the run uploaded its train.log before this study had copied its last lines there; one that ended before it
+    # went on from the bucket's (a failed start-up check) goes after the bucket's, not in its place
+    if gcs.is_gcs(e.out_dir):
+        log = os.path.join(e.local, 'train.log')
         try:
-            gcs.upload_file(os.path.join(e.local, 'train.log'), f"{e.out_dir.rstrip('/')}/train.log")
+            take_bucket_log(log, e.out_dir, r.start, "its upload replaces the bucket's")
+            gcs.upload_file(log, f"{e.out_dir.rstrip('/')}/train.log")
         except (gcs.GCSError, OSError) as ex:
             print(f"study: {e.run}: its train.log was not uploaded to {e.out_dir} ({ex}); it is in {e.local}",
                   flush=True)

@@ -573,33 +573,39 @@ def groups(line):
 def start_log(local, gs_out, resuming):
     """Rank 0: stdout and stderr also into <local>/train.log; a gs:// run resumed on a new machine first
     fetches the bucket's log, so it goes on with it, and so does one on a machine whose log the bucket's goes on
-    from (another machine resumed the run since). Under a study, which wrote its header for this process (and
-    maybe its first lines) into the log already, that part follows the bucket's log."""
+    from (another machine resumed the run since)."""
     log = os.path.join(local, 'train.log')
     if gs_out and resuming:
         here = f"{log} goes on as it is" if os.path.exists(log) else "train.log starts anew here"
-        bucket = gcs.download_if_there(f"{gs_out.rstrip('/')}/train.log", log + '.bucket',
-                                       f"{here}, and its upload replaces the bucket's")
-        if bucket:
-            try:
-                with open(log, 'rb') as f:
-                    ours = f.read()
-            except FileNotFoundError:
-                ours = b''
-            start = Tee.own_part(log, len(ours))
-            if continues(bucket, ours[:start]):
-                with open(bucket, 'ab') as f:
-                    f.write(ours[start:])
-                os.replace(bucket, log)
-            else:
-                os.remove(bucket)
+        take_bucket_log(log, gs_out, Tee.own_part(log), f"{here}, and its upload replaces the bucket's")
     Tee.log_to(log)
 
 
-def continues(path, ours):
-    """Whether the file at path is `ours` (bytes) with more lines after it."""
-    with open(path, 'rb') as f:
-        return os.path.getsize(path) > len(ours) and f.read(len(ours)) == ours
+def take_bucket_log(log, gs_out, start, otherwise):
+    """The local train.log at `log` made the bucket's with the local one's part from byte `start` on after it
+    (None: none), where the bucket's goes on from the local one's first `start` bytes (a new machine's log, or one
+    another machine's process went on from since) and is not in the local one already. Under a study, which
+    writes its header for a process (and the process's output) into the log itself, that part is the
+    process's. A bucket that cannot be read is a warning saying what happens `otherwise`."""
+    bucket = gcs.download_if_there(f"{gs_out.rstrip('/')}/train.log", log + '.bucket', otherwise)
+    if not bucket:
+        return
+    try:
+        ours = b''
+        if os.path.exists(log):
+            with open(log, 'rb') as f:
+                ours = f.read()
+        start = len(ours) if start is None else min(start, len(ours))
+        with open(bucket, 'rb') as f:
+            theirs = f.read()
+        if len(theirs) > start and theirs.startswith(ours[:start]) and not ours.startswith(theirs):
+            with open(bucket, 'ab') as f:
+                f.write(ours[start:])
+            os.replace(bucket, log)
+    except OSError as e:  # a full disk: the log is never a reason to lose a run
+        print(f"warning: cannot put {log} after the bucket's train.log ({e.strerror or e}); {otherwise}")
+    with contextlib.suppress(OSError):
+        os.remove(bucket)
 
 
 def remove_unfinished(local):

@@ -256,26 +256,63 @@ def test_a_second_study_on_the_same_out_root_refuses_to_start(grid, data_root):
     assert not os.path.exists(lock)  # released at the end
 
 
-def test_a_gs_run_resumed_by_a_study_on_a_new_machine_keeps_the_first_machine_s_log(emulator, grid, data_root,
-                                                                                      tmp_path):
-    """A study stopped mid-run (a spot VM's notice), then rerun on a new machine (an empty working folder) with
-    the same gs:// out_root: the run resumes from the bucket, and the bucket's train.log is the first machine's,
-    continued by the second's (the study's header for the new process goes before train.py fetches the log)."""
-    out, env = f'gs://{BUCKET}/study_log', dict(STORAGE_EMULATOR_HOST=emulator.replace('http://', ''))
+def stopped_on_a_first_machine(emulator, grid, data_root, tmp_path, name):
+    """A gs:// study of rec_L2 (30 steps) stopped at step 15 (a spot VM's notice) on a first machine (its own
+    working folder): (the study's command, its environment, the bucket's run folder)."""
+    out, env = f'gs://{BUCKET}/{name}', dict(STORAGE_EMULATOR_HOST=emulator.replace('http://', ''))
     cmd = [a if not a.startswith('--out_root=') else f'--out_root={out}'
            for a in args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=30'))]
-    first, second = tmp_path / 'first', tmp_path / 'second'
-    first.mkdir(), second.mkdir()
+    first = tmp_path / 'first'
+    first.mkdir()
     p = start(cmd, env=dict(env, **held_step(tmp_path / 'hook', 15, argv=('rec_L2',))), cwd=first)
-    log = first / 'out' / BUCKET / 'study_log' / 'rec_L2' / 'train.log'
+    log = first / 'out' / BUCKET / name / 'rec_L2' / 'train.log'
     wait_for(lambda: p.poll() is not None or log.exists() and 'test hook: step 15 waits' in log.read_text())
     p.send_signal(signal.SIGTERM)
     text = p.communicate(timeout=300)[0]
     assert 'stopped; rerun the same command' in text, text[-3000:]
+    return cmd, env, f'{out}/rec_L2'
+
+
+def bucket_log(emulator, run, tmp_path):
+    gcs.GCS(endpoint=emulator).download(f'{run}/train.log', str(tmp_path / 'bucket.log'))
+    return (tmp_path / 'bucket.log').read_text()
+
+
+def test_a_gs_run_resumed_by_a_study_on_a_new_machine_keeps_the_first_machine_s_log(emulator, grid, data_root,
+                                                                                      tmp_path):
+    """The study rerun on a new machine (an empty working folder) resumes the run from the bucket, and the
+    bucket's train.log is the first machine's, continued by the second's (the study's header for the new process
+    goes before train.py fetches the log)."""
+    cmd, env, run_uri = stopped_on_a_first_machine(emulator, grid, data_root, tmp_path, 'study_log')
+    second = tmp_path / 'second'
+    second.mkdir()
     p = run(cmd, env=env, cwd=second)
     assert 'resuming from' in p.stdout and re.search(r'rec_L2 +done', summary(p.stdout)), p.stdout[-3000:]
-    gcs.GCS(endpoint=emulator).download(f'{out}/rec_L2/train.log', str(tmp_path / 'bucket.log'))
-    bucket = (tmp_path / 'bucket.log').read_text()
+    bucket = bucket_log(emulator, run_uri, tmp_path)
     assert bucket.count('\n=== ') == 2 and bucket.index('step 10/30') < bucket.index('test hook: step 15 waits') \
         < bucket.index('resuming from') < bucket.index('step 30/30'), bucket
     assert (second / 'out' / BUCKET / 'study_log' / 'rec_L2' / 'train.log').read_text() == bucket
+
+
+def test_a_failed_start_of_a_study_run_on_a_new_machine_goes_after_the_bucket_s_log(emulator, grid, data_root,
+                                                                                      tmp_path):
+    """The study rerun on a new machine that lacks the dataset: the run fails at its start-up checks, before it
+    fetched the bucket's log, and what it wrote goes after the bucket's train.log, not in its place; the study
+    then run where the dataset is resumes the run, and the log holds all three processes."""
+    cmd, env, run_uri = stopped_on_a_first_machine(emulator, grid, data_root, tmp_path, 'study_failed')
+    second = tmp_path / 'second'
+    second.mkdir()
+    empty = tmp_path / 'empty'
+    empty.mkdir()
+    p = run([a if not a.startswith('--data_root=') else f'--data_root={empty}' for a in cmd] + ['--build_data=False'],
+            env=env, cwd=second, check=False)
+    assert re.search(r'rec_L2 +FAILED.*no dataset', summary(p.stdout)), p.stdout[-3000:]
+    bucket = bucket_log(emulator, run_uri, tmp_path)
+    assert bucket.count('\n=== ') == 2 and bucket.index('test hook: step 15 waits') \
+        < bucket.index('start-up checks failed: no dataset'), bucket
+    p = run(cmd, env=env, cwd=second)
+    assert 'resuming from' in p.stdout and re.search(r'rec_L2 +done', summary(p.stdout)), p.stdout[-3000:]
+    bucket = bucket_log(emulator, run_uri, tmp_path)
+    assert bucket.count('\n=== ') == 3 and bucket.index('test hook: step 15 waits') \
+        < bucket.index('start-up checks failed: no dataset') < bucket.index('resuming from') \
+        < bucket.index('step 30/30'), bucket
