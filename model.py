@@ -440,23 +440,30 @@ class TRM(nn.Module):
 
     def flops_per_example(self, train=True):
         """Model FLOPs for one supervision step of one example: every net call of the recursion,
-        no-grad passes included, plus heads; backward (2x forward) for the calls that carry grad.
+        no-grad passes included, plus heads; for the calls that carry grad, the backward: the activations'
+        gradients (1x forward) and the gradients of the weights that train (1x their forward: none with
+        frozen weights, whose backward only carries the gradient down to the puzzle rows).
         With train=False: forward only (one evaluation step)."""
         cfg, D, S = self.config, self.config.hidden_size, self.config.total_len
-        net = 0
+        net = net_trained = 0
         for name, p in self.net.named_parameters():
             # a [out, in] weight costs 2*out*in per vector it is applied to: S (positions) vectors for
             # channel layers, D vectors for the sequence-mixing mlp_t
-            net += 2 * p.numel() * (D if '.mlp_t.' in name else S)
-        if not cfg.mlp_t:
-            net += cfg.L_layers * 4 * S * S * D  # QK^T and AV
-        heads = 2 * D * cfg.vocab_size * cfg.seq_len + 2 * D * 2
+            cost = 2 * p.numel() * (D if '.mlp_t.' in name else S)
+            net += cost
+            net_trained += cost * p.requires_grad
+        if not cfg.mlp_t:  # QK^T and AV: both factors are activations, so both gradients are the activations'
+            net += cfg.L_layers * 4 * S * S * D
+            net_trained += cfg.L_layers * 4 * S * S * D
+        lm_head, q_head = 2 * D * cfg.vocab_size * cfg.seq_len, 2 * D * 2
+        heads = lm_head + q_head
+        heads_trained = lm_head * self.lm_head.weight.requires_grad + q_head * self.q_head.weight.requires_grad
         calls, grad_calls = cfg.net_calls()
         fwd = calls * net + heads
         if not train:
             return fwd
         bootstrap = (calls * net + heads) if not cfg.no_ACT_continue else 0
-        return fwd + 2 * (grad_calls * net + heads) + bootstrap
+        return fwd + grad_calls * (net + net_trained) + heads + heads_trained + bootstrap
 
 
 # -----------------------------------------------------------------------------
