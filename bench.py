@@ -66,6 +66,8 @@ steps = 20                      # timed train steps (0: none; with checkpoint_di
 warmup_steps = 3                # untimed steps, the first timed alone: compile, autotune, allocator (XLA: 2+)
 eval_batches = 3                # timed eval batches (model.predict, eval_steps or halt_max_steps); 0 skips
 compile_mode = 'default'        # torch.compile mode (CUDA): 'default' | 'max-autotune-no-cudagraphs' (minutes)
+profile_steps = ''              # 'START:END': after the timing, a profiler trace of END-START more steps into
+                                # profile_dir (train.py's key, which traces a run's steps START+1..END)
 profile_dir = 'out/profile'     # where profile_steps='START:END' puts a trace of END-START more steps
 host_flush_mb = 0               # XLA on the CPU: read this many MiB after each execution before host time is taken
                                 # again, so every depth's host work starts from cold caches (there the device's

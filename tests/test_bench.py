@@ -193,3 +193,13 @@ def test_bench_counts_the_flops_its_step_computes_with_frozen_weights():
             train_step(m, opt, None, carry, batch, step_t, sc, Eager())
         seen = counter.get_total_flops() / B
         assert abs(int(s['flops_per_example']) / seen - 1) < 1e-3, (frozen, s['flops_per_example'], seen)
+
+
+def test_bench_help_says_what_its_profile_steps_does(tmp_path):
+    # bench.py takes train.py's keys, but its profile_steps is its own: END-START more steps traced after the
+    # timing, into profile_dir (train.py's traces its steps START+1..END into the run's folder)
+    p = run(['bench.py', '--help'])
+    line = next(l for l in p.stdout.splitlines() if l.strip().startswith('--profile_steps='))
+    assert '<run>' not in line and 'END-START' in line and 'profile_dir' in line, line
+    p = run(['bench.py', '--device=cpu', '--profile_steps=5:6', f'--profile_dir={tmp_path}/prof'] + BENCH_TINY)
+    assert f'profile: Chrome trace {tmp_path}/prof' in p.stdout, p.stdout[-2000:]
