@@ -425,17 +425,19 @@ if puzzle_emb_ndim > 0:
           f"GiB): {emb_ms:.2f} ms (step.sign_sgd_update_, the batch's rows only)"
           + (f" | over the whole table {emb_dense_ms:.2f} ms" if emb_dense_ms is not None else ''))
 
-# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting (evaluate.evaluate's work) --
+# --- evaluation: fresh batches, n_eval_steps supervision steps each, no halting, the rows' loss at step
+# halt_max_steps (evaluate.evaluate's work: a graph of its own where compiled) ---------------------------
 def time_evaluation():
     """(puzzles/s over eval_batches batches, the first batch's seconds (compilation; None on the CPU), XLA's
     compilations after that batch and at the end, its fallback counters)."""
     model.eval()  # the trained weights themselves, not the EMA copy: the cost is the same
+    loss_at = min(halt_max_steps, n_eval_steps) - 1  # as evaluate's
     warm_s, compiles_warm = None, compiles_end
     with torch.no_grad():
         if device_type != 'cpu':  # one batch timed alone: XLA and torch.compile compile the evaluation (on the CPU:
                            # no need)
             t0 = time.perf_counter()
-            out = predict(eval_data[0], n_eval_steps)
+            out = predict(eval_data[0], n_eval_steps, loss_at=loss_at)
             dev.sync()
             dev.wait()
             out[1].cpu()  # compiled graphs are waited for by reading an output
@@ -443,7 +445,8 @@ def time_evaluation():
             compiles_warm = dev.xla_report()[0]
         t0 = time.perf_counter()
         for i in range(eval_batches):
-            out = predict(eval_data[i % len(eval_data)], n_eval_steps)  # kept: XLA skips what nothing uses
+            out = predict(eval_data[i % len(eval_data)], n_eval_steps,  # kept: XLA skips what nothing uses
+                          loss_at=loss_at)
             dev.sync()
         dev.wait()
         out[1].cpu()

@@ -5,7 +5,7 @@ asserted: only that the summary line holds every field, the fields are numbers, 
 """
 import pytest
 
-from conftest import XLA_ENV, assert_user_error, run
+from conftest import XLA_ENV, assert_user_error, run, site_hook
 
 BENCH_TINY = ['--global_batch_size=8', '--hidden_size=32', '--num_heads=2', '--H_cycles=2', '--L_cycles=2',
               '--halt_max_steps=3', '--steps=3', '--warmup_steps=2', '--eval_batches=1', '--forward_dtype=float32',
@@ -203,3 +203,25 @@ def test_bench_help_says_what_its_profile_steps_does(tmp_path):
     assert '<run>' not in line and 'END-START' in line and 'profile_dir' in line, line
     p = run(['bench.py', '--device=cpu', '--profile_steps=5:6', f'--profile_dir={tmp_path}/prof'] + BENCH_TINY)
     assert f'profile: Chrome trace {tmp_path}/prof' in p.stdout, p.stdout[-2000:]
+
+
+COUNT_LOSS_STEPS = """
+import atexit
+import model
+real, calls = model.TRM.predict_step, [0, 0]
+
+def predict_step(self, latents, x, labels=None):
+    calls[labels is not None] += 1
+    return real(self, latents, x, labels)
+model.TRM.predict_step = predict_step
+atexit.register(lambda: print(f'test hook: predict steps {calls[0]} without the loss, {calls[1]} with it'))
+"""
+
+
+def test_bench_times_the_evaluation_train_runs_with_its_loss_step(tmp_path):
+    # evaluate.evaluate (train.py's evaluation) runs each batch's step halt_max_steps with the rows' loss (a graph of
+    # its own where compiled); bench's evaluation runs the same steps: per batch one with the loss, the rest without
+    tiny = [a for a in BENCH_TINY if not a.startswith('--eval_batches=')]
+    s, out = run_bench(['--device=cpu', '--eval_batches=2', '--eval_steps=5'] + tiny,
+                       env=site_hook(tmp_path / 'hook', COUNT_LOSS_STEPS))
+    assert 'test hook: predict steps 8 without the loss, 2 with it' in out, out[-1500:]
