@@ -191,9 +191,10 @@ if data_path:
     vocab_size, seq_len, num_puzzle_identifiers = (loader.meta[k] for k in
                                                    ('vocab_size', 'seq_len', 'num_puzzle_identifiers'))
     host_train = [loader.next_batch() for _ in range(2)]
-    host_eval = []
+    host_eval, eval_puzzles = [], []
     for b in EvalLoader(data_path, eval_B, split='test', seed=seed, views=eval_views, kind=puzzle):
         host_eval.append({k: b[k] for k in ('inputs', 'labels', 'puzzle_identifiers')})  # K x eval_B rows
+        eval_puzzles.append(int(b['valid'][:eval_B].sum()))  # the test set's last batch: the rest is padding
         if len(host_eval) == 2:
             break
 else:
@@ -204,7 +205,7 @@ else:
                     labels=rng.integers(1, vocab_size, (B, seq_len), dtype=np.int32),
                     puzzle_identifiers=rng.integers(0, num_puzzle_identifiers, B, dtype=np.int32))
     host_train = [random_batch(global_batch_size) for _ in range(2)]
-    host_eval = [random_batch(eval_B) for _ in range(2)]
+    host_eval, eval_puzzles = [random_batch(eval_B) for _ in range(2)], [eval_B] * 2
     if eval_views > 1:
         # as data.EvalLoader gives batch b on one rank: view-major, K x eval_B rows
         host_eval = [in_views(batch, puzzle, puzzle.views(eval_views, eval_B, seed, b))
@@ -429,7 +430,7 @@ if puzzle_emb_ndim > 0:
 # halt_max_steps (evaluate.evaluate's work: a graph of its own where compiled) ---------------------------
 def time_evaluation():
     """(puzzles/s over eval_batches batches, the first batch's seconds (compilation; None on the CPU), XLA's
-    compilations after that batch and at the end, its fallback counters)."""
+    compilations after that batch and at the end, its fallback counters, the puzzles those batches held)."""
     model.eval()  # the trained weights themselves, not the EMA copy: the cost is the same
     loss_at = min(halt_max_steps, n_eval_steps) - 1  # as evaluate's
     warm_s, compiles_warm = None, compiles_end
@@ -444,28 +445,30 @@ def time_evaluation():
             warm_s = time.perf_counter() - t0
             compiles_warm = dev.xla_report()[0]
         t0 = time.perf_counter()
+        puzzles = sum(eval_puzzles[i % len(eval_data)] for i in range(eval_batches))
         for i in range(eval_batches):
             out = predict(eval_data[i % len(eval_data)], n_eval_steps,  # kept: XLA skips what nothing uses
                           loss_at=loss_at)
             dev.sync()
         dev.wait()
         out[1].cpu()
-        rate = eval_B * eval_batches / (time.perf_counter() - t0)  # puzzles, each in eval_views rows
+        rate = puzzles / (time.perf_counter() - t0)  # each in eval_views rows
         compiles, after = dev.xla_report()
     model.train()
-    return rate, warm_s, compiles_warm, compiles, after
+    return rate, warm_s, compiles_warm, compiles, after, puzzles
 
 
 eval_ps = eval_mfu = eval_warm_s = None
 eval_fallbacks = {}
 compiles_eval_warm = compiles_eval_end = compiles_end
 if eval_batches > 0:
-    eval_ps, eval_warm_s, compiles_eval_warm, compiles_eval_end, after = time_evaluation()
+    eval_ps, eval_warm_s, compiles_eval_warm, compiles_eval_end, after, eval_n = time_evaluation()
     eval_fallbacks = {n: c - fallbacks.get(n, 0) for n, c in after.items() if c > fallbacks.get(n, 0)}
     eval_tflops = model.flops_per_example(train=False) * n_eval_steps * eval_views * eval_ps / 1e12
     eval_mfu = eval_tflops / peak if peak else None
     views_what = f" x {eval_views} views = {eval_views * eval_B} rows" if eval_views > 1 else ''
-    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}{views_what}) | "
+    print(f"eval: {eval_ps:.2f} puzzles/s ({n_eval_steps} steps, batch {eval_B}{views_what}; {eval_n} puzzles in "
+          f"{eval_batches} batch{'es' * (eval_batches > 1)}) | "
           f"{eval_tflops:.3f} TFLOP/s | MFU {f'{100 * eval_mfu:.1f}%' if eval_mfu else 'n/a'}"
           + (f" | first batch {eval_warm_s:.1f} s (compilation, not in the rate)" if eval_warm_s is not None
              else ''))

@@ -225,3 +225,11 @@ def test_bench_times_the_evaluation_train_runs_with_its_loss_step(tmp_path):
     s, out = run_bench(['--device=cpu', '--eval_batches=2', '--eval_steps=5'] + tiny,
                        env=site_hook(tmp_path / 'hook', COUNT_LOSS_STEPS))
     assert 'test hook: predict steps 8 without the loss, 2 with it' in out, out[-1500:]
+
+
+def test_bench_counts_the_puzzles_its_evaluation_batches_hold(toy):
+    # the toy's 200 test puzzles in batches of 150: the second batch holds 50 puzzles and 100 padding rows, which
+    # puzzles/s does not count (Maze's 1000 test puzzles in batches of 768 have the same shape)
+    tiny = [a for a in BENCH_TINY if not a.startswith('--eval_batches=')]
+    s, out = run_bench(['--device=cpu', f'--data_path={toy}', '--eval_batch_size=150', '--eval_batches=3'] + tiny)
+    assert '350 puzzles in 3 batches' in out, [l for l in out.splitlines() if l.startswith('eval:')]
