@@ -400,8 +400,9 @@ def reference_weights(sd, cfg, forward_dtype):
     return to_reference_state_dict(sd)
 
 
-def all_config(cfg, folder, forward_dtype, arc):
-    """The reference's all_config.yaml (PretrainConfig's fields) of a run of train.py (its config dict)."""
+def all_config(cfg, folder, forward_dtype, arc, run_id=None):
+    """The reference's all_config.yaml (PretrainConfig's fields) of a run of train.py (its config dict, and the
+    run id its checkpoints carry: run_name ends in it, as the reference's ends in a random slug)."""
     ndim = cfg['puzzle_emb_ndim']
     arch = dict(name=ARCH, loss=dict(name=LOSS, loss_type=LOSS_TYPES[cfg['loss_type']]), H_layers=0,
                 **{k: cfg[k] for k in ARCH_FIELDS if k not in ('rms_norm_eps', 'rope_theta')})
@@ -419,7 +420,8 @@ def all_config(cfg, folder, forward_dtype, arc):
                 checkpoint_every_eval=True, eval_interval=cfg['eval_every_epochs'], min_eval_interval=0,
                 eval_save_outputs=[], freeze_weights=bool(cfg.get('freeze_weights', False)),
                 load_checkpoint=started_from or None, project_name=cfg.get('wandb_project'),
-                run_name=cfg.get('wandb_run_name') or os.path.basename(os.path.normpath(cfg['out_dir'])),
+                run_name=' '.join(filter(None, (cfg.get('wandb_run_name') or
+                                                os.path.basename(os.path.normpath(cfg['out_dir'])), run_id))),
                 **{k: cfg[k] for k in RECIPE_FIELDS})
 
 
@@ -450,8 +452,17 @@ def train_state(ckpt, cfg):
 
 # all_config.yaml answers for every step_<N> beside it: these fields of it are the run's (a resume may change none
 # of them), so a checkpoint whose run has other values is another run's; the others (lr, epochs, ...) and the arch
-# fields of MAY_DIFFER a resume may change, and all_config.yaml takes the newest checkpoint's, said
-RUN_FIELDS = ('data_paths', 'global_batch_size', 'seed', 'run_name')  # and every arch field but MAY_DIFFER's
+# fields of MAY_DIFFER a resume may change, and all_config.yaml takes the newest checkpoint's, said. run_name is
+# the run's where its run id differs (a renamed folder or another W&B name keeps the run's id)
+RUN_FIELDS = ('data_paths', 'global_batch_size', 'seed')  # and every arch field but MAY_DIFFER's
+RUN_ID_RE = re.compile(r'(?P<name>.*) (?P<id>[0-9a-z]{8})$')
+
+
+def same_run(theirs, ours):
+    """Whether two run_names name one run: by the run ids they end in; a run_name written without one (an
+    earlier publish.py's), by the names."""
+    a, b = (RUN_ID_RE.fullmatch(str(n)) for n in (theirs, ours))
+    return a['id'] == b['id'] if a and b else (a['name'] if a else theirs) == (b['name'] if b else ours)
 
 
 def run_changes(theirs, config):
@@ -461,7 +472,8 @@ def run_changes(theirs, config):
     arch = theirs.get('arch') if isinstance(theirs.get('arch'), dict) else {}
     changed = [(f"arch.{k}", arch.get(k), config['arch'].get(k)) for k in differ(arch, config['arch'])]
     changed += [(k, theirs.get(k), config.get(k)) for k in differ(theirs, config) if k != 'arch']
-    fixed = [c for c in changed if c[0] in RUN_FIELDS or c[0].startswith('arch.') and c[0][5:] not in MAY_DIFFER]
+    fixed = [c for c in changed if c[0] in RUN_FIELDS or c[0].startswith('arch.') and c[0][5:] not in MAY_DIFFER
+             or c[0] == 'run_name' and not same_run(c[1], c[2])]
     return changed, fixed
 
 
@@ -474,8 +486,9 @@ def clash_words(fixed):
 
 def folder_problem(folder, config, weights, step):
     """Why `folder` cannot take step_<step> (the state dict `weights`) and the all_config.yaml `config` (a
-    dict), in one line, or '': it holds step files of another run (RUN_FIELDS differ, or no all_config.yaml
-    says whose they are), or a step_<step> of other weights. Fields a resume may change are replaced, said."""
+    dict), in one line, or '': it holds step files of another run (RUN_FIELDS or its run id differ, or no
+    all_config.yaml says whose they are), or a step_<step> of other weights. Fields a resume may change are
+    replaced, said."""
     import torch
     import yaml
     steps = sorted((n for n in os.listdir(folder) if re.fullmatch(r'step_\d+', n)), key=lambda n: int(n[5:])) \
@@ -527,7 +540,8 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     dtype = forward_dtype or (cfg['forward_dtype'] if cfg['forward_dtype'] != 'auto' else 'bfloat16')
     chosen = ckpt['ema'] if weights == 'ema' and ckpt.get('ema') else ckpt['model']
     arc = (ckpt.get('data') or {}).get('puzzle_type') == 'arc'
-    sd, config = reference_weights(chosen, cfg, dtype), all_config(cfg, folder, dtype, arc)
+    run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id')
+    sd, config = reference_weights(chosen, cfg, dtype), all_config(cfg, folder, dtype, arc, run_id)
     if problem := folder_problem(folder, config, sd, step):
         fail(problem)
     names = [f'step_{step}', 'all_config.yaml'] + ([f'step_{step}_train_state.pt'] if with_train_state else [])

@@ -459,3 +459,20 @@ def test_a_run_started_from_the_hub_publishes_the_hub_address_it_started_from(hu
     run(['publish.py', f"--init_from={tmp_path / 'ft' / 'ckpt_00000002.pt'}", f'--out_dir={tmp_path}/pub'])
     config = open(tmp_path / 'pub' / 'all_config.yaml').read()
     assert f'load_checkpoint: hf://alice/trm-toy@{commit}/toy/step_6\n' in config, config
+
+
+def test_a_run_whose_folder_was_renamed_publishes_its_later_steps_beside_its_earlier_ones(hub, table_run, tmp_path):
+    """What makes a run the same run is what it carries (its run id), not its folder's name: a run whose folder
+    was tidied (renamed, then resumed there) publishes its later step into the hub path and the local folder its
+    earlier step went to; all_config.yaml's run_name takes the new folder's name, said."""
+    import shutil
+    publish_to(hub, table_run)  # step_6 to toy/ and to published/ beside the run, as the run 'run'
+    tidy = tmp_path / 'sudoku-tidy'
+    shutil.copytree(os.path.dirname(table_run['ckpt']), tidy)
+    train(table_run['data'], tidy, '--init_from=resume', '--max_steps=8', args=TABLE_ARGS)
+    p = publish_to(hub, dict(ckpt=str(tidy / 'ckpt_00000008.pt')))
+    assert sorted(os.listdir(tidy / 'published')) == ['all_config.yaml', 'step_6', 'step_8']
+    assert "run_name 'run" in p.stdout and 'sudoku-tidy' in p.stdout
+    files = FakeHub.repos['alice/trm-toy']['commits'][FakeHub.repos['alice/trm-toy']['branches']['main']]
+    assert {'toy/step_6', 'toy/step_8'} <= set(files)
+

@@ -312,7 +312,7 @@ def test_a_folder_holding_another_run_s_steps_is_refused_and_left_as_it_was(tabl
                                (seeded / 'ckpt_00000006.pt', [], ['seed=0', 'seed=1']),
                                (table_run['ckpt'], ['--weights=model'], ['step_6', 'other weights'])):
         p = publish(f'--init_from={ckpt}', f'--out_dir={pub}', *extra, check=False)
-        assert_user_error(p, str(pub), "'run'", '--out_dir', *words)
+        assert_user_error(p, str(pub), "the run 'run ", '--out_dir', *words)
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert tree(pub) == before, ckpt
     mine = tmp_path / 'mine'
