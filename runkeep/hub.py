@@ -594,8 +594,18 @@ def upload(paths, repo, path_in_repo, revision='main', private=True, message='')
             with tempfile.TemporaryDirectory() as tmp, open(api.hf_hub_download(
                     repo, theirs_at, revision=revision, cache_dir=tmp)) as f:
                 theirs = yaml.safe_load(f)
-        except (RemoteEntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError):
-            theirs = None  # none there, or no repository or branch yet (the commit says which)
+        except RemoteEntryNotFoundError:
+            theirs = None
+        except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+            # a commit goes to a branch that exists, and a repository is created with main alone: a missing branch
+            # is refused before create_repo leaves an empty repository behind
+            if revision != 'main' or isinstance(e, RevisionNotFoundError):
+                fail(f"upload to {repo}: no branch {revision!r} there ({constants.ENDPOINT}"
+                     + ("; nor the repository, or a private one this identity may not read"
+                        if not isinstance(e, RevisionNotFoundError) else '')
+                     + "): create the branch on the hub first, or commit to main (--revision=main); nothing was "
+                     "committed")
+            theirs = None  # no repository yet: created below
         with open(next(p for p in paths if p.endswith('all_config.yaml'))) as f:
             fixed = run_changes(theirs, yaml.safe_load(f))[1] if isinstance(theirs, dict) else []
         if fixed:

@@ -476,3 +476,15 @@ def test_a_run_whose_folder_was_renamed_publishes_its_later_steps_beside_its_ear
     files = FakeHub.repos['alice/trm-toy']['commits'][FakeHub.repos['alice/trm-toy']['branches']['main']]
     assert {'toy/step_6', 'toy/step_8'} <= set(files)
 
+
+def test_a_publish_to_a_branch_the_hub_lacks_creates_nothing(hub, table_run):
+    """A branch that does not exist is refused in one line naming it before anything is made: no repository left
+    behind, empty, by a commit that could not go in."""
+    p = publish_to(hub, table_run, '--revision=exp/v1', check=False)
+    assert_user_error(p, 'alice/trm-toy', "'exp/v1'", 'nothing was committed', one_line=True)
+    assert 'alice/trm-toy' not in FakeHub.repos
+    publish_to(hub, table_run)  # main, then a branch of it the hub has not got
+    first = FakeHub.repos['alice/trm-toy']['branches']['main']
+    p = publish_to(hub, table_run, '--revision=exp/v1', check=False)
+    assert_user_error(p, 'alice/trm-toy', "'exp/v1'", 'nothing was committed', one_line=True)
+    assert FakeHub.repos['alice/trm-toy']['branches'] == dict(main=first)
