@@ -550,6 +550,7 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
         made.append(up)
         up = os.path.dirname(up)
     stage = os.path.join(folder, '.publishing')
+    shutil.rmtree(stage, ignore_errors=True)  # what a publish killed midway had staged is no one's
     try:
         os.makedirs(stage, exist_ok=True)
         save_atomic(sd, os.path.join(stage, names[0]))

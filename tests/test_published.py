@@ -392,3 +392,15 @@ def test_all_config_records_freeze_weights_and_the_file_an_adaptation_started_fr
         cfg = yaml.safe_load(open(out / 'published' / 'all_config.yaml'))
         assert (cfg['load_checkpoint'], cfg['freeze_weights']) == (ckpt, freeze), cfg
     assert yaml.safe_load(open(f"{table_run['folder']}/all_config.yaml"))['load_checkpoint'] is None
+
+
+def test_a_publish_after_one_that_was_killed_midway_publishes(table_run, tmp_path):
+    """A publish killed while it wrote (SIGKILL, a lost machine) leaves its staging folder with what it had
+    written; the next publish into that folder (here without the train state the killed one was writing) is not
+    stopped by those files, and leaves no staging folder."""
+    pub = tmp_path / 'pub'
+    (pub / '.publishing').mkdir(parents=True)
+    (pub / '.publishing' / 'step_6_train_state.pt').write_bytes(b'half a file')
+    p = publish(f'--init_from={table_run["ckpt"]}', f'--out_dir={pub}', check=False)
+    assert p.returncode == 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert sorted(os.listdir(pub)) == ['all_config.yaml', 'step_6']
