@@ -55,6 +55,10 @@ class Run:
         out_dir = cfg['out_dir']
         self.gs_out = out_dir if gcs.is_gcs(out_dir) else ''
         self.local = (cfg['local_dir'] or local_folder(out_dir)) if self.gs_out else out_dir
+        # a rank killed outright while the others read the data, build the model or load the checkpoint breaks
+        # their next start-up agreement: one line naming the checkpoint to resume, as in the loop
+        self.bound = StopBound(lambda: ('the start-up', 'nothing yet'), lambda: list_checkpoints(self.local),
+                               bound=False)
         gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
@@ -64,7 +68,7 @@ class Run:
         self.verified = -1  # newest step whose weights gave a finite loss: checkpoints up to it train on
         self.results_dropped = False  # an older run's results.json removed, at this process's first save
         self.arc = None  # ARC's votes (its pool)
-        self.watchdog = self.bound = None  # from resume() on: the watchdog, the bound on a stop request
+        self.watchdog = None  # from resume() on: the watchdog, and self.bound's bound on a stop request
         self.stop_every, self.t_calibrate = 1, None
         self.alone = stops_every_step(dev)  # a stop check reads this process's own flag, after every step
         self.timing = {}    # wall seconds by phase of this run's earlier processes (from the checkpoint)
@@ -162,7 +166,7 @@ class Run:
         self.watchdog = Watchdog(cfg['watchdog_minutes'], self.records.log_watchdog, warmup=cfg['log_interval'] + 1,
                                  folder=self.local, step=step or None)
         # the bound counts from the request or the watchdog's last report of finished work, whichever is later
-        self.bound = StopBound(self.watchdog.waiting, lambda: list_checkpoints(self.local), lambda: self.watchdog.last)
+        self.bound.arm(self.watchdog.waiting, lambda: self.watchdog.last)
         return step, carry
 
     # --- what the run is doing, for the watchdog, the stop's bound and the time budget --------------------

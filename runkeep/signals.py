@@ -274,11 +274,14 @@ class StopBound:
     in words. Also, as the process's excepthook: a collective broken by another rank's end (at its bound, or with
     no stop request: a rank killed outright), and a failed allocation, each one line."""
 
-    def __init__(self, waiting, checkpoints=dict, last=lambda: 0.0):
+    def __init__(self, waiting, checkpoints=dict, last=lambda: 0.0, bound=True):
+        """bound=False: the excepthook alone, until arm() (a start-up, which acts on a stop request at its first
+        step)."""
         self.waiting, self.checkpoints, self.last = waiting, checkpoints, last
         self.done = threading.Event()
         self.saving, self.saved = False, 0.0  # a checkpoint under way; when the last one ended
-        threading.Thread(target=self.watch, daemon=True, name='stop-bound').start()
+        if bound:
+            self.arm(waiting, last)
         previous = sys.excepthook
 
         def broken(kind, value, tb):
@@ -291,6 +294,11 @@ class StopBound:
                 return self.collective_broke(kind, value)
             previous(kind, value, tb)
         sys.excepthook = broken
+
+    def arm(self, waiting, last):
+        """The bound on a stop request from now on, with what the run waits for and when it last finished work."""
+        self.waiting, self.last = waiting, last
+        threading.Thread(target=self.watch, daemon=True, name='stop-bound').start()
 
     @staticmethod
     def acted(stop):

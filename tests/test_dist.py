@@ -84,6 +84,24 @@ def test_a_rank_killed_mid_run_ends_the_other_in_one_line_naming_the_checkpoint_
     assert f'resuming from {tmp_path}/o/ckpt_00000010.pt' in p.stdout and 'step 12/12' in p.stdout, p.stdout[-3000:]
 
 
+def test_a_rank_killed_during_start_up_ends_the_other_in_one_line_naming_the_checkpoint_to_resume(toy, tmp_path):
+    # rank 1 dies while it loads the checkpoint to resume, before any step: rank 0's next start-up agreement breaks
+    args = [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--checkpoint_interval=4'] + FAST
+    run(['train.py', '--max_steps=4'] + args)
+    wrapper = ("import signal\nimport runkeep.run\nreal = runkeep.run.load_state\n"
+               "def load_state(*a, **k):\n    if os.environ['RANK'] == '1':\n"
+               "        os.kill(os.getpid(), signal.SIGKILL)\n    return real(*a, **k)\n"
+               "runkeep.run.load_state = load_state\n")
+    p = torchrun(2, args + ['--init_from=resume', '--max_steps=8'], wrapper=wrapper)
+    kept = f'the last checkpoint kept: {tmp_path}/o/ckpt_00000004.pt'
+    assert_all_ranks_stopped_with(p, 'another rank or host ended', kept)
+    said = [l for l in (p.stdout + p.stderr).splitlines() if kept in l]
+    assert len(said) == 1 and 'start-up' in said[0] and '--init_from=resume' in said[0], said
+    p = torchrun(2, args + ['--init_from=resume', '--max_steps=8'])
+    assert p.returncode == 0 and f'resuming from {tmp_path}/o/ckpt_00000004.pt' in p.stdout, p.stderr[-3000:]
+    assert 'step 8/8' in p.stdout, p.stdout[-3000:]
+
+
 def test_hosts_with_different_configs_are_refused_at_start(toy, tmp_path):
     wrapper = "if os.environ['RANK'] == '1':\n    sys.argv.append('--lr=0.001')\n"
     p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST, wrapper=wrapper)
