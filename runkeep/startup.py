@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 
+import numpy as np
+
 from data import check_split, load_arrays, load_metadata
 from device import resident_bytes, size
 from puzzles import puzzle_for, puzzle_type, views_problem
@@ -155,13 +157,26 @@ def memory_problems(cfg, dev, meta):
 
 
 def hosts_differ(dev, cfg, data_path):
-    """fail_together when the hosts differ in their config, dataset metadata or code (CODE_FILES)."""
+    """fail_together when the hosts differ in their config, dataset metadata, dataset contents (sampled_rows) or
+    code (CODE_FILES)."""
     code = ''.join(open(f).read() for f in CODE_FILES)
     meta = ''.join(open(os.path.join(data_path, s, 'dataset.json')).read() for s in ('train', 'test'))
-    names = ('config', 'dataset metadata', 'code')
-    values = [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(code)]
+    names = ('config', 'dataset metadata', 'dataset contents', 'code')
+    values = [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(sampled_rows(data_path)),
+              fingerprint(code)]
     fail_if_ranks_differ(dev, values, lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: "
                                                 "copy the same files to every host")
+
+
+def sampled_rows(data_path, rows=64):
+    """A digest of `rows` evenly spaced rows of every array of both splits: a copy rebuilt with another seed has
+    the same dataset.json and other examples, and hashing whole files would read a large dataset at every start."""
+    h = hashlib.sha256()
+    for split in ('train', 'test'):
+        for name, a in sorted(load_arrays(data_path, split).items()):
+            picked = np.unique(np.linspace(0, len(a) - 1, rows).astype(np.int64)) if len(a) else []
+            h.update(f'{split}/{name}{a.shape}{a.dtype}'.encode() + np.ascontiguousarray(a[picked]).tobytes())
+    return h.hexdigest()
 
 
 def fetch_data(path, cache, dev):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TOY_ARGS, free_port, our_frames, run
+from conftest import ROOT, TOY_ARGS, free_port, make_reverse_dataset, our_frames, run
 from data import write_split
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4', '--global_batch_size=48']
@@ -106,6 +106,16 @@ def test_hosts_with_different_configs_are_refused_at_start(toy, tmp_path):
     wrapper = "if os.environ['RANK'] == '1':\n    sys.argv.append('--lr=0.001')\n"
     p = torchrun(2, [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST, wrapper=wrapper)
     assert_all_ranks_stopped_with(p, 'the hosts differ in their config')
+
+
+def test_hosts_with_different_data_of_the_same_shape_are_refused_at_start(tmp_path):
+    # two builds of one task with another seed: the same dataset.json, other examples (a host rebuilt its copy)
+    for host, seed in (('a', 0), ('b', 1)):
+        make_reverse_dataset(str(tmp_path / host / 'd'), seed=seed)
+    wrapper = f"os.chdir({str(tmp_path)!r} + ('/b' if os.environ['RANK'] == '1' else '/a'))"
+    p = torchrun(2, ['--data_path=d', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST, wrapper=wrapper)
+    assert_all_ranks_stopped_with(p, 'the hosts differ in their dataset contents')
+    assert 'step 1/' not in p.stdout
 
 
 def test_batch_sizes_not_divisible_by_the_world_are_refused_before_the_first_step(toy, tmp_path):
