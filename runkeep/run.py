@@ -37,7 +37,7 @@ from .checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_p
                          write_checkpoint)
 from .locks import lock_bucket, lock_local, mark_data, release_locks
 from .records import RunRecords, drop_evaluations, drop_results, remove_unfinished, start_log
-from .signals import (STOP, StopBound, ended_abruptly, exit_if_orphaned, follow_launcher, forward_signals,
+from .signals import (JOINING, STOP, StopBound, ended_abruptly, exit_if_orphaned, follow_launcher, forward_signals,
                       install_signal_handlers)
 from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,
                       local_folder, startup_problems)
@@ -50,6 +50,7 @@ class Run:
     def __init__(self, cfg, dev, started=None):
         """started: the process's start time (time.time()), for the start-up time in results.json."""
         self.cfg, self.dev, self.master = cfg, dev, dev.master
+        JOINING['now'] = False  # dev has joined the other ranks
         Tee.install()
         gcs.default_client().retries = cfg['gcs_retries']  # every bucket request, uploads included
         out_dir = cfg['out_dir']
@@ -444,6 +445,7 @@ def launch(main, config, started):
             folder = (config['local_dir'] or local_folder(out_dir)) if gcs.is_gcs(out_dir) else out_dir
             return ended_abruptly(folder, started)  # the watchdog's code, when it fired
         return 0
+    JOINING['now'] = under_torchrun()  # until Run starts: main() first joins the other ranks (Device)
     try:
         main()
     except SystemExit as e:

@@ -44,6 +44,10 @@ PARENT_GONE = signal.SIGUSR1
 # (the step under way never reaches its stop check) ends the process (StopBound): a spot VM's notice is about 30 s
 STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
 
+# a torchrun rank until it has joined the others (Run's start): a stop request has nothing to save yet, and the join
+# waits for a rank that ended before it (a config error on its host) for the process group's timeout
+JOINING = dict(now=False)
+
 # what a hard exit (os._exit: no atexit) runs first, each called with quick=True after a stop request: the
 # out_dir's locks are removed (locks.py registers release_locks)
 BEFORE_HARD_EXIT = []
@@ -58,8 +62,13 @@ def on_signal(signum, why=None):
     """The first: a stop request, said at once (why: its cause in words, else the signal's name); the loop saves
     a checkpoint at the ranks' next stop check (a few seconds at most) and exits. A second: said, and the save
     goes on; a third ends the process at once (exit code 128 + the signal's number, as the signal's own default
-    would)."""
+    would). A torchrun rank still joining the others ends at once: nothing is loaded, so nothing to save."""
     name = signal.Signals(signum).name
+    if JOINING['now']:
+        say(f"pid {os.getpid()}: {why or 'got ' + name} while joining the other ranks: nothing to save yet; ending "
+            "now (a rank that ended before joining says why in its output)")
+        before_hard_exit(quick=True)
+        os._exit(128 + signal.SIGINT if signum == signal.SIGINT else HUNG_EXIT)
     STOP['count'] += 1
     if STOP['count'] == 1:
         STOP.update(requested=True, signal=name, at=time.time())

@@ -56,6 +56,39 @@ def test_sigterm_to_one_rank_stops_all_ranks_at_the_same_step(toy, tmp_path):
     assert torch.load(tmp_path / 'o' / ckpt, weights_only=True)['carry']['inputs'].shape[0] == 50
 
 
+# rank 1 never joins the process group, as a rank that ended before joining on another host (a config error there):
+# rank 0 waits in the join, for the group's timeout
+NEVER_JOINS = """
+if sys.argv[0].endswith('train.py') and 'RANK' in os.environ:
+    import torch.distributed as dist
+    real = dist.init_process_group
+
+    def init_process_group(*a, **k):
+        print(f"test hook: rank {os.environ['RANK']} joins", flush=True)
+        if os.environ['RANK'] == '1':
+            threading.Event().wait()
+        return real(*a, **k)
+    dist.init_process_group = init_process_group
+"""
+
+
+def test_a_stop_while_torchrun_ranks_join_ends_them_at_once_with_nothing_to_save(toy, tmp_path):
+    # torchrun's SIGTERM (a VM's shutdown) goes on to both ranks; unanswered, it kills them 30 s later
+    args = ['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--data_path={toy}',
+            f'--out_dir={tmp_path}/o', '--global_batch_size=48'] + [a for a in FAST if 'global_batch' not in a]
+    e = script_env(dict(site_hook(tmp_path / 'hook', NEVER_JOINS), OMP_NUM_THREADS='1'))
+    proc = subprocess.Popen([sys.executable] + args, cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+    lines = Lines(proc)
+    while sum(l.startswith('test hook: rank') for l in lines.seen) < 2:  # either rank first
+        lines.until('test hook: rank')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert text.count('while joining the other ranks: nothing to save yet') == 2, text[-3000:]
+    assert 'saving a checkpoint' not in text and 'Unable to shutdown' not in text, text[-3000:]
+    assert not os.path.exists(tmp_path / 'o'), os.listdir(tmp_path / 'o')
+
+
 def test_a_stop_during_an_evaluation_saves_its_step_at_once_and_the_resume_evaluates(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=3', '--lr=1e-3')  # a finished run, which the next replaces: its results.json goes
