@@ -38,10 +38,11 @@ def resolve_device(name):
     with TPU chips and no PJRT_DEVICE stops here with one line: its host CPU would train in their place, and
     the launch command of every worker should say what it uses (PJRT_DEVICE=TPU, or --device=cpu).
     'tpu' (TorchTPU) is chosen only by name; where TorchTPU or a chip is missing it stops here, before any
-    work, with one line naming requirements-torchtpu.txt; so does 'cuda' where torch sees no CUDA GPU."""
+    work, with one line naming requirements-torchtpu.txt; so does 'cuda' where torch sees no CUDA GPU, and 'xla'
+    where PJRT_DEVICE names what torch_xla cannot start here (pjrt_problem)."""
     if name == 'auto':
         if os.environ.get('PJRT_DEVICE'):
-            return 'xla'
+            return resolve_device('xla')
         chips = tpu_chips()
         if chips:
             raise SystemExit(f"config error: device='auto' on a machine with {chips} TPU chip(s) and no "
@@ -52,6 +53,8 @@ def resolve_device(name):
         raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla', 'tpu'")
     if name == 'tpu':
         torchtpu.require()
+    if name == 'xla' and (problem := pjrt_problem(os.environ.get('PJRT_DEVICE'))):
+        raise SystemExit(f"config error: {problem}")
     if name == 'cuda' and not torch.cuda.is_available():
         why = 'this torch is a CPU-only build' if torch.version.cuda is None else 'torch sees no CUDA GPU here'
         raise SystemExit(f"config error: device='cuda', but {why}: use --device=cpu, or --device=auto (a GPU "
@@ -94,6 +97,25 @@ def tpu_chips():
         except OSError:  # a slot without both files is no TPU chip
             pass
     return chips
+
+
+def pjrt_problem(pjrt):
+    """Why torch_xla cannot start under PJRT_DEVICE=pjrt on this machine (None: it can, or torch_xla picks).
+    Its own answers are a traceback from its launcher: a KeyError for a name it does not know (they are
+    upper-case), no worker process at all for TPU without a chip."""
+    if not pjrt:
+        return None
+    try:
+        from torch_xla.experimental import plugins
+        known = ['CPU', *getattr(plugins, '_plugin_registry', {})]
+    except ImportError:
+        return None
+    if len(known) > 1 and pjrt not in known:
+        return f"PJRT_DEVICE={pjrt!r} is not a device torch_xla knows (allowed: {' | '.join(map(repr, known))})"
+    if pjrt == 'TPU' and not tpu_chips():
+        return ("PJRT_DEVICE=TPU, but this machine has no TPU chip on its PCI bus: run the command on a TPU VM, "
+                "or set PJRT_DEVICE=CPU for torch_xla on the host CPU (or --device=cpu)")
+    return None
 
 
 def tpu_host_alone_env():

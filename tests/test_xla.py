@@ -109,3 +109,17 @@ def test_auto_on_a_tpu_vm_without_pjrt_device_stops_before_any_step(toy, tmp_pat
     no_tpu = fake_pci(tmp_path / 'cpu', [('0x8086', '0x1237'), ('0x1ae0', '0x0042')])
     p = run(args + ['--device=auto', f'--out_dir={tmp_path}/o2'], env=dict(TRM_PCI_DEVICES=no_tpu))
     assert 'device cpu x1' in p.stdout
+
+
+def test_pjrt_device_that_cannot_run_here_stops_in_one_line(toy, tmp_path):
+    # PJRT_DEVICE=TPU where the PCI bus holds no TPU chip (a launch command run on the wrong machine), and a name
+    # torch_xla does not know: one line each, before any step or file, not torch_xla's traceback
+    no_tpu = fake_pci(tmp_path / 'cpu', [('0x8086', '0x1237'), ('0x1ae0', '0x0042')])
+    args = ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', *TOY_ARGS, '--max_steps=3']
+    args = [a for a in args if a != '--device=cpu']
+    for script in (args, ['bench.py', '--steps=1', '--warmup_steps=1', '--eval_batches=0', *args[3:]]):
+        p = run(script, env=dict(PJRT_DEVICE='TPU', TRM_PCI_DEVICES=no_tpu), check=False)
+        assert_user_error(p, 'PJRT_DEVICE=TPU', 'no TPU chip', 'PJRT_DEVICE=CPU', one_line=True)
+        p = run(script + ['--device=xla'], env=dict(PJRT_DEVICE='tpu'), check=False)
+        assert_user_error(p, "PJRT_DEVICE='tpu'", "'TPU'", "'CPU'", one_line=True)
+    assert not os.path.exists(f'{tmp_path}/o')
