@@ -14,6 +14,8 @@ another run's step files (one all_config.yaml answers for all of them) is refuse
 the folder as it was (published.export).
 """
 import os
+import signal
+import sys
 import urllib.parse
 
 # -----------------------------------------------------------------------------
@@ -65,7 +67,18 @@ trainer = read_config_block(os.path.join(os.path.dirname(os.path.abspath(__file_
 ckpt['config'] = {**{k: v for k, (v, _) in trainer.items()}, **ckpt['config']}
 run_folder = os.path.dirname(os.path.abspath(init_from))
 folder = out_dir or os.path.join(os.path.dirname(init_from), 'published')
-paths = export(ckpt, folder, weights, train_state, forward_dtype)
+
+
+def interrupted(what):
+    """Ctrl-C: one line (a builder's words and exit code), not Python's traceback."""
+    print(f"stopped by SIGINT: {what}", file=sys.stderr)
+    raise SystemExit(128 + signal.SIGINT)
+
+
+try:
+    paths = export(ckpt, folder, weights, train_state, forward_dtype)
+except KeyboardInterrupt:  # the files are staged first: the folder is as it was
+    interrupted(f"nothing was published, and {folder} is as it was before")
 which = 'EMA' if weights == 'ema' and ckpt.get('ema') else 'raw'
 print(f"{init_from} (step {ckpt['step']}, the {which} weights) in the reference's layout:")
 for p in paths:
@@ -73,7 +86,11 @@ for p in paths:
 print(f"load it with --init_from={paths[0]} (train.py, solve.py; the model keys come from all_config.yaml)")
 if repo:
     where = (path_in_repo or os.path.basename(run_folder)).strip('/')
-    commit = upload(paths, repo, where, revision, private, commit_message)
+    try:
+        commit = upload(paths, repo, where, revision, private, commit_message)
+    except KeyboardInterrupt:  # a hub commit goes in whole or not at all
+        interrupted(f"the upload to {repo} was not finished; {folder} holds the files, and the same command "
+                    "commits them")
     # without @REVISION an hf:// address reads main: another branch's file is named with it (a '/' in it encoded)
     branch = '' if revision == 'main' else '@' + urllib.parse.quote(revision, safe='')
     print(f"committed to {repo} (revision {revision}) as {commit}: load it with "

@@ -560,11 +560,13 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
             save_atomic(train_state(ckpt, cfg), os.path.join(stage, names[2]))
         for n in names:
             os.replace(os.path.join(stage, n), os.path.join(folder, n))
-    except (CheckpointError, OSError) as e:
+    except (CheckpointError, OSError, KeyboardInterrupt) as e:  # Ctrl-C too: the caller says it
         shutil.rmtree(stage, ignore_errors=True)
         for d in made:
             with contextlib.suppress(OSError):
                 os.rmdir(d)
+        if isinstance(e, KeyboardInterrupt):
+            raise
         if isinstance(e, (FileExistsError, NotADirectoryError)) and not os.path.isdir(folder):
             fail(f"out_dir={folder} is not a folder, and cannot be made one ({e.strerror}): give a folder")
         # a staged file is named where it was going; anything else (a folder above out_dir) as it is

@@ -138,6 +138,9 @@ class FakeHub(http.server.BaseHTTPRequestHandler):
             objects = [dict(o, actions=dict(upload=dict(href=f'{self.hub}/lfs-upload/{o["oid"]}')))
                        if o['oid'] not in self.objects else dict(o) for o in json.loads(data)['objects']]
             return self.reply(200, json.dumps(dict(transfer='basic', objects=objects)).encode())
+        if url.path in self.stall:  # an answer the hub holds until the test lets go (it interrupts the client)
+            self.stall.pop(url.path).wait(60)
+            return self.error(503, 'Unavailable', 'held')
         m = re.fullmatch(r'/api/models/([^/]+/[^/]+)/(preupload|commit)/([^/]+)', url.path)
         if not m or m[1] not in self.repos:
             return self.error(404, 'RepoNotFound', 'Repository not found')
@@ -488,3 +491,43 @@ def test_a_publish_to_a_branch_the_hub_lacks_creates_nothing(hub, table_run):
     p = publish_to(hub, table_run, '--revision=exp/v1', check=False)
     assert_user_error(p, 'alice/trm-toy', "'exp/v1'", 'nothing was committed', one_line=True)
     assert FakeHub.repos['alice/trm-toy']['branches'] == dict(main=first)
+
+
+def test_ctrl_c_in_a_publish_is_one_line_and_the_same_command_then_publishes(hub, table_run, tmp_path):
+    """Ctrl-C while the layout is written (the signal sent from inside it, as all_config.yaml is written) or while
+    the hub is uploaded to (the hub holding its answer): one line, a SIGINT's exit code, no half-written folder and
+    no commit; the same command then publishes. (SIGINT as a terminal gives it: a runner in the background may pass
+    it on ignored.)"""
+    pub = tmp_path / 'pub'
+    cmd = [sys.executable, 'publish.py', f"--init_from={table_run['ckpt']}", f'--out_dir={pub}',
+           '--repo=alice/trm-toy', '--path_in_repo=toy']
+    interrupt = 'signal.signal(signal.SIGINT, signal.default_int_handler)\n'
+    in_export = site_hook(tmp_path / 'hook1', interrupt + 'import yaml\n_dump = yaml.safe_dump\n'
+                          'def safe_dump(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return _dump(*a, **k)\n'
+                          'yaml.safe_dump = safe_dump\n')
+    p = subprocess.run(cmd, cwd=ROOT, env=script_env(dict(hub, HF_TOKEN=TOKEN, **in_export)), capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 128 + signal.SIGINT and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert len(p.stderr.strip().splitlines()) == 1 and 'stopped by SIGINT' in p.stderr, p.stderr
+    assert not pub.exists() and not FakeHub.repos
+
+    held = '/api/models/alice/trm-toy/preupload/main'
+    release = FakeHub.stall[held] = threading.Event()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=script_env(dict(hub, HF_TOKEN=TOKEN, **site_hook(tmp_path / 'hook2',
+                            interrupt))), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while ('POST', held, None) not in FakeHub.log:
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    release.set()
+    assert proc.returncode == 128 + signal.SIGINT and 'Traceback' not in err, err[-3000:]
+    assert len(err.strip().splitlines()) == 1 and 'stopped by SIGINT' in err and 'alice/trm-toy' in err, err
+    repo = FakeHub.repos['alice/trm-toy']
+    assert repo['commits'][repo['branches']['main']] == {} and sorted(os.listdir(pub)) == [
+        'all_config.yaml', "step_6"]
+
+    p = run(cmd[1:], env=dict(hub, HF_TOKEN=TOKEN))
+    assert "toy/step_6" in repo['commits'][repo['branches']['main']], p.stdout
