@@ -9,7 +9,8 @@ A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry 
 batch), rng (rank 0's random streams), rng_ranks (every rank's, in rank order; None on XLA and TorchTPU pods),
 config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the rows of its
 puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its step's evaluation was
-done: the resume evaluates it first; 'final': it was the run's final one, the time budget's last step), and with a pooled ARC vote arc_pool.
+done: the resume evaluates it first; 'final': it was the run's final one, the time budget's last step), and with a
+pooled ARC vote arc_pool.
 """
 import hashlib
 import json

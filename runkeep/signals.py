@@ -58,6 +58,12 @@ def before_hard_exit(quick=False):
         cleanup(quick=quick)
 
 
+def stop_exit_code(name):
+    """The exit code of a stop request (the signal `name`) that ends without a checkpoint: 130 after a person's
+    Ctrl-C (a loop that reruns on HUNG_EXIT ends), else HUNG_EXIT (a preemption: a launcher may run it again)."""
+    return 128 + signal.SIGINT if name == 'SIGINT' else HUNG_EXIT
+
+
 def on_signal(signum, why=None):
     """The first: a stop request, said at once (why: its cause in words, else the signal's name); the loop saves
     a checkpoint at the ranks' next stop check (a few seconds at most) and exits. A second: said, and the save
@@ -68,7 +74,7 @@ def on_signal(signum, why=None):
         say(f"pid {os.getpid()}: {why or 'got ' + name} while joining the other ranks: nothing to save yet; ending "
             "now (a rank that ended before joining says why in its output)")
         before_hard_exit(quick=True)
-        os._exit(128 + signal.SIGINT if signum == signal.SIGINT else HUNG_EXIT)
+        os._exit(stop_exit_code(name))
     STOP['count'] += 1
     if STOP['count'] == 1:
         STOP.update(requested=True, signal=name, at=time.time())
@@ -343,7 +349,7 @@ class StopBound:
     def end_unanswered(self, why):
         """The end of a stop request the run could not act on: said, the lock removed, the exit code."""
         kept = self.last_kept()
-        code = 128 + signal.SIGINT if STOP['signal'] == 'SIGINT' else HUNG_EXIT
+        code = stop_exit_code(STOP['signal'])
         say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
             f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
             f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")

@@ -70,7 +70,8 @@ def test_a_resume_back_on_the_first_machine_goes_on_with_the_bucket_s_newer_metr
     bucket; a second machine resumed from step 2 to step 6 (a line every 2 steps); the first machine, back with its
     folder as it was, resumes step 6 from the bucket: the history is the second machine's up to step 6, though the
     first machine's older copy holds more lines."""
-    out, env, client = f'gs://{BUCKET}/lost/back', dict(STORAGE_EMULATOR_HOST=host(emulator)), gcs.GCS(endpoint=emulator)
+    out, env = f'gs://{BUCKET}/lost/back', dict(STORAGE_EMULATOR_HOST=host(emulator))
+    client = gcs.GCS(endpoint=emulator)
     run(train_args(toy, out, tmp_path / 'a', '--max_steps=5', '--log_interval=1', '--keep_last_n=0'), env=env)
     for step in (4, 5):
         client.delete(f'{out}/ckpt_{step:08d}.pt')

@@ -503,7 +503,8 @@ def test_ctrl_c_in_a_publish_is_one_line_and_the_same_command_then_publishes(hub
            '--repo=alice/trm-toy', '--path_in_repo=toy']
     interrupt = 'signal.signal(signal.SIGINT, signal.default_int_handler)\n'
     in_export = site_hook(tmp_path / 'hook1', interrupt + 'import yaml\n_dump = yaml.safe_dump\n'
-                          'def safe_dump(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return _dump(*a, **k)\n'
+                          'def safe_dump(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n'
+                          '    return _dump(*a, **k)\n'
                           'yaml.safe_dump = safe_dump\n')
     p = subprocess.run(cmd, cwd=ROOT, env=script_env(dict(hub, HF_TOKEN=TOKEN, **in_export)), capture_output=True,
                        text=True, timeout=300)
