@@ -13,7 +13,9 @@ import contextlib
 import os
 import resource
 import signal
+import socket
 import sys
+import threading
 import time
 
 import numpy as np
@@ -464,6 +466,67 @@ def peak_tflops_of(name):
     return next((peak for key, peak in PEAK_TFLOPS if key.lower() in name.lower()), None)
 
 
+# a torchrun spanning hosts: a rank that ends before joining the others (a config error on its host's command line
+# or in its files, a package missing there) leaves its last line in torchrun's store, and the ranks joining read it
+# there instead of waiting for it until the process group's timeout (30 minutes). Under this key prefix, with the
+# restart count, as torch's own worker keys.
+JOIN_KEYS = 'trm_join'
+JOIN_SAY_EVERY_S = 60  # a rank still waiting for others to join says for whom, this often
+
+
+def rendezvous_store(timeout_s):
+    """torchrun's store (its agent's, through which the ranks join) as a client where the run spans hosts, with
+    its key prefix; (None, '') elsewhere: one host's torchrun ends its other ranks itself when one ends early."""
+    env = os.environ
+    if env.get('TORCHELASTIC_USE_AGENT_STORE') != 'True' or \
+            int(env.get('WORLD_SIZE', 1)) <= int(env.get('LOCAL_WORLD_SIZE', 1)):
+        return None, ''
+    import datetime
+    from torch.distributed import TCPStore
+    store = TCPStore(env['MASTER_ADDR'], int(env['MASTER_PORT']), is_master=False,
+                     timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{JOIN_KEYS}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def leave_join_note(line):
+    """A rank ending before it joined the others: its last line (why it ends) into torchrun's store."""
+    store, keys = rendezvous_store(timeout_s=10)
+    if store is None:
+        return
+    rank = os.environ['RANK']
+    store.set(f"{keys}/ended/{rank}", f"rank {rank} (host {socket.gethostname()}) ended before joining the others: "
+                                      + (line or 'its output there says why'))
+    store.add(f"{keys}/ended", 1)
+
+
+def watch_join(rank, world_size, local_rank, joined):
+    """A thread's loop while this rank joins the process group (until `joined`, an Event, is set): a note of a
+    rank that ended before joining ends this process at once, in one line; a rank still waiting says every
+    JOIN_SAY_EVERY_S which ranks it waits for (a slow host, still fetching its data, joins late and is waited
+    for)."""
+    try:
+        store, keys = rendezvous_store(timeout_s=60)
+        if store is None:
+            return
+        store.set(f"{keys}/joining/{rank}", socket.gethostname())
+        start = said = time.time()
+        while not joined.wait(0.5):
+            if store.add(f"{keys}/ended", 0):
+                ended = next(r for r in range(world_size) if store.check([f"{keys}/ended/{r}"]))
+                sys.stderr.write(f"{store.get(f'{keys}/ended/{ended}').decode()}; rank {rank} ends too, not "
+                                 "waiting for it until the process group's timeout\n")
+                sys.stderr.flush()
+                sys.stdout.flush()
+                os._exit(1)
+            if local_rank == 0 and time.time() - said >= JOIN_SAY_EVERY_S:
+                said = time.time()
+                missing = [r for r in range(world_size) if not store.check([f"{keys}/joining/{r}"])]
+                print(f"rank {rank}: waiting {said - start:.0f} s so far for rank(s) {missing} to join (still "
+                      "starting on their hosts, or ended there: their output says why)", flush=True)
+    except Exception:  # the store gone: its host's torchrun ended, and this host's ends this rank
+        return
+
+
 class Device:
     """One process's device, rank and collectives. device_type: 'cpu', 'cuda', 'xla' (torch_xla) or 'tpu'
     (TorchTPU, through `tpu`: a TorchTPU, by default the real one). Under torchrun (WORLD_SIZE > 1) the
@@ -491,8 +554,14 @@ class Device:
                 self.rank, self.world_size = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
                 self.local_rank = int(os.environ.get('LOCAL_RANK', 0))
                 self.hosts = self.world_size // int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size))
-                dist.init_process_group(backend='nccl' if device_type == 'cuda' else self.tpu.backend if self.tpu
-                                        else 'gloo')
+                joined = threading.Event()
+                threading.Thread(target=watch_join, args=(self.rank, self.world_size, self.local_rank, joined),
+                                 daemon=True, name='join').start()
+                try:
+                    dist.init_process_group(backend='nccl' if device_type == 'cuda' else self.tpu.backend
+                                            if self.tpu else 'gloo')
+                finally:
+                    joined.set()
             if device_type == 'cuda':
                 torch.cuda.set_device(self.local_rank)
                 torch.backends.cuda.matmul.allow_tf32 = True

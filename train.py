@@ -18,10 +18,11 @@ import copy
 import os
 import time
 
-import runkeep  # the shell's front (Run, launch, start_worker, resolve_init_from): what keeps the run alive
+import runkeep  # the shell's front (its FRONT: Run, launch, resolve_init_from, ...): what keeps the run alive
 from configurator import config_problems, import_torch  # (torch-free: the config is checked before torch)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
+runkeep.tell_other_hosts_if_ending_early()  # under a torchrun spanning hosts: an error before joining, there too
 
 # -----------------------------------------------------------------------------
 # config. Defaults: the paper's Sudoku-Extreme MLP recipe (87.4% exact in the paper), on one device.

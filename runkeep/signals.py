@@ -7,6 +7,8 @@ cannot reach, a launcher's signals, an orphaned worker, a failed allocation.
     StopBound(...)              a stop request not acted on while the run finishes nothing for STOP_GRACE_S
                                 ends the process in one line naming the last checkpoint kept; a collective
                                 broken by it or by a killed rank, or a failed allocation, is one line too
+    tell_other_hosts_if_ending_early()  a torchrun spanning hosts: a rank that ends before joining the others leaves
+                                its last line for them (device.watch_join), who end at once instead of waiting
     forward_signals()           torch_xla's launcher: the signals go on to its workers
     follow_launcher()           a torch_xla worker: its signals come through the launcher; it dies with it
     die_with_parent(pid)        a child of study.py or solve.py, before exec: it saves and stops when they end
@@ -47,6 +49,52 @@ STOP_GRACE_S = float(os.environ.get('TRM_STOP_GRACE_S') or 20)
 # a torchrun rank until it has joined the others (Run's start): a stop request has nothing to save yet, and the join
 # waits for a rank that ended before it (a config error on its host) for the process group's timeout
 JOINING = dict(now=False)
+
+
+class LastLine:
+    """A stream that keeps the last line written to it (an exit message comes in two writes: it, then its
+    newline)."""
+    def __init__(self, stream):
+        self.stream, self.line, self.part = stream, '', ''
+
+    def write(self, text):
+        *done, self.part = (self.part + text).split('\n')
+        self.line = next((d for d in reversed(done) if d.strip()), self.line)
+        return self.stream.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def tell_other_hosts_if_ending_early():
+    """train.py's first call. Under a torchrun spanning hosts, a process that ends before it joined the others (a
+    config error of its host's command or files, a package missing there) leaves the last line it wrote to stderr
+    in torchrun's store: the other hosts' ranks, which would wait for it until the process group's timeout, read it
+    there and end at once (device.watch_join). Torch-free: the config check still answers before torch loads."""
+    if 'LOCAL_RANK' not in os.environ or \
+            int(os.environ.get('WORLD_SIZE', 1)) <= int(os.environ.get('LOCAL_WORLD_SIZE', 1)):
+        return
+    JOINING['now'] = True
+    sys.stderr = LastLine(sys.stderr)
+    # not at exit: torch, which the note needs, cannot load once the interpreter runs its exit functions; a
+    # thread the interpreter waits for still can, as soon as the main thread ended, all but the module of
+    # concurrent.futures' threads (its import registers an exit function of its own): loaded now
+    import concurrent.futures.thread  # noqa: F401
+    threading.Thread(target=leave_note, args=(sys.stderr,), name='ending-early').start()
+
+
+def leave_note(stderr):
+    """When the main thread has ended: a rank that had not joined the others leaves its last stderr line for
+    them (device.leave_join_note)."""
+    threading.main_thread().join()
+    if not JOINING['now']:
+        return
+    try:
+        from device import leave_join_note
+        leave_join_note(stderr.line)
+    except BaseException:  # the note spares the other hosts a wait; its failure changes nothing here
+        pass
+
 
 # what a hard exit (os._exit: no atexit) runs first, each called with quick=True after a stop request: the
 # out_dir's locks are removed (locks.py registers release_locks)

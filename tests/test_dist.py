@@ -6,13 +6,15 @@ of a pod (a file present on one host only, a rank whose disk is full, another co
 """
 import json
 import os
+import subprocess
+import sys
 import tempfile
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TOY_ARGS, free_port, make_reverse_dataset, our_frames, run
+from conftest import ROOT, TOY_ARGS, free_port, make_reverse_dataset, our_frames, run, script_env
 from data import write_split
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4', '--global_batch_size=48']
@@ -57,6 +59,28 @@ def test_a_file_only_one_host_has_stops_every_rank_at_start(toy, tmp_path):
                  wrapper=wrapper)
     assert_all_ranks_stopped_with(p, 'start-up checks failed on rank(s) [1]', 'init_from=w.pt: no such file on this host')
     assert p.stdout.count('start-up checks failed on rank(s) [1]') + p.stderr.count('start-up checks failed on rank(s) [1]') == 2
+
+
+def test_a_host_whose_rank_ends_before_joining_ends_the_other_hosts_ranks_with_its_line(toy, tmp_path):
+    # two torchruns as two hosts of one rank each (node 0's holds the store); host 1's command has a bad value, so
+    # its rank ends before joining: host 0's, which waited for it until the process group's timeout, ends now
+    port, args = free_port(), [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=4'] + FAST
+    hosts = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes=2', f'--node_rank={i}',
+                               '--nproc_per_node=1', '--master_addr=127.0.0.1', f'--master_port={port}', 'train.py']
+                              + args + ['--lr=abc'] * i, cwd=ROOT, env=script_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in (0, 1)]
+    try:
+        outs = [h.communicate(timeout=150)[0] for h in hosts]  # a bound against hanging, far above the wait
+    finally:
+        for h in hosts:  # torchrun ends its rank at a SIGTERM
+            if h.poll() is None:
+                h.terminate()
+                h.communicate(timeout=60)
+    said = "config error: lr='abc' in --lr=abc is a str"
+    assert hosts[1].returncode != 0 and said in outs[1], outs[1][-3000:]
+    lines = [l for l in outs[0].splitlines() if 'ended before joining' in l]
+    assert len(lines) == 1 and lines[0].startswith('rank 1 (host ') and said in lines[0], outs[0][-3000:]
+    assert hosts[0].returncode != 0 and not our_frames(outs[0]), outs[0][-3000:]
 
 
 def test_a_failed_save_on_rank_0_stops_every_rank_with_its_message(toy, tmp_path):

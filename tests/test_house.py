@@ -55,8 +55,8 @@ def test_the_root_holds_the_kernel_and_the_shell_is_in_packages():
 
 
 def test_train_py_reaches_the_shell_through_its_front_alone():
-    """train.py imports the kernel's libraries and runkeep's front (resolve_init_from, Run, launch, start_worker)
-    alone, and reads no member of Run's parts."""
+    """train.py imports the kernel's libraries and runkeep's front (tell_other_hosts_if_ending_early,
+    resolve_init_from, Run, launch, start_worker) alone, and reads no member of Run's parts."""
     tree = ast.parse(open(os.path.join(ROOT, 'train.py')).read())
     kernel = {f[:-3] for f in KERNEL}
     modules = set()
@@ -68,7 +68,7 @@ def test_train_py_reaches_the_shell_through_its_front_alone():
     project = {m for m in modules if m.split('.')[0] in kernel | {'runkeep', 'studies'}}
     assert project - kernel == {'runkeep'}, project - kernel
     used = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and getattr(n.value, 'id', '') == 'runkeep'}
-    assert used <= {'Run', 'launch', 'start_worker', 'resolve_init_from'}, used
+    assert used <= {'Run', 'launch', 'start_worker', 'resolve_init_from', 'tell_other_hosts_if_ending_early'}, used
     reached = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                and isinstance(n.value, ast.Attribute) and getattr(n.value.value, 'id', '') == 'run']
     assert not reached, reached  # run.budget.plan, run.clock.loop_start, ...: Run's parts are its own
