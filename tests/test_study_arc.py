@@ -42,7 +42,8 @@ def test_the_dry_run_costs_every_full_arc_run_without_building_anything(tmp_path
         assert re.search(r"training [\d.e+]+ FLOPs \| 10 evaluation\(s\), 19 passes [^:|]*: [\d.e+]+ FLOPs", b), b
         assert 'on a v4-32: about ' in b and '(assumed MFU)' in b
         n = re.search(r"data/arc1concept-aug-(\d+)", b)[1]
-        assert (f"built first by: python prepare_arc.py --version 1 --concept_dir ../shared/arc --num_aug {n} "
+        # no --concept_dir: a folder outside the repository is on no user's machine; ConceptARC is downloaded
+        assert (f"built first by: python prepare_arc.py --version 1 --num_aug {n} "
                 f"--output_dir data/arc1concept-aug-{n}") in b, b
     assert sum('same run as' in blocks[n] for n in BASE_POINTS) == 2  # the base point: one run for three files
     # ARC-AGI-1 at 1000 augmentations: 100,000 epochs x 960 tasks x 3,633,410 / 876,405 rows a puzzle / 768
