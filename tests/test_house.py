@@ -160,6 +160,11 @@ def test_no_comment_points_outside_the_repository():
     for f in SCRIPTS + LIBRARIES + DOCS:
         if os.path.exists(os.path.join(ROOT, f)):
             assert 'TRM_SPEC' not in open(os.path.join(ROOT, f)).read(), f
+    # a command a user copies (a guide's, a config's, one the study runs) names no folder beside the checkout
+    configs = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, 'config'))
+               for f in fs if f.endswith('.py')]
+    pages = [os.path.join(ROOT, f) for f in SCRIPTS + LIBRARIES + DOCS if f != 'docs/log.md']
+    assert [f for f in pages + configs if os.path.exists(f) and '../shared' in open(f).read()] == []
 
 
 def anchors(path):
