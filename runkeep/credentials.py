@@ -41,6 +41,12 @@ class CredentialsError(Exception):
     refused = False  # no retry changes it (a refusal with its status says so itself)
 
 
+class NoCredentials(CredentialsError):
+    """No source gave a token, and none will by waiting: no key file named, no metadata server (off a GCE/TPU VM,
+    or a VM without a service account), no gcloud login."""
+    refused = True
+
+
 class KeyFileError(CredentialsError):
     """The key file itself is unusable (unreadable, not a service-account key, a key that cannot sign): as with
     a refusal, no retry mends it."""
@@ -58,12 +64,16 @@ def _transient(status):
 
 
 def _token_from_metadata():
+    """(token, seconds it lives), or why there is none: 'absent' (off a GCE/TPU VM, or a VM without a service
+    account) or 'busy' (a timeout, a 5xx: it may answer when asked again)."""
     try:
         r = requests.get(METADATA_TOKEN_URL, headers={"Metadata-Flavor": "Google"}, timeout=2)
+    except requests.Timeout:
+        return "busy"
     except requests.RequestException:
-        return None  # not on a GCE/TPU VM
+        return "absent"  # no such host, nothing listening: not on a GCE/TPU VM
     if r.status_code != 200:
-        return None  # e.g. VM without a service account
+        return "busy" if _transient(r.status_code) else "absent"
     d = r.json()
     return d["access_token"], float(d.get("expires_in", 300))
 
@@ -214,13 +224,16 @@ def get_token(force_refresh=False):
             if key_file:  # set: use it or fail loudly, never fall back to another identity
                 got = _token_from_service_account(key_file)
             else:
-                got = _token_from_metadata() or _token_from_gcloud()
+                metadata = _token_from_metadata()
+                got = metadata if isinstance(metadata, tuple) else _token_from_gcloud()
             if got is None:
-                raise CredentialsError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM "
-                                       "metadata server is unreachable (not on a GCE/TPU VM?) and `gcloud auth "
-                                       "print-access-token` failed; set GOOGLE_APPLICATION_CREDENTIALS to a "
-                                       "service-account key file, run `gcloud auth login`, or set "
-                                       "STORAGE_EMULATOR_HOST to use a local emulator")
+                # said at once where no source ever gave one (a run then stops at start, before it trains with
+                # nothing saved); a busy metadata server, or a source that gave one before, is asked again
+                error = CredentialsError if metadata == "busy" or _token is not None else NoCredentials
+                raise error("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM metadata server "
+                            "is unreachable (not on a GCE/TPU VM?) and `gcloud auth print-access-token` failed; set "
+                            "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, run `gcloud auth "
+                            "login`, or set STORAGE_EMULATOR_HOST to use a local emulator")
             _token, ttl = got
             _token_expiry, _token_source = time.time() + ttl, key_file
         return _token

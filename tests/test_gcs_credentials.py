@@ -418,3 +418,35 @@ def test_a_broken_key_file_stops_a_new_run_at_start(toy, tmp_path, content):
             env=dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=str(key)))
     assert_user_error(p, f"GOOGLE_APPLICATION_CREDENTIALS={key}")
     assert "step 1" not in p.stdout and "step 2" not in p.stdout and "HTTP None" not in p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("where", ["out_dir", "data_path"])
+def test_no_credentials_at_all_stop_a_gs_run_at_start(toy, tmp_path, where):
+    # no key file, no metadata server, gcloud (if installed) without a login: no retry finds credentials, and a run
+    # trained on would save nothing in the bucket
+    from conftest import TOY_ARGS, assert_user_error, free_port, run
+    paths = dict(out_dir=f"--out_dir={tmp_path / 'out'}", data_path=f"--data_path={toy}")
+    paths[where] = f"--{where}=gs://bucket/run1"
+    p = run(["train.py", *paths.values(), f"--local_dir={tmp_path / 'l'}", "--max_steps=2", "--gcs_retries=1"]
+            + TOY_ARGS, check=False,
+            env=dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=None,
+                     GCE_METADATA_HOST=f"127.0.0.1:{free_port()}", CLOUDSDK_CONFIG=str(tmp_path / "gcloud")))
+    said = assert_user_error(p, "no GCS credentials", "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key "
+                             "file", one_line=True)
+    assert "gs://bucket/run1" in said and "attempts" not in said
+    assert "step 1" not in p.stdout and "warning" not in p.stdout + p.stderr
+
+
+def test_no_credentials_are_final_only_before_any_source_gave_a_token(clean_env, token_server):
+    clean_env.setattr(credentials, "_token_from_gcloud", lambda: None)
+    client = gcs.GCS(endpoint=token_server.url, retries=3, backoff=0.01)
+    with pytest.raises(gcs.GCSError, match="no GCS credentials") as e:  # nothing to wait for: said at once
+        client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    assert e.value.refused and "attempts" not in str(e.value)
+    clean_env.setattr(credentials, "METADATA_TOKEN_URL", token_server.url + "/metadata")
+    assert client.exists("gs://bucket/run1/ckpt_00000100.pt")
+    # the metadata server that gave the token stops answering: the run's uploads retry it, as any outage
+    clean_env.setattr(credentials, "METADATA_TOKEN_URL", "http://127.0.0.1:9/unreachable")
+    with pytest.raises(credentials.CredentialsError) as e:
+        credentials.get_token(force_refresh=True)
+    assert not e.value.refused
