@@ -219,7 +219,7 @@ def bucket_checkpoints(out_dir, resume):
     except gcs.Stopped as e:
         return None, [f"{e}; nothing was started"]
     except gcs.GCSError as e:
-        if e.refused and e.status is None:  # the credentials: no request was sent
+        if isinstance(e, gcs.CredentialsFailed):  # no request was sent: the key file or the token endpoint said no
             return None, [f"out_dir={out_dir}: {e}"]
         if e.refused:
             return None, [f"out_dir={out_dir}: the bucket {bucket} answered HTTP {e.status} ({e}): check "

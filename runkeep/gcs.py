@@ -84,6 +84,9 @@ class NotFoundError(GCSError, FileNotFoundError):
 class Stopped(GCSError):
     pass  # GCS.stop() said to stop while a request waited
 
+class CredentialsFailed(GCSError):
+    pass  # no token to send, and none to wait for (status: the token endpoint's): the bucket was not asked
+
 def _auth_headers(force_refresh=False):
     """The Authorization header for a request (none for an emulator). A token refused, or a key file that
     cannot work, is a GCSError like any other, so callers catch one kind of error; a token not had for now (the
@@ -92,7 +95,7 @@ def _auth_headers(force_refresh=False):
         token = credentials.get_token(force_refresh)
     except credentials.CredentialsError as e:
         if e.refused or e.status is not None and not _is_transient(e.status):
-            raise GCSError(str(e), e.status, e.refused) from None
+            raise CredentialsFailed(str(e), e.status, e.refused) from None
         raise _NoToken(str(e)) from None
     return {"Authorization": f"Bearer {token}"} if token else {}
 

@@ -72,7 +72,8 @@ class TokenServer:
 
     POST /token verifies the JWT's RS256 signature with the public key (openssl) and its header and
     claims; it answers {"access_token": ...} or 400 {"error": "invalid_grant", ...} saying why.
-    `refuse` makes it answer 400 invalid_grant anyway; `fail_next` answers that many requests with 503.
+    `refuse` (True: 400, or a status) makes it answer invalid_grant anyway; `fail_next` answers that many requests
+    with 503.
     GET /metadata plays the GCE metadata server's token URL, to test the order of credential sources;
     `metadata_fail_next` answers that many of its requests with 503; the stand-in bucket answers 401 to a token
     in `revoked`."""
@@ -121,7 +122,8 @@ class TokenServer:
                     outer.rejections.append(why)
                     return self.reply(400, {"error": "invalid_grant", "error_description": why})
                 if outer.refuse:
-                    return self.reply(400, {"error": "invalid_grant", "error_description": "Invalid JWT Signature."})
+                    return self.reply(400 if outer.refuse is True else outer.refuse,
+                                      {"error": "invalid_grant", "error_description": "Invalid JWT Signature."})
                 self.reply(200, {"access_token": f"token-{outer.hits}", "expires_in": outer.expires_in,
                                  "token_type": "Bearer"})
 
@@ -450,3 +452,19 @@ def test_no_credentials_are_final_only_before_any_source_gave_a_token(clean_env,
     with pytest.raises(credentials.CredentialsError) as e:
         credentials.get_token(force_refresh=True)
     assert not e.value.refused
+
+
+@pytest.mark.parametrize("status", [400, 401])
+def test_a_revoked_key_stops_a_run_at_start_naming_the_key_not_the_bucket(token_server, rsa_key, toy, tmp_path,
+                                                                           status):
+    # the token endpoint refused the key: no request reached the bucket, whose name and permissions are not in doubt
+    from conftest import TOY_ARGS, assert_user_error, free_port, run
+    token_server.refuse = status
+    key = write_key(tmp_path / "revoked.json", rsa_key["pkcs8"], token_server.token_uri)
+    p = run(["train.py", f"--data_path={toy}", "--out_dir=gs://bucket/run1", f"--local_dir={tmp_path / 'l'}",
+             "--max_steps=2"] + TOY_ARGS, check=False,
+            env=dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=key,
+                     GCE_METADATA_HOST=f"127.0.0.1:{free_port()}"))
+    said = assert_user_error(p, f"GOOGLE_APPLICATION_CREDENTIALS={key}", f"HTTP {status}", one_line=True)
+    assert "bucket bucket" not in said and "check that the bucket exists" not in said, said
+    assert "step 1" not in p.stdout
