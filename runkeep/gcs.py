@@ -428,13 +428,16 @@ class Uploader:
     kept in .failed, never raised into the training loop. Call wait() before exiting
     (and on SIGTERM: spot VMs get ~30 s) so queued checkpoints make it to the bucket.
     on_success(local_path, uri) runs on the upload thread after each upload (e.g. pruning old checkpoints).
-    A file deleted before its turn (pruned: a newer one replaces it) is skipped, not a failure."""
+    A file deleted before its turn (pruned: a newer one replaces it) is skipped, not a failure; so is a failed
+    upload once a later one to the same object works. An outage is said once, at its first failure, and again
+    when an upload works (a long one would otherwise print a line per file, per checkpoint)."""
 
     def __init__(self, client=None, on_success=None):
         self.client = client  # None: the module's default client
         self.on_success = on_success
         self.pending = []  # [(local_path, uri)] submitted and not finished, in submit order
         self.failed = []   # [(local_path, uri)] whose last upload failed
+        self.unsaid = 0    # failures since the last upload that worked
         self._queue = queue.Queue()
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="gcs-uploader", daemon=True).start()
@@ -453,10 +456,15 @@ class Uploader:
     def _run(self):
         while True:
             job = local_path, uri = self._queue.get()
-            ok = False
+            ok = sent = False
             try:
                 if os.path.exists(local_path):
                     (self.client or default_client()).upload(local_path, uri)
+                    sent = True
+                    if self.unsaid:
+                        print(f"gcs: uploads work again ({uri} uploaded); {self.unsaid} failed meanwhile",
+                              file=sys.stderr, flush=True)
+                        self.unsaid = 0
                     if self.on_success is not None:
                         try:
                             self.on_success(local_path, uri)
@@ -465,11 +473,17 @@ class Uploader:
                                   file=sys.stderr, flush=True)
                 ok = True
             except Exception as e:
-                print(f"gcs: upload of {local_path} to {uri} failed: {e}", file=sys.stderr, flush=True)
+                if not self.unsaid:
+                    print(f"gcs: upload of {local_path} to {uri} failed: {e} (the next uploads are tried; their "
+                          "failures are said at the end)", file=sys.stderr, flush=True)
+                self.unsaid += 1
             finally:
                 with self._cv:
                     self.pending.remove(job)
-                    self.failed = [j for j in self.failed if j != job] + ([] if ok else [job])
+                    if sent:  # it replaces what an earlier, failed upload of the same object would have sent
+                        self.failed = [j for j in self.failed if j[1] != uri]
+                    else:
+                        self.failed = [j for j in self.failed if j != job] + ([] if ok else [job])
                     self._cv.notify_all()
 
     def wait(self, timeout=None):

@@ -249,6 +249,24 @@ def test_uploader_unreachable_logs_and_counts(tmp_path, capfd):
     assert "gs://test-bucket/unreachable/ckpt.pt" in err and "failed" in err
 
 
+def test_uploader_says_an_outage_once_and_forgets_failures_a_newer_upload_replaced(emulator, tmp_path, capfd):
+    # credentials refused mid-run (every upload fails at once), then working again: one line when the failures
+    # begin, one when an upload works again, and what the end names as only local is what the bucket lacks
+    from conftest import free_port
+    client = gcs.GCS(endpoint=f"http://127.0.0.1:{free_port()}", retries=0)  # nothing listens: each upload fails
+    up = gcs.Uploader(client=client)
+    log, ckpt = f"gs://{BUCKET}/outage/train.log", f"gs://{BUCKET}/outage/ckpt_00000002.pt"
+    for i, uri in enumerate([ckpt, log, log]):
+        up.submit(_write(tmp_path / f"f{i}", b"x" * (i + 1)), uri)
+    assert up.wait(timeout=30) and up.failures == 3
+    assert len(capfd.readouterr().err.splitlines()) == 1
+    client.endpoint = emulator
+    up.submit(_write(tmp_path / "f3", b"newest"), log)
+    assert up.wait(timeout=30)
+    assert "work again" in capfd.readouterr().err
+    assert [uri for _, uri in up.failed] == [ckpt]  # train.log's newest copy is in the bucket
+
+
 # -----------------------------------------------------------------------------
 # checkpoint files, local and in a bucket
 
