@@ -181,9 +181,10 @@ def lock_bucket(prefix, local):
 
 def renew_lock(uri, rec, local):
     """Rank 0: a daemon thread that rewrites the lock object's `renewed` every third of its lease while this
-    process holds it; a lock found taken over (this run stalled past its lease) is said once, then left."""
+    process holds it; a lock found taken over (this run stalled past its lease) is said once, then left. Renewals
+    that fail (an outage, credentials refused) are said at the first, and again when one works."""
     def renew():
-        client = gcs.GCS(retries=2, timeout=(5, 10))
+        client, failing = gcs.GCS(retries=2, timeout=(5, 10)), False
         while True:
             time.sleep(LEASE_S / 3)
             if uri not in HELD:
@@ -195,8 +196,14 @@ def renew_lock(uri, rec, local):
                           f"{now.get('pid')} (this run's lease ran out): stop one of the two runs")
                     return
                 client.put(uri, json.dumps(dict(rec, renewed=time.time())).encode())
+                if failing:
+                    print(f"{uri}: renewed again")
+                failing = False
             except Exception as e:  # the next renewal tries again; the lease outlasts two failures
-                print(f"warning: could not renew the lock {uri} ({e})")
+                if not failing:
+                    print(f"warning: could not renew the lock {uri} ({e}); retried every {LEASE_S / 3:.0f} s "
+                          f"(a run on another host may take it over after {LEASE_S:.0f} s without one)")
+                failing = True
     threading.Thread(target=renew, daemon=True).start()
 
 

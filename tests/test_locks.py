@@ -173,3 +173,47 @@ def test_a_gs_lock_has_a_lease_its_run_renews_and_another_host_takes_over_once_i
                 p.wait()
         srv.shutdown()
         srv.server_close()
+
+
+class Refusing(Preconditioned):
+    """Preconditioned, answering 403 to every request while `refuse` is set (credentials revoked mid-run)."""
+    refuse = False
+
+    def refused(self):
+        if Refusing.refuse:
+            self.reply(403, json.dumps(dict(error=dict(code=403, message='permission denied'))).encode())
+        return Refusing.refuse
+
+    def do_GET(self):
+        self.refused() or super().do_GET()
+
+    def do_POST(self):
+        self.refused() or super().do_POST()
+
+
+def test_a_lock_renewal_that_fails_for_a_while_is_said_once_and_again_when_it_works(tmp_path):
+    srv, addr = serve(Refusing)
+    env = dict(os.environ, STORAGE_EMULATOR_HOST=addr, PYTHONPATH=ROOT, TRM_LOCK_LEASE_S='1.5')
+    obj = 'r12/run.lock'
+    p = subprocess.Popen([sys.executable, '-c', LOCKER, f'gs://{BUCKET}/r12', str(tmp_path)], env=env, text=True,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert p.stdout.readline().strip() == '[]'
+        Refusing.refuse = True  # renewals every 0.5 s: several fail
+        time.sleep(3)
+        Refusing.refuse = False
+        renewed, deadline = json.loads(Refusing.objects[obj])['renewed'], time.time() + 30
+        while json.loads(Refusing.objects[obj])['renewed'] == renewed:
+            assert time.time() < deadline, 'the lock was not renewed once the bucket answered again'
+            time.sleep(0.05)
+        time.sleep(0.5)
+        out = p.communicate('', timeout=60)[0]
+    finally:
+        Refusing.refuse = False
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        srv.shutdown()
+        srv.server_close()
+    assert out.count('could not renew the lock') == 1 and 'HTTP 403' in out, out
+    assert out.count('renewed again') == 1, out
