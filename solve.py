@@ -29,6 +29,8 @@ import os
 import re
 import time
 
+_T_START = time.time()  # adapt_minutes counts from here: the start, the builds and the adaptation
+
 from configurator import read_config_block  # noqa: E402
 from runkeep.hub import all_config_beside, resolve_init_from  # noqa: E402
 from configurator import KERNELS, config_problems  # noqa: E402
@@ -49,7 +51,8 @@ file = ''                       # puzzle file: one Sudoku a line; mazes: blank-l
 index = -1                      # solve example N (from 0) of the dataset's test split
 count = 0                       # solve the first K examples of the dataset's test split
 task = ''                       # ARC: a task of the dataset's test split (its ID), or a JSON file of new tasks
-adapt_minutes = 2.0             # --task=FILE.json: the adaptation's time budget (train.py's max_minutes)
+adapt_minutes = 2.0             # --task=FILE.json: minutes from solve.py's start to the adapted run's submission
+                                # (train.py's max_minutes: what the start and the dataset's build left)
 adapt_aug = 7                   # --task=FILE.json: augmentations of each new task (prepare_arc.py's num_aug)
 adapt_args = ''                 # --task=FILE.json: more train.py flags for the adaptation ('--lr=1e-4 ...')
 adapt_dir = ''                  # --task=FILE.json: its dataset and adapted run ('': out/adapt/<name>-<key>)
@@ -640,7 +643,7 @@ def adapt_to_new_tasks():
     except ValueError as e:
         fail(f"{e} (the canvas of {init_from}'s run)" if 'canvas' in str(e) else e)
     adapted, data = adapt(task, tasks, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
-                          device)
+                          device, _T_START)
     globals().update(init_from=adapted, data_path=data)
 
 

@@ -20,6 +20,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 from configurator import fail
 from data import load_metadata
@@ -163,11 +164,13 @@ def stopped(task, script, out, rc):
     raise SystemExit(code)
 
 
-def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, device):
+def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, device, started):
     """The tasks ({id: task}) of the file `task` adapted to from the checkpoint init_from with the keys `keep`
-    of its run (run_of) on a canvas of canvas x canvas, for up to `minutes` with adapt_aug `aug` and train.py
-    flags `extra`: (the adapted run's last checkpoint, its dataset). A finished adaptation of the same tasks,
-    checkpoint and settings is used as it is; a stopped one goes on from its last checkpoint."""
+    of its run (run_of) on a canvas of canvas x canvas, with adapt_aug `aug` and train.py flags `extra`, its
+    submission written within `minutes` of `started` (solve.py's start, time.time()): train.py's budget is what
+    the start and the dataset's build left of them. Returns (the adapted run's last checkpoint, its dataset). A
+    finished adaptation of the same tasks, checkpoint and settings is used as it is; a stopped one goes on from
+    its last checkpoint."""
     settings = dict(adapt_aug=aug, adapt_args=' '.join(extra.split()))
     record = dict(key=key_of(tasks, init_from, settings), task=os.path.abspath(task),
                   init_from=os.path.abspath(init_from), tasks=list(tasks), **settings)
@@ -189,21 +192,23 @@ def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, 
         fail(f"adapt_dir={folder}: cannot write there ({e.strerror or e})")
     steps = []
     if not all(os.path.isfile(os.path.join(data, s, 'dataset.json')) for s in ('train', 'test')):
-        steps.append(('prepare_arc.py', [f"--challenges={os.path.join(folder, 'challenges.json')}",
-                                         f'--canvas={canvas}', f'--num_aug={aug}', f'--output_dir={data}']))
-    steps.append(('train.py', [*[f'--{k}={v}' for k, v in keep.items()], f'--init_from=resume:{init_from}',
-                               f'--data_path={data}', f'--out_dir={out}', f'--max_minutes={minutes}',
-                               '--epochs=1000000', '--eval_every_epochs=1000000', '--tensorboard=False',
-                               '--xla_cache_dir='] + ([f'--device={device}'] if device != 'auto' else [])
+        steps.append(('prepare_arc.py', lambda: [f"--challenges={os.path.join(folder, 'challenges.json')}",
+                                                 f'--canvas={canvas}', f'--num_aug={aug}', f'--output_dir={data}']))
+    # 0 would be no budget: a start that took it all still gets train.py's shortest run, two steps and the evaluation
+    left = lambda: max(round(minutes - (time.time() - started) / 60, 4), 0.001)
+    steps.append(('train.py', lambda: [*[f'--{k}={v}' for k, v in keep.items()], f'--init_from=resume:{init_from}',
+                                       f'--data_path={data}', f'--out_dir={out}', f'--max_minutes={left():g}',
+                                       '--epochs=1000000', '--eval_every_epochs=1000000', '--tensorboard=False',
+                                       '--xla_cache_dir='] + ([f'--device={device}'] if device != 'auto' else [])
                   + extra.split()))
     last = newest(out)
     print(f"task={task}: {plural(len(tasks), 'new task')} in {folder}: "
           + (f"its dataset built into {data} (prepare_arc.py --challenges), then " if len(steps) > 1 else '')
           + (f"the adaptation stopped at step {last[0]} goes on" if last else "the network adapted to it")
-          + f" for up to {minutes:g} min into {out} (train.py)")
+          + f" into {out} (train.py), its submission within {minutes:g} min of solve.py's start")
     with stop_requests():
         for script, args in steps:
-            rc = run_step(script, args) if not STOPPED else None
+            rc = run_step(script, args()) if not STOPPED else None
             if STOPPED:
                 stopped(task, script, out, rc)
             if rc:

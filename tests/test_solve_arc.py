@@ -159,6 +159,8 @@ def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_pat
     out = p.stdout
     assert 'task=' in out and 'new task' in out and 'puzzle-embedding table replaced' in out, out[-3000:]
     assert 'time budget' in out, out[-3000:]  # the adaptation ended by its budget, with its evaluation
+    # the budget counts from solve.py's start: train.py gets what the start and the dataset's build left of it
+    assert 0 < float(re.search(r'config: max_minutes = (\S+)', out)[1]) < 0.1, out[-3000:]
     assert 'task mine: 3 demonstrations, 1 test input; 4 stored views' in out, out[-3000:]
     assert 'the vote: ' in out and 'attempt 1' in out and 'solution' in out
     assert ('PASS@2' in out) or ('not solved in two attempts' in out)
