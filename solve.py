@@ -542,9 +542,10 @@ def main():
              + (f" (such as {', '.join(some[:3])})" if some else '') + ", or new tasks with --task=FILE.json "
              "(adapted to first)" + (f"; and {unreadable}" if unreadable else ''))
     per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
+    split = task and arc_split(kind, dp)
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
-        solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt)
+        solve_task(model, dev, split, dp, n_steps, dtype_why, plt)
     if task:
         return
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
@@ -728,23 +729,30 @@ def shape_of(g):
     return f"{g.shape[0]}x{g.shape[1]}" if g.ndim == 2 and g.size else 'empty'
 
 
-def solve_task(model, dev, kind, meta, dp, n_steps, dtype_why, plt):
-    """--task: the demonstrations, then every test input solved in all its stored views and voted."""
-    from arc import ARCVotes, answer_key, confidence, key_grid, rank_answers
+def arc_split(kind, dp):
+    """--task: the ARC dataset's test split, read once for all the tasks solved: (its votes, ARCVotes of
+    test_views.npz and test_puzzles.json: how each row maps back; identifiers.json's names; its arrays)."""
+    from arc import ARCVotes
     if kind.name != 'arc':
         fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
-    votes = ARCVotes.open(dp, kind)  # test_views.npz and test_puzzles.json: how each row maps back, and votes
-    rows = task_rows(arc_names(dp), votes, dp)
+    votes, names = ARCVotes.open(dp, kind), arc_names(dp)
+    try:
+        return votes, names, load_arrays(dp, 'test')
+    except (OSError, ValueError) as e:
+        fail(f"task={task} reads the test split of {dp}: {short(e)}")
+
+
+def solve_task(model, dev, split, dp, n_steps, dtype_why, plt):
+    """--task: the demonstrations, then every test input solved in all its stored views and voted."""
+    from arc import answer_key, confidence, key_grid, rank_answers
+    votes, names, arrays = split
+    rows = task_rows(names, votes, dp)
     t = votes.puzzles[task]
     print(f"task {task}: {plural(len(t['train']), 'demonstration')}, {plural(len(t['test']), 'test input')}; "
           f"{len(rows)} stored views in the test split of {dp}")
     for k, pair in enumerate(t['train']):
         print(f"\ndemonstration {k + 1}: {shape_of(pair['input'])} -> {shape_of(pair['output'])}")
         print(side_by_side([pair['input'], pair['output']], ['input', 'output']))
-    try:
-        arrays = load_arrays(dp, 'test')
-    except (OSError, ValueError) as e:
-        fail(f"task={task} reads the test split of {dp}: {short(e)}")
     pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
     ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
     inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)

@@ -145,6 +145,19 @@ def test_the_refusals_are_one_line(arc_run):
         assert 'demonstration' not in q.stdout
 
 
+# solve.py, its reads of a dataset's test_puzzles.json counted (Python's audit hook sees every open)
+COUNT_READS = '''
+import os, runpy, sys
+sys.path.insert(0, os.getcwd())
+reads = []
+sys.addaudithook(lambda event, args: event == 'open' and str(args[0]).endswith('test_puzzles.json')
+                 and reads.append(args[0]))
+sys.argv = ['solve.py'] + sys.argv[1:]
+runpy.run_path('solve.py', run_name='__main__')
+print(f"test_puzzles.json read {len(reads)} time(s)")
+'''
+
+
 def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_path):
     """--task=FILE.json: a task never trained (here a user's own, its solution given, and a second file without
     one) gets its own dataset and an adaptation of the checkpoint's network in a small budget; then its test
@@ -167,10 +180,14 @@ def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_pat
     assert os.path.exists(tmp_path / 'a' / 'run' / 'submission.json')
 
     unsolved = tmp_path / 'hidden.json'  # the ARC Prize's layout, no solution: solved, not scored
-    unsolved.write_text(json.dumps({'t1': dict(train=demos, test=[dict(input=[[2, 1, 1]])])}))
-    p = solve(ckpt, f'--task={unsolved}', '--adapt_minutes=0.1', '--adapt_aug=1', f'--adapt_dir={tmp_path}/b')
+    unsolved.write_text(json.dumps({t: dict(train=demos, test=[dict(input=[[2, 1, 1]])]) for t in ('t1', 't2')}))
+    p = run(['-c', COUNT_READS, f'--init_from={ckpt}', '--device=cpu', '--threads=1', f'--task={unsolved}',
+             '--adapt_minutes=0.1', '--adapt_aug=1', f'--adapt_dir={tmp_path}/b'], env=ENV)
     assert 'task t1: 3 demonstrations, 1 test input; 2 stored views' in p.stdout, p.stdout[-3000:]
+    assert 'task t2: 3 demonstrations, 1 test input; 2 stored views' in p.stdout, p.stdout[-3000:]
     assert 'solution not known' in p.stdout and 'no solution known' in p.stdout
+    # the adapted dataset's test split is read once for all its tasks, not once a task (hundreds in a hidden set)
+    assert p.stdout.strip().splitlines()[-1] == 'test_puzzles.json read 1 time(s)', p.stdout[-3000:]
 
     bad = tmp_path / 'bad.json'  # a colour outside 0-9: the builder's line, naming the user's file, before it runs
     bad.write_text(json.dumps(dict(train=[dict(input=[[12]], output=[[1]])], test=[dict(input=[[1]])])))
