@@ -542,10 +542,14 @@ def main():
              + (f" (such as {', '.join(some[:3])})" if some else '') + ", or new tasks with --task=FILE.json "
              "(adapted to first)" + (f"; and {unreadable}" if unreadable else ''))
     per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
-    split = task and arc_split(kind, dp)
+    split, given = task and arc_split(kind, dp), task
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
         solve_task(model, dev, split, dp, n_steps, dtype_why, plt)
+    if new_tasks:  # the file to hand in is the adapted run's, written by its final evaluation
+        sub = os.path.join(os.path.dirname(init_from), 'submission.json')
+        print(f"\nsubmission (the ARC Prize's format, every task of {given}): {sub}" if os.path.isfile(sub) else
+              f"\nno submission: {sub} is missing (train.py could not write it, or it was removed)")
     if task:
         return
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])

@@ -178,6 +178,9 @@ def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_pat
     assert 'the vote: ' in out and 'attempt 1' in out and 'solution' in out
     assert ('PASS@2' in out) or ('not solved in two attempts' in out)
     assert os.path.exists(tmp_path / 'a' / 'run' / 'submission.json')
+    # the file to hand in, named at the end (train.py named it once, above every task's vote table)
+    assert out.strip().splitlines()[-1] == (f"submission (the ARC Prize's format, every task of {mine}): "
+                                            f"{tmp_path / 'a' / 'run' / 'submission.json'}"), out[-3000:]
 
     unsolved = tmp_path / 'hidden.json'  # the ARC Prize's layout, no solution: solved, not scored
     unsolved.write_text(json.dumps({t: dict(train=demos, test=[dict(input=[[2, 1, 1]])]) for t in ('t1', 't2')}))
