@@ -27,6 +27,8 @@ sigmoid(q_halt)); the vote table and the two attempts, right or not where the so
 """
 import os
 import re
+import signal
+import sys
 import time
 
 _T_START = time.time()  # adapt_minutes counts from here: the start, the builds and the adaptation
@@ -532,6 +534,8 @@ def main():
         torch.set_num_threads(cpu_threads())
     if task.endswith('.json'):  # tasks never trained: adapted to first, then solved as the test split's are
         adapt_to_new_tasks()
+        for s in (signal.SIGINT, signal.SIGTERM):  # the submission is written: a stop from here on says so
+            signal.signal(s, stopped_showing)
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
     dtype_why += f" | kernels {use_kernels(kernels, dev.type, dtype, model)[1]}"  # every step is forward-only
     kind, n_steps = puzzle_for(meta), eval_steps or cfg.halt_max_steps
@@ -542,14 +546,12 @@ def main():
              + (f" (such as {', '.join(some[:3])})" if some else '') + ", or new tasks with --task=FILE.json "
              "(adapted to first)" + (f"; and {unreadable}" if unreadable else ''))
     per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
-    split, given = task and arc_split(kind, dp), task
+    split = task and arc_split(kind, dp)
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
         solve_task(model, dev, split, dp, n_steps, dtype_why, plt)
-    if new_tasks:  # the file to hand in is the adapted run's, written by its final evaluation
-        sub = os.path.join(os.path.dirname(init_from), 'submission.json')
-        print(f"\nsubmission (the ARC Prize's format, every task of {given}): {sub}" if os.path.isfile(sub) else
-              f"\nno submission: {sub} is missing (train.py could not write it, or it was removed)")
+    if new_tasks:
+        print('\n' + submission_line())
     if task:
         return
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
@@ -611,6 +613,21 @@ def main():
 # --task=FILE.json: new tasks, adapted to in a time budget by the trainer itself
 
 new_tasks = []  # --task=FILE.json's task ids, in the file's order
+new_file = []  # --task=FILE.json (the key `task` names each task while it is solved)
+
+
+def submission_line():
+    """The file to hand in: the adapted run's, written by its final evaluation."""
+    sub = os.path.join(os.path.dirname(init_from), 'submission.json')
+    return (f"submission (the ARC Prize's format, every task of {new_file[0]}): {sub}" if os.path.isfile(sub) else
+            f"no submission: {sub} is missing (train.py could not write it, or it was removed)")
+
+
+def stopped_showing(signum, frame):
+    """Ctrl-C or SIGTERM after the adaptation: only the showing of the tasks' votes is cut short."""
+    print(f"\nstopped by {signal.Signals(signum).name} while showing the tasks' votes; {submission_line()}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(128 + signum)
 
 
 def adapt_to_new_tasks():
@@ -634,7 +651,7 @@ def adapt_to_new_tasks():
         fail(f"task={task}: expected one task ({{'train': [...], 'test': [...]}}) or {{task id: task}}")
     if png and len(tasks) > 1:
         fail(f"png={png} draws one task; {task} holds {len(tasks)}: drop --png or give one task")
-    new_tasks[:] = [str(t) for t in tasks]
+    new_tasks[:], new_file[:] = [str(t) for t in tasks], [task]
     _, saved, _, trained_on, _ = read_checkpoint(init_from)
     keep, canvas, learned = run_of(init_from, saved, trained_on)  # a published step_<N>: its all_config.yaml's
     # what solving the adapted run would refuse, refused before the minutes of adapting

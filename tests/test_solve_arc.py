@@ -387,3 +387,27 @@ def test_sigterm_to_solve_alone_reaches_train_py_which_saves_and_ends_with_it(ar
             os.kill(trainer, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def test_a_stop_while_the_tasks_are_shown_names_the_submission_already_written(arc_run, tmp_path):
+    """Ctrl-C or SIGTERM after the adaptation, while the tasks' votes are shown: the submission is complete, so
+    solve.py ends with one line naming it (exit 128 + the signal), no traceback and no silent end."""
+    data, ckpt = arc_run
+    task = json.load(open(write_task(tmp_path / 'one.json', [[2, 1, 1]])))
+    many = tmp_path / 'many.json'
+    many.write_text(json.dumps({f't{i:02d}': task for i in range(40)}))
+    folder = tmp_path / 'ad'
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}',
+                                 '--device=cpu', '--threads=1', f'--task={many}', '--adapt_minutes=0.05',
+                                 '--adapt_aug=1', f'--adapt_dir={folder}'], cwd=tmp_path, env=script_env(ENV),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
+        lines = Lines(proc)
+        lines.until('task t01: ')
+        os.killpg(proc.pid, sig)
+        text = lines.rest(120)
+        assert proc.returncode == 128 + sig and 'Traceback' not in text, (proc.returncode, text[-3000:])
+        assert text.strip().splitlines()[-1] == (
+            f"stopped by {sig.name} while showing the tasks' votes; submission (the ARC Prize's format, every task "
+            f"of {many}): {folder / 'run' / 'submission.json'}"), text[-3000:]
+        assert len(json.load(open(folder / 'run' / 'submission.json'))) == 40
