@@ -4,6 +4,7 @@ report_views.csv, power-law fits per family and PNG plots. Reads only what the r
 (studies/plan.py says where), so a report can be made again at any time.
 """
 import csv
+import fcntl
 import json
 import math
 import os
@@ -707,20 +708,28 @@ def plot_views(plt, views, scale):
 
 def make_report(exps, opts, folder, told=None):
     """The report of these experiments' runs into folder: report.md (printed), the CSVs and the plots; told: the
-    study's status of each run, at its end (collect)."""
-    rows, views = collect(exps, told), collect_views(exps)
-    print(write_tables(rows, folder, opts, views))
-    pngs = plot(rows, folder, opts, views)
-    written = pngs + ([os.path.join(folder, 'report_views.csv')] if views else [])
-    stale = [p for p in (os.path.join(folder, f) for f in OWN_FILES) if p not in written and os.path.exists(p)]
-    for p in stale:
-        os.remove(p)
-    print(f"\nreport: {os.path.join(folder, 'report.md')}, {os.path.join(folder, 'report.csv')}"
-          + ''.join(f", {p}" for p in written)
-          + (f"; removed an earlier report's {', '.join(stale)} (not written this time)" if stale else ''))
-    for r in rows:
-        if r.get('not_used'):
-            print(f"report: {r['run']}: {r['not_used']}")
-    missing = [r['name'] for r in rows if r['status'] != 'done' and not r.get('not_used')]
-    if missing:
-        print(f"report: not finished yet: {', '.join(missing)}")
+    study's status of each run, at its end (collect). One report at a time into a folder: another one's tables
+    beside this one's plots, or a file written by both at once, would be no report of either."""
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, '.report.lock'), 'w') as lock:  # released by the OS if this process dies
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"report: another report is being written into {folder}; this one waits for it", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        rows, views = collect(exps, told), collect_views(exps)  # read once the folder is this report's: the newest
+        print(write_tables(rows, folder, opts, views))
+        pngs = plot(rows, folder, opts, views)
+        written = pngs + ([os.path.join(folder, 'report_views.csv')] if views else [])
+        stale = [p for p in (os.path.join(folder, f) for f in OWN_FILES) if p not in written and os.path.exists(p)]
+        for p in stale:
+            os.remove(p)
+        print(f"\nreport: {os.path.join(folder, 'report.md')}, {os.path.join(folder, 'report.csv')}"
+              + ''.join(f", {p}" for p in written)
+              + (f"; removed an earlier report's {', '.join(stale)} (not written this time)" if stale else ''))
+        for r in rows:
+            if r.get('not_used'):
+                print(f"report: {r['run']}: {r['not_used']}")
+        missing = [r['name'] for r in rows if r['status'] != 'done' and not r.get('not_used')]
+        if missing:
+            print(f"report: not finished yet: {', '.join(missing)}")

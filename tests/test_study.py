@@ -19,7 +19,7 @@ import warnings
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, held_step, run, script_env
+from conftest import BUCKET, ROOT, held_step, run, script_env, site_hook
 from configurator import config_files, read_config_block
 from studies.plan import Options, load_experiments
 from studies.report import collect, plot_ablations, plot_fits, plot_supervision_steps, points
@@ -299,6 +299,52 @@ def test_a_report_removes_its_own_earlier_files_it_does_not_write_again(tmp_path
     assert re.search(r'\| w_p1 \|.*other configuration', open(f'{out}/report.md').read())
     assert not [f for f in drawn if os.path.exists(f'{out}/{f}')], os.listdir(out)
     assert f'{out}/acc_vs_params.png' in p.stdout.split('removed')[1], p.stdout[-2000:]
+
+
+def test_two_reports_into_one_folder_at_once_leave_the_later_one_whole(tmp_path):
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for fam, size in (('w', 1), ('v', 3)):
+        for i in range(2):
+            name = f'{fam}_p{i}'
+            (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n"
+                                            f"hidden_size = {64 * (i + 1)}\n")
+            fake_run(out, name, 10 ** 5 * size * (i + 1), 0.5 + 0.2 * i)
+
+    def report(pattern, folder):
+        return ['study.py', f'--pattern={pattern}', f'--config_dir={cfg}', f'--out_root={out}', '--report=True',
+                f'--report_dir={folder}']
+
+    def files(folder):
+        return {f: open(os.path.join(folder, f), 'rb').read() for f in os.listdir(folder) if not f.startswith('.')}
+
+    run(report('*', f'{tmp_path}/alone'))
+    # the w_* report waits between its tables and its plots while a report of every family is made into its folder
+    ready, go, shared = f'{tmp_path}/ready', f'{tmp_path}/go', f'{tmp_path}/shared'
+    hook = site_hook(f'{tmp_path}/hook', f"""
+if '--pattern=w_*' in sys.argv:
+    import studies.report
+    real = studies.report.plot
+
+    def plot(*args, **kwargs):
+        open({ready!r}, 'w').close()
+        while not os.path.exists({go!r}):
+            time.sleep(0.05)
+        return real(*args, **kwargs)
+
+    studies.report.plot = plot
+""")
+    first = start(report('w_*', shared), env=hook)
+    wait_for(lambda: os.path.exists(ready) or first.poll() is not None)
+    with open(f'{tmp_path}/second.log', 'w') as log:
+        second = subprocess.Popen([sys.executable] + report('*', shared), cwd=ROOT, env=script_env(), stdout=log,
+                                  stderr=subprocess.STDOUT, text=True)
+        wait_for(lambda: second.poll() is not None or 'waits' in open(f'{tmp_path}/second.log').read())
+        open(go, 'w').close()
+        assert first.communicate(timeout=300)[0] and first.returncode == 0
+        assert second.wait(timeout=300) == 0
+    # the folder holds the report that ended last, every file of it whole: none of the first's plots beside it
+    assert files(shared) == files(f'{tmp_path}/alone'), sorted(files(shared))
 
 
 def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_grid):
