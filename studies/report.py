@@ -90,7 +90,8 @@ def collect(exps, told=None):
                 r['status'] = 'started, no checkpoint (see its train.log)'
             c = cost(e)
             if c and 'error' not in c:
-                r.update(params=c['params'], train_flops=c['train_flops'], steps=c['steps'])
+                # what it would do when finished, not what it did
+                r.update(params=c['params'], train_flops=c['train_flops'], steps=c['steps'], planned=True)
             s, said = (told or {}).get(e.same_as or e.run, ('', None))
             if why:  # its numbers are not this configuration's, or cannot be read: not shown as done
                 r.update(not_used=why, status=('unreadable results.json' if why.startswith('unreadable') else
@@ -104,6 +105,14 @@ def collect(exps, told=None):
 
 def pct(x):
     return '' if x is None else f"{100 * x:.1f}"
+
+
+def plan_cells(r):
+    """A row's params, train FLOPs and steps cells; an unfinished run's FLOPs and steps are its plan's."""
+    mark = ' planned' if r.get('planned') else ''
+    return [f"{r['params']:,}" if r.get('params') else '',
+            f"{r['train_flops']:.3g}{mark}" if r.get('train_flops') else '',
+            f"{r['steps']:,}{mark}" if r.get('steps') else '']
 
 
 def points(rows, seeds):
@@ -166,7 +175,8 @@ def write_tables(rows, folder, opts, views=()):
                 'ARC Prize score pass@2 % (per output, 95% CI)', "ARC pass@2 % (95% CI), per task (the reference's)"]
         md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test "
                "puzzle. minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: "
-               "the run's wall time (start-up, training, evaluations) x its devices, from results.json.\n"
+               "the run's wall time (start-up, training, evaluations) x its devices, from results.json. planned: "
+               "a run not finished shows the training FLOPs and steps it is planned to reach, not what it did.\n"
                + ("ARC runs: a test output passes at 2 when it is among the vote's two best answers over its "
                   "stored views. The ARC Prize's score counts every test output once; the reference's (the "
                   "paper's) averages over the evaluation tasks, a task scoring the share of its test outputs "
@@ -180,9 +190,7 @@ def write_tables(rows, folder, opts, views=()):
                          if done and r.get(p + '2') is not None else '' for p in ('arc_prize_pass', 'arc_pass')]
                         if arc else [])
             md.append('| ' + ' | '.join([
-                r['name'], r['family'], r['varied'], f"{r['params']:,}" if r.get('params') else '',
-                f"{r['train_flops']:.3g}" if r.get('train_flops') else '',
-                f"{r['steps']:,}" if r.get('steps') else '', *arc_cell,
+                r['name'], r['family'], r['varied'], *plan_cells(r), *arc_cell,
                 f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
                 pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
                 f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None
@@ -195,14 +203,13 @@ def write_tables(rows, folder, opts, views=()):
                 'device-h (mean)', 'status']
         md += [f"Held-out exact accuracy after the final evaluation, over {seeds} seeds per experiment (seed "
                "s > 0 in <out_dir>-s<s>): mean, sample standard deviation and min-max of the finished seeds. "
-               f"report.csv has one row per seed run.\n", '| ' + ' | '.join(head) + ' |',
+               "report.csv has one row per seed run. planned: an experiment with no finished seed shows the "
+               "training FLOPs and steps it is planned to reach.\n", '| ' + ' | '.join(head) + ' |',
                '|' + '---|' * len(head)]
         for p in points(rows, seeds):
             done = bool(p.get('seeds_done'))
             md.append('| ' + ' | '.join([
-                p['name'], p['family'], p['varied'], f"{p['params']:,}" if p.get('params') else '',
-                f"{p['train_flops']:.3g}" if p.get('train_flops') else '',
-                f"{p['steps']:,}" if p.get('steps') else '',
+                p['name'], p['family'], p['varied'], *plan_cells(p),
                 f"{pct(p['exact'])} ± {pct(p['exact_std']) or 'n/a'} ({pct(p['bar_lo'])}-{pct(p['bar_hi'])})"
                 if done else '',
                 f"{p['seeds_done']}/{seeds}", ', '.join(pct(v) or '–' for v in p['per_seed']),
@@ -223,7 +230,8 @@ def write_csv(rows, folder, seeds):
     """report.csv: one row per run (one per seed), its experiment's statistics over seeds repeated on each."""
     cols = ['name', 'seed', 'run', 'family', 'point', 'varied', 'status', 'out_dir', 'params',
             'flops_per_example_step',
-            'train_flops', 'steps', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified', 'token',
+            'train_flops', 'steps', 'planned', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified',
+            'token',
             'q_halt', 'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers',
             'H_cycles',
             'L_cycles', 'puzzles', 'aug', 'lr', 'global_batch_size', 'device', 'world_size', 'wall_s_total',

@@ -347,6 +347,23 @@ if '--pattern=w_*' in sys.argv:
     assert files(shared) == files(f'{tmp_path}/alone'), sorted(files(shared))
 
 
+def test_a_run_not_finished_shows_its_planned_flops_and_steps_as_planned(tmp_path):
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for i in range(2):
+        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
+                                        f"hidden_size = {64 * (i + 1)}\n")
+    fake_run(out, 'w_p0', 10 ** 5, 0.5)  # w_p1 not run: what the table shows of it is the plan's, not a record
+    run(['study.py', '--pattern=w_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
+    md = open(f'{out}/report.md').read()
+    assert re.search(r'\| w_p0 \| w \| [^|]+ \| 100,000 \| 1e\+11 \| 100 \|', md), md
+    assert re.search(r'\| w_p1 \| w \| [^|]+ \| [\d,]+ \| [\d.e+]+ planned \| [\d,]+ planned \|.*\| not started \|',
+                     md), md
+    assert 'planned: ' in md  # and the table says what that means
+    rows = {r['name']: r for r in csv.DictReader(open(f'{out}/report.csv'))}
+    assert rows['w_p1']['planned'] == 'True' and rows['w_p0']['planned'] == '', rows
+
+
 def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_grid):
     tmp = tiny_grid
     out = f'{tmp}/out'
