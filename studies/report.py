@@ -479,6 +479,16 @@ def drawn_in(family, figure, panel=0):
     return (figure, panel) in FAMILY_PANELS.get(family, ())
 
 
+def not_drawn(rows, seeds):
+    """The line each figure carries under it naming the experiments it does not draw (not finished, failed, not
+    used), or '': a family's curve without them would read as the whole family."""
+    names = [p['name'] for p in points(rows, seeds) if p['status'] != 'done' or p.get('exact') is None]
+    if not names:
+        return ''
+    shown = ', '.join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else '')
+    return f"not drawn (not finished or not used; report.md says why): {shown}"
+
+
 def plot(rows, folder, opts, views=()):
     """The PNGs of the finished points (and of the saved evaluations, views) in folder; their paths."""
     try:
@@ -497,7 +507,7 @@ def plot(rows, folder, opts, views=()):
     title = f"scale {opts.scale}"
     ylabel = ('held-out exact accuracy (%)\nbars: 95% Wilson interval' if seeds == 1 else
               'held-out exact accuracy (%)\nmean of the finished seeds, bars: min-max')
-    written = []
+    written, missing = [], not_drawn(rows, seeds)
 
     def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
         if not logx:
@@ -530,7 +540,9 @@ def plot(rows, folder, opts, views=()):
 
     def save(fig, name):
         path = os.path.join(folder, name)
-        fig.tight_layout()
+        if missing:
+            fig.text(0.005, 0.005, missing, fontsize=7, color='dimgrey', ha='left', va='bottom')
+        fig.tight_layout(rect=(0, 0.2 / fig.get_figheight() if missing else 0, 1, 1))  # 0.2 inch for the line
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)

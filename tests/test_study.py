@@ -364,6 +364,28 @@ def test_a_run_not_finished_shows_its_planned_flops_and_steps_as_planned(tmp_pat
     assert rows['w_p1']['planned'] == 'True' and rows['w_p0']['planned'] == '', rows
 
 
+def test_the_plots_name_the_runs_they_do_not_draw(tmp_path):
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for i in range(3):
+        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
+                                        f"hidden_size = {64 * (i + 1)}\n")
+    for i in range(2):
+        fake_run(out, f'w_p{i}', 10 ** 5 * (i + 1), 0.5 + 0.2 * i)
+    # w_p2 not finished: the family's curve without it must not read as the whole family
+    report = ['study.py', f'--config_dir={cfg}', f'--out_root={out}', '--report=True']
+    run(report + ['--pattern=w_p0,w_p1', f'--report_dir={tmp_path}/two'])
+    run(report + ['--pattern=w_*', f'--report_dir={tmp_path}/three'])
+    pngs = [f for f in os.listdir(f'{tmp_path}/two') if f.endswith('.png')]
+    assert 'acc_vs_params.png' in pngs
+    same = [f for f in pngs if open(f'{tmp_path}/two/{f}', 'rb').read() == open(f'{tmp_path}/three/{f}', 'rb').read()]
+    assert not same, same
+    from studies.report import not_drawn
+    rows = fake_study(tmp_path, 'w_*', {})
+    assert not_drawn(rows, 1) == 'not drawn (not finished or not used; report.md says why): w_p2'
+    assert not_drawn([r for r in rows if r['name'] != 'w_p2'], 1) == ''
+
+
 def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_grid):
     tmp = tiny_grid
     out = f'{tmp}/out'
