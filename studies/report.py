@@ -160,6 +160,11 @@ def seed_stats(rows, seeds):
     return stats
 
 
+# evaluate.py's exact accuracy is at halt_max_steps even where the evaluation runs more steps (eval_steps)
+AT_STEPS = ("at halt_max_steps supervision steps (at eval_steps if fewer; the accuracy at each step count: "
+            "acc_vs_supervision_steps.png)")
+
+
 def write_tables(rows, folder, opts, views=()):
     """report.md (returned as text), report.csv and, with views, report_views.csv in folder."""
     seeds = opts.seeds
@@ -174,9 +179,10 @@ def write_tables(rows, folder, opts, views=()):
             head[head.index('exact % (95% CI)'):head.index('exact % (95% CI)')] = [
                 'ARC Prize score pass@2 % (per output, 95% CI)', "ARC pass@2 % (95% CI), per task (the reference's)"]
         md += ["Held-out exact accuracy after the final evaluation (95% Wilson interval), on every test "
-               "puzzle. minutes: training and evaluations, from metrics.jsonl (start-up excluded). device-h: "
-               "the run's wall time (start-up, training, evaluations) x its devices, from results.json. planned: "
-               "a run not finished shows the training FLOPs and steps it is planned to reach, not what it did.\n"
+               f"puzzle, {AT_STEPS}. minutes: training and evaluations, from metrics.jsonl (start-up "
+               "excluded). device-h: the run's wall time (start-up, training, evaluations) x its devices, from "
+               "results.json. planned: a run not finished shows the training FLOPs and steps it is planned to "
+               "reach, not what it did.\n"
                + ("ARC runs: a test output passes at 2 when it is among the vote's two best answers over its "
                   "stored views. The ARC Prize's score counts every test output once; the reference's (the "
                   "paper's) averages over the evaluation tasks, a task scoring the share of its test outputs "
@@ -201,10 +207,10 @@ def write_tables(rows, folder, opts, views=()):
         head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps',
                 'exact %: mean ± std (min-max)', 'seeds done', 'exact % per seed (0, 1, ...)',
                 'device-h (mean)', 'status']
-        md += [f"Held-out exact accuracy after the final evaluation, over {seeds} seeds per experiment (seed "
-               "s > 0 in <out_dir>-s<s>): mean, sample standard deviation and min-max of the finished seeds. "
-               "report.csv has one row per seed run. planned: an experiment with no finished seed shows the "
-               "training FLOPs and steps it is planned to reach.\n", '| ' + ' | '.join(head) + ' |',
+        md += [f"Held-out exact accuracy after the final evaluation, {AT_STEPS}, over {seeds} seeds per "
+               "experiment (seed s > 0 in <out_dir>-s<s>): mean, sample standard deviation and min-max of the "
+               "finished seeds. report.csv has one row per seed run. planned: an experiment with no finished "
+               "seed shows the training FLOPs and steps it is planned to reach.\n", '| ' + ' | '.join(head) + ' |',
                '|' + '---|' * len(head)]
         for p in points(rows, seeds):
             done = bool(p.get('seeds_done'))

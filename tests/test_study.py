@@ -386,6 +386,19 @@ def test_the_plots_name_the_runs_they_do_not_draw(tmp_path):
     assert not_drawn([r for r in rows if r['name'] != 'w_p2'], 1) == ''
 
 
+@pytest.mark.parametrize('seeds', [1, 2])
+def test_the_table_says_at_how_many_supervision_steps_its_exact_accuracy_is(tmp_path, seeds):
+    # a run evaluated to eval_steps (the cpu twin: twice halt_max_steps) records its exact accuracy at
+    # halt_max_steps, the curve's end elsewhere: a reader comparing the two must be told which the table holds
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    (cfg / 'w_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/w_p0'\nhidden_size = 64\n")
+    fake_run(out, 'w_p0', 10 ** 5, 0.5, by_steps=[0.3, 0.5, 0.6])
+    run(['study.py', '--pattern=w_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True', f'--seeds={seeds}'])
+    intro = open(f'{out}/report.md').read().split('\n| name |')[0]
+    assert 'at halt_max_steps supervision steps' in intro and 'acc_vs_supervision_steps.png' in intro, intro
+
+
 def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_grid):
     tmp = tiny_grid
     out = f'{tmp}/out'
