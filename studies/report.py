@@ -489,10 +489,19 @@ def not_drawn(rows, seeds):
     """The line each figure carries under it naming the experiments it does not draw (not finished, failed, not
     used), or '': a family's curve without them would read as the whole family."""
     names = [p['name'] for p in points(rows, seeds) if p['status'] != 'done' or p.get('exact') is None]
-    if not names:
-        return ''
-    shown = ', '.join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else '')
-    return f"not drawn (not finished or not used; report.md says why): {shown}"
+    return f"not drawn (not finished or not used; report.md says why): {listed(names)}" if names else ''
+
+
+def listed(names, most=8):
+    return ', '.join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else '')
+
+
+def fewer_seeds(rows, seeds):
+    """The line naming the experiments drawn from fewer finished seeds than `seeds`, or '': one finished seed is
+    drawn with no bar, as if its seeds agreed."""
+    few = [f"{p['name']} {p['seeds_done']}/{seeds}" for p in points(rows, seeds)
+           if 0 < p.get('seeds_done', seeds) < seeds]
+    return f"drawn from fewer seeds than {seeds} (the finished ones): {listed(few)}" if few else ''
 
 
 def plot(rows, folder, opts, views=()):
@@ -513,7 +522,7 @@ def plot(rows, folder, opts, views=()):
     title = f"scale {opts.scale}"
     ylabel = ('held-out exact accuracy (%)\nbars: 95% Wilson interval' if seeds == 1 else
               'held-out exact accuracy (%)\nmean of the finished seeds, bars: min-max')
-    written, missing = [], not_drawn(rows, seeds)
+    written, missing = [], '; '.join(filter(None, (not_drawn(rows, seeds), fewer_seeds(rows, seeds))))
 
     def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
         if not logx:

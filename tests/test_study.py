@@ -634,6 +634,14 @@ def test_with_seeds_the_supervision_steps_curve_is_the_mean_of_the_finished_seed
     assert p['exact'] == pytest.approx(0.7) and p['exact_by_steps'] == [0.4, 0.8]
 
 
+def test_with_seeds_the_plots_name_the_points_of_fewer_finished_seeds(tmp_path):
+    # s_c's one finished seed is drawn with no bar, as if its seeds agreed: the line under each figure says so
+    from studies.report import fewer_seeds
+    rows = fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3)
+    assert fewer_seeds(rows, 3) == 'drawn from fewer seeds than 3 (the finished ones): s_a 2/3, s_c 1/3'
+    assert fewer_seeds([r for r in rows if r['name'] == 's_b'], 3) == '' and fewer_seeds(rows[:1], 1) == ''
+
+
 def test_a_seed_report_keeps_each_seed_in_its_place_and_gives_no_spread_of_one_seed(tmp_path):
     plt = pyplot()
     rows = fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3)
