@@ -57,7 +57,7 @@ from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Experiment, 
                         checkpoint_steps, config_diffs, cost, duration, family_pattern, flop_rate, has_results,
                         load_experiments, model_cost, order_runs, own_steps, partition, point_of, read_results,
                         resume_problem, run_flops, saved_evals, schedule, share_cost, state)
-from studies.report import make_report
+from studies.report import ENDED, make_report
 
 # -----------------------------------------------------------------------------
 # config
@@ -766,16 +766,6 @@ def finished(r, status, failed_data):
     e = r.e
     rc, _ = r.close()
     took = time.time() - r.t0
-    # the run uploaded its train.log before this study had copied its last lines there; one that ended before it
-    # went on from the bucket's (a failed start-up check) goes after the bucket's, not in its place
-    if gcs.is_gcs(e.out_dir):
-        log = os.path.join(e.local, 'train.log')
-        try:
-            take_bucket_log(log, e.out_dir, r.start, "its upload replaces the bucket's")
-            gcs.upload_file(log, f"{e.out_dir.rstrip('/')}/train.log")
-        except (gcs.GCSError, OSError) as ex:
-            print(f"study: {e.run}: its train.log was not uploaded to {e.out_dir} ({ex}); it is in {e.local}",
-                  flush=True)
     if has_results(e):
         status[e.run] = ('done', f"in {duration(took)}")
     elif STOP['requested']:
@@ -791,8 +781,24 @@ def finished(r, status, failed_data):
         why = f"{failed_data[e.data['path']]}; " if e.data['path'] in failed_data else \
             why + (f": {err} " if err else ' ')
         status[e.run] = ('FAILED', f"{why}(log: {os.path.join(e.local, 'train.log')})")
-    print(f"study: {e.run}: {status[e.run][0]}" + (f" {status[e.run][1]}" if status[e.run][1] else ''),
-          flush=True)
+    said = f"{status[e.run][0]}" + (f" {status[e.run][1]}" if status[e.run][1] else '')
+    print(f"study: {e.run}: {said}", flush=True)
+    log = os.path.join(e.local, 'train.log')
+    if status[e.run][0] != 'done':  # its last line: a later report tells a failed or stopped run from a running one
+        try:
+            with open(log, 'a') as f:
+                f.write(f"{ENDED}{said}\n")
+        except OSError as ex:
+            print(f"study: {e.run}: cannot write to {log} ({ex.strerror or ex})", flush=True)
+    # the run uploaded its train.log before this study had copied its last lines there; one that ended before it
+    # went on from the bucket's (a failed start-up check) goes after the bucket's, not in its place
+    if gcs.is_gcs(e.out_dir):
+        try:
+            take_bucket_log(log, e.out_dir, r.start, "its upload replaces the bucket's")
+            gcs.upload_file(log, f"{e.out_dir.rstrip('/')}/train.log")
+        except (gcs.GCSError, OSError) as ex:
+            print(f"study: {e.run}: its train.log was not uploaded to {e.out_dir} ({ex}); it is in {e.local}",
+                  flush=True)
 
 
 # -----------------------------------------------------------------------------

@@ -47,6 +47,23 @@ ARC_COLUMNS = dict(arc_pass1='arc_pass@1', arc_pass2='arc_pass@2', arc_pass2_ci_
                    arc_test_outputs='arc_test_outputs', arc_unscored='arc_unscored')
 
 
+# the line study.py ends the train.log of a run it saw end without results with (its summary's status and why)
+ENDED = '--- study: '
+
+
+def last_line(e):
+    """The last line of a run's train.log (this machine's copy, else the bucket's), '' if none."""
+    path = os.path.join(e.local, 'train.log')
+    path = path if os.path.exists(path) else fetch(e, 'train.log')
+    try:
+        with open(path, 'rb') as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            lines = f.read().decode(errors='replace').splitlines()
+    except (OSError, TypeError):
+        return ''
+    return next((l for l in reversed(lines) if l.strip()), '')
+
+
 def collect(exps, told=None):
     """One row per run. told: the study's own {run: (status, why)} when the report is made at its end, so that a
     run it saw fail, or did not run or reuse, is said so in the row and not read as unfinished."""
@@ -86,13 +103,17 @@ def collect(exps, told=None):
             steps = checkpoint_steps(e)
             if steps:
                 r['status'] = f"started (step {steps[-1]})"
-            elif has_file(e, 'train.log'):  # it ended (failed) or is still before its first checkpoint
+            elif has_file(e, 'train.log'):  # before its first checkpoint, or ended where no study saw it end
                 r['status'] = 'started, no checkpoint (see its train.log)'
             c = cost(e)
             if c and 'error' not in c:
                 # what it would do when finished, not what it did
                 r.update(params=c['params'], train_flops=c['train_flops'], steps=c['steps'], planned=True)
             s, said = (told or {}).get(e.same_as or e.run, ('', None))
+            if not told and (end := last_line(e)).startswith(ENDED):  # the study's word when the run ended
+                s, _, said = end[len(ENDED):].partition(' ')
+                if s == 'stopped':
+                    r['status'] = f"stopped at step {steps[-1]}" if steps else 'stopped before its first checkpoint'
             if why:  # its numbers are not this configuration's, or cannot be read: not shown as done
                 r.update(not_used=why, status=('unreadable results.json' if why.startswith('unreadable') else
                                                'not used: results.json of another configuration'))

@@ -237,6 +237,14 @@ def test_a_study_runs_skips_resumes_reports_failures_and_compares(tiny_grid):
     assert json.load(open(f'{out}/size_d256/results.json'))['config']['hidden_size'] == 16  # 256 / 16 at cpu scale
     assert json.load(open(f'{out}/rec_L4/results.json'))['config']['L_cycles'] == 4
 
+    # a later report tells the failed runs from running ones: the study ended each one's train.log with its word
+    p = run(study_args(tmp, 'rec_*,bad_*', '--report=True'))
+    md = open(f'{out}/report.md').read()
+    for name in ('rec_L2', 'bad_value', 'bad_nodata'):
+        assert re.search(rf'\| {name} \|.*\| FAILED \|$', md, re.M), md
+    assert 'report: rec_L2: FAILED exit code -9 (killed by SIGKILL)' in p.stdout, p.stdout
+    assert re.search(r'report: bad_value: FAILED exit code 1: .*freeze_weights=True', p.stdout), p.stdout
+
     # 2: rerun: finished runs skipped, the killed one resumed from its checkpoint, the failures again reported
     p = run(study_args(tmp, 'rec_*,bad_*,size_*'), check=False)
     assert p.returncode == 1
@@ -408,6 +416,10 @@ def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_
     text = p.communicate(timeout=300)[0]
     assert p.returncode == 1 and 'got signal' in text and 'stopped; rerun the same command' in text, text
     assert not os.path.exists(f'{out}/rec_L2/results.json') or 'rec_L2           done' in text
+    if not os.path.exists(f'{out}/rec_L2/results.json'):  # a later report: stopped, not running
+        run(study_args(tmp, 'rec_L2', '--report=True'))
+        step = int(sorted(f for f in os.listdir(f'{out}/rec_L2') if f.startswith('ckpt_'))[-1][5:13])
+        assert re.search(rf'\| rec_L2 \|.*\| stopped at step {step} \|$', open(f'{out}/report.md').read(), re.M)
     p = run(study_args(tmp, 'rec_L2'))
     assert json.load(open(f'{out}/rec_L2/results.json'))['step'] == 40
 
