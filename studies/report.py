@@ -423,8 +423,8 @@ def one_per_run(done):
 
 
 def family_fits(done):
-    """(family, x key, x label, xs, errors, fit) for every family with at least two distinct x on an axis,
-    one point per run."""
+    """(family, x key, x label, the points' names, xs, errors, fit) for every family with at least two distinct
+    x on an axis, one point per run."""
     fits, done = [], one_per_run(done)
     for f in dict.fromkeys(r['family'] for r in done):
         for key, label in FIT_AXES:
@@ -432,7 +432,7 @@ def family_fits(done):
             if len({r[key] for r in pts}) < 2:
                 continue
             xs, errs = [r[key] for r in pts], [1 - r['exact'] for r in pts]
-            fits.append((f, key, label, xs, errs, fit_power_law(xs, errs)))
+            fits.append((f, key, label, [r['point'] for r in pts], xs, errs, fit_power_law(xs, errs)))
     return fits
 
 
@@ -452,7 +452,7 @@ def fits_section(rows, seeds):
                "a fit is meaningful with 4 or more distinct points, an error spread of 1 percentage point or "
                "more, and R² > 0.\n", "| family | X | points | fit | R² | meaningful |",
              "|---|---|---|---|---|---|"]
-    for f, key, label, xs, errs, fit in fits:
+    for f, key, label, _, xs, errs, fit in fits:
         r2 = '' if fit['r2'] is None else f"{fit['r2']:.3f}"
         lines.append(f"| {f}_* | {label} | {fit['n']} | {fit_text(fit) if fit['a'] is not None else ''} | "
                      f"{r2} | {'yes' if fit['meaningful'] else 'no: ' + fit['why']} |")
@@ -634,6 +634,12 @@ def plot_fits(plt, done, title, colors, seeds):
     log-log, with its fit a * X^-b + c drawn where the fit is meaningful (report.md says why where it is
     not)."""
     import numpy as np
+    from matplotlib.ticker import LogFormatter
+
+    class Plain(LogFormatter):  # the ticks LogFormatter labels, as numbers: 40 and 0.1, not 4x10^1 and 1e-01
+        def _num_to_string(self, x, vmin, vmax):
+            return f"{x:g}"
+
     fits = family_fits(done)
     axes_used = [a for a in FIT_AXES if any(f[1] == a[0] for f in fits)]
     if not axes_used:
@@ -641,9 +647,9 @@ def plot_fits(plt, done, title, colors, seeds):
     fig, axes = plt.subplots(1, len(axes_used), figsize=(6 * len(axes_used), 4.5), squeeze=False)
     for ax, (key, label) in zip(axes.flat, axes_used):
         # a log axis has no 0: a run that solved every test puzzle is drawn at a floor below the others, marked
-        positive = [e for _, k, _, _, errs, _ in fits if k == key for e in errs if e > 0]
+        positive = [e for _, k, _, _, _, errs, _ in fits if k == key for e in errs if e > 0]
         floor, solved = 100 * min(positive) / 2 if positive else 0.1, 0
-        for f, k, _, xs, errs, fit in fits:
+        for f, k, _, names, xs, errs, fit in fits:
             if k != key:
                 continue
             what = f"error {fit_text(fit)} (as a fraction), R² {fit['r2']:.2f}" if fit['meaningful'] else \
@@ -654,6 +660,9 @@ def plot_fits(plt, done, title, colors, seeds):
             if zeros:
                 ax.plot(zeros, [floor] * len(zeros), 'v', color=colors[f], mfc='none', ms=8)
                 solved += len(zeros)
+            for name, x, e in zip(names, xs, errs):
+                ax.annotate(name, (x, 100 * e if e > 0 else floor), textcoords='offset points', fontsize=7,
+                            color=colors[f], xytext=(4, 4))
             if fit['meaningful']:
                 grid = np.geomspace(min(xs), max(xs), 100)
                 ax.plot(grid, 100 * (fit['a'] * grid ** -fit['b'] + fit['c']), '-', color=colors[f], lw=1)
@@ -663,6 +672,8 @@ def plot_fits(plt, done, title, colors, seeds):
                     label=f"0 % error: {solved} point(s), drawn at the floor")
         ax.set_xscale('log')
         ax.set_yscale('log')
+        ax.yaxis.set_major_formatter(Plain(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(Plain(labelOnlyBase=False))
         if solved:  # the floor inside the axis; with no other error the axis up to 100%
             ax.set_ylim(floor / 2, None if positive else 100)
         ax.set_xlabel(f"{label} (log scale)")

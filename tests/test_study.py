@@ -621,6 +621,18 @@ def test_error_fits_draw_a_run_that_solved_everything(tmp_path, exacts):
     plt.close(fig)
 
 
+def test_error_fits_label_each_point_and_an_axis_within_a_decade_in_plain_numbers(tmp_path):
+    # errors of 30-60 %: matplotlib's log axis would read 3x10^1 ... 6x10^1
+    plt = pyplot()
+    fig = plot_fits(plt, fit_points(tmp_path, (0.4, 0.5, 0.6, 0.7, 1.0)), 'test', {'w': 'C0'}, 1)
+    fig.savefig(tmp_path / 'error_fits.png')  # the tick labels are made when drawn
+    for ax in fig.axes:
+        ticks = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True) if t.get_text()]
+        assert ticks and all(re.fullmatch(r'[\d.]+', t) for t in ticks), ticks
+        assert sorted(t.get_text() for t in ax.texts) == ['p0', 'p1', 'p2', 'p3', 'p4'], ax.texts  # p4: at the floor
+    plt.close(fig)
+
+
 # seed 1 of s_a not run, s_c only seed 0; each seed's exact accuracy by supervision steps its own
 SEED_RUNS = {'s_a': (10 ** 5, 0.5, [0.1, 0.5]), 's_a-s2': (10 ** 5, 0.9, [0.3, 0.9]),
              's_b': (2 * 10 ** 5, 0.6, [0.2, 0.6]), 's_b-s1': (2 * 10 ** 5, 0.8, [0.4, 0.8]),
