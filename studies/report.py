@@ -598,8 +598,13 @@ def plot(rows, folder, opts, views=()):
         drawn = [series(ax, xkey, label, lambda f, name=name, i=i: drawn_in(f, name, i), logx=logx)
                  for i, (ax, (xkey, label, logx, _)) in enumerate(zip(axes, panels))]
         if any(drawn):
-            for ax, panel in zip(axes, panels):
+            for i, (ax, panel, n) in enumerate(zip(axes, panels, drawn)):
                 ax.set_title(f"{panel[3]} ({title})")
+                if not n:  # not a bare axis, which reads as a plot whose points failed to draw
+                    ax.text(0.5, 0.5, empty_panel(rows, done, name, i, panel[0]), transform=ax.transAxes,
+                            ha='center', va='center', color='dimgrey', wrap=True)
+                    ax.set_xticks([])
+                    ax.set_xticks([], minor=True)
             save(fig, name)
         else:
             plt.close(fig)
@@ -610,6 +615,19 @@ def plot(rows, folder, opts, views=()):
         if fig:
             save(fig, name)
     return written
+
+
+def empty_panel(rows, done, figure, panel, xkey):
+    """What a panel of a figure says in place of a curve: why its families draw none."""
+    fams = [f for f in dict.fromkeys(r['family'] for r in rows) if drawn_in(f, figure, panel)]
+    if not fams:
+        return 'no run of ' + ', '.join(f + '_*' for f, at in FAMILY_PANELS.items() if (figure, panel) in at) + \
+            ' in this report'
+    said = []
+    for f in fams:
+        n = len({r[xkey] for r in done if r['family'] == f and r.get(xkey) is not None})
+        said.append(f"no finished run of {f}_*" if n == 0 else f"one finished point of {f}_*: a curve needs two")
+    return '\n'.join(said)
 
 
 def plot_ablations(plt, done, title, colors, ylabel):

@@ -633,6 +633,30 @@ def test_error_fits_label_each_point_and_an_axis_within_a_decade_in_plain_number
     plt.close(fig)
 
 
+def test_a_panel_with_no_curve_says_why_in_it(tmp_path):
+    # lr_* finished, bs_* not: acc_vs_optimizer.png's batch panel was a bare 1-10 log axis
+    from studies.report import empty_panel, plot
+    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
+    cfg.mkdir()
+    for name, key in (('lr_p0', 'lr = 3e-4'), ('lr_p1', 'lr = 1e-3'), ('bs_p0', 'global_batch_size = 256')):
+        (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n{key}\n")
+    opts = Options(scale='full', root=out, local_root=out, data_root=str(tmp_path / 'data'), config_dir=str(cfg),
+                   extra={}, extra_args=[], nproc=1, seeds=1)
+
+    def said(panel, xkey):
+        rows = collect(load_experiments(['lr_*', 'bs_*'], opts)[1])
+        done = [p for p in points(rows, 1) if p['status'] == 'done']
+        assert f'{out}/acc_vs_optimizer.png' in plot(rows, out, opts)
+        return empty_panel(rows, done, 'acc_vs_optimizer.png', panel, xkey)
+
+    fake_run(out, 'lr_p0', 10 ** 5, 0.5)
+    fake_run(out, 'lr_p1', 10 ** 5, 0.7)
+    assert said(1, 'global_batch_size') == 'no finished run of bs_*'
+    fake_run(out, 'bs_p0', 10 ** 5, 0.6)
+    assert said(1, 'global_batch_size') == 'one finished point of bs_*: a curve needs two'
+    assert empty_panel([], [], 'acc_vs_data.png', 1, 'per_puzzle') == 'no run of aug_* in this report'
+
+
 # seed 1 of s_a not run, s_c only seed 0; each seed's exact accuracy by supervision steps its own
 SEED_RUNS = {'s_a': (10 ** 5, 0.5, [0.1, 0.5]), 's_a-s2': (10 ** 5, 0.9, [0.3, 0.9]),
              's_b': (2 * 10 ** 5, 0.6, [0.2, 0.6]), 's_b-s1': (2 * 10 ** 5, 0.8, [0.4, 0.8]),
