@@ -19,6 +19,7 @@ import glob
 import pickle
 import re
 import time
+import zipfile
 
 import numpy as np
 import torch
@@ -73,8 +74,8 @@ def load_checkpoint(path, name=None, mmap=False):
     errors call the file (the bucket URI of a downloaded copy); mmap: the tensors mapped, not read. A file that
     does not load is one line naming it (torch's own text advises weights_only=False, which would run whatever
     an unknown file holds)."""
-    try:
-        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap)
+    try:  # mmap needs torch's zip format: a file of the legacy format is read, a truncated one says what it is
+        return torch.load(path, map_location='cpu', weights_only=True, mmap=mmap and zipfile.is_zipfile(path))
     except Exception as e:
         if isinstance(e, OSError) and e.errno is not None:
             raise UnreadableCheckpoint(f"cannot read {name or path} ({e.strerror})") from e
@@ -584,7 +585,8 @@ def numpy_scalar_types():
 def read_checkpoint(path):
     """solve.py's --init_from=path: (state dict in our names, the training config or None, a few words on where
     the weights came from, the shape of the data it was trained on or None, its dataset's identifiers or None);
-    a file that is none of these is refused in one line."""
+    a file that is none of these is refused in one line. The tensors are mapped, not read: a caller that keeps
+    only the config (--task=FILE.json before it adapts) reads none of the gigabytes of a checkpoint at ARC size."""
     if not path:
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
     if os.path.isdir(path):  # a run's folder, or a published one: the newest checkpoint in it is the likely one
@@ -595,11 +597,11 @@ def read_checkpoint(path):
     if not os.path.isfile(path):
         fail(f"init_from={path}: no such file")
     try:
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, mmap=True)
     except CheckpointError:
         try:  # checkpoints of earlier train.py versions hold numpy scalars in their results: allow those only
             with torch.serialization.safe_globals(numpy_scalar_types()):
-                ckpt = load_checkpoint(path)
+                ckpt = load_checkpoint(path, mmap=True)
         except CheckpointError as e:
             fail(f"init_from: {e}")  # as train.py and publish.py say it
     found = weights_in(ckpt)

@@ -334,6 +334,45 @@ def test_a_grid_over_the_checkpoint_s_canvas_is_named_in_the_user_s_file_before_
     assert 'challenges.json' not in p.stderr and not os.path.exists(tmp_path / 'a')
     assert 'prepare_arc' not in p.stdout
 
+
+def bytes_read(ckpt, task, tmp_path):
+    """The bytes that solve.py --task=FILE.json read (read(2) calls: the page cache counts too) by the time it was
+    refused at its last check before adapting: solve.py run in a process that says its /proc/self/io at exit."""
+    code = ('import atexit, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0]); '
+            'atexit.register(lambda: print(open("/proc/self/io").read().split()[1])); '
+            'runpy.run_path(sys.argv[0], run_name="__main__")')
+    p = run(['-c', code, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}', '--device=cpu', '--threads=1',
+             f'--task={task}', f'--adapt_dir={tmp_path}/a'], env=ENV, check=False)
+    assert 'over the 10x10 canvas' in p.stderr and not os.path.exists(tmp_path / 'a'), p.stderr[-3000:]
+    return int(p.stdout.split()[-1])
+
+
+def test_a_task_file_reads_only_the_config_of_the_checkpoint_before_adapting(arc_run, tmp_path):
+    """Before it adapts, --task=FILE.json needs only the checkpoint's config (the run's recipe, model and canvas):
+    the tensors (the weights, the optimizer's moments, the ACT carry, the puzzle table: gigabytes at ARC size)
+    are mapped, not read, whether in a checkpoint of train.py or a published step_<N> (config from its
+    all_config.yaml). A truncated checkpoint is still one line."""
+    import torch
+    data, ckpt = arc_run
+    big = write_task(tmp_path / 'big.json', [[1] * 11] * 2)  # over the run's canvas: refused before adapting
+    size = 48_000_000  # floats: 192 MB
+    ours = torch.load(ckpt, weights_only=True)
+    ours['carry']['z'] = torch.ones(size)
+    torch.save(ours, tmp_path / 'ours.pt')
+    run(['publish.py', f'--init_from={ckpt}', f'--out_dir={tmp_path}/pub'])
+    published = torch.load(tmp_path / 'pub' / 'step_3', weights_only=True)
+    table = next(k for k in published if k.endswith('puzzle_emb.weights'))
+    published[table] = torch.ones(size // published[table].shape[1], published[table].shape[1])
+    torch.save(published, tmp_path / 'pub' / 'step_3')
+    small = bytes_read(ckpt, big, tmp_path)
+    for path in (tmp_path / 'ours.pt', tmp_path / 'pub' / 'step_3'):
+        assert os.path.getsize(path) > size * 4
+        assert bytes_read(path, big, tmp_path) - small < size * 4 / 10, path
+    cut = tmp_path / 'cut.pt'
+    cut.write_bytes((tmp_path / 'ours.pt').read_bytes()[:size])
+    p = solve(cut, f'--task={big}', f'--adapt_dir={tmp_path}/a', check=False)
+    assert_user_error(p, f'init_from: checkpoint {cut} is corrupt or truncated', one_line=True)
+
 def start_adapting(cwd, ckpt, task, folder):
     """solve.py adapting to a task for minutes, in its own session (a terminal's process group): (its process,
     its output's Lines), once train.py has done a step."""
