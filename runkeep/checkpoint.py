@@ -297,8 +297,8 @@ def load_weights(path, model, ema_model, meta, data_path, adapt):
     identifiers (identifier_mismatch) is refused, or with `adapt` (a training run) replaced: the dataset's
     size, every row the checkpoint's mean row (the reference's load_checkpoint does the same), so that new
     puzzles start from what the trained ones share. Returns the line that says what was loaded."""
-    try:
-        ckpt = load_checkpoint(path)
+    try:  # mapped: of a checkpoint of ours, only the weights taken are read, not the optimizer's moments or carry
+        ckpt = load_checkpoint(path, mmap=True)
     except CheckpointError as e:
         raise SystemExit(f"init_from: {e}")
     found = weights_in(ckpt)

@@ -335,23 +335,38 @@ def test_a_grid_over_the_checkpoint_s_canvas_is_named_in_the_user_s_file_before_
     assert 'prepare_arc' not in p.stdout
 
 
-def bytes_read(ckpt, task, tmp_path):
-    """The bytes that solve.py --task=FILE.json read (read(2) calls: the page cache counts too) by the time it was
-    refused at its last check before adapting: solve.py run in a process that says its /proc/self/io at exit."""
+def bytes_read(script, *args):
+    """The bytes that a script read (read(2) calls: the page cache counts too), run in a process that says its
+    /proc/self/io at exit: (that count, the process)."""
     code = ('import atexit, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, sys.argv[0].rsplit("/", 1)[0]); '
             'atexit.register(lambda: print(open("/proc/self/io").read().split()[1])); '
             'runpy.run_path(sys.argv[0], run_name="__main__")')
-    p = run(['-c', code, os.path.join(ROOT, 'solve.py'), f'--init_from={ckpt}', '--device=cpu', '--threads=1',
-             f'--task={task}', f'--adapt_dir={tmp_path}/a'], env=ENV, check=False)
+    p = run(['-c', code, os.path.join(ROOT, script), *map(str, args)], env=ENV, check=False)
+    return int(p.stdout.split()[-1]), p
+
+
+def refused_before_adapting(ckpt, task, tmp_path):
+    """The bytes read by solve.py --task=FILE.json refused at its last check before adapting."""
+    n, p = bytes_read('solve.py', f'--init_from={ckpt}', '--device=cpu', '--threads=1', f'--task={task}',
+                      f'--adapt_dir={tmp_path}/a')
     assert 'over the 10x10 canvas' in p.stderr and not os.path.exists(tmp_path / 'a'), p.stderr[-3000:]
-    return int(p.stdout.split()[-1])
+    return n
+
+
+def adapting(ckpt, data, out):
+    """The bytes read by the adaptation's train.py (as solve.py starts it) through one step."""
+    n, p = bytes_read('train.py', f'--init_from=resume:{ckpt}', f'--data_path={data}', f'--out_dir={out}',
+                      *[a for a in TINY_ARC if not a.startswith('--max_steps')], '--max_steps=1')
+    assert p.returncode == 0 and ckpts(out), p.stdout[-3000:] + p.stderr[-3000:]
+    return n
 
 
 def test_a_task_file_reads_only_the_config_of_the_checkpoint_before_adapting(arc_run, tmp_path):
     """Before it adapts, --task=FILE.json needs only the checkpoint's config (the run's recipe, model and canvas):
     the tensors (the weights, the optimizer's moments, the ACT carry, the puzzle table: gigabytes at ARC size)
     are mapped, not read, whether in a checkpoint of train.py or a published step_<N> (config from its
-    all_config.yaml). A truncated checkpoint is still one line."""
+    all_config.yaml); the adaptation's train.py reads the weights it starts from, not the rest. A truncated
+    checkpoint is still one line."""
     import torch
     data, ckpt = arc_run
     big = write_task(tmp_path / 'big.json', [[1] * 11] * 2)  # over the run's canvas: refused before adapting
@@ -364,10 +379,12 @@ def test_a_task_file_reads_only_the_config_of_the_checkpoint_before_adapting(arc
     table = next(k for k in published if k.endswith('puzzle_emb.weights'))
     published[table] = torch.ones(size // published[table].shape[1], published[table].shape[1])
     torch.save(published, tmp_path / 'pub' / 'step_3')
-    small = bytes_read(ckpt, big, tmp_path)
+    small = refused_before_adapting(ckpt, big, tmp_path)
     for path in (tmp_path / 'ours.pt', tmp_path / 'pub' / 'step_3'):
         assert os.path.getsize(path) > size * 4
-        assert bytes_read(path, big, tmp_path) - small < size * 4 / 10, path
+        assert refused_before_adapting(path, big, tmp_path) - small < size * 4 / 10, path
+    # the adaptation itself needs the weights, not the optimizer's moments nor the carry
+    assert adapting(tmp_path / 'ours.pt', data, tmp_path / 'o1') - adapting(ckpt, data, tmp_path / 'o2') < size * 4 / 10
     cut = tmp_path / 'cut.pt'
     cut.write_bytes((tmp_path / 'ours.pt').read_bytes()[:size])
     p = solve(cut, f'--task={big}', f'--adapt_dir={tmp_path}/a', check=False)
