@@ -361,6 +361,7 @@ def adapting(ckpt, data, out):
     return n
 
 
+@pytest.mark.skipif(not os.path.exists('/proc/self/io'), reason="a process's bytes read: Linux's /proc/self/io")
 def test_a_task_file_reads_only_the_config_of_the_checkpoint_before_adapting(arc_run, tmp_path):
     """Before it adapts, --task=FILE.json needs only the checkpoint's config (the run's recipe, model and canvas):
     the tensors (the weights, the optimizer's moments, the ACT carry, the puzzle table: gigabytes at ARC size)
