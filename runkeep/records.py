@@ -396,6 +396,17 @@ class Uploads:
         name = name or os.path.relpath(path, self.local).replace(os.sep, '/')
         self.uploader.submit(path, f"{self.remote}/{name}")
 
+    def supersede(self, name):
+        """The older snapshots of <out_dir>/name that wait for their turn, or failed, deleted: a newer one is
+        coming, and the uploader skips a file deleted before its turn. In an outage every checkpoint queues its
+        snapshots; kept, each would wait on disk and then be sent, ahead of the newest checkpoint, once the bucket
+        answers. The first pending upload is left alone: the uploader may have it open."""
+        uri, up = f"{self.remote}/{name}", self.uploader
+        for path, to in list(up.pending)[1:] + list(up.failed):
+            if to == uri and os.path.basename(path).startswith(SNAPSHOTS):
+                with contextlib.suppress(OSError):
+                    os.remove(path)
+
     def wait(self, timeout=None):
         return self.uploader.wait(timeout=timeout)
 
@@ -403,13 +414,14 @@ class Uploads:
         """A growing file of the run's folder (GROWING: train.log, metrics.jsonl) as it is now (a preempted VM's
         disk goes with the VM, and a resume on a new machine goes on with the bucket's). It grows while it
         uploads, so a snapshot goes, `.<name>.N`, one per upload (they run in order: the newest wins); each is
-        deleted once uploaded, what is left at exit too."""
+        deleted once uploaded or once a newer one is queued (supersede), what is left at exit too."""
         self.snapshots += 1
         snapshot = os.path.join(self.local, f'.{name}.{self.snapshots}')
         try:
             shutil.copyfile(os.path.join(self.local, name), snapshot)
         except OSError:
             return
+        self.supersede(name)
         self.submit(snapshot, name)
 
     def board(self, board):
@@ -418,6 +430,7 @@ class Uploads:
             self.snapshots += 1
             snap = board.snapshot(os.path.join(self.local, f'.tb.{self.snapshots}'))
             if snap:
+                self.supersede(f'tb/{board.name}')
                 self.submit(snap, f'tb/{board.name}')
 
     def folder(self, path):

@@ -438,3 +438,26 @@ def test_a_rerun_uploads_what_a_bucket_outage_at_the_end_left_only_local(emu, pr
     gcs.download_file(f'{out}/train.log', str(tmp_path / 'train.log'))
     assert 'step 8/' in open(tmp_path / 'train.log').read()
     assert f'{out} lacks what an earlier process left in {local}: uploading ckpt_00000008.pt' in p.stdout
+
+
+def test_an_outage_s_stale_log_snapshots_are_dropped_not_sent_ahead_of_the_newest_checkpoint(emu, tmp_path):
+    # the upload thread held inside its first checkpoint's upload (the bucket's prune) while three more
+    # checkpoints and their train.log snapshots queue behind it, as in an outage: once it goes on, only the newest
+    # train.log is sent, and the older snapshots are not left on disk meanwhile
+    from runkeep.records import Uploads
+    local, out, held, go = tmp_path / 'local', f'gs://{BUCKET}/stale', threading.Event(), threading.Event()
+    ups = Uploads(str(local), out, lambda: held.set() or go.wait(60))
+    sent, uploaded = [], ups.uploader.on_success
+    ups.uploader.on_success = lambda path, uri: sent.append(uri[len(out) + 1:]) or uploaded(path, uri)
+    ups.submit(_write(local / 'ckpt_00000001.pt', b'1'))
+    assert held.wait(60)
+    for step in (2, 3, 4):
+        ups.submit(_write(local / f'ckpt_{step:08d}.pt', b'%d' % step))
+        _write(local / 'train.log', b'log to step %d' % step)
+        ups.log()
+    assert sorted(n for n in os.listdir(local) if n.startswith('.train.log.')) == ['.train.log.3']
+    go.set()
+    assert ups.wait(60) and ups.uploader.failures == 0
+    assert sent == ['ckpt_00000001.pt', 'ckpt_00000002.pt', 'ckpt_00000003.pt', 'ckpt_00000004.pt', 'train.log']
+    gcs.download_file(f'{out}/train.log', str(tmp_path / 'train.log'))
+    assert _read(tmp_path / 'train.log') == b'log to step 4'
