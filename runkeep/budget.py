@@ -47,7 +47,8 @@ class TimeBudget:
     FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
     warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
     slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s. The steps to the next check
-    (~2 s) and an intermediate evaluation and save due now are added to the wait."""
+    (~2 s) and an intermediate evaluation and save due now are added to the wait. The first check has no
+    training pace: it decides only after an evaluation (a resume's owed one), taking those steps as free."""
 
     def __init__(self, minutes, clock):
         self.seconds, self.clock = minutes * 60, clock
@@ -96,9 +97,9 @@ class TimeBudget:
         train_s = self.clock()['train']
         self.first = self.first or (step, train_s)
         s0, t0 = self.first
-        if step == s0:  # its seconds hold the compilations and warm-up: the pace is measured from here on
+        if step == s0 and self.eval_pace is None:  # the compilations and warm-up: the pace is measured from here on
             return False
-        pace = (train_s - t0) / (step - s0)
+        pace = (train_s - t0) / (step - s0) if step > s0 else 0.0
         self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
         wait = (check_every + 1) * pace
         if at_eval:

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from conftest import ROOT, TOY_ARGS, Lines, ckpts, popen_train, run, script_env, site_hook, train
+from conftest import ROOT, TOY_ARGS, Lines, ckpts, held_step, popen_train, run, script_env, site_hook, train
 from test_dist import torchrun
 
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
@@ -107,6 +107,23 @@ def test_sigterm_during_a_budgeted_run_saves_and_resumes_as_always(toy, tmp_path
               '--log_interval=1')
     assert f'step {step + 1}/{step + 4}' in p.stdout and 'time budget' not in p.stdout, p.stdout[-3000:]
     assert json.load(open(out / 'results.json'))['step'] == step + 4
+
+
+def test_a_resume_whose_owed_evaluation_spent_the_budget_stops_at_its_first_step(toy, tmp_path):
+    # SIGTERM in the step of an evaluation (20 of 40) saves it owed; the resume evaluates it first, which knows the
+    # evaluation's pace, so its first check already finds a budget shorter than its start-up spent
+    out, args = tmp_path / 'o', ['--epochs=2', '--eval_every_epochs=1', '--log_interval=1']
+    proc = popen_train(toy, out, *args, env=held_step(tmp_path / 'hook', 20))
+    lines = Lines(proc)
+    lines.until('test hook: step 20 waits')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert proc.returncode == 0 and ckpts(out) == ['ckpt_00000020.pt'], text[-3000:]
+    assert torch.load(out / 'ckpt_00000020.pt', weights_only=True)['eval_owed'], text[-3000:]
+    p = train(toy, out, *args, '--init_from=resume', '--max_minutes=0.001')
+    said = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
+    assert 'evaluating it before training on' in p.stdout and len(said) == 1, p.stdout[-3000:]
+    assert int(said[0][1]) == 21 and json.load(open(out / 'results.json'))['step'] == 21, p.stdout[-3000:]
 
 
 def test_the_ranks_stop_at_the_same_step_when_one_of_them_is_out_of_time(toy, tmp_path):
