@@ -87,7 +87,8 @@ print(f"load it with --init_from={paths[0]} (train.py, solve.py; the model keys 
 if repo:
     where = (path_in_repo or os.path.basename(run_folder)).strip('/')
     try:
-        commit = upload(paths, repo, where, revision, private, commit_message)
+        commit = upload(paths, repo, where, revision, private, commit_message,
+                        ckpt.get('run_id') or ckpt.get('wandb_run_id'))
     except KeyboardInterrupt:  # a hub commit goes in whole or not at all
         interrupted(f"the upload to {repo} was not finished; {folder} holds the files, and the same command "
                     "commits them")

@@ -458,22 +458,28 @@ RUN_FIELDS = ('data_paths', 'global_batch_size', 'seed')  # and every arch field
 RUN_ID_RE = re.compile(r'(?P<name>.*) (?P<id>[0-9a-z]{8})$')
 
 
-def same_run(theirs, ours):
-    """Whether two run_names name one run: by the run ids they end in; a run_name written without one (an
-    earlier publish.py's), by the names."""
-    a, b = (RUN_ID_RE.fullmatch(str(n)) for n in (theirs, ours))
-    return a['id'] == b['id'] if a and b else (a['name'] if a else theirs) == (b['name'] if b else ours)
+def same_run(theirs, ours, run_id=None):
+    """Whether the run_name `theirs` names the run of `ours` (all_config's, ending in `run_id`, the id its
+    checkpoint carries, where there is one): by that id, whatever name is before it; a run_name written without
+    one (an earlier publish.py's), by the name. The checkpoint's id, not the shape of the words: an earlier
+    run_name may end in a word of 8 lowercase letters and digits too."""
+    theirs = str(theirs)
+    if run_id:
+        return theirs.split(' ')[-1] == run_id or theirs == ours.removesuffix(' ' + run_id)
+    m = RUN_ID_RE.fullmatch(theirs)  # a checkpoint of an earlier train.py, without an id
+    return theirs == ours or bool(m) and m['name'] == ours
 
 
-def run_changes(theirs, config):
-    """The fields that all_config.yaml `theirs` (a dict) and `config` give other values, as (field, theirs, ours),
-    and those of them that no resume changes: where they differ, `config` is another run's."""
+def run_changes(theirs, config, run_id=None):
+    """The fields that all_config.yaml `theirs` (a dict) and `config` (of a checkpoint carrying `run_id`) give
+    other values, as (field, theirs, ours), and those of them that no resume changes: where they differ, `config`
+    is another run's."""
     differ = lambda a, b: [k for k in sorted(set(a) | set(b)) if not same(a.get(k), b.get(k))]
     arch = theirs.get('arch') if isinstance(theirs.get('arch'), dict) else {}
     changed = [(f"arch.{k}", arch.get(k), config['arch'].get(k)) for k in differ(arch, config['arch'])]
     changed += [(k, theirs.get(k), config.get(k)) for k in differ(theirs, config) if k != 'arch']
     fixed = [c for c in changed if c[0] in RUN_FIELDS or c[0].startswith('arch.') and c[0][5:] not in MAY_DIFFER
-             or c[0] == 'run_name' and not same_run(c[1], c[2])]
+             or c[0] == 'run_name' and not same_run(c[1], c[2], run_id)]
     return changed, fixed
 
 
@@ -484,11 +490,11 @@ def clash_words(fixed):
             "step_<N> beside it (they would load with the new values)")
 
 
-def folder_problem(folder, config, weights, step):
+def folder_problem(folder, config, weights, step, run_id=None):
     """Why `folder` cannot take step_<step> (the state dict `weights`) and the all_config.yaml `config` (a
-    dict), in one line, or '': it holds step files of another run (RUN_FIELDS or its run id differ, or no
-    all_config.yaml says whose they are), or a step_<step> of other weights. Fields a resume may change are
-    replaced, said."""
+    dict; of a checkpoint carrying `run_id`), in one line, or '': it holds step files of another run (RUN_FIELDS
+    or its run id differ, or no all_config.yaml says whose they are), or a step_<step> of other weights. Fields a
+    resume may change are replaced, said."""
     import torch
     import yaml
     steps = sorted((n for n in os.listdir(folder) if re.fullmatch(r'step_\d+', n)), key=lambda n: int(n[5:])) \
@@ -508,7 +514,7 @@ def folder_problem(folder, config, weights, step):
     if not isinstance(theirs, dict):
         return ''
     run = f"the run {theirs.get('run_name')!r} (data_paths {theirs.get('data_paths')})"
-    changed, fixed = run_changes(theirs, config)
+    changed, fixed = run_changes(theirs, config, run_id)
     if steps and fixed:
         return f"out_dir={folder} holds {there} of {run}, {clash_words(fixed)}: {then}"
     mine = os.path.join(folder, f'step_{step}')
@@ -542,7 +548,7 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     arc = (ckpt.get('data') or {}).get('puzzle_type') == 'arc'
     run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id')
     sd, config = reference_weights(chosen, cfg, dtype), all_config(cfg, folder, dtype, arc, run_id)
-    if problem := folder_problem(folder, config, sd, step):
+    if problem := folder_problem(folder, config, sd, step, run_id):
         fail(problem)
     names = [f'step_{step}', 'all_config.yaml'] + ([f'step_{step}_train_state.pt'] if with_train_state else [])
     made, up = [], os.path.abspath(folder)
@@ -578,9 +584,10 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     return [os.path.join(folder, n) for n in names]
 
 
-def upload(paths, repo, path_in_repo, revision='main', private=True, message=''):
+def upload(paths, repo, path_in_repo, revision='main', private=True, message='', run_id=None):
     """The files committed to a hub repository (created, private unless said otherwise, when it does not exist)
-    under path_in_repo; returns the commit's id. A refusal of the hub is one line."""
+    under path_in_repo; returns the commit's id. run_id: the checkpoint's, which says whether a path_in_repo
+    that holds steps holds this run's (same_run). A refusal of the hub is one line."""
     import tempfile
     import yaml
     from huggingface_hub import CommitOperationAdd, HfApi, constants
@@ -610,7 +617,7 @@ def upload(paths, repo, path_in_repo, revision='main', private=True, message='')
                      "committed")
             theirs = None  # no repository yet: created below
         with open(next(p for p in paths if p.endswith('all_config.yaml'))) as f:
-            fixed = run_changes(theirs, yaml.safe_load(f))[1] if isinstance(theirs, dict) else []
+            fixed = run_changes(theirs, yaml.safe_load(f), run_id)[1] if isinstance(theirs, dict) else []
         if fixed:
             fail(f"upload to {repo}: its {path_in_repo}/ holds the steps of the run {theirs.get('run_name')!r}, "
                  f"{clash_words(fixed)}: give another --path_in_repo; nothing was committed")

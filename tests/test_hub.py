@@ -480,6 +480,37 @@ def test_a_run_whose_folder_was_renamed_publishes_its_later_steps_beside_its_ear
     assert {'toy/step_6', 'toy/step_8'} <= set(files)
 
 
+def test_a_run_name_of_an_earlier_publish_ending_in_a_word_of_8_letters_is_no_run_id(hub, table_run, tmp_path):
+    """An earlier publish.py wrote run_name without the run id: 'sudoku baseline' ends in a word shaped like one,
+    yet it is the name of this run, whose later publishes go beside its steps (on the hub and in the local folder).
+    A run of another id is still refused there."""
+    import torch
+    import yaml
+    from huggingface_hub import CommitOperationAdd, HfApi
+    ckpt = torch.load(table_run['ckpt'], weights_only=True)
+    ckpt['config']['wandb_run_name'] = 'sudoku baseline'
+    torch.save(ckpt, tmp_path / 'sb.pt')
+    ours, pub = dict(ckpt=str(tmp_path / 'sb.pt')), tmp_path / 'pub'
+    publish_to(hub, ours, f'--out_dir={pub}')
+    config = yaml.safe_load(open(pub / 'all_config.yaml'))
+    assert config['run_name'] == f"sudoku baseline {ckpt['run_id']}", config['run_name']
+    config['run_name'] = 'sudoku baseline'  # as an earlier publish.py wrote it, here and on the hub
+    with open(pub / 'all_config.yaml', 'w') as f:
+        yaml.safe_dump(config, f)
+    HfApi(endpoint=hub['HF_ENDPOINT'], token=TOKEN).create_commit(
+        'alice/trm-toy', [CommitOperationAdd('toy/all_config.yaml', str(pub / 'all_config.yaml'))],
+        commit_message='earlier')
+    publish_to(hub, ours, f'--out_dir={tmp_path}/fresh')  # the hub's check alone
+    p = publish_to(hub, ours, f'--out_dir={pub}')  # the local folder's
+    assert "run_name 'sudoku baseline' -> 'sudoku baseline " in p.stdout, p.stdout[-3000:]
+    assert yaml.safe_load(open(pub / 'all_config.yaml'))['run_name'] == f"sudoku baseline {ckpt['run_id']}"
+    ckpt['run_id'] = 'feedbeef' if ckpt['run_id'] != 'feedbeef' else 'deadbeef'
+    torch.save(ckpt, tmp_path / 'other.pt')
+    p = publish_to(hub, dict(ckpt=str(tmp_path / 'other.pt')), f'--out_dir={tmp_path}/other', check=False)
+    assert_user_error(p, 'alice/trm-toy', 'toy/', f"run_name='sudoku baseline {ckpt['run_id']}'",
+                      'nothing was committed', one_line=True)
+
+
 def test_a_publish_to_a_branch_the_hub_lacks_creates_nothing(hub, table_run):
     """A branch that does not exist is refused in one line naming it before anything is made: no repository left
     behind, empty, by a commit that could not go in."""
