@@ -356,11 +356,7 @@ if '--pattern=w_*' in sys.argv:
 
 
 def test_a_run_not_finished_shows_its_planned_flops_and_steps_as_planned(tmp_path):
-    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
-    cfg.mkdir()
-    for i in range(2):
-        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
-                                        f"hidden_size = {64 * (i + 1)}\n")
+    cfg, out = width_family(tmp_path, 2)
     fake_run(out, 'w_p0', 10 ** 5, 0.5)  # w_p1 not run: what the table shows of it is the plan's, not a record
     run(['study.py', '--pattern=w_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
     md = open(f'{out}/report.md').read()
@@ -373,11 +369,7 @@ def test_a_run_not_finished_shows_its_planned_flops_and_steps_as_planned(tmp_pat
 
 
 def test_the_plots_name_the_runs_they_do_not_draw(tmp_path):
-    cfg, out = tmp_path / 'cfg', str(tmp_path / 'out')
-    cfg.mkdir()
-    for i in range(3):
-        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
-                                        f"hidden_size = {64 * (i + 1)}\n")
+    cfg, out = width_family(tmp_path, 3)
     for i in range(2):
         fake_run(out, f'w_p{i}', 10 ** 5 * (i + 1), 0.5 + 0.2 * i)
     # w_p2 not finished: the family's curve without it must not read as the whole family
@@ -537,6 +529,16 @@ def test_seeds_refuse_a_file_that_sets_its_own_seed(tmp_path):
     assert p.returncode != 0 and 'python train.py' not in out, out
     assert re.search(r'sd_a\.py, line 3.*seed = 1.*--seeds=2', out), out
     assert 'Traceback' not in out, out
+
+
+def width_family(tmp_path, n):
+    """A family w_p0 .. w_p<n-1> of config files, each wider than the one before: (their folder, the out_root)."""
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    for i in range(n):
+        (cfg / f'w_p{i}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/w_p{i}'\n"
+                                        f"hidden_size = {64 * (i + 1)}\n")
+    return cfg, str(tmp_path / 'out')
 
 
 def fake_run(out, name, params, exact, by_steps=None):
