@@ -157,18 +157,25 @@ def on_parent_gone():
         on_signal(signal.SIGTERM, why=f"its parent process (pid {PARENT['pid']}) ended")
 
 
+# who acts on the signals read_signals reads: None, the run (on_signal); torch_xla's launcher's forwarding
+READER = dict(act=None)
+
+
 def read_signals(fd):
     """A thread's loop: every SIGTERM, SIGINT, PARENT_GONE and a torchrun rank's SIGHUP, as the interpreter writes
     it to the wakeup pipe the moment it arrives, to on_signal. So a main thread blocked in one long call (a
-    collective, a kernel: Python runs its own handlers only between calls) still has its stop request said at
-    once, and bounded."""
+    collective, a kernel, a wait for a lock: Python runs its own handlers only between calls, and only when the
+    kernel gave the signal to that thread and not another) still has its stop request said at once, and
+    bounded."""
     while True:
         try:
             got = os.read(fd, 64)
         except InterruptedError:
             continue
         for signum in got:
-            if signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            if READER['act']:
+                READER['act'](signum)
+            elif signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 on_signal(signum)
             elif signum == PARENT_GONE:
                 on_parent_gone()
@@ -218,16 +225,18 @@ def forward_signals():
     waits for them."""
     import multiprocessing
 
-    def forward(signum, frame):
+    def forward(signum):
         if STOP['at'] is None:
             STOP.update(requested=True, signal=signal.Signals(signum).name, at=time.time())
         for p in multiprocessing.active_children():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p.pid, signum)
 
-    def parent_gone(signum, frame):
-        if newly_orphaned():
-            forward(signal.SIGTERM, frame)
+    def act(signum):
+        if signum in (signal.SIGTERM, signal.SIGINT):
+            forward(signum)
+        elif signum == PARENT_GONE and newly_orphaned():
+            forward(signal.SIGTERM)
 
     def backstop():
         """Workers end by themselves (a save, or their stop's bound); one still there a minute after that
@@ -241,10 +250,9 @@ def forward_signals():
             f"{STOP['signal']}: killed; exiting with code {HUNG_EXIT} (the same command with "
             "--init_from=resume continues from the last checkpoint)")
         os._exit(HUNG_EXIT)
-    signal.set_wakeup_fd(-1)  # the signals are the workers' to act on: no reading of its own here
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    signal.signal(PARENT_GONE, parent_gone)
+    # read as install_signal_handlers reads them (its thread, not the main one: that waits for the workers in a
+    # lock, where a signal the kernel gives another thread would wait with it), then passed on, not acted on
+    READER['act'] = act
     threading.Thread(target=backstop, daemon=True, name='stop-backstop').start()
     os.environ['TRM_LAUNCHER_PID'] = str(os.getpid())  # the workers' parent, for follow_launcher
 

@@ -195,6 +195,28 @@ def xla_workers(pid):
     return [k for k in children(pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
 
 
+def test_the_xla_launcher_passes_on_a_sigterm_the_kernel_gave_to_a_thread_other_than_its_main_one(toy, tmp_path):
+    """A signal to a process goes to any one of its threads. torch_xla's launcher waits for its workers in a lock,
+    in its main thread, where Python would run a handler only once the wait ends (the whole training): a SIGTERM
+    that the kernel gave one of its other threads must still reach the workers at once, as a preemption's."""
+    pytest.importorskip('torch_xla')  # Linux only, as the threads' signal (tgkill)
+    import ctypes
+    proc = popen_train(toy, tmp_path / 'o', '--device=xla', '--epochs=400', '--log_interval=1',
+                       args=[a for a in FAST if a != '--device=cpu'], env=XLA_ENV)
+    lines = Lines(proc)
+    try:
+        lines.until('step 6/', timeout=400)
+        others = [int(t) for t in os.listdir(f'/proc/{proc.pid}/task') if int(t) != proc.pid]
+        assert others, 'the launcher has no thread but its main one'
+        tgkill = {'x86_64': 234, 'aarch64': 131}[os.uname().machine]  # the syscall's number
+        assert ctypes.CDLL(None, use_errno=True).syscall(tgkill, proc.pid, others[0], signal.SIGTERM) == 0
+        text = lines.rest(120)
+        assert 'got SIGTERM: saving a checkpoint' in text and 'stopped cleanly' in text, text[-3000:]
+        assert proc.returncode == 0 and ckpts(tmp_path / 'o'), text[-3000:]
+    finally:
+        lines.kill()
+
+
 def gone(pid, timeout):
     deadline = time.time() + timeout
     while time.time() < deadline:
