@@ -222,7 +222,7 @@ def install_signal_handlers():
 def forward_signals():
     """In torch_xla's launcher: SIGTERM and Ctrl-C go on to its worker processes, which save and stop (each
     says so), and so does its own parent's end (PARENT_GONE: a study.py's, a solve.py's); the launcher itself
-    waits for them."""
+    waits for them. After install_signal_handlers, whose thread reads the signals that this passes on."""
     import multiprocessing
 
     def forward(signum):
