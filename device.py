@@ -217,7 +217,7 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
 
 def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=None, have_triton=None,
                    have_quack=None):
-    """(kernels, why): 'mlp_t' (backends/kernels.py's mlp_t forward fused where no gradient is taken, the rest plain),
+    """(kernels, why): 'mlp_t' (backends/kernels.py's fused mlp_t, forward and backward, the rest plain),
     'cudnn' (an attention model's attention through cuDNN's fused attention, SDPA's cuDNN backend first: GPUs of
     compute capability 8.0 or newer), 'gated' (the mlp_t forward, and the SwiGLUs in their GEMMs' epilogues: both
     under grad, the channel one without; attention models too), 'quack' ('gated' with the optional quack-kernels
@@ -274,8 +274,8 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
     if not mlp_t:
         return 'off', f"auto: off ({hw}, bfloat16, attention: no fused kernel is measured faster than the plain " \
                       "path for it; --kernels=cudnn tries cuDNN's attention)"
-    return 'mlp_t', (f"auto: mlp_t ({hw}, bfloat16): the fused mlp_t forward where no gradient is taken, the one "
-                     "kernel measured faster on an H200")
+    return 'mlp_t', (f"auto: mlp_t ({hw}, bfloat16): mlp_t's fused forward and backward, measured faster than the "
+                     "compiled plain path on an H200")
 
 
 def _why_not_quack(device_type, dtype, cuda_capability, have_quack):

@@ -2,10 +2,10 @@
 Fused Triton kernels for the Block's forward and backward on CUDA GPUs: train.py's and bench.py's key kernels
 ('auto' picks 'mlp_t' or 'off' where device.choose_kernels says why). model.py keeps the plain path a reader
 sees; fuse_blocks(model, which) installs a fused forward as each Block's `fused` forward, which the Block then
-runs: which='mlp_t' only mlp_t's forward where no gradient is taken (the no-grad calls of the recursion,
-evaluation), 'cudnn' an attention model's attention through cuDNN's fused attention, 'gated' mlp_t's no-grad
-forward and the SwiGLUs' gated GEMMs, 'quack' the same with quack-kernels' GEMMs (an optional package), 'triton'
-every Triton kernel below (for experiments).
+runs: which='mlp_t' mlp_t's fused kernels (its forward, and its backward under grad), the rest plain, 'cudnn' an
+attention model's attention through cuDNN's fused attention, 'gated' mlp_t's no-grad forward and the SwiGLUs'
+gated GEMMs, 'quack' the same with quack-kernels' GEMMs (an optional package), 'triton' every Triton kernel below
+(for experiments).
 
 What is fused, and why. The kernels keep on chip the tensors the plain path writes to memory and reads back:
   - mlp_t (the SwiGLU over the sequence axis, Sudoku's MLP-mixer): one kernel per batch row and tile of channels
@@ -570,9 +570,11 @@ QUACK_TUNED = False  # True: quack's autotuner compiles and times each candidate
 
 
 def load_quack():
-    """quack's gemm_gated and gemm_dgated, or ImportError saying what is missing."""
+    """quack's gemm_gated and gemm_dgated, or ImportError saying what is missing or broken."""
     try:
         from quack.gemm_interface import gemm_dgated, gemm_gated
+        # the first GEMM with an activation imports its epilogues, where a broken install fails: said here, not there
+        import quack.epilogue.library  # noqa: F401
     except Exception as e:
         raise ImportError(f"kernels='quack' needs the quack-kernels package and its CUDA 12.9+ CuTe DSL "
                           f"(pip install quack-kernels): {type(e).__name__}: {e}") from e
@@ -723,17 +725,17 @@ def mix_sequence_gated(block, h, quack=False):
 
 def block_forward(block, h, rope, which='triton'):
     """Block.forward (model.py) with `which`'s fused kernels:
-      'mlp_t'  mlp_t's forward where no gradient is taken; everything else plain (under grad, the plain path).
+      'mlp_t'  mlp_t's fused kernel (forward, and backward under grad); everything else plain.
       'gated'  'mlp_t', and the SwiGLUs' gated GEMMs: under grad both SwiGLUs (mlp_t's over the sequence, the
                channel one) through gated_mlp, whose GEMMs compute the SwiGLU and its gradient in their
                epilogues; without grad the channel one as swiglu then down_norm (the residual and the RMSNorm in
                the down GEMM's epilogue, where a tile holds the width).
       'quack'  'gated' with quack's gated GEMMs (quack_gated_mlp, quack_swiglu) in place of the Triton ones.
-      'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too (its forward and backward).
+      'triton' every kernel: 'gated' with mlp_t's fused kernel under grad too, as 'mlp_t' runs it.
       'cudnn'  an attention block's attention through cuDNN's fused attention (cudnn_attention); the rest plain.
     Attention stays the plain path's but with 'cudnn'."""
     grad, quack = torch.is_grad_enabled(), which == 'quack'
-    if hasattr(block, 'mlp_t') and (which == 'triton' or not grad):
+    if hasattr(block, 'mlp_t') and (which in ('mlp_t', 'triton') or not grad):
         h = mlp_t(h, *mlp_t_weights(block, h.dtype), block.eps)[0]
     elif hasattr(block, 'mlp_t') and which in ('gated', 'quack'):
         h = mix_sequence_gated(block, h, quack)
@@ -806,7 +808,7 @@ def fuse_blocks(model, which='triton'):
     if which == 'cudnn':
         return "attention through cuDNN's fused attention (SDPA's cuDNN backend first); the rest plain"
     gemms = "quack's gated GEMMs" if which == 'quack' else 'gated GEMMs'
-    mlp_t_part = dict(mlp_t='mlp_t forward (no-grad)', triton='mlp_t (forward and backward)').get(
-        which, f'mlp_t forward (no-grad), under grad {gemms}') if hasattr(blocks[0], 'mlp_t') else 'attention plain'
+    mlp_t_part = ('mlp_t (forward and backward)' if which in ('mlp_t', 'triton') else
+                  f'mlp_t forward (no-grad), under grad {gemms}') if hasattr(blocks[0], 'mlp_t') else 'attention plain'
     return mlp_t_part + ('; the rest plain' if which == 'mlp_t' else
                          f'; channel SwiGLU ({gemms}, forward and backward)')

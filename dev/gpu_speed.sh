@@ -29,10 +29,12 @@
 # Everything goes to $OUT (at most 8 files); the summary table is printed last. The machine has no network: what
 # the reference and quack need comes in ignored folders that dev/gpu_stage.sh fills on this side. The reference's
 # pydantic is installed from .gpu/whl into /tmp/site and put on its PYTHONPATH only. quack-kernels (kernels='quack',
-# optional): its wheels in .gpu/quack are unzipped into .gpu_site with every call; its CuTe DSL compiler library
-# (193 MB unpacked, .gpu_libs/cu13.tar.xz: too big to travel beside .gpu) is unpacked there by an earlier call on
-# the same warm machine: first `mkdir -p .gpu_site && tar -xJf .gpu_libs/cu13.tar.xz -C .gpu_site` carrying
-# .gpu_libs, then this script carrying .gpu. Without them the quack line says why and 'quack' runs as 'off'.
+# optional): its wheels in .gpu/quack are unzipped into .gpu_site/site-packages with every call; its CuTe DSL
+# compiler library (193 MB unpacked, .gpu_libs/cu13.tar.xz: too big to travel beside .gpu) is unpacked there by an
+# earlier call on the same warm machine: first `mkdir -p .gpu_site/site-packages && tar -xJf .gpu_libs/cu13.tar.xz
+# -C .gpu_site/site-packages` carrying .gpu_libs, then this script carrying .gpu. Without them the quack line says
+# why and 'quack' runs as 'off'. The folder's name matters: quack keys its epilogues by what they call, and takes a
+# function for an installed library's, keyed by its name, only where its file lies under a site-packages folder.
 set -u
 cd "$(dirname "$0")/.." || exit 1
 export PYTHONUNBUFFERED=1
@@ -112,7 +114,7 @@ fi
 
 # quack-kernels, where its wheels came: unzipped beside the compiler library (a wheel is a zip of site-packages'
 # files; nvidia_cutlass_dsl's .pth names the folder added last)
-QSITE=$PWD/.gpu_site
+QSITE=$PWD/.gpu_site/site-packages
 if [ "$DRY" != 1 ] && ls .gpu/quack/*.whl >/dev/null 2>&1; then
     mkdir -p "$QSITE"
     for w in .gpu/quack/*.whl; do "$PY" -m zipfile -e "$w" "$QSITE" || say "note: $w did not unzip"; done

@@ -54,6 +54,6 @@ for d in .gpu .gpu_libs; do
     echo "$d: $((kib / 1024)) MiB$( ((kib > 64 * 1024)) && echo ': over the 64 MiB a device call carries')"
 done
 echo "next, on one warm GPU machine: a call carrying .gpu_libs that runs"
-echo "  mkdir -p .gpu_site && tar -xJf .gpu_libs/cu13.tar.xz -C .gpu_site"
+echo "  mkdir -p .gpu_site/site-packages && tar -xJf .gpu_libs/cu13.tar.xz -C .gpu_site/site-packages"
 echo "then one carrying .gpu that runs"
 echo "  OUT=\$OUT AB=quack bash dev/gpu_speed.sh"

@@ -266,7 +266,7 @@ def test_the_kernels_key_is_said_and_a_fused_kernel_solves_as_the_plain_path(sud
     plain = solve(*args, env={'TRITON_INTERPRET': ''})
     assert 'kernels auto: off (device cpu: the kernels are for CUDA GPUs)' in plain.stdout, plain.stdout[:2000]
     fused = solve(*args, '--kernels=mlp_t', env={'TRITON_INTERPRET': '1'})
-    assert ("kernels mlp_t (as configured; Triton's interpreter on the CPU): mlp_t forward (no-grad); the rest "
+    assert ("kernels mlp_t (as configured; Triton's interpreter on the CPU): mlp_t (forward and backward); the rest "
             "plain") in fused.stdout, fused.stdout[:2000]
     untimed = lambda out: {k: re.sub(r'[\d.]+ s( \(in a batch of \d+\))?', 'T', v) for k, v in summaries(out).items()}
     assert len(untimed(plain.stdout)) == 6 and untimed(fused.stdout) == untimed(plain.stdout), fused.stdout[-2000:]
