@@ -84,6 +84,9 @@ class NotFoundError(GCSError, FileNotFoundError):
 class Stopped(GCSError):
     pass  # GCS.stop() said to stop while a request waited
 
+class Gone(GCSError):
+    pass  # an upload's file was deleted while it waited to be retried (pruned: a newer one replaces it)
+
 class CredentialsFailed(GCSError):
     pass  # no token to send, and none to wait for (status: the token endpoint's): the bucket was not asked
 
@@ -172,11 +175,11 @@ class GCS:
     def _object_url(self, bucket, name, **params):
         return self._url(f"/storage/v1/b/{_quote(bucket)}/o/{_quote(name)}", **params)
 
-    def _with_retries(self, what, attempt, watch=True):
+    def _with_retries(self, what, attempt, watch=True, wanted=None):
         """Call attempt(auth_headers) until it returns; retry connection errors, 408/429/5xx and _Transient (a
         token not had for now among them); refresh the token once on 401; fail at once on other statuses.
         watch: a long attempt is a wait worth announcing (not so for a transfer, whose attempts take long when
-        all is well)."""
+        all is well). wanted: a callable asked before each retry; False ends the retries with Gone."""
         refreshed, refresh, err, t0, i = False, False, None, time.time(), 0
         while True:
             try:
@@ -199,6 +202,8 @@ class GCS:
                 break
             delay = min(self.max_backoff, self.backoff * 2 ** i)
             self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other hosts
+            if wanted is not None and not wanted():
+                raise Gone(f"GCS {what} given up: not wanted any more")
             i += 1
         raise GCSError(f"GCS {what} failed after {self.retries + 1} attempts: {err}",
                        getattr(err, "status", None))
@@ -252,10 +257,12 @@ class GCS:
         visible in the bucket. Resumable (not single-request) so a dropped connection resumes
         from what GCS has already stored instead of resending the whole file. The file is
         opened once, so replacing local_path with os.replace() meanwhile is safe; writing into
-        it in place is not (the md5 check below would then fail the upload).
+        it in place is not (the md5 check below would then fail the upload). A local_path deleted
+        meanwhile ends the retries (Gone): an outage would otherwise send a pruned checkpoint, ahead
+        of the newer ones, once the bucket answers.
         """
         bucket, name = split_gcs(uri)
-        what = f"upload {local_path} -> {uri}"
+        what, there = f"upload {local_path} -> {uri}", lambda: os.path.exists(local_path)
         with open(local_path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
             md5 = hashlib.md5()
@@ -300,7 +307,7 @@ class GCS:
 
             # 404/410 on the session URL means it expired or was aborted: start a new session (once)
             for session_try in range(2):
-                session_url = self._with_retries(what, start)
+                session_url = self._with_retries(what, start, wanted=there)
                 attempts = 0
 
                 def attempt(auth):
@@ -308,7 +315,7 @@ class GCS:
                     attempts += 1
                     return send(auth, session_url, resume=attempts > 1)
                 try:
-                    return self._with_retries(what, attempt, watch=False)
+                    return self._with_retries(what, attempt, watch=False, wanted=there)
                 except GCSError as e:
                     if e.status not in (404, 410) or session_try == 1:
                         raise
@@ -428,9 +435,10 @@ class Uploader:
     kept in .failed, never raised into the training loop. Call wait() before exiting
     (and on SIGTERM: spot VMs get ~30 s) so queued checkpoints make it to the bucket.
     on_success(local_path, uri) runs on the upload thread after each upload (e.g. pruning old checkpoints).
-    A file deleted before its turn (pruned: a newer one replaces it) is skipped, not a failure; so is a failed
-    upload once a later one to the same object works. An outage is said once, at its first failure, and again
-    when an upload works (a long one would otherwise print a line per file, per checkpoint)."""
+    A file deleted before its turn or while its upload is retried (pruned: a newer one replaces it) is skipped,
+    not a failure; so is a failed upload once a later one to the same object works. An outage is said once, at
+    its first failure, and again when an upload works (a long one would otherwise print a line per file, per
+    checkpoint)."""
 
     def __init__(self, client=None, on_success=None):
         self.client = client  # None: the module's default client
@@ -471,6 +479,8 @@ class Uploader:
                         except Exception as e:
                             print(f"gcs: on_success callback after uploading {uri} failed: {e!r}",
                                   file=sys.stderr, flush=True)
+                ok = True
+            except Gone:
                 ok = True
             except Exception as e:
                 if not self.unsaid:

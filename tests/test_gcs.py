@@ -38,6 +38,7 @@ class Proxy:
         self.corrupt_uploads = False  # flip the first byte of every upload chunk in transit
         self.dropped = 0
         self.refuse_uploads_after, self.refusing = None, False  # the object name (bytes) last let through
+        self.refused = 0  # uploads refused so far
         self.fail_downloads = None
         proxy = self
 
@@ -67,6 +68,7 @@ class Proxy:
         elif starts_upload and self.refusing or \
                 self.fail_downloads and query.get("alt") == ["media"] and self.fail_downloads in h.path:
             status, resp_headers, content = 503, {}, b""
+            self.refused += starts_upload
         else:
             r = requests.request(h.command, self.upstream + h.path, data=body, headers=headers,
                                  allow_redirects=False, timeout=10)
@@ -120,6 +122,14 @@ def _write(path, data):
 def _read(path):
     with open(path, "rb") as f:
         return f.read()
+
+
+def _until(done, seconds=60):
+    """Whether done() came true within `seconds`."""
+    end = time.time() + seconds
+    while not done() and time.time() < end:
+        time.sleep(0.01)
+    return done()
 
 # -----------------------------------------------------------------------------
 # the client
@@ -265,6 +275,25 @@ def test_uploader_says_an_outage_once_and_forgets_failures_a_newer_upload_replac
     assert up.wait(timeout=30)
     assert "work again" in capfd.readouterr().err
     assert [uri for _, uri in up.failed] == [ckpt]  # train.log's newest copy is in the bucket
+
+
+def test_an_upload_retried_through_an_outage_ends_once_its_file_is_pruned(emu, proxy, tmp_path, capfd):
+    # a checkpoint's upload under way when the bucket stops answering, its file pruned meanwhile (newer ones replace
+    # it): its retries end, so once the bucket answers it is not sent ahead of the newer one, nor said as failed
+    out = f'gs://{BUCKET}/pruned'
+    up = gcs.Uploader(client=gcs.GCS(endpoint=proxy.url, retries=10 ** 6, backoff=0.01, max_backoff=0.05))
+    old = (_write(tmp_path / 'ckpt_00000002.pt', b'2'), f'{out}/ckpt_00000002.pt')
+    proxy.refusing = True
+    up.submit(*old)
+    assert _until(lambda: proxy.refused)
+    os.remove(old[0])
+    refused = proxy.refused  # one more try after the prune, or the end of the retries
+    assert _until(lambda: proxy.refused > refused or old not in up.pending)
+    up.submit(_write(tmp_path / 'ckpt_00000004.pt', b'4'), f'{out}/ckpt_00000004.pt')
+    proxy.refusing = False
+    assert up.wait(timeout=60) and up.failures == 0
+    assert [u for u, _ in gcs.list_objects(f'{out}/')] == [f'{out}/ckpt_00000004.pt']
+    assert 'failed' not in capfd.readouterr().err
 
 
 # -----------------------------------------------------------------------------
