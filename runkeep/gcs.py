@@ -20,7 +20,6 @@ import base64
 import hashlib
 import json
 import os
-import queue
 import random
 import sys
 import tempfile
@@ -438,15 +437,16 @@ class Uploader:
     A file deleted before its turn or while its upload is retried (pruned: a newer one replaces it) is skipped,
     not a failure; so is a failed upload once a later one to the same object works. An outage is said once, at
     its first failure, and again when an upload works (a long one would otherwise print a line per file, per
-    checkpoint)."""
+    checkpoint). order(jobs) gives the waiting (local_path, uri) jobs in the order to send them (None: as
+    submitted)."""
 
-    def __init__(self, client=None, on_success=None):
+    def __init__(self, client=None, on_success=None, order=None):
         self.client = client  # None: the module's default client
-        self.on_success = on_success
-        self.pending = []  # [(local_path, uri)] submitted and not finished, in submit order
+        self.on_success, self.order = on_success, order
+        self.pending = []  # [(local_path, uri)] submitted and not finished: the one under way first, then as
+                           # submitted
         self.failed = []   # [(local_path, uri)] whose last upload failed
         self.unsaid = 0    # failures since the last upload that worked
-        self._queue = queue.Queue()
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="gcs-uploader", daemon=True).start()
 
@@ -459,11 +459,15 @@ class Uploader:
         fine)."""
         with self._cv:
             self.pending.append((local_path, uri))
-        self._queue.put((local_path, uri))
+            self._cv.notify_all()
 
     def _run(self):
         while True:
-            job = local_path, uri = self._queue.get()
+            with self._cv:
+                self._cv.wait_for(lambda: self.pending)
+                job = local_path, uri = (self.order or list)(self.pending)[0]
+                self.pending.remove(job)
+                self.pending.insert(0, job)
             ok = sent = False
             try:
                 if os.path.exists(local_path):

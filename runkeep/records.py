@@ -13,6 +13,7 @@ import glob
 import json
 import numbers
 import os
+import re
 import shutil
 import socket
 import sys
@@ -372,6 +373,7 @@ def quiet_event_writers(args):
 # uploaded
 GROWING = ('train.log', 'metrics.jsonl')
 SNAPSHOTS = tuple(f'.{name}.' for name in GROWING) + ('.tb.',)
+CKPT_RE = re.compile(r'/ckpt_(\d{8,})\.pt$')  # checkpoint.py's names (it imports torch, and this module does not)
 
 
 def snapshot_of(path):
@@ -383,18 +385,30 @@ def snapshot_of(path):
 
 class Uploads:
     """Rank 0 of a gs:// run: files of its local folder sent to the same names under the bucket's out_dir, in
-    order, on a thread (gcs.Uploader). on_checkpoint() runs after each upload of a checkpoint (the bucket is
-    pruned like the local folder)."""
+    order (but the newest checkpoint first: order), on a thread (gcs.Uploader). on_checkpoint() runs after each
+    upload of a checkpoint (the bucket is pruned like the local folder)."""
 
     def __init__(self, local, remote, on_checkpoint):
         self.local, self.remote, self.on_checkpoint = local, remote.rstrip('/'), on_checkpoint
-        self.uploader = gcs.Uploader(on_success=self.uploaded)
-        self.snapshots = 0
+        self.uploader = gcs.Uploader(on_success=self.uploaded, order=self.order)
+        self.snapshots, self.newest = 0, -1  # the step of the newest checkpoint submitted
+
+    def order(self, jobs):
+        """The waiting uploads in the order they go: the newest checkpoint first, then the rest as submitted, and
+        the older checkpoints last, newer first. After an outage a resume needs the newest, and a VM lost while
+        the queue drains would leave the bucket an older one as its newest; the older ones are still kept here,
+        so still wanted there."""
+        def rank(job):  # sorted() keeps the submit order within a rank
+            step = int(m.group(1)) if (m := CKPT_RE.search(job[1])) else None
+            return (1, 0) if step is None else (0, 0) if step >= self.newest else (2, -step)
+        return sorted(jobs, key=rank)
 
     def submit(self, path, name=None):
         """path to <out_dir>/name (name: its path under the run's folder)."""
-        name = name or os.path.relpath(path, self.local).replace(os.sep, '/')
-        self.uploader.submit(path, f"{self.remote}/{name}")
+        uri = f"{self.remote}/{name or os.path.relpath(path, self.local).replace(os.sep, '/')}"
+        if m := CKPT_RE.search(uri):
+            self.newest = max(self.newest, int(m.group(1)))
+        self.uploader.submit(path, uri)
 
     def supersede(self, name):
         """The older snapshots of <out_dir>/name that wait for their turn, or failed, deleted: a newer one is

@@ -487,6 +487,36 @@ def test_an_outage_s_stale_log_snapshots_are_dropped_not_sent_ahead_of_the_newes
     assert sorted(n for n in os.listdir(local) if n.startswith('.train.log.')) == ['.train.log.3']
     go.set()
     assert ups.wait(60) and ups.uploader.failures == 0
-    assert sent == ['ckpt_00000001.pt', 'ckpt_00000002.pt', 'ckpt_00000003.pt', 'ckpt_00000004.pt', 'train.log']
+    assert sent == ['ckpt_00000001.pt', 'ckpt_00000004.pt', 'train.log', 'ckpt_00000003.pt', 'ckpt_00000002.pt']
     gcs.download_file(f'{out}/train.log', str(tmp_path / 'train.log'))
     assert _read(tmp_path / 'train.log') == b'log to step 4'
+
+
+def test_after_an_outage_the_newest_checkpoint_goes_first_then_its_records_then_the_older_ones_kept(emu, tmp_path):
+    # as above, with the bucket's real prune (keep_last_n=2) and the oldest queued checkpoint pruned here meanwhile:
+    # once the upload thread goes on, the newest checkpoint goes first (a VM lost then leaves the bucket the one a
+    # resume needs), its train.log next, then the older one still kept here; the bucket's prune never deletes the
+    # newest
+    from runkeep.records import Uploads
+    local, out, held, go = tmp_path / 'local', f'gs://{BUCKET}/newest', threading.Event(), threading.Event()
+    newest = []
+
+    def prune():
+        held.set()
+        go.wait(60)
+        checkpoint.prune_checkpoints(out, 2, -1)
+        newest.append(max(checkpoint.list_checkpoints(out)))
+    ups = Uploads(str(local), out, prune)
+    sent, uploaded = [], ups.uploader.on_success
+    ups.uploader.on_success = lambda path, uri: sent.append(uri[len(out) + 1:]) or uploaded(path, uri)
+    ups.submit(_write(local / 'ckpt_00000001.pt', b'1'))
+    assert held.wait(60)
+    for step in (2, 3, 4):
+        ups.submit(_write(local / f'ckpt_{step:08d}.pt', b'%d' % step))
+        _write(local / 'train.log', b'log to step %d' % step)
+        ups.log()
+    os.remove(local / 'ckpt_00000002.pt')
+    go.set()
+    assert ups.wait(60) and ups.uploader.failures == 0
+    assert sent == ['ckpt_00000001.pt', 'ckpt_00000004.pt', 'train.log', 'ckpt_00000003.pt']
+    assert newest == [1, 4, 4] and sorted(checkpoint.list_checkpoints(out)) == [3, 4]
