@@ -128,11 +128,13 @@ class ARCVotes:
     reference's vote: its last evaluation votes over every checkpoint's answers); a checkpoint carries it
     (pool_state), so a resumed run continues it. `schedule`, the steps the run evaluates at: those up to an
     evaluation that the pool lacks (a run resumed from a checkpoint that did not pool) are named with its
-    scores (pooled_missing)."""
+    scores (pooled_missing). With `keep`, each row's 'last' answer and confidence are kept too (kept_rows):
+    what solve.py --task=FILE.json shows the final evaluation's votes from, solving nothing again."""
 
-    def __init__(self, kind, views, puzzles, pooling=False, schedule=()):
+    def __init__(self, kind, views, puzzles, pooling=False, schedule=(), keep=False):
         """kind: puzzles.ARC of the canvas; views: test_views.npz's arrays; puzzles: test_puzzles.json's."""
         self.kind, self.puzzles, self.pooling, self.schedule = kind, puzzles, pooling, sorted(schedule)
+        self.keep = keep
         self.names = [str(t) for t in views['tasks']]
         self.task, self.test_index = np.asarray(views['task']), np.asarray(views['test_index'])
         self.dihedral, self.colours = np.asarray(views['dihedral']), np.asarray(views['colours'])
@@ -142,7 +144,7 @@ class ARCVotes:
         self.start()
 
     @classmethod
-    def open(cls, root, kind, pooling=False, schedule=()):
+    def open(cls, root, kind, pooling=False, schedule=(), keep=False):
         """The votes of an ARC dataset at root (prepare_arc.py's test_views.npz and test_puzzles.json), checked
         against its test split; None for a kind whose views are not stored in its dataset (whose rows are
         scored one by one)."""
@@ -166,13 +168,14 @@ class ARCVotes:
         if problem := stored_views_problem(views, puzzles, split, kind, os.path.join(root, 'test')):
             raise SystemExit(f"{paths[0]} {problem}: it is not this test split's (another build's, or one stopped "
                              "between its renames); rebuild the dataset with prepare_arc.py")
-        return cls(kind, views, puzzles, pooling, schedule)
+        return cls(kind, views, puzzles, pooling, schedule, keep)
 
     def start(self, rows=None):
         """Forget the answers; the tasks scored from now on are those of the test split's `rows` (None: all)."""
         tasks = np.unique(self.task[rows]) if rows is not None else range(len(self.names))
         self.scored = [self.names[t] for t in tasks]
         self.tally = {m: {} for m in ARC_MODES}
+        self.kept = {}  # with keep: {row: (its 'last' answer's tokens, its confidence)}
 
     def answer(self, row, tokens):
         """Row `row`'s answer tokens [L], cropped and mapped back to its task: answer_key's bytes."""
@@ -183,9 +186,11 @@ class ARCVotes:
         tokens, confidence [B] in [0, 1] (float64)."""
         tally = self.tally[mode]
         units = np.rint(np.asarray(confidence, np.float64) * CONFIDENCE_ONE).astype(np.int64).tolist()
-        for r, a, c in zip(np.asarray(rows).tolist(), answers, units):
+        for r, a, c, f in zip(np.asarray(rows).tolist(), answers, units, np.asarray(confidence, np.float64)):
             if r < 0:
                 continue
+            if self.keep and mode == 'last':
+                self.kept[r] = (a, f)
             per = tally.setdefault((self.names[self.task[r]], int(self.test_index[r]), int(self.band[r])), {})
             key, view = self.answer(r, a), int(self.view[r])
             e = per.get(key)
@@ -204,6 +209,13 @@ class ARCVotes:
         self.add('last', rows, a_last, confidence(q_last))
         self.add('q_halt', rows, a_stop, confidence(q_at_stop))
         return got
+
+    def kept_rows(self):
+        """With keep: the rows answered (the test split's, ascending), their 'last' answers' tokens [N, L] and
+        confidences [N], as add() took them."""
+        rows = sorted(self.kept)
+        return dict(rows=np.array(rows, np.int64), confidence=np.array([self.kept[r][1] for r in rows], np.float64),
+                    answers=np.array([self.kept[r][0] for r in rows], np.uint8).reshape(len(rows), -1))
 
     def votes(self, mode, views=None):
         """{(task id, test index): {answer: (count, summed confidence)}} over the rows whose view number is below

@@ -547,9 +547,10 @@ def main():
              "(adapted to first)" + (f"; and {unreadable}" if unreadable else ''))
     per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
     split = task and arc_split(kind, dp)
+    answered = new_tasks and evaluated_answers(n_steps)  # the submission's votes, shown without solving again
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
-        solve_task(model, dev, split, dp, n_steps, dtype_why, plt)
+        solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered)
     if new_tasks:
         print('\n' + submission_line())
     if task:
@@ -669,6 +670,26 @@ def adapt_to_new_tasks():
     globals().update(init_from=adapted, data_path=data)
 
 
+def evaluated_answers(n_steps):
+    """--task=FILE.json: the answers of the adapted run's final evaluation, which wrote the submission (answers.npz:
+    the test rows, their answers' tokens and confidences), or None where the views are solved again: an
+    adaptation that kept none, another checkpoint's, or other steps (--eval_steps) or another forward_dtype
+    asked for."""
+    import zipfile
+    from runkeep.records import results_step
+    folder = os.path.dirname(init_from)
+    path = os.path.join(folder, 'answers.npz')
+    if forward_dtype != 'checkpoint' or not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path) as f:
+            kept = {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+    same = kept.get('step') == results_step(os.path.join(folder, 'results.json')) and kept.get('steps') == n_steps
+    return dict(kept, path=path) if same and len(kept.get('rows', ())) else None
+
+
 # -----------------------------------------------------------------------------
 # --task: one ARC task of the dataset's test split, in all its stored views, voted
 
@@ -763,8 +784,9 @@ def arc_split(kind, dp):
         fail(f"task={task} reads the test split of {dp}: {short(e)}")
 
 
-def solve_task(model, dev, split, dp, n_steps, dtype_why, plt):
-    """--task: the demonstrations, then every test input solved in all its stored views and voted."""
+def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
+    """--task: the demonstrations, then every test input solved in all its stored views and voted; where
+    `answered` (evaluated_answers) holds the task's rows, their answers are voted instead."""
     from arc import answer_key, confidence, key_grid, rank_answers
     votes, names, arrays = split
     rows = task_rows(names, votes, dp)
@@ -777,17 +799,24 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt):
     pz = np.searchsorted(np.asarray(arrays['puzzle_indices']), rows, side='right') - 1
     ids = np.asarray(arrays['puzzle_identifiers'])[pz].astype(np.int32)
     inputs = np.asarray(arrays['inputs'][rows]).astype(np.int32)
-    print(f"\ndevice {dev.type} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
-          f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
-          f"confidence sigmoid(q_halt) there | batches of {min(eval_batch_size, len(rows))}")
-    answers, conf, t0 = [], [], time.perf_counter()
-    for b0 in range(0, len(rows), eval_batch_size):
-        preds, qs, _ = reason(model, dev, inputs[b0:b0 + eval_batch_size], ids[b0:b0 + eval_batch_size], n_steps,
-                              True)
-        answers.append(preds[-1])
-        conf.append(confidence(qs[-1]))  # float64, as train.py's evaluation: no ties from rounding
-    answers, conf = np.concatenate(answers), np.concatenate(conf)
-    seconds = time.perf_counter() - t0
+    at = answered and np.minimum(np.searchsorted(answered['rows'], rows), len(answered['rows']) - 1)
+    if answered and np.array_equal(answered['rows'][at], rows):
+        print(f"\nthe views as the adapted run's final evaluation answered them ({answered['path']}): every view ran "
+              f"all {plural(n_steps, 'step')}; its answer after the last step counts, its confidence sigmoid(q_halt) "
+              "there")
+        answers, conf, how = answered['answers'][at], answered['confidence'][at], 'answered by the final evaluation'
+    else:
+        print(f"\ndevice {dev.type} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
+              f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
+              f"confidence sigmoid(q_halt) there | batches of {min(eval_batch_size, len(rows))}")
+        answers, conf, t0 = [], [], time.perf_counter()
+        for b0 in range(0, len(rows), eval_batch_size):
+            preds, qs, _ = reason(model, dev, inputs[b0:b0 + eval_batch_size], ids[b0:b0 + eval_batch_size],
+                                  n_steps, True)
+            answers.append(preds[-1])
+            conf.append(confidence(qs[-1]))  # float64, as train.py's evaluation: no ties from rounding
+        answers, conf = np.concatenate(answers), np.concatenate(conf)
+        how = f"in {time.perf_counter() - t0:.2f} s on {dev.type}"
     votes.start(rows)
     votes.add('last', rows, answers, conf)  # as train.py's evaluation votes
     tallies, test_index = votes.votes('last'), votes.test_index[rows]
@@ -838,7 +867,7 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt):
     known = sum(p.get('output') is not None for p in t['test'])
     print(f"\ntask {task}: " + (f"{passed}/{known} test inputs solved in two attempts (score "
                                 f"{passed / max(known, 1):.2f})" if known else 'no solution known')
-          + f" | {len(rows)} views in {seconds:.2f} s on {dev.type}")
+          + f" | {len(rows)} views {how}")
     if plt:
         try:
             draw_arc_task(png, plt, t['train'], drawn, f"{os.path.basename(init_from)}: ARC task {task}")

@@ -40,6 +40,7 @@ eval_steps = 0                  # supervision steps at evaluation (0: halt_max_s
 eval_views = 1                  # test-time breadth: each puzzle also in views-1 seeded symmetries, voting
 eval_batch_size = 0             # evaluation batch, split over ranks (0: global_batch_size)
 arc_pool_votes = False          # ARC: also the vote pooled over the run's evaluations (the reference's)
+arc_answers = False             # ARC: the final evaluation also keeps each test row's answer (answers.npz)
 log_interval = 100              # steps between log lines (host reads of training metrics)
 checkpoint_interval = 0         # steps between extra checkpoints (0: at evaluations, the end, SIGTERM only)
 keep_last_n = 2                 # checkpoints kept, plus the best (0: keep all)
@@ -227,7 +228,7 @@ def main(index=None):
               f"{global_batch_size}), eval every {eval_every}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
-    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only, eval_at)  # ARC's vote
+    arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only, eval_at, arc_answers)
     step, carry_state = run.resume(model, ema_model, opt, loader, RESUME_FIXED, run_steps, arc)
     # the test split opened now and held: a dataset rebuilt under the run (renames) leaves these files to it
     loaders = {s: EvalLoader(run.data_path, eval_batch_size or global_batch_size, dev.rank, dev.world_size,

@@ -199,7 +199,8 @@ def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, 
     steps.append(('train.py', lambda: [*[f'--{k}={v}' for k, v in keep.items()], f'--init_from=resume:{init_from}',
                                        f'--data_path={data}', f'--out_dir={out}', f'--max_minutes={left():g}',
                                        '--epochs=1000000', '--eval_every_epochs=1000000', '--tensorboard=False',
-                                       '--xla_cache_dir='] + ([f'--device={device}'] if device != 'auto' else [])
+                                       '--arc_answers=True', '--xla_cache_dir=']
+                  + ([f'--device={device}'] if device != 'auto' else [])
                   + extra.split()))
     last = newest(out)
     print(f"task={task}: {plural(len(tasks), 'new task')} in {folder}: "

@@ -20,6 +20,8 @@ import sys
 import threading
 import time
 
+import numpy as np
+
 from configurator import Tee  # the script's output: rank 0 also copies it to train.log (Run)
 
 from . import gcs
@@ -149,6 +151,22 @@ def save_submission(local, remote, name, arc, step, retries):
     saved), the step of the checkpoint that answered, and the vote it follows."""
     path = save_evaluation(local, remote, name, arc.submission(), retries)
     return dict(file=name if path else None, step=step, vote=arc.submission_vote())
+
+
+def save_answers(local, remote, name, arc, step, steps, retries):
+    """With arc_answers: the final evaluation's answer of every test row (arc.ARCVotes.kept_rows) in <local>/name,
+    numpy's npz, with the step of the checkpoint that answered and the supervision steps each row ran: solve.py
+    --task=FILE.json shows the votes from it. A failed write or upload is a warning (the submission is written)."""
+    path = os.path.join(local, name)
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            np.savez_compressed(f, step=step, steps=steps, **arc.kept_rows())
+        os.replace(path + '.tmp', path)
+        if remote:
+            gcs.GCS(retries=retries).upload(path, f"{remote.rstrip('/')}/{name}")
+    except (OSError, gcs.GCSError) as e:
+        print(f"warning: the answers were not saved to {path}{' or its bucket' if remote else ''} "
+              f"({getattr(e, 'strerror', None) or e})")
 
 
 # -----------------------------------------------------------------------------
@@ -817,6 +835,9 @@ class RunRecords:
             return
         cfg, dev = self.cfg, self.dev
         sub = arc and save_submission(self.local, self.gs_out, 'submission.json', arc, step, cfg['gcs_retries'])
+        if arc and arc.keep:
+            save_answers(self.local, self.gs_out, 'answers.npz', arc, step,
+                         cfg['eval_steps'] or cfg['halt_max_steps'], cfg['gcs_retries'])
         wall = dict(wall, total=sum(wall.values()))
         self.records.finish(dict(
             config=cfg, parameters=parameters, run_id=run_id, flops_per_example_step=flops_per_example,

@@ -199,6 +199,40 @@ def test_a_new_task_file_is_adapted_to_then_solved_in_its_views(arc_run, tmp_pat
     assert not os.path.exists(tmp_path / 'c')
 
 
+# solve.py, its model's predict calls counted (the real predict runs)
+COUNT_PREDICTS = '''
+import os, runpy, sys
+sys.path.insert(0, os.getcwd())
+import model
+calls, predict = [], model.TRM.predict
+model.TRM.predict = lambda self, *args, **kw: calls.append(1) or predict(self, *args, **kw)
+sys.argv = ['solve.py'] + sys.argv[1:]
+runpy.run_path('solve.py', run_name='__main__')
+print(f"model.predict called {len(calls)} time(s)")
+'''
+
+
+def test_the_votes_of_new_tasks_are_the_final_evaluation_s_shown_without_solving_again(arc_run, tmp_path):
+    """--task=FILE.json: the adapted run's final evaluation, which wrote the submission, answered every view;
+    showing the votes solves none of them again (for hundreds of tasks that took minutes beyond the budget), and
+    shows what solving them again shows: the same vote tables, attempts and verdicts, line for line."""
+    data, ckpt = arc_run
+    task = json.load(open(write_task(tmp_path / 'one.json', [[2, 1, 1]])))
+    two = tmp_path / 'two.json'
+    two.write_text(json.dumps({'t1': task, 't2': dict(task, test=task['test'] + [dict(input=[[1, 0]])])}))
+    args = ['-c', COUNT_PREDICTS, f'--init_from={ckpt}', '--device=cpu', '--threads=1', f'--task={two}',
+            '--adapt_minutes=0.05', '--adapt_aug=1', f'--adapt_dir={tmp_path}/a']
+    shown = run(args, env=ENV).stdout
+    assert shown.strip().splitlines()[-1] == 'model.predict called 0 time(s)', shown[-3000:]
+    os.remove(tmp_path / 'a' / 'run' / 'answers.npz')  # an adaptation that kept no answers: solved again
+    again = run(args, env=ENV).stdout
+    assert again.strip().splitlines()[-1] == 'model.predict called 2 time(s)', again[-3000:]
+    votes = lambda out: [re.sub(r' \| (\d+ views) (in .* s on cpu|answered by the final evaluation)$', r' | \1', l)
+                         for l in out[out.index('\ntask t1: '):out.rindex('\nmodel.predict')].splitlines()
+                         if not l.startswith(('device cpu', "the views as the adapted run's final evaluation"))]
+    assert votes(shown) == votes(again) and 'the vote: ' in shown, shown[-3000:]
+
+
 def write_task(path, test_input):
     """A task file of three recolouring demonstrations and one test input (its solution given)."""
     recolour = lambda g: [[{1: 3, 2: 4}.get(v, v) for v in row] for row in g]
