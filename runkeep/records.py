@@ -123,10 +123,6 @@ class Records:
             print(f"warning: could not write {self.results} ({e.strerror or e}); rerun with "
                   "--init_from=resume once the disk has room, and it is written")
 
-    def upload(self, uploader):
-        for path in (self.path, self.results):
-            if os.path.exists(path):
-                uploader.submit(path, f"{self.remote.rstrip('/')}/{os.path.basename(path)}")
 
 def save_evaluation(local, remote, name, record, retries):
     """record as JSON in <local>/name, written atomically; a gs:// run (remote) uploads it to <remote>/name. A
@@ -522,10 +518,13 @@ class Uploads:
 
     def finish(self, interrupted, records, board):
         """The records' uploads, then their bounded wait (settle); then the files that did not reach the bucket
-        are named."""
+        are named. metrics.jsonl goes as a snapshot, as train.log does, so it replaces the one queued with the
+        last checkpoint: each record is sent once at the end, the newest copy."""
         up = self.uploader
         if records:
-            records.upload(up)
+            self.log('metrics.jsonl')
+            if os.path.exists(records.results):
+                self.submit(records.results)
         self.log()
         self.board(board)
         self.settle(interrupted)

@@ -39,6 +39,7 @@ class Proxy:
         self.dropped = 0
         self.refuse_uploads_after, self.refusing = None, False  # the object name (bytes) last let through
         self.refused = 0  # uploads refused so far
+        self.started = []  # the object names of the uploads asked to start (refused too), in order
         self.fail_downloads = None
         proxy = self
 
@@ -63,6 +64,8 @@ class Proxy:
         if self.corrupt_uploads and h.command == "PUT" and body:
             body = bytes([body[0] ^ 0xFF]) + body[1:]
         starts_upload = h.command == "POST" and query.get("uploadType") == ["resumable"]
+        if starts_upload:
+            self.started.append(json.loads(body)["name"])
         if h.command == "GET" and url.path.endswith("/o") and "maxResults" in query:
             status, resp_headers, content = self.paginate(url.path, query)
         elif starts_upload and self.refusing or \
@@ -437,6 +440,36 @@ def test_a_run_killed_after_a_save_leaves_its_metrics_in_the_bucket_for_a_new_ma
     assert steps(tmp_path / 'b' / 'metrics.jsonl') == [2, 4, 6]
     gcs.download_file(f'{out}/metrics.jsonl', str(tmp_path / 'bucket.jsonl'))
     assert steps(tmp_path / 'bucket.jsonl') == [2, 4, 6]
+
+
+# the upload of the run's last checkpoint (step 4) holds on until the exit's wait for the uploads begins: what the
+# end queues then finds the snapshots queued with that checkpoint still waiting, as when a large checkpoint uploads
+LAST_UPLOAD_HELD_TO_THE_END = """
+if sys.argv[0].endswith('train.py'):
+    from runkeep import records
+    settling, uploaded, settle = threading.Event(), records.Uploads.uploaded, records.Uploads.settle
+
+    def held(self, path, uri):
+        if path.endswith('ckpt_00000004.pt'):
+            settling.wait(60)
+        uploaded(self, path, uri)
+
+    records.Uploads.uploaded = held
+    records.Uploads.settle = lambda self, interrupted: settling.set() or settle(self, interrupted)
+"""
+
+
+def test_a_run_s_end_sends_each_record_once_its_newest_copy(emu, proxy, toy, tmp_path):
+    out, local = f'gs://{BUCKET}/runs/once', tmp_path / 'local'
+    run(bucket_run(toy, out, local, '--max_steps=4', '--log_interval=2', '--checkpoint_interval=2'),
+        env=dict(STORAGE_EMULATOR_HOST=proxy.url.replace('http://', ''),
+                 **site_hook(tmp_path / 'hook', LAST_UPLOAD_HELD_TO_THE_END)))
+    names = [n[len('runs/once/'):] for n in proxy.started]
+    end = names[names.index('ckpt_00000004.pt') + 1:]
+    assert len(end) == len(set(end)) and 'metrics.jsonl' in end and 'results.json' in end, names
+    for name in ('metrics.jsonl', 'train.log'):
+        gcs.download_file(f'{out}/{name}', str(tmp_path / name))
+        assert _read(tmp_path / name) == _read(local / name), name
 
 
 @pytest.mark.parametrize('results_lost', [False, True])
