@@ -84,7 +84,8 @@ class Stopped(GCSError):
     pass  # GCS.stop() said to stop while a request waited
 
 class Gone(GCSError):
-    pass  # an upload's file was deleted while it waited to be retried (pruned: a newer one replaces it)
+    pass  # an upload's file was deleted before it was opened or while it waited to be retried (pruned: a newer
+          # one replaces it)
 
 class CredentialsFailed(GCSError):
     pass  # no token to send, and none to wait for (status: the token endpoint's): the bucket was not asked
@@ -258,11 +259,15 @@ class GCS:
         opened once, so replacing local_path with os.replace() meanwhile is safe; writing into
         it in place is not (the md5 check below would then fail the upload). A local_path deleted
         meanwhile ends the retries (Gone): an outage would otherwise send a pruned checkpoint, ahead
-        of the newer ones, once the bucket answers.
+        of the newer ones, once the bucket answers. One already gone is Gone too.
         """
         bucket, name = split_gcs(uri)
         what, there = f"upload {local_path} -> {uri}", lambda: os.path.exists(local_path)
-        with open(local_path, "rb") as f:
+        try:
+            f = open(local_path, "rb")
+        except FileNotFoundError:
+            raise Gone(f"GCS {what} given up: no such file {local_path}") from None
+        with f:
             size = os.fstat(f.fileno()).st_size
             md5 = hashlib.md5()
             for block in iter(lambda: f.read(8 * MiB), b""):
@@ -470,21 +475,19 @@ class Uploader:
                 self.pending.insert(0, job)
             ok = sent = False
             try:
-                if os.path.exists(local_path):
-                    (self.client or default_client()).upload(local_path, uri)
-                    sent = True
-                    if self.unsaid:
-                        print(f"gcs: uploads work again ({uri} uploaded); {self.unsaid} failed meanwhile",
+                (self.client or default_client()).upload(local_path, uri)
+                sent = ok = True
+                if self.unsaid:
+                    print(f"gcs: uploads work again ({uri} uploaded); {self.unsaid} failed meanwhile",
+                          file=sys.stderr, flush=True)
+                    self.unsaid = 0
+                if self.on_success is not None:
+                    try:
+                        self.on_success(local_path, uri)
+                    except Exception as e:
+                        print(f"gcs: on_success callback after uploading {uri} failed: {e!r}",
                               file=sys.stderr, flush=True)
-                        self.unsaid = 0
-                    if self.on_success is not None:
-                        try:
-                            self.on_success(local_path, uri)
-                        except Exception as e:
-                            print(f"gcs: on_success callback after uploading {uri} failed: {e!r}",
-                                  file=sys.stderr, flush=True)
-                ok = True
-            except Gone:
+            except Gone:  # pruned: a newer file replaces it
                 ok = True
             except Exception as e:
                 if not self.unsaid:

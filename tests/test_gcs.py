@@ -299,6 +299,21 @@ def test_an_upload_retried_through_an_outage_ends_once_its_file_is_pruned(emu, p
     assert 'failed' not in capfd.readouterr().err
 
 
+def test_a_file_pruned_as_its_upload_opens_it_is_a_skip_not_a_failure(emu, tmp_path, capfd):
+    # the prune (on the training thread) lands after the uploader saw the file and before the upload opened it
+    class PrunedAtOpen(gcs.GCS):
+        def upload(self, local_path, uri):
+            os.remove(local_path)
+            return super().upload(local_path, uri)
+    out = f'gs://{BUCKET}/pruned-at-open'
+    up = gcs.Uploader(client=PrunedAtOpen())
+    up.submit(_write(tmp_path / 'ckpt_00000002.pt', b'2'), f'{out}/ckpt_00000002.pt')
+    assert up.wait(timeout=60) and up.failures == 0 and up.unsaid == 0
+    assert 'failed' not in capfd.readouterr().err and gcs.list_objects(f'{out}/') == []
+    with pytest.raises(gcs.Gone, match=f'{tmp_path}/gone.pt'):  # so does a direct upload, a GCSError as any other
+        gcs.upload_file(str(tmp_path / 'gone.pt'), f'{out}/gone.pt')
+
+
 # -----------------------------------------------------------------------------
 # checkpoint files, local and in a bucket
 
