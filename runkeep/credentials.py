@@ -4,7 +4,8 @@ Access tokens for Google Cloud Storage: gcs.py asks get_token() before each requ
 Sources, in order: none when STORAGE_EMULATOR_HOST is set (a local emulator, what the tests use), else the
 service-account key file named by GOOGLE_APPLICATION_CREDENTIALS (any machine, e.g. a GPU cloud: google-auth
 signs a JWT with the key and trades it at the key's token_uri for a token), else the VM metadata server (a
-TPU/GCE VM's service account), else `gcloud auth print-access-token` (a workstation). A token is reused until
+TPU/GCE VM's service account; at start, one that refuses connections while the VM boots is waited for, up to
+METADATA_WAIT_S), else `gcloud auth print-access-token` (a workstation). A token is reused until
 2 minutes before it expires. A key file that is named is used or reported in one line naming the file (never
 its key), never replaced by another identity.
 """
@@ -12,9 +13,12 @@ import datetime
 import json
 import os
 import re
+import socket
 import subprocess
+import sys
 import threading
 import time
+import urllib.parse
 
 import requests
 
@@ -30,6 +34,7 @@ METADATA_TOKEN_URL = f"http://{METADATA_HOST}/computeMetadata/v1/instance/servic
 GCS_SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 DEFAULT_TOKEN_URI = "https://oauth2.googleapis.com/token"  # what every Google key file names anyway
 TOKEN_TIMEOUT_S = 30  # one wait for the token endpoint's answer
+METADATA_WAIT_S = 60  # how long a metadata server that refuses connections (a VM still starting) is waited for
 _TOKEN_RETRY_DELAYS = (1.0, 2.0, 4.0)  # seconds between tries when the token endpoint is down or 5xx
 
 
@@ -63,19 +68,49 @@ def _transient(status):
     return status in (408, 429) or status >= 500
 
 
+def _resolves(url):
+    # a GCE/TPU VM names its metadata server from the start (/etc/hosts); elsewhere the name does not resolve
+    parts = urllib.parse.urlsplit(url)
+    try:
+        socket.getaddrinfo(parts.hostname, parts.port or 80)
+    except (OSError, UnicodeError):
+        return False
+    return True
+
+
 def _token_from_metadata():
-    """(token, seconds it lives), or why there is none: 'absent' (off a GCE/TPU VM, or a VM without a service
-    account) or 'busy' (a timeout, a 5xx: it may answer when asked again)."""
+    """(token, seconds it lives), or why there is none: 'absent' (off a GCE/TPU VM: the metadata server's name
+    does not resolve; or a VM without a service account), 'down' (the name resolves but no connection is made:
+    a VM still starting) or 'busy' (a timeout, a 5xx: it may answer when asked again)."""
+    if not _resolves(METADATA_TOKEN_URL):
+        return "absent"
     try:
         r = requests.get(METADATA_TOKEN_URL, headers={"Metadata-Flavor": "Google"}, timeout=2)
     except requests.Timeout:
         return "busy"
+    except requests.ConnectionError:
+        return "down"
     except requests.RequestException:
-        return "absent"  # no such host, nothing listening: not on a GCE/TPU VM
+        return "absent"
     if r.status_code != 200:
         return "busy" if _transient(r.status_code) else "absent"
     d = r.json()
     return d["access_token"], float(d.get("expires_in", 300))
+
+
+def _token_from_metadata_at_start():
+    """_token_from_metadata(), where a metadata server that refuses connections before any source gave a token
+    is asked again for up to METADATA_WAIT_S, said in one line: a restart script may start the trainer while the
+    VM still boots, and on a pod one host stopping stops every host."""
+    got, end = _token_from_metadata(), time.time() + METADATA_WAIT_S
+    if got == "down" and _token is None:
+        print(f"gcs: waiting up to {METADATA_WAIT_S} s for the VM metadata server at "
+              f"{urllib.parse.urlsplit(METADATA_TOKEN_URL).netloc}, which refuses connections (a VM still "
+              "starting?), for a GCS token", file=sys.stderr, flush=True)
+    while got == "down" and _token is None and time.time() < end:
+        time.sleep(1.0)
+        got = _token_from_metadata()
+    return got
 
 
 def _token_from_gcloud():
@@ -224,16 +259,19 @@ def get_token(force_refresh=False):
             if key_file:  # set: use it or fail loudly, never fall back to another identity
                 got = _token_from_service_account(key_file)
             else:
-                metadata = _token_from_metadata()
+                metadata = _token_from_metadata_at_start()
                 got = metadata if isinstance(metadata, tuple) else _token_from_gcloud()
             if got is None:
-                # said at once where no source ever gave one (a run then stops at start, before it trains with
-                # nothing saved); a busy metadata server, or a source that gave one before, is asked again
+                # said where no source ever gave one (a run then stops at start, before it trains with nothing
+                # saved); a busy metadata server, or a source that gave one before, is asked again
                 error = CredentialsError if metadata == "busy" or _token is not None else NoCredentials
-                raise error("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, the VM metadata server "
-                            "is unreachable (not on a GCE/TPU VM?) and `gcloud auth print-access-token` failed; set "
-                            "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file, run `gcloud auth "
-                            "login`, or set STORAGE_EMULATOR_HOST to use a local emulator")
+                server = (f"the VM metadata server at {urllib.parse.urlsplit(METADATA_TOKEN_URL).netloc} refuses "
+                          "connections" if metadata == "down" else
+                          "the VM metadata server is unreachable (not on a GCE/TPU VM?)")
+                raise error(f"no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set, {server} and `gcloud "
+                            "auth print-access-token` failed; set GOOGLE_APPLICATION_CREDENTIALS to a "
+                            "service-account key file, run `gcloud auth login`, or set STORAGE_EMULATOR_HOST to use "
+                            "a local emulator")
             _token, ttl = got
             _token_expiry, _token_source = time.time() + ttl, key_file
         return _token

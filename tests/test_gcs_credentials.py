@@ -5,6 +5,7 @@ server on 127.0.0.1 that verifies the JWT's signature with openssl before it ans
 127.0.0.1 is contacted. Needs pytest, requests, google-auth and `openssl`.
 """
 import base64
+import contextlib
 import http.server
 import json
 import os
@@ -31,6 +32,8 @@ SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 AUDIENCE = "https://oauth2.googleapis.com/token"
 EMAIL = "trainer@my-project.iam.gserviceaccount.com"
 KEY_ID = "0123456789abcdef0123456789abcdef01234567"
+METADATA_PATH = "/computeMetadata/v1/instance/service-accounts/default/token"
+NO_VM = "metadata.invalid"  # a metadata host name that never resolves (RFC 6761): off a GCE/TPU VM
 
 
 def _openssl(*args, input=None):
@@ -74,11 +77,12 @@ class TokenServer:
     claims; it answers {"access_token": ...} or 400 {"error": "invalid_grant", ...} saying why.
     `refuse` (True: 400, or a status) makes it answer invalid_grant anyway; `fail_next` answers that many requests
     with 503.
-    GET /metadata plays the GCE metadata server's token URL, to test the order of credential sources;
+    GET /metadata (or the real metadata path, for GCE_METADATA_HOST=127.0.0.1:port) plays the GCE metadata server's
+    token URL, to test the order of credential sources;
     `metadata_fail_next` answers that many of its requests with 503; the stand-in bucket answers 401 to a token
     in `revoked`."""
 
-    def __init__(self, pub, workdir):
+    def __init__(self, pub, workdir, port=0):
         self.pub, self.workdir = pub, workdir
         self.hits, self.metadata_hits, self.rejections, self.claims, self.gcs_auth = 0, 0, [], [], []
         self.refuse, self.fail_next, self.expires_in, self.metadata_fail_next = False, 0, 3600, 0
@@ -98,7 +102,7 @@ class TokenServer:
                 self.wfile.write(body)
 
             def do_GET(self):
-                if self.path == "/metadata" and self.headers.get("Metadata-Flavor") == "Google":
+                if self.path in ("/metadata", METADATA_PATH) and self.headers.get("Metadata-Flavor") == "Google":
                     outer.metadata_hits += 1
                     if outer.metadata_fail_next:
                         outer.metadata_fail_next -= 1
@@ -127,7 +131,7 @@ class TokenServer:
                 self.reply(200, {"access_token": f"token-{outer.hits}", "expires_in": outer.expires_in,
                                  "token_type": "Bearer"})
 
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         self.token_uri = self.url + "/token"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs=dict(poll_interval=0.05), daemon=True)
@@ -164,13 +168,13 @@ class TokenServer:
 @pytest.fixture
 def clean_env(monkeypatch):
     """No emulator (it would skip credentials), an empty token cache, and no way to reach a real
-    credential source: the metadata URL points nowhere and gcloud must not be run."""
+    credential source: the metadata server's name does not resolve (off a VM) and gcloud must not be run."""
     monkeypatch.delenv("STORAGE_EMULATOR_HOST", raising=False)
     monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
     monkeypatch.setattr(credentials, "_token", None)
     monkeypatch.setattr(credentials, "_token_expiry", 0.0)
     monkeypatch.setattr(credentials, "_token_source", None)
-    monkeypatch.setattr(credentials, "METADATA_TOKEN_URL", "http://127.0.0.1:9/unreachable")  # port 9: closed
+    monkeypatch.setattr(credentials, "METADATA_TOKEN_URL", f"http://{NO_VM}{METADATA_PATH}")
     monkeypatch.setattr(credentials, "_token_from_gcloud",
                         lambda: pytest.fail("gcloud must not be asked in these tests"))
     return monkeypatch
@@ -426,13 +430,13 @@ def test_a_broken_key_file_stops_a_new_run_at_start(toy, tmp_path, content):
 def test_no_credentials_at_all_stop_a_gs_run_at_start(toy, tmp_path, where):
     # no key file, no metadata server, gcloud (if installed) without a login: no retry finds credentials, and a run
     # trained on would save nothing in the bucket
-    from conftest import TOY_ARGS, assert_user_error, free_port, run
+    from conftest import TOY_ARGS, assert_user_error, run
     paths = dict(out_dir=f"--out_dir={tmp_path / 'out'}", data_path=f"--data_path={toy}")
     paths[where] = f"--{where}=gs://bucket/run1"
     p = run(["train.py", *paths.values(), f"--local_dir={tmp_path / 'l'}", "--max_steps=2", "--gcs_retries=1"]
             + TOY_ARGS, check=False,
             env=dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=None,
-                     GCE_METADATA_HOST=f"127.0.0.1:{free_port()}", CLOUDSDK_CONFIG=str(tmp_path / "gcloud")))
+                     GCE_METADATA_HOST=NO_VM, CLOUDSDK_CONFIG=str(tmp_path / "gcloud")))
     said = assert_user_error(p, "no GCS credentials", "set GOOGLE_APPLICATION_CREDENTIALS to a service-account key "
                              "file", one_line=True)
     assert "gs://bucket/run1" in said and "attempts" not in said
@@ -468,3 +472,68 @@ def test_a_revoked_key_stops_a_run_at_start_naming_the_key_not_the_bucket(token_
     said = assert_user_error(p, f"GOOGLE_APPLICATION_CREDENTIALS={key}", f"HTTP {status}", one_line=True)
     assert "bucket bucket" not in said and "check that the bucket exists" not in said, said
     assert "step 1" not in p.stdout
+
+
+def run_while_the_metadata_server_refuses(emulator, toy, tmp_path, out_dir, when_waiting):
+    """train.py to out_dir on the emulator as on real GCS (no STORAGE_EMULATOR_HOST: its requests carry a token, sent
+    to the emulator by a site hook) with GCE_METADATA_HOST at a port where nothing listens: (its line on stderr
+    saying what it waits for, the rest of its stderr, its exit code). when_waiting(port, process) is called once it
+    says so (or it ended without waiting)."""
+    from conftest import TOY_ARGS, free_port, script_env, site_hook
+    port = free_port()
+    hook = site_hook(tmp_path / "hook", f"import runkeep.gcs\nrunkeep.gcs.GCS_ENDPOINT = {emulator!r}\n")
+    env = script_env(dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=None,
+                          GCE_METADATA_HOST=f"127.0.0.1:{port}", CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), **hook))
+    with open(tmp_path / "stdout.txt", "w") as stdout:
+        p = subprocess.Popen([sys.executable, "train.py", f"--data_path={toy}", f"--out_dir={out_dir}",
+                              f"--local_dir={tmp_path / 'l'}", "--max_steps=2"] + TOY_ARGS, cwd=ROOT, env=env,
+                             stdout=stdout, stderr=subprocess.PIPE, text=True)
+        try:
+            said = ""
+            for said in p.stderr:
+                if "waiting" in said:
+                    break
+            with when_waiting(port, p):
+                rest = p.stderr.read()
+                p.wait(timeout=300)
+        finally:
+            if p.poll() is None:
+                p.kill()
+    assert f"metadata server at 127.0.0.1:{port}" in said and "waiting up to" in said, said + rest
+    return said, rest, p.returncode
+
+
+def test_a_metadata_server_that_refuses_connections_at_first_is_waited_for_at_start(emulator, rsa_key, toy, tmp_path):
+    # a VM's metadata server may refuse connections for some seconds while the VM boots (a spot VM's restart script
+    # starts train.py early); on a pod every host starts at once, and one host stopping would stop them all
+    from conftest import BUCKET
+    out_dir, servers = f"gs://{BUCKET}/refused_at_first", []
+
+    @contextlib.contextmanager
+    def serve(port, p):  # only now does anything listen there
+        servers.append(TokenServer(rsa_key["pub"], rsa_key["dir"], port=port))
+        try:
+            yield
+        finally:
+            servers[0].close()
+    said, rest, code = run_while_the_metadata_server_refuses(emulator, toy, tmp_path, out_dir, serve)
+    assert code == 0 and servers[0].metadata_hits > 0, said + rest
+    saved = [uri for uri, _ in gcs.GCS(endpoint=emulator, retries=0).list(out_dir + "/")]
+    assert f"{out_dir}/ckpt_00000002.pt" in saved, saved
+
+
+def test_a_metadata_server_that_keeps_refusing_ends_in_no_credentials(clean_env, capsys):
+    from conftest import free_port
+    clean_env.setattr(credentials, "METADATA_TOKEN_URL", f"http://127.0.0.1:{free_port()}{METADATA_PATH}")
+    clean_env.setattr(credentials, "_token_from_gcloud", lambda: None)
+    clean_env.setattr(credentials, "METADATA_WAIT_S", 0.1)
+    with pytest.raises(credentials.NoCredentials, match="refuses connections") as e:
+        credentials.get_token()
+    assert "\n" not in str(e.value) and "not on a GCE/TPU VM" not in str(e.value)
+    waited = capsys.readouterr().err.splitlines()
+    assert len(waited) == 1 and "metadata server at 127.0.0.1" in waited[0], waited
+    # off a VM (the metadata server's name does not resolve) there is nothing to wait for: said at once
+    clean_env.setattr(credentials, "METADATA_TOKEN_URL", f"http://{NO_VM}{METADATA_PATH}")
+    with pytest.raises(credentials.NoCredentials, match="not on a GCE/TPU VM"):
+        credentials.get_token()
+    assert capsys.readouterr().err == ""
