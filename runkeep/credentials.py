@@ -98,16 +98,16 @@ def _token_from_metadata():
     return d["access_token"], float(d.get("expires_in", 300))
 
 
-def _token_from_metadata_at_start():
+def _token_from_metadata_at_start(stop):
     """_token_from_metadata(), where a metadata server that refuses connections before any source gave a token
-    is asked again for up to METADATA_WAIT_S, said in one line: a restart script may start the trainer while the
-    VM still boots, and on a pod one host stopping stops every host."""
+    is asked again for up to METADATA_WAIT_S (or until stop() is True), said in one line: a restart script may
+    start the trainer while the VM still boots, and on a pod one host stopping stops every host."""
     got, end = _token_from_metadata(), time.time() + METADATA_WAIT_S
     if got == "down" and _token is None:
         print(f"gcs: waiting up to {METADATA_WAIT_S} s for the VM metadata server at "
               f"{urllib.parse.urlsplit(METADATA_TOKEN_URL).netloc}, which refuses connections (a VM still "
               "starting?), for a GCS token", file=sys.stderr, flush=True)
-    while got == "down" and _token is None and time.time() < end:
+    while got == "down" and _token is None and time.time() < end and not (stop and stop()):
         time.sleep(1.0)
         got = _token_from_metadata()
     return got
@@ -247,8 +247,9 @@ def _token_from_service_account(path):
     raise CredentialsError(f"{where}: {problem} (after {len(_TOKEN_RETRY_DELAYS) + 1} tries)")
 
 
-def get_token(force_refresh=False):
-    """OAuth2 access token for GCS, or None when talking to an emulator. Cached until ~2 min before expiry."""
+def get_token(force_refresh=False, stop=None):
+    """OAuth2 access token for GCS, or None when talking to an emulator. Cached until ~2 min before expiry.
+    stop: a callable; True ends a wait for the metadata server."""
     global _token, _token_expiry, _token_source
     if os.environ.get("STORAGE_EMULATOR_HOST", "").strip().rstrip("/"):
         return None
@@ -259,8 +260,13 @@ def get_token(force_refresh=False):
             if key_file:  # set: use it or fail loudly, never fall back to another identity
                 got = _token_from_service_account(key_file)
             else:
-                metadata = _token_from_metadata_at_start()
-                got = metadata if isinstance(metadata, tuple) else _token_from_gcloud()
+                metadata = _token_from_metadata_at_start(stop)
+                if isinstance(metadata, tuple):
+                    got = metadata
+                elif metadata == "down" and stop is not None and stop():
+                    got = None  # the caller says why; gcloud would wait for the same metadata server
+                else:
+                    got = _token_from_gcloud()
             if got is None:
                 # said where no source ever gave one (a run then stops at start, before it trains with nothing
                 # saved); a busy metadata server, or a source that gave one before, is asked again

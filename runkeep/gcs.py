@@ -90,13 +90,16 @@ class Gone(GCSError):
 class CredentialsFailed(GCSError):
     pass  # no token to send, and none to wait for (status: the token endpoint's): the bucket was not asked
 
-def _auth_headers(force_refresh=False):
+def _auth_headers(force_refresh=False, stop=None):
     """The Authorization header for a request (none for an emulator). A token refused, or a key file that
     cannot work, is a GCSError like any other, so callers catch one kind of error; a token not had for now (the
-    metadata server did not answer, the token endpoint's 5xx) is _NoToken, retried as a bucket's 503 is."""
+    metadata server did not answer, the token endpoint's 5xx) is _NoToken, retried as a bucket's 503 is. A stop
+    (stop() True) that ended the wait for a token is Stopped."""
     try:
-        token = credentials.get_token(force_refresh)
+        token = credentials.get_token(force_refresh, stop)
     except credentials.CredentialsError as e:
+        if stop is not None and stop():
+            raise Stopped("a stop was requested while waiting for a GCS token") from None
         if e.refused or e.status is not None and not _is_transient(e.status):
             raise CredentialsFailed(str(e), e.status, e.refused) from None
         raise _NoToken(str(e)) from None
@@ -183,7 +186,7 @@ class GCS:
         refreshed, refresh, err, t0, i = False, False, None, time.time(), 0
         while True:
             try:
-                auth, refresh = _auth_headers(force_refresh=refresh), False
+                auth, refresh = _auth_headers(force_refresh=refresh, stop=self.stop), False
                 return self._attempt(what, attempt, auth, watch or i > 0,
                                      f"attempt {i + 1} of {self.retries + 1}", err, t0)
             except _BadStatus as e:

@@ -10,6 +10,7 @@ import http.server
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -520,6 +521,18 @@ def test_a_metadata_server_that_refuses_connections_at_first_is_waited_for_at_st
     assert code == 0 and servers[0].metadata_hits > 0, said + rest
     saved = [uri for uri, _ in gcs.GCS(endpoint=emulator, retries=0).list(out_dir + "/")]
     assert f"{out_dir}/ckpt_00000002.pt" in saved, saved
+
+
+def test_a_stop_ends_the_wait_for_the_metadata_server(emulator, toy, tmp_path):
+    # a spot VM preempted while it boots: the run stops at once, as in any other wait at start, and says so
+    from conftest import BUCKET
+
+    @contextlib.contextmanager
+    def stop(port, p):
+        p.send_signal(signal.SIGTERM)
+        yield
+    said, rest, code = run_while_the_metadata_server_refuses(emulator, toy, tmp_path, f"gs://{BUCKET}/stopped", stop)
+    assert code != 0 and "a stop was requested" in rest and "no GCS credentials" not in rest, said + rest
 
 
 def test_a_metadata_server_that_keeps_refusing_ends_in_no_credentials(clean_env, capsys):
