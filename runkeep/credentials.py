@@ -94,8 +94,11 @@ def _token_from_metadata():
         return "absent"
     if r.status_code != 200:
         return "busy" if _transient(r.status_code) else "absent"
-    d = r.json()
-    return d["access_token"], float(d.get("expires_in", 300))
+    try:
+        d = r.json()
+        return d["access_token"], float(d.get("expires_in", 300))
+    except (ValueError, TypeError, KeyError):  # no metadata server's answer: a captive portal's page, a proxy's
+        return "absent"
 
 
 def _token_from_metadata_at_start(stop):

@@ -550,3 +550,15 @@ def test_a_metadata_server_that_keeps_refusing_ends_in_no_credentials(clean_env,
     with pytest.raises(credentials.NoCredentials, match="not on a GCE/TPU VM"):
         credentials.get_token()
     assert capsys.readouterr().err == ""
+
+
+def test_a_page_that_is_no_metadata_servers_answer_is_no_credentials(server, toy, tmp_path):
+    # off a VM, a captive portal or a proxy may answer for the metadata server's name with a page of its own
+    from conftest import FileHandler, TOY_ARGS, assert_user_error, run
+    FileHandler.files[METADATA_PATH] = b"<html>Sign in to the hotel's Wi-Fi</html>"
+    p = run(["train.py", f"--data_path={toy}", "--out_dir=gs://bucket/run1", f"--local_dir={tmp_path / 'l'}",
+             "--max_steps=2"] + TOY_ARGS, check=False,
+            env=dict(STORAGE_EMULATOR_HOST=None, GOOGLE_APPLICATION_CREDENTIALS=None,
+                     GCE_METADATA_HOST=server.replace("http://", ""), CLOUDSDK_CONFIG=str(tmp_path / "gcloud")))
+    assert_user_error(p, "no GCS credentials", "not on a GCE/TPU VM", one_line=True)
+    assert (METADATA_PATH, None, 200) in FileHandler.log
