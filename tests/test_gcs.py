@@ -517,13 +517,12 @@ def test_a_rerun_uploads_what_a_bucket_outage_at_the_end_left_only_local(emu, pr
     assert f'{out} lacks what an earlier process left in {local}: uploading ckpt_00000008.pt' in p.stdout
 
 
-def test_an_outage_s_stale_log_snapshots_are_dropped_not_sent_ahead_of_the_newest_checkpoint(emu, tmp_path):
-    # the upload thread held inside its first checkpoint's upload (the bucket's prune) while three more
-    # checkpoints and their train.log snapshots queue behind it, as in an outage: once it goes on, only the newest
-    # train.log is sent, and the older snapshots are not left on disk meanwhile
+def _queued_behind_a_held_upload(local, out, on_checkpoint, held):
+    """Uploads to out whose sent files are listed in order (names under out): checkpoint 1 submitted, its
+    on_checkpoint holding the upload thread (held set), then checkpoints 2-4, each with a train.log snapshot,
+    queued behind it as in an outage. Returns (the Uploads, the list of names sent)."""
     from runkeep.records import Uploads
-    local, out, held, go = tmp_path / 'local', f'gs://{BUCKET}/stale', threading.Event(), threading.Event()
-    ups = Uploads(str(local), out, lambda: held.set() or go.wait(60))
+    ups = Uploads(str(local), out, on_checkpoint)
     sent, uploaded = [], ups.uploader.on_success
     ups.uploader.on_success = lambda path, uri: sent.append(uri[len(out) + 1:]) or uploaded(path, uri)
     ups.submit(_write(local / 'ckpt_00000001.pt', b'1'))
@@ -532,6 +531,15 @@ def test_an_outage_s_stale_log_snapshots_are_dropped_not_sent_ahead_of_the_newes
         ups.submit(_write(local / f'ckpt_{step:08d}.pt', b'%d' % step))
         _write(local / 'train.log', b'log to step %d' % step)
         ups.log()
+    return ups, sent
+
+
+def test_an_outage_s_stale_log_snapshots_are_dropped_not_sent_ahead_of_the_newest_checkpoint(emu, tmp_path):
+    # the upload thread held inside its first checkpoint's upload (the bucket's prune) while three more
+    # checkpoints and their train.log snapshots queue behind it, as in an outage: once it goes on, only the newest
+    # train.log is sent, and the older snapshots are not left on disk meanwhile
+    local, out, held, go = tmp_path / 'local', f'gs://{BUCKET}/stale', threading.Event(), threading.Event()
+    ups, sent = _queued_behind_a_held_upload(local, out, lambda: held.set() or go.wait(60), held)
     assert sorted(n for n in os.listdir(local) if n.startswith('.train.log.')) == ['.train.log.3']
     go.set()
     assert ups.wait(60) and ups.uploader.failures == 0
@@ -545,7 +553,6 @@ def test_after_an_outage_the_newest_checkpoint_goes_first_then_its_records_then_
     # once the upload thread goes on, the newest checkpoint goes first (a VM lost then leaves the bucket the one a
     # resume needs), its train.log next, then the older one still kept here; the bucket's prune never deletes the
     # newest
-    from runkeep.records import Uploads
     local, out, held, go = tmp_path / 'local', f'gs://{BUCKET}/newest', threading.Event(), threading.Event()
     newest = []
 
@@ -554,15 +561,7 @@ def test_after_an_outage_the_newest_checkpoint_goes_first_then_its_records_then_
         go.wait(60)
         checkpoint.prune_checkpoints(out, 2, -1)
         newest.append(max(checkpoint.list_checkpoints(out)))
-    ups = Uploads(str(local), out, prune)
-    sent, uploaded = [], ups.uploader.on_success
-    ups.uploader.on_success = lambda path, uri: sent.append(uri[len(out) + 1:]) or uploaded(path, uri)
-    ups.submit(_write(local / 'ckpt_00000001.pt', b'1'))
-    assert held.wait(60)
-    for step in (2, 3, 4):
-        ups.submit(_write(local / f'ckpt_{step:08d}.pt', b'%d' % step))
-        _write(local / 'train.log', b'log to step %d' % step)
-        ups.log()
+    ups, sent = _queued_behind_a_held_upload(local, out, prune, held)
     os.remove(local / 'ckpt_00000002.pt')
     go.set()
     assert ups.wait(60) and ups.uploader.failures == 0
