@@ -671,23 +671,11 @@ def adapt_to_new_tasks():
 
 
 def evaluated_answers(n_steps):
-    """--task=FILE.json: the answers of the adapted run's final evaluation, which wrote the submission (answers.npz:
-    the test rows, their answers' tokens and confidences), or None where the views are solved again: an
-    adaptation that kept none, another checkpoint's, or other steps (--eval_steps) or another forward_dtype
-    asked for."""
-    import zipfile
-    from runkeep.records import results_step
-    folder = os.path.dirname(init_from)
-    path = os.path.join(folder, 'answers.npz')
-    if forward_dtype != 'checkpoint' or not os.path.isfile(path):
-        return None
-    try:
-        with np.load(path) as f:
-            kept = {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
-        return None
-    same = kept.get('step') == results_step(os.path.join(folder, 'results.json')) and kept.get('steps') == n_steps
-    return dict(kept, path=path) if same and len(kept.get('rows', ())) else None
+    """--task=FILE.json: the answers of the adapted run's final evaluation, which wrote the submission (adapt's
+    kept_answers), or None where the views are solved again: an adaptation that kept none, another checkpoint's,
+    or other steps (--eval_steps) or another forward_dtype asked for."""
+    from runkeep.adapt import kept_answers
+    return kept_answers(os.path.dirname(init_from), n_steps) if forward_dtype == 'checkpoint' else None
 
 
 # -----------------------------------------------------------------------------

@@ -21,6 +21,9 @@ import signal
 import subprocess
 import sys
 import time
+import zipfile
+
+import numpy as np
 
 from configurator import fail
 from data import load_metadata
@@ -88,6 +91,22 @@ def finished(out):
     """Whether the run in out ended with its final evaluation: results.json of its newest checkpoint."""
     last = newest(out)
     return bool(last) and results_step(os.path.join(out, 'results.json')) == last[0]
+
+
+def kept_answers(out, steps):
+    """The answers of the final evaluation of the run in out (train.py --arc_answers=True: answers.npz, the test
+    rows, their answers' tokens and confidences, and the path), or None: no such file, an unreadable one, or one of
+    another checkpoint than results.json's or of other supervision steps than `steps`."""
+    path = os.path.join(out, 'answers.npz')
+    if not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path) as f:
+            kept = {k: f[k] for k in f.files}
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile):
+        return None
+    same = kept.get('step') == results_step(os.path.join(out, 'results.json')) and kept.get('steps') == steps
+    return dict(kept, path=path) if same and len(kept.get('rows', ())) else None
 
 
 def run_of(init_from, saved, trained_on):
