@@ -185,8 +185,9 @@ class ARCVotes:
         """One batch: rows [B] the test split's row of each answer (< 0: padding, skipped), answers [B, L]
         tokens, confidence [B] in [0, 1] (float64)."""
         tally = self.tally[mode]
-        units = np.rint(np.asarray(confidence, np.float64) * CONFIDENCE_ONE).astype(np.int64).tolist()
-        for r, a, c, f in zip(np.asarray(rows).tolist(), answers, units, np.asarray(confidence, np.float64)):
+        confidence = np.asarray(confidence, np.float64)
+        units = np.rint(confidence * CONFIDENCE_ONE).astype(np.int64).tolist()
+        for r, a, c, f in zip(np.asarray(rows).tolist(), answers, units, confidence):
             if r < 0:
                 continue
             if self.keep and mode == 'last':

@@ -30,17 +30,22 @@ from .signals import BEFORE_HARD_EXIT
 # -----------------------------------------------------------------------------
 # metrics.jsonl and results.json
 
-def write_json_atomic(path, obj):
-    """obj as JSON in path, through path.tmp and a rename: readers see the old file or the whole new one. A
+def write_atomic(path, write, mode='w'):
+    """write(f) into path, through path.tmp and a rename: readers see the old file or the whole new one. A
     failed write (a full disk) raises OSError and leaves no .tmp behind."""
     try:
-        with open(path + '.tmp', 'w') as f:
-            json.dump(obj, f, indent=1, default=float)
+        with open(path + '.tmp', mode) as f:
+            write(f)
         os.replace(path + '.tmp', path)
     except OSError:
         if os.path.isfile(path + '.tmp'):
             os.remove(path + '.tmp')
         raise
+
+
+def write_json_atomic(path, obj):
+    """obj as JSON in path, as write_atomic writes."""
+    write_atomic(path, lambda f: json.dump(obj, f, indent=1, default=float))
 
 
 def flat_scalars(vals):
@@ -124,20 +129,29 @@ class Records:
                   "--init_from=resume once the disk has room, and it is written")
 
 
-def save_evaluation(local, remote, name, record, retries):
-    """record as JSON in <local>/name, written atomically; a gs:// run (remote) uploads it to <remote>/name. A
-    failed write or upload is a warning (the evaluation was printed). Returns the path or None."""
+def save_and_upload(local, remote, name, write, what, retries):
+    """write(path) for path = <local>/name; a gs:// run (remote) uploads it to <remote>/name. A failed write or
+    upload is a warning: `what` not saved (`what`: its subject and verb). Returns the path or None."""
     path = os.path.join(local, name)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json_atomic(path, record)
+        write(path)
         if remote:
             gcs.GCS(retries=retries).upload(path, f"{remote.rstrip('/')}/{name}")
     except (OSError, gcs.GCSError) as e:
-        print(f"warning: the evaluation was not saved to {path}{' or its bucket' if remote else ''} "
+        print(f"warning: {what} not saved to {path}{' or its bucket' if remote else ''} "
               f"({getattr(e, 'strerror', None) or e})")
         return None
-    print(f"evaluation saved to {path}")
+    return path
+
+
+def save_evaluation(local, remote, name, record, retries):
+    """record as JSON in <local>/name, written atomically, and in the bucket (save_and_upload); a failure is a
+    warning (the evaluation was printed). Returns the path or None."""
+    path = save_and_upload(local, remote, name, lambda p: write_json_atomic(p, record), 'the evaluation was',
+                           retries)
+    if path:
+        print(f"evaluation saved to {path}")
     return path
 
 
@@ -153,16 +167,9 @@ def save_answers(local, remote, name, arc, step, steps, retries):
     """With arc_answers: the final evaluation's answer of every test row (arc.ARCVotes.kept_rows) in <local>/name,
     numpy's npz, with the step of the checkpoint that answered and the supervision steps each row ran: solve.py
     --task=FILE.json shows the votes from it. A failed write or upload is a warning (the submission is written)."""
-    path = os.path.join(local, name)
-    try:
-        with open(path + '.tmp', 'wb') as f:
-            np.savez_compressed(f, step=step, steps=steps, **arc.kept_rows())
-        os.replace(path + '.tmp', path)
-        if remote:
-            gcs.GCS(retries=retries).upload(path, f"{remote.rstrip('/')}/{name}")
-    except (OSError, gcs.GCSError) as e:
-        print(f"warning: the answers were not saved to {path}{' or its bucket' if remote else ''} "
-              f"({getattr(e, 'strerror', None) or e})")
+    rows = arc.kept_rows()
+    save_and_upload(local, remote, name, lambda p: write_atomic(
+        p, lambda f: np.savez_compressed(f, step=step, steps=steps, **rows), 'wb'), 'the answers were', retries)
 
 
 # -----------------------------------------------------------------------------
