@@ -88,8 +88,9 @@ seeds = 1                       # runs per experiment: seeds 0 .. seeds-1 (seed 
 status_every = 60.0             # with slots > 1: seconds between status lines (one line per running run)
 check_memory = True             # a run this host's memory (RAM, or a GPU's) cannot hold is not run (False: run it)
 # -----------------------------------------------------------------------------
+# the libraries' constants imported above (ENDED, ...) are no keys a flag may set
 config_keys = [k for k, v in globals().items()
-               if not k.startswith('_') and isinstance(v, (int, float, bool, str))]
+               if not k.startswith('_') and not k.isupper() and isinstance(v, (int, float, bool, str))]
 exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator.py')).read())
 # -----------------------------------------------------------------------------
 

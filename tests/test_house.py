@@ -125,6 +125,19 @@ def test_every_config_key_has_a_meaning_and_help_lists_it_with_its_default():
     assert "--L_cycles=6  " in p.stdout and "n: z-updates per round" in p.stdout
 
 
+def test_every_key_a_scripts_help_lists_is_one_of_its_config_keys_with_a_meaning():
+    # a name the script imports (a constant of a library) must not become a key a flag could set
+    for script in ('train.py', 'bench.py', 'solve.py', 'study.py', 'publish.py'):
+        p = run([script, '--help'])
+        listed = p.stdout.partition('config keys (set in a config file or as --key=value):')[2].strip('\n')
+        assert listed, script
+        blank = [line.split('=')[0].strip() for line in listed.splitlines()
+                 if not re.match(r'\s*--\w+=.*\S\s{2,}\S', line)]
+        assert blank == [], (script, blank)
+    p = run(['study.py', '--ENDED=x'], check=False)
+    assert p.returncode == 1 and "unknown key 'ENDED'" in p.stderr, p.stderr
+
+
 def imports_of(path):
     tree = ast.parse(open(os.path.join(ROOT, path)).read())
     names = set()
