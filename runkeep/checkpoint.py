@@ -69,6 +69,14 @@ def save_atomic(obj, path):
         raise CheckpointError(f"could not write {path}: {why}") from e
 
 
+def torch_file_start(path):
+    """Whether the file begins as torch.save begins one: a zip archive, or a pickle (its legacy format), so that a
+    truncated or damaged checkpoint still reads as one."""
+    with open(path, 'rb') as f:
+        head = f.read(2)
+    return head == b'PK' or head[:1] == b'\x80'
+
+
 def load_checkpoint(path, name=None, mmap=False):
     """A checkpoint as a dict of CPU tensors; weights_only refuses pickles that would run code. name: what
     errors call the file (the bucket URI of a downloaded copy); mmap: the tensors mapped, not read. A file that
@@ -84,6 +92,8 @@ def load_checkpoint(path, name=None, mmap=False):
         if not why or isinstance(e, KeyError):  # a KeyError's text: a bare byte that the unpickler looked up
             why = 'the file is empty' if os.path.isfile(path) and os.path.getsize(path) == 0 else \
                 'not a PyTorch file' if isinstance(e, KeyError) else type(e).__name__
+        if os.path.isfile(path) and os.path.getsize(path) and not torch_file_start(path):
+            why = 'not a PyTorch file'  # a config, a JSON, an array: what the unpickler tripped on says nothing
         if isinstance(e, pickle.UnpicklingError) and why.startswith('Unsupported global'):
             what = why.split(' was not an allowed global')[0].removeprefix('Unsupported global: ')
             raise CheckpointError(f"{name or path} holds objects other than tensors and plain values ({what}); "

@@ -6,6 +6,7 @@ named, never loaded and never take a slot, stale files are removed, a full disk 
 import glob
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,6 +143,26 @@ def test_an_empty_checkpoint_and_a_file_of_another_kind_are_each_named_with_what
     assert any('ckpt_00000016.pt is not a training checkpoint of this trainer (it holds a Tensor)' in l
                for l in warnings), warnings
     assert 'ckpt_00000010.pt (step 10)' in p.stdout
+
+
+def test_a_file_that_is_no_pytorch_file_is_called_so_and_a_cut_checkpoint_truncated(tmp_path):
+    # what a user may type for --init_from by mistake: a config file, a JSON, an array, a CSV, a picture
+    files = {'run.py': b"# a config\nlr = 1e-3\n", 'dataset.json': b'{"seq_len": 81}', 'rows.csv': b'a,b\n1,2\n',
+             'steps.png': b'\x89PNG\r\n\x1a\n' + bytes(40)}
+    np.save(tmp_path / 'inputs.npy', np.zeros(4))
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    for name in list(files) + ['inputs.npy']:
+        with pytest.raises(CheckpointError, match=f'{name} is corrupt or truncated and was not loaded: '
+                                                  'not a PyTorch file$'):
+            load_checkpoint(str(tmp_path / name))
+    for legacy in (False, True):  # torch's zip format and its legacy pickle, each cut short
+        path = tmp_path / f'ckpt_{legacy}.pt'
+        torch.save({'model': {'w': torch.ones(100)}}, path, _use_new_zipfile_serialization=not legacy)
+        path.write_bytes(path.read_bytes()[:60])
+        with pytest.raises(CheckpointError, match='corrupt or truncated') as e:
+            load_checkpoint(str(path))
+        assert 'not a PyTorch file' not in str(e.value)
 
 
 def test_resume_from_a_checkpoint_whose_optimizer_state_does_not_fit_is_one_line_that_keeps_it(toy, tmp_path):
