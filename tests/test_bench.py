@@ -34,6 +34,18 @@ def test_bench_runs_on_cpu_with_a_train_config_and_a_dataset(toy):
     assert 'batch 8 x 8 tokens' in out  # the dataset's seq_len, not the synthetic default
 
 
+def test_bench_says_which_typed_keys_of_a_run_it_does_not_use(tmp_path):
+    # --init_from=CKPT would look like a benchmark of that checkpoint's model; bench times the config's, fresh
+    flags = ['--device=cpu', f'--init_from={tmp_path / "ckpt_00000010.pt"}', '--wandb_log=True',
+             '--steps=1', '--warmup_steps=1', '--eval_batches=0', '--global_batch_size=8']
+    p = run(['bench.py', 'config/quickstart.py'] + flags)
+    notes = [l for l in p.stdout.splitlines() if l.startswith('note: --')]
+    assert len(notes) == 1 and '--init_from, --wandb_log:' in notes[0] and 'does not use' in notes[0], p.stdout
+    assert not (tmp_path / 'wandb').exists()
+    p = run(['bench.py', 'config/quickstart.py'] + flags[:1] + flags[3:])
+    assert 'does not use' not in p.stdout  # the config file's out_dir, epochs, ... are no news
+
+
 def test_bench_refuses_a_compile_mode_with_cuda_graphs_in_one_line():
     # CUDA graphs replay into the same output buffers, and the carry one step returns is read by the next: refused
     # before anything is built, on any device, with what would run
