@@ -213,10 +213,13 @@ class ARCVotes:
 
     def kept_rows(self):
         """With keep: the rows answered (the test split's, ascending), their 'last' answers' tokens [N, L] and
-        confidences [N], as add() took them."""
+        confidences [N], as add() took them; where the run pools, the pool too (pool_state's arrays, each named
+        pool_<name>): the vote its submission follows, which restore() reads back."""
         rows = sorted(self.kept)
+        pool = self.pool_state()['arc_pool'] if self.pooling and self.pool_steps else {}
         return dict(rows=np.array(rows, np.int64), confidence=np.array([self.kept[r][1] for r in rows], np.float64),
-                    answers=np.array([self.kept[r][0] for r in rows], np.uint8).reshape(len(rows), -1))
+                    answers=np.array([self.kept[r][0] for r in rows], np.uint8).reshape(len(rows), -1),
+                    **{f'pool_{k}': np.asarray(v) for k, v in pool.items()})
 
     def votes(self, mode, views=None):
         """{(task id, test index): {answer: (count, summed confidence)}} over the rows whose view number is below
@@ -332,13 +335,14 @@ class ARCVotes:
             view=column(view), first=column(first))}
 
     def restore(self, state):
-        """The pool a checkpoint carried (pool_state's 'arc_pool'; None: none), with pooling on."""
+        """The pool a checkpoint carried (pool_state's 'arc_pool', or kept_rows' numpy copy of it; None: none), with
+        pooling on."""
         if not self.pooling or not state:
             return
-        inputs = list(zip(state['tasks'], state['test_index'].tolist()))
-        blob = zlib.decompress(state['answers'].numpy().tobytes())
-        ends = np.cumsum(state['length'].numpy()).tolist()
-        self.pool, self.pool_steps = {}, list(state['steps'])
+        inputs = list(zip(map(str, state['tasks']), state['test_index'].tolist()))
+        blob = zlib.decompress(np.asarray(state['answers']).tobytes())
+        ends = np.cumsum(np.asarray(state['length'])).tolist()
+        self.pool, self.pool_steps = {}, list(map(int, state['steps']))
         columns = zip(*(state[k].tolist() for k in ('input', 'count', 'high', 'low', 'view', 'first')))
         for start, end, (j, c, high, low, v, f) in zip([0] + ends, ends, columns):
             self.pool.setdefault(inputs[j], {})[blob[start:end]] = [c, (high << 32) | low, v, f]

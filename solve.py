@@ -546,8 +546,8 @@ def main():
              + (f" (such as {', '.join(some[:3])})" if some else '') + ", or new tasks with --task=FILE.json "
              "(adapted to first)" + (f"; and {unreadable}" if unreadable else ''))
     per = eval_batch_size if eval_views == 1 else max(1, eval_batch_size // eval_views)  # a batch: views x per rows
-    split = task and arc_split(kind, dp)
     answered = new_tasks and evaluated_answers(n_steps)  # the submission's votes, shown without solving again
+    split = task and arc_split(kind, dp, answered)
     for name in [task] if task and not task.endswith('.json') else new_tasks if task else []:
         globals()['task'] = name
         solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered)
@@ -759,13 +759,16 @@ def shape_of(g):
     return f"{g.shape[0]}x{g.shape[1]}" if g.ndim == 2 and g.size else 'empty'
 
 
-def arc_split(kind, dp):
+def arc_split(kind, dp, answered=None):
     """--task: the ARC dataset's test split, read once for all the tasks solved: (its votes, ARCVotes of
-    test_views.npz and test_puzzles.json: how each row maps back; identifiers.json's names; its arrays)."""
+    test_views.npz and test_puzzles.json: how each row maps back; identifiers.json's names; its arrays). The
+    votes hold the pool that `answered` (evaluated_answers) kept of a pooling run: its submission's vote."""
     from arc import ARCVotes
     if kind.name != 'arc':
         fail(f"task={task}: --task solves ARC tasks; {dp} holds {kind.titles} (use --index or --count)")
-    votes, names = ARCVotes.open(dp, kind), arc_names(dp)
+    pool = {k[len('pool_'):]: v for k, v in (answered or {}).items() if k.startswith('pool_')}
+    votes, names = ARCVotes.open(dp, kind, pooling=bool(pool)), arc_names(dp)
+    votes.restore(pool)
     try:
         return votes, names, load_arrays(dp, 'test')
     except (OSError, ValueError) as e:
@@ -774,7 +777,8 @@ def arc_split(kind, dp):
 
 def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
     """--task: the demonstrations, then every test input solved in all its stored views and voted; where
-    `answered` (evaluated_answers) holds the task's rows, their answers are voted instead."""
+    `answered` (evaluated_answers) holds the task's rows, their answers are voted instead, and where that run
+    pooled its votes, the vote shown is the pool's, which its submission followed."""
     from arc import answer_key, confidence, key_grid, rank_answers
     votes, names, arrays = split
     rows = task_rows(names, votes, dp)
@@ -793,6 +797,7 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
               f"all {plural(n_steps, 'step')}; its answer after the last step counts, its confidence sigmoid(q_halt) "
               "there")
         answers, conf, how = answered['answers'][at], answered['confidence'][at], 'answered by the final evaluation'
+        pooled = bool(votes.pool_steps)
     else:
         print(f"\ndevice {dev.type} ({dev.name()}) | forward dtype {dtype_why} | every view runs all "
               f"{plural(n_steps, 'step')} (as train.py's evaluation); its answer after the last step counts, its "
@@ -804,10 +809,10 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
             answers.append(preds[-1])
             conf.append(confidence(qs[-1]))  # float64, as train.py's evaluation: no ties from rounding
         answers, conf = np.concatenate(answers), np.concatenate(conf)
-        how = f"in {time.perf_counter() - t0:.2f} s on {dev.type}"
+        how, pooled = f"in {time.perf_counter() - t0:.2f} s on {dev.type}", False
     votes.start(rows)
     votes.add('last', rows, answers, conf)  # as train.py's evaluation votes
-    tallies, test_index = votes.votes('last'), votes.test_index[rows]
+    tallies, test_index = votes.votes('pooled' if pooled else 'last'), votes.test_index[rows]
     drawn, passed = [], 0
     for i, pair in enumerate(t['test']):
         mine = np.flatnonzero(test_index == i)
@@ -820,13 +825,18 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
         print(f"\ntest input {i + 1} of {len(t['test'])}: {shape_of(pair['input'])}"
               + (f", solution {shape_of(solution)}" if solution is not None else ', solution not known'))
         print(grid_text(pair['input']))
-        print(f"the vote: {plural(len(order), 'distinct answer')} from {plural(len(mine), 'view')} (ranked by "
-              "votes, then mean confidence)")
+        if pooled:  # an answer of an earlier evaluation alone has no view in the last one's column
+            print(f"the vote {votes.submission_vote()} (the submission's): {plural(len(order), 'distinct answer')} "
+                  f"from {plural(sum(c for c, _ in tally.values()), 'answer')} (ranked by votes, then mean "
+                  f"confidence); the views that gave each in the last evaluation")
+        else:
+            print(f"the vote: {plural(len(order), 'distinct answer')} from {plural(len(mine), 'view')} (ranked by "
+                  "votes, then mean confidence)")
         print(f"  {'rank':>4}  {'answer':>7}  {'votes':>5}  {'mean conf':>9}  {'right':>5}  views")
         for k, a in enumerate(order[:10]):
             c, s_ = tally[a]
-            vs = seen[a]
-            shown_views = ' '.join(map(str, vs[:8])) + (f" ... ({len(vs)})" if len(vs) > 8 else '')
+            vs = seen.get(a, [])
+            shown_views = ' '.join(map(str, vs[:8])) + (f" ... ({len(vs)})" if len(vs) > 8 else '') or '-'
             ok = '-' if right is None else ('yes' if a == right else 'no')
             print(f"  {k + 1:>4}  {shape_of(key_grid(a)) if a[0] and a[1] else 'empty':>7}  {c:>5}  "
                   f"{s_ / c:>9.3f}  {ok:>5}  {shown_views}")

@@ -233,6 +233,28 @@ def test_the_votes_of_new_tasks_are_the_final_evaluation_s_shown_without_solving
     assert votes(shown) == votes(again) and 'the vote: ' in shown, shown[-3000:]
 
 
+def test_the_votes_shown_of_a_pooling_adaptation_are_the_pooled_ones_its_submission_followed(arc_run, tmp_path):
+    """--task=FILE.json with --arc_pool_votes=True: the submission follows the vote pooled over the adaptation's
+    evaluations; the vote table shows that vote (every evaluation's answers counted), not the last one's alone."""
+    data, ckpt = arc_run
+    task = write_task(tmp_path / 'one.json', [[2, 1, 1], [0, 2, 1]])
+    out = solve(ckpt, f'--task={task}', '--adapt_minutes=1', '--adapt_aug=3', f'--adapt_dir={tmp_path}/a',
+                '--adapt_args=--arc_pool_votes=True --epochs=32 --eval_every_epochs=16').stdout
+    assert 'ARC pooled over 2 evaluations (steps 3, 6;' in out, out[-3000:]
+    results = json.load(open(tmp_path / 'a' / 'run' / 'results.json'))
+    assert results['arc_submission']['vote'] == 'pooled over the evaluations at steps 3, 6', results
+    assert 'the vote pooled over the evaluations at steps 3, 6 (the submission\'s): ' in out, out[-3000:]
+    lines = out.splitlines()
+    head = next(i for i, l in enumerate(lines) if l.split()[:3] == ['rank', 'answer', 'votes'])
+    votes = []
+    for l in lines[head + 1:]:
+        if not l.split() or not l.split()[0].isdigit():
+            break
+        votes.append(int(l.split()[2]))
+    assert sum(votes) == 2 * 4, lines[head:head + 12]  # two evaluations of 4 views each
+    assert 'model.predict' not in out and '4 views answered by the final evaluation' in lines[-3], out[-3000:]
+
+
 def write_task(path, test_input):
     """A task file of three recolouring demonstrations and one test input (its solution given)."""
     recolour = lambda g: [[{1: 3, 2: 4}.get(v, v) for v in row] for row in g]
