@@ -32,7 +32,7 @@ from puzzles import plural
 
 from .checkpoint import list_checkpoints
 from .hub import published_run
-from .records import results_step
+from .records import results_step, write_atomic
 from .signals import HUNG_EXIT, die_with_parent
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
@@ -159,9 +159,7 @@ def check_folder(folder, record):
 
 
 def write_json(path, obj):
-    with open(path + '.tmp', 'w') as f:
-        json.dump(obj, f)
-    os.replace(path + '.tmp', path)
+    write_atomic(path, lambda f: json.dump(obj, f))
 
 
 def stopped(task, script, out, rc):

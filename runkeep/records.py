@@ -80,13 +80,7 @@ class Records:
         finally:
             if os.path.exists(self.path + '.bucket'):
                 os.remove(self.path + '.bucket')
-        try:
-            with open(self.path + '.tmp', 'w') as f:
-                f.writelines(lines)
-        except OSError:
-            os.remove(self.path + '.tmp')
-            raise
-        os.replace(self.path + '.tmp', self.path)
+        write_atomic(self.path, lambda f: f.writelines(lines))
         self.results = os.path.join(local, 'results.json')
 
     def fetch(self, step):

@@ -351,6 +351,23 @@ def test_a_task_id_twice_in_a_task_file_is_refused_before_anything_is_built(arc_
 
 
 
+def test_an_adaptation_folder_whose_write_fails_midway_is_left_without_a_half_written_file(arc_run, tmp_path):
+    """A write that fails part way (a full disk: here a file-size limit of 2 KiB, which adapt.json passes and the
+    task file's copy does not) is the one line naming the folder, and leaves no .tmp of it behind."""
+    import resource
+    data, ckpt = arc_run
+    task = json.load(open(write_task(tmp_path / 'one.json', [[2, 1, 1]])))
+    big = tmp_path / 'big.json'
+    big.write_text(json.dumps({f't{i}': task for i in range(24)}))
+    assert big.stat().st_size > 4096
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
+    p = subprocess.run([sys.executable, 'solve.py', f'--init_from={ckpt}', '--device=cpu', '--threads=1',
+                        f'--task={big}', '--adapt_minutes=0.05', f'--adapt_dir={tmp_path}/a'], cwd=ROOT,
+                       env=script_env(ENV), preexec_fn=limit, capture_output=True, text=True, timeout=600)
+    assert_user_error(p, f'adapt_dir={tmp_path}/a: cannot write there', 'File too large', one_line=True)
+    assert not [n for n in os.listdir(tmp_path / 'a') if n.endswith('.tmp')], os.listdir(tmp_path / 'a')
+
+
 def test_what_solving_refuses_is_refused_before_a_task_file_is_adapted_to(arc_run, tmp_path):
     """--task=FILE.json adapts for minutes before it solves: views above 1 and a checkpoint of another puzzle kind,
     which solving refuses, are refused first, in one line, and nothing is built."""
