@@ -674,8 +674,14 @@ def evaluated_answers(n_steps):
     """--task=FILE.json: the answers of the adapted run's final evaluation, which wrote the submission (adapt's
     kept_answers), or None where the views are solved again: an adaptation that kept none, another checkpoint's,
     or other steps (--eval_steps) or another forward_dtype asked for."""
-    from runkeep.adapt import kept_answers
-    return kept_answers(os.path.dirname(init_from), n_steps) if forward_dtype == 'checkpoint' else None
+    from runkeep.adapt import kept_answers, submission_vote
+    out = os.path.dirname(init_from)
+    kept = kept_answers(out, n_steps) if forward_dtype == 'checkpoint' else None
+    vote = submission_vote(out)
+    if vote and vote != 'this checkpoint' and 'pool_steps' not in (kept or {}):  # no pool kept to show
+        print(f"note: the submission follows the vote {vote} ({os.path.join(out, 'results.json')}); the votes "
+              "shown below are the last evaluation's alone")
+    return kept
 
 
 # -----------------------------------------------------------------------------

@@ -109,6 +109,16 @@ def kept_answers(out, steps):
     return dict(kept, path=path) if same and len(kept.get('rows', ())) else None
 
 
+def submission_vote(out):
+    """The vote the submission of the run in out follows, as its results.json says ('this checkpoint', 'pooled
+    over the evaluations at steps ...'), or None (no such file, or no submission in it)."""
+    try:
+        with open(os.path.join(out, 'results.json')) as f:
+            return json.load(f)['arc_submission']['vote']
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def run_of(init_from, saved, trained_on):
     """What an adaptation keeps of the checkpoint's run: (train.py's keys of its recipe and model, the side of its
     canvas, the data it learned: a data_shape or dataset.json dict, or None). A checkpoint of train.py carries its
