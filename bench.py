@@ -97,11 +97,12 @@ if freeze_weights and not puzzle_emb_ndim:  # train.py's rule: its step would tr
 if _bad:
     raise SystemExit("config error: " + '; '.join(_bad))
 # train.py's keys of a run (its folder, starting point, records, length) pass so that its config files work here;
-# one typed as a flag is said, as bench times this config's model from fresh weights and writes no run
+# one typed as a flag is said, as bench times this config's model from fresh weights and writes no run (and
+# xla_cache_dir: the first step's time is the compilation's, cold)
 _run_keys = ('out_dir', 'local_dir', 'init_from', 'overwrite', 'eval_only', 'eval_every_epochs', 'eval_subset',
              'arc_pool_votes', 'arc_answers', 'log_interval', 'checkpoint_interval', 'keep_last_n', 'wandb_log',
              'wandb_project', 'wandb_run_name', 'tensorboard', 'epochs', 'max_steps', 'max_minutes', 'preflight',
-             'watchdog_minutes')
+             'watchdog_minutes', 'xla_cache_dir')
 if _typed := [f'--{k}' for k in _run_keys if _set_by.get(k, '').startswith('--')]:
     print(f"note: {', '.join(_typed)}: train.py's keys of a run, which bench.py does not use (it times the config's "
           f"model from fresh weights, writing no run: checkpoint_dir times a save)")

@@ -37,12 +37,14 @@ def test_bench_runs_on_cpu_with_a_train_config_and_a_dataset(toy):
 def test_bench_says_which_typed_keys_of_a_run_it_does_not_use(tmp_path):
     # --init_from=CKPT would look like a benchmark of that checkpoint's model; bench times the config's, fresh
     flags = ['--device=cpu', f'--init_from={tmp_path / "ckpt_00000010.pt"}', '--wandb_log=True',
-             '--steps=1', '--warmup_steps=1', '--eval_batches=0', '--global_batch_size=8']
+             f'--xla_cache_dir={tmp_path / "xla"}', '--steps=1', '--warmup_steps=1', '--eval_batches=0',
+             '--global_batch_size=8']
     p = run(['bench.py', 'config/quickstart.py'] + flags)
     notes = [l for l in p.stdout.splitlines() if l.startswith('note: --')]
-    assert len(notes) == 1 and '--init_from, --wandb_log:' in notes[0] and 'does not use' in notes[0], p.stdout
+    assert len(notes) == 1 and '--init_from, --wandb_log, --xla_cache_dir:' in notes[0], p.stdout
+    assert 'does not use' in notes[0] and not (tmp_path / 'xla').exists()
     assert not (tmp_path / 'wandb').exists()
-    p = run(['bench.py', 'config/quickstart.py'] + flags[:1] + flags[3:])
+    p = run(['bench.py', 'config/quickstart.py'] + flags[:1] + flags[4:])
     assert 'does not use' not in p.stdout  # the config file's out_dir, epochs, ... are no news
 
 
