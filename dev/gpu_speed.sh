@@ -43,6 +43,12 @@ BUDGET_S=${BUDGET_S:-480}
 DRY=${DRY:-0}
 STAGES=${STAGES:-check,sudoku,ref_mlp,train,ops,maze,ref_maze}
 AB=${AB:-auto}
+# a budget in minutes ends every stage in a bash error, a switch spelt otherwise is ignored: said now, in one line
+case $BUDGET_S in ''|*[!0-9]*)
+    echo "gpu_speed: BUDGET_S='$BUDGET_S' (allowed: a whole number of seconds)" >&2; exit 1 ;; esac
+for kv in "DRY=$DRY" "KNOBS=${KNOBS:-0}"; do
+    case ${kv#*=} in 0|1) ;; *) echo "gpu_speed: ${kv%%=*}='${kv#*=}' (allowed: 0, 1)" >&2; exit 1 ;; esac
+done
 [ "${KNOBS:-0}" = 1 ] && STAGES="$STAGES,autotune"
 PY=${PY:-$(command -v python || command -v python3)}
 mkdir -p "$OUT"

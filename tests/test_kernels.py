@@ -389,15 +389,21 @@ def test_the_gpu_script_s_dry_run_starts_every_stage_and_prints_the_table(tmp_pa
 
 
 def test_the_gpu_script_refuses_a_stage_or_kernels_value_it_does_not_know_before_any_stage(tmp_path):
-    """A misspelt stage or A/B value is said in one line before the first stage starts, not after the stages
-    before it have spent the GPU session's time (or with every A/B stage refused by bench.py)."""
+    """A misspelt stage, A/B value or switch is said in one line before the first stage starts, not after the
+    stages before it have spent the GPU session's time (or with every A/B stage refused by bench.py, every stage
+    'not run' behind a bash error for a budget in minutes, a switch ignored)."""
     for extra, want in ((dict(STAGES='sudoku,ref-mlp'), "gpu_speed: STAGES names 'ref-mlp' (allowed: check, sudoku, "
                                                         "sudoku_all, ref_mlp, train, ops, maze, ref_maze, autotune)"),
                         (dict(STAGES='sudoku', AB='gatd'), "gpu_speed: AB='gatd' (allowed: auto, off, mlp_t, cudnn, "
                                                            "gated, quack, triton)"),
                         (dict(STAGES='maze', AB_MAZE='cudn'), "gpu_speed: AB_MAZE='cudn' (allowed: auto, off, "
-                                                              "mlp_t, cudnn, gated, quack, triton)")):
-        env = dict(os.environ, DRY='1', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1', **extra)
+                                                              "mlp_t, cudnn, gated, quack, triton)"),
+                        (dict(STAGES='train', BUDGET_S='8m'), "gpu_speed: BUDGET_S='8m' (allowed: a whole number of "
+                                                              "seconds)"),
+                        (dict(STAGES='train', KNOBS='yes'), "gpu_speed: KNOBS='yes' (allowed: 0, 1)"),
+                        (dict(STAGES='train', DRY='true'), "gpu_speed: DRY='true' (allowed: 0, 1)")):
+        env = dict(os.environ, DRY='1', OUT=str(tmp_path / 'out'), PY=sys.executable, OMP_NUM_THREADS='1')
+        env.update(extra)
         p = subprocess.run(['bash', 'dev/gpu_speed.sh'], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=300)
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [want], (extra, p.stdout[-2000:], p.stderr)
