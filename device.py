@@ -239,6 +239,12 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
         if not have_triton:
             return 'off', f"warning: kernels='{requested}' needs the triton package, which is not installed: " \
                           "plain path"
+        # what the model is comes first: no device or dtype would make the value fit it
+        if requested == 'mlp_t' and not mlp_t:
+            return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
+        if requested == 'cudnn' and mlp_t:
+            return 'off', "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with mlp_t: " \
+                          "plain path"
         why_not = _why_not_quack(device_type, dtype, cuda_capability, have_quack) if requested == 'quack' else ''
         if why_not:
             return 'off', f"warning: kernels='quack' {why_not}: plain path"
@@ -248,12 +254,7 @@ def choose_kernels(requested, device_type, dtype, mlp_t=True, cuda_capability=No
         if interpreter and requested != 'cudnn' and dtype != 'float32':  # its bfloat16 gives wrong numbers
             return 'off', (f"warning: kernels='{requested}' in Triton's interpreter runs in float32 only, not "
                            f"forward dtype {dtype}: plain path")
-        if requested == 'mlp_t' and not mlp_t:
-            return 'off', "warning: kernels='mlp_t' fuses mlp_t, and this model mixes with attention: plain path"
         if requested == 'cudnn':
-            if mlp_t:
-                return 'off', "warning: kernels='cudnn' runs attention through cuDNN, and this model mixes with " \
-                              "mlp_t: plain path"
             cap = cuda_capability or (torch.cuda.get_device_capability() if device_type == 'cuda' else None)
             if cap and cap[0] < 8:
                 return 'off', (f"warning: kernels='cudnn' runs on GPUs of compute capability 8.0 or newer (cuDNN's "

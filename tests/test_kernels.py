@@ -299,6 +299,9 @@ AUTO_MLP_T = ("auto: mlp_t (GPU of compute capability 9.0, bfloat16): mlp_t's fu
     ('gated', 'cpu', 'bfloat16', True, None, True, True, 'off', "float32 only, not forward dtype bfloat16"),
     ('triton', 'cpu', 'float16', True, None, True, True, 'off', "float32 only, not forward dtype float16"),
     ('cudnn', 'cpu', 'bfloat16', False, None, True, True, 'cudnn', "Triton's interpreter on the CPU"),
+    # the model's misfit is said before the device's or the dtype's, which another try would only meet next
+    ('mlp_t', 'cpu', 'bfloat16', False, None, True, True, 'off', "fuses mlp_t, and this model mixes with attention"),
+    ('cudnn', 'cpu', 'float32', True, None, True, False, 'off', "runs attention through cuDNN, and this model mixes"),
     ('auto', 'cuda', 'bfloat16', False, (9, 0), True, False, 'off', "--kernels=cudnn tries cuDNN's attention"),
 ])
 def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, requested, kind, dtype, mlp_t, cap,
