@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import glob
 import json
+import netrc
 import numbers
 import os
 import re
@@ -19,6 +20,7 @@ import socket
 import sys
 import threading
 import time
+import urllib.parse
 
 import numpy as np
 
@@ -185,7 +187,7 @@ def start_wandb(cfg, local, run_id):
     unavailable = None
     if not offline:
         try:
-            if not wandb.api.api_key:
+            if not wandb_key_set():
                 raise RuntimeError("not logged in (wandb login, or WANDB_API_KEY)")
             import requests  # a quick look first: wandb.init itself waits long for a server that is not there
             requests.head(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai'), timeout=5)
@@ -202,6 +204,22 @@ def start_wandb(cfg, local, run_id):
         print(f"warning: W&B unavailable ({unavailable}); logging offline in {local}/wandb: "
               f"`wandb sync {local}/wandb/offline-run-*` uploads it later")
     return run
+
+
+def wandb_key_set():
+    """Whether W&B has an API key here: WANDB_API_KEY, or the .netrc entry of its server that `wandb login`
+    writes. Looked up without wandb, whose own lookup (wandb.api) is deprecated and warns at every call."""
+    if os.environ.get('WANDB_API_KEY'):
+        return True
+    server = urllib.parse.urlsplit(os.environ.get('WANDB_BASE_URL') or 'https://api.wandb.ai').netloc
+    files = [os.environ['NETRC']] if os.environ.get('NETRC') else ['~/.netrc', '~/_netrc']
+    for path in (os.path.expanduser(f) for f in files):
+        if os.path.exists(path):
+            try:
+                return netrc.netrc(path).authenticators(server) is not None
+            except (OSError, netrc.NetrcParseError):
+                return False
+    return False
 
 
 def wandb_log_safe(run, values, step):

@@ -229,14 +229,18 @@ def test_wandb_trouble_never_stops_a_run(toy, tmp_path, ranks, how):
     home = tmp_path / 'home'
     home.mkdir()
     env = dict(HOME=str(home), WANDB_MODE=None, WANDB_CONFIG_DIR=str(home / '.config'), WANDB_SILENT='true')
-    if how == 'server unreachable':
-        env.update(WANDB_API_KEY='0' * 40, WANDB_BASE_URL=f'http://127.0.0.1:{free_port()}')  # a closed port
+    if how == 'server unreachable':  # logged in as `wandb login` leaves it: the server's key in ~/.netrc
+        server = f'127.0.0.1:{free_port()}'  # a closed port
+        (home / '.netrc').write_text(f"machine {server}\n  login user\n  password {'0' * 40}\n")
+        (home / '.netrc').chmod(0o600)
+        env.update(WANDB_BASE_URL=f'http://{server}', WANDB_SILENT=None)
     args = [f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=8', '--wandb_log=True'] + FAST
     p = torchrun(ranks, args, env=env) if ranks > 1 else run(['train.py'] + args, env=env, check=False)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert 'W&B unavailable' in out and 'wandb sync' in out
     assert how != 'not logged in' or 'W&B unavailable (not logged in' in out, out[-3000:]
+    assert how == 'not logged in' or 'not logged in' not in out and 'deprecated' not in out, out[-3000:]
     assert 'step 8/8' in out and os.path.exists(tmp_path / 'o' / 'ckpt_00000008.pt')
     assert [d for d in os.listdir(tmp_path / 'o' / 'wandb') if d.startswith('offline-run-')]
 
