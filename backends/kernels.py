@@ -767,7 +767,13 @@ FORWARDS = dict(mlp_t=lambda block, h, rope: block_forward(block, h, rope, 'mlp_
 def fusable(block, which='triton'):
     """'' where `which`'s fused forward runs this block, else why not (no mlp_t to fuse, a sequence past what
     mlp_t's tile holds, an inner width the gated GEMMs' column tiles do not divide; for quack's, a width that is
-    no multiple of 8: its GEMMs read 16-byte rows)."""
+    no multiple of 8: its GEMMs read 16-byte rows; a module or tensor of the Block that they do not run)."""
+    # the fused forwards are model.py's Block as it stands: a fork's new module in it would be skipped, not run
+    others = [n for n, _ in block.named_children() if n not in ('mlp_t', 'self_attn', 'mlp')] + \
+        [n for n, _ in [*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)]]
+    if others:
+        return (f"the Block holds {', '.join(others)}, which backends/kernels.py's fused forwards do not run "
+                "(make them run it, or leave the kernels off)")
     if which == 'mlp_t' and not hasattr(block, 'mlp_t'):
         return "the model mixes the sequence with attention, not mlp_t"
     if which == 'cudnn':

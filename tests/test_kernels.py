@@ -316,6 +316,32 @@ def test_auto_picks_the_one_kernel_measured_faster_and_says_why(monkeypatch, req
     assert choice == want and why in text, (choice, text)
 
 
+FORKED_BLOCK = r'''
+import json
+import torch
+from device import use_kernels
+from model import TRM, TRMConfig
+
+# a fork's Block (docs/forking.md, a new mixer): a module the fused forwards do not know, zero-initialised as a new
+# residual branch often is, so that its output says nothing at the start
+model = TRM(TRMConfig(vocab_size=6, seq_len=16, num_puzzle_identifiers=1, hidden_size=64, num_heads=2,
+                      puzzle_emb_ndim=0, forward_dtype='float32'))
+for block in model.net.layers:
+    block.conv = torch.nn.Conv1d(64, 64, 3, padding=1, groups=64, bias=False)
+    torch.nn.init.zeros_(block.conv.weight)
+print(json.dumps({which: use_kernels(which, 'cpu', 'float32', model) for which in ('mlp_t', 'gated', 'triton')}))
+'''
+
+
+@needs_triton
+def test_a_block_holding_a_module_the_fused_forwards_do_not_run_falls_back_to_the_plain_path_in_one_line():
+    """A fork that adds a module to model.py's Block and leaves backends/kernels.py as it is: the fused forwards
+    would skip that module, so every kernels value runs the plain path and says which module."""
+    out = interpreted(FORKED_BLOCK)
+    for which, (got, why) in out.items():
+        assert got == 'off' and 'conv' in why and 'plain path' in why and '\n' not in why, (which, why)
+
+
 @needs_triton
 def test_train_says_its_kernels_on_the_first_line_and_a_forced_triton_falls_back_in_one_line(tmp_path):
     data = make_reverse_dataset(str(tmp_path / 'data'), n_train=64, n_test=8)
