@@ -12,6 +12,7 @@ puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its s
 done: the resume evaluates it first; 'final': it was the run's final one, the time budget's last step), and with a
 pooled ARC vote arc_pool.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -482,7 +483,10 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
     """The checkpoint at path against this run: it must have been saved with this run's `resume_fixed` keys
     and trained on data of this shape (its model and carry are bound to it), or every rank stops naming the
     difference. Rank 0 says the keys that did change."""
-    saved = ckpt['config']
+    # a model key the saving trainer did not have yet (a fork's new key) ran as its default: a new key keeps the old
+    # model by default (docs/forking.md), so another value is another model on the same weights
+    was = {f.name: f.default for f in dataclasses.fields(TRMConfig) if f.default is not dataclasses.MISSING}
+    saved = {**{k: was[k] for k in resume_fixed if k in was}, **ckpt['config']}
     changed = [k for k in resume_fixed if k in saved and saved[k] != cfg[k]]
     fail_together(dev, [f"{path} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}; this "
                         f"run has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep them: "

@@ -118,6 +118,22 @@ def test_resume_refuses_another_model_shape_or_batch_size_and_allows_a_lower_lr(
     assert 'lr: 0.002 -> 0.0001' in p.stdout and 'saved' in p.stdout
 
 
+
+def test_a_checkpoint_saved_before_a_model_key_existed_resumes_only_with_that_key_s_default(toy, tmp_path):
+    """A checkpoint of a trainer that had not the key yet (a fork's new model key, docs/forking.md; here
+    rms_norm_eps, at its default, taken out of its config) ran the key's default: a resume that sets another value
+    is refused in one line, as for a key it saved, not continued with another model on the same weights."""
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4', '--checkpoint_interval=4')
+    path = ckpt_paths(out)[-1]
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt['config']['rms_norm_eps']
+    torch.save(ckpt, path)
+    p = train(toy, out, '--init_from=resume', '--rms_norm_eps=0.001', check=False)
+    assert_user_error(p, 'rms_norm_eps=1e-05', 'rms_norm_eps=0.001')
+    p = train(toy, out, '--init_from=resume', '--max_steps=6')
+    assert 'resuming from' in p.stdout and 'saved' in p.stdout, p.stdout[-2000:]
+
 def test_resume_past_the_end_says_so(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
