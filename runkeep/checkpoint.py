@@ -510,6 +510,17 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
     """The checkpoint's weights, optimizer, data order and random state loaded; returns this rank's rows of
     the ACT carry. A file that loads but whose parts do not fit this model (edited, or another trainer's):
     named, and every rank stops."""
+    want, have = model.state_dict(), ckpt['model'] if isinstance(ckpt['model'], dict) else {}
+    other = [f"{k} {list(have[k].shape)} in the file, {list(want[k].shape)} here" for k in want
+             if torch.is_tensor(have.get(k)) and have[k].shape != want[k].shape][:3]
+    for what, keys in (('missing', [k for k in want if k not in have]),
+                       ('unexpected', [k for k in have if k not in want])):
+        if have and keys:
+            other.append(f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})")
+    # the same keys and data (check_resume), yet another model: the code that builds it changed since the save
+    fail_together(dev, [f"{path} holds the weights of another model than this code builds: {'; '.join(other)}. "
+                        "model.py changed since it was saved; the file is kept: resume with the code that saved "
+                        "it, or start a new run (another out_dir)"] if other else [], 'resume')
     try:
         if ema_model is not model:  # first: the puzzle embedding they share is the raw model's
             ema_model.load_state_dict(ckpt['ema'] or ckpt['model'])

@@ -83,3 +83,12 @@ def test_a_third_latent_is_a_change_to_model_py_alone(tmp_path, sudoku4, trained
     two = sorted(glob.glob(os.path.join(trained, 'ckpt_*.pt')))[-1]
     p = in_copy(repo, 'solve.py', f'--init_from={two}', f'--data_path={sudoku4}', '--index=0', check=False)
     assert_user_error(p, 'W_init')
+    # nor resumed into it: one line naming the key and the code that differs, never the advice to move the file
+    # aside (the run would then start from scratch), and the file kept
+    paper = tmp_path / 'paper'
+    shutil.copytree(trained, paper)
+    p = in_copy(repo, *(['train.py', f'--data_path={sudoku4}', f'--out_dir={paper}'] + SUDOKU), '--max_steps=6',
+                '--init_from=resume', check=False)
+    said = assert_user_error(p, 'W_init', 'model.py')
+    assert 'aside' not in said, said[-2000:]
+    assert sorted(os.listdir(paper)) == sorted(os.listdir(trained))
