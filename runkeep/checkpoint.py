@@ -331,10 +331,9 @@ def load_weights(path, model, ema_model, meta, data_path, adapt):
         sd = dict(sd, puzzle_emb=old.mean(0, dtype=torch.float64).to(old.dtype).expand(want).contiguous())
     try:
         load_into(model, sd)
-    except RuntimeError as e:
-        raise SystemExit(f"init_from={path}: not weights of this model ({' '.join(str(e).split())[:300]}); "
-                         "check hidden_size, mlp_t, pos_encodings, L_layers, puzzle_emb_ndim against the "
-                         "run that saved it")
+    except RuntimeError:  # which keys to check: the weights' shapes against the model's (the dataset's too)
+        raise SystemExit(mismatch_message(sd, model, model.config, path, f"this run's model keys and the dataset "
+                                          f"at {data_path}", False))
     load_into(ema_model, sd)
     if not why:
         return f"loaded weights from {path}"

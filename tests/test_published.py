@@ -156,7 +156,7 @@ def test_without_all_config_the_keys_are_the_config_s_as_before(table_run, tmp_p
     base = ['train.py', f'--data_path={table_run["data"]}', f'--init_from={tmp_path}/step_6', *EVAL]
     p = run(base + [f'--out_dir={tmp_path}/a'] + MODEL_FLAGS)
     assert 'all_config.yaml' not in p.stdout and eval_lines(p.stdout)
-    assert_user_error(run(base + [f'--out_dir={tmp_path}/b'], check=False), 'not weights of this model')
+    assert_user_error(run(base + [f'--out_dir={tmp_path}/b'], check=False), 'the weights do not fit the model')
 
 
 def test_a_checkpoint_of_train_py_beside_an_all_config_keeps_its_own_config(table_run, tmp_path):
@@ -251,6 +251,21 @@ def test_a_table_of_other_rows_than_the_dataset_s_is_refused(table_run, tmp_path
              f'--init_from={table_run["folder"]}/step_6', *EVAL], check=False)
     assert_user_error(p, f'init_from={table_run["folder"]}/step_6', 'puzzle_emb')
 
+
+
+def test_a_published_model_on_a_dataset_of_another_vocabulary_names_the_dataset(table_run, tmp_path):
+    """The model keys come from all_config.yaml; the vocabulary from the dataset: a dataset of 8 tokens for weights
+    of 6 is one line that says so and points at --data_path, not at model keys the user did not type."""
+    rng = np.random.default_rng(0)
+    root = str(tmp_path / 'vocab8')
+    for split in ('train', 'test'):
+        x = rng.integers(2, 8, (40, 8))
+        write_split(root, split, x, x[:, ::-1], rng.integers(1, 12, 40), np.arange(41), np.arange(41),
+                    vocab_size=8, num_puzzle_identifiers=12)
+    p = run(['train.py', f'--data_path={root}', f'--out_dir={tmp_path}/o',
+             f'--init_from={table_run["folder"]}/step_6', *EVAL], check=False)
+    said = assert_user_error(p, 'vocab_size=6 (here 8)', '--data_path', one_line=True)
+    assert '--hidden_size' not in said, said
 
 def test_a_model_without_puzzle_table_round_trips_and_solves_alike(trained, sudoku4, tmp_path):
     """No table (puzzle_emb_ndim 0, the quick start's): the reference has no puzzle_emb then, and no prefix

@@ -153,7 +153,7 @@ def test_init_from_files_that_are_not_checkpoints_of_this_model(toy, tmp_path):
     train(toy, tmp_path / 'c', '--max_steps=4', '--checkpoint_interval=4')
     other = ckpt_paths(tmp_path / 'c')[0]
     p = train(toy, tmp_path / 'd', f'--init_from={other}', '--hidden_size=64', '--max_steps=2', check=False)
-    assert_user_error(p, 'not weights of this model', 'hidden_size')
+    assert_user_error(p, 'the weights do not fit the model', 'hidden_size=32 (here 64)', '--hidden_size')
     p = train(toy, tmp_path / 'e', f'--init_from={tmp_path}/missing.pt', '--max_steps=2', check=False)
     assert_user_error(p, 'missing.pt')
 
