@@ -31,7 +31,11 @@ tests check them on a machine without a GPU (in float32: the interpreter has no 
 This file imports triton: import it only where a kernels value other than 'off' was chosen (a CPU wheel of torch
 has no triton).
 """
+import ast
+import hashlib
+import inspect
 import os
+import textwrap
 
 import torch
 import triton
@@ -764,16 +768,46 @@ FORWARDS = dict(mlp_t=lambda block, h, rope: block_forward(block, h, rope, 'mlp_
                 triton=block_forward)
 
 
+# The fused forwards compute model.py's Block again, each in its own way: its tensors and the code below. A fork
+# that gives the Block another tensor or module, or edits that code, changes the function they must equal; until
+# they follow, the block runs the plain path (fusable says why). PLAIN_PATH is the fingerprint of the code the
+# kernels were written for and checked against (tests/test_kernels.py): to change one is to change the other.
+PLAIN_TENSORS = {'mlp_t.gate_up_proj.weight', 'mlp_t.down_proj.weight', 'self_attn.qkv_proj.weight',
+                 'self_attn.o_proj.weight', 'mlp.gate_up_proj.weight', 'mlp.down_proj.weight'}
+PLAIN_PATH = 'f3091bcba43ca87d'
+
+
+def plain_path(block):
+    """The fingerprint of the code block's plain forward runs: Block.forward and mix_sequence, SwiGLU's and
+    CastedLinear's forwards, rms_norm; their syntax, without comments, docstrings and layout."""
+    parts = []
+    for fn in (type(block).forward, type(block).mix_sequence, type(block.mlp).forward,
+               type(block.mlp.gate_up_proj).forward, rms_norm):
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+        body = node.body[1:] if isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant) \
+            else node.body
+        parts.append(ast.dump(node.args) + ''.join(ast.dump(n) for n in body))
+    return hashlib.sha256('\n'.join(parts).encode()).hexdigest()[:16]
+
+
 def fusable(block, which='triton'):
-    """'' where `which`'s fused forward runs this block, else why not (no mlp_t to fuse, a sequence past what
-    mlp_t's tile holds, an inner width the gated GEMMs' column tiles do not divide; for quack's, a width that is
-    no multiple of 8: its GEMMs read 16-byte rows; a module or tensor of the Block that they do not run)."""
-    # the fused forwards are model.py's Block as it stands: a fork's new module in it would be skipped, not run
+    """'' where `which`'s fused forward runs this block, else why not (a tensor, module or code of the Block that
+    they do not compute; no mlp_t to fuse, a sequence past what mlp_t's tile holds, an inner width the gated
+    GEMMs' column tiles do not divide; for quack's, a width that is no multiple of 8: its GEMMs read 16-byte
+    rows)."""
     others = [n for n, _ in block.named_children() if n not in ('mlp_t', 'self_attn', 'mlp')] + \
-        [n for n, _ in [*block.named_parameters(recurse=False), *block.named_buffers(recurse=False)]]
+        sorted({n for n, _ in [*block.named_parameters(), *block.named_buffers()]} - PLAIN_TENSORS)
     if others:
         return (f"the Block holds {', '.join(others)}, which backends/kernels.py's fused forwards do not run "
                 "(make them run it, or leave the kernels off)")
+    try:
+        fingerprint = plain_path(block)
+    except (OSError, TypeError, SyntaxError) as e:  # no source to read (a frozen or interactive model)
+        fingerprint = f'unreadable ({e})'
+    if fingerprint != PLAIN_PATH:
+        return (f"model.py's Block code (its forward or mix_sequence, SwiGLU's or CastedLinear's forward, rms_norm: "
+                f"fingerprint {fingerprint}) is not what backends/kernels.py's fused forwards compute ({PLAIN_PATH}): "
+                "make them follow it and set PLAIN_PATH, or leave the kernels off")
     if which == 'mlp_t' and not hasattr(block, 'mlp_t'):
         return "the model mixes the sequence with attention, not mlp_t"
     if which == 'cudnn':

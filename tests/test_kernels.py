@@ -320,26 +320,47 @@ FORKED_BLOCK = r'''
 import json
 import torch
 from device import use_kernels
-from model import TRM, TRMConfig
+from model import TRM, TRMConfig, Block, rms_norm
+
+
+def model(**kw):
+    return TRM(TRMConfig(vocab_size=6, seq_len=16, num_puzzle_identifiers=1, hidden_size=64, num_heads=2,
+                         puzzle_emb_ndim=0, forward_dtype='float32', **kw))
+
+
+class PreNorm(Block):  # a fork's edit of Block.forward alone: pre-norm, the same tensors
+    def forward(self, h, rope):
+        h = h + self.mix_sequence(rms_norm(h, self.eps))
+        return h + self.mlp(rms_norm(h, self.eps))
+
 
 # a fork's Block (docs/forking.md, a new mixer): a module the fused forwards do not know, zero-initialised as a new
-# residual branch often is, so that its output says nothing at the start
-model = TRM(TRMConfig(vocab_size=6, seq_len=16, num_puzzle_identifiers=1, hidden_size=64, num_heads=2,
-                      puzzle_emb_ndim=0, forward_dtype='float32'))
-for block in model.net.layers:
+# residual branch often is, so that its output says nothing at the start; a bias in the channel SwiGLU; Block's
+# forward edited; and the Block as it is
+forks = dict(module=model(), bias=model(), forward=model(), none=model(), attention=model(mlp_t=False))
+for block in forks['module'].net.layers:
     block.conv = torch.nn.Conv1d(64, 64, 3, padding=1, groups=64, bias=False)
     torch.nn.init.zeros_(block.conv.weight)
-print(json.dumps({which: use_kernels(which, 'cpu', 'float32', model) for which in ('mlp_t', 'gated', 'triton')}))
+for block in forks['bias'].net.layers:
+    block.mlp.down_proj.bias = torch.nn.Parameter(torch.zeros(64))
+for block in forks['forward'].net.layers:
+    block.__class__ = PreNorm
+print(json.dumps({name: {which: use_kernels(which, 'cpu', 'float32', m) for which in ('mlp_t', 'gated', 'triton')}
+                  for name, m in forks.items()}))
 '''
 
 
 @needs_triton
-def test_a_block_holding_a_module_the_fused_forwards_do_not_run_falls_back_to_the_plain_path_in_one_line():
-    """A fork that adds a module to model.py's Block and leaves backends/kernels.py as it is: the fused forwards
-    would skip that module, so every kernels value runs the plain path and says which module."""
+def test_a_block_with_a_tensor_module_or_code_the_fused_forwards_do_not_compute_runs_the_plain_path_in_one_line():
+    """A fork that changes model.py's Block (a new module, a bias, an edited forward) and leaves backends/kernels.py
+    as it is: the fused forwards would compute the old Block, so every kernels value runs the plain path and says
+    why; the Block as it is fuses (its code is the one the kernels were written for: PLAIN_PATH)."""
     out = interpreted(FORKED_BLOCK)
-    for which, (got, why) in out.items():
-        assert got == 'off' and 'conv' in why and 'plain path' in why and '\n' not in why, (which, why)
+    for fork, said in (('module', 'conv'), ('bias', 'mlp.down_proj.bias'), ('forward', 'PLAIN_PATH')):
+        for which, (got, why) in out[fork].items():
+            assert got == 'off' and said in why and 'plain path' in why and '\n' not in why, (fork, which, why)
+    assert [got for got, _ in out['none'].values()] == ['mlp_t', 'gated', 'triton'], out['none']
+    assert [got for got, _ in out['attention'].values()] == ['off', 'gated', 'triton'], out['attention']
 
 
 @needs_triton
