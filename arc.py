@@ -18,8 +18,13 @@ from evaluate import at_first, view_counts, wilson_interval
 
 PASS_AT = (1, 2, 5, 10, 100, 1000)  # the reference's K of pass@K (capped at the views a test input has)
 ARC_MODES = ('last', 'q_halt')      # the answer after the last step; where q_halt first said stop
-CONFIDENCE_ONE = 2 ** 53            # a confidence is counted in units of 2^-53 (float64's step below 1):
-                                    # integers, so their sums are exact, whatever the order they come in
+CONFIDENCE_BITS = 117               # a confidence is counted in units of 2^-117: integers, so their sums are
+CONFIDENCE_ONE = 2 ** CONFIDENCE_BITS  # exact whatever the order they come in, and one down to 2^-64 (a q_halt
+                                    # logit of -44) keeps float64's 53 bits, as the reference's float64 sum
+                                    # does: a coarser fixed step ties small confidences that the reference ranks
+POOL_V1_BITS = 53                   # the unit of a pool whose checkpoint holds the columns 'high' and 'low'
+LIMB = 48                           # a pool's summed confidence in three int64 columns of 48 bits each (the
+                                    # top one holds up to 2^42 votes of confidence 1)
 
 
 def answer_key(grid):
@@ -186,7 +191,7 @@ class ARCVotes:
         tokens, confidence [B] in [0, 1] (float64)."""
         tally = self.tally[mode]
         confidence = np.asarray(confidence, np.float64)
-        units = np.rint(confidence * CONFIDENCE_ONE).astype(np.int64).tolist()
+        units = [int(u) for u in np.rint(np.ldexp(confidence, CONFIDENCE_BITS))]  # Python ints: no overflow
         for r, a, c, f in zip(np.asarray(rows).tolist(), answers, units, confidence):
             if r < 0:
                 continue
@@ -318,8 +323,8 @@ class ARCVotes:
     def pool_state(self):
         """{'arc_pool': the pool} for a checkpoint ({} without pooling): the answers' bytes end to end (zlib:
         grids of few colours shrink many times) and, per entry, its test input, its answer's length, votes,
-        summed confidence (two int64 halves), lowest view and first evaluation: 36 bytes and the answer's
-        h x w + 2 bytes compressed per distinct answer of a test input."""
+        summed confidence (three int64 columns of LIMB bits), lowest view and first evaluation: 44 bytes and the
+        answer's h x w + 2 bytes compressed per distinct answer of a test input."""
         if not self.pooling:
             return {}
         inputs = list(self.pool)
@@ -331,21 +336,28 @@ class ARCVotes:
             steps=list(self.pool_steps), tasks=[t for t, _ in inputs],
             test_index=column([i for _, i in inputs]), input=column(j), length=column(list(map(len, answers))),
             answers=torch.from_numpy(np.frombuffer(blob, np.uint8).copy()), count=column(count),
-            high=column([t >> 32 for t in total], np.int64), low=column([t & 0xFFFFFFFF for t in total], np.int64),
+            **{f'confidence{i}': column([(t >> (LIMB * i)) & ((1 << LIMB) - 1) if i < 2 else t >> (LIMB * i)
+                                         for t in total], np.int64) for i in range(3)},
             view=column(view), first=column(first))}
 
     def restore(self, state):
         """The pool a checkpoint carried (pool_state's 'arc_pool', or kept_rows' numpy copy of it; None: none), with
-        pooling on."""
+        pooling on; one with the columns 'high' and 'low' (summed in units of 2^-53) is read in its unit."""
         if not self.pooling or not state:
             return
         inputs = list(zip(map(str, state['tasks']), state['test_index'].tolist()))
         blob = zlib.decompress(np.asarray(state['answers']).tobytes())
         ends = np.cumsum(np.asarray(state['length'])).tolist()
         self.pool, self.pool_steps = {}, list(map(int, state['steps']))
-        columns = zip(*(state[k].tolist() for k in ('input', 'count', 'high', 'low', 'view', 'first')))
-        for start, end, (j, c, high, low, v, f) in zip([0] + ends, ends, columns):
-            self.pool.setdefault(inputs[j], {})[blob[start:end]] = [c, (high << 32) | low, v, f]
+        if 'confidence0' in state:
+            limbs = [state[f'confidence{i}'].tolist() for i in range(3)]
+            total = [sum(x << (LIMB * i) for i, x in enumerate(t)) for t in zip(*limbs)]
+        else:
+            old = zip(state['high'].tolist(), state['low'].tolist())
+            total = [((high << 32) | low) << (CONFIDENCE_BITS - POOL_V1_BITS) for high, low in old]
+        columns = zip(*(state[k].tolist() for k in ('input', 'count', 'view', 'first')), total)
+        for start, end, (j, c, v, f, t) in zip([0] + ends, ends, columns):
+            self.pool.setdefault(inputs[j], {})[blob[start:end]] = [c, t, v, f]
 
 
 def stored_views_problem(views, puzzles, split, kind, where):

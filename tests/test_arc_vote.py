@@ -203,6 +203,39 @@ def test_an_empty_crop_with_more_votes_leads_as_in_the_reference():
     assert votes.submission()['a'] == [dict(attempt_1=[[0]], attempt_2=RIGHT.tolist())]
 
 
+def test_small_confidences_rank_as_the_reference_ranks_them_and_the_pool_keeps_them():
+    """Answers of equal votes rank by mean sigmoid(q_halt), however small: the reference sums float64 confidences,
+    whose relative precision holds at any size, so a q_halt logit of -30 outranks -40, and -30 the float32 just
+    below it, where a fixed step of 2^-53 made both of each pair the same (0 below a logit of about -37): a tie,
+    which the lowest view (the wrong answer here) won. A checkpoint's pool keeps them apart too."""
+    below = float(np.nextafter(np.float32(-30.0), np.float32(-31.0)))
+    rows = [(0, 0, WRONG, -40.0), (0, 1, RIGHT, -30.0), (1, 0, WRONG, below), (1, 1, RIGHT, -30.0)]
+    n = len(rows)
+    views = dict(tasks=np.array(['a']), task=np.zeros(n, np.int32), test_index=np.array([r[0] for r in rows]),
+                 view=np.array([r[1] for r in rows]), dihedral=np.zeros(n, np.uint8),
+                 colours=np.tile(np.arange(10, dtype=np.uint8), (n, 1)))
+    puzzles = {'a': dict(train=[], test=[dict(input=[[0]], output=RIGHT.tolist())] * 2)}
+    votes = ARCVotes(KIND, views, puzzles, pooling=True)
+    votes.start()
+    logits = torch.tensor([r[3] for r in rows])
+    votes.read(Device('cpu'), torch.from_numpy(np.stack([KIND.to_canvas(r[2]) for r in rows])).long()[None],
+               logits[None], torch.zeros(n, dtype=torch.long), np.arange(n), torch.zeros(1))
+    res = votes.results(pool_at=1)
+    assert res['arc_pass@1'] == 1.0 and res['arc_pooled_pass@1'] == 1.0, res
+    resumed = ARCVotes(KIND, views, puzzles, pooling=True)
+    resumed.restore(votes.pool_state()['arc_pool'])
+    assert resumed.votes('pooled') == votes.votes('pooled')
+    assert resumed.score(pooled=True)['pooled']['pass@1'] == 1.0
+    # a checkpoint of an earlier trainer: the sums in units of 2^-53, in two int64 halves, read in that unit
+    state = {k: v for k, v in votes.pool_state()['arc_pool'].items() if not k.startswith('confidence')}
+    sums = [round(e[1] / 2 ** 64) for per in votes.pool.values() for e in per.values()]
+    state.update(high=torch.tensor([t >> 32 for t in sums]), low=torch.tensor([t & 0xFFFFFFFF for t in sums]))
+    earlier = ARCVotes(KIND, views, puzzles, pooling=True)
+    earlier.restore(state)
+    got = [e for per in earlier.votes('pooled').values() for e in per.values()]
+    assert [c for c, _ in got] == [1] * 4 and [s for _, s in got] == [t / 2 ** 53 for t in sums]
+
+
 # -----------------------------------------------------------------------------
 # the ARC Prize's score (per test output) beside the reference's (per task); test inputs without a solution
 
