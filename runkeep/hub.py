@@ -256,7 +256,8 @@ def fetch_file(repo, revision, path, uri, optional=False):
     # the hub's word that a commit has no such file: a hub out of reach later cannot tell it from a file never fetched
     absent = cached(revision) + '.absent'
     if COMMIT_RE.fullmatch(revision) and os.path.isfile(cached(revision)):
-        return cached(revision), revision
+        if not corrupt(cached(revision)):
+            return cached(revision), revision  # else the hub is asked for it, which says so
     if optional and os.path.isfile(absent):
         return None, None
     endpoint, url = constants.ENDPOINT, hf_hub_url(repo, path, revision=revision)
@@ -294,6 +295,9 @@ def fetch_file(repo, revision, path, uri, optional=False):
                  + (f"HF_HUB_OFFLINE is set: {then}" if offline else
                     f"{endpoint} did not answer for it ({short(e)}): rerun once it does"))
         if os.path.isfile(cached(commit)):
+            if bad := corrupt(cached(commit)):
+                fail(f"init_from={uri}: {bad}, and {why}: "
+                     + ('unset HF_HUB_OFFLINE to fetch it again' if offline else 'rerun once the hub answers'))
             print(f"warning: {why}: using the copy of {path} cached from commit {commit[:12]} of {revision!r}")
             return cached(commit), commit
         fail(f"init_from={uri}: {why} and {path} is not cached in {folder}: {then}")
@@ -307,7 +311,39 @@ def fetch_file(repo, revision, path, uri, optional=False):
     dest = cached(meta.commit_hash)
     if not (os.path.isfile(dest) and meta.size in (None, os.path.getsize(dest))):
         download(meta, url, dest, f"hf://{repo}@{meta.commit_hash[:12]}/{path}", uri)
+    elif bad := corrupt(dest, announced(meta)):
+        print(f"warning: {bad}: fetching it again", flush=True)
+        download(meta, url, dest, f"hf://{repo}@{meta.commit_hash[:12]}/{path}", uri)
     return dest, meta.commit_hash
+
+
+def announced(meta):
+    """The sha256 the hub announces for a file it keeps in LFS (its ETag), or None (a file in git: a sha1)."""
+    return meta.etag if meta.etag and re.fullmatch(r'[0-9a-f]{64}', meta.etag) else None
+
+
+def sha256(path):
+    import hashlib
+    with open(path, 'rb') as f:
+        return hashlib.file_digest(f, 'sha256').hexdigest()
+
+
+def corrupt(path, expected=None):
+    """Why the cached file at `path` is not the file it was downloaded as, in words, or None: its sha256 against
+    `expected` (the hub's word), else against the one recorded beside it when it was downloaded (none recorded:
+    nothing to tell). A file that matches gets the record, so that a later run offline can tell too."""
+    record = path + '.sha256'
+    recorded = open(record).read().strip() if os.path.isfile(record) else None
+    whose = 'the hub announces' if expected else 'recorded when it was downloaded'
+    expected = expected or recorded
+    if expected is None:
+        return None
+    if (got := sha256(path)) != expected:
+        return f"the cached copy {path} has sha256 {got[:12]}..., not the {expected[:12]}... {whose}: it is corrupt"
+    if recorded != got:
+        with contextlib.suppress(OSError), open(record, 'w') as f:  # a cache shared read-only: nothing to record
+            f.write(got)
+    return None
 
 
 def short(e, limit=160):
@@ -339,7 +375,9 @@ class LineProgress:
 
 def download(meta, url, dest, name, uri):
     """The file into dest through dest.incomplete, which a later run resumes from (one process at a time: a
-    lock beside it); its bytes counted against the size the hub announced."""
+    lock beside it); its bytes counted against the size the hub announced, and checked against the sha256 it
+    announces for an LFS file. Its sha256 is recorded beside it (dest.sha256): a run that asks the hub nothing
+    (a pinned commit, offline) checks the copy against it."""
     import httpx2
     from filelock import FileLock
     from huggingface_hub import constants, utils as hf_utils
@@ -348,7 +386,8 @@ def download(meta, url, dest, name, uri):
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     part = dest + '.incomplete'
     with FileLock(dest + '.lock'):
-        if os.path.isfile(dest) and meta.size in (None, os.path.getsize(dest)):
+        whole = os.path.isfile(dest) and meta.size in (None, os.path.getsize(dest))
+        if whole and not corrupt(dest, announced(meta)):
             return  # another process of this run fetched it meanwhile
         have = os.path.getsize(part) if os.path.isfile(part) else 0
         have = have if meta.size is None or have <= meta.size else 0
@@ -382,7 +421,21 @@ def download(meta, url, dest, name, uri):
             print(f"stopped by SIGINT: the download of {name} stopped at {got / 1e6:.1f} MB of {size}; the same "
                   "command resumes it", file=sys.stderr)
             raise SystemExit(128 + signal.SIGINT)
-        os.replace(part, dest)
+        got = sha256(part)
+        if announced(meta) not in (None, got):
+            os.remove(part)
+            words = f"has sha256 {got[:12]}..., not the {announced(meta)[:12]}... the hub announces"
+            if not have:
+                fail(f"init_from={uri}: the download of {name} {words}; removed: rerun to fetch it again")
+            # the bytes kept from before were damaged on disk: once more, from the start
+            print(f"warning: the download of {name}, resumed after {have / 1e6:.1f} MB, {words}: fetching it "
+                  "again from the start", flush=True)
+        else:
+            with open(dest + '.sha256', 'w') as f:
+                f.write(got)
+            os.replace(part, dest)
+            return
+    download(meta, url, dest, name, uri)
 
 
 # -----------------------------------------------------------------------------

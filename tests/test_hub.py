@@ -563,3 +563,45 @@ def test_ctrl_c_in_a_publish_is_one_line_and_the_same_command_then_publishes(hub
 
     p = run(cmd[1:], env=dict(hub, HF_TOKEN=TOKEN))
     assert "toy/step_6" in repo['commits'][repo['branches']['main']], p.stdout
+
+
+def test_a_corrupt_cached_copy_is_fetched_again_never_used(hub, table_run, tmp_path, refused):
+    """A cached copy whose bytes differ from the sha256 the hub announces for its LFS file (a bit flipped on disk,
+    a copy written over by hand), the size unchanged: online, it is fetched again, said in one line; out of reach
+    or offline, the run stops in one line naming the file, never loads other weights as the published ones. A copy
+    pinned to a commit (which asks the hub nothing) is checked against the sha256 the download recorded."""
+    publish_to(hub, table_run, '--private=False')
+    commit = FakeHub.repos['alice/trm-toy']['branches']['main']
+    uri, pinned = 'hf://alice/trm-toy/toy/step_6', f'hf://alice/trm-toy@{commit}/toy/step_6'
+    good = evaluate(hub, table_run, tmp_path / 'a', uri)
+    cached = os.path.join(hub['TRM_HUB_CACHE'], 'alice--trm-toy', commit, 'toy', 'step_6')
+    whole = open(cached, 'rb').read()
+
+    def corrupt():  # the same size: bytes of the weights (the file's last 1000 are the zip's directory) flipped
+        with open(cached, 'r+b') as f:
+            f.seek(len(whole) - 3000)
+            f.write(bytes(b ^ 0xFF for b in whole[-3000:-2000]))
+    for env in (dict(HF_ENDPOINT=refused), dict(HF_HUB_OFFLINE='1')):
+        with open(cached, 'wb') as f:
+            f.write(whole)
+        p = evaluate(hub, table_run, tmp_path / 'b', uri, env=env)  # the good copy: used, said
+        assert 'warning: ' in p.stdout and eval_lines(p.stdout) == eval_lines(good.stdout)
+        corrupt()
+        p = evaluate(hub, table_run, tmp_path / 'b', uri, check=False, env=env)
+        assert_user_error(p, cached, 'sha256', one_line=True)
+    corrupt()
+    assert_user_error(evaluate(hub, table_run, tmp_path / 'b', pinned, check=False, env=dict(HF_HUB_OFFLINE='1')),
+                      cached, 'sha256', one_line=True)
+    p = evaluate(hub, table_run, tmp_path / 'c', uri)
+    assert 'sha256' in p.stdout and 'downloading' in p.stdout and len(gets('/cdn/')) == 2
+    assert open(cached, 'rb').read() == whole and eval_lines(p.stdout) == eval_lines(good.stdout)
+    corrupt()
+    p = evaluate(hub, table_run, tmp_path / 'd', pinned)
+    assert 'sha256' in p.stdout and len(gets('/cdn/')) == 3 and eval_lines(p.stdout) == eval_lines(good.stdout)
+    # an interrupted download whose kept bytes were damaged since: resumed, found wrong, fetched from the start
+    os.remove(cached)
+    with open(cached + '.incomplete', 'wb') as f:
+        f.write(bytes(b ^ 0xFF for b in whole[:len(whole) // 2]))
+    p = evaluate(hub, table_run, tmp_path / 'e', uri)
+    assert 'resuming after' in p.stdout and 'again from the start' in p.stdout and len(gets('/cdn/')) == 5
+    assert open(cached, 'rb').read() == whole and eval_lines(p.stdout) == eval_lines(good.stdout)
