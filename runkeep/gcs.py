@@ -182,7 +182,7 @@ class GCS:
         """Call attempt(auth_headers) until it returns; retry connection errors, 408/429/5xx and _Transient (a
         token not had for now among them); refresh the token once on 401; fail at once on other statuses.
         watch: a long attempt is a wait worth announcing (not so for a transfer, whose attempts take long when
-        all is well). wanted: a callable asked before each retry; False ends the retries with Gone."""
+        all is well). wanted: a callable asked while a retry waits; False ends the retries with Gone."""
         refreshed, refresh, err, t0, i = False, False, None, time.time(), 0
         while True:
             try:
@@ -204,9 +204,7 @@ class GCS:
             if i == self.retries:
                 break
             delay = min(self.max_backoff, self.backoff * 2 ** i)
-            self._sleep(what, delay * random.uniform(0.5, 1.0))  # jitter: not in lockstep with other hosts
-            if wanted is not None and not wanted():
-                raise Gone(f"GCS {what} given up: not wanted any more")
+            self._sleep(what, delay * random.uniform(0.5, 1.0), wanted)  # jitter: not in lockstep with other hosts
             i += 1
         raise GCSError(f"GCS {what} failed after {self.retries + 1} attempts: {err}",
                        getattr(err, "status", None))
@@ -244,12 +242,17 @@ class GCS:
             raise box["error"]
         return box["value"]
 
-    def _sleep(self, what, seconds):
-        """time.sleep(seconds), ended by a stop request."""
+    def _sleep(self, what, seconds, wanted=None):
+        """time.sleep(seconds), ended by a stop request, and (Gone) once `wanted` says no: a pruned checkpoint's
+        retry gives way to the newer one at once, not after its wait."""
         end = time.time() + seconds
-        while time.time() < end:
+        while True:
             if self.stop is not None and self.stop():
                 raise Stopped(f"a stop was requested while waiting for GCS {what}")
+            if wanted is not None and not wanted():
+                raise Gone(f"GCS {what} given up: not wanted any more")
+            if time.time() >= end:
+                return
             time.sleep(max(0.0, min(0.1, end - time.time())))
 
     def upload(self, local_path, uri):

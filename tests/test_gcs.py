@@ -299,6 +299,23 @@ def test_an_upload_retried_through_an_outage_ends_once_its_file_is_pruned(emu, p
     assert 'failed' not in capfd.readouterr().err
 
 
+def test_a_file_pruned_while_its_upload_waits_to_retry_gives_way_at_once(emu, proxy, tmp_path):
+    # the prune lands while the retries of a pruned checkpoint wait (up to max_backoff, 32 s by default): the newer
+    # checkpoint goes once the bucket answers, not after that wait, which a stop's bounded wait for the uploads
+    # (or a VM lost meanwhile) would leave the bucket without it
+    out = f'gs://{BUCKET}/pruned-waiting'
+    up = gcs.Uploader(client=gcs.GCS(endpoint=proxy.url, backoff=600, max_backoff=600))
+    old = _write(tmp_path / 'ckpt_00000002.pt', b'2')
+    proxy.refusing = True
+    up.submit(old, f'{out}/ckpt_00000002.pt')
+    assert _until(lambda: proxy.refused)  # its first try refused: its retry waits 300 s or more
+    os.remove(old)
+    up.submit(_write(tmp_path / 'ckpt_00000004.pt', b'4'), f'{out}/ckpt_00000004.pt')
+    proxy.refusing = False
+    assert up.wait(timeout=60) and up.failures == 0
+    assert [u for u, _ in gcs.list_objects(f'{out}/')] == [f'{out}/ckpt_00000004.pt']
+
+
 def test_a_file_pruned_as_its_upload_opens_it_is_a_skip_not_a_failure(emu, tmp_path, capfd):
     # the prune (on the training thread) lands after the uploader saw the file and before the upload opened it
     class PrunedAtOpen(gcs.GCS):
