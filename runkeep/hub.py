@@ -15,6 +15,7 @@ login`) the identity. The cache is TRM_HUB_CACHE (default ~/.cache/trm_hub).
 Nothing here imports torch at import time: train.py resolves init_from before its config checks.
 """
 import contextlib
+import hashlib
 import math
 import os
 import posixpath
@@ -323,9 +324,11 @@ def announced(meta):
 
 
 def sha256(path):
-    import hashlib
+    h = hashlib.sha256()
     with open(path, 'rb') as f:
-        return hashlib.file_digest(f, 'sha256').hexdigest()
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def corrupt(path, expected=None):
