@@ -335,8 +335,10 @@ def corrupt(path, expected=None):
     """Why the cached file at `path` is not the file it was downloaded as, in words, or None: its sha256 against
     `expected` (the hub's word), else against the one recorded beside it when it was downloaded (none recorded:
     nothing to tell). A file that matches gets the record, so that a later run offline can tell too."""
-    record = path + '.sha256'
-    recorded = open(record).read().strip() if os.path.isfile(record) else None
+    record, recorded = path + '.sha256', None
+    if os.path.isfile(record):
+        with open(record) as f:
+            recorded = f.read().strip()
     whose = 'the hub announces' if expected else 'recorded when it was downloaded'
     expected = expected or recorded
     if expected is None:
