@@ -16,6 +16,7 @@ Nothing here imports torch at import time: train.py resolves init_from before it
 """
 import contextlib
 import hashlib
+import importlib
 import math
 import os
 import posixpath
@@ -51,6 +52,18 @@ CACHED_RE = re.compile(r'(?:^|/)(?P<owner>[^/]+?)--(?P<name>[^/]+)/(?P<commit>[0
 COMMIT_RE = re.compile(r'[0-9a-f]{40}')
 
 
+def need_packages(*modules, purpose):
+    """One line where a package of requirements.txt that `purpose` imports is missing (a machine that installed
+    only torch and its own few, as a TPU VM's bare pip line does) rather than an import's traceback."""
+    pip_names = dict(yaml='PyYAML')
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            fail(f"{purpose} needs the {pip_names.get(module, module)} package, which does not import here ({e}): "
+                 "pip install -r requirements.txt")
+
+
 # -----------------------------------------------------------------------------
 # all_config.yaml <-> train.py's keys
 
@@ -62,6 +75,7 @@ def all_config_beside(path):
 
 def read_all_config(path):
     """all_config.yaml as a dict; a file that is not YAML of a mapping is one line naming it."""
+    need_packages('yaml', purpose=f"reading {path}")
     import yaml
     try:
         with open(path) as f:
@@ -235,6 +249,7 @@ def fetch(uri):
     """The local copy of the file at an hf:// URI, and beside it the all_config.yaml of the same commit when
     the repository has one. A file already in the cache for the revision's commit is not downloaded again;
     an interrupted download resumes where it stopped (this process's retries, or a later run)."""
+    need_packages('huggingface_hub', 'yaml', purpose=uri)
     m = HUB_RE.match(uri)
     repo, revision, path = m['repo'], urllib.parse.unquote(m['rev'] or 'main'), m['path'].strip('/')
     local, commit = fetch_file(repo, revision, path, uri)
@@ -598,6 +613,7 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     refused (folder_problem); every file is written into folder/.publishing first and renamed into place once
     all are whole, so a failed write (a full disk, a file-size limit) leaves the folder as it was, and no folder
     where there was none. Each refusal and failure is one line."""
+    need_packages('yaml', purpose='a published folder (all_config.yaml)')
     import yaml
     from .checkpoint import CheckpointError, save_atomic
     cfg, step = ckpt['config'], ckpt['step']
@@ -646,6 +662,7 @@ def upload(paths, repo, path_in_repo, revision='main', private=True, message='',
     """The files committed to a hub repository (created, private unless said otherwise, when it does not exist)
     under path_in_repo; returns the commit's id. run_id: the checkpoint's, which says whether a path_in_repo
     that holds steps holds this run's (same_run). A refusal of the hub is one line."""
+    need_packages('huggingface_hub', 'yaml', purpose=f"uploading to the hub repository {repo}")
     import tempfile
     import yaml
     from huggingface_hub import CommitOperationAdd, HfApi, constants

@@ -387,6 +387,20 @@ def test_what_is_missing_or_out_of_reach_is_one_line(hub, table_run, tmp_path, r
     assert not gets('/cdn/')
 
 
+def test_a_missing_hub_package_is_one_line_naming_the_install(hub, table_run, tmp_path):
+    # a TPU VM whose pip line installed torch, torch_xla and a few more, not requirements.txt
+    def without(*modules):
+        return site_hook(tmp_path / '_'.join(modules), ''.join(f'sys.modules[{m!r}] = None\n' for m in modules))
+    uri = 'hf://alice/trm-toy/toy/step_6'
+    for module, package in (('huggingface_hub', 'huggingface_hub'), ('yaml', 'PyYAML')):
+        p = evaluate(hub, table_run, tmp_path / 'o', uri, check=False, env=without(module))
+        assert_user_error(p, f'{uri} needs the {package} package', 'pip install -r requirements.txt', one_line=True)
+    p = run(['publish.py', f"--init_from={table_run['ckpt']}", '--repo=alice/trm-toy', '--path_in_repo=toy'],
+            env=dict(hub, HF_TOKEN=TOKEN, **without('yaml')), check=False)
+    assert_user_error(p, 'needs the PyYAML package', 'pip install -r requirements.txt', one_line=True)
+    assert not FakeHub.repos
+
+
 def test_a_model_config_the_hub_did_not_answer_for_is_not_taken_for_none(hub, table_run, tmp_path, refused):
     """all_config.yaml gives the model keys of the checkpoint beside it: where the hub does not answer for it (a
     server error, out of reach, HF_HUB_OFFLINE) and no copy is cached, the run stops in one line naming it, not

@@ -99,8 +99,9 @@ def variants(name):
 
 
 TRAINS = dict(command='python train.py', strategy='FAILOVER', nodes=1)
+TPU_SETUP = 'pip install -r requirements.txt "torch_xla[tpu]==2.9.0"'  # the trainer's packages (hub, YAML) too
 EXPECTED = {
-    'tpu-pod.yaml': dict(TRAINS, tpu='v4-32', variants={'as written', 'v5e', 'v6e'}, setup='torch_xla[tpu]==2.9.0'),
+    'tpu-pod.yaml': dict(TRAINS, tpu='v4-32', variants={'as written', 'v5e', 'v6e'}, setup=TPU_SETUP),
     'tpu-torchtpu.yaml': dict(TRAINS, tpu='v6e-8', variants={'as written'}, setup='requirements-torchtpu.txt',
                               command='python train.py $CONFIG --device=tpu'),
     'gpu.yaml': dict(TRAINS, gpus=1, strategy='EAGER_NEXT_REGION', setup='pip install -r requirements.txt'),
@@ -108,7 +109,7 @@ EXPECTED = {
                            command='torchrun --nnodes=$SKYPILOT_NUM_NODES'
                                    ' --nproc_per_node=$SKYPILOT_NUM_GPUS_PER_NODE'),
     'study-pod.yaml': dict(tpu='v4-32', strategy='FAILOVER', nodes=1, variants={'as written', 'v5e', 'v6e'},
-                           setup='torch_xla[tpu]==2.9.0', command='python study.py'),
+                           setup=TPU_SETUP, command='python study.py'),
 }
 
 

@@ -9,6 +9,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -194,3 +195,12 @@ def json_objects(text):
             found.append(obj)
             i = line.find('{', end)
     return found
+
+
+def test_the_torchtpu_environment_has_every_package_the_trainer_needs_but_torch_2_9():
+    # it cannot include requirements.txt (torch 2.9.0 pinned there), so each other package is named again
+    def names(file):
+        lines = (l.split('#')[0].strip() for l in open(os.path.join(ROOT, file)))
+        return {re.split(r'[=<>!~ ;\[]', l)[0].lower().replace('_', '-') for l in lines if l and not l.startswith('-')}
+    missing = names('requirements.txt') - names('requirements-torchtpu.txt') - {'torch'}
+    assert not missing, f'requirements-torchtpu.txt lacks {sorted(missing)}'
