@@ -34,8 +34,12 @@ this repository does not hold. On the CPU, tiny widths, float32 and bfloat16:
    puzzle table equal within float32 rounding: |ours - theirs| <= 8 float32 epsilons of the value's size (|value|;
    for a parameter or table row |value| + the update's size, lr / (1 - beta1^t) or the puzzle LR; for a moment the
    tensor's largest |value|). Each step prints a line; each variant the largest difference of each quantity, in
-   absolute terms and in those epsilons. EMA is not compared: ema=False is the reference's default. Not run: the
+   absolute terms and in those epsilons. EMA is not compared here (ema=False, its default; check 5). Not run: the
    variants that crash in the reference's code (no_ACT_continue=False, softmax_cross_entropy), and bfloat16.
+4. evaluation metrics side by side: the reference's own pretrain.evaluate (its ACTLossHead's metrics, on the CPU)
+   and this trainer's evaluate.evaluate on the same weights and test split (padding, ignored labels, rows without
+   labels, rows right and wrong, q_halt on both sides of 0), for check 3's variants in float32 and bfloat16.
+5. the EMA: train_step's, after its warm-up, beside the reference's EMAHelper, with gradient accumulation too.
 The reference's adam_atan2 import (a CUDA extension: its kernel only runs on an NVIDIA GPU) is replaced by a stub
 module whose AdamATan2 is AdamATan2Formula below: the adam-atan2 package's (0.0.3, the latest; the reference's
 requirements.txt names it unpinned) Python step and its CUDA kernel's arithmetic (csrc/adam_atan2.cu) written in
@@ -43,6 +47,8 @@ PyTorch, so that check 3 compares this trainer's optimizer with the package's fo
 and 2 do not step it.
 """
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -414,6 +420,127 @@ def training_steps(args, data, variant, keys):
     return ok, worst
 
 
+def evaluation_metrics(args, variant, keys, dtype):
+    """4: the reference's pretrain.evaluate (its ACTLossHead's metrics) and evaluate.evaluate on the same weights
+    and test split: 37 rows, half of them labelled with the model's own answer (right), a fifth of the labels
+    ignored; in batches of 16 (the last padded) with two rows that have no label, and in one batch with a label
+    in every row. Returns whether they agree: accuracy, exact_accuracy, q_halt_accuracy, steps and lm_loss
+    always; q_halt_loss in the one batch only (the reference sums it over the padded and label-less rows too,
+    then divides by the labelled rows' count)."""
+    import hydra
+    import pretrain
+    from pretrain import PretrainConfig
+    from puzzle_dataset import PuzzleDataset, PuzzleDatasetConfig
+    from data import EvalLoader, write_split
+    from device import Device
+    from evaluate import evaluate
+    from model import TRM, TRMConfig, from_reference_state_dict
+    B, N, L, V = 16, 37, 12, 6
+    folder = os.path.join(args.work, 'evaluation', slug(variant, dtype))
+    data = os.path.join(folder, 'data')
+    rng = np.random.default_rng(0)
+    x, ids = rng.integers(2, V, (N, L)), rng.integers(1, 12, N)
+
+    def write(labels):
+        for split in ('train', 'test'):
+            write_split(data, split, x, labels, ids, np.arange(N + 1), np.arange(N + 1), vocab_size=V,
+                        num_puzzle_identifiers=12)
+    write(x[:, ::-1])
+    arch = dict(TINY, **keys, forward_dtype=dtype)
+    arch.pop('puzzle_emb_ndim')
+    overrides = [f'arch.{k}={v}' for k, v in arch.items()] + [f'data_paths=[{data}]', f'global_batch_size={B}',
+                                                             f'+checkpoint_path={folder}/ck', '+eval_save_outputs=[]']
+    with hydra.initialize_config_dir(config_dir=os.path.join(args.reference, 'config'), version_base=None):
+        config = PretrainConfig(**hydra.compose(config_name='cfg_pretrain', overrides=overrides))
+    _, meta = reference_batch(data, B)
+    torch.manual_seed(1)
+    model = reference_model(config, meta, B)
+    inner = model._orig_mod.model.inner
+    with torch.no_grad():  # a trained table, and a q_head whose q_halt falls on both sides of 0
+        inner.puzzle_emb.weights.copy_(torch.randn_like(inner.puzzle_emb.weights) * 0.5)
+        inner.q_head.weight.normal_(0, 0.3)
+        inner.q_head.bias.zero_()
+    rows = dict(inputs=torch.tensor(x, dtype=torch.int32), puzzle_identifiers=torch.tensor(ids, dtype=torch.int32),
+                labels=torch.zeros(N, L, dtype=torch.int32))
+    logits, _ = reference_outputs(model, rows)
+    labels = x[:, ::-1].copy()
+    labels[:N // 2] = logits[-1].argmax(-1).numpy()[:N // 2]
+    labels[rng.random((N, L)) < 0.2] = 0  # the dataset's ignore_label_id
+    results = {}
+    for case, batch, empty in (('padded, two rows without labels', B, [5, N - 1]), ('one batch', N, [])):
+        lab = labels.copy()
+        lab[empty] = 0
+        write(lab)
+        ds = PuzzleDataset(PuzzleDatasetConfig(seed=0, dataset_paths=[data], rank=0, num_replicas=1,
+                                               test_set_mode=True, epochs_per_iter=1, global_batch_size=batch), 'test')
+        state = types.SimpleNamespace(model=model._orig_mod.eval(), step=0)
+        # its evaluate moves the batches .cuda() and makes its carry and sums on "cuda": the CPU stands in
+        cpu = types.SimpleNamespace(**dict(vars(torch), device=lambda *a, **k: torch.device('cpu'),
+                                           zeros=lambda *a, device=None, **k: torch.zeros(*a, **k)))
+        real_torch, real_cuda = pretrain.torch, torch.Tensor.cuda
+        pretrain.torch, torch.Tensor.cuda = cpu, lambda t, *a, **k: t
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                theirs = pretrain.evaluate(config, state, torch.utils.data.DataLoader(ds, batch_size=None),
+                                           ds.metadata, [], rank=0, world_size=1, cpu_group=None)['all']
+        finally:
+            pretrain.torch, torch.Tensor.cuda = real_torch, real_cuda
+        ours = TRM(TRMConfig.for_data(json.load(open(os.path.join(data, 'train', 'dataset.json'))),
+                                      **dict(TINY, **keys, forward_dtype=dtype, loss_dtype='float64')))
+        ours.load_state_dict(from_reference_state_dict(model._orig_mod.model.state_dict()))
+        steps = TINY['halt_max_steps']
+        res, _ = evaluate(ours, EvalLoader(data, batch), Device('cpu'), steps, steps)
+        pairs = dict(accuracy=res['token_accuracy'], exact_accuracy=res['exact_accuracy'],
+                     q_halt_accuracy=res['q_halt_accuracy'], steps=res['steps'], lm_loss=res['lm_loss'],
+                     q_halt_loss=2 * (res['loss'] - res['lm_loss']))
+        for k, v in pairs.items():
+            t = float(theirs[k])
+            same = abs(v - t) <= 1e-5 * max(1.0, abs(t))
+            results[k] = results.get(k, True) and (same or (k == 'q_halt_loss' and bool(empty)))
+            print(f"evaluation, {variant}, {dtype}, {case}: {k} reference {t:.7f} ours {v:.7f} "
+                  f"{'equal' if same else 'differ' + (' (as expected)' if k == 'q_halt_loss' and empty else '')}")
+    return all(results.values())
+
+
+def ema_against_helper(args):
+    """5: the EMA of train_step (one update per optimizer step, with gradient accumulation too) against the
+    reference's EMAHelper, which updates its shadow with a constant rate: ours warms its decay up,
+    min(ema_rate, (1 + step) / (10 + step)), so the two are compared once the decay has reached the rate, the
+    helper registered from our EMA there. Returns whether they agree."""
+    import copy
+    from models.ema import EMAHelper
+    from model import TRM, TRMConfig
+    from step import AdamATan2, StepConfig, train_step, Eager
+    rate, ok = 0.5, True
+    for accum in (1, 2):
+        torch.manual_seed(0)
+        cfg = dict(TINY, vocab_size=6, seq_len=8, num_puzzle_identifiers=3, forward_dtype='float32',
+                   loss_dtype='float32', halt_exploration_prob=0.0)
+        model = TRM(TRMConfig(**cfg))
+        ema_model = copy.deepcopy(model, {id(model.puzzle_emb): model.puzzle_emb})
+        opt = AdamATan2(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sc = StepConfig(lr=1e-2, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.1, warmup_steps=1, total_steps=100,
+                        min_ratio=1.0, global_batch_size=8, ema_rate=rate, gradient_accumulation_steps=accum)
+        gen = torch.Generator().manual_seed(1)
+        batch = lambda: dict(inputs=torch.randint(2, 6, (8, 8), generator=gen, dtype=torch.int32),
+                             labels=torch.randint(2, 6, (8, 8), generator=gen, dtype=torch.int32),
+                             puzzle_identifiers=torch.randint(1, 3, (8,), generator=gen, dtype=torch.int32))
+        carry, step_t, helper, worst = model.initial_carry(batch()), torch.zeros(()), None, 0.0
+        for s in range(14):
+            carry, _, _ = train_step(model, opt, list(ema_model.parameters()), carry, batch(), step_t, sc, Eager())
+            if helper is not None:
+                helper.update(model)
+                worst = max(worst, max(float((helper.shadow[n] - p.detach()).abs().max())
+                                       for n, p in ema_model.named_parameters()))
+            elif min(rate, (1 + s) / (10 + s)) == rate:
+                helper = EMAHelper(mu=rate)
+                helper.register(ema_model)
+        ok &= worst < 1e-6 and float(step_t) == 14
+        print(f"EMA, gradient_accumulation_steps {accum}: {14 - 8} steps at the full rate beside the reference's "
+              f"EMAHelper: largest |ours - theirs| {worst:.3g}: {'equal' if worst < 1e-6 else 'DIFFER'}")
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split('\n')[1])
     p.add_argument('--reference', required=True, help="the reference's files (an export of its commit e7b6871)")
@@ -438,6 +565,10 @@ def main():
     for variant in TRAIN_VARIANTS:
         good, _ = training_steps(args, data, variant, VARIANTS[variant])
         ok &= good
+    for variant in TRAIN_VARIANTS:
+        for dtype in ('float32', 'bfloat16'):
+            ok &= evaluation_metrics(args, variant, VARIANTS[variant], dtype)
+    ok &= ema_against_helper(args)
     print("train.py --eval_only on the reference's files, no model key given (the last case's lines):")
     print(notes[-1])
     print(f"publish.py (the last case's lines):\n{out.strip()}")
