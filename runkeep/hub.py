@@ -185,8 +185,8 @@ def resolve_init_from(g, ours=False):
     init_from a local file and its model keys those of the published run, {key: value}. init_from=hf://...:
     fetched into the cache. With an all_config.yaml beside a state dict (not beside a checkpoint of train.py,
     which has its own config): its model keys, checked against the keys the config files and the command line
-    set (`_set_by`), refused in one line where one contradicts it; a data_path left '' (solve.py: "the
-    checkpoint's") becomes its first data_paths. Says where the config came from in one line. Otherwise:
+    set (`_set_by`), refused in one line where one contradicts it; a data_path nobody set becomes its first data_paths
+    where that is here (or where the script's default is '', solve.py's "the checkpoint's"). Says where the config came from in one line. Otherwise:
     nothing changes (the keys are the script's, as for any file), but with `ours` (train.py) a checkpoint of
     train.py to start from (not a resume's) gives its run's model keys where no config file or flag set them; one
     set to another value is used (changing no weight's shape, H_cycles at test time, say), and said in that
@@ -230,11 +230,16 @@ def resolve_init_from(g, ours=False):
              "the run's values: drop the key (it is taken from there), or start from scratch to change it")
     updates.update(taken)
     data_paths = cfg.get('data_paths') if isinstance(cfg.get('data_paths'), list) else []
-    if g.get('data_path') == '' and data_paths and 'data_path' not in set_by:
+    # a data_path nobody set is the run's where it is here (train.py's default names Sudoku's, which an ARC or
+    # Maze checkpoint would be evaluated on), or where the script's own default is '' (solve.py: "the run's")
+    taken_data = data_paths and 'data_path' not in set_by and (g.get('data_path') == '' or
+                                                              os.path.isdir(str(data_paths[0])))
+    if taken_data:
         updates['data_path'] = str(data_paths[0])
     cached = f", cached at {init_from}" if shown != init_from else ''
     print(f"init_from={shown}: a checkpoint in the reference's published layout{cached}; model config from "
-          f"{where}: " + said_keys(g, set_by, keys, differ, "the run's") + f"; trained on data_paths={data_paths}")
+          f"{where}: " + said_keys(g, set_by, keys, differ, "the run's") + f"; trained on data_paths={data_paths}"
+          + (", data_path taken from there" if taken_data else ''))
     return updates
 
 

@@ -114,6 +114,9 @@ def test_the_layout_gives_the_outputs_of_its_checkpoint_with_no_model_key_typed(
     said = next(l for l in theirs.stdout.splitlines() if l.startswith(f'init_from={folder}/step_6'))
     assert f'model config from {folder}/all_config.yaml' in said and f"data_paths=['{data}']" in said
     assert 'hidden_size=32' in said and "pos_encodings='rope'" in said and 'puzzle_emb_len=1' in said
+    # no --data_path: the published run's, found here, rather than train.py's default (another task's dataset)
+    untyped = run(['train.py', f'--out_dir={tmp_path}/c', f'--init_from={folder}/step_6', *EVAL])
+    assert eval_lines(untyped.stdout) == eval_lines(ours.stdout) and 'data_path taken from there' in untyped.stdout
 
     # the same predictions and halting logits, bit for bit, on every step of a test batch
     meta = load_metadata(data, 'train')
