@@ -303,9 +303,22 @@ def load_arrays(root, split, set_name='all'):
         path = os.path.join(root, split, f'{set_name}__{name}.npy')
         try:
             arrays[name] = np.load(path, mmap_mode='r')
-        except (OSError, ValueError) as e:
-            raise ValueError(f"cannot read {path}: {e}") from e
+        except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
+            raise ValueError(f"cannot read {path}: {_not_npy(path) or e}") from e
     return arrays
+
+
+def _not_npy(path):
+    """What a file numpy could not open is when it is no .npy file at all, else None: numpy reads such a file as
+    a pickle, and its advice (allow_pickle=True) would be wrong."""
+    try:
+        with open(path, 'rb') as f:
+            head = f.read(len(np.lib.format.MAGIC_PREFIX))
+    except OSError:
+        return None
+    if not head:
+        return 'the file is empty'
+    return "not a .npy file (it lacks numpy's header)" if head != np.lib.format.MAGIC_PREFIX else None
 
 
 def load_json(path, keys=None):

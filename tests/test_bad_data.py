@@ -149,6 +149,21 @@ def test_truncated_test_labels_fail_at_start(toy, tmp_path):
     assert 'step 1/' not in p.stdout and not os.path.exists(tmp_path / 'o' / 'metrics.jsonl')
 
 
+@pytest.mark.parametrize('content,said', [
+    (b'', 'the file is empty'),  # a copy that stopped at 0 bytes: numpy's EOFError was a traceback
+    (b'hello\n', "not a .npy file (it lacks numpy's header)"),  # numpy read it as a pickle: allow_pickle advised
+])
+def test_an_array_file_that_is_empty_or_no_npy_file_is_one_line_naming_it(toy, tmp_path, content, said):
+    d = copy_dataset(toy, tmp_path / 'd')
+    path = os.path.join(d, 'train', 'all__inputs.npy')
+    open(path, 'wb').write(content)
+    assert check_split(d, 'train') == [f"cannot read {path}: {said}"]
+    if not content:
+        p = train(d, tmp_path / 'o', check=False)
+        assert_user_error(p, 'start-up checks failed', path, said)
+        assert 'step 1/' not in p.stdout
+
+
 def test_out_of_vocabulary_tokens_are_reported_with_file_and_row(toy, tmp_path):
     d = copy_dataset(toy, tmp_path / 'd')
     path = os.path.join(d, 'train', 'all__labels.npy')
