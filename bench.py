@@ -108,7 +108,7 @@ if _typed := [f'--{k}' for k in _run_keys if _set_by.get(k, '').startswith('--')
           f"model from fresh weights, writing no run: checkpoint_dir times a save)")
 # -----------------------------------------------------------------------------
 
-from data import in_views, load_metadata  # noqa: E402
+from data import check_split, in_views, load_metadata  # noqa: E402
 from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import KERNEL_CHOICES, resolve_loss_dtype, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
@@ -155,7 +155,9 @@ fmt = lambda x, spec: 'n/a' if x is None else format(x, spec)
 # --- the task's shape, then a few batches staged on the device up front (loading is not what is measured) ---
 dev.manual_seed(seed)
 have_data = bool(data_path) and os.path.exists(os.path.join(data_path, 'train', 'dataset.json'))
-if have_data:
+if have_data:  # both splits are read (train and evaluation batches): a broken file is named, not met mid-run
+    if _broken := check_split(data_path, 'train') + check_split(data_path, 'test'):
+        raise SystemExit(f"config error: data_path={data_path}: {_broken[0]}")
     meta = load_metadata(data_path, 'train')
     shape = (meta['seq_len'], meta['vocab_size'],
              f"{puzzle_type(meta) or 'unknown puzzle'}, from the dataset's metadata in {data_path}")

@@ -3,6 +3,9 @@ bench.py smoke runs, as a user runs it (a subprocess), on the CPU and on CPU-XLA
 asserted: only that the summary line holds every field, the fields are numbers, and XLA stops compiling.
     python -m pytest -q tests/test_bench.py
 """
+import shutil
+
+import numpy as np
 import pytest
 
 from conftest import XLA_ENV, assert_user_error, run, site_hook
@@ -247,3 +250,15 @@ def test_bench_counts_the_puzzles_its_evaluation_batches_hold(toy):
     tiny = [a for a in BENCH_TINY if not a.startswith('--eval_batches=')]
     s, out = run_bench(['--device=cpu', f'--data_path={toy}', '--eval_batch_size=150', '--eval_batches=3'] + tiny)
     assert '350 puzzles in 3 batches' in out, [l for l in out.splitlines() if l.startswith('eval:')]
+
+
+@pytest.mark.parametrize('split,name,change', [
+    ('train', 'dataset.json', lambda path: open(path, 'w').write('{"pad_id": 0,')),
+    ('test', 'all__labels.npy', lambda path: np.save(path, np.load(path)[:-3])),  # an IndexError mid-evaluation
+    ('train', 'all__inputs.npy', lambda path: np.save(path, np.load(path) + 0.5)),  # was timed, truncated to ints
+])
+def test_bench_on_a_broken_dataset_is_one_line_naming_the_file(toy, tmp_path, split, name, change):
+    d = shutil.copytree(toy, tmp_path / 'd')
+    change(str(d / split / name))
+    p = run(['bench.py', f'--data_path={d}', '--device=cpu'] + BENCH_TINY, check=False)
+    assert_user_error(p, f'config error: data_path={d}', str(d / split), name, one_line=True)
