@@ -99,7 +99,7 @@ from configurator import fail, import_torch  # noqa: E402
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
-from data import load_arrays, load_json, load_metadata  # noqa: E402
+from data import check_split, load_arrays, load_json, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
@@ -500,11 +500,9 @@ def puzzles(kind, meta, dp, source):
             fail(problems[0]
                  + (f" (and {len(problems) - 1} more puzzle(s) like it)" if len(problems) > 1 else ''))
         return inputs, np.full(len(inputs), meta.get('blank_identifier_id', 0), np.int32), wheres, None
-    try:
-        arrays = load_arrays(dp, 'test')
-        test_meta = load_metadata(dp, 'test')
-    except (OSError, ValueError) as e:
-        fail(f"--{source} reads the test split of data_path={dp!r}: {short(e)}")
+    if broken := check_split(dp, 'test'):  # arrays of other lengths or types: named, not an IndexError later
+        fail(f"--{source} reads the test split of data_path={dp!r}: {broken[0]}")
+    arrays, test_meta = load_arrays(dp, 'test'), load_metadata(dp, 'test')
     total = len(arrays['inputs'])
     if index >= total:
         fail(f"index={index}: the test split of {dp} has {total} examples (0..{total - 1})")

@@ -9,10 +9,12 @@ import glob
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from conftest import assert_user_error, script_env
@@ -434,6 +436,15 @@ def test_setup_errors(sudoku4, tmp_path):
               env=dict(PYTHONPATH=str(fake)))
     assert_user_error(p, 'pip install matplotlib', one_line=True)
     assert not (tmp_path / 'x.png').exists()
+
+
+def test_a_broken_test_split_is_one_line_naming_the_file(sudoku4, tmp_path):
+    """--count and --index read the test split: labels of fewer rows than inputs were an IndexError."""
+    d = shutil.copytree(sudoku4.data, tmp_path / 'd')
+    path = d / 'test' / 'all__labels.npy'
+    np.save(path, np.load(path)[:-3])
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--data_path={d}', '--count=100', '--quiet=True', check=False)
+    assert_user_error(p, '--count reads the test split', str(path), 'has shape (97, 16)', one_line=True)
 
 
 # -----------------------------------------------------------------------------
