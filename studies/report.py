@@ -815,6 +815,6 @@ def make_report(exps, opts, folder, told=None):
         for r in rows:
             if r.get('not_used'):
                 print(f"report: {r['run']}: {r['not_used']}")
-        missing = [r['name'] for r in rows if r['status'] != 'done' and not r.get('not_used')]
+        missing = [r['run'] for r in rows if r['status'] != 'done' and not r.get('not_used')]
         if missing:
             print(f"report: not finished yet: {', '.join(missing)}")

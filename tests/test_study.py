@@ -696,8 +696,9 @@ def test_a_seed_report_keeps_each_seed_in_its_place_and_gives_no_spread_of_one_s
     plt = pyplot()
     rows = fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3)
     out = str(tmp_path / 'out')
-    run(['study.py', '--pattern=s_*', '--seeds=3', f'--config_dir={tmp_path}/cfg', f'--out_root={out}',
-         '--report=True'])
+    p = run(['study.py', '--pattern=s_*', '--seeds=3', f'--config_dir={tmp_path}/cfg', f'--out_root={out}',
+             '--report=True'])
+    assert 'report: not finished yet: s_a-s1, s_c-s1, s_c-s2\n' in p.stdout, p.stdout[-500:]  # each run once
     md = open(f'{out}/report.md').read()
     assert '| 70.0 ± 28.3 (50.0-90.0) | 2/3 | 50.0, –, 90.0 |' in md, md  # seed 1 of s_a not run
     assert '| 70.0 ± 10.0 (60.0-80.0) | 3/3 | 60.0, 80.0, 70.0 |' in md, md
