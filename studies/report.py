@@ -517,6 +517,12 @@ def listed(names, most=8):
     return ', '.join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else '')
 
 
+def alone_line(names):
+    """The line naming the finished experiments a figure leaves out because their family has one value of its x
+    (a curve needs two), or '': a reader would take them for not finished, or the figure for the whole study."""
+    return f"not drawn (finished, but the only value of this x in their family): {listed(names)}" if names else ''
+
+
 def fewer_seeds(rows, seeds):
     """The line naming the experiments drawn from fewer finished seeds than `seeds`, or '': one finished seed is
     drawn with no bar, as if its seeds agreed."""
@@ -544,6 +550,7 @@ def plot(rows, folder, opts, views=()):
     ylabel = ('held-out exact accuracy (%)\nbars: 95% Wilson interval' if seeds == 1 else
               'held-out exact accuracy (%)\nmean of the finished seeds, bars: min-max')
     written, missing = [], '; '.join(filter(None, (not_drawn(rows, seeds), fewer_seeds(rows, seeds))))
+    alone = []  # finished experiments the figure being drawn leaves out: their family has one value of its x
 
     def series(ax, xkey, label_x, fam_filter=None, logx=False, annotate=True):
         if not logx:
@@ -552,7 +559,10 @@ def plot(rows, folder, opts, views=()):
         for f in fams:
             pts = sorted((r for r in done if r['family'] == f and r.get(xkey) is not None),
                          key=lambda r: r[xkey])
-            if fam_filter and not fam_filter(f) or len({r[xkey] for r in pts}) < 2:
+            if fam_filter and not fam_filter(f):
+                continue
+            if len({r[xkey] for r in pts}) < 2:
+                alone.extend(r['name'] for r in pts if r['name'] not in alone)
                 continue
             xs = [r[xkey] for r in pts]
             ys = [100 * r['exact'] for r in pts]
@@ -576,9 +586,11 @@ def plot(rows, folder, opts, views=()):
 
     def save(fig, name):
         path = os.path.join(folder, name)
-        if missing:
-            fig.text(0.005, 0.005, missing, fontsize=7, color='dimgrey', ha='left', va='bottom')
-        fig.tight_layout(rect=(0, 0.2 / fig.get_figheight() if missing else 0, 1, 1))  # 0.2 inch for the line
+        said = [line for line in (missing, alone_line(alone)) if line]
+        if said:
+            fig.text(0.005, 0.005, '\n'.join(said), fontsize=7, color='dimgrey', ha='left', va='bottom')
+        # 0.2 inch for one line, 0.12 more for each further one
+        fig.tight_layout(rect=(0, (0.08 + 0.12 * len(said)) / fig.get_figheight() if said else 0, 1, 1))
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
@@ -587,6 +599,7 @@ def plot(rows, folder, opts, views=()):
         r['calls'] = r['H_cycles'] * (r['L_cycles'] + 1)
         r['per_puzzle'] = None if r.get('aug') is None else 1 + r['aug']
     for xkey, label, name, what in EVERY_FAMILY:
+        alone.clear()
         fig, ax = plt.subplots(figsize=(7, 4.5))
         if series(ax, xkey, label, logx=True):
             ax.set_title(f"Exact accuracy vs {what} ({title})")
@@ -594,6 +607,7 @@ def plot(rows, folder, opts, views=()):
         else:
             plt.close(fig)
     for name, panels in PANELS.items():
+        alone.clear()
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
         drawn = [series(ax, xkey, label, lambda f, name=name, i=i: drawn_in(f, name, i), logx=logx)
                  for i, (ax, (xkey, label, logx, _)) in enumerate(zip(axes, panels))]
@@ -608,6 +622,7 @@ def plot(rows, folder, opts, views=()):
             save(fig, name)
         else:
             plt.close(fig)
+    alone.clear()
     for name, fig in ((ABLATIONS, plot_ablations(plt, done, title, colors, ylabel)),
                       (STEPS_PNG, plot_supervision_steps(plt, done, title, seeds)),
                       (FITS_PNG, plot_fits(plt, done, title, colors, seeds)),

@@ -386,6 +386,22 @@ def test_the_plots_name_the_runs_they_do_not_draw(tmp_path):
     assert not_drawn([r for r in rows if r['name'] != 'w_p2'], 1) == ''
 
 
+def test_the_plots_name_a_finished_run_whose_family_has_one_value_of_their_x(tmp_path):
+    # v_p0 is finished, but its family has one point: no curve of it in acc_vs_params.png; unnamed, a reader takes
+    # the figure for every finished run of the study
+    cfg, out = width_family(tmp_path, 2)
+    (cfg / 'v_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/v_p0'\nhidden_size = 320\n")
+    for i, name in enumerate(('w_p0', 'w_p1', 'v_p0')):
+        fake_run(out, name, 10 ** 5 * (i + 1), 0.5 + 0.2 * i)
+    report = ['study.py', f'--config_dir={cfg}', f'--out_root={out}', '--report=True']
+    run(report + ['--pattern=w_*', f'--report_dir={tmp_path}/w'])
+    run(report + ['--pattern=w_*,v_*', f'--report_dir={tmp_path}/wv'])
+    png = 'acc_vs_params.png'
+    assert open(f'{tmp_path}/w/{png}', 'rb').read() != open(f'{tmp_path}/wv/{png}', 'rb').read()
+    from studies.report import alone_line
+    assert alone_line(['v_p0']) == 'not drawn (finished, but the only value of this x in their family): v_p0'
+
+
 @pytest.mark.parametrize('seeds', [1, 2])
 def test_the_table_says_at_how_many_supervision_steps_its_exact_accuracy_is(tmp_path, seeds):
     # a run evaluated to eval_steps (the cpu twin: twice halt_max_steps) records its exact accuracy at
