@@ -9,6 +9,7 @@ import json
 import math
 import os
 
+from runkeep import gcs
 from .plan import checkpoint_steps, cost, fetch, has_file, read_results, saved_evals
 
 
@@ -186,11 +187,26 @@ AT_STEPS = ("at halt_max_steps supervision steps (at eval_steps if fewer; the ac
             "acc_vs_supervision_steps.png)")
 
 
-def write_tables(rows, folder, opts, views=()):
-    """report.md (returned as text), report.csv and, with views, report_views.csv in folder."""
+def more_seeds(exps, seeds):
+    """The finished runs of seed `seeds` (<out_dir>-s<seeds>) beside the experiments' runs: a study of more
+    seeds than this report is made with, whose other seeds the table would leave out unsaid."""
+    found = []
+    for e in exps:
+        if e.seed == 0 and not e.same_as:
+            uri = f"{e.out_dir.rstrip('/')}-s{seeds}/results.json"
+            if gcs.object_exists(uri) if gcs.is_gcs(uri) else os.path.exists(uri):
+                found.append(f"{e.run}-s{seeds}")
+    return found
+
+
+def write_tables(rows, folder, opts, views=(), beyond=()):
+    """report.md (returned as text), report.csv and, with views, report_views.csv in folder; beyond: more_seeds."""
     seeds = opts.seeds
     os.makedirs(folder, exist_ok=True)
     md = [f"# Study report: scale {opts.scale}, {opts.root}\n"]
+    if beyond:
+        md.append(f"**Seeds left out:** {listed(list(beyond))} finished too, but this report is made with "
+                  f"--seeds={seeds}: rerun it with the study's --seeds for every seed's result.\n")
     if seeds == 1:
         head = ['name', 'family', 'varied', 'params', 'train FLOPs', 'steps', 'exact % (95% CI)',
                 'verified %',
@@ -818,7 +834,8 @@ def make_report(exps, opts, folder, told=None):
             print(f"report: another report is being written into {folder}; this one waits for it", flush=True)
             fcntl.flock(lock, fcntl.LOCK_EX)
         rows, views = collect(exps, told), collect_views(exps)  # read once the folder is this report's: the newest
-        print(write_tables(rows, folder, opts, views))
+        beyond = more_seeds(exps, opts.seeds)
+        print(write_tables(rows, folder, opts, views, beyond))
         pngs = plot(rows, folder, opts, views)
         written = pngs + ([os.path.join(folder, 'report_views.csv')] if views else [])
         stale = [p for p in (os.path.join(folder, f) for f in OWN_FILES) if p not in written and os.path.exists(p)]

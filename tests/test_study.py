@@ -727,6 +727,19 @@ def test_a_seed_report_keeps_each_seed_in_its_place_and_gives_no_spread_of_one_s
     plt.close(fig)
 
 
+def test_a_report_of_fewer_seeds_than_the_study_s_names_the_finished_seeds_it_leaves_out(tmp_path):
+    # a report made later without the study's --seeds shows seed 0 alone: the table must say it is not the mean
+    fake_study(tmp_path, 's_*', SEED_RUNS, seeds=3)
+    out = str(tmp_path / 'out')
+    for seeds, left_out in ((1, 's_b-s1'), (2, 's_a-s2, s_b-s2')):
+        p = run(['study.py', '--pattern=s_*', f'--seeds={seeds}', f'--config_dir={tmp_path}/cfg', f'--out_root={out}',
+                 '--report=True'])
+        assert f'**Seeds left out:** {left_out} finished too' in open(f'{out}/report.md').read(), p.stdout[-800:]
+    run(['study.py', '--pattern=s_*', '--seeds=3', f'--config_dir={tmp_path}/cfg', f'--out_root={out}',
+         '--report=True'])
+    assert 'Seeds left out' not in open(f'{out}/report.md').read()
+
+
 def test_a_bucket_out_root_s_report_reads_each_run_s_results_from_the_bucket(emulator, tmp_path):
     cfg, made, out = tmp_path / 'cfg', str(tmp_path / 'made'), f'gs://{BUCKET}/study_report'
     cfg.mkdir()
