@@ -393,9 +393,12 @@ def has_results(e):
 
 
 def has_file(e, name):
-    if gcs.is_gcs(e.out_dir):
-        return gcs.object_exists(f"{e.out_dir}/{name}")
-    return os.path.exists(os.path.join(e.out_dir, name))
+    return exists(f"{e.out_dir.rstrip('/')}/{name}")
+
+
+def exists(path):
+    """Whether a file is there, a local path or a gs:// object."""
+    return gcs.object_exists(path) if gcs.is_gcs(path) else os.path.exists(path)
 
 
 def checkpoint_steps(e):

@@ -9,8 +9,7 @@ import json
 import math
 import os
 
-from runkeep import gcs
-from .plan import checkpoint_steps, cost, fetch, has_file, read_results, saved_evals
+from .plan import checkpoint_steps, cost, exists, fetch, has_file, read_results, saved_evals
 
 
 # -----------------------------------------------------------------------------
@@ -193,8 +192,7 @@ def more_seeds(exps, seeds):
     found = []
     for e in exps:
         if e.seed == 0 and not e.same_as:
-            uri = f"{e.out_dir.rstrip('/')}-s{seeds}/results.json"
-            if gcs.object_exists(uri) if gcs.is_gcs(uri) else os.path.exists(uri):
+            if exists(f"{e.out_dir.rstrip('/')}-s{seeds}/results.json"):
                 found.append(f"{e.run}-s{seeds}")
     return found
 
