@@ -245,7 +245,11 @@ def main(index=None):
         end = f"--max_steps={max_steps}" if run_steps == max_steps else f"--epochs={epochs}"
         done = run.finished_before(step, run_steps, end) or evaluate_and_save(
             run, step, step, model, ema_model, loaders, arc, log=not run.logged('eval', step))
-        return run.end(stopped=not done)
+        run.end(stopped=not done)
+        if not done and dev.master:  # its checkpoint stays as it was, still owing this evaluation
+            print("stopped during the final evaluation, without results.json" + (" or submission.json" if arc else "")
+                  + "; rerun with --init_from=resume to evaluate again")
+        return
     run.open_records(step)
 
     # --- the training loop: one supervision step = one optimizer step, the same on CPU, CUDA and XLA ---

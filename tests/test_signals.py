@@ -111,6 +111,22 @@ def test_a_stop_during_an_evaluation_saves_its_step_at_once_and_the_resume_evalu
     assert_unlocked(out)
 
 
+def test_a_stop_during_the_resume_s_final_evaluation_says_that_it_stopped_and_what_the_rerun_does(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=3')
+    os.remove(out / 'results.json')  # as a stop during the final evaluation leaves the run
+    ckpt = open(out / 'ckpt_00000003.pt', 'rb').read()
+    # the resume evaluates again, slowly: 200 batches of one example, 128 supervision steps each
+    proc = start(toy, out, '--max_steps=3', '--init_from=resume', '--eval_batch_size=1', '--eval_steps=128')
+    text = read_until(proc, 'the checkpoint is at the last step 3')
+    proc.send_signal(signal.SIGTERM)
+    text += finish(proc, 60)
+    assert proc.returncode == 0 and 'eval on' not in text, text[-3000:]
+    assert 'stopped during the final evaluation' in text.splitlines()[-1], text[-3000:]
+    assert not os.path.exists(out / 'results.json') and open(out / 'ckpt_00000003.pt', 'rb').read() == ckpt
+    assert_unlocked(out)
+
+
 def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_lose_the_save(toy, tmp_path):
     out = tmp_path / 'o'
     proc = popen_train(toy, out, '--epochs=200', '--log_interval=1')
