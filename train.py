@@ -196,7 +196,9 @@ def evaluate_and_save(run, step, last_step, model, ema_model, loaders, arc, save
     raw = evaluation(run, model, loaders[eval_subset], arc)[0] if res and ema and not final else None
     if res is None or (ema and not final and raw is None):
         if save:
-            save(' (stop requested)', owed='final' if final else True)
+            # 'final': the time budget's last step, which its resume evaluates as the end; a configured end that
+            # a resume with more steps moves is an evaluation owed before training on
+            save(' (stop requested)', owed='final' if final and run.out_of_time else True)
         return False
     run.log_eval(step, res, raw, xla_before, log)
     run.new_best(step, res)

@@ -127,6 +127,19 @@ def test_a_stop_during_the_resume_s_final_evaluation_says_that_it_stopped_and_wh
     assert_unlocked(out)
 
 
+def test_a_run_stopped_in_its_final_evaluation_and_resumed_with_more_steps_trains_on(toy, tmp_path):
+    out = tmp_path / 'o'
+    proc = start(toy, out, '--max_steps=3', '--eval_batch_size=1', '--eval_steps=128')  # a final evaluation of minutes
+    text = read_until(proc, 'step 3/3')
+    proc.send_signal(signal.SIGTERM)
+    text += finish(proc, 60)
+    assert proc.returncode == 0 and 'stopped cleanly' in text, text[-3000:]
+    # no time budget ended this run at step 3: more steps on resume are trained, as the docs allow
+    p = train(toy, out, '--max_steps=5', '--init_from=resume')
+    assert 'time budget' not in p.stdout and 'step 5/' in p.stdout, p.stdout[-3000:]
+    assert json.load(open(out / 'results.json'))['step'] == 5
+
+
 def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_lose_the_save(toy, tmp_path):
     out = tmp_path / 'o'
     proc = popen_train(toy, out, '--epochs=200', '--log_interval=1')
