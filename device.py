@@ -664,6 +664,15 @@ class Device:
         if self.type == 'tpu':
             self.tpu.manual_seed(s)
 
+    def seed_step(self, seed, step):
+        """XLA: the device generator (ACT exploration's draws) set from (seed, rank, step) before a training step.
+        torch_xla advances it at every graph cut, and evaluations, log reads and saves cut graphs too: a resumed run
+        cuts other graphs than the run that went on, and would draw other rows from then on. Elsewhere the
+        generator moves with the draws alone, and a checkpoint carries its state."""
+        if self.type == 'xla':
+            import torch_xla.core.xla_model as xm
+            xm.set_rng_state(int(np.random.SeedSequence([seed, self.rank, step]).generate_state(1, np.uint64)[0]))
+
     def rng_state(self):
         state = dict(cpu=torch.get_rng_state())
         if self.type == 'cuda':

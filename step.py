@@ -317,6 +317,7 @@ def xla_backend(gm, example_inputs):
     Called under no_grad, as every compiled function here is: the replayed graph's outputs carry no autograd
     history (a torch.func.grad inside it is fine)."""
     import torch_xla
+    import torch_xla.core.xla_model as xm
     import torch_xla.debug.metrics as met
     from torch_xla._dynamo import dynamo_bridge as bridge
 
@@ -330,7 +331,7 @@ def xla_backend(gm, example_inputs):
             if torch.is_grad_enabled():  # the bridge's in-place updates of parameters would be recorded
                 raise RuntimeError(f"xla_backend: call {gm.__class__.__name__} under torch.no_grad(): a replayed "
                                    "graph's outputs carry no autograd history")
-            before = fallbacks()
+            before, seed = fallbacks(), xm.get_rng_state()
             torch_xla.sync()
             bridge.XLAConstructorMoverPass()(gm.graph)  # tensors the graph creates: on the XLA device
             gm.recompile()
@@ -338,6 +339,7 @@ def xla_backend(gm, example_inputs):
             compiled = bridge.extract_internal(gm)
             if fallbacks() != before:  # the trace restored the inputs and dropped its pending IR: trace again
                 compiled = bridge.extract_compiled_graph(gm, args)
+            xm.set_rng_state(seed)  # the graph's draws as at a later call: the syncs above advanced the generator
         out = compiled(*args)
         return out if isinstance(out, (tuple, list)) else (out,)  # the bridge unpacks a graph's single output
     return run

@@ -277,6 +277,7 @@ def main(index=None):
         if prof:
             prof.begin(step)
         t_step = time.time()
+        dev.seed_step(seed, step)  # XLA: the exploration draws of this step, whatever graphs ran since the last
         with phase('train_step'):
             carry, loss, metrics = train_step(model, opt, ema_params, carry, prefetch.next(), step_t, sc, form,
                                               dev.all_reduce_sum_, dev.all_gather)

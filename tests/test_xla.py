@@ -54,6 +54,32 @@ def test_the_steps_after_a_log_line_run_the_graph_of_the_steps_before_it(toy, tm
     assert 'warning' not in x.stdout, x.stdout[-3000:]
 
 
+def test_a_resumed_xla_run_draws_the_exploration_of_the_uninterrupted_one(toy, tmp_path):
+    """torch_xla advances its generator at every graph cut (torch_xla.sync), and an evaluation, a log line's read
+    or a save cuts graphs too: a run stopped after an evaluation and resumed would draw other ACT exploration
+    rows from there on than the run that went through. Weights whose q_head says halt at once (as a trained
+    model's often does) make every halt depend on those draws."""
+    args = [f'--data_path={toy}', '--global_batch_size=100', '--epochs=1', '--eval_every_epochs=1',
+            '--log_interval=1', '--halt_exploration_prob=0.5'] + [a for a in TOY_ARGS if not a.startswith(
+                ('--device', '--global_batch_size'))]
+    run(['train.py', f'--out_dir={tmp_path}/w', '--device=cpu', '--max_steps=1'] + args)
+    ckpt = torch.load(f'{tmp_path}/w/ckpt_00000001.pt', weights_only=False)
+    for part in ('model', 'ema'):
+        ckpt[part]['q_head.bias'].fill_(5.0)
+    torch.save(ckpt, f'{tmp_path}/halting.pt')
+    args += ['--device=xla', f'--init_from={tmp_path}/halting.pt']
+    whole = run(['train.py', f'--out_dir={tmp_path}/a'] + args, env=XLA_ENV)
+    run(['train.py', f'--out_dir={tmp_path}/b', '--max_steps=4'] + args, env=XLA_ENV)  # evaluates at step 4
+    resumed = run(['train.py', f'--out_dir={tmp_path}/b'] + args[:-1] + ['--init_from=resume'], env=XLA_ENV)
+    keep = ('step', 'loss', 'accuracy', 'steps', 'grad_norm')
+    a, b = ([{k: r[k] for k in keep if k in r} for r in step_lines(p.stdout)] for p in (whole, resumed))
+    assert len(a) == 10 and b == a[4:], (a, b)
+    assert any(r['steps'] < 4 for r in a if 'steps' in r) and any(r['steps'] > 1 for r in a if 'steps' in r), a
+    a, b = (torch.load(f'{tmp_path}/{o}/ckpt_00000010.pt', weights_only=True) for o in 'ab')
+    for k in a['model']:
+        assert torch.equal(a['model'][k], b['model'][k]) and torch.equal(a['ema'][k], b['ema'][k]), k
+
+
 XLA_EVAL = """
 import json, sys
 import torch, torch_xla, torch_xla.debug.metrics as met
