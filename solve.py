@@ -636,8 +636,9 @@ def adapt_to_new_tasks():
     puzzle-embedding table is the new tasks', every row the checkpoint's mean row at first), with the run's own
     recipe (adapt_args on top), in a folder of this adaptation's own (runkeep/adapt.py); then init_from and
     data_path become the adapted run's last checkpoint and its dataset, whose test split holds every test input
-    in adapt_aug + 1 views."""
-    from runkeep.adapt import adapt, run_of
+    in adapt_aug + 1 views. A task that cannot be built is left out in one line, and answered [[0]] in the
+    submission, which holds every task of the file."""
+    from runkeep.adapt import adapt, complete_submission, run_of
     try:
         tasks = load_json(task)  # a key twice is refused: JSON readers keep only the last
     except ValueError as e:
@@ -659,12 +660,26 @@ def adapt_to_new_tasks():
              "checkpoint, or solve its puzzles with --puzzle, --file, --index or --count)")
     if problem := views_problem(puzzle_for(dict(puzzle_type='arc', seq_len=canvas * canvas)), eval_views):
         fail(f"eval_views={eval_views}: {problem}")
-    try:  # prepare_arc.py's checks, here, so that the line names the user's file and not the folder's copy
-        read_tasks(tasks, f"task={task}", canvas, unsolved=True)
-    except ValueError as e:
-        fail(f"{e} (the canvas of {init_from}'s run)" if 'canvas' in str(e) else e)
-    adapted, data = adapt(task, tasks, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
+    # prepare_arc.py's checks, here, so that a line names the user's file and not the folder's copy; a task that
+    # fails them is left out, not the whole file: a hidden challenges file cannot be mended, and the ARC Prize
+    # takes only a submission that answers every task
+    problems = {}
+    for tid, t in tasks.items():
+        try:
+            read_tasks({tid: t}, f"task={task}", canvas, unsolved=True)
+        except ValueError as e:
+            problems[tid] = f"{e} (the canvas of {init_from}'s run)" if 'canvas' in str(e) else str(e)
+    if len(problems) == len(tasks):
+        fail(next(iter(problems.values())) + (f" (and {len(tasks) - 1} more task(s) that cannot be adapted to)"
+                                              if len(tasks) > 1 else ''))
+    for tid, why in problems.items():
+        print(f"{why}: left out, its test inputs answered [[0]] in the submission", file=sys.stderr,
+              flush=True)
+    good = {k: v for k, v in tasks.items() if k not in problems}
+    new_tasks[:] = list(good)
+    adapted, data = adapt(task, good, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
                           device, _T_START)
+    complete_submission(os.path.join(os.path.dirname(adapted), 'submission.json'), tasks)
     globals().update(init_from=adapted, data_path=data)
 
 

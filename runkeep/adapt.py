@@ -119,6 +119,23 @@ def submission_vote(out):
         return None
 
 
+def complete_submission(path, tasks):
+    """The adapted run's submission (path) completed with every task of the file ({id: task}): a task left out of
+    the adaptation answers each of its test inputs [[0]] (the submission's answer where the vote has none), one
+    entry where it gives no list of them. Nothing to do without a submission (train.py said why)."""
+    try:
+        with open(path) as f:
+            theirs = json.load(f)
+    except (OSError, ValueError):
+        return
+    none = {'attempt_1': [[0]], 'attempt_2': [[0]]}
+    missing = {k: [dict(none) for _ in (t['test'] if isinstance(t, dict) and isinstance(t.get('test'), list)
+                                        and t['test'] else [0])]
+               for k, t in tasks.items() if k not in theirs}
+    if missing:  # else left as train.py wrote it, at the time its budget planned
+        write_json(path, {**theirs, **missing})
+
+
 def run_of(init_from, saved, trained_on):
     """What an adaptation keeps of the checkpoint's run: (train.py's keys of its recipe and model, the side of its
     canvas, the data it learned: a data_shape or dataset.json dict, or None). A checkpoint of train.py carries its

@@ -547,3 +547,34 @@ def test_a_stop_while_the_tasks_are_shown_names_the_submission_already_written(a
             f"stopped by {sig.name} while showing the tasks' votes; submission (the ARC Prize's format, every task "
             f"of {many}): {folder / 'run' / 'submission.json'}"), text[-3000:]
         assert len(json.load(open(folder / 'run' / 'submission.json'))) == 40
+
+
+def test_a_task_that_cannot_be_adapted_to_is_left_out_in_one_line_and_the_submission_still_has_every_task(arc_run,
+                                                                                                         tmp_path):
+    """A challenges file (the ARC Prize's hidden tasks: no second chance to mend it) with tasks that cannot be
+    built (no demonstrations, a colour 10, a ragged grid, a grid over the canvas) among good ones: each such task
+    is named in one line and left out; the others are adapted to and solved, and the submission holds every task
+    of the file, a left-out one's test inputs answered [[0]], so that it is complete."""
+    data, ckpt = arc_run
+    good = json.load(open(write_task(tmp_path / 'one.json', [[2, 1, 1]])))
+    hidden = {'g1': dict(good, test=[dict(input=[[2, 1]])]),
+              'notrain': dict(train=[], test=[dict(input=[[1, 2]]), dict(input=[[1]])]),
+              'ten': dict(good, test=[dict(input=[[10]])]),
+              'ragged': dict(train=[dict(input=[[1, 2], [1]], output=[[3]])], test=[dict(input=[[2]])]),
+              'huge': dict(good, test=[dict(input=[[1] * 11])]),
+              'g2': good}
+    path = tmp_path / 'hidden.json'
+    path.write_text(json.dumps(hidden))
+    p = solve(ckpt, f'--task={path}', '--adapt_minutes=0.05', '--adapt_aug=1', f'--adapt_dir={tmp_path}/a')
+    left = [l for l in p.stderr.splitlines() if 'left out' in l]
+    for t, words in (('notrain', "no demonstration pairs"), ('ten', 'holds 10, not a colour 0-9'),
+                     ('ragged', 'not a rectangle'), ('huge', 'over the 10x10 canvas')):
+        assert any(f"task {t}: " in l and words in l for l in left), p.stderr[-3000:]
+    assert len(left) == 4 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert 'task g1: ' in p.stdout and 'task g2: ' in p.stdout and 'task ten: ' not in p.stdout
+    sub = json.load(open(tmp_path / 'a' / 'run' / 'submission.json'))
+    assert sorted(sub) == sorted(hidden)
+    for t, task in hidden.items():
+        assert len(sub[t]) == len(task['test']) and all(set(a) == {'attempt_1', 'attempt_2'} for a in sub[t])
+    assert sub['notrain'] == [{'attempt_1': [[0]], 'attempt_2': [[0]]}] * 2 and sub['g1'][0]['attempt_1'] != []
+    assert p.stdout.strip().splitlines()[-1].endswith(str(tmp_path / 'a' / 'run' / 'submission.json'))
