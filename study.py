@@ -48,7 +48,7 @@ from collections import deque
 from runkeep import gcs
 from configurator import Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
-from runkeep.locks import holder_gone, lock_record
+from runkeep.locks import LOCK_NAME, STUDY_VAR, holder_gone, lock_record
 from runkeep.records import take_bucket_log
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
@@ -459,7 +459,7 @@ class Running:
         parent = os.getpid()
         # a run's rank 0 writes the log not again; a gs:// run resumed on another machine puts the bucket's log
         # before this process's part (OUTPUT_FROM_VAR), not in its place
-        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path)},
+        env = dict(env or {}, **{Tee.OUTPUT_LOG_VAR: os.path.abspath(log_path), STUDY_VAR: str(parent)},
                    **({Tee.OUTPUT_FROM_VAR: str(self.start)} if self.start is not None else {}))
         # the script (the first .py: train.py, prepare_*.py) is the repository's, wherever the study was started
         if (at := next((i for i, a in enumerate(cmd) if a.endswith('.py')), None)) is not None:
@@ -584,6 +584,29 @@ def lock_study():
         return
 
 
+def wait_for_orphans(runs):
+    """Waits for the train.py processes that a killed study left in these runs' folders: each saves a checkpoint
+    and stops on its own once its study is gone, holding its run's lock until then, and this study then resumes
+    the run from that checkpoint instead of failing on the lock. Said in one line; a stop request ends the
+    wait."""
+    left = []
+    for e in runs:
+        try:
+            with open(os.path.join(e.local, LOCK_NAME)) as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get('study') not in (None, str(os.getpid())) and not holder_gone(rec):
+            left.append((e.run, rec))
+    if not left:
+        return
+    print(f"study: waiting for the train.py of {len(left)} run(s) that the study before this one (pid "
+          f"{left[0][1]['study']}, ended) left behind, to save a checkpoint and stop: "
+          + ', '.join(f"{run} (pid {rec.get('pid')})" for run, rec in left), flush=True)
+    while not STOP['requested'] and not all(holder_gone(rec) for _, rec in left):
+        time.sleep(0.2)
+
+
 def run_study(exps):
     """Runs the selected runs not finished before; (the exit code, {run: (status, why)} as the summary says)."""
     lock_study()
@@ -591,6 +614,7 @@ def run_study(exps):
     signal.signal(signal.SIGTERM, on_signal)
     runs = [e for e in exps if not e.same_as]
     mine, index, hosts, host_of = my_runs(runs)
+    wait_for_orphans(mine)
     if os.environ.get('PJRT_DEVICE') == 'TPU' and not gcs.is_gcs(ROOT) and hosts_mode == 'all':
         print(f"warning: PJRT_DEVICE=TPU and out_root {ROOT} is local: on a pod use "
               "--out_root=gs://BUCKET/...")
@@ -826,6 +850,7 @@ def run_evals(exps):
     signal.signal(signal.SIGTERM, on_signal)
     K, t_study = VIEWS[-1], time.time()
     mine = my_runs([e for e in exps if not e.same_as])[0]
+    wait_for_orphans(mine)
     todo, summary = [], []  # summary: (run, steps, status, detail)
     for e in mine:
         if not has_results(e):

@@ -21,6 +21,9 @@ HELD = []  # the locks this process holds: local paths or gs:// URIs
 # a gs:// lock's lease: its holder renews it every third of this; a run on another host (a replacement VM)
 # takes over a lock whose lease ran out, and waits for one that has not, unless it is renewed meanwhile
 LEASE_S = float(os.environ.get('TRM_LOCK_LEASE_S') or 120)
+# the pid of the study.py that started this run (its environment), kept in the lock: a study rerun after the first
+# was killed tells that study's train.py, which saves and stops on its own, from a run of somebody else's
+STUDY_VAR = 'TRM_STUDY_PID'
 
 
 def boot_id():
@@ -45,7 +48,8 @@ def started(pid):
 
 def lock_record():
     return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
-                boot=boot_id(), started=started(os.getpid()), renewed=time.time(), lease=LEASE_S)
+                boot=boot_id(), started=started(os.getpid()), renewed=time.time(), lease=LEASE_S,
+                study=os.environ.get(STUDY_VAR))
 
 
 def holder_gone(rec):

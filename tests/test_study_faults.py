@@ -317,3 +317,34 @@ def test_a_failed_start_of_a_study_run_on_a_new_machine_goes_after_the_bucket_s_
     assert bucket.count('\n=== ') == 3 and bucket.index('test hook: step 15 waits') \
         < bucket.index('start-up checks failed: no dataset') < bucket.index('resuming from') \
         < bucket.index('step 30/30'), bucket
+
+
+def test_a_study_rerun_at_once_after_a_kill_waits_for_the_train_py_the_killed_one_left(grid, data_root):
+    """study.py killed outright (SIGKILL, an OOM kill, a closed tmux pane) while its train.py is in a long step: that
+    train.py saves and stops on its own (its parent is gone), and the same command rerun at once waits for it,
+    in one line, then resumes the run from the checkpoint it saved, rather than failing on the run's lock."""
+    out, go = f'{grid}/out/rec_L2', f'{grid}/go'
+    cmd = args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=30'))
+    env = held_step(f'{grid}/hook', 11, go=go, argv=['/rec_L2'])  # step 11 ends once `go` exists
+    first = start(cmd, env=env, stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: first.poll() is not None or os.path.exists(f'{out}/train.log')
+                 and 'test hook: step 11 waits' in open(f'{out}/train.log').read())
+        orphan = json.load(open(f'{out}/run.lock'))['pid']
+        first.kill()
+        first.wait()
+        with open(f'{grid}/rerun.out', 'w') as f:
+            rerun = start(cmd, env=env, stdout=f)
+        said = lambda: open(f'{grid}/rerun.out').read()
+        wait_for(lambda: rerun.poll() is not None or f'pid {orphan}' in said())
+    finally:
+        open(go, 'w').close()
+    assert rerun.wait(timeout=300) == 0, said()[-3000:]
+    text = said()
+    line = next(l for l in text.splitlines() if f'pid {orphan}' in l)
+    assert 'waiting for' in line and 'rec_L2' in line, line
+    assert 'lock failed' not in text and 'FAILED' not in text, text[-3000:]
+    assert 'resuming from its checkpoint at step 11' in text, text[-3000:]  # the orphan's stop checkpoint
+    assert re.search(r'rec_L2 +done', summary(text)), text[-3000:]
+    assert json.load(open(f'{out}/results.json'))['step'] == 30
+    assert not os.path.exists(f'/proc/{orphan}') or 'Z' == open(f'/proc/{orphan}/stat').read().split()[2]
