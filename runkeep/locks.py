@@ -46,6 +46,16 @@ def started(pid):
         return None
 
 
+def ended(pid):
+    """Whether process `pid` has ended but is not yet waited for by its parent (a zombie: it holds nothing; an
+    orphan adopted by a container's first process that reaps nothing stays one)."""
+    try:
+        with open(f'/proc/{int(pid)}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()[0] in ('Z', 'X')
+    except (OSError, ValueError, IndexError, TypeError):
+        return False
+
+
 def lock_record():
     return dict(host=socket.gethostname(), pid=os.getpid(), since=time.strftime('%Y-%m-%d %H:%M:%S %Z'),
                 boot=boot_id(), started=started(os.getpid()), renewed=time.time(), lease=LEASE_S,
@@ -59,7 +69,8 @@ def holder_gone(rec):
         return False  # another host's run: this host cannot tell
     if rec.get('boot') and rec['boot'] != boot_id():
         return True
-    if rec.get('started') is not None and started(rec.get('pid')) not in (None, rec['started']):
+    if rec.get('started') is not None and started(rec.get('pid')) not in (None, rec['started']) or \
+            ended(rec.get('pid')):
         return True
     try:
         os.kill(int(rec['pid']), 0)

@@ -73,6 +73,20 @@ def test_a_lock_whose_pid_now_names_another_process_is_taken_over(toy, tmp_path)
         other.kill()
 
 
+
+def test_a_lock_whose_holder_ended_but_is_not_reaped_is_stale():
+    """A run that ended whose parent never waits for it (a killed study's train.py, adopted by a container's pid 1
+    that reaps nothing) stays a zombie under its pid: it holds nothing, and a study rerun waiting for it, or a run
+    refused by its lock, would wait or be refused for good."""
+    ended = subprocess.Popen([sys.executable, '-c', 'pass'])
+    while open(f'/proc/{ended.pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z':  # not waited for
+        time.sleep(0.01)
+    try:
+        rec = dict(locks.lock_record(), pid=ended.pid, started=locks.started(ended.pid))
+        assert locks.holder_gone(rec)
+    finally:
+        ended.wait()
+
 LOCKER = """
 import sys
 from runkeep import locks
