@@ -37,8 +37,8 @@ from .checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_p
                          write_checkpoint)
 from .locks import lock_bucket, lock_local, mark_data, release_locks
 from .records import RunRecords, drop_evaluations, drop_results, remove_unfinished, start_log
-from .signals import (JOINING, STOP, StopBound, ended_abruptly, exit_if_orphaned, follow_launcher, forward_signals,
-                      install_signal_handlers)
+from .signals import (JOINING, PARENT, STOP, StopBound, die_with_parent, ended_abruptly, exit_if_orphaned,
+                      follow_launcher, forward_signals, install_signal_handlers)
 from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,
                       local_folder, startup_problems)
 from .watchdog import Watchdog
@@ -429,6 +429,8 @@ def launch(main, config, started):
     start (time.time()). Returns the exit code."""
     kind = resolve_device(config['device'])  # a device that cannot run here says so now, in one line
     install_signal_handlers()  # SIGTERM and Ctrl-C: save a checkpoint, then every rank exits together
+    if under_torchrun():  # its agent ends at once when a study.py that started it is killed: its ranks save and stop
+        die_with_parent(PARENT['pid'])
     if config['preflight']:
         from .preflight import preflight
         return preflight(config)

@@ -6,6 +6,7 @@ when a study resumes it on a new machine. Real study.py
 processes on tiny cpu-scale runs (4x4 Sudoku), real files.
     python -m pytest -q tests/test_study_faults.py
 """
+import contextlib
 import csv
 import json
 import os
@@ -348,3 +349,37 @@ def test_a_study_rerun_at_once_after_a_kill_waits_for_the_train_py_the_killed_on
     assert re.search(r'rec_L2 +done', summary(text)), text[-3000:]
     assert json.load(open(f'{out}/results.json'))['step'] == 30
     assert not os.path.exists(f'/proc/{orphan}') or 'Z' == open(f'/proc/{orphan}/stat').read().split()[2]
+
+
+def test_a_killed_study_s_torchrun_ranks_save_and_stop_and_the_rerun_resumes_them(grid, data_root):
+    """--nproc=2: study.py's child is torchrun's agent, which its end (even by SIGKILL) ends at once; the ranks it
+    leaves save a checkpoint and stop as a lone train.py does, rather than train on to the end unseen, holding the
+    devices and the run's folder."""
+    out = f'{grid}/out/rec_L2'
+    cmd = args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=30'), '--nproc=2')
+    first = start(cmd, env=held_step(f'{grid}/hook', 11, argv=['/rec_L2'], slow=True), stdout=subprocess.DEVNULL)
+    ranks = []
+    try:
+        wait_for(lambda: first.poll() is not None or os.path.exists(f'{out}/train.log')
+                 and open(f'{out}/train.log').read().count('test hook: step 11 waits') == 2)
+        agent = [int(d) for d in os.listdir('/proc') if d.isdigit() and os.path.exists(f'/proc/{d}/stat')
+                 and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == first.pid]
+        ranks = [int(d) for d in os.listdir('/proc') if d.isdigit() and os.path.exists(f'/proc/{d}/stat')
+                 and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) in agent]
+        assert len(ranks) == 2, (agent, ranks)
+        first.kill()
+        first.wait()
+        alive = lambda pid: os.path.exists(f'/proc/{pid}') and open(f'/proc/{pid}/stat').read().split()[2] != 'Z'
+        wait_for(lambda: not any(alive(r) for r in ranks), timeout=120)
+    finally:
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(r, signal.SIGKILL)
+    log = open(f'{out}/train.log').read()
+    assert f'its parent process (pid {agent[0]}) ended: saving' in log, log[-3000:]
+    stop = re.search(r'saved .*ckpt_000000(\d\d)\.pt \(stop requested\)', log)
+    assert stop and int(stop[1]) < 30 and not os.path.exists(f'{out}/results.json'), log[-3000:]
+    p = run(cmd)
+    assert f'resuming from its checkpoint at step {int(stop[1])}' in p.stdout, p.stdout[-3000:]
+    assert re.search(r'rec_L2 +done', summary(p.stdout)), p.stdout[-3000:]
+    assert json.load(open(f'{out}/results.json'))['step'] == 30
