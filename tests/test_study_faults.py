@@ -1,8 +1,9 @@
 """
 Nothing lost in a study (study.py): a closed stdout, the flags the runner owns, a FAILED run's reason, a
 finished run recorded with another configuration, a pod host without an index, bad values in experiment files
-and --extra, an unreadable results.json in the report, two studies on one out_root, and a gs:// run's train.log
-when a study resumes it on a new machine. Real study.py
+and --extra, an unreadable results.json in the report, two studies on one out_root, a gs:// run's train.log
+when a study resumes it on a new machine, and a study killed outright (its train.py or torchrun ranks save and stop;
+a rerun waits for them). Real study.py
 processes on tiny cpu-scale runs (4x4 Sudoku), real files.
     python -m pytest -q tests/test_study_faults.py
 """
