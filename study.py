@@ -405,10 +405,24 @@ def on_signal(signum, frame):
           + (f"asking the {len(children)} running process(es) to save and stop"
                                                if children else "stopping"), flush=True)
     for p in children:
+        for pid in stop_targets(p):
+            try:
+                os.kill(pid, signal.SIGTERM)  # train.py saves a checkpoint and exits; a second stops it at once
+            except ProcessLookupError:
+                pass
+
+
+def stop_targets(p):
+    """The pids a stop asks for the child p: torchrun's ranks where p is its agent, which, asked itself, ends its
+    ranks' stop with a traceback of its own in the run's output (its ranks exiting 0 end it quietly); else p."""
+    if 'torch.distributed.run' in p.args:
         try:
-            p.send_signal(signal.SIGTERM)  # train.py saves a checkpoint and exits; a second stops it at once
-        except ProcessLookupError:
+            with open(f'/proc/{p.pid}/task/{p.pid}/children') as f:
+                if ranks := [int(c) for c in f.read().split()]:
+                    return ranks
+        except (OSError, ValueError):
             pass
+    return [p.pid]
 
 
 def _child_setup(parent, cores=None):

@@ -384,3 +384,24 @@ def test_a_killed_study_s_torchrun_ranks_save_and_stop_and_the_rerun_resumes_the
     assert f'resuming from its checkpoint at step {int(stop[1])}' in p.stdout, p.stdout[-3000:]
     assert re.search(r'rec_L2 +done', summary(p.stdout)), p.stdout[-3000:]
     assert json.load(open(f'{out}/results.json'))['step'] == 30
+
+
+def test_ctrl_c_of_a_study_of_torchrun_runs_stops_its_ranks_without_torchrun_s_traceback(grid, data_root):
+    """--nproc=2, Ctrl-C: the stop goes to torchrun's ranks, which save and exit 0, so that its agent ends quietly;
+    asked itself, the agent raised a SignalException whose traceback filled the study's output and train.log."""
+    out = f'{grid}/out/rec_L2'
+    cmd = args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=30'), '--nproc=2')
+    first = start(cmd, env=held_step(f'{grid}/hook', 11, argv=['/rec_L2']))
+    try:
+        wait_for(lambda: first.poll() is not None or os.path.exists(f'{out}/train.log')
+                 and open(f'{out}/train.log').read().count('test hook: step 11 waits') == 2)
+        os.killpg(first.pid, signal.SIGINT)  # a terminal's Ctrl-C: study.py alone, its children have sessions
+        text = first.communicate(timeout=300)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+    log = open(f'{out}/train.log').read()
+    assert 'Traceback' not in text + log and 'SignalException' not in text + log, (text + log)[-3000:]
+    assert re.search(r'saved .*ckpt_000000\d\d\.pt \(stop requested\)', log), log[-3000:]
+    assert not os.path.exists(f'{out}/results.json')
+    assert 'stopped' in summary(text) and 'FAILED' not in summary(text), text[-3000:]
