@@ -17,7 +17,7 @@ from data import load_arrays
 from evaluate import at_first, view_counts, wilson_interval
 
 PASS_AT = (1, 2, 5, 10, 100, 1000)  # the reference's K of pass@K (capped at the views a test input has)
-ARC_MODES = ('last', 'q_halt')      # the answer after the last step; where q_halt first said stop
+ARC_MODES = ('last', 'q_halt')      # the answer after the last step; where the model first halted
 CONFIDENCE_BITS = 117               # a confidence is counted in units of 2^-117: integers, so their sums are
 CONFIDENCE_ONE = 2 ** CONFIDENCE_BITS  # exact whatever the order they come in, and one down to 2^-64 (a q_halt
                                     # logit of -44) keeps float64's 53 bits, as the reference's float64 sum

@@ -63,7 +63,7 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
 
 
 def at_first(preds_all, q_all, first):
-    """Each row's answer [B, L] and q_halt [B] at its step first [B] (where q_halt first said stop), from every
+    """Each row's answer [B, L] and q_halt [B] at its step first [B] (where the model first halted), from every
     step's preds_all [S, B, L] and q_all [S, B]."""
     return (preds_all.gather(0, first[None, :, None].expand(1, *preds_all.shape[1:]))[0],
             q_all.gather(0, first[None])[0])
@@ -71,7 +71,7 @@ def at_first(preds_all, q_all, first):
 
 def batch_sums(preds, q_halt, row_loss, first, labels, valid, h):
     """One batch's metric sums on the device (evaluate's): preds [S, B, L] and q_halt [S, B] at every step,
-    row_loss [B] at step h, first [B] the step where q_halt stopped each row, labels [B, L], valid [B]."""
+    row_loss [B] at step h, first [B] the step where the model halted each row, labels [B, L], valid [B]."""
     valid_tok = labels != IGNORE_LABEL_ID
     n_valid = valid_tok.sum(-1)
     rows = (valid & (n_valid > 0)).float()
@@ -94,12 +94,13 @@ def batch_sums(preds, q_halt, row_loss, first, labels, valid, h):
 def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_example=False, predict=None,
              should_stop=None, progress=None, arc=None, arc_pool_at=None):
     """Runs every batch for n_steps supervision steps (one fixed graph per batch) and reports the metrics
-    at halt_max_steps, the exact accuracy at every step count, and with q_halt early stopping. Every rank
-    runs the same batches count and the same reads (dev.read), so the ranks' graphs stay identical.
+    at halt_max_steps, the exact accuracy at every step count, and with the model's early stop (the 'q_halt
+    stop': model.halts, the rule it was trained to halt by). Every rank runs the same batches count and the same
+    reads (dev.read), so the ranks' graphs stay identical.
     A loader with views K > 1 gives each batch in K views (one batch of K x the rows): the metrics above are
     view 0's (the puzzles as they are), and by_views holds vote@k, verified@k, oracle@k (and accepted@k)
     for each k of view_counts(K), after the last of the n_steps (test-time depth counts: views x steps) and
-    with q_halt's stop (each view's answer where it stopped).
+    with the q_halt stop (each view's answer where it stopped).
     should_stop(within=False): asked before every batch, and within one (within=True) after every halt_max_steps
     supervision steps (test-time scaling runs thousands), on every rank (a verdict the ranks agree on, so all stop
     at the same point; the steps keep their one graph each), or after every step where stops_every_step; when it
@@ -126,14 +127,13 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         rows_index = batch.pop('example_index', None)
         b = dev.to_device(batch)
         out = predict(b, n_steps, loss_at=h, should_stop=within, chunk=chunk,
-                      on_step=progress and (lambda i, pred, q_halt: progress(i + 1)))
+                      on_step=progress and (lambda i, pred, q_halt, halt: progress(i + 1)))
         if out is None:
             model.train(was_training)
             return None, None
-        preds_all, q_all, loss_all = out  # [S, K*B, L], [S, K*B], [K*B]
-        halt = torch.cat([q_all[:-1] > 0,
-                          torch.ones_like(q_all[-1:], dtype=torch.bool)])  # the last step always stops
-        first_all = halt.int().argmax(0)  # the first step whose q_halt says stop
+        preds_all, q_all, halts_all, loss_all = out  # [S, K*B, L], [S, K*B], [S, K*B], [K*B]
+        halt = torch.cat([halts_all[:-1], torch.ones_like(halts_all[-1:])])  # the last step always stops
+        first_all = halt.int().argmax(0)  # the first step where the model halts (model.halts)
         B = preds_all.shape[1] // K  # view 0's rows: the puzzles as they are
         preds, q_halt, row_loss, first = preds_all[:, :B], q_all[:, :B], loss_all[:B], first_all[:B]
         part = batch_sums(preds, q_halt, row_loss, first, b['labels'][:B], b['valid'][:B], h)
@@ -143,7 +143,7 @@ def evaluate(model, loader, dev, n_steps, halt_max_steps, verifier=None, show_ex
         flat_part = torch.cat([part[k].reshape(-1).float() for k in keys])
         inp, v = batch['inputs'][:B], batch['valid'][:B]
         ran += int(v.sum())
-        if K > 1:  # every view's answer after the last step and where q_halt stopped it: one graph, one read
+        if K > 1:  # every view's answer after the last step and where the model halted: one graph, one read
             at_stop, q_stop = at_first(preds_all, q_all, first_all)
             p_all, c_all, p_stop, c_stop, p, got = dev.read([preds_all[-1], q_all[-1], at_stop, q_stop, preds[h],
                                                              flat_part])

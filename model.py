@@ -370,8 +370,7 @@ class TRM(nn.Module):
         halted = is_last
         out = dict(logits=logits, q_halt=q_halt, q_continue=q_continue)
         if self.training and cfg.halt_max_steps > 1:
-            halt_signal = (q_halt > 0) if cfg.no_ACT_continue else (q_halt > q_continue)
-            halted = halted | halt_signal.detach()
+            halted = halted | halts(q_halt, q_continue, cfg).detach()
             # exploration: some rows draw a minimum number of steps before they may halt
             explore = torch.rand(q_halt.shape, device=q_halt.device) < cfg.halt_exploration_prob
             min_steps = torch.randint(2, cfg.halt_max_steps + 1, steps.shape, device=steps.device,
@@ -390,16 +389,18 @@ class TRM(nn.Module):
     # --- evaluation: a fixed number of steps from fresh latents, no halting -----------------------
 
     def predict_step(self, latents, x, labels=None):
-        """One evaluation supervision step: the next latents, the predictions [B, seq_len] and q_halt [B];
-        given labels, also each row's loss [B] (its tokens' mean, the training's lm loss)."""
+        """One evaluation supervision step: the next latents, the predictions [B, seq_len], q_halt [B] and
+        whether each row halts there [B] (halts); given labels, also each row's loss [B] (its tokens' mean,
+        the training's lm loss)."""
         latents = self.recursion(latents, x)
-        logits, q_halt, _ = self.heads(latents)
+        logits, q_halt, q_continue = self.heads(latents)
         pred = logits.argmax(-1).to(torch.int32)
+        halt = halts(q_halt, q_continue, self.config)
         if labels is None:
-            return latents, pred, q_halt
+            return latents, pred, q_halt, halt
         n_valid = (labels != IGNORE_LABEL_ID).sum(-1).clamp_min(1)
         loss = token_losses(logits, labels, self.config.loss_type, self.config.loss_dtype).sum(-1) / n_valid
-        return latents, pred, q_halt, loss.float()
+        return latents, pred, q_halt, halt, loss.float()
 
     def predict_start(self, inputs, puzzle_identifiers):
         """An evaluation batch's fresh latents and its input embedding: (latents, x)."""
@@ -410,28 +411,29 @@ class TRM(nn.Module):
     def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=0,
                 on_step=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
-        needed). Returns per-step predictions [n_steps, B, seq_len] and q_halt [n_steps, B], and with
+        needed). Returns per-step predictions [n_steps, B, seq_len], q_halt and halts [n_steps, B], and with
         loss_at (a step's index) that step's loss of each row [B] against batch['labels'].
         step, start: what runs one step and the start (default self.predict_step and self.predict_start;
         compiled_predict passes compiled ones). should_stop: asked after every `chunk` steps while steps
         remain (a verdict every rank reaches at the same step); when it says stop, None: the batch is
-        abandoned. on_step(i, pred, q_halt): called after step i (a watchdog's heartbeat, solve.py's view of
+        abandoned. on_step(i, pred, q_halt, halt): called after step i (a watchdog's heartbeat, solve.py's view of
         each step); when it returns True the batch ends there, with the steps done so far."""
         step, start = step or self.predict_step, start or self.predict_start
         latents, x = start(batch['inputs'], batch['puzzle_identifiers'])
-        preds, q_halts, loss = [], [], None
+        preds, q_halts, halted, loss = [], [], [], None
         for i in range(n_steps):
             if should_stop is not None and i and i % chunk == 0 and should_stop():
                 return None
             if i == loss_at:  # a graph of its own, with the loss: the other steps' stay as they are
-                latents, pred, q_halt, loss = step(latents, x, batch['labels'])
+                latents, pred, q_halt, halt, loss = step(latents, x, batch['labels'])
             else:
-                latents, pred, q_halt = step(latents, x)
+                latents, pred, q_halt, halt = step(latents, x)
             preds.append(pred)
             q_halts.append(q_halt)
-            if on_step is not None and on_step(i, pred, q_halt):
+            halted.append(halt)
+            if on_step is not None and on_step(i, pred, q_halt, halt):
                 break
-        return (torch.stack(preds), torch.stack(q_halts)) + (() if loss_at is None else (loss,))
+        return (torch.stack(preds), torch.stack(q_halts), torch.stack(halted)) + (() if loss_at is None else (loss,))
 
     # --- bookkeeping ------------------------------------------------------------------------------
 
@@ -464,6 +466,19 @@ class TRM(nn.Module):
             return fwd
         bootstrap = (calls * net + heads) if not cfg.no_ACT_continue else 0
         return fwd + grad_calls * (net + net_trained) + heads + heads_trained + bootstrap
+
+
+def halts(q_halt, q_continue, cfg: TRMConfig):
+    """Whether each row stops, by the rule its halting head learned: q_halt > 0, or, where q_continue learned
+    the value of going on (no_ACT_continue False), q_halt > q_continue. Training halts by it; evaluation's
+    and solve.py's early stop follow it (the reference-defined q_halt accuracy and ARC's confidences read
+    q_halt alone)."""
+    return (q_halt > 0) if cfg.no_ACT_continue else (q_halt > q_continue)
+
+
+def halt_rule(cfg: TRMConfig):
+    """halts' rule in words, for what solve.py prints."""
+    return 'q_halt > 0' if cfg.no_ACT_continue else 'q_halt > q_continue'
 
 
 # -----------------------------------------------------------------------------

@@ -11,7 +11,8 @@ Sudokus are n*n characters ('.' or '0' blank); mazes are their rows ('#' wall, '
 by '/' or newlines, or one n*n-character line. Every step prints the current answer (cells changed since
 the step before marked with '*'), the halting head's probability sigmoid(q_halt) and whether the answer is
 already correct (the verifier: any valid solution counts, the givens must be kept). Solving stops where
-the model halts (q_halt > 0) unless --all_steps=True; --eval_steps above the model's halt_max_steps is
+the model halts (by the rule it learned: q_halt > 0, or q_halt > q_continue for a model trained with
+no_ACT_continue=False) unless --all_steps=True; --eval_steps above the model's halt_max_steps is
 test-time scaling. A checkpoint of train.py carries its model keys; a state dict of the reference
 implementation ('_orig_mod.model.inner.*' keys) takes them, and its data_path, from the all_config.yaml beside it
 (the published layout, docs/published.md; also hf://OWNER/REPO/PATH/step_<N> from the hub), else needs --data_path
@@ -59,7 +60,7 @@ adapt_aug = 7                   # --task=FILE.json: augmentations of each new ta
 adapt_args = ''                 # --task=FILE.json: more train.py flags for the adaptation ('--lr=1e-4 ...')
 adapt_dir = ''                  # --task=FILE.json: its dataset and adapted run ('': out/adapt/<name>-<key>)
 eval_steps = 0                  # max supervision steps (0: model's halt_max_steps); more: test-time scaling
-all_steps = False               # run every step, not stopping at the model's halt (the first q_halt > 0)
+all_steps = False               # run every step, not stopping at the model's halt (model.halts)
 quiet = False                   # only one summary line per puzzle (no boards)
 png = ''                        # also draw the steps as small boards into this PNG file (needs matplotlib)
 png_puzzles = 4                 # puzzles drawn in the PNG at most
@@ -101,7 +102,7 @@ torch = import_torch()  # where an address-space limit leaves it no room: one li
 
 from data import check_split, load_arrays, load_json, load_metadata  # noqa: E402
 from device import Device, choose_dtype, resolve_device, resolve_loss_dtype, usable_cores, use_kernels  # noqa: E402
-from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
+from model import MODEL_KEYS, TRM, TRMConfig, halt_rule  # noqa: E402
 from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle_type  # noqa: E402
 from puzzles import draw_arc_task, draw_steps, read_tasks, views_problem, vote  # noqa: E402
 from runkeep.checkpoint import fill_absent_table, identifier_mismatch, meta_from_weights  # noqa: E402
@@ -163,37 +164,41 @@ def read_puzzle_file(path, kind):
 # -----------------------------------------------------------------------------
 # the reasoning, one supervision step at a time
 
+rule = 'q_halt > 0'  # the loaded model's stop in words (model.halt_rule), which main() sets
+
+
 def reason(model, dev, inputs, ids, n_steps, every_step):
-    """model.predict from fresh latents, read after every step: predictions [S, B, seq_len], q_halt [S, B] and
-    the seconds since the start at the end of each step [S]. Stops once every row has halted (q_halt > 0)
-    unless every_step."""
+    """model.predict from fresh latents, read after every step: predictions [S, B, seq_len], q_halt [S, B],
+    whether each row halts there [S, B] (model.halts) and the seconds since the start at the end of each step
+    [S]. Stops once every row has halted unless every_step."""
     batch = dev.to_device(dict(inputs=inputs, puzzle_identifiers=ids))
     t0 = time.perf_counter()
-    preds, qs, times = [], [], []
+    preds, qs, stops, times = [], [], [], []
     halted = np.zeros(len(inputs), bool)
 
-    def read(i, pred, q_halt):  # each step's only sync
-        p, q = dev.read([pred, q_halt.float()])
+    def read(i, pred, q_halt, halt):  # each step's only sync
+        p, q, h = dev.read([pred, q_halt.float(), halt])
         preds.append(p)
         qs.append(q)
+        stops.append(np.asarray(h, bool))
         times.append(time.perf_counter() - t0)
-        halted[:] |= q > 0
+        halted[:] |= stops[-1]
         return halted.all() and not every_step
 
     model.predict(batch, n_steps, on_step=read)
-    return np.stack(preds), np.stack(qs), np.array(times)
+    return np.stack(preds), np.stack(qs), np.stack(stops), np.array(times)
 
 
 def sigmoid(q):
     return 1.0 / (1.0 + np.exp(-np.clip(q, -60, 60)))
 
 
-def stop_step(q):
-    """(the first step whose q_halt > 0, or None; the step whose answer counts) of one row's q_halt [S]: its
-    halt, else (or with --all_steps) the last step run."""
-    halts = np.flatnonzero(q > 0)
+def stop_step(stops):
+    """(the first step where the model halts, or None; the step whose answer counts) of one row's halts [S]
+    (reason's): its halt, else (or with --all_steps) the last step run."""
+    halts = np.flatnonzero(stops)
     halt = int(halts[0]) if len(halts) else None
-    return halt, len(q) - 1 if (all_steps or halt is None) else halt
+    return halt, len(stops) - 1 if (all_steps or halt is None) else halt
 
 
 # -----------------------------------------------------------------------------
@@ -225,9 +230,9 @@ def solve_in_views(model, dev, kind, x, ids, first, n_steps, wheres, labels):
     sym = view_symmetries(kind, first, B)
     inverse = Grid.invert(sym)
     puzzle = np.tile(x, (K, 1))  # each row's puzzle as given
-    preds, qs, times = reason(model, dev, Grid.apply(puzzle, sym).astype(np.int32), np.tile(ids, K), n_steps,
-                              all_steps)
-    stops = [stop_step(qs[:, r]) for r in range(K * B)]
+    preds, qs, halts, times = reason(model, dev, Grid.apply(puzzle, sym).astype(np.int32), np.tile(ids, K),
+                                     n_steps, all_steps)
+    stops = [stop_step(halts[:, r]) for r in range(K * B)]
     last, rows = np.array([s for _, s in stops]), np.arange(K * B)
     answers = Grid.apply(preds[last, rows], inverse).astype(np.int32)  # [K * B, L], on the puzzles as given
     conf = qs[last, rows]  # the halting head's logit where each view stops
@@ -284,11 +289,11 @@ def report(it, kind):
         how = f"after all {plural(k, 'step')}"
         notes = [f"correct from step {first_ok[0] + 1}" if len(first_ok) else 'never correct',
                  f"the model halts at step {it['halt'] + 1}" if it['halt'] is not None else
-                 'the model never halts (q_halt <= 0 at every step)']
+                 f'the model never halts (not {rule} at any step)']
     elif it['halt'] is not None:
-        how, notes = f"in {plural(k, 'step')}", ['the model halted (q_halt > 0)']
+        how, notes = f"in {plural(k, 'step')}", [f'the model halted ({rule})']
     else:
-        how, notes = f"after {plural(k, 'step')}", ['the model did not halt (q_halt <= 0 at every step)']
+        how, notes = f"after {plural(k, 'step')}", [f'the model did not halt (not {rule} at any step)']
     if it['target'] is not None:
         same = bool(np.array_equal(np.where(it['target'] < 0, final, it['target']), final))
         notes.append("identical to the dataset's label" if same else "differs from the dataset's label")
@@ -535,6 +540,7 @@ def main():
         for s in (signal.SIGINT, signal.SIGTERM):  # the submission is written: a stop from here on says so
             signal.signal(s, stopped_showing)
     model, cfg, meta, dp, dtype, dtype_why = load_model(dev)
+    globals()['rule'] = halt_rule(cfg)  # the stop the model learned, in words, for each puzzle's report
     dtype_why += f" | kernels {use_kernels(kernels, dev.type, dtype, model)[1]}"  # every step is forward-only
     kind, n_steps = puzzle_for(meta), eval_steps or cfg.halt_max_steps
     if kind.correct is None and not task:  # ARC: an answer is right only as a task's output; no verifier
@@ -555,7 +561,7 @@ def main():
         return
     inputs, ids, wheres, labels = puzzles(kind, meta, dp, sources[0])
     print(f"device {dev.type} ({dev.name()}) | forward dtype {dtype_why} | up to {plural(n_steps, 'step')}"
-          + (' (all of them)' if all_steps else ', stopping where the model halts (q_halt > 0)')
+          + (' (all of them)' if all_steps else f', stopping where the model halts ({rule})')
           + f" | {plural(len(inputs), 'puzzle')}"
           + (f" in batches of {min(per, len(inputs))}" if eval_views == 1 else
              f" in {eval_views} views each, batches of {min(per, len(inputs))} x {eval_views} views"))
@@ -574,11 +580,11 @@ def main():
                 if len(drawn) < png_puzzles:
                     drawn.append(it['png'])
             continue
-        preds, qs, times = reason(model, dev, x, i_, n_steps, all_steps)
+        preds, qs, halts, times = reason(model, dev, x, i_, n_steps, all_steps)
         correct = np.stack([np.asarray(kind.correct(x, p)) for p in preds])  # [S, B]
         probs = sigmoid(qs)
         for j in range(len(x)):
-            halt, last = stop_step(qs[:, j])
+            halt, last = stop_step(halts[:, j])
             it = dict(inputs=x[j], preds=preds[:last + 1, j], prob=probs[:last + 1, j],
                       correct=correct[:last + 1, j],
                       halt=halt, shown=last + 1, time=float(times[last]), batch=len(x), where=wheres[b0 + j],
@@ -823,8 +829,8 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
               f"confidence sigmoid(q_halt) there | batches of {min(eval_batch_size, len(rows))}")
         answers, conf, t0 = [], [], time.perf_counter()
         for b0 in range(0, len(rows), eval_batch_size):
-            preds, qs, _ = reason(model, dev, inputs[b0:b0 + eval_batch_size], ids[b0:b0 + eval_batch_size],
-                                  n_steps, True)
+            preds, qs, _, _ = reason(model, dev, inputs[b0:b0 + eval_batch_size], ids[b0:b0 + eval_batch_size],
+                                     n_steps, True)
             answers.append(preds[-1])
             conf.append(confidence(qs[-1]))  # float64, as train.py's evaluation: no ties from rounding
         answers, conf = np.concatenate(answers), np.concatenate(conf)

@@ -100,7 +100,7 @@ def test_evaluation_counts_only_real_rows(tmp_path):
     arrays = load_arrays(root, 'test')
     inputs = torch.tensor(np.asarray(arrays['inputs']), dtype=torch.int32)
     labels = torch.tensor(np.asarray(arrays['labels']))
-    preds, _ = m.predict(dict(inputs=inputs, puzzle_identifiers=torch.zeros(10, dtype=torch.int32)), 4)
+    preds, _, _ = m.predict(dict(inputs=inputs, puzzle_identifiers=torch.zeros(10, dtype=torch.int32)), 4)
     tok = (preds[-1] == labels).float().mean(-1)
     assert abs(res['token_accuracy'] - tok.mean().item()) < 1e-6
     assert abs(res['exact_accuracy'] - (tok == 1).float().mean().item()) < 1e-6

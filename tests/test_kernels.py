@@ -148,7 +148,7 @@ for name, keys in dict(mlp_t=dict(), attention=dict(mlp_t=False, pos_encodings='
             got = model.predict(batch, 3, loss_at=2, step=torch.compile(model.predict_step, backend='aot_eager',
                                                                         dynamic=False) if compiled else None)
             out[f'{name} {which} evaluation predictions equal'] = bool((got[0] == plain[0]).all())
-            out[f'{name} {which} evaluation loss'] = rel(got[2], plain[2])
+            out[f'{name} {which} evaluation loss'] = rel(got[3], plain[3])
     model.train()
 print(json.dumps(out))
 '''

@@ -98,7 +98,7 @@ def test_reference_checkpoint_loads_and_computes_the_reference_outputs(variant):
     for keys in (ref_sd, {k[len('_orig_mod.model.'):]: v for k, v in ref_sd.items()}):  # prefixed and not
         m = TRM(cfg)
         m.load_state_dict(from_reference_state_dict(keys))
-        preds, q_halt = m.predict(dict(inputs=inputs, puzzle_identifiers=ids), n_steps=2)
+        preds, q_halt, _ = m.predict(dict(inputs=inputs, puzzle_identifiers=ids), n_steps=2)
         # the model's own last logits: run heads on the same recursion
         latents = m.init_latents(3, 'cpu')
         x = m.input_embeddings(inputs, m.puzzle_rows(ids))

@@ -130,7 +130,7 @@ def test_the_layout_gives_the_outputs_of_its_checkpoint_with_no_model_key_typed(
     inputs = torch.from_numpy(np.load(f'{data}/test/all__inputs.npy')[:32]).int()
     ids = torch.from_numpy(np.load(f'{data}/test/all__puzzle_identifiers.npy')[:32]).int()
     batch = dict(inputs=inputs, puzzle_identifiers=ids, labels=inputs)
-    (pa, qa), (pb, qb) = a.eval().predict(batch, 4), b.eval().predict(batch, 4)
+    (pa, qa, _), (pb, qb, _) = a.eval().predict(batch, 4), b.eval().predict(batch, 4)
     assert torch.equal(pa, pb) and torch.equal(qa, qb)
     assert len(ids.unique()) > 5  # many rows of the table in play
 

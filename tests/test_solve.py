@@ -7,6 +7,7 @@ Run from the repository root with  python -m pytest -q tests/test_solve.py
 import csv
 import glob
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -472,3 +473,50 @@ def test_help_lists_every_key():
         assert meaning and meaning in line, (k, line)
     # a meaning that goes on in the comment lines below its key is shown whole: kernels' allowed values
     assert "| 'gated' | 'quack' | 'triton'" in keys['kernels'][1] and "maze rows joined by '/'" in keys['puzzle'][1]
+
+
+def test_a_model_trained_with_q_continue_stops_where_it_learned_to_halt(tmp_path):
+    """no_ACT_continue=False trains the halt as q_halt > q_continue: the evaluation's 'with q_halt stop' and
+    solve.py stop there, not at q_halt > 0 (which such a model's q_halt passes from its first step on)."""
+    import torch
+    from data import load_metadata
+    from model import MODEL_KEYS, TRM, TRMConfig
+    from runkeep.checkpoint import load_checkpoint, weights_in
+    data, out = tmp_path / 's4', tmp_path / 'o4'
+    run('prepare_sudoku.py', '--generate', 400, '--size', 4, '--num_test', 100, '--num_aug', 1, '--output_dir', data)
+    run('train.py', f'--data_path={data}', f'--out_dir={out}', '--device=cpu', '--hidden_size=32', '--num_heads=2',
+        '--puzzle_emb_ndim=0', '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=3', '--global_batch_size=64',
+        '--epochs=40', '--eval_every_epochs=40', '--log_interval=50', '--lr=2e-3', '--lr_warmup_steps=10',
+        '--forward_dtype=float32', '--xla_cache_dir=', '--no_ACT_continue=False')
+    ckpt = sorted(glob.glob(str(out / 'ckpt_*.pt')))[-1]
+    saved = weights_in(load_checkpoint(ckpt))
+    keys = {k: v for k, v in saved['config'].items() if k in MODEL_KEYS and k not in ('forward_dtype', 'loss_dtype')}
+    m = TRM(TRMConfig.for_data(load_metadata(str(data), 'train'), **keys)).eval()
+    m.load_state_dict(saved['weights'])
+    inputs, labels = (torch.from_numpy(np.load(data / 'test' / f'all__{n}.npy')) for n in ('inputs', 'labels'))
+    with torch.no_grad():  # the stop the model learned, from its two heads at each step
+        latents, x = m.predict_start(inputs, torch.zeros(len(inputs), dtype=torch.int32))
+        stop, right = [], []
+        for _ in range(3):
+            latents = m.recursion(latents, x)
+            logits, q_halt, q_continue = m.heads(latents)
+            stop.append(q_halt > q_continue)
+            right.append((logits.argmax(-1) == labels).all(-1))
+    stop, right = torch.stack(stop), torch.stack(right)
+    stop[-1] = True
+    first = stop.int().argmax(0)
+    learned_steps = float((first + 1).float().mean())
+    learned_exact = float(right.gather(0, first[None])[0].float().mean())
+    assert float(stop[0].float().mean()) < 0.9  # most rows go on past step 1 by the rule it learned
+    with open(out / 'results.json') as f:
+        final = json.load(f)['final_eval']
+    # near ties (q_halt within rounding of q_continue) may fall either way in another batch shape
+    assert abs(final['steps_q_halt'] - learned_steps) < 0.15, (final['steps_q_halt'], learned_steps)
+    assert abs(final['exact_accuracy_q_halt'] - learned_exact) < 0.05, (final['exact_accuracy_q_halt'], learned_exact)
+    puzzles = tmp_path / 'puzzles.txt'
+    with open(data / 'csv' / 'test.csv') as f:
+        puzzles.write_text('\n'.join(r['question'] for r in csv.DictReader(f)) + '\n')
+    p = solve(f'--init_from={ckpt}', f'--file={puzzles}', '--quiet=True')
+    assert 'stopping where the model halts (q_halt > q_continue)' in p.stdout, p.stdout[:2000]
+    steps = [int(re.search(r' (?:in|after) (\d+) steps?;', l).group(1)) for l in summaries(p.stdout).values()]
+    assert len(steps) == 100 and abs(np.mean(steps) - learned_steps) < 0.15, (np.mean(steps), learned_steps)

@@ -104,8 +104,8 @@ def test_padded_mlp_t_equals_the_unpadded_computation():
 
     # evaluation
     padded.eval(), plain.eval()
-    p1, q1 = padded.predict(batch, 2)
-    p2, q2 = plain.predict(batch, 2)
+    p1, q1, _ = padded.predict(batch, 2)
+    p2, q2, _ = plain.predict(batch, 2)
     assert torch.equal(p1, p2)
     torch.testing.assert_close(q1, q2, rtol=1e-5, atol=1e-6)
 
@@ -215,8 +215,8 @@ def test_compiled_step_and_predict_equal_eager_and_do_not_recompile():
     assert compiled_predict(compiled_model) is predict  # built once per model
     before = counters['stats']['unique_graphs']
     for b in batches[:2]:
-        p_want, q_want = compiled_model.predict(b, 3)
-        p_got, q_got = predict(b, 3)
+        p_want, q_want, _ = compiled_model.predict(b, 3)
+        p_got, q_got, _ = predict(b, 3)
         assert p_got.shape == (3, 8, cfg.seq_len) and p_got.dtype == torch.int32
         assert torch.equal(p_got, p_want)
         torch.testing.assert_close(q_got, q_want, rtol=1e-5, atol=1e-5)

@@ -188,8 +188,8 @@ def test_the_verifiers_choice_never_reads_the_labels(trained, tmp_path):
     B, K = len(q), 4
     sym = kind.views(K, B, seed=0, batch=0)
     qv = kind.apply(np.tile(q, (K, 1)), sym)
-    preds, q_halt = model.predict(dict(inputs=torch.from_numpy(qv.astype(np.int32)),
-                                       puzzle_identifiers=torch.zeros(K * B, dtype=torch.int32)), 4)
+    preds, q_halt, _ = model.predict(dict(inputs=torch.from_numpy(qv.astype(np.int32)),
+                                          puzzle_identifiers=torch.zeros(K * B, dtype=torch.int32)), 4)
     wrong = np.where(a > 1, (a - 2 + 1) % kind.n + 2, a)  # every digit of every label shifted: all wrong
     rows, ks = np.ones(B, bool), [1, 2, 4]
     true, picks = score_views(preds[-1].numpy(), q_halt[-1].numpy(), kind.invert(sym), q, a, rows, kind.correct, ks)

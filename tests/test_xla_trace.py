@@ -97,10 +97,10 @@ for H, L in ((1, 1), (2, 3)):
         with torch.no_grad():
             for _ in range(3):
                 c0, n0 = count('CompileTime'), calls[0]
-                preds, q = predict(batches[0], 4)
+                preds, q, _ = predict(batches[0], 4)
                 torch_xla.sync()
                 ev.append(dict(compiles=count('CompileTime') - c0, net_calls=calls[0] - n0))
-            ref, q_ref = model.predict(batches[0], 4)  # the unrolled lazy graph, the same weights
+            ref, q_ref, _ = model.predict(batches[0], 4)  # the unrolled lazy graph, the same weights
         runs[kind] = dict(losses=[float(x.cpu()) for x in losses], per_step=per_step, eval=ev,
                           preds_match=bool((preds == ref).all().cpu()), q_diff=float((q - q_ref).abs().max().cpu()),
                           weights={k: v.cpu().tolist() for k, v in model.state_dict().items()},
