@@ -496,27 +496,29 @@ def test_a_model_trained_with_q_continue_stops_where_it_learned_to_halt(tmp_path
     inputs, labels = (torch.from_numpy(np.load(data / 'test' / f'all__{n}.npy')) for n in ('inputs', 'labels'))
     with torch.no_grad():  # the stop the model learned, from its two heads at each step
         latents, x = m.predict_start(inputs, torch.zeros(len(inputs), dtype=torch.int32))
-        stop, right = [], []
+        stop, old, right = [], [], []
         for _ in range(3):
             latents = m.recursion(latents, x)
             logits, q_halt, q_continue = m.heads(latents)
             stop.append(q_halt > q_continue)
+            old.append(q_halt > 0)
             right.append((logits.argmax(-1) == labels).all(-1))
-    stop, right = torch.stack(stop), torch.stack(right)
-    stop[-1] = True
+    stop, old, right = torch.stack(stop), torch.stack(old), torch.stack(right)
+    stop[-1] = old[-1] = True
     first = stop.int().argmax(0)
     learned_steps = float((first + 1).float().mean())
     learned_exact = float(right.gather(0, first[None])[0].float().mean())
-    assert float(stop[0].float().mean()) < 0.9  # most rows go on past step 1 by the rule it learned
+    # the two rules part by far more than rounding moves either: what the assertions below tell apart
+    assert abs(float((old.int().argmax(0) + 1).float().mean()) - learned_steps) > 0.8
     with open(out / 'results.json') as f:
         final = json.load(f)['final_eval']
-    # near ties (q_halt within rounding of q_continue) may fall either way in another batch shape
-    assert abs(final['steps_q_halt'] - learned_steps) < 0.15, (final['steps_q_halt'], learned_steps)
-    assert abs(final['exact_accuracy_q_halt'] - learned_exact) < 0.05, (final['exact_accuracy_q_halt'], learned_exact)
+    # near ties (q_halt within rounding of q_continue) fall either way in another batch shape: some tenths of a step
+    assert abs(final['steps_q_halt'] - learned_steps) < 0.4, (final['steps_q_halt'], learned_steps)
+    assert abs(final['exact_accuracy_q_halt'] - learned_exact) < 0.1, (final['exact_accuracy_q_halt'], learned_exact)
     puzzles = tmp_path / 'puzzles.txt'
     with open(data / 'csv' / 'test.csv') as f:
         puzzles.write_text('\n'.join(r['question'] for r in csv.DictReader(f)) + '\n')
     p = solve(f'--init_from={ckpt}', f'--file={puzzles}', '--quiet=True')
     assert 'stopping where the model halts (q_halt > q_continue)' in p.stdout, p.stdout[:2000]
     steps = [int(re.search(r' (?:in|after) (\d+) steps?;', l).group(1)) for l in summaries(p.stdout).values()]
-    assert len(steps) == 100 and abs(np.mean(steps) - learned_steps) < 0.15, (np.mean(steps), learned_steps)
+    assert len(steps) == 100 and abs(np.mean(steps) - learned_steps) < 0.4, (np.mean(steps), learned_steps)
