@@ -185,12 +185,12 @@ def resolve_init_from(g, ours=False):
     init_from a local file and its model keys those of the published run, {key: value}. init_from=hf://...:
     fetched into the cache. With an all_config.yaml beside a state dict (not beside a checkpoint of train.py,
     which has its own config): its model keys, checked against the keys the config files and the command line
-    set (`_set_by`), refused in one line where one contradicts it; a data_path nobody set becomes its first data_paths
-    where that is here (or where the script's default is '', solve.py's "the checkpoint's"). Says where the config came from in one line. Otherwise:
-    nothing changes (the keys are the script's, as for any file), but with `ours` (train.py) a checkpoint of
-    train.py to start from (not a resume's) gives its run's model keys where no config file or flag set them; one
-    set to another value is used (changing no weight's shape, H_cycles at test time, say), and said in that
-    line."""
+    set (`_set_by`), refused in one line where one contradicts it; a data_path nobody set becomes its first
+    data_paths where that is here (or where the script's default is '', solve.py's "the checkpoint's"). Says where
+    the config came from in one line. Otherwise: nothing changes (the keys are the script's, as for any file), but
+    with `ours` (train.py) a checkpoint of train.py to start from (not a resume's) gives its run's model keys where
+    no config file or flag set them; one set to another value is used (changing no weight's shape, H_cycles at test
+    time, say), and said in that line."""
     init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
     resume = 'resume:' if init_from.startswith('resume:') else ''  # resume, else start from the file after it
     init_from = init_from[len(resume):]
