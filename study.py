@@ -48,7 +48,7 @@ from collections import deque
 from runkeep import gcs
 from configurator import Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
-from runkeep.locks import LOCK_NAME, STUDY_VAR, holder_gone, lock_record
+from runkeep.locks import LOCK_NAME, STUDY_VAR, holder_gone, local_record, lock_record
 from runkeep.records import take_bucket_log
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
@@ -572,11 +572,7 @@ def lock_study():
             os.makedirs(LOCAL_ROOT, exist_ok=True)
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            try:
-                with open(path) as f:
-                    rec = json.load(f)
-            except (OSError, ValueError):
-                rec = None
+            rec = local_record(path)
             if attempt == 0 and holder_gone(rec):
                 print(f"study: taking over {path}, the lock of a study that is gone (on {rec.get('host')}, "
                       f"pid {rec.get('pid')}, since {rec.get('since')})")
@@ -605,11 +601,7 @@ def wait_for_orphans(runs):
     wait."""
     left = []
     for e in runs:
-        try:
-            with open(os.path.join(e.local, LOCK_NAME)) as f:
-                rec = json.load(f)
-        except (OSError, ValueError):
-            continue
+        rec = local_record(os.path.join(e.local, LOCK_NAME))
         if isinstance(rec, dict) and rec.get('study') not in (None, str(os.getpid())) and not holder_gone(rec):
             left.append((e.run, rec))
     if not left:

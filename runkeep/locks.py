@@ -35,25 +35,32 @@ def boot_id():
         return ''
 
 
+def proc_stat(pid):
+    """The fields of /proc/<pid>/stat after the process's name (field 3 on), or None off Linux or when there is
+    no such process: the name, in parentheses, may hold spaces."""
+    try:
+        with open(f'/proc/{int(pid)}/stat') as f:
+            return f.read().rsplit(')', 1)[1].split()
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
 def started(pid):
     """When process `pid` started, in clock ticks since boot (None off Linux or when there is no such process):
     a pid outlives its process (a container restarted as pid 1, a host that reuses pids), a pid and its start
     do not."""
+    fields = proc_stat(pid)
     try:
-        with open(f'/proc/{int(pid)}/stat') as f:
-            return int(f.read().rsplit(')', 1)[1].split()[19])  # field 22; the name in parentheses may hold spaces
-    except (OSError, ValueError, IndexError, TypeError):
+        return int(fields[19])  # field 22
+    except (ValueError, IndexError, TypeError):
         return None
 
 
 def ended(pid):
     """Whether process `pid` has ended but is not yet waited for by its parent (a zombie: it holds nothing; an
     orphan adopted by a container's first process that reaps nothing stays one)."""
-    try:
-        with open(f'/proc/{int(pid)}/stat') as f:
-            return f.read().rsplit(')', 1)[1].split()[0] in ('Z', 'X')
-    except (OSError, ValueError, IndexError, TypeError):
-        return False
+    fields = proc_stat(pid)
+    return bool(fields) and fields[0] in ('Z', 'X')  # field 3, the state
 
 
 def lock_record():
@@ -108,11 +115,7 @@ def lock_local(folder):
             if not isinstance(e, FileExistsError):
                 return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can "
                         "write"]
-            try:
-                with open(path) as f:
-                    rec = json.load(f)
-            except (OSError, ValueError):
-                rec = None
+            rec = local_record(path)
             if attempt == 0 and taken_over(rec, path):
                 os.remove(path)
                 continue
@@ -125,6 +128,15 @@ def lock_local(folder):
             return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
         HELD.append(path)
         return []
+
+
+def local_record(path):
+    """The record of the local lock file at path; None where it cannot be read (gone, being written, not JSON)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def read_lock(uri, local):

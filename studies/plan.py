@@ -224,13 +224,18 @@ def build_display(cmd):
 # -----------------------------------------------------------------------------
 # experiments
 
+def seeded(name, seed):
+    """A run's label or folder for seed `seed`: seed 0's is the file's own, as without --seeds."""
+    return name + (f"-s{seed}" if seed else '')
+
+
 class Experiment:
     """One config file at the study's scale (opts): its family, varied keys, out_dir, dataset, train.py flags
     and command."""
 
     def __init__(self, path, opts, name=None, seed=0):
         self.path, self.name, self.seed, self.opts = path, name or os.path.basename(path)[:-3], seed, opts
-        self.run = self.name + (f"-s{seed}" if seed else '')  # the run's label: one per seed
+        self.run = seeded(self.name, seed)  # the run's label: one per seed
         self.family = family_of(self.name)
         self.cfg, self.meta, set_at = effective(path)
         if opts.seeds > 1 and self.cfg['seed'] != TRAIN_DEFAULTS['seed']:
@@ -241,7 +246,7 @@ class Experiment:
         self.base_cfg = effective(base)[0] if base else dict(TRAIN_DEFAULTS)
         self.varied = {k: v for k, v in self.cfg.items() if v != self.base_cfg.get(k) and k not in NOT_VARIED}
         self.data = dataset_for(self.cfg, self.meta, opts)
-        leaf = self.cfg['out_dir'].rstrip('/').split('/')[-1] + (f"-s{seed}" if seed else '')
+        leaf = seeded(self.cfg['out_dir'].rstrip('/').split('/')[-1], seed)
         self.out_dir, self.local = f"{opts.root}/{leaf}", os.path.join(opts.local_root, leaf)
         self.twin_note = ''  # what the cpu twin trains where it differs in kind from the file
         self.flags = self.scale_flags()
@@ -250,7 +255,7 @@ class Experiment:
                   # --seeds
             self.flags['seed'] = seed
             if self.cfg['wandb_run_name']:
-                self.flags['wandb_run_name'] = f"{self.cfg['wandb_run_name']}-s{seed}"
+                self.flags['wandb_run_name'] = seeded(self.cfg['wandb_run_name'], seed)
         if gcs.is_gcs(opts.root):
             self.flags['local_dir'] = self.local
         self.run_cfg = {**self.cfg, **self.flags, **opts.extra}

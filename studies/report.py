@@ -9,7 +9,7 @@ import json
 import math
 import os
 
-from .plan import checkpoint_steps, cost, exists, fetch, has_file, read_results, saved_evals
+from .plan import checkpoint_steps, cost, exists, fetch, has_file, read_results, saved_evals, seeded
 
 
 # -----------------------------------------------------------------------------
@@ -192,8 +192,8 @@ def more_seeds(exps, seeds):
     found = []
     for e in exps:
         if e.seed == 0 and not e.same_as:
-            if exists(f"{e.out_dir.rstrip('/')}-s{seeds}/results.json"):
-                found.append(f"{e.run}-s{seeds}")
+            if exists(f"{seeded(e.out_dir.rstrip('/'), seeds)}/results.json"):
+                found.append(seeded(e.run, seeds))
     return found
 
 
