@@ -683,8 +683,8 @@ def adapt_to_new_tasks():
               flush=True)
     good = {k: v for k, v in tasks.items() if k not in problems}
     new_tasks[:] = list(good)
-    adapted, data = adapt(task, good, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args, adapt_dir,
-                          device, _T_START)
+    adapted, data = adapt(task, good, tasks, init_from, keep, canvas, adapt_minutes, adapt_aug, adapt_args,
+                          adapt_dir, device, _T_START)
     complete_submission(os.path.join(os.path.dirname(adapted), 'submission.json'), tasks)
     globals().update(init_from=adapted, data_path=data)
 

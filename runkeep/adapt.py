@@ -119,21 +119,36 @@ def submission_vote(out):
         return None
 
 
-def complete_submission(path, tasks):
+def complete_submission(path, tasks, fallback=False):
     """The adapted run's submission (path) completed with every task of the file ({id: task}): a task left out of
     the adaptation answers each of its test inputs [[0]] (the submission's answer where the vote has none), one
-    entry where it gives no list of them. Nothing to do without a submission (train.py said why)."""
+    entry where it gives no list of them. Without a submission, nothing to do (train.py said why), or with
+    `fallback` (no adapted run to solve with) one that answers every task so."""
     try:
         with open(path) as f:
             theirs = json.load(f)
     except (OSError, ValueError):
-        return
+        if not fallback:
+            return
+        theirs = {}
     none = {'attempt_1': [[0]], 'attempt_2': [[0]]}
     missing = {k: [dict(none) for _ in (t['test'] if isinstance(t, dict) and isinstance(t.get('test'), list)
                                         and t['test'] else [0])]
                for k, t in tasks.items() if k not in theirs}
     if missing:  # else left as train.py wrote it, at the time its budget planned
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         write_json(path, {**theirs, **missing})
+
+
+def fallback_submission(path, tasks):
+    """A submission for an adaptation that failed (the ARC Prize scores a complete file only): the run's own where
+    its final evaluation wrote one, completed, else every task of the file ({id: task}) answered [[0]]; what was
+    written, in words."""
+    try:
+        complete_submission(path, tasks, fallback=True)
+    except OSError as e:
+        return f"and no submission could be written at {path} ({e.strerror or e})"
+    return f"the submission answers every task [[0]] that it had no answer for, so that it is complete: {path}"
 
 
 def run_of(init_from, saved, trained_on):
@@ -208,13 +223,13 @@ def stopped(task, script, out, rc):
     raise SystemExit(code)
 
 
-def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, device, started):
+def adapt(task, tasks, every, init_from, keep, canvas, minutes, aug, extra, adapt_dir, device, started):
     """The tasks ({id: task}) of the file `task` adapted to from the checkpoint init_from with the keys `keep`
     of its run (run_of) on a canvas of canvas x canvas, with adapt_aug `aug` and train.py flags `extra`, its
     submission written within `minutes` of `started` (solve.py's start, time.time()): train.py's budget is what
     the start and the dataset's build left of them. Returns (the adapted run's last checkpoint, its dataset). A
     finished adaptation of the same tasks, checkpoint and settings is used as it is; a stopped one goes on from
-    its last checkpoint."""
+    its last checkpoint. One that fails still leaves a submission of the file's tasks (`every`), all [[0]]."""
     settings = dict(adapt_aug=aug, adapt_args=' '.join(extra.split()))
     record = dict(key=key_of(tasks, init_from, settings), task=os.path.abspath(task),
                   init_from=os.path.abspath(init_from), tasks=list(tasks), **settings)
@@ -257,9 +272,10 @@ def adapt(task, tasks, init_from, keep, canvas, minutes, aug, extra, adapt_dir, 
             if STOPPED:
                 stopped(task, script, out, rc)
             if rc:
-                if made and script == 'prepare_arc.py':  # a first adaptation that cannot start leaves nothing
-                    shutil.rmtree(folder, ignore_errors=True)
-                fail(f"task={task}: {script} failed (its message is above); nothing to solve")
+                if script == 'prepare_arc.py':  # a half-built dataset is built again by the rerun
+                    shutil.rmtree(data, ignore_errors=True)
+                fail(f"task={task}: {script} failed (its message is above), nothing adapted: "
+                     + fallback_submission(os.path.join(out, 'submission.json'), every))
     if not finished(out):  # train.py stopped by a signal of its own
         last = newest(out)
         print(f"task={task}: train.py ended before its final evaluation (a stop request of its own?); the last "

@@ -578,3 +578,28 @@ def test_a_task_that_cannot_be_adapted_to_is_left_out_in_one_line_and_the_submis
         assert len(sub[t]) == len(task['test']) and all(set(a) == {'attempt_1', 'attempt_2'} for a in sub[t])
     assert sub['notrain'] == [{'attempt_1': [[0]], 'attempt_2': [[0]]}] * 2 and sub['g1'][0]['attempt_1'] != []
     assert p.stdout.strip().splitlines()[-1].endswith(str(tmp_path / 'a' / 'run' / 'submission.json'))
+
+
+def test_an_adaptation_whose_train_py_fails_still_leaves_a_complete_submission(arc_run, tmp_path):
+    """train.py failing in an adaptation (here a key it refuses; on a hidden set as well an OOM kill or a bug)
+    leaves no adapted run to solve with; the ARC Prize scores a complete file only, so solve.py still writes one,
+    every task of the file answered [[0]], names it and the failure in one line, and exits 1. Mended, the
+    adaptation writes its own."""
+    data, ckpt = arc_run
+    good = json.load(open(write_task(tmp_path / 'one.json', [[2, 1, 1]])))
+    hidden = {'g1': dict(good, test=[dict(input=[[2, 1]]), dict(input=[[1]])]), 'g2': good,
+              'ten': dict(good, test=[dict(input=[[10]])])}
+    path = tmp_path / 'hidden.json'
+    path.write_text(json.dumps(hidden))
+    sub_path = tmp_path / 'a' / 'run' / 'submission.json'
+    p = solve(ckpt, f'--task={path}', '--adapt_minutes=0.05', '--adapt_aug=1', f'--adapt_dir={tmp_path}/a',
+              '--adapt_args=--no_such_key=1', check=False)
+    assert p.returncode == 1 and 'Traceback' not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1] == (
+        f"task={path}: train.py failed (its message is above), nothing adapted: the submission answers every task "
+        f"[[0]] that it had no answer for, so that it is complete: {sub_path}"), p.stderr[-3000:]
+    none = {'attempt_1': [[0]], 'attempt_2': [[0]]}
+    assert json.load(open(sub_path)) == {'g1': [none, none], 'g2': [none], 'ten': [none]}
+    p = solve(ckpt, f'--task={path}', '--adapt_minutes=0.05', '--adapt_aug=1', f'--adapt_dir={tmp_path}/b')
+    sub = json.load(open(tmp_path / 'b' / 'run' / 'submission.json'))
+    assert sorted(sub) == ['g1', 'g2', 'ten'] and sub['ten'] == [none] and len(sub['g1']) == 2
