@@ -393,6 +393,15 @@ def check_split(root, split, chunk=1 << 20):
     if len(ids) and (ids.min() < 0 or ids.max() >= meta['num_puzzle_identifiers']):
         problems.append(f"{where}/all__puzzle_identifiers.npy holds ids outside [0, "
                         f"{meta['num_puzzle_identifiers']})")
+    # a run's length is epochs x groups x mean_puzzle_examples: a value the arrays do not imply would change it
+    # without a word. total_puzzles is not checked: the reference's builders write the group count there.
+    P, G, m = len(pi) - 1, len(gi) - 1, meta['mean_puzzle_examples']
+    if not np.isclose(m, n / P, rtol=1e-6, atol=0):
+        problems.append(f"{where}/dataset.json: the field mean_puzzle_examples is {m!r}; the arrays hold {n} examples "
+                        f"in {P} puzzles, so it must be {n / P:g} (a run's length is taken from it)")
+    if meta['total_groups'] != G:
+        problems.append(f"{where}/dataset.json: the field total_groups is {meta['total_groups']}; "
+                        f"all__group_indices.npy holds {G} groups, so it must be {G}")
     if problems:
         return problems
     for name, extra in (('inputs', None), ('labels', meta['ignore_label_id'])):

@@ -220,6 +220,29 @@ def test_a_dataset_json_field_of_the_wrong_type_or_range_is_one_line_naming_it(t
         assert 'step 1/' not in p.stdout
 
 
+def test_a_dataset_json_whose_counts_disagree_with_its_arrays_is_one_line_naming_the_value_they_imply(sudoku4,
+                                                                                                     tmp_path):
+    """The run's length is epochs x groups x mean_puzzle_examples / batch: a mean_puzzle_examples of 3 over arrays of
+    one example a puzzle trained three times the steps (and stretched the schedule) without a word. total_puzzles is
+    not checked: the reference's builders write the group count there for augmented Sudoku and Maze sets."""
+    d = shutil.copytree(sudoku4, tmp_path / 'd')
+    path = os.path.join(d, 'train', 'dataset.json')
+    meta = json.load(open(path))
+    groups = np.arange(0, 61, 4)  # the reference's augmented layout: 15 groups of 4, total_puzzles the group count
+    np.save(os.path.join(d, 'train', 'all__group_indices.npy'), groups.astype(np.int32))
+    json.dump(dict(meta, total_groups=15, total_puzzles=15, mean_puzzle_examples=1), open(path, 'w'))
+    assert check_split(d, 'train') == []
+    json.dump(dict(meta, total_groups=15, mean_puzzle_examples=3), open(path, 'w'))
+    assert check_split(d, 'train') == [f"{path}: the field mean_puzzle_examples is 3; the arrays hold 60 examples in "
+                                       "60 puzzles, so it must be 1 (a run's length is taken from it)"]
+    p = train(d, tmp_path / 'o', '--max_steps=2', args=SUDOKU, check=False)
+    assert_user_error(p, 'start-up checks failed', path, 'mean_puzzle_examples is 3', 'must be 1')
+    assert 'step 1/' not in p.stdout
+    json.dump(dict(meta, total_groups=60), open(path, 'w'))
+    assert check_split(d, 'train') == [f"{path}: the field total_groups is 60; all__group_indices.npy holds 15 "
+                                       "groups, so it must be 15"]
+
+
 def test_empty_splits_are_refused_by_the_builders_and_the_trainer(toy, tmp_path):
     p = run(['prepare_sudoku.py', '--generate', '0', '--size', '4', '--num_test', '10',
              '--output_dir', str(tmp_path / 'g')], check=False)
