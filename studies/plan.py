@@ -11,6 +11,8 @@ import re
 import shlex
 from dataclasses import dataclass
 
+import numpy as np
+
 from runkeep import gcs
 from configurator import (config_files, config_problems, key_problem, place_words, places,
                           find_file, read_config_block, type_problem)
@@ -190,13 +192,25 @@ def dataset_for(cfg, meta, opts, read_built=True):
             tr = json.load(f)
         with open(metas[1]) as f:
             te = json.load(f)
+        # counted from the arrays where they can be read: the reference's builders write the group count as
+        # total_puzzles
+        test, puzzles = rows(d['path'], 'test', 'inputs'), rows(d['path'], 'train', 'puzzle_indices')
         d.update(groups=tr['total_groups'], mean=tr['mean_puzzle_examples'], vocab_size=tr['vocab_size'],
                  seq_len=tr['seq_len'], num_puzzle_identifiers=tr['num_puzzle_identifiers'],
-                 test=int(te['total_puzzles'] * te['mean_puzzle_examples']),
+                 test=test if test is not None else int(te['total_puzzles'] * te['mean_puzzle_examples']),
                  kind=d['kind'] or tr.get('puzzle_type'))
         if d['puzzles'] is None:
-            d.update(puzzles=tr['total_groups'], aug=round(tr['total_puzzles'] / tr['total_groups']) - 1)
+            puzzles = puzzles - 1 if puzzles else tr['total_puzzles']
+            d.update(puzzles=tr['total_groups'], aug=round(puzzles / tr['total_groups']) - 1)
     return d
+
+
+def rows(root, split, name):
+    """The length of a split's all__<name>.npy, from its header alone; None where it cannot be read."""
+    try:
+        return len(np.load(os.path.join(root, split, f'all__{name}.npy'), mmap_mode='r'))
+    except (OSError, ValueError, EOFError):
+        return None
 
 
 def arc1_sizes(num_aug):

@@ -164,3 +164,19 @@ def test_a_negative_count_or_speed_is_refused_not_taken_as_none(tmp_path, flag, 
     p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', f'--out_root={tmp_path}/out', flag], check=False)
     said = assert_user_error(p, 'config error: ', *words, 'allowed', one_line=True)
     assert 'parameters |' not in p.stdout, said
+
+
+def test_a_dataset_built_by_the_reference_counts_its_augmentations_from_its_arrays(tmp_path):
+    """The reference's Sudoku and Maze builders write the group count as total_puzzles: a study over datasets it
+    built (given by path) counted every one as 0 augmentations (acc_vs_data.png drew them at one x); the arrays
+    hold the count."""
+    from studies.plan import Options, dataset_for
+    d = tmp_path / 'sudoku4-aug-2'
+    run(['prepare_sudoku.py', '--generate', '30', '--size', '4', '--num_test', '6', '--num_aug', '2',
+         '--output_dir', str(d)])
+    meta = json.load(open(d / 'train' / 'dataset.json'))
+    json.dump(dict(meta, total_puzzles=meta['total_groups']), open(d / 'train' / 'dataset.json', 'w'))
+    opts = Options(scale='full', root=str(tmp_path), local_root=str(tmp_path), data_root='', config_dir='',
+                   extra={}, extra_args=[], nproc=1, seeds=1)
+    got = dataset_for(dict(data_path=str(d)), {}, opts)
+    assert (got['puzzles'], got['aug'], got['test']) == (30, 2, 6), got
