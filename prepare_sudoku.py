@@ -504,8 +504,7 @@ def _none_kept(csv_path, split, scan, subsample_size, min_difficulty):
     path, bad = f"the generated {os.path.basename(csv_path)}" if generated else csv_path, scan['bad']
     if split == 'train' and subsample_size == 0:
         return "--subsample_size 0 keeps no puzzle; ask for at least 1"
-    if split == 'train' and min_difficulty is not None and len(scan['rating']) and \
-            scan['rating'].max() < min_difficulty:
+    if min_difficulty is not None and len(scan['rating']) and scan['rating'].max() < min_difficulty:
         return (f"no row of {path} is rated {min_difficulty} or more (--min_difficulty {min_difficulty}; the "
                 f"highest rating: {scan['rating'].max()})")
     return f"{path}: no valid row left after skipping {bad.count:,} malformed row(s); the first, {bad.messages[0]}"
@@ -513,14 +512,15 @@ def _none_kept(csv_path, split, scan, subsample_size, min_difficulty):
 
 def build_split(csv_path, output_dir, split, n=None, subsample_size=None, min_difficulty=None, num_aug=0,
                 rng=None, skip_bad=False, n_from=None):
-    """One split from one CSV. Train takes min_difficulty, subsample_size (seeded) and num_aug; test
-    keeps every row in file order, unaugmented (one group per puzzle). n, n_from: as scan_csv's."""
+    """One split from one CSV. Both keep the rows rated min_difficulty or more (the reference's builder filters
+    both); train takes subsample_size (seeded) and num_aug, test keeps its rows in file order, unaugmented (one
+    group per puzzle). n, n_from: as scan_csv's."""
     t0 = time.time()
     rng = rng if rng is not None else np.random.default_rng(0)
     scan = scan_csv(csv_path, n, skip_bad, n_from)
     n = scan['n']
     candidates = np.arange(len(scan['q_off']))
-    if split == 'train' and min_difficulty is not None:
+    if min_difficulty is not None:
         candidates = candidates[scan['rating'] >= min_difficulty]
     if split == 'train' and subsample_size is not None and subsample_size < len(candidates):
         # a seeded draw; pass 2 then reads only these rows. Bad ones (skip_bad) are replaced by
@@ -585,7 +585,7 @@ def main(argv=None):
     src.add_argument('--size', type=int, choices=sorted(BOXES), help='grid size (CSV: inferred; generate: 9)')
     b = p.add_argument_group('build')
     b.add_argument('--subsample_size', type=int, help='train: keep this many puzzles (seeded draw)')
-    b.add_argument('--min_difficulty', type=int, help='train: keep rows with rating >= this')
+    b.add_argument('--min_difficulty', type=int, help='keep rows rated >= this (both splits, as the reference)')
     b.add_argument('--num_aug', type=int, default=0, help='train: shuffled copies per puzzle (default: 0)')
     b.add_argument('--seed', type=int, default=0, help='subsample and augmentation seed (default: 0)')
     b.add_argument('--skip_bad', action='store_true', help='skip malformed rows (counted) instead of failing')

@@ -187,6 +187,11 @@ def test_sudoku_train_layout_subsample_and_min_difficulty(csv_dir, tmp_path):
     originals = zip(tokens_to_strings(arrays['inputs'][::6]), tokens_to_strings(arrays['labels'][::6]))
     ratings = [rows[key] for key in originals]
     assert min(ratings) >= 300 and len(set(ratings)) > 1
+    # the test split is filtered too, as the reference's builder filters both: its rows, in file order
+    arrays, meta = load_split(tmp_path / 'o', 'test')
+    ref_in, ref_lab = reference_arrays(csv_dir / 'test.csv', min_difficulty=300)
+    assert 0 < len(ref_in) < len(read_csv_rows(csv_dir / 'test.csv')) and meta['total_puzzles'] == len(ref_in)
+    assert np.array_equal(arrays['inputs'], ref_in) and np.array_equal(arrays['labels'], ref_lab)
 
 
 def test_sudoku_seed_determinism(csv_dir, tmp_path):
