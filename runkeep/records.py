@@ -182,7 +182,6 @@ def start_wandb(cfg, local, run_id):
         return None
     kw = dict(project=cfg['wandb_project'], name=cfg['wandb_run_name'] or None, id=run_id, resume='allow',
               config=cfg, dir=local, settings=wandb.Settings(init_timeout=30))
-    first = lambda e: str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     offline = os.environ.get('WANDB_MODE', 'online') in ('offline', 'disabled')
     unavailable = None
     if not offline:
@@ -193,17 +192,22 @@ def start_wandb(cfg, local, run_id):
             requests.head(os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai'), timeout=5)
             return wandb.init(**kw)
         except Exception as e:
-            unavailable = first(e)
+            unavailable = first_line(e)
     try:
         run = wandb.init(**kw, **(dict(mode='offline') if unavailable else {}))
     except Exception as e:  # the offline run's folder cannot be written: no `wandb sync` to promise
         print(f"warning: W&B {f'unavailable ({unavailable}), and its offline run ' if unavailable else ''}cannot "
-              f"start in {local}/wandb ({first(e)}); training goes on without W&B")
+              f"start in {local}/wandb ({first_line(e)}); training goes on without W&B")
         return None
     if unavailable:
         print(f"warning: W&B unavailable ({unavailable}); logging offline in {local}/wandb: "
               f"`wandb sync {local}/wandb/offline-run-*` uploads it later")
     return run
+
+
+def first_line(e):
+    """An exception's first line, short (W&B's errors carry pages of detail)."""
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
 
 
 def wandb_key_set():
@@ -223,11 +227,19 @@ def wandb_key_set():
 
 
 def wandb_log_safe(run, values, step):
-    if run is not None and values:
-        try:
+    """run.log(values) at `step`; a W&B that fails (its service process killed, a full disk under an offline run)
+    is one warning, and its run is let go: W&B's own exit would only fail again. Returns whether W&B goes on."""
+    try:
+        if values:
             run.log(values, step=step)
-        except Exception as e:
-            print(f"warning: W&B log failed at step {step}: {e}")
+        return True
+    except Exception as e:
+        print(f"warning: W&B failed at step {step} ({first_line(e)}); training goes on without W&B "
+              "(metrics.jsonl and TensorBoard keep every line)")
+        with contextlib.suppress(Exception):
+            import wandb
+            wandb.teardown()  # its exit hook goes, and with it a traceback at the process's exit
+        return False
 
 
 class TensorBoardWriter:
@@ -793,8 +805,9 @@ class RunRecords:
         if not self.master:
             return
         self.records.log(kind, values)
-        for prefix, vals in groups.items():
-            wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for k, v in flat_scalars(vals)}, step)
+        if self.wandb and not wandb_log_safe(self.wandb, {f'{prefix}/{k}': v for prefix, vals in groups.items()
+                                                          for k, v in flat_scalars(vals)}, step):
+            self.wandb = None
         if self.board:
             self.board.log(groups, step)
 

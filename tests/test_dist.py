@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import ROOT, TOY_ARGS, free_port, make_reverse_dataset, our_frames, run, script_env
+from conftest import ROOT, TOY_ARGS, free_port, make_reverse_dataset, our_frames, run, script_env, site_hook
 from data import write_split
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=4', '--global_batch_size=48']
@@ -258,6 +258,39 @@ def test_a_wandb_folder_that_cannot_be_written_is_one_warning_that_says_no_w_b(t
     assert p.returncode == 0 and 'step 4/4' in out, out[-3000:]
     said = [l for l in out.splitlines() if 'W&B' in l]
     assert len(said) == 1 and 'without W&B' in said[0] and 'wandb sync' not in said[0], said
+
+
+# W&B's service process killed at the start of step 6 (the OOM killer, a crash of its own): a real SIGKILL
+KILL_WANDB_IN_STEP_6 = """import step
+real, calls = step.train_step, [0]
+
+
+def train_step(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 6:
+        for pid in filter(str.isdigit, os.listdir('/proc')):
+            with open(f'/proc/{pid}/stat') as f:
+                name, rest = f.read().rsplit(')', 1)
+            if name.endswith('(wandb-core') and int(rest.split()[1]) == os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+    return real(*args, **kwargs)
+
+
+step.train_step = train_step
+"""
+
+
+def test_w_and_b_failing_mid_run_is_one_warning_and_the_run_goes_on(toy, tmp_path):
+    env = dict(site_hook(tmp_path / 'hook', KILL_WANDB_IN_STEP_6), WANDB_MODE='offline', WANDB_SILENT='true',
+               HOME=str(tmp_path))
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=16', '--wandb_log=True']
+            + FAST + ['--log_interval=2'], env=env, check=False)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0 and 'step 16/16' in out and 'Traceback' not in out, out[-3000:]
+    said = [l for l in out.splitlines() if 'W&B' in l]
+    assert len(said) == 1 and 'without W&B' in said[0], said
+    with open(tmp_path / 'o' / 'metrics.jsonl') as f:  # the records keep every line
+        assert [r['step'] for r in map(json.loads, f) if r['kind'] == 'train'] == list(range(2, 17, 2))
 
 
 def test_wandb_log_without_wandb_importable_is_one_warning_and_the_run_goes_on(toy, tmp_path):
