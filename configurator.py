@@ -321,8 +321,9 @@ def type_problem(key, value, default, where):
     int where a float is expected can; None only where the default is None: a number's key would crash on it)."""
     if default is None or type(value) is type(default) or isinstance(default, float) and type(value) is int:
         return None
+    allowed = 'allowed: True | False; ' if isinstance(default, bool) else ''  # false, 0, yes: Python's spelling
     return (f"{key}={value!r} in {where} is {type_said(value)}, but {key} is {type_said(default)} "
-            f"(default {default!r})")
+            f"({allowed}default {default!r})")
 
 
 def _help(g, keys):

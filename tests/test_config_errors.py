@@ -43,6 +43,9 @@ CASES = [
     case(['--L_cycles=four'], 'L_cycles', 'int', id='type'),
     case(['--L_cycles=3', "--L_cycles='x'"], 'L_cycles', '(default 6)', absent=['(default 3)'], id='type-default'),
     case(['{cfg}'], "L_cycles='x' in {cfg}, line 2", file="lr = 1e-3\nL_cycles = 'x'\n", id='type-in-file'),
+    # a boolean spelled otherwise than Python spells it: the two values it takes
+    *[case([flag], flag, 'is a bool', 'allowed: True | False', id=flag[2:]) for flag in ('--ema=false', '--ema=0')],
+    case(['{cfg}'], "ema='no' in {cfg}, line 1", 'allowed: True | False', file="ema = 'no'\n", id='bool-in-file'),
     # None only where the default is None: no key of train.py's
     case(TOY + ['--max_steps=None'], 'max_steps=None in --max_steps=None is None', 'an int (default 0)',
          id='none-flag'),
