@@ -176,7 +176,7 @@ def preflight(cfg):
             f" (exit 0, but no evaluation at step {n * PREFLIGHT_STEPS}: stopped before its end)"
         print(f"preflight: run {n} {'ended' if done else 'FAILED'} in {secs:.0f} s{why}", flush=True)
         if not done or STOP['requested']:
-            failed = f"run {n} ({'stopped' if STOP['requested'] else 'see below'})"
+            failed = f"run {n} ({'stopped' if STOP['requested'] else 'see above'})"  # its tail precedes the verdict
             print(tail(log))
             break
 

@@ -54,6 +54,17 @@ def test_a_preflight_whose_second_run_was_stopped_before_evaluating_fails(toy, t
     assert proc.returncode != 0 and 'FAILED' in text.split('=== pre-flight check')[-1], text[-3000:]
 
 
+def test_a_preflight_on_a_dataset_without_its_test_split_fails_pointing_at_the_reason_above(toy, tmp_path):
+    data = tmp_path / 'data'
+    os.makedirs(data / 'train')
+    for f in os.listdir(os.path.join(toy, 'train')):
+        os.symlink(os.path.join(toy, 'train', f), data / 'train' / f)
+    p = run(['train.py', f'--data_path={data}', f'--out_dir={tmp_path / "o"}'] + SMOKE, check=False)
+    reason, verdict = p.stdout.split('=== pre-flight check')
+    assert p.returncode == 1 and 'FAILED: run 1 (see above)' in verdict.splitlines()[0], p.stdout[-3000:]
+    assert f'no dataset at {data}/test/dataset.json' in reason, p.stdout[-3000:]
+
+
 def records(folder):
     with open(os.path.join(folder, 'metrics.jsonl')) as f:
         return [json.loads(l) for l in f]
