@@ -192,9 +192,11 @@ def find_file(path):
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
 
 
-def config_files(path, binary_hint=''):
+def config_files(path, binary_hint='', keys=()):
     """[(file, {key: value})] that a config file applies, in order: its `_base` chain first, then itself.
-    binary_hint: said after the typed file's name where that file is not text (a checkpoint typed without its key)."""
+    binary_hint: said after the typed file's name where that file is not text (a checkpoint typed without its key).
+    keys: the script's keys, kept whatever their value (a function or module there is refused by its type, not
+    dropped as a helper of the file's is)."""
     chain, typed = [], path
     while path:
         if any(path == p for p, _ in chain):
@@ -230,8 +232,8 @@ def config_files(path, binary_hint=''):
         path = scope.get('_base')
         if path is not None and not isinstance(path, str):  # (True would open file descriptor 1, stdout)
             raise SystemExit(f"config error: {chain[-1][0]}: _base must be a path string, got {type_said(path)}")
-    return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and not callable(v)
-                 and type(v).__name__ != 'module'}) for p, scope in reversed(chain)]
+    return [(p, {k: v for k, v in scope.items() if not k.startswith('_') and (k in keys or not callable(v)
+                 and type(v).__name__ != 'module')}) for p, scope in reversed(chain)]
 
 
 def bare_annotation(tree):
@@ -371,7 +373,7 @@ def _configure(g, argv):
         if not arg.startswith('--'):
             # a config file: plain Python that assigns globals (after its _base file's)
             hint = f"; a checkpoint is given as --init_from={arg}" if 'init_from' in known else ''
-            for path, keys in config_files(arg, hint):
+            for path, keys in config_files(arg, hint, known):
                 at = places(path, keys)
                 for key, value in keys.items():
                     check_key(key, place_words(at[key]))

@@ -114,7 +114,7 @@ def effective(path):
     type, a value its rules forbid) is a SystemExit of one line per problem in train.py's words, naming the file
     and line: said before a dry run costs it (a zero batch divides by zero) and before anything runs."""
     cfg, set_at, bad = dict(TRAIN_DEFAULTS), {}, []
-    for p, keys in config_files(path):
+    for p, keys in config_files(path, keys=TRAIN_DEFAULTS):
         at = places(p, keys)
         for k, v in keys.items():
             where = place_words(at[k])

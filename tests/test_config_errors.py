@@ -46,6 +46,10 @@ CASES = [
     # a boolean spelled otherwise than Python spells it: the two values it takes
     *[case([flag], flag, 'is a bool', 'allowed: True | False', id=flag[2:]) for flag in ('--ema=false', '--ema=0')],
     case(['{cfg}'], "ema='no' in {cfg}, line 1", 'allowed: True | False', file="ema = 'no'\n", id='bool-in-file'),
+    # a key given a function or a module: refused, not dropped as the file's own helpers are
+    case(['{cfg}'], 'L_cycles=<function', 'is a function, but L_cycles is an int',
+         file="def three():\n    return 3\nL_cycles = three\n", id='function-in-file'),
+    case(['{cfg}'], "lr=<module 'math'", 'is a module', file="import math as lr\n", id='module-in-file'),
     # None only where the default is None: no key of train.py's
     case(TOY + ['--max_steps=None'], 'max_steps=None in --max_steps=None is None', 'an int (default 0)',
          id='none-flag'),
