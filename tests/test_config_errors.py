@@ -50,6 +50,9 @@ CASES = [
     case(['{cfg}'], 'L_cycles=<function', 'is a function, but L_cycles is an int',
          file="def three():\n    return 3\nL_cycles = three\n", id='function-in-file'),
     case(['{cfg}'], "lr=<module 'math'", 'is a module', file="import math as lr\n", id='module-in-file'),
+    # a number too large for a float reads as inf, which `> 0` would let through
+    case(TOY + ['--lr=1e400'], 'lr=inf in --lr=1e400 is not a finite number', id='inf'),
+    case(['{cfg}'], "lr=nan in {cfg}, line 1 is not a finite number", file="lr = float('nan')\n", id='nan-in-file'),
     # None only where the default is None: no key of train.py's
     case(TOY + ['--max_steps=None'], 'max_steps=None in --max_steps=None is None', 'an int (default 0)',
          id='none-flag'),
