@@ -201,7 +201,8 @@ def evaluate_and_save(run, step, last_step, model, ema_model, loaders, arc, save
             save(' (stop requested)', owed='final' if final and run.out_of_time else True)
         return False
     run.log_eval(step, res, raw, xla_before, log)
-    run.new_best(step, res)
+    examples = {s: len(loader.example_idx) for s, loader in loaders.items()}  # the test examples of each
+    run.new_best(step, res, examples[0 if final else eval_subset], examples[eval_subset], examples[0])
     if save:
         save()
     if final:

@@ -260,9 +260,16 @@ class Run:
         timing = {k: self.timing.get(k, 0.0) + now.get(k, 0.0) for k in dict.fromkeys([*self.timing, *now])}
         return timing, self.device_s + sum(now.values()) * self.dev.world_size
 
-    def new_best(self, step, res):
-        if res['exact_accuracy'] > self.best['exact_accuracy']:
-            self.best = dict(step=step, exact_accuracy=float(res['exact_accuracy']), eval=res)
+    def new_best(self, step, res, examples, compared, test_examples):
+        """The best evaluation among those of the same test examples: `compared` of the split's `test_examples`,
+        the intermediate evaluations' (eval_subset's seeded subset, or all); examples: those `res` is of. A
+        final evaluation of the whole split joins a subset's comparison never; a best of other examples (a
+        resume with another eval_subset) gives way to the first evaluation of these."""
+        if examples != compared:
+            return
+        if self.best.get('examples') != examples or res['exact_accuracy'] > self.best['exact_accuracy']:
+            self.best = dict(step=step, exact_accuracy=float(res['exact_accuracy']), examples=examples,
+                             test_examples=test_examples, eval=res)
 
     # --- stop requests and divergence -----------------------------------------------------------------
 

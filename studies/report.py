@@ -87,7 +87,9 @@ def collect(exps, told=None):
                      exact_ci_low=fe['exact_ci_low'],
                      exact_ci_high=fe['exact_ci_high'], verified=fe.get('verified_accuracy'),
                      token=fe['token_accuracy'], q_halt=fe['q_halt_accuracy'], test_count=fe.get('count'),
-                     best_exact=be.get('exact_accuracy'), best_step=be.get('step'), device=res.get('device'),
+                     best_exact=be.get('exact_accuracy'), best_step=be.get('step'),
+                     best_subset=be['examples'] if be.get('examples', 0) < be.get('test_examples', 0) else None,
+                     device=res.get('device'),
                      exact_by_steps=fe.get('exact_by_steps') or [], halt_max_steps=cfg.get('halt_max_steps'),
                      H_cycles=cfg.get('H_cycles', r['H_cycles']), L_cycles=cfg.get('L_cycles', r['L_cycles']))
             if 'arc_tasks' in fe:  # an ARC run: the vote over its stored views, per task and per test output
@@ -126,6 +128,11 @@ def collect(exps, told=None):
 
 def pct(x):
     return '' if x is None else f"{100 * x:.1f}"
+
+
+def subset_of(r):
+    """A best exact cell's note: the intermediate evaluations' subset it was chosen on (the final: all)."""
+    return f", of {r['best_subset']}" if r.get('best_subset') else ''
 
 
 def plan_cells(r):
@@ -217,7 +224,9 @@ def write_tables(rows, folder, opts, views=(), beyond=()):
                f"puzzle, {AT_STEPS}. minutes: training and evaluations, from metrics.jsonl (start-up "
                "excluded). device-h: the run's wall time (start-up, training, evaluations) x its devices, from "
                "results.json. planned: a run not finished shows the training FLOPs and steps it is planned to "
-               "reach, not what it did.\n"
+               "reach, not what it did. best exact: the best evaluation of the run's, among those of the same "
+               "test examples: 'of N', the intermediate evaluations' seeded subset of N, which the final one (of "
+               "all) does not join.\n"
                + ("ARC runs: a test output passes at 2 when it is among the vote's two best answers over its "
                   "stored views. The ARC Prize's score counts every test output once; the reference's (the "
                   "paper's) averages over the evaluation tasks, a task scoring the share of its test outputs "
@@ -234,8 +243,8 @@ def write_tables(rows, folder, opts, views=(), beyond=()):
                 r['name'], r['family'], r['varied'], *plan_cells(r), *arc_cell,
                 f"{pct(r['exact'])} ({pct(r['exact_ci_low'])}-{pct(r['exact_ci_high'])})" if done else '',
                 pct(r.get('verified')) if done else '', pct(r.get('token')) if done else '',
-                f"{pct(r['best_exact'])} ({r['best_step']})" if done and r.get('best_exact') is not None
-                else '',
+                f"{pct(r['best_exact'])} ({r['best_step']}{subset_of(r)})"
+                if done and r.get('best_exact') is not None else '',
                 f"{r['minutes']:.1f}" if r.get('minutes') is not None else '',
                 f"{r['device_hours']:.3g}" if r.get('device_hours') is not None else '', r['status']]) + ' |')
     else:
@@ -273,7 +282,7 @@ def write_csv(rows, folder, seeds):
             'flops_per_example_step',
             'train_flops', 'steps', 'planned', 'examples', 'exact', 'exact_ci_low', 'exact_ci_high', 'verified',
             'token',
-            'q_halt', 'best_exact', 'best_step', 'minutes', 'test_count', 'hidden_size', 'L_layers',
+            'q_halt', 'best_exact', 'best_step', 'best_subset', 'minutes', 'test_count', 'hidden_size', 'L_layers',
             'H_cycles',
             'L_cycles', 'puzzles', 'aug', 'lr', 'global_batch_size', 'device', 'world_size', 'wall_s_total',
             'wall_s_startup', 'wall_s_train', 'wall_s_eval', 'device_hours', 'exact_mean', 'exact_std',

@@ -4,6 +4,7 @@ named, never loaded and never take a slot, stale files are removed, a full disk 
     python -m pytest -q tests/test_checkpoints.py
 """
 import glob
+import json
 import os
 
 import numpy as np
@@ -247,3 +248,24 @@ def test_checkpoints_past_step_99_999_999_are_found_by_the_resume_the_pruning_an
     assert f'resuming from {out}/ckpt_100000001.pt (step 100000001)' in p.stdout, p.stdout[-3000:]
     p = run(['solve.py', f'--init_from={out}', f'--data_path={toy}', '--index=0', '--device=cpu'], check=False)
     assert_user_error(p, f'--init_from={out}/ckpt_100000002.pt', one_line=True)
+
+
+def test_the_best_evaluation_compares_only_evaluations_of_the_same_test_examples(toy, tmp_path):
+    # the intermediate evaluations see a seeded subset whose answers no model gives (token 1 is never a target in
+    # training): exact 0 there, while the final evaluation of the whole split scores what the model learned
+    import shutil
+    from data import EvalLoader, load_arrays, write_split
+    data = tmp_path / 'd'
+    shutil.copytree(toy, data)
+    test = load_arrays(str(data), 'test')  # memory-mapped: copied before the split is written anew
+    labels = np.array(test['labels'])
+    labels[EvalLoader(str(data), 50, subset=20, seed=0).example_idx] = 1
+    n = len(labels)
+    write_split(str(data), 'test', np.array(test['inputs']), labels, np.zeros(n), np.arange(n + 1), np.arange(n + 1),
+                vocab_size=6)
+    train(data, tmp_path / 'o', '--epochs=7', '--eval_every_epochs=4', '--eval_subset=20')
+    res = json.load(open(tmp_path / 'o' / 'results.json'))
+    assert res['final_eval']['count'] == n and res['final_eval']['exact_accuracy'] > 0, res['final_eval']
+    best = res['best_eval']
+    assert (best['step'], best['exact_accuracy'], best['eval']['count']) == (80, 0.0, 20), best
+    assert (best['examples'], best['test_examples']) == (20, n), best
