@@ -332,8 +332,11 @@ def load_weights(path, model, ema_model, meta, data_path, adapt):
     try:
         load_into(model, sd)
     except RuntimeError:  # which keys to check: the weights' shapes against the model's (the dataset's too)
-        raise SystemExit(mismatch_message(sd, model, model.config, path, f"this run's model keys and the dataset "
-                                          f"at {data_path}", False))
+        from .hub import all_config_beside  # (hub reads checkpoints: imported here, not at the top)
+        published = found['config'] is None and all_config_beside(path)  # the model keys came from there
+        where = "all_config.yaml's model keys" if published else "this run's model keys"
+        raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {data_path}",
+                                          published))
     load_into(ema_model, sd)
     if not why:
         return f"loaded weights from {path}"
@@ -720,5 +723,8 @@ def mismatch_message(sd, model, cfg, given, where, ours):
         check = ['expansion', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len', 'data_path']
     if ours:  # the model keys came from the checkpoint: only the dataset can be wrong
         check = ['data_path']
+        if 'total_len' in differ:  # its prefix is this model's: the rest is the length of the puzzles it learned
+            says += (f": puzzles of seq_len {found['total_len'] - (cfg.total_len - cfg.seq_len)}, the dataset's "
+                     f"are seq_len {cfg.seq_len}")
     return (f"init_from={given}: the weights do not fit the model built from {where}: {'; '.join(parts)}. "
             f"The weights say {says}. Check {', '.join('--' + k for k in dict.fromkeys(check))}")

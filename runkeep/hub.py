@@ -240,7 +240,22 @@ def resolve_init_from(g, ours=False):
     print(f"init_from={shown}: a checkpoint in the reference's published layout{cached}; model config from "
           f"{where}: " + said_keys(g, set_by, keys, differ, "the run's") + f"; trained on data_paths={data_paths}"
           + (", data_path taken from there" if taken_data else ''))
+    if note := other_length(data_paths, updates.get('data_path', g.get('data_path'))):
+        print(f"note: init_from={shown}: {note}")
     return updates
+
+
+def other_length(data_paths, data_path):
+    """Where the published run's dataset (its first data_paths) and this run's are both here and hold puzzles of
+    other lengths: the words naming both (weights that fit any length, attention with RoPE or no positions, meet
+    one they never learned; MLP-t's and learned positions' are refused when they load); else ''."""
+    from data import load_metadata
+    try:
+        was, now = (int(load_metadata(str(p), 'train')['seq_len']) for p in (data_paths[0], data_path))
+    except (IndexError, OSError, ValueError, TypeError, KeyError):  # not here (another machine's, gs://): unknown
+        return ''
+    return '' if was == now else (f"the published run trained on seq_len {was} ({data_paths[0]}); {data_path} "
+                                  f"holds seq_len {now}: its weights meet a length they never learned")
 
 
 # -----------------------------------------------------------------------------

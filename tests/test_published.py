@@ -270,6 +270,30 @@ def test_a_published_model_on_a_dataset_of_another_vocabulary_names_the_dataset(
     said = assert_user_error(p, 'vocab_size=6 (here 8)', '--data_path', one_line=True)
     assert '--hidden_size' not in said, said
 
+def test_a_published_model_on_a_dataset_of_another_length_names_both_lengths(table_run, tmp_path):
+    """Same vocabulary, puzzles of 16 tokens for weights trained on 8. Attention with RoPE runs on any length (a
+    fine-tune to a new length is legitimate): one note names both lengths, in train.py and solve.py. MLP-t's
+    weights hold the length: one line naming both lengths and --data_path, not keys that all_config.yaml set."""
+    longer = make_ids_dataset(tmp_path / 'len16', L=16)
+    step = f"{table_run['folder']}/step_6"
+    note = f"seq_len 8 ({table_run['data']}); {longer} holds seq_len 16"
+    p = run(['train.py', f'--data_path={longer}', f'--out_dir={tmp_path}/o', f'--init_from={step}', *EVAL])
+    assert note in p.stdout and eval_lines(p.stdout), p.stdout[-3000:]
+    p = run(['solve.py', f'--data_path={longer}', f'--init_from={step}', '--count=2', '--quiet=True'])
+    assert note in p.stdout, p.stdout[-3000:]
+    same = run(['train.py', f'--data_path={table_run["data"]}', f'--out_dir={tmp_path}/s', f'--init_from={step}',
+                *EVAL])
+    assert 'holds seq_len' not in same.stdout
+
+    mlp = tmp_path / 'mlp'
+    train(table_run['data'], mlp, '--max_steps=1')
+    publish(f'--init_from={mlp}/ckpt_00000001.pt')
+    p = run(['train.py', f'--data_path={longer}', f'--out_dir={tmp_path}/m', f'--init_from={mlp}/published/step_1',
+             *EVAL], check=False)
+    said = assert_user_error(p, 'seq_len 8', 'seq_len 16', '--data_path', one_line=True)
+    assert '--puzzle_emb_len' not in said and '--puzzle_emb_ndim' not in said, said
+
+
 def test_a_model_without_puzzle_table_round_trips_and_solves_alike(trained, sudoku4, tmp_path):
     """No table (puzzle_emb_ndim 0, the quick start's): the reference has no puzzle_emb then, and no prefix
     (puzzle_emb_len 0); the state dict without it loads back, and solve.py answers alike with no key typed."""
