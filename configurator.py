@@ -323,7 +323,7 @@ def type_problem(key, value, default, where):
     """Why `value`, set in `where`, cannot be a key whose default is `default`, in one line; None when it can (an
     int where a float is expected can; None only where the default is None: a number's key would crash on it)."""
     if type(value) is float and not math.isfinite(value) and type(default) in (int, float):  # 1e400 reads as inf
-        return f"{key}={value!r} in {where} is not a finite number (default {default!r})"
+        return f"{key}={value!r} in {where} is not a finite number (allowed: finite numbers; default {default!r})"
     if default is None or type(value) is type(default) or isinstance(default, float) and type(value) is int:
         return None
     allowed = 'allowed: True | False; ' if isinstance(default, bool) else ''  # false, 0, yes: Python's spelling
