@@ -5,10 +5,13 @@ processes on the toy task (the clipping in-process).
     python -m pytest -q tests/test_step.py
 """
 import json
+import os
 
+import numpy as np
 import torch
 
 from conftest import TINY, TOY_ARGS, run, step_lines
+from data import write_split
 from runkeep.checkpoint import load_checkpoint
 
 
@@ -53,6 +56,45 @@ def test_torchrun_two_processes_equal_one(toy, tmp_path):
             torch.testing.assert_close(a[key][k], b[key][k], rtol=1e-4, atol=5e-5, msg=f'{key} {k}')
     torch.testing.assert_close(a['model']['puzzle_emb'], b['model']['puzzle_emb'])
     assert b['carry']['inputs'].shape[0] == 50  # the whole global batch's carry is saved
+
+
+def test_two_processes_train_as_one_process_of_two_micro_batches_and_resume_on_two(tmp_path):
+    """torchrun's 2 ranks and 1 process with gradient_accumulation_steps=2 add the same two halves of the batch's
+    gradients in the same order: the same weights, EMA, optimizer moments, ACT carry and puzzle-embedding table
+    (40 puzzles: each row's sign-SGD step from the whole batch's gradients), bit for bit; the 1-process run's
+    checkpoint resumed on 2 ranks (each its half of the saved carry) goes on as the 2-rank run did. ACT
+    exploration off (each rank draws its own); rows halt from the first steps (no_ACT_continue=False), so the
+    carry's rows matter."""
+    rng = np.random.default_rng(0)
+    root = str(tmp_path / 'd')
+    for split, n, ids in (('train', 400, np.arange(1, 41)), ('test', 10, np.arange(1, 11))):
+        x = rng.integers(2, 6, (n, 8))
+        write_split(root, split, x, x[:, ::-1], ids, np.arange(0, n + 1, n // len(ids)), np.arange(len(ids) + 1),
+                    vocab_size=6, num_puzzle_identifiers=41)
+    common = [f'--data_path={root}', '--epochs=20', '--eval_every_epochs=1000', '--log_interval=1', '--max_steps=8',
+              '--checkpoint_interval=4', '--keep_last_n=0', '--halt_exploration_prob=0.0', '--no_ACT_continue=False',
+              '--puzzle_emb_len=2', '--puzzle_emb_lr=1e-2'] + \
+        [a for a in TOY_ARGS if a != '--puzzle_emb_ndim=0'] + ['--puzzle_emb_ndim=16']
+    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py', f'--out_dir={tmp_path}/two']
+        + common, env=dict(OMP_NUM_THREADS='1'))
+    run(['train.py', f'--out_dir={tmp_path}/one', '--gradient_accumulation_steps=2'] + common)
+    (tmp_path / 'resumed').mkdir()
+    os.replace(tmp_path / 'one' / 'ckpt_00000004.pt', tmp_path / 'resumed' / 'ckpt_00000004.pt')
+    run(['-m', 'torch.distributed.run', '--standalone', '--nproc_per_node=2', 'train.py',
+         f'--out_dir={tmp_path}/resumed', '--init_from=resume'] + common, env=dict(OMP_NUM_THREADS='1'))
+    a, b, c = (torch.load(tmp_path / d / 'ckpt_00000008.pt', weights_only=True) for d in ('two', 'one', 'resumed'))
+    for other in (b, c):
+        for key in ('model', 'ema', 'carry'):
+            for k in a[key]:
+                assert torch.equal(a[key][k], other[key][k]), (key, k)
+        for i, st in a['optimizer']['state'].items():
+            assert all(torch.equal(v, other['optimizer']['state'][i][n]) for n, v in st.items()), i
+    assert (a['model']['puzzle_emb'] != 0).any(1).sum() >= 20  # the table trained, row by row
+    saved = torch.load(tmp_path / 'resumed' / 'ckpt_00000004.pt', weights_only=True)['carry']['halted']
+    assert not saved[:25].all() and not saved[25:].all()  # rows mid-flight on both ranks' halves at the resume
+    logs = [[(l['step'], l['loss'], l['grad_norm']) for l in map(json.loads, open(tmp_path / d / 'metrics.jsonl'))
+             if l['kind'] == 'train'] for d in ('two', 'one')]
+    assert len(logs[0]) == 8 and logs[0] == logs[1]
 
 
 def test_grad_clip_scales_the_gradient_to_its_limit():
