@@ -37,6 +37,8 @@ With train.py's eval_views=K the evaluation batches are those of train.py's K-vi
 eval_batch_size puzzles in K views (puzzles.py's symmetries of the dataset's kind, view 0 the puzzle itself), one
 batch of K x eval_batch_size rows; puzzles/s counts puzzles, and the evaluation's FLOPs and MFU count every view.
 The votes over the views (host work after the batch's one read) are not timed.
+A CPU or CUDA bench whose batch its memory cannot hold (runkeep/memory.py's estimate, train.py's start-up check)
+is refused in one line before anything is allocated; check_memory=False starts it anyway.
 """
 import os
 import time
@@ -194,6 +196,22 @@ row_bytes = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, **{k: globals()[k]
     getattr(torch, forward_dtype).itemsize)
 if problem := views_problem(puzzle, eval_views, eval_B, row_bytes):
     raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the shape: {shape[2]})")
+if check_memory and device_type in ('cpu', 'cuda'):
+    # train.py's start-up check on this batch and table: a CPU without swap that runs out stops answering
+    from device import size
+    from runkeep.memory import headrooms, memory_problem, run_memory
+    ids = meta['num_puzzle_identifiers'] if data_path else num_puzzle_identifiers
+    mem_cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=ids,
+                        **{k: globals()[k] for k in MODEL_KEYS})
+    mem_shape = dict(vars(mem_cfg), total_len=mem_cfg.total_len, forward_dtype=forward_dtype, loss_dtype=loss_dtype)
+    mem_parts = run_memory(mem_shape, global_batch_size, eval_B * eval_views if eval_batches else 0, n_eval_steps,
+                           ema=ema, accumulation=gradient_accumulation_steps)
+    (give, where), own = headrooms() if device_type == 'cpu' else ((None, ''), (None, ''))
+    if device_type == 'cuda':
+        give, total = torch.cuda.mem_get_info(dev.device)
+        where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
+    if problem := memory_problem(mem_parts, 1, 'this bench', where, give, '--check_memory=False', own):
+        raise SystemExit(problem)
 if data_path:
     from data import EvalLoader, TrainLoader
     loader = TrainLoader(data_path, global_batch_size, seed=seed)

@@ -106,6 +106,21 @@ def test_a_run_this_machine_cannot_hold_is_refused_before_it_starts(toy, tmp_pat
     assert os.path.exists(tmp_path / 'o' / 'results.json') and 'needs about' not in p.stdout + p.stderr
 
 
+def test_a_bench_this_machine_cannot_hold_is_refused_before_it_starts(toy):
+    # bench.py takes train.py's keys, check_memory among them, and its batch is as large as any run's: a machine
+    # of 5 MB refuses the toy model's batch of 50 (about 80 MB) before a step, unless check_memory=False
+    cmd = ['bench.py', f'--data_path={toy}', '--device=cpu', '--global_batch_size=50', '--hidden_size=32',
+           '--num_heads=2', '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=3', '--steps=1', '--warmup_steps=1',
+           '--eval_batches=1', '--forward_dtype=float32', '--loss_dtype=float32', '--puzzle_emb_ndim=0']
+    p = run(cmd, env=dict(TRM_MEMORY_AVAILABLE='5e6'), check=False)
+    assert_user_error(p, 'this bench needs about', "a step's activations", 'an evaluation batch',
+                      'more than the 5 MB available on this machine (MemAvailable)', 'lower global_batch_size',
+                      '--check_memory=False', one_line=True)
+    assert 'train:' not in p.stdout  # no step ran
+    p = run(cmd + ['--check_memory=False'], env=dict(TRM_MEMORY_AVAILABLE='5e6'))  # the override
+    assert 'bench: device=cpu' in p.stdout and 'needs about' not in p.stdout + p.stderr
+
+
 def test_a_run_beyond_its_address_space_limit_is_refused_before_it_allocates(toy, tmp_path):
     # a real limit: 5.5 GB of address space, 4-5 GB of which torch and its libraries map at start-up; the toy
     # model at batch 20,000 would need several GB for a step
