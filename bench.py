@@ -198,18 +198,14 @@ if problem := views_problem(puzzle, eval_views, eval_B, row_bytes):
     raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the shape: {shape[2]})")
 if check_memory and device_type in ('cpu', 'cuda'):
     # train.py's start-up check on this batch and table: a CPU without swap that runs out stops answering
-    from device import size
-    from runkeep.memory import headrooms, memory_problem, run_memory
+    from runkeep.memory import headroom, memory_problem, run_memory
     ids = meta['num_puzzle_identifiers'] if data_path else num_puzzle_identifiers
     mem_cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=ids,
                         **{k: globals()[k] for k in MODEL_KEYS})
     mem_shape = dict(vars(mem_cfg), total_len=mem_cfg.total_len, forward_dtype=forward_dtype, loss_dtype=loss_dtype)
     mem_parts = run_memory(mem_shape, global_batch_size, eval_B * eval_views if eval_batches else 0, n_eval_steps,
                            ema=ema, accumulation=gradient_accumulation_steps)
-    (give, where), own = headrooms() if device_type == 'cpu' else ((None, ''), (None, ''))
-    if device_type == 'cuda':
-        give, total = torch.cuda.mem_get_info(dev.device)
-        where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
+    (give, where), own = headroom(dev)
     if problem := memory_problem(mem_parts, 1, 'this bench', where, give, '--check_memory=False', own):
         raise SystemExit(problem)
 if data_path:

@@ -7,6 +7,7 @@ anyway), instead of finding out when the machine, out of memory and without swap
                                    evaluation batch, the allocator's slack; need() adds them up at the peak;
                                    config_memory(cfg, data, device_type) the same from train.py's keys
     headrooms()                    what a CPU process may allocate: the host's limits, shared, and its own
+    headroom(dev)                  the same for a CPU or CUDA device (a GPU: its free memory)
     memory_problem(...)            the verdict: '' or one line with the numbers and the flag that overrides
 The activations are counted from the tensors each block keeps for its backward pass, as the code in model.py
 builds them (docs/reliability.md: how close the estimate came to measured runs).
@@ -148,6 +149,15 @@ def headrooms():
     leaves it: each process has the whole limit), known only where it is the smaller."""
     host, own = host_headroom(), address_space_headroom()
     return host, own if own[0] is not None and (host[0] is None or own[0] < host[0]) else (None, '')
+
+
+def headroom(dev):
+    """headrooms() of a CPU device; a CUDA device's free memory as the shared limit, with none of its own."""
+    if dev.type != 'cuda':
+        return headrooms()
+    import torch
+    give, total = torch.cuda.mem_get_info(dev.device)
+    return (give, f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"), (None, '')
 
 
 def memory_problem(parts, processes, what, where, give, override, own=(None, '')):

@@ -17,7 +17,7 @@ from puzzles import puzzle_for, puzzle_type, views_problem
 
 from . import gcs
 from .locks import release_locks
-from .memory import config_memory, config_shape, describe, headrooms, latent_bytes, memory_problem, need
+from .memory import config_memory, config_shape, describe, headroom, latent_bytes, memory_problem, need
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
@@ -130,7 +130,6 @@ def memory_problems(cfg, dev, meta):
     the estimate in a line when it is over half of that. check_memory=False, XLA and TorchTPU: not checked."""
     if not cfg['check_memory'] or dev.type not in ('cpu', 'cuda'):
         return []
-    import torch
     views, train = cfg['eval_views'], not cfg['eval_only']
     eval_rows = (cfg['eval_batch_size'] or cfg['global_batch_size']) // dev.world_size
     shape = config_shape(cfg, meta, dev.type)
@@ -139,12 +138,7 @@ def memory_problems(cfg, dev, meta):
         return []  # train.py refuses those views in their own words, before any allocation
     processes = int(os.environ.get('LOCAL_WORLD_SIZE', 1)) if dev.type == 'cpu' else 1  # sharing its memory
     parts = config_memory(cfg, meta, dev.type, dev.world_size)
-    own = (None, '')  # a limit of this process's own (RLIMIT_AS), which holds one process's need
-    if dev.type == 'cuda':
-        give, total = torch.cuda.mem_get_info(dev.device)
-        where = f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"
-    else:
-        (give, where), own = headrooms()
+    (give, where), own = headroom(dev)  # own: a limit of this process's own (RLIMIT_AS), for one process's need
     problem = memory_problem(parts, processes, 'this run' if train else 'this evaluation', where, give,
                              '--check_memory=False', own)
     close = [(g, w, n) for g, w, n in ((give, where, processes), (*own, 1)) if g is not None
