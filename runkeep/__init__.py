@@ -7,8 +7,8 @@ The front, all that train.py uses: tell_other_hosts_if_ending_early (a torchrun 
 before it joined the others leaves them why), resolve_init_from (an hf:// checkpoint fetched, the model keys of the
 run a checkpoint comes from; before the config checks), Run (one run's verbs), launch (its process or processes) and
 start_worker (a torch_xla worker's signals). The other scripts take the module they need: gcs (the builders' gs://
-output), checkpoint, hub and adapt (solve.py, publish.py), memory (study.py, solve.py, bench.py), locks, startup and signals
-(study.py).
+output), checkpoint, hub and adapt (solve.py, publish.py), memory (study.py, solve.py, bench.py), locks, startup
+and signals (study.py).
 """
 import importlib
 
