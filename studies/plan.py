@@ -522,10 +522,11 @@ def model_cost(run_cfg, data):
     kw.update(vocab_size=data['vocab_size'], seq_len=data['seq_len'],
               num_puzzle_identifiers=data['num_puzzle_identifiers'], forward_dtype='float32',
               loss_dtype='float32')
-    key = json.dumps(kw, sort_keys=True)
+    frozen = bool(run_cfg.get('freeze_weights'))  # as train.py builds it: frozen weights get no gradient
+    key = json.dumps(dict(kw, freeze_weights=frozen), sort_keys=True)
     if key not in _models:
         with torch.device('meta'):
-            m = TRM(TRMConfig(**kw))
+            m = TRM(TRMConfig(**kw)).requires_grad_(not frozen)
         _models[key] = (m.num_params(), m.flops_per_example(), m.flops_per_example(train=False))
     return _models[key]
 

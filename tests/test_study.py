@@ -153,6 +153,23 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
     assert '--hidden_size=32' in p.stdout and 'prepare_maze.py --generate' in p.stdout and '--max_steps' not in p.stdout
 
 
+def test_the_cost_of_a_run_with_frozen_weights_counts_the_step_train_py_runs(tmp_path):
+    # freeze_weights=True (config/adapt's adapt_emb_*): train.py's step computes no weight gradients, and its
+    # results.json counts that step; the plan counts the same one, so planned and finished runs share one axis.
+    # Sudoku mlp_t, 3 x (6 + 1) net calls: 21 forward, 7 backward (activations 1x, the weights' gradients 1x
+    # more when they train), so the frozen step is about 28/35 of the trained one
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    for name, frozen in (('fz_off', False), ('fz_on', True)):
+        (cfg / f'{name}.py').write_text(f"_base = 'config/baseline.py'\nout_dir = 'out/study/{name}'\n"
+                                        f"hidden_size = 32\npuzzle_emb_ndim = 32\nfreeze_weights = {frozen}\n")
+    p = run(['study.py', '--pattern=fz_*', f'--config_dir={cfg}', f'--out_root={tmp_path}/out', '--dry_run=True'])
+    blocks = {b.split()[0]: b for b in re.split(r'\n(?=\S)', p.stdout) if b.startswith('fz_')}
+    fpe = {name: re.search(r'([\d.e+]+) GFLOPs per example-step', b).group(1) for name, b in blocks.items()}
+    assert fpe.keys() == {'fz_off', 'fz_on'}, p.stdout
+    assert abs(float(fpe['fz_on']) / float(fpe['fz_off']) - 0.8) < 0.01, fpe
+
+
 def children(pid):
     """Process ids whose parent is pid (Linux /proc)."""
     kids = []
