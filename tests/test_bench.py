@@ -179,23 +179,29 @@ def test_bench_names_where_a_refused_value_of_its_own_keys_was_set(tmp_path):
         assert_user_error(p, words, f"from {flag}", one_line=True)
 
 
-def test_bench_counts_the_flops_its_step_computes_with_frozen_weights():
+@pytest.mark.parametrize('shape', [[], ['--mlp_t=False', '--seq_len=900', '--vocab_size=6',
+                                                   '--global_batch_size=2', '--steps=1', '--warmup_steps=1']])
+def test_bench_counts_the_flops_its_step_computes_with_frozen_weights(shape):
     # freeze_weights=True: the step's backward still carries the activations' gradients down to the puzzle rows,
     # but computes no weight's gradient; the count behind MFU is what torch's FLOP counter sees that step run (mlp_t,
-    # no sequence padding: every matmul counted, none of them padding)
+    # no sequence padding: every matmul counted, none of them padding). Maze's attention too: its scores and values
+    # over the 900 tokens and the puzzle positions, both factors activations, through SDPA's math backend (the
+    # CPU's fused attention kernel is one the counter does not count)
     import numpy as np
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     from configurator import read_config_block
     from model import MODEL_KEYS, TRM, TRMConfig
     from step import AdamATan2, Eager, StepConfig, train_step
     keys = {k: v for k, (v, _) in read_config_block('train.py').items()}
-    flags = dict(a[2:].split('=', 1) for a in BENCH_TINY)
-    model_keys = {k: type(keys[k])(flags[k]) if k in flags else keys[k] for k in MODEL_KEYS}
-    assert model_keys['mlp_t']
-    B, L, V, ids = 8, 81, 11, 1
+    flags = dict(a[2:].split('=', 1) for a in BENCH_TINY + shape)
+    model_keys = {k: (flags[k] == 'True' if type(keys[k]) is bool else type(keys[k])(flags[k])) if k in flags
+                  else keys[k] for k in MODEL_KEYS}
+    assert model_keys['mlp_t'] == (not shape)
+    B, L, V, ids = 2, int(flags.get('seq_len', 81)), int(flags.get('vocab_size', 11)), 1
     for frozen in (False, True):
-        s, _ = run_bench(['--device=cpu', '--seq_align=1', f'--freeze_weights={frozen}'] + BENCH_TINY)
+        s, _ = run_bench(['--device=cpu', '--seq_align=1', f'--freeze_weights={frozen}'] + BENCH_TINY + shape)
         torch.manual_seed(0)
         m = TRM(TRMConfig(vocab_size=V, seq_len=L, num_puzzle_identifiers=ids, **model_keys), seq_align=1)
         m.requires_grad_(not frozen).train()
@@ -206,7 +212,7 @@ def test_bench_counts_the_flops_its_step_computes_with_frozen_weights():
         sc = StepConfig(lr=1e-4, puzzle_emb_lr=1e-2, puzzle_emb_weight_decay=0.1, warmup_steps=1, total_steps=10,
                         min_ratio=1.0, global_batch_size=B, freeze_weights=frozen)
         opt, step_t, carry = AdamATan2(m.parameters()), torch.zeros(()), m.initial_carry(batch)
-        with FlopCounterMode(display=False) as counter:
+        with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
             train_step(m, opt, None, carry, batch, step_t, sc, Eager())
         seen = counter.get_total_flops() / B
         assert abs(int(s['flops_per_example']) / seen - 1) < 1e-3, (frozen, s['flops_per_example'], seen)
