@@ -456,7 +456,7 @@ def size(n):
 
 # peak dense bf16 TFLOP/s of one process's GPU or TPU device (datasheets), for MFU; the first name in the
 # device's wins. A v7 chip (2307) shows its two TensorCores as two devices, one process each: half per device
-PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200', 989), ('A100', 312),
+PEAK_TFLOPS = [('H100 PCIe', 756), ('H100 NVL', 835), ('H100', 989), ('H200 NVL', 835), ('H200', 989), ('A100', 312),
                ('L40S', 362),
                ('v6e', 918), ('v6 lite', 918), ('v5e', 197), ('v5 lite', 197), ('v5litepod', 197),
                ('v5p', 459), ('TPU v5', 459), ('v4', 275), ('TPU v7', 1153.5)]

@@ -268,3 +268,12 @@ def test_bench_on_a_broken_dataset_is_one_line_naming_the_file(toy, tmp_path, sp
     change(str(d / split / name))
     p = run(['bench.py', f'--data_path={d}', '--device=cpu'] + BENCH_TINY, check=False)
     assert_user_error(p, f'config error: data_path={d}', str(d / split), name, one_line=True)
+
+
+def test_mfu_is_against_the_peak_of_the_gpu_variant_the_device_names():
+    # the PCIe / NVL cards share their SXM sibling's name up to a suffix and have a lower peak (datasheets'
+    # dense bf16): MFU against the sibling's would understate theirs
+    from device import peak_tflops_of
+    want = {'NVIDIA H100 80GB HBM3': 989, 'NVIDIA H100 PCIe': 756, 'NVIDIA H100 NVL': 835, 'NVIDIA H200': 989,
+            'NVIDIA H200 NVL': 835, 'NVIDIA A100-SXM4-80GB': 312, 'NVIDIA L40S': 362, 'NVIDIA L40': None}
+    assert {n: peak_tflops_of(n) for n in want} == want
