@@ -41,7 +41,8 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
     ({name: [len(ks)] counts}, [(vote, choice)] the views picked for each k): for the first k views of each k
     in ks, the vote's answer right (vote), the verifier's choice right (verified: an answer the verifier
     accepts where a view found one, else the vote; the verifier reads the puzzle only, never the labels), any
-    view right (oracle: the ceiling) and some view accepted (accepted)."""
+    view right (oracle: the ceiling) and some view accepted (accepted). Right: the label, or with a verifier
+    any answer it accepts (one-view verified_accuracy's rule; a maze has several shortest paths)."""
     B, L = labels.shape
     K = len(answers) // B
     back = Grid.apply(answers, inverse).reshape(K, B, L)  # every view's answer, on its puzzle
@@ -49,6 +50,8 @@ def score_views(answers, confidence, inverse, inputs, labels, rows, verifier, ks
     right = ((back == labels) | (labels < 0)).all(-1) & rows  # [K, B]
     ok = (np.asarray(verifier(np.tile(inputs, (K, 1)), back.reshape(K * B, L))).reshape(K, B) & rows
           if verifier is not None else None)
+    if ok is not None:  # another valid answer is right too (a maze's other shortest path), as verified_accuracy
+        right |= ok
     out = {n: np.zeros(len(ks)) for n in ('vote', 'verified', 'oracle') + (('accepted',) if ok is not None else ())}
     cols, picks = np.arange(B), []
     for j, k in enumerate(ks):

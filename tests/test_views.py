@@ -105,6 +105,42 @@ def test_vote_counts_answers_breaks_ties_by_confidence_and_prefers_accepted():
     assert view_counts(16) == [1, 2, 4, 8, 16] and view_counts(6) == [1, 2, 4, 6] and view_counts(1) == [1]
 
 
+def test_a_maze_solved_by_another_shortest_path_in_a_view_counts_as_solved(tmp_path):
+    """A solver that answers every view with a shortest path (the generator's BFS on the turned maze, so often
+    not the label's path once mapped back): every answer is accepted, and vote@k, verified@k and oracle@k say
+    solved as the one-view verified accuracy does, not only where the path is the label's."""
+    data = str(tmp_path / 'maze')
+    pm.generate_csvs(str(tmp_path / 'csv'), 4, 30, size=9, seed=3, loop_frac=0.3)
+    pm.build_dataset(str(tmp_path / 'csv'), data)
+    kind = puzzle_for(load_metadata(data, 'test'))
+
+    def shortest(row):
+        text = kind.decode(row).encode()
+        dist, parent, _ = pm._bfs(text, kind.n, text.index(b'S'))
+        out, v = np.array(row), parent[text.index(b'G')]
+        while dist[v] > 0:
+            out[v], v = 5, parent[v]  # 'o'
+        return out
+
+    def predict(b, n_steps, **_):
+        x = b['inputs'].numpy()
+        answers = torch.from_numpy(np.stack([shortest(r) for r in x]).astype(np.int32))
+        zeros = torch.zeros(n_steps, len(x))
+        return answers.expand(n_steps, -1, -1), zeros, zeros.bool(), zeros[0]
+
+    model = TRM(TRMConfig.for_data(load_metadata(data, 'test'), hidden_size=16, num_heads=1, puzzle_emb_ndim=0,
+                                   H_cycles=1, L_cycles=1, halt_max_steps=1))
+    res = evaluate(model, EvalLoader(data, 30, views=8, kind=kind), Device('cpu'), 1, 1, kind.correct,
+                   predict=predict)[0]
+    assert res['verified_accuracy'] == 1
+    q = np.asarray(load_arrays(data, 'test')['inputs']).astype(np.int64)
+    sym = kind.views(8, len(q), seed=0, batch=0)
+    back = kind.apply(np.stack([shortest(r) for r in kind.apply(np.tile(q, (8, 1)), sym)]), kind.invert(sym))
+    assert (back != np.tile(np.asarray(load_arrays(data, 'test')['labels']), (8, 1))).any()  # other paths, too
+    for v in res['by_views']:
+        assert v['accepted'] == v['verified'] == v['oracle'] == v['vote'] == 1, v
+
+
 # -----------------------------------------------------------------------------
 # a small trained model
 
@@ -181,7 +217,8 @@ def test_a_views_answer_is_the_direct_answer_of_its_transformed_puzzle_mapped_ba
 
 
 def test_the_verifiers_choice_never_reads_the_labels(trained, tmp_path):
-    """The same evaluation with every label replaced: the views picked are the same, only the scores move."""
+    """The same evaluation with every label replaced: the views picked are the same; an accepted answer stays
+    right (the verifier's rule), and without a verifier the scores move with the labels."""
     kind, model = puzzle_for(trained['meta']), trained['model']
     arrays = load_arrays(trained['data'], 'test')
     q, a = np.asarray(arrays['inputs']).astype(np.int64), np.asarray(arrays['labels']).astype(np.int64)
@@ -198,7 +235,9 @@ def test_the_verifiers_choice_never_reads_the_labels(trained, tmp_path):
     for (v1, c1), (v2, c2) in zip(picks, picks2):
         assert (v1 == v2).all() and (c1 == c2).all()
     assert (true['accepted'] == moved['accepted']).all() and true['accepted'][-1] > 0
-    assert true['verified'][-1] > 0 and moved['verified'][-1] == 0 and moved['vote'][-1] == 0
+    assert (true['verified'] == true['accepted']).all() and (moved['verified'] == true['verified']).all()
+    plain, _ = score_views(preds[-1].numpy(), q_halt[-1].numpy(), kind.invert(sym), q, wrong, rows, None, ks)
+    assert true['vote'][-1] > 0 and plain['vote'][-1] == 0 == plain['oracle'][-1]
     # and through evaluate: a copy of the dataset with the shifted labels
     wrong_data = str(tmp_path / 'wrong')
     shutil.copytree(trained['data'], wrong_data)
@@ -208,7 +247,8 @@ def test_the_verifiers_choice_never_reads_the_labels(trained, tmp_path):
                 vocab_size=meta['vocab_size'], extra=dict(puzzle_type='sudoku', grid_size=4))
     res_true, res_wrong = evaluate_in(trained, 4), evaluate_in(trained, 4, data=wrong_data)
     for r1, r2 in zip(res_true['by_views'], res_wrong['by_views']):
-        assert r1['accepted'] == r2['accepted'] and r2['verified'] == 0 < r1['verified']
+        assert r1['accepted'] == r2['accepted'] == r1['verified'] == r2['verified'] > 0
+    assert res_wrong['exact_accuracy'] == 0 < res_true['exact_accuracy']  # one view's exact: the labels'
 
 
 def test_train_refuses_views_where_a_puzzle_has_no_symmetries(tmp_path):
