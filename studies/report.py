@@ -311,8 +311,8 @@ VIEW_COLS = ['run', 'family', 'point', 'views', 'steps', 'halt_max_steps', 'vote
 def collect_views(exps):
     """One row per (run, steps S, views k) of the saved re-evaluations of the runs the report uses: for each
     S the file with the most views K (its first k views are a k-view evaluation). The accuracies at k are
-    the by_views entry of k (K = 1: view 0's exact accuracy, which vote, verified and oracle all are with one
-    view); flops_per_puzzle = the evaluation's forward FLOPs / puzzles x k / K = k x S x forward FLOPs per
+    the by_views entry of k (K = 1: view 0's answer right, which vote, verified and oracle all are with one view:
+    the verifier's accepting it where the count is known, else its exactness); flops_per_puzzle = the evaluation's forward FLOPs / puzzles x k / K = k x S x forward FLOPs per
     step; seconds: the whole K-view evaluation's."""
     rows = []
     for e in exps:
@@ -333,9 +333,10 @@ def collect_views(exps):
                 # S and its q_halt stop looks at all S; the verifier's count is known at S only within halt_max_steps
                 last = (res.get('exact_by_steps') or [res['exact_accuracy']])[-1]
                 deeper = S > int(rec['config']['halt_max_steps'])
+                accepted = None if deeper else res.get('verified_accuracy')
+                right = last if accepted is None else accepted  # a maze's other shortest path too, as k views
                 by = res.get('by_views') or [dict(
-                    views=1, vote=last, verified=last, oracle=last,
-                    accepted=None if deeper else res.get('verified_accuracy'),
+                    views=1, vote=right, verified=right, oracle=right, accepted=accepted,
                     **{m + '_q_halt': res['exact_accuracy_q_halt'] for m in ('vote', 'verified', 'oracle')})]
                 for v in by:
                     k = int(v['views'])
