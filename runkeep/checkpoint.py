@@ -301,13 +301,14 @@ def delete_all_checkpoints(folders):
     return problems
 
 
-def load_weights(path, model, ema_model, meta, data_path, adapt):
+def load_weights(path, model, ema_model, meta, data_path, adapt, published=False):
     """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one, for the raw weights and
     the EMA alike) or a reference state dict; ours only on data of the shape and kind it trained on (a 4x4
     Sudoku's weights fit a 4x4 maze's tensors, not its puzzles). A table of another dataset's puzzle
     identifiers (identifier_mismatch) is refused, or with `adapt` (a training run) replaced: the dataset's
     size, every row the checkpoint's mean row (the reference's load_checkpoint does the same), so that new
-    puzzles start from what the trained ones share. Returns the line that says what was loaded."""
+    puzzles start from what the trained ones share. published: the model keys came from an all_config.yaml
+    beside it (hub.resolve_init_from), which names them in a refusal. Returns the line that says what was loaded."""
     try:  # mapped: of a checkpoint of ours, only the weights taken are read, not the optimizer's moments or carry
         ckpt = load_checkpoint(path, mmap=True)
     except CheckpointError as e:
@@ -332,8 +333,7 @@ def load_weights(path, model, ema_model, meta, data_path, adapt):
     try:
         load_into(model, sd)
     except RuntimeError:  # which keys to check: the weights' shapes against the model's (the dataset's too)
-        from .hub import all_config_beside  # (hub reads checkpoints: imported here, not at the top)
-        published = found['config'] is None and all_config_beside(path)  # the model keys came from there
+        published = published and found['config'] is None
         where = "all_config.yaml's model keys" if published else "this run's model keys"
         raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {data_path}",
                                           published))
