@@ -268,7 +268,9 @@ class Run:
         resume with another eval_subset) gives way to the first evaluation of these."""
         if examples != compared:
             return
-        if self.best.get('examples') != examples or res['exact_accuracy'] > self.best['exact_accuracy']:
+        # a best without 'examples' (a checkpoint of an older trainer, which compared every evaluation) is taken as
+        # of these, as that trainer did: a resume keeps it, and the checkpoint it protects
+        if self.best.get('examples', examples) != examples or res['exact_accuracy'] > self.best['exact_accuracy']:
             self.best = dict(step=step, exact_accuracy=float(res['exact_accuracy']), examples=examples,
                              test_examples=test_examples, eval=res)
 

@@ -269,3 +269,18 @@ def test_the_best_evaluation_compares_only_evaluations_of_the_same_test_examples
     best = res['best_eval']
     assert (best['step'], best['exact_accuracy'], best['eval']['count']) == (80, 0.0, 20), best
     assert (best['examples'], best['test_examples']) == (20, n), best
+
+
+def test_a_best_saved_before_best_eval_recorded_its_examples_survives_a_resume(toy, tmp_path):
+    # an older trainer's best (no 'examples': it compared every evaluation, all of the same test split here) at
+    # step 4, better than anything this run reaches: the resume keeps it, and its checkpoint, as that trainer would
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=4')
+    path = ckpt_paths(out)[-1]
+    ckpt = torch.load(path, weights_only=False)
+    ckpt['best'] = dict(step=4, exact_accuracy=1.0, eval=dict(count=100.0, exact_accuracy=1.0))
+    torch.save(ckpt, path)
+    train(toy, out, '--init_from=resume', '--max_steps=12', '--checkpoint_interval=4')
+    best = json.load(open(out / 'results.json'))['best_eval']
+    assert (best['step'], best['exact_accuracy']) == (4, 1.0), best
+    assert ckpts(out) == ['ckpt_00000004.pt', 'ckpt_00000008.pt', 'ckpt_00000012.pt'], ckpts(out)
