@@ -493,6 +493,15 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
     fail_together(dev, [f"{path} was saved with {', '.join(f'{k}={saved[k]!r}' for k in changed)}; this "
                         f"run has {', '.join(f'{k}={cfg[k]!r}' for k in changed)}. A resume must keep them: "
                         "start a new run (another out_dir) to change them"] if changed else [], 'resume')
+    # a trainer that saved 'wandb_run_id' (not 'run_id') averaged at ema_rate from step 0; this one's EMA warms up
+    # (step.ema_update_), so below the warm-up's end the resumed run would average otherwise
+    step, rate = ckpt['step'], cfg['ema_rate']
+    old_ema = 'run_id' not in ckpt and 'wandb_run_id' in ckpt and cfg['ema'] and not cfg['eval_only'] and \
+        not cfg['freeze_weights'] and (1 + step) / (10 + step) < rate
+    fail_together(dev, [f"{path} was saved by an older trainer whose EMA averaged at ema_rate={rate} from step 0; "
+                        f"this one's decay is min(ema_rate, (1 + step) / (10 + step)), {(1 + step) / (10 + step):.4g} "
+                        f"at step {step}, so the resumed run would average otherwise: finish it with the trainer "
+                        "that saved it, or start a new run (another out_dir)"] if old_ema else [], 'resume')
     if dev.master:
         other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
         print(f"resuming from {path} (step {ckpt['step']})"

@@ -134,6 +134,24 @@ def test_a_checkpoint_saved_before_a_model_key_existed_resumes_only_with_that_ke
     p = train(toy, out, '--init_from=resume', '--max_steps=6')
     assert 'resuming from' in p.stdout and 'saved' in p.stdout, p.stdout[-2000:]
 
+def test_a_checkpoint_of_a_trainer_without_the_ema_warm_up_resumes_only_where_the_warm_up_is_over(toy, tmp_path):
+    """A trainer that averaged at ema_rate from step 0 (its checkpoints named 'wandb_run_id', not 'run_id'): a
+    resume where this trainer's warm-up is still below ema_rate would average otherwise, so it is one line; past
+    the warm-up the two agree, and an evaluation trains nothing."""
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    path = ckpt_paths(out)[-1]
+    ckpt = torch.load(path, weights_only=False)
+    ckpt['wandb_run_id'] = ckpt.pop('run_id') or ''
+    torch.save(ckpt, path)
+    p = train(toy, out, '--init_from=resume', '--max_steps=10', check=False)
+    assert_user_error(p, path, 'ema_rate=0.95', 'new run', one_line=True)
+    p = train(toy, out, '--init_from=resume', '--eval_only=True')
+    assert 'resuming from' in p.stdout and 'eval on' in p.stdout, p.stdout[-2000:]
+    p = train(toy, out, '--init_from=resume', '--max_steps=10', '--ema_rate=0.5')  # 9/18: the warm-up is at 0.5
+    assert 'resuming from' in p.stdout and 'step 10/' in p.stdout, p.stdout[-2000:]
+
+
 def test_resume_past_the_end_says_so(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
