@@ -106,6 +106,15 @@ def site_hook(folder, body, root=ROOT):
     return dict(PYTHONPATH=str(folder))
 
 
+def fresh_checkout(folder):
+    """A folder that study.py, run from it (run(..., cwd=folder)), sees as a fresh checkout: the repository's
+    config/, and no data/ or out/. A user's own checkout holds the datasets and runs they built there, which
+    change what a dry run says (built, not 'missing; built first by')."""
+    os.makedirs(folder, exist_ok=True)
+    os.symlink(os.path.join(ROOT, 'config'), os.path.join(folder, 'config'))
+    return str(folder)
+
+
 def held_step(folder, at, go=None, argv=('',), slow=False):
     """The environment whose train.py processes (those with an argument containing one of `argv`) say 'test
     hook: step {at} waits' and wait in their training step `at` (counted from the process's start) until the

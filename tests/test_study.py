@@ -19,7 +19,7 @@ import warnings
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, held_step, run, script_env, site_hook
+from conftest import BUCKET, ROOT, fresh_checkout, held_step, run, script_env, site_hook
 from configurator import config_files, read_config_block
 from studies.plan import Options, load_experiments
 from studies.report import collect, plot_ablations, plot_fits, plot_supervision_steps, points
@@ -116,8 +116,9 @@ def test_help_and_the_list_of_families():
     assert p.returncode != 0 and 'no experiment matches' in p.stderr + p.stdout
 
 
-def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
-    p = run(['study.py', "--pattern=*", '--dry_run=True', '--examples_per_s=1000'])
+def test_dry_run_of_the_full_grid_prints_every_command_and_cost(tmp_path):
+    fresh = fresh_checkout(tmp_path / 'checkout')
+    p = run(['study.py', "--pattern=*", '--dry_run=True', '--examples_per_s=1000'], cwd=fresh)
     out = p.stdout
     blocks = {b.split()[0]: b for b in re.split(r'\n(?=\S)', out) if b.strip() and not b.startswith('config:')}
     # four groups of experiments that are one configuration: each group's first name (in order) runs, the others
@@ -147,9 +148,9 @@ def test_dry_run_of_the_full_grid_prints_every_command_and_cost():
     assert re.search(r'total: 60 costed run\(s\), training [\d.e+]+ FLOPs.*about', out)  # 75 files, 60 runs
     assert '195,312 steps x batch 256' in blocks['bs_256'] and '--lr=5.77e-05' not in blocks['bs_256']  # in the file
     # without a speed figure it says so; the other scales print their flags
-    p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', '--scale=gpu'])
+    p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', '--scale=gpu'], cwd=fresh)
     assert 'no speed figure given' in p.stdout and '--epochs=5000' in p.stdout
-    p = run(['study.py', '--pattern=maze_rec_L2', '--dry_run=True', '--scale=cpu'])
+    p = run(['study.py', '--pattern=maze_rec_L2', '--dry_run=True', '--scale=cpu'], cwd=fresh)
     assert '--hidden_size=32' in p.stdout and 'prepare_maze.py --generate' in p.stdout and '--max_steps' not in p.stdout
 
 

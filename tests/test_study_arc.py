@@ -8,7 +8,7 @@ import os
 import re
 import shutil
 
-from conftest import ROOT, run
+from conftest import ROOT, fresh_checkout, run
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 ARC = sorted(f[:-3] for f in os.listdir(STUDY) if f.startswith('arc_') and f.endswith('.py'))
@@ -29,7 +29,9 @@ def test_the_family_files():
 
 
 def test_the_dry_run_costs_every_full_arc_run_without_building_anything(tmp_path):
-    p = run(['study.py', "--pattern=arc_*", '--dry_run=True', '--pod=v4-32', f'--data_root={tmp_path}/d'], env=ENV)
+    fresh = fresh_checkout(tmp_path / 'checkout')
+    p = run(['study.py', "--pattern=arc_*", '--dry_run=True', '--pod=v4-32', f'--data_root={tmp_path}/d'], env=ENV,
+            cwd=fresh)
     out, blocks = p.stdout, blocks_of(p.stdout)
     assert 'scale full: 9 experiment(s), 7 run(s)' in out
     for name in ARC:
@@ -52,7 +54,7 @@ def test_the_dry_run_costs_every_full_arc_run_without_building_anything(tmp_path
     assert '239 GFLOPs' in blocks['arc_rec_L2'] and '557 GFLOPs' in blocks['arc_rec_L6']
     assert re.search(r'total: 7 costed run\(s\)', out)
     assert 'ASSUMED, not measured: v4-32 = 16 chips x 275 TFLOP/s' in out
-    assert not os.path.exists(tmp_path / 'd') and not os.path.exists(os.path.join(ROOT, 'data', 'arc1concept-aug-100'))
+    assert not os.path.exists(tmp_path / 'd') and sorted(os.listdir(fresh)) == ['config']  # nothing built
 
 
 def test_the_cpu_twin_of_the_base_run_plans_the_synthetic_build(tmp_path):
