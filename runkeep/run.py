@@ -262,17 +262,20 @@ class Run:
         return timing, self.device_s + sum(now.values()) * self.dev.world_size
 
     def new_best(self, step, res, examples, compared, test_examples):
-        """The best evaluation among those of the same test examples: `compared` of the split's `test_examples`,
-        the intermediate evaluations' (eval_subset's seeded subset, or all); examples: those `res` is of. A
-        final evaluation of the whole split joins a subset's comparison never; a best of other examples (a
-        resume with another eval_subset) gives way to the first evaluation of these."""
+        """The best evaluation among those of the same measure, the same test examples after the same supervision
+        steps: `compared` of the split's `test_examples`, the intermediate evaluations' (eval_subset's seeded
+        subset, or all); examples: those `res` is of. A final evaluation of the whole split joins a subset's
+        comparison never; a best of another measure (a resume with another eval_subset or eval_steps) gives way to
+        the first evaluation of this one."""
         if examples != compared:
             return
-        # a best without 'examples' (a checkpoint of an older trainer, which compared every evaluation) is taken as
-        # of these, as that trainer did: a resume keeps it, and the checkpoint it protects
-        if self.best.get('examples', examples) != examples or res['exact_accuracy'] > self.best['exact_accuracy']:
+        steps = self.cfg['eval_steps'] or self.cfg['halt_max_steps']
+        # a best without them (a checkpoint of an older trainer, which compared every evaluation) is taken as of
+        # this measure, as that trainer did: a resume keeps it, and the checkpoint it protects
+        other = (self.best.get('examples', examples), self.best.get('eval_steps', steps)) != (examples, steps)
+        if other or res['exact_accuracy'] > self.best['exact_accuracy']:
             self.best = dict(step=step, exact_accuracy=float(res['exact_accuracy']), examples=examples,
-                             test_examples=test_examples, eval=res)
+                             test_examples=test_examples, eval_steps=steps, eval=res)
 
     # --- stop requests and divergence -----------------------------------------------------------------
 

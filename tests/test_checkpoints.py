@@ -284,3 +284,19 @@ def test_a_best_saved_before_best_eval_recorded_its_examples_survives_a_resume(t
     best = json.load(open(out / 'results.json'))['best_eval']
     assert (best['step'], best['exact_accuracy']) == (4, 1.0), best
     assert ckpts(out) == ['ckpt_00000004.pt', 'ckpt_00000008.pt', 'ckpt_00000012.pt'], ckpts(out)
+
+
+def test_a_resume_with_other_eval_steps_starts_the_best_anew(toy, tmp_path):
+    # exact accuracy after 2 supervision steps is another measure than after 4: a best measured at eval_steps=2
+    # (here a perfect one at step 4) gives way to the first evaluation of the resumed run's eval_steps, and its
+    # record says which steps it was measured at
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=4', '--eval_steps=2')
+    path = ckpt_paths(out)[-1]
+    ckpt = torch.load(path, weights_only=False)
+    assert ckpt['best']['eval_steps'] == 2, ckpt['best']
+    ckpt['best'] = dict(ckpt['best'], step=4, exact_accuracy=1.0)
+    torch.save(ckpt, path)
+    train(toy, out, '--init_from=resume', '--max_steps=12', '--checkpoint_interval=4')
+    best = json.load(open(out / 'results.json'))['best_eval']
+    assert best['step'] == 12 and best['eval_steps'] == 4 and best['exact_accuracy'] < 1, best
