@@ -122,25 +122,32 @@ def test_a_bucket_out_root_s_saved_evaluations_are_found_skipped_and_reported(em
             pass
 
 
+def one_view_report(tmp_path, verified, exact_by_steps):
+    """The report_views.csv row of a finished run with halt_max_steps 4 (made by hand, as train.py writes it: no
+    training here) and one saved one-view evaluation at len(exact_by_steps) steps: exact 0.5 at step 4."""
+    cfg, out, S = tmp_path / 'cfg', tmp_path / 'out', len(exact_by_steps)
+    cfg.mkdir()
+    (cfg / 'one_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/one_p0'\n"
+                                   "halt_max_steps = 4\n")
+    (out / 'one_p0' / 'evals').mkdir(parents=True)
+    fe = dict(exact_accuracy=0.5, exact_ci_low=0.4, exact_ci_high=0.6, token_accuracy=0.9, q_halt_accuracy=1.0,
+              count=100, exact_accuracy_q_halt=0.375, verified_accuracy=verified)
+    json.dump(dict(parameters=1000, train_flops=1e9, flops_per_example_step=1e3, step=10, final_eval=fe,
+                   config=dict(halt_max_steps=4)), open(out / 'one_p0' / 'results.json', 'w'))
+    json.dump(dict(step=10, checkpoint='ckpt_00000010.pt', seconds=3.5, device='cpu', world_size=1,
+                   config=dict(halt_max_steps=4), eval=dict(fe, views=1, eval_flops=S * 100 * 1e3,
+                                                            exact_by_steps=exact_by_steps)),
+              open(out / 'one_p0' / 'evals' / f'views1-steps{S}.json', 'w'))
+    run(['study.py', '--pattern=one_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
+    row, = csv.DictReader(open(out / 'report_views.csv'))
+    return row
+
+
 def test_one_view_beyond_halt_max_steps_is_reported_after_its_last_step(tmp_path):
     """A one-view evaluation at S > halt_max_steps: evaluate's headline figures are at halt_max_steps, its
     exact_by_steps runs to S. The report's row at S steps takes the accuracy after the S-th (a finished run made
     by hand, as train.py writes it: no training here)."""
-    cfg, out = tmp_path / 'cfg', tmp_path / 'out'
-    cfg.mkdir()
-    (cfg / 'deep_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/deep_p0'\n"
-                                    "halt_max_steps = 4\n")
-    (out / 'deep_p0' / 'evals').mkdir(parents=True)
-    fe = dict(exact_accuracy=0.5, exact_ci_low=0.4, exact_ci_high=0.6, token_accuracy=0.9, q_halt_accuracy=1.0,
-              count=100, exact_accuracy_q_halt=0.375, verified_accuracy=0.5)
-    json.dump(dict(parameters=1000, train_flops=1e9, flops_per_example_step=1e3, step=10, final_eval=fe,
-                   config=dict(halt_max_steps=4)), open(out / 'deep_p0' / 'results.json', 'w'))
-    deep = dict(fe, views=1, eval_flops=8 * 100 * 1e3, exact_by_steps=[0.125, 0.25, 0.375, 0.5, 0.5, 0.5, 0.5, 0.75])
-    json.dump(dict(step=10, checkpoint='ckpt_00000010.pt', seconds=3.5, device='cpu', world_size=1,
-                   config=dict(halt_max_steps=4), eval=deep),
-              open(out / 'deep_p0' / 'evals' / 'views1-steps8.json', 'w'))
-    run(['study.py', '--pattern=deep_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
-    row, = csv.DictReader(open(out / 'report_views.csv'))
+    row = one_view_report(tmp_path, 0.5, [0.125, 0.25, 0.375, 0.5, 0.5, 0.5, 0.5, 0.75])
     assert (row['views'], row['steps'], row['halt_max_steps']) == ('1', '8', '4')
     assert (row['vote'], row['verified'], row['oracle']) == ('0.75', '0.75', '0.75'), row
     assert row['vote_q_halt'] == '0.375' and row['accepted'] == '', row  # the verifier's count is at step 4
@@ -150,21 +157,7 @@ def test_one_view_within_halt_max_steps_counts_what_the_verifier_accepts_as_more
     """A one-view evaluation of a maze run: a valid shortest path other than the label's is solved in a k-view
     evaluation's vote, verified and oracle; the one-view row takes verified_accuracy so, not exact (which would
     read lower than the k=1 row of a larger evaluation)."""
-    cfg, out = tmp_path / 'cfg', tmp_path / 'out'
-    cfg.mkdir()
-    (cfg / 'one_p0.py').write_text("_base = 'config/baseline.py'\nout_dir = 'out/study/one_p0'\n"
-                                   "halt_max_steps = 4\n")
-    (out / 'one_p0' / 'evals').mkdir(parents=True)
-    fe = dict(exact_accuracy=0.5, exact_ci_low=0.4, exact_ci_high=0.6, token_accuracy=0.9, q_halt_accuracy=1.0,
-              count=100, exact_accuracy_q_halt=0.375, verified_accuracy=0.625)
-    json.dump(dict(parameters=1000, train_flops=1e9, flops_per_example_step=1e3, step=10, final_eval=fe,
-                   config=dict(halt_max_steps=4)), open(out / 'one_p0' / 'results.json', 'w'))
-    json.dump(dict(step=10, checkpoint='ckpt_00000010.pt', seconds=3.5, device='cpu', world_size=1,
-                   config=dict(halt_max_steps=4), eval=dict(fe, views=1, eval_flops=4 * 100 * 1e3,
-                                                            exact_by_steps=[0.125, 0.25, 0.375, 0.5])),
-              open(out / 'one_p0' / 'evals' / 'views1-steps4.json', 'w'))
-    run(['study.py', '--pattern=one_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True'])
-    row, = csv.DictReader(open(out / 'report_views.csv'))
+    row = one_view_report(tmp_path, 0.625, [0.125, 0.25, 0.375, 0.5])
     assert (row['vote'], row['verified'], row['oracle'], row['accepted']) == ('0.625',) * 4, row
 
 
