@@ -229,7 +229,8 @@ def adapt(task, tasks, every, init_from, keep, canvas, minutes, aug, extra, adap
     submission written within `minutes` of `started` (solve.py's start, time.time()): train.py's budget is what
     the start and the dataset's build left of them. Returns (the adapted run's last checkpoint, its dataset). A
     finished adaptation of the same tasks, checkpoint and settings is used as it is; a stopped one goes on from
-    its last checkpoint. One that fails still leaves a submission of the file's tasks (`every`), all [[0]]."""
+    its last checkpoint. One that fails still leaves a submission of the file's tasks (`every`), [[0]] where it
+    has no answer."""
     settings = dict(adapt_aug=aug, adapt_args=' '.join(extra.split()))
     record = dict(key=key_of(tasks, init_from, settings), task=os.path.abspath(task),
                   init_from=os.path.abspath(init_from), tasks=list(tasks), **settings)
