@@ -191,18 +191,18 @@ n_eval_steps = eval_steps or halt_max_steps
 puzzle = puzzle_for(meta if data_path else dict(seq_len=seq_len, vocab_size=vocab_size))  # the views' kind
 if not isinstance(eval_views, int) or eval_views < 1:
     raise SystemExit(f"config error: eval_views={eval_views!r} (allowed: an integer >= 1; 1: no views)")
+# the network as train.py builds it on this data (model.py's TRMConfig), which the checks below count from
+cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len,
+                num_puzzle_identifiers=meta['num_puzzle_identifiers'] if data_path else num_puzzle_identifiers,
+                **{k: globals()[k] for k in MODEL_KEYS})
 # as train.py checks them: the whole evaluation batch in K views, each row with the model's latents
-row_bytes = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, **{k: globals()[k] for k in MODEL_KEYS}).latent_bytes(
-    getattr(torch, forward_dtype).itemsize)
+row_bytes = cfg.latent_bytes(getattr(torch, forward_dtype).itemsize)
 if problem := views_problem(puzzle, eval_views, eval_B, row_bytes):
     raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the shape: {shape[2]})")
 if check_memory and device_type in ('cpu', 'cuda'):
     # train.py's start-up check on this batch and table: a CPU without swap that runs out stops answering
     from runkeep.memory import headroom, memory_problem, run_memory
-    ids = meta['num_puzzle_identifiers'] if data_path else num_puzzle_identifiers
-    mem_cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=ids,
-                        **{k: globals()[k] for k in MODEL_KEYS})
-    mem_shape = dict(vars(mem_cfg), total_len=mem_cfg.total_len, forward_dtype=forward_dtype, loss_dtype=loss_dtype)
+    mem_shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=forward_dtype, loss_dtype=loss_dtype)
     mem_parts = run_memory(mem_shape, global_batch_size, eval_B * eval_views if eval_batches else 0, n_eval_steps,
                            ema=ema, accumulation=gradient_accumulation_steps)
     (give, where), own = headroom(dev)
@@ -239,8 +239,6 @@ else:
 batches, eval_data = [dev.to_device(b) for b in host_train], [dev.to_device(b) for b in host_eval]
 
 # --- model, optimizer, EMA and step: model.py's, the same objects train.py builds ---------------------------
-cfg = TRMConfig(vocab_size=vocab_size, seq_len=seq_len, num_puzzle_identifiers=num_puzzle_identifiers,
-                **{k: globals()[k] for k in MODEL_KEYS})
 model = TRM(cfg, seq_align=seq_align).to(dev.device).requires_grad_(not freeze_weights)  # as train.py's
 kernels_in, kernels_why = use_kernels(kernels, device_type, forward_dtype, model)  # train.py's: fused blocks, or plain
 model.train()

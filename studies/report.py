@@ -312,8 +312,8 @@ def collect_views(exps):
     """One row per (run, steps S, views k) of the saved re-evaluations of the runs the report uses: for each
     S the file with the most views K (its first k views are a k-view evaluation). The accuracies at k are
     the by_views entry of k (K = 1: view 0's answer right, which vote, verified and oracle all are with one view:
-    the verifier's accepting it where the count is known, else its exactness); flops_per_puzzle = the evaluation's forward FLOPs / puzzles x k / K = k x S x forward FLOPs per
-    step; seconds: the whole K-view evaluation's."""
+    the verifier's accepting it where the count is known, else its exactness); flops_per_puzzle = the evaluation's
+    forward FLOPs / puzzles x k / K = k x S x forward FLOPs per step; seconds: the whole K-view evaluation's."""
     rows = []
     for e in exps:
         if e.same_as or read_results(e)[0] is None:  # unfinished or not reused: not compared
