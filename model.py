@@ -457,7 +457,8 @@ class TRM(nn.Module):
         if not cfg.mlp_t:  # QK^T and AV: both factors are activations, so both gradients are the activations'
             net += cfg.L_layers * 4 * S * S * D
             net_trained += cfg.L_layers * 4 * S * S * D
-        lm_head, q_head = 2 * D * cfg.vocab_size * cfg.seq_len, 2 * D * 2
+        # the lm_head runs on every position, the puzzle rows' too, before their logits are dropped
+        lm_head, q_head = 2 * D * cfg.vocab_size * S, 2 * D * 2
         heads = lm_head + q_head
         heads_trained = lm_head * self.lm_head.weight.requires_grad + q_head * self.q_head.weight.requires_grad
         calls, grad_calls = cfg.net_calls()
