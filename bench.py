@@ -593,6 +593,7 @@ if profile_span:
         print(f"profile: Chrome trace {where} (https://ui.perfetto.dev or chrome://tracing)")
 
 print(f"bench: device={device_type} batch={global_batch_size} seq_len={seq_len} vocab_size={vocab_size} "
+      f"params={model.num_params()} "
       f"dtype={forward_dtype} compiled={int(compiled)} seq_align={seq_align} "
       f"kernels={kernels_in} ab_kernels={ab_kernels or 'n/a'} "
       f"ab_ms_per_step={fmt(ab_dt and ab_dt * 1e3, '.2f')} ab_first_step_s={fmt(ab_first_s, '.2f')} "

@@ -35,6 +35,7 @@ def test_bench_runs_on_cpu_with_a_train_config_and_a_dataset(toy):
     assert s['device'] == 'cpu' and s['batch'] == '8'
     assert s['mfu'] == 'n/a' and s['eval_mfu'] == 'n/a'  # no peak figure for a CPU
     assert 'batch 8 x 8 tokens' in out  # the dataset's seq_len, not the synthetic default
+    assert f"model: {int(s['params']):,} parameters" in out  # scripts read the count off the last line
 
 
 def test_bench_says_which_typed_keys_of_a_run_it_does_not_use(tmp_path):
