@@ -317,10 +317,19 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
     if found is None:
         raise SystemExit(f"init_from={path} is neither a checkpoint of this trainer nor a state dict of the "
                          f"reference implementation: it holds {what_it_holds(ckpt)}")
+    length_note = ''
     if found['config'] is not None:
-        for problem in data_problems(ckpt, path, meta, data_path, "Its weights learned that data: point "
-                                     "--data_path at a dataset of that kind, or train from scratch"):
-            raise SystemExit(f"init_from={problem}")
+        (was, their_path), now = trained_on(ckpt), data_shape(meta)
+        if was and was['seq_len'] != now['seq_len'] and all(now.get(k) == v for k, v in was.items()
+                                                             if k != 'seq_len'):
+            # the same kind and vocabulary, another length: a fine-tune, not a mistake; attention with RoPE or
+            # no positions runs on any length (MLP-t's and learned positions' weights are refused below)
+            length_note = (f"; note: it trained on seq_len {was['seq_len']} ({their_path}), {data_path} holds "
+                           f"seq_len {now['seq_len']}: its weights meet a length they never learned")
+        else:
+            for problem in data_problems(ckpt, path, meta, data_path, "Its weights learned that data: point "
+                                         "--data_path at a dataset of that kind, or train from scratch"):
+                raise SystemExit(f"init_from={problem}")
     sd = fill_absent_table(found['weights'], model)  # a reference state dict of a model without puzzle table
     why = identifier_mismatch(found, path, data_path, meta)
     if why and not adapt:
@@ -335,16 +344,17 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
     except RuntimeError:  # which keys to check: the weights' shapes against the model's (the dataset's too)
         published = published and found['config'] is None
         where = "all_config.yaml's model keys" if published else "this run's model keys"
+        # the only difference that of the data's length: the weights hold it (MLP-t's, learned positions')
         raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {data_path}",
-                                          published))
+                                          published or bool(length_note)))
     load_into(ema_model, sd)
     if not why:
-        return f"loaded weights from {path}"
+        return f"loaded weights from {path}{length_note}"
     origin = f"step {found['step']}" if found['step'] is not None else 'the reference state dict'
     other = ' (of other puzzles)' if old.shape[0] == want[0] else ''
     return (f"init_from={path}: network from {origin}{' (its EMA weights)' if found['ema'] else ''}; "
             f"puzzle-embedding table replaced: {old.shape[0]} -> {want[0]} identifiers{other}, every row the "
-            "checkpoint's mean row")
+            f"checkpoint's mean row{length_note}")
 
 
 def load_into(module, sd):
@@ -361,17 +371,23 @@ def load_into(module, sd):
 
 def data_problems(ckpt, path, meta, data_path, advice):
     """[message] when a checkpoint of train.py was trained on data of another kind or shape than meta's (its
-    model, and a resume's carry, are bound to it). Checkpoints from before `data` was saved: the carry's
-    width is the sequence length."""
+    model, and a resume's carry, are bound to it)."""
+    was, their_path = trained_on(ckpt)
+    now = {k: v for k, v in data_shape(meta).items() if k in (was or {})}
+    if not was or was == now:
+        return []
+    return [f"{path} was trained on {describe_data(was)} (data_path={their_path!r}); "
+            f"{data_path} holds {describe_data(now)}. {advice}"]
+
+
+def trained_on(ckpt):
+    """(data_shape's dict of the data a checkpoint of train.py trained on, or the part of it saved; its
+    data_path). Checkpoints from before `data` was saved: the carry's width is the sequence length."""
     carry, saved = ckpt.get('carry'), ckpt.get('config') if isinstance(ckpt.get('config'), dict) else {}
     was = ckpt.get('data')
     if not was and isinstance(carry, dict) and 'inputs' in carry:
         was = dict(seq_len=int(carry['inputs'].shape[-1]))
-    now = {k: v for k, v in data_shape(meta).items() if k in (was or {})}
-    if not was or was == now:
-        return []
-    return [f"{path} was trained on {describe_data(was)} (data_path={saved.get('data_path')!r}); "
-            f"{data_path} holds {describe_data(now)}. {advice}"]
+    return was, saved.get('data_path')
 
 
 def set_aside_diverged(local, remote, uploads, first_bad):

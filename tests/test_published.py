@@ -272,8 +272,9 @@ def test_a_published_model_on_a_dataset_of_another_vocabulary_names_the_dataset(
 
 def test_a_published_model_on_a_dataset_of_another_length_names_both_lengths(table_run, tmp_path):
     """Same vocabulary, puzzles of 16 tokens for weights trained on 8. Attention with RoPE runs on any length (a
-    fine-tune to a new length is legitimate): one note names both lengths, in train.py and solve.py. MLP-t's
-    weights hold the length: one line naming both lengths and --data_path, not keys that all_config.yaml set."""
+    fine-tune to a new length is legitimate): one note names both lengths, in train.py and solve.py, for the
+    published file and our own checkpoint alike. MLP-t's weights hold the length: one line naming both lengths
+    and --data_path, not keys that all_config.yaml set (nor the checkpoint's)."""
     longer = make_ids_dataset(tmp_path / 'len16', L=16)
     step = f"{table_run['folder']}/step_6"
     note = f"seq_len 8 ({table_run['data']}); {longer} holds seq_len 16"
@@ -292,6 +293,18 @@ def test_a_published_model_on_a_dataset_of_another_length_names_both_lengths(tab
              *EVAL], check=False)
     said = assert_user_error(p, 'seq_len 8', 'seq_len 16', '--data_path', one_line=True)
     assert '--puzzle_emb_len' not in said and '--puzzle_emb_ndim' not in said, said
+
+    # our own checkpoint knows its data's kind, and 16 tokens of 6 symbols read as 4x4 Sudokus: 12 tokens do not
+    other = make_ids_dataset(tmp_path / 'len12', L=12)
+    ours = f"seq_len 8 ({table_run['data']}), {other} holds seq_len 12"
+    p = run(['train.py', f'--data_path={other}', f'--out_dir={tmp_path}/c', f'--init_from={table_run["ckpt"]}',
+             *EVAL])
+    assert ours in p.stdout and eval_lines(p.stdout), p.stdout[-3000:]
+    p = train(other, tmp_path / 'f', '--max_steps=1', f'--init_from={table_run["ckpt"]}', args=TABLE_ARGS)
+    assert ours in p.stdout and os.path.exists(f'{tmp_path}/f/ckpt_00000001.pt'), p.stdout[-3000:]
+    p = run(['train.py', f'--data_path={other}', f'--out_dir={tmp_path}/n', f'--init_from={mlp}/ckpt_00000001.pt',
+             *EVAL], check=False)
+    assert_user_error(p, 'seq_len 8', 'seq_len 12', '--data_path', one_line=True)
 
 
 def test_a_model_without_puzzle_table_round_trips_and_solves_alike(trained, sudoku4, tmp_path):
