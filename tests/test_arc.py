@@ -291,3 +291,35 @@ def test_a_canvas_too_small_for_a_family_is_refused_naming_it(tmp_path, capsys):
     assert prepare_arc.main(['--synthetic', '--canvas=3', '--families=dihedral,recolour,gravity,crop',
                              '--num_tasks=4', '--num_eval_tasks=2', '--num_aug=1', f'--output_dir={tmp_path}/o']) == 0
     assert json.load(open(tmp_path / 'o' / 'test' / 'dataset.json'))['seq_len'] == 9
+
+
+def test_a_test_subset_without_solutions_is_built_unscored_not_scored_against_a_dummy(tmp_path, capsys):
+    """An evaluation subset without its solutions file: its test inputs are answered but not scored (a score
+    against the dummy [[0]] would read as a measured 0); the train split stays the reference's, whose dummy
+    outputs reach only the test split."""
+    task = dict(train=[dict(input=[[1, 2], [3, 4]], output=[[2, 1]]), dict(input=[[5]], output=[[6, 7]])],
+                test=[dict(input=[[3, 0]])])
+
+    def build(name, evaluation_solutions):
+        src = tmp_path / name
+        os.makedirs(src)
+        for subset in ('training', 'evaluation', 'concept'):
+            files = dict(challenges={subset: task}, solutions={subset: [[[1, 2]]]})
+            if subset == 'evaluation':
+                files['solutions'] = evaluation_solutions
+            for part, obj in files.items():
+                if obj is not None:
+                    with open(src / f'arc-agi_{subset}_{part}.json', 'w') as f:
+                        json.dump(obj, f)
+        assert prepare_arc.main(['--json_dir', str(src), '--num_aug', '3', '--output_dir', str(src / 'out')]) == 0
+        return src / 'out', capsys.readouterr()
+
+    none, (out, err) = build('none', None)
+    assert 'arc-agi_evaluation_solutions.json: no such file' in err and 'not scored' in err, err
+    assert '0 of 1 test inputs with solutions' in out, out
+    assert 'output' not in json.load(open(none / 'test_puzzles.json'))['evaluation']['test'][0]
+    assert (np.load(none / 'test' / 'all__labels.npy') == 0).all()
+    dummy, _ = build('dummy', {'evaluation': [[[0]]]})  # the reference's dummy, as a solutions file
+    for split, k in (('train', 'inputs'), ('train', 'labels'), ('train', 'puzzle_identifiers'), ('test', 'inputs')):
+        assert (np.load(none / split / f'all__{k}.npy') == np.load(dummy / split / f'all__{k}.npy')).all(), (split, k)
+    assert json.load(open(none / 'identifiers.json')) == json.load(open(dummy / 'identifiers.json'))
