@@ -408,7 +408,7 @@ class TRM(nn.Module):
                 self.input_embeddings(inputs, self.puzzle_rows(puzzle_identifiers)))
 
     @torch.no_grad()
-    def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=0,
+    def predict(self, batch, n_steps, step=None, start=None, loss_at=None, should_stop=None, chunk=1,
                 on_step=None):
         """Run n_steps supervision steps on a fresh batch (all rows start together, so no ACT carry is
         needed). Returns per-step predictions [n_steps, B, seq_len], q_halt and halts [n_steps, B], and with

@@ -325,3 +325,13 @@ def test_stablemax_in_float32_has_a_finite_gradient_at_a_logit_of_one():
         assert torch.isfinite(grad).all(), (dtype, grad)
         s = torch.tensor([2.0, 1 / 1.5, 1.25, 3.0], dtype=torch.float64)  # s(x) of each logit
         assert abs(loss.item() - float(-torch.log(s[1] / s.sum()))) < 1e-6
+
+
+def test_predict_asks_should_stop_between_steps_without_a_chunk():
+    """predict's should_stop alone (no chunk) is asked after every step while steps remain; a stop abandons."""
+    m = TRM(TRMConfig(**TINY)).eval()
+    batch = dict(inputs=torch.randint(0, 6, (3, 8)), puzzle_identifiers=torch.tensor([0, 2, 1]))
+    asked = []
+    preds, q_halt, halted = m.predict(batch, 3, should_stop=lambda: asked.append(1) and False)
+    assert preds.shape == (3, 3, 8) and len(asked) == 2
+    assert m.predict(batch, 3, should_stop=lambda: True) is None
