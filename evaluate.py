@@ -87,7 +87,8 @@ def batch_sums(preds, q_halt, row_loss, first, labels, valid, h):
         q_halt_accuracy=(((q_halt[h] >= 0) == seq_ok[h]).float() * rows).sum(),
         exact_q_halt=(seq_ok.gather(0, first[None])[0].float() * rows).sum(),
         steps_q_halt=((first + 1).float() * rows).sum(),
-        lm_loss=(row_loss * rows).sum(),  # at halt_max_steps; with q_halt's as the training's loss
+        lm_loss=(row_loss * rows).sum(),
+        # comparable with the training's loss: act_loss's lm and q_halt terms (no q_continue target here)
         loss=((row_loss + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
             q_halt[h].float(), seq_ok[h].float(), reduction='none')) * rows).sum(),
     )

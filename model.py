@@ -1,12 +1,13 @@
 """
 Tiny Recursive Model (TRM), "Less is More: Recursive Reasoning with Tiny Networks" (arXiv 2510.04871).
 
-One 2-layer network `net` is applied recursively to a latent answer y and a latent reasoning state z:
-    n times: z = net(z, y + x);   then: y = net(y, z)
-repeated H_cycles times per supervision step, gradients only through the last repetition. An ACT
+One 2-layer network `net` is applied recursively to a latent answer y and a latent reasoning state z, given the
+embedded question x:
+    n = L_cycles times: z = net(z, y + x);   then: y = net(y, z)
+repeated T = H_cycles times per supervision step, gradients only through the last repetition. An ACT
 head (q_head) learns when to stop; training runs one supervision step per optimizer step, carrying
-y and z across steps (deep supervision). The optimizers and the training step are in step.py, evaluation
-in evaluate.py.
+y and z across at most N_sup = halt_max_steps steps (deep supervision). The optimizers and the training
+step are in step.py, evaluation in evaluate.py.
 
 Everything in a step follows the rules that keep XLA (TPU) from recompiling: static shapes, torch.where
 instead of boolean indexing, no host reads of tensor values, fixed loop counts.
@@ -133,9 +134,8 @@ def rms_norm(x, eps):
 
 class CastedLinear(nn.Module):
     """Weights kept fp32 (optimizer and EMA see fp32), cast to the activation dtype in forward. The net runs
-    H_cycles * (L_cycles + 1) times a step; compiled (CUDA), inductor keeps one cast per weight per step
-    (its graph CSE merges the repeated ones; checked in the post-grad graph), so no cast cache is kept
-    here."""
+    many times a step (TRMConfig.net_calls); compiled (CUDA), inductor's graph CSE merges the repeated casts
+    into one per weight per step, so no cast cache is kept here."""
     def __init__(self, d_in, d_out, bias=False):
         super().__init__()
         self.weight = nn.Parameter(trunc_normal_(torch.empty(d_out, d_in), std=1.0 / math.sqrt(d_in)))

@@ -122,7 +122,7 @@ def sign_sgd_update_(table, ids, grads, lr, weight_decay):
     index_add_ would, and a matrix product would not be exact (a TPU multiplies float32 in bfloat16 passes
     by default). The table then gets new - w at each id's first position and 0 at its repeats, added in place:
     a compiled step (inductor) fuses the row reads into that write, so a repeat may read a row already
-    updated, and only a zero is safe to add from it (a plain index_copy_ of the new rows was decayed twice)."""
+    updated, and only a zero is safe to add from it (an index_copy_ of the new rows would decay it twice)."""
     ids = ids.long()
     n = ids.shape[0]
     pos = torch.arange(n, device=ids.device)
@@ -301,7 +301,7 @@ def compiled_predict(model, mode='default', backend=None):
 
 
 # --- XLA: the step traced once ----------------------------------------------------------------------------
-# torch_xla traces a lazy step in Python at every step; TRM's has H_cycles x (L_cycles + 1) network calls, so
+# torch_xla traces a lazy step in Python at every step; TRM's has many network calls (TRMConfig.net_calls), so
 # the host, not the chip, would bound a TPU's step. Compiled through dynamo, each part becomes a cached
 # executable after its first call: no Python tracing, no graph hashing per step.
 
