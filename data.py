@@ -360,7 +360,7 @@ def check_split(root, split, chunk=1 << 20):
     """Problems that would stop a run hours in, found now: [] when the split opens, is not empty, its arrays
     agree with dataset.json and each other, and every token, label and identifier is inside its range.
     Vectorised over the memory-mapped arrays, a chunk of rows at a time, so a million-row split is checked at
-    every start (docs/log.md: its time)."""
+    every start."""
     try:
         meta, a = load_metadata(root, split), load_arrays(root, split)
     except (OSError, ValueError) as e:
@@ -691,7 +691,7 @@ def _fetch(session, url, part):
             raise _Retryable(f"connection closed at {done:,} of {total:,} bytes")
 
 
-def download(url, dest_path, expected_rows=None, session=None, *, retries=5, backoff=2.0):
+def download(url, dest_path, expected_rows=None, *, retries=5, backoff=2.0):
     """Download `url` to `dest_path` and return dest_path. A finished file is reused (no request);
     a partial one (`dest_path + '.part'`) is resumed with a Range request; 5xx answers and dropped
     connections are retried with exponential backoff; `expected_rows` checks the CSV's data rows."""
@@ -701,7 +701,7 @@ def download(url, dest_path, expected_rows=None, session=None, *, retries=5, bac
         return dest_path
     os.makedirs(os.path.dirname(os.path.abspath(dest_path)), exist_ok=True)
     part = dest_path + '.part'
-    session = session or requests.Session()
+    session = requests.Session()
     for attempt in range(retries + 1):
         try:
             _fetch(session, url, part)
