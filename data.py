@@ -256,8 +256,8 @@ def _replaced(root, written, reads):
 def load_metadata(root, split):
     path = os.path.join(root, split, 'dataset.json')
     if not os.path.exists(path):
-        raise FileNotFoundError(f"no dataset at {path}: build one with prepare_sudoku.py or prepare_maze.py "
-                                f"(see README), or point data_path at an existing dataset")
+        raise FileNotFoundError(f"no dataset at {path}: build one with prepare_sudoku.py, prepare_maze.py or "
+                                f"prepare_arc.py (see README), or point data_path at an existing dataset")
     try:
         with open(path) as f:
             meta = json.load(f)

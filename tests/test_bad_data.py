@@ -181,6 +181,12 @@ def test_invalid_dataset_json_names_the_file(toy, tmp_path):
     assert_user_error(p, os.path.join('test', 'dataset.json'))
 
 
+
+def test_a_missing_dataset_names_every_builder(tmp_path):
+    """An ARC recipe's missing dataset is not sent to the Sudoku and maze builders alone."""
+    p = train(tmp_path / 'none', tmp_path / 'o', check=False)
+    assert_user_error(p, 'no dataset at', 'prepare_sudoku.py', 'prepare_maze.py', 'prepare_arc.py')
+
 @pytest.mark.parametrize('name,change,said', [
     ('puzzle_identifiers', lambda a: a[:-5], 'holds 995 puzzle identifiers; all__puzzle_indices.npy holds 1000 '
                                               'puzzles'),  # was blamed on all__puzzle_indices.npy
