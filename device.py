@@ -449,8 +449,6 @@ def size(n):
     return f"{n:.0f} B"
 
 
-
-
 # -----------------------------------------------------------------------------
 # one process's device, rank and collectives
 
@@ -892,7 +890,6 @@ class Prefetcher:
         self.consumed_state = self.loader.state_dict()
         self.upcoming = self.dev.to_device(self.loader.next_batch())
         return batch
-
 
 
 # -----------------------------------------------------------------------------
