@@ -219,7 +219,8 @@ def test_stablemax_loss_matches_its_formula():
 def test_flops_count_the_no_grad_passes():
     m = TRM(TRMConfig(mlp_t=True, pos_encodings='none'))
     f_eval, f_train = m.flops_per_example(train=False), m.flops_per_example()
-    # one net call on 97 tokens (81 cells, 16 puzzle rows; the lm_head on all 97): 2 * params * tokens for the channel MLPs, 2 * params * D for mlp_t
+    # one net call on 97 tokens (81 cells, 16 puzzle rows; the lm_head runs on all 97): 2 * params * tokens for the
+    # channel MLPs, 2 * params * D for mlp_t
     per_call = 2 * (2 * 2359296 * 97 + 2 * 148992 * 512)
     assert f_eval == 21 * per_call + 2 * 512 * 11 * 97 + 2 * 512 * 2
     assert f_train == f_eval + 2 * (7 * per_call + 2 * 512 * 11 * 97 + 2 * 512 * 2)
