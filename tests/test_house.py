@@ -113,6 +113,30 @@ def test_config_files_hold_only_what_they_change_and_their_base_comes_first(tmp_
     assert p.returncode == 1 and 'cannot read config file' in p.stderr and 'no_such_recipe.py' in p.stderr, p.stderr
 
 
+
+# the reference README's training commands over its config/cfg_pretrain.yaml and config/arch/trm.yaml (ARC's:
+# tests/test_arc_train.py); these files take most of them from train.py's defaults, which must not drift
+PAPER_COMMON = dict(hidden_size=512, num_heads=8, expansion=4.0, L_layers=2, H_cycles=3, halt_max_steps=16,
+                    halt_exploration_prob=0.1, puzzle_emb_ndim=512, puzzle_emb_len=16, no_ACT_continue=True,
+                    loss_type='stablemax', global_batch_size=768, epochs=50000, eval_every_epochs=5000, lr=1e-4,
+                    lr_min_ratio=1.0, lr_warmup_steps=2000, beta1=0.9, beta2=0.95, weight_decay=1.0,
+                    puzzle_emb_lr=1e-4, puzzle_emb_weight_decay=1.0, ema=True, ema_rate=0.999, grad_clip=0.0,
+                    seed=0)
+PAPER = {'baseline': dict(PAPER_COMMON, L_cycles=6, mlp_t=True, pos_encodings='none',
+                          data_path='data/sudoku-extreme-1k-aug-1000'),
+         'sudoku_att': dict(PAPER_COMMON, L_cycles=6, mlp_t=False, pos_encodings='rope',
+                            data_path='data/sudoku-extreme-1k-aug-1000'),
+         'maze': dict(PAPER_COMMON, L_cycles=4, mlp_t=False, pos_encodings='rope',
+                      data_path='data/maze-30x30-hard-1k')}
+
+
+def test_the_sudoku_and_maze_configs_hold_the_reference_commands():
+    for name, paper in PAPER.items():
+        recipe = train_defaults()
+        for _, keys in config_files(os.path.join(ROOT, 'config', name + '.py')):
+            recipe.update(keys)
+        assert {k: recipe[k] for k in paper} == paper, (name, {k: recipe[k] for k in paper if recipe[k] != paper[k]})
+
 def test_every_config_key_has_a_meaning_and_help_lists_it_with_its_default():
     block = read_config_block(os.path.join(ROOT, 'train.py'))
     assert [k for k, (_, m) in block.items() if not m] == []
