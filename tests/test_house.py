@@ -137,6 +137,21 @@ def test_the_sudoku_and_maze_configs_hold_the_reference_commands():
             recipe.update(keys)
         assert {k: recipe[k] for k in paper} == paper, (name, {k: recipe[k] for k in paper if recipe[k] != paper[k]})
 
+
+def test_every_recipe_with_a_puzzle_embedding_gives_it_the_model_s_width():
+    # the reference's puzzle_emb_ndim is ${.hidden_size}: a width study's point is that model at that width, not a
+    # 512-wide table spread over two prefix tokens at 256 or half of one token at 1024
+    untied = {}
+    for folder in ('config', 'config/study', 'config/adapt'):
+        for f in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if f.endswith('.py'):
+                recipe = train_defaults()
+                for _, keys in config_files(os.path.join(ROOT, folder, f)):
+                    recipe.update(keys)
+                if recipe['puzzle_emb_ndim'] not in (0, recipe['hidden_size']):
+                    untied[f'{folder}/{f}'] = (recipe['hidden_size'], recipe['puzzle_emb_ndim'])
+    assert untied == {}
+
 def test_every_config_key_has_a_meaning_and_help_lists_it_with_its_default():
     block = read_config_block(os.path.join(ROOT, 'train.py'))
     assert [k for k, (_, m) in block.items() if not m] == []

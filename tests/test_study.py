@@ -27,7 +27,8 @@ from studies.report import collect, plot_ablations, plot_fits, plot_supervision_
 STUDY = os.path.join(ROOT, 'config', 'study')
 BASE = {'config/baseline.py': 'data/sudoku-extreme-1k-aug-1000', 'config/maze.py': 'data/maze-30x30-hard-1k'}
 # the grid of the issue: family -> {point: the keys it changes from its base recipe (the base point: none)}
-SUDOKU_SIZE = {**{f'd{d}': {'hidden_size': d} for d in (256, 384, 768, 1024)}, 'd512': {},
+# a width point's puzzle embedding is as wide as its model, as the reference's (puzzle_emb_ndim: ${.hidden_size})
+SUDOKU_SIZE = {**{f'd{d}': {'hidden_size': d, 'puzzle_emb_ndim': d} for d in (256, 384, 768, 1024)}, 'd512': {},
                'L1': {'L_layers': 1}, 'L2': {}, 'L4': {'L_layers': 4}}
 SUDOKU_REC = {f'L{n}': ({'L_cycles': n} if n != 6 else {}) for n in (2, 4, 6, 8, 10)}
 TN = {(2, 2), (2, 6), (3, 4), (3, 6), (4, 6)}
@@ -294,7 +295,7 @@ def test_a_study_runs_skips_resumes_reports_failures_and_compares(tiny_grid):
         assert f"{100 * fe['exact_accuracy']:.1f} ({100 * fe['exact_ci_low']:.1f}-{100 * fe['exact_ci_high']:.1f})" \
             in line, line
         assert f"{res['parameters']:,}" in line
-    assert rows[2]['varied'] == 'hidden_size=256' and rows[0]['family'] == 'rec'
+    assert rows[2]['varied'] == 'hidden_size=256, puzzle_emb_ndim=256' and rows[0]['family'] == 'rec'
     for png in ('acc_vs_params.png', 'acc_vs_flops.png', 'acc_vs_recursion.png', 'acc_vs_supervision_steps.png'):
         assert os.path.getsize(f'{out}/{png}') > 5000, png
     assert 'acc_vs_data.png' not in os.listdir(out)  # no data or aug family selected

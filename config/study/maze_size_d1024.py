@@ -7,3 +7,4 @@ _base = 'config/maze.py'  # the recipe this run changes: applied first, then the
 out_dir = 'out/study/maze_size_d1024'
 wandb_run_name = 'study-maze_size_d1024'
 hidden_size = 1024              # <- studied (maze.py: 512)
+puzzle_emb_ndim = 1024          # <- the width of the model, as the reference ties it (puzzle_emb_ndim: ${.hidden_size})

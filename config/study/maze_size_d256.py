@@ -7,3 +7,4 @@ _base = 'config/maze.py'  # the recipe this run changes: applied first, then the
 out_dir = 'out/study/maze_size_d256'
 wandb_run_name = 'study-maze_size_d256'
 hidden_size = 256               # <- studied (maze.py: 512)
+puzzle_emb_ndim = 256           # <- the width of the model, as the reference ties it (puzzle_emb_ndim: ${.hidden_size})

@@ -7,3 +7,4 @@ _base = 'config/maze.py'  # the recipe this run changes: applied first, then the
 out_dir = 'out/study/maze_size_d384'
 wandb_run_name = 'study-maze_size_d384'
 hidden_size = 384               # <- studied (maze.py: 512)
+puzzle_emb_ndim = 384           # <- the width of the model, as the reference ties it (puzzle_emb_ndim: ${.hidden_size})

@@ -7,3 +7,4 @@ _base = 'config/baseline.py'  # the recipe this run changes: applied first, then
 out_dir = 'out/study/size_d1024'
 wandb_run_name = 'study-size_d1024'
 hidden_size = 1024              # <- studied (baseline.py: 512)
+puzzle_emb_ndim = 1024          # <- the width of the model, as the reference ties it (puzzle_emb_ndim: ${.hidden_size})
