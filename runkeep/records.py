@@ -101,11 +101,18 @@ class Records:
             return False
 
     def log(self, kind, values):
-        """A line of metrics.jsonl; a failed write (a full disk) is a warning and the run goes on."""
+        """A line of metrics.jsonl; a failed write (a full disk) is a warning, the file is cut back to its last
+        whole line, and the run goes on."""
+        line = (json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n').encode()
+        end = None
         try:
-            with open(self.path, 'a') as f:
-                f.write(json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n')
+            with open(self.path, 'ab') as f:
+                end = f.tell()
+                f.write(line)
         except OSError as e:
+            if end is not None:  # a full disk takes the part of the line that fits: the next line would be glued to it
+                with contextlib.suppress(OSError):
+                    os.truncate(self.path, end)
             print(f"warning: could not append to {self.path} ({e.strerror or e}): this {kind} line is not "
                   f"recorded there")
 

@@ -39,6 +39,8 @@ def test_a_full_disk_while_appending_metrics_is_a_warning_and_training_goes_on(t
     assert p.returncode == 0 and 'Traceback' not in out_text, out_text[-3000:]
     assert 'warning' in p.stdout and 'metrics.jsonl' in p.stdout and 'step 8/8' in p.stdout
     assert ckpts(out) == ['ckpt_00000008.pt'] and os.path.exists(out / 'results.json')
+    # the line that did not fit whole is not left in part: a line appended once there is room would be glued to it
+    assert (out / 'metrics.jsonl').read_text() == pad
 
 
 def test_a_torn_line_in_metrics_is_dropped_with_a_warning(sudoku4, trained, tmp_path):
