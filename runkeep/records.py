@@ -34,15 +34,17 @@ from .signals import BEFORE_HARD_EXIT
 
 def write_atomic(path, write, mode='w'):
     """write(f) into path, through path.tmp and a rename: readers see the old file or the whole new one. A
-    failed write (a full disk) raises OSError and leaves no .tmp behind."""
+    failed write (a full disk) raises OSError naming path and leaves no .tmp behind."""
     try:
         with open(path + '.tmp', mode) as f:
             write(f)
         os.replace(path + '.tmp', path)
-    except OSError:
+    except OSError as e:
         if os.path.isfile(path + '.tmp'):
             os.remove(path + '.tmp')
-        raise
+        if e.errno is None:
+            raise
+        raise OSError(e.errno, e.strerror, path) from e  # a write's or a close's error names no file
 
 
 def write_json_atomic(path, obj):

@@ -9,6 +9,8 @@ import json
 import math
 import os
 
+from runkeep.records import write_atomic
+
 from .plan import checkpoint_steps, cost, exists, fetch, has_file, read_results, saved_evals, seeded
 
 
@@ -268,8 +270,8 @@ def write_tables(rows, folder, opts, views=(), beyond=()):
     md += views_section(views)
     md += [f"\nCurves: `tensorboard --logdir {opts.root}` shows every run's training, evaluation, speed and XLA "
            "scalars (each run as <name>/tb; TensorBoard reads a gs:// folder as well).\n"]
-    with open(os.path.join(folder, 'report.md'), 'w') as f:
-        f.write('\n'.join(md) + '\n')
+    # each file through a rename: a full disk leaves an earlier report's file whole, not cut where the disk filled
+    write_atomic(os.path.join(folder, 'report.md'), lambda f: f.write('\n'.join(md) + '\n'))
     write_csv(rows, folder, seeds)
     if views:
         write_views_csv(views, folder)
@@ -291,12 +293,13 @@ def write_csv(rows, folder, seeds):
     if any(r.get('kind') == 'arc' for r in rows):  # ARC's score beside exact (before the seed statistics)
         cols[cols.index('exact'):cols.index('exact')] = list(ARC_COLUMNS)
     stats = seed_stats(rows, seeds)
-    with open(os.path.join(folder, 'report.csv'), 'w', newline='') as f:
+    def write(f):
         w = csv.writer(f)
         w.writerow(cols)
         for r in rows:
             r = dict(r, **dict(zip(cols[-5:], stats.get(r['name'], [None] * 5))))
             w.writerow(['' if r.get(c) is None else r.get(c) for c in cols])
+    write_atomic(os.path.join(folder, 'report.csv'), write)
 
 
 # -----------------------------------------------------------------------------
@@ -378,11 +381,12 @@ def views_section(views):
 
 
 def write_views_csv(views, folder):
-    with open(os.path.join(folder, 'report_views.csv'), 'w', newline='') as f:
+    def write(f):
         w = csv.writer(f)
         w.writerow(VIEW_COLS)
         for r in views:
             w.writerow(['' if r.get(c) is None else r[c] for c in VIEW_COLS])
+    write_atomic(os.path.join(folder, 'report_views.csv'), write)
 
 
 # -----------------------------------------------------------------------------
@@ -615,7 +619,7 @@ def plot(rows, folder, opts, views=()):
             fig.text(0.005, 0.005, '\n'.join(said), fontsize=7, color='dimgrey', ha='left', va='bottom')
         # 0.2 inch for one line, 0.12 more for each further one
         fig.tight_layout(rect=(0, (0.08 + 0.12 * len(said)) / fig.get_figheight() if said else 0, 1, 1))
-        fig.savefig(path, dpi=120)
+        write_atomic(path, lambda f: fig.savefig(f, dpi=120, format='png'), 'wb')
         plt.close(fig)
         written.append(path)
 
