@@ -86,6 +86,7 @@ class Records:
                 os.remove(self.path + '.bucket')
         write_atomic(self.path, lambda f: f.writelines(lines))
         self.results = os.path.join(local, 'results.json')
+        self.lost = 0  # lines not appended since the last one that was
 
     def fetch(self, step):
         """The bucket's metrics.jsonl in a file beside the local one, or None (none there, or unreachable)."""
@@ -103,8 +104,8 @@ class Records:
             return False
 
     def log(self, kind, values):
-        """A line of metrics.jsonl; a failed write (a full disk) is a warning, the file is cut back to its last
-        whole line, and the run goes on."""
+        """A line of metrics.jsonl; a failed write (a full disk) is a warning, once until a line is appended
+        again, the file is cut back to its last whole line, and the run goes on."""
         line = (json.dumps(dict(kind=kind, time=time.time(), **values), default=float) + '\n').encode()
         end = None
         try:
@@ -115,8 +116,14 @@ class Records:
             if end is not None:  # a full disk takes the part of the line that fits: the next line would be glued to it
                 with contextlib.suppress(OSError):
                     os.truncate(self.path, end)
-            print(f"warning: could not append to {self.path} ({e.strerror or e}): this {kind} line is not "
-                  f"recorded there")
+            if not self.lost:
+                print(f"warning: could not append to {self.path} ({e.strerror or e}): this {kind} line and the "
+                      "next ones until there is room are not recorded there")
+            self.lost += 1
+            return
+        if self.lost:
+            print(f"note: {self.path} is appended to again; {self.lost} line(s) before this one are not in it")
+            self.lost = 0
 
     def logged(self, kind, step):
         try:

@@ -8,7 +8,8 @@ import os
 import shutil
 
 
-from conftest import FAST, SUDOKU, assert_user_error, ckpts, run, train, write_like
+from conftest import FAST, SUDOKU, assert_user_error, ckpts, run, site_hook, train, write_like
+from disks import fill_up, small_disk
 
 
 def test_a_failed_results_write_is_a_warning_and_the_resume_writes_it(toy, tmp_path):
@@ -37,7 +38,9 @@ def test_a_full_disk_while_appending_metrics_is_a_warning_and_training_goes_on(t
     p = run(['-c', wrapper, f'--data_path={toy}', f'--out_dir={out}', '--max_steps=8'] + FAST, check=False)
     out_text = p.stdout + p.stderr
     assert p.returncode == 0 and 'Traceback' not in out_text, out_text[-3000:]
-    assert 'warning' in p.stdout and 'metrics.jsonl' in p.stdout and 'step 8/8' in p.stdout
+    assert 'step 8/8' in p.stdout
+    said = [l for l in p.stdout.splitlines() if 'metrics.jsonl' in l]  # a train line, another, the eval line
+    assert len(said) == 1 and said[0].startswith('warning') and 'File too large' in said[0], said
     assert ckpts(out) == ['ckpt_00000008.pt'] and os.path.exists(out / 'results.json')
     # the line that did not fit whole is not left in part: a line appended once there is room would be glued to it
     assert (out / 'metrics.jsonl').read_text() == pad
@@ -108,3 +111,42 @@ def test_a_build_over_a_file_size_limit_names_the_file(tmp_path):
     assert_user_error(p, 'all__inputs.npy', 'File too large')
     assert len((p.stdout + p.stderr).strip().splitlines()) == 1, p.stdout + p.stderr
     assert {s: sorted(os.listdir(d / s)) for s in ('train', 'test')} == before
+
+
+# the disk of the run filled at the start of step 1 (by another process's file, .filler) and freed at step 6
+FILL_IN_STEP_1_FREE_IN_STEP_6 = """import step
+real, calls = step.train_step, [0]
+
+
+def train_step(*args, **kwargs):
+    calls[0] += 1
+    disk = os.path.dirname(os.environ['OUT_DIR'])
+    if calls[0] == 1:
+        from disks import fill_up
+        fill_up(disk)
+    if calls[0] == 6:
+        os.remove(os.path.join(disk, '.filler'))
+    return real(*args, **kwargs)
+
+
+step.train_step = train_step
+"""
+
+
+def test_metrics_on_a_disk_that_fills_and_has_room_again_keep_whole_lines_and_say_what_is_missing(toy, tmp_path):
+    disk = tmp_path / 'disk'
+    with small_disk(disk, '3m'):
+        out = disk / 'o'
+        os.makedirs(out)
+        # the file ends 50 bytes short of a page: the first line after the fill fits in part
+        pad = json.dumps(dict(kind='note', step=0, text='x' * (4096 - 50 - 40))) + '\n'
+        (out / 'metrics.jsonl').write_text(pad)
+        assert os.path.getsize(out / 'metrics.jsonl') == 4096 - 50
+        env = dict(site_hook(tmp_path / 'hook', FILL_IN_STEP_1_FREE_IN_STEP_6), OUT_DIR=str(out))
+        env['PYTHONPATH'] += os.pathsep + os.path.dirname(os.path.abspath(__file__))  # disks.py
+        p = train(toy, out, '--max_steps=8', '--log_interval=1', env=env)
+        lines = open(out / 'metrics.jsonl').read().splitlines(keepends=True)
+    said = [l for l in p.stdout.splitlines() if 'metrics.jsonl' in l]
+    assert len(said) == 2 and 'No space left' in said[0] and '5 line(s)' in said[1], p.stdout[-3000:]
+    assert lines[0] == pad and all(l.endswith('\n') and json.loads(l) for l in lines)  # none cut, none glued
+    assert [json.loads(l)['step'] for l in lines if json.loads(l)['kind'] == 'train'] == [6, 7, 8]
