@@ -13,6 +13,7 @@ A kind's `name` is what dataset.json's puzzle_type and a checkpoint's `data` sto
 subclass of Grid (registered in KINDS under its name), a builder that writes it with
 data.write_split(..., extra=dict(puzzle_type=NAME, grid_size=n)) and a config (README: forking).
 """
+import contextlib
 import functools
 import itertools
 import math
@@ -846,6 +847,21 @@ def render_example(meta, inputs, preds, correct):
 # -----------------------------------------------------------------------------
 # pictures (solve.py --png): plt is matplotlib.pyplot, imported by the caller
 
+def save_figure(fig, path, dpi):
+    """fig in path as matplotlib saves it (in the format its extension names; '.png' added to a name without one),
+    through path.tmp and a rename: a full disk leaves an earlier picture under that name whole, not cut."""
+    ext = os.path.splitext(path)[1]
+    path, form = (path, ext[1:].lower()) if ext else (path + '.png', 'png')
+    try:
+        with open(path + '.tmp', 'wb') as f:
+            fig.savefig(f, dpi=dpi, format=form)
+        os.replace(path + '.tmp', path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + '.tmp')
+        raise
+
+
 def draw_steps(path, plt, kind, items, title):
     """One row of small boards per puzzle (wrapped every 6): the puzzle, then each step, changed cells
     highlighted, titled with the step, the halt probability and correct / not. Sudoku: givens bold on grey,
@@ -914,7 +930,7 @@ def draw_steps(path, plt, kind, items, title):
                              color=(0.05, 0.5, 0.15) if ok else (0.75, 0.1, 0.1))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, 110)
     plt.close(fig)
 
 
@@ -966,6 +982,6 @@ def draw_arc_task(path, plt, demos, tests, title):
             axes[r, c].axis('off')
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, 110)
     plt.close(fig)
 

@@ -150,3 +150,13 @@ def test_metrics_on_a_disk_that_fills_and_has_room_again_keep_whole_lines_and_sa
     assert len(said) == 2 and 'No space left' in said[0] and '5 line(s)' in said[1], p.stdout[-3000:]
     assert lines[0] == pad and all(l.endswith('\n') and json.loads(l) for l in lines)  # none cut, none glued
     assert [json.loads(l)['step'] for l in lines if json.loads(l)['kind'] == 'train'] == [6, 7, 8]
+
+
+def test_a_picture_that_does_not_fit_is_one_line_and_leaves_the_earlier_one_whole(trained, tmp_path):
+    ckpt, pic = os.path.join(trained, 'ckpt_00000004.pt'), tmp_path / 'steps.png'
+    run(['solve.py', f'--init_from={ckpt}', '--index=0', f'--png={pic}'])
+    before = pic.read_bytes()
+    p = run(limited(len(before) // 2, 'solve.py') + [f'--init_from={ckpt}', '--index=0', f'--png={pic}'],
+            check=False)
+    assert_user_error(p, f'png={pic}: cannot write it', 'File too large')
+    assert pic.read_bytes() == before and os.listdir(tmp_path) == ['steps.png']
