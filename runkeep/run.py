@@ -390,8 +390,8 @@ class Run:
                       "evaluating")
             return False
         if self.master:
-            print(f"the checkpoint is at step {step}, and this run ends at step {run_steps}: nothing to do "
-                  f"(raise --max_steps or --epochs to train on)")
+            print(f"the checkpoint is at step {step}, and this run ends at step {run_steps} ({end}): nothing to do "
+                  f"(raise {end.split('=')[0]} to train on)")
         self.records.catch_up(self.resumed_from, True, self.prune_bucket)  # a bucket down at its end: sent now
         return True
 

@@ -156,7 +156,12 @@ def test_resume_past_the_end_says_so(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
     p = train(toy, out, '--init_from=resume', '--max_steps=8')
-    assert 'nothing to do' in p.stdout
+    assert 'nothing to do' in p.stdout and 'raise --max_steps to train on' in p.stdout, p.stdout[-2000:]
+    # the run ends where its epochs end (FAST: 2 epochs of 20 steps); a larger max_steps moves nothing
+    train(toy, out, '--init_from=resume', '--max_steps=40')
+    p = train(toy, out, '--init_from=resume', '--max_steps=60')
+    said = [l for l in p.stdout.splitlines() if 'nothing to do' in l]
+    assert said and 'raise --epochs to train on' in said[0] and '--max_steps=60' in said[0], p.stdout[-2000:]
 
 
 def test_init_from_files_that_are_not_checkpoints_of_this_model(toy, tmp_path):
