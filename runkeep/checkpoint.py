@@ -26,8 +26,10 @@ import numpy as np
 import torch
 
 from configurator import fail
+from data import steps_for
 from model import TRMConfig, from_reference_state_dict, swiglu_inter
 from puzzles import puzzle_for, seq_len_for_vocab
+from step import lr_at
 
 from . import gcs
 from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_together
@@ -563,6 +565,8 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
     if dev.master and was is not None and was != loader.n_groups:
         print(f"  groups: {was} -> {loader.n_groups} (the dataset at {cfg['data_path']} was rebuilt since this "
               "checkpoint: the epochs, the LR schedule and the rest of this epoch's order follow the new count)")
+    if dev.master and (said := schedule_change(ckpt, cfg, loader)):
+        print(said)
     step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
     carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
     streams = ckpt.get('rng_ranks')
@@ -576,6 +580,25 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
                         if p.is_floating_point()))  # a fingerprint of the loaded bytes, on the host
     fail_if_ranks_differ(dev, [weights], lambda _: "the ranks loaded different weights")
     return carry
+
+
+def schedule_change(ckpt, cfg, loader):
+    """A line on the LR schedule from the checkpoint's step on where this run's differs from the one it trained
+    under (another lr, warmup or floor; a cosine's total stretched by other epochs, or by a dataset rebuilt with
+    another group count), or ''. A checkpoint whose config lacks a key of it (an older trainer's): ''."""
+    saved, step, keys = ckpt['config'], ckpt['step'], ('lr', 'lr_warmup_steps', 'lr_min_ratio', 'epochs')
+    if any(k not in saved for k in keys):
+        return ''
+    was_total = steps_for(saved['epochs'], ckpt['loader'].get('groups', loader.n_groups),
+                          loader.meta['mean_puzzle_examples'], saved['global_batch_size'])
+    total = loader.steps_for(cfg['epochs'])
+    if [saved[k] for k in keys[:3]] == [cfg[k] for k in keys[:3]] and (was_total == total or cfg['lr_min_ratio'] == 1):
+        return ''
+    was, now = (float(lr_at(torch.tensor(float(step)), c['lr'], c['lr_warmup_steps'], t, c['lr_min_ratio']))
+                for c, t in ((saved, was_total), (cfg, total)))
+    then = 'constant' if cfg['lr_min_ratio'] == 1 else \
+        f"a cosine to {cfg['lr'] * cfg['lr_min_ratio']:.3g} at step {total} (it ended at step {was_total})"
+    return f"  the LR schedule: {now:.3g} at step {step + 1} (the checkpoint's schedule: {was:.3g}), then {then}"
 
 
 # -----------------------------------------------------------------------------

@@ -119,6 +119,19 @@ def test_resume_refuses_another_model_shape_or_batch_size_and_allows_a_lower_lr(
 
 
 
+def test_a_resume_with_more_epochs_says_how_its_cosine_schedule_stretches(toy, tmp_path):
+    """A cosine run extended with more epochs: its schedule spans the new total, so the lr at the resume rises
+    from the floor the run had reached; the resume says so with both values, and the schedule's new end."""
+    out = tmp_path / 'o'
+    train(toy, out, '--epochs=1', '--lr_min_ratio=0.1')  # 20 steps, down to 2e-4
+    p = train(toy, out, '--init_from=resume', '--epochs=2', '--lr_min_ratio=0.1', '--max_steps=21')
+    said = [l for l in p.stdout.splitlines() if 'LR schedule' in l]
+    assert said and all(w in said[0] for w in ('step 21', '0.00147', '0.0002', 'step 40', 'step 20')), p.stdout[-2000:]
+    assert 'lr 1.47e-03' in [l for l in p.stdout.splitlines() if l.startswith('step 21/')][0]  # as it said
+    p = train(toy, out, '--init_from=resume', '--epochs=2', '--lr_min_ratio=0.1', '--max_steps=24')
+    assert 'LR schedule' not in p.stdout  # the same schedule: nothing to say
+
+
 def test_a_checkpoint_saved_before_a_model_key_existed_resumes_only_with_that_key_s_default(toy, tmp_path):
     """A checkpoint of a trainer that had not the key yet (a fork's new model key, docs/forking.md; here
     rms_norm_eps, at its default, taken out of its config) ran the key's default: a resume that sets another value
