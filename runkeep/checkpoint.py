@@ -8,9 +8,9 @@ are told in words (which keys to check).
 A checkpoint (ckpt_<step>.pt) holds: model, ema, optimizer, step, loader, carry (the ACT carry of the global
 batch), rng (rank 0's random streams), rng_ranks (every rank's, in rank order; None on XLA and TorchTPU pods),
 config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the rows of its
-puzzle-embedding table are: identifiers_of), eval_owed (a stop came before its step's evaluation was
-done: the resume evaluates it first; 'final': it was the run's final one, the time budget's last step), and with a
-pooled ARC vote arc_pool.
+puzzle-embedding table are: identifiers_of), data_digest (which examples it trained on: startup.sampled_rows),
+eval_owed (a stop came before its step's evaluation was done: the resume evaluates it first; 'final': it was the
+run's final one, the time budget's last step), and with a pooled ARC vote arc_pool.
 """
 import dataclasses
 import hashlib
@@ -499,9 +499,10 @@ def load_training_checkpoint(path, step, local, rank):
             os.remove(dest)
 
 
-def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
+def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path, digest):
     """The checkpoint at path against this run: it must have been saved with this run's `resume_fixed` keys
-    and trained on data of this shape (its model and carry are bound to it), or every rank stops naming the
+    and trained on data of this shape (its model and carry are bound to it), and a training run on its examples
+    (digest: startup.sampled_rows of data_path; a checkpoint records its own), or every rank stops naming the
     difference. Rank 0 says the keys that did change."""
     # a model key the saving trainer did not have yet (a fork's new key) ran as its default: a new key keeps the old
     # model by default (docs/forking.md), so another value is another model on the same weights
@@ -533,6 +534,14 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path):
         ("A resume keeps its table: point --data_path at the dataset it trained on, or adapt its network to "
          f"this one in a new run (--init_from={path}, another out_dir)")
     fail_together(dev, [f"{why}. {advice}"] if why else [], 'resume')
+    # other examples of the same shape (a rebuild with another seed, another dataset): the run would train and
+    # evaluate on two datasets, its best checkpoint chosen across them. An evaluation may take any test split.
+    other = ckpt.get('data_digest') not in (None, digest) and not cfg['eval_only']
+    fail_together(dev, [f"{path} trained on other examples than the dataset at {data_path} holds (data_path was "
+                        f"{ckpt['config'].get('data_path')!r}; a digest of 64 rows of every array differs): a resume "
+                        "keeps its data: point --data_path at the dataset it trained on (a copy elsewhere is fine), "
+                        f"or train on from its weights in a new run (--init_from={path}, another out_dir)"]
+                  if other else [], 'resume')
 
 
 def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):

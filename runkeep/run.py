@@ -41,7 +41,7 @@ from .records import RunRecords, drop_evaluations, drop_results, remove_unfinish
 from .signals import (JOINING, PARENT, STOP, StopBound, die_with_parent, ended_abruptly, exit_if_orphaned,
                       follow_launcher, forward_signals, install_signal_handlers)
 from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,
-                      local_folder, startup_problems)
+                      local_folder, sampled_rows, startup_problems)
 from .watchdog import Watchdog
 
 
@@ -88,7 +88,8 @@ class Run:
         cfg, dev = dict(self.cfg, data_path=self.data_path), self.dev
         fail_together(dev, startup_problems(cfg, dev) + checkpoint_problems(cfg, dev, self.local),
                       'start-up checks')
-        hosts_differ(dev, self.cfg, self.data_path)
+        self.data_digest = sampled_rows(self.data_path)  # which examples the run trains on: its checkpoints record it
+        hosts_differ(dev, self.cfg, self.data_path, self.data_digest)
         self.meta = load_metadata(self.data_path, 'train')
         self.identifiers = identifiers_of(self.data_path, self.meta)  # what the puzzle embedding's rows are
         fail_if_ranks_differ(dev, [fingerprint(str(self.identifiers))], lambda _: (
@@ -137,7 +138,8 @@ class Run:
                 print(f"init_from={cfg['init_from']}: no checkpoint in {cfg['out_dir']} yet, starting from "
                       f"{init_file or 'scratch'}")
             if ckpt is not None:
-                check_resume(self.dev, ckpt, self.resumed_from, cfg, resume_fixed, self.meta, self.data_path)
+                check_resume(self.dev, ckpt, self.resumed_from, cfg, resume_fixed, self.meta, self.data_path,
+                             self.data_digest)
                 carry = load_state(self.dev, ckpt, self.resumed_from, cfg, model, ema_model, opt, loader)
                 if arc is not None:
                     arc.restore(ckpt.get('arc_pool'))
@@ -229,7 +231,8 @@ class Run:
                              carry=dict(zip(keys, map(torch.from_numpy, gathered))), rng=dev.rng_state(),
                              rng_ranks=rng_ranks,
                              config=self.cfg, best=self.best, run_id=self.run_id, timing=timing, device_s=device_s,
-                             data=data_shape(self.meta), identifiers=self.identifiers, eval_owed=owed,
+                             data=data_shape(self.meta), identifiers=self.identifiers,
+                             data_digest=self.data_digest, eval_owed=owed,
                              **(self.arc.pool_state() if self.arc else {}))
                 try:
                     if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it

@@ -150,13 +150,13 @@ def memory_problems(cfg, dev, meta):
     return [problem] if problem else []
 
 
-def hosts_differ(dev, cfg, data_path):
-    """fail_together when the hosts differ in their config, dataset metadata, dataset contents (sampled_rows) or
-    code (CODE_FILES)."""
+def hosts_differ(dev, cfg, data_path, rows):
+    """fail_together when the hosts differ in their config, dataset metadata, dataset contents (rows: sampled_rows
+    of data_path) or code (CODE_FILES)."""
     code = ''.join(open(f).read() for f in CODE_FILES)
     meta = ''.join(open(os.path.join(data_path, s, 'dataset.json')).read() for s in ('train', 'test'))
     names = ('config', 'dataset metadata', 'dataset contents', 'code')
-    values = [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(sampled_rows(data_path)),
+    values = [fingerprint(json.dumps(cfg, sort_keys=True)), fingerprint(meta), fingerprint(rows),
               fingerprint(code)]
     fail_if_ranks_differ(dev, values, lambda i: f"the hosts differ in their {', '.join(names[k] for k in i)}: "
                                                 "copy the same files to every host")

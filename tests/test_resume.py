@@ -75,9 +75,34 @@ def test_a_resume_onto_a_dataset_of_another_shape_is_one_line(toy, trained, tmp_
     assert ckpts(out) == ['ckpt_00000004.pt']
 
 
-def test_a_resume_onto_a_dataset_rebuilt_at_its_path_says_what_changed(tmp_path):
+def test_a_resume_onto_other_examples_is_one_line_and_onto_a_copy_of_its_dataset_trains_on(tmp_path):
+    """A dataset rebuilt at its path (another seed: the same shape, identifiers and count), or another data_path
+    of other examples: the run would train and evaluate on two datasets, its best checkpoint chosen across them;
+    one line. A copy of the same dataset elsewhere trains on."""
     data, out = make_reverse_dataset(str(tmp_path / 'd')), tmp_path / 'o'
     train(data, out, '--max_steps=4', '--epochs=4')
+    shutil.copytree(data, tmp_path / 'copy')
+    shutil.rmtree(data)
+    make_reverse_dataset(data, seed=1)
+    p = train(data, out, '--init_from=resume', '--max_steps=6', '--epochs=4', check=False)
+    assert_user_error(p, 'ckpt_00000004.pt', 'other examples', data, '--data_path', 'new run', one_line=True)
+    other = make_reverse_dataset(str(tmp_path / 'other'), seed=2)
+    p = train(other, out, '--init_from=resume', '--max_steps=6', '--epochs=4', check=False)
+    assert_user_error(p, 'other examples', other, f"data_path was {data!r}", one_line=True)
+    assert ckpts(out) == ['ckpt_00000004.pt']
+    p = train(tmp_path / 'copy', out, '--init_from=resume', '--max_steps=6', '--epochs=4')
+    assert 'other examples' not in p.stdout and ckpts(out)[-1] == 'ckpt_00000006.pt'
+
+
+def test_a_resume_of_an_older_checkpoint_onto_a_dataset_rebuilt_at_its_path_says_what_changed(tmp_path):
+    """A checkpoint of a trainer that recorded no digest of its examples: only a change of the group count
+    can be seen, and is said."""
+    data, out = make_reverse_dataset(str(tmp_path / 'd')), tmp_path / 'o'
+    train(data, out, '--max_steps=4', '--epochs=4')
+    path = ckpt_paths(out)[-1]
+    ckpt = torch.load(path, weights_only=False)
+    del ckpt['data_digest']
+    torch.save(ckpt, path)
     shutil.rmtree(data)
     make_reverse_dataset(data, n_train=500, seed=1)  # the same kind and shape, half the groups
     p = train(data, out, '--init_from=resume', '--max_steps=6', '--epochs=4')
