@@ -576,6 +576,10 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
               "checkpoint: the epochs, the LR schedule and the rest of this epoch's order follow the new count)")
     if dev.master and (said := schedule_change(ckpt, cfg, loader)):
         print(said)
+    if dev.master and bool(ckpt.get('ema')) != (ema_model is not model):  # --ema turned off or on at this resume
+        print(f"  the checkpoint's EMA weights are dropped: evaluations and checkpoints hold the raw weights from "
+              f"here" if ckpt.get('ema') else f"  the EMA starts from the raw weights of step {ckpt['step']} and "
+              f"averages on at ema_rate={cfg['ema_rate']}")
     step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
     carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
     streams = ckpt.get('rng_ranks')

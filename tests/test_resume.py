@@ -157,6 +157,20 @@ def test_a_resume_with_more_epochs_says_how_its_cosine_schedule_stretches(toy, t
     assert 'LR schedule' not in p.stdout  # the same schedule: nothing to say
 
 
+def test_a_resume_that_turns_the_ema_off_or_on_says_what_becomes_of_it(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    p = train(toy, out, '--init_from=resume', '--max_steps=10', '--ema=False')
+    said = [l for l in p.stdout.splitlines() if 'EMA' in l]
+    assert said and 'dropped' in said[0] and 'raw weights' in said[0], p.stdout[-2000:]
+    assert torch.load(ckpt_paths(out)[-1], weights_only=True)['ema'] is None
+    p = train(toy, out, '--init_from=resume', '--max_steps=12', '--ema=True')
+    said = [l for l in p.stdout.splitlines() if 'EMA' in l]
+    assert said and 'starts from' in said[0] and 'step 10' in said[0], p.stdout[-2000:]
+    p = train(toy, out, '--init_from=resume', '--max_steps=14')
+    assert not [l for l in p.stdout.splitlines() if 'EMA' in l]  # it goes on: nothing to say
+
+
 def test_a_checkpoint_saved_before_a_model_key_existed_resumes_only_with_that_key_s_default(toy, tmp_path):
     """A checkpoint of a trainer that had not the key yet (a fork's new model key, docs/forking.md; here
     rms_norm_eps, at its default, taken out of its config) ran the key's default: a resume that sets another value
