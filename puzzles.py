@@ -334,6 +334,13 @@ class Sudoku(Grid):
             guess = looks_like(text)
             also = f" ({article(guess)})" if guess and guess not in (self.title, self.noun) else ''
             raise ValueError(f"{where}: {len(s)} characters{also}; {shape}")
+        # rows of other lengths can still add up to n*n characters: cut anew, a given would move to another cell
+        rows = [r for r in (''.join(r.split()) for r in text.replace('/', '\n').split('\n')) if r]
+        short = next(((k, r) for k, r in enumerate(rows) if len(r) != self.n), None) if len(rows) > 1 else None
+        if short:
+            raise ValueError(f"{where}: row {short[0] + 1} has {plural(len(short[1]), 'character')}; "
+                             f"{article(self.title)} has {self.n} rows of {self.n} characters from "
+                             f"'{self.question_chars}' joined by '/' or newlines, or one line of {self.L}")
         for i, c in enumerate(s):
             if c not in self.question_chars:
                 raise ValueError(f"{where}: character {c!r} at position {i + 1}; {shape}")

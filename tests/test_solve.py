@@ -365,6 +365,20 @@ def test_puzzle_errors(sudoku4, tmp_path):
                       one_line=True)
 
 
+def test_a_sudokus_rows_of_other_lengths_are_refused_not_cut_anew(sudoku4):
+    """Rows joined by '/': a row one character short beside one a character long still add up to n*n, and were cut
+    into rows anew, a given moved to another cell: another puzzle solved without a word. Spaces in a row are no
+    characters."""
+    p = solve(f'--init_from={sudoku4.ckpt}', '--puzzle=..4./2../3..../1..2', check=False)
+    assert_user_error(p, 'puzzle 1 (--puzzle): row 2 has 3 characters; a 4x4 Sudoku has 4 rows of 4 characters',
+                      one_line=True)
+    i = sudoku4.solved[0]
+    q = sudoku4.puzzles[i]
+    spaced = ' / '.join(' '.join(q[r:r + 4]) for r in range(0, 16, 4))
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={spaced}', '--quiet=True')
+    assert summaries(p.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
+
+
 def test_other_kind_errors(sudoku4, maze8):
     maze = '/'.join(rows_of(maze8.questions[0]))
     p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={maze}', check=False)
