@@ -48,6 +48,7 @@ class Grid:
     colors = None        # {char: rgb} draws a board as an image; None draws characters on a grid of boxes
     box = None           # (rows, cols) of the boxes drawn with thick lines (None: none)
     one_line_answer = False  # the summary line shows the answer as one string
+    short_hint = ''      # after a row too short: why it may be so
 
     def __init__(self, n):
         self.n, self.L = n, n * n
@@ -120,7 +121,7 @@ class Grid:
 
     def split_file(self, lines):
         """[(text, first line, last line)] from a file's lines (1-based numbers): blank-line-separated blocks
-        of rows; a block of several lines that each hold a whole puzzle is that many puzzles."""
+        of rows; a block of several lines, each longer than a row, is that many puzzles (one a line)."""
         blocks, cur, out = [], [], []
         for i, line in enumerate(lines + ['']):
             if line == '':
@@ -130,7 +131,7 @@ class Grid:
             else:
                 cur.append((i + 1, line))
         for block in blocks:
-            if len(block) > 1 and all(len(l) == self.L for _, l in block):
+            if len(block) > 1 and all(len(l) > self.n for _, l in block):  # no row: each line a whole puzzle
                 out += [(l, i, i) for i, l in block]
             else:
                 out.append(('\n'.join(l for _, l in block), block[0][0], block[-1][0]))
@@ -147,11 +148,13 @@ class Grid:
             rows = [rows[0][i:i + self.n] for i in range(0, self.L, self.n)]
         shape = f"{article(self.title)} has {self.text_shape()}"
         if len(rows) != self.n:
-            of = f" of {len(rows[0])} characters" if len(rows) == 1 else ''
-            raise ValueError(f"{where}: {plural(len(rows), 'row')}{of}; {shape}")
+            of = f" of {plural(len(rows[0]), 'character')}" if len(rows) == 1 else ''
+            hint = self.short_hint if len(rows) == 1 and self.n < len(rows[0]) < self.L else ''
+            raise ValueError(f"{where}: {plural(len(rows), 'row')}{of}; {shape}{hint}")
         for r, row in enumerate(rows):
             if len(row) != self.n:
-                raise ValueError(f"{where}: row {r + 1} has {len(row)} characters; {shape}")
+                hint = self.short_hint if len(row) < self.n else ''
+                raise ValueError(f"{where}: row {r + 1} has {plural(len(row), 'character')}; {shape}{hint}")
             for c, ch in enumerate(row):
                 if ch not in self.question_chars:
                     raise ValueError(f"{where}: character {ch!r} in row {r + 1}, column {c + 1}"
@@ -433,6 +436,7 @@ class Maze(Grid):
     chars = '# SGo'
     question_chars = '# SG'
     sep = ''
+    short_hint = " (open cells are spaces: a row's last ones count, and some editors strip them)"
     colors = {'#': (0.22, 0.22, 0.25), ' ': (1, 1, 1), 'S': (0.15, 0.65, 0.25), 'G': (0.85, 0.2, 0.2),
               'o': (0.25, 0.45, 0.95), '?': (0.9, 0.3, 0.9)}
 

@@ -379,6 +379,25 @@ def test_a_sudokus_rows_of_other_lengths_are_refused_not_cut_anew(sudoku4):
     assert summaries(p.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
 
 
+def test_a_mazes_open_cells_at_a_rows_end_stripped_are_said(maze8, tmp_path):
+    """An editor that strips trailing spaces drops a maze's open cells at the end of a row: the row named, with
+    the reason; one-line mazes so stripped were read as the rows of one maze ('3 rows')."""
+    q = next(m for m in maze8.questions if m.endswith(' ') and any(r.endswith(' ') for r in rows_of(m)[:-1]))
+    f = tmp_path / 'rows.txt'
+    f.write_text('\n'.join(r.rstrip() for r in rows_of(q)) + '\n')
+    r = next(k for k, row in enumerate(rows_of(q)) if row.endswith(' '))
+    n = len(rows_of(q)[r].rstrip())
+    p = solve(f'--init_from={maze8.ckpt}', f'--file={f}', check=False)
+    assert_user_error(p, f"puzzle 1 (lines 1-8 of rows.txt): row {r + 1} has {n} character{'s' * (n != 1)}; ",
+                      'open cells are spaces', one_line=True)
+    f = tmp_path / 'lines.txt'
+    f.write_text('\n'.join(m.rstrip() for m in maze8.questions[:3]) + '\n')
+    p = solve(f'--init_from={maze8.ckpt}', f'--file={f}', check=False)
+    first = next(i for i, m in enumerate(maze8.questions[:3]) if m.endswith(' '))
+    assert_user_error(p, f"puzzle {first + 1} (line {first + 1} of lines.txt): 1 row of "
+                         f"{len(maze8.questions[first].rstrip())} characters", 'open cells are spaces', one_line=True)
+
+
 def test_other_kind_errors(sudoku4, maze8):
     maze = '/'.join(rows_of(maze8.questions[0]))
     p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={maze}', check=False)
