@@ -144,20 +144,20 @@ def parse_puzzle(text, kind, where):
         fail(e)
 
 
-def read_puzzle_file(path, kind):
-    """[(text, where)] from a file, split as the kind reads a file. A byte-order mark and CR or CRLF line ends
-    are no characters of a puzzle."""
+def read_puzzle_file(path, kind, key):
+    """[(text, where)] from a file (named by --key), split as the kind reads a file. A byte-order mark and CR or
+    CRLF line ends are no characters of a puzzle."""
     try:
         with open(path, newline='', encoding='utf-8') as f:
             text = f.read().removeprefix('\ufeff')
     except (OSError, UnicodeDecodeError) as e:
-        fail(f"file={path}: cannot read it ({short(e)})")
+        fail(f"{key}={path}: cannot read it ({short(e)})")
     lines = text.replace('\r\n', '\n').replace('\r', '\n').split('\n')
     name = os.path.basename(path)
     out = [(t, f"puzzle {k + 1} (" + (f"line {i}" if i == j else f"lines {i}-{j}") + f" of {name})")
            for k, (t, i, j) in enumerate(kind.split_file(lines))]
     if not out:
-        fail(f"file={path} holds no puzzles")
+        fail(f"{key}={path} holds no puzzles")
     return out
 
 
@@ -483,8 +483,11 @@ def puzzles(kind, meta, dp, source):
     """(inputs [N, L], puzzle identifiers [N], where each comes from, labels or None) from --puzzle, --file,
     or the dataset's test split (--index, --count)."""
     if puzzle or file:
+        key, path = ('puzzle', puzzle) if puzzle else ('file', file)
+        if os.path.isdir(path):
+            fail(f"{key}={path} is a folder: name a file of puzzles in it")
         if puzzle and os.path.isfile(puzzle):
-            texts = read_puzzle_file(puzzle, kind)
+            texts = read_puzzle_file(puzzle, kind, 'puzzle')
         elif puzzle:
             texts = [(puzzle, 'puzzle 1 (--puzzle)')]
             # a file's name that is no file (a typo) and no puzzle either: say so, not how many characters it has
@@ -497,7 +500,7 @@ def puzzles(kind, meta, dp, source):
         else:
             if not os.path.isfile(file):
                 fail(f"file={file}: no such file")
-            texts = read_puzzle_file(file, kind)
+            texts = read_puzzle_file(file, kind, 'file')
         inputs = np.stack([parse_puzzle(t, kind, w) for t, w in texts])
         wheres = [w for _, w in texts]
         problems = [p for p in (kind.contradiction(x, w) for x, w in zip(inputs, wheres)) if p]

@@ -379,6 +379,18 @@ def test_a_sudokus_rows_of_other_lengths_are_refused_not_cut_anew(sudoku4):
     assert summaries(p.stdout)[1].endswith('answer ' + sudoku4.solutions[i])
 
 
+def test_a_file_of_puzzles_that_is_empty_or_a_folder_is_said_under_the_key_given(sudoku4, tmp_path):
+    """--puzzle takes a file too: its errors named --file, a key the user never typed; a folder was 'no such
+    file'."""
+    empty = tmp_path / 'empty.txt'
+    empty.write_text('\n\n')
+    for key in ('puzzle', 'file'):
+        p = solve(f'--init_from={sudoku4.ckpt}', f'--{key}={empty}', check=False)
+        assert_user_error(p, f'{key}={empty} holds no puzzles', one_line=True)
+        p = solve(f'--init_from={sudoku4.ckpt}', f'--{key}={tmp_path}', check=False)
+        assert_user_error(p, f'{key}={tmp_path} is a folder', one_line=True)
+
+
 def test_a_mazes_open_cells_at_a_rows_end_stripped_are_said(maze8, tmp_path):
     """An editor that strips trailing spaces drops a maze's open cells at the end of a row: the row named, with
     the reason; one-line mazes so stripped were read as the rows of one maze ('3 rows')."""
