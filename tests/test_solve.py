@@ -339,6 +339,8 @@ def test_puzzle_errors(sudoku4, tmp_path):
     p = solve(ck, f'--puzzle={q[:-1]}', check=False)
     assert_user_error(p, "puzzle 1 (--puzzle): 15 characters; a 4x4 Sudoku has 16 characters from '.01234'",
                       one_line=True)
+    p = solve(ck, '--puzzle=1', check=False)
+    assert_user_error(p, "puzzle 1 (--puzzle): 1 character; a 4x4 Sudoku has 16 characters", one_line=True)
     p = solve(ck, f'--puzzle={q[:-1]}x', check=False)
     assert_user_error(p, "character 'x' at position 16", "'.01234'", one_line=True)
     p = solve(ck, f'--puzzle={q[:-1]}5', check=False)
