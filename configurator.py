@@ -371,6 +371,11 @@ def _configure(g, argv):
     # a flag without '=' first: in `--L_cycles 4` the 4 would otherwise be read as a config file
     if flag := next((a for a in argv if a.startswith('--') and '=' not in a), None):
         raise SystemExit(f"config error: {flag} should look like --key=value (--help lists the keys)")
+    # a puzzle with spaces (a maze's open cells) typed without quotes: the shell's words after it are no config files
+    if any(a.startswith('--puzzle=') for a in argv) and 'puzzle' in known and \
+            (word := next((a for a in argv if not a.startswith('--') and not os.path.exists(find_file(a))), None)):
+        raise SystemExit(f"config error: {word!r} is no key and no config file: a --puzzle with spaces (a maze's open "
+                         "cells) needs quotes, or the shell cuts it into words: --puzzle='#S  #/...'")
     # the config files in their order, then the flags, wherever they were typed: a flag always wins over a file
     for arg in sorted(argv, key=lambda a: a.startswith('--')):
         if not arg.startswith('--'):

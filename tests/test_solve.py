@@ -393,6 +393,14 @@ def test_a_file_of_puzzles_that_is_empty_or_a_folder_is_said_under_the_key_given
         assert_user_error(p, f'{key}={tmp_path} is a folder', one_line=True)
 
 
+def test_a_maze_typed_without_quotes_is_said_to_need_them(maze8):
+    """A maze's open cells are spaces: unquoted, the shell cuts --puzzle into words, each read as a config file
+    ('cannot read config file <repository>/#')."""
+    words = '/'.join(rows_of(maze8.questions[0])).split(' ')
+    p = solve(f'--init_from={maze8.ckpt}', f'--puzzle={words[0]}', *[w for w in words[1:] if w], check=False)
+    assert_user_error(p, 'needs quotes', "--puzzle='", one_line=True)
+
+
 def test_a_mazes_open_cells_at_a_rows_end_stripped_are_said(maze8, tmp_path):
     """An editor that strips trailing spaces drops a maze's open cells at the end of a row: the row named, with
     the reason; one-line mazes so stripped were read as the rows of one maze ('3 rows')."""
