@@ -17,14 +17,17 @@ others from it), and config_problems(cfg, _set_at) names the file's line or the 
 """
 import ast
 import builtins
+import contextlib
 import difflib
 import io
 import math
 import os
+import re
 import resource
 import shlex
 import socket
 import sys
+import threading
 import time
 import tokenize
 import traceback
@@ -43,7 +46,14 @@ for _fd, _name in ((1, 'stdout'), (2, 'stderr')):
 # line to train.log in the run's folder (runkeep's Run)
 
 class Tee:
-    log = None  # train.log, shared by stdout and stderr
+    # train.log, shared by stdout and stderr: unbuffered, so that a line that does not fit (a full disk) is known
+    # at once, cut back out whole, and said; never written late when room comes back, after lines said missing
+    log = None
+    line_start = None  # where the line being written began in train.log; None between lines
+    dropping = False  # the rest of a line that did not fit is dropped: the next line tries again
+    missing = 0  # lines not in train.log since the last one that went in
+    said = []  # lines about train.log for the terminal, put there after the line being written
+    lock = threading.RLock()  # a thread's print, or a signal handler's in the middle of one, keeps lines whole
     # train.log when the parent process appends this process's output to it already (study.py names that file
     # in OUTPUT_LOG_VAR): written from here only once the parent's reading end is gone, so each line is there once
     parent_log = None
@@ -84,11 +94,53 @@ class Tee:
     @classmethod
     def open_log(cls, path):
         try:
-            cls.log = open(path, 'a')
-            cls.log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid "
-                          f"{os.getpid()}: {' '.join(sys.argv)}\n")
+            cls.log = open(path, 'ab', buffering=0)
         except OSError as e:
             print(f"warning: cannot write {path} ({e}); the output is not logged there")
+            return
+        cls.to_log(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: "
+                   f"{' '.join(sys.argv)}\n")
+
+    @classmethod
+    def to_log(cls, text):
+        """text appended to train.log in whole lines: a line that does not fit (a full disk) is cut back out and
+        the rest of it dropped, the first such says a warning on the terminal, and the first line that fits again
+        is preceded by a note of how many are missing (in the file; on the terminal after it); the run goes on."""
+        with cls.lock:
+            for part in re.findall(r'[^\n]*\n|[^\n]+', text):
+                ends = part.endswith('\n')
+                if cls.dropping:
+                    cls.dropping = not ends
+                    continue
+                note = f"note: {cls.missing} line(s) of the output before this one are not in this file (it could " \
+                       "not be appended to)\n" if cls.missing else ''
+                try:
+                    if cls.line_start is None:
+                        cls.line_start = os.lseek(cls.log.fileno(), 0, os.SEEK_END)
+                        cls.append(note)
+                    cls.append(part)
+                except OSError as e:
+                    with contextlib.suppress(OSError):  # the part of it that fits: the next line would be glued on
+                        os.ftruncate(cls.log.fileno(), cls.line_start)
+                    if not cls.missing:
+                        cls.said.append(f"warning: could not append to {cls.log.name} ({e.strerror or e}): the output "
+                                        "goes on here; lines that do not fit there are left out until there is room, "
+                                        "then a note says how many")
+                    cls.missing += 1
+                    cls.dropping, cls.line_start = not ends, None
+                    continue
+                if note:
+                    cls.said.append(f"note: {cls.log.name} is appended to again; {cls.missing} line(s) of the output "
+                                    "before the line above are not in it")
+                    cls.missing = 0
+                if ends:
+                    cls.line_start = None
+
+    @classmethod
+    def append(cls, text):
+        data = memoryview(text.encode(errors='backslashreplace'))
+        while data:  # a write that fits in part returns short; the next one raises
+            data = data[cls.log.write(data):]
 
     def write(self, text):
         if not self.closed_seen:
@@ -98,10 +150,15 @@ class Tee:
                 self.lost()
         if Tee.log is not None:
             try:
-                Tee.log.write(text)
-                Tee.log.flush()
-            except (OSError, ValueError):  # a full disk: the terminal still has it
+                Tee.to_log(text)
+            except ValueError:  # train.log closed (the interpreter's end)
                 pass
+        if Tee.said and text.endswith('\n') and not self.closed_seen:
+            try:
+                self.stream.write(''.join(line + '\n' for line in Tee.said))
+            except (OSError, ValueError):
+                pass
+            Tee.said.clear()
         return len(text)
 
     def flush(self):

@@ -94,6 +94,22 @@ def test_a_resume_onto_a_full_disk_is_one_line_that_keeps_the_run_s_files(toy, t
         assert not os.path.exists(out / 'run.lock')
 
 
+def test_train_log_on_a_full_disk_is_one_warning_whole_lines_and_training_goes_on(toy, tmp_path):
+    out, limit = tmp_path / 'o', 1 << 21  # a checkpoint fits; train.log, already near the limit, cannot grow much
+    os.makedirs(out)
+    pad = 'x' * (limit - 200) + '\n'  # the run's header line fits in part only
+    (out / 'train.log').write_text(pad)
+    p = run(limited(limit) + [f'--data_path={toy}', f'--out_dir={out}', '--max_steps=8'] + FAST, check=False)
+    assert p.returncode == 0 and 'Traceback' not in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]
+    assert 'step 8/8' in p.stdout and ckpts(out) == ['ckpt_00000008.pt']
+    said = [l for l in p.stdout.splitlines() if 'train.log' in l]
+    assert len(said) == 1 and said[0].startswith('warning') and 'File too large' in said[0], said
+    log = (out / 'train.log').read_text()
+    assert log.startswith(pad) and log.endswith('\n')  # no line left in part: the next would be glued to it
+    shown = set(p.stdout.splitlines())
+    assert all(l in shown or l.startswith('note: ') for l in log[len(pad):].splitlines()), log[len(pad):]
+
+
 def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(toy, tmp_path):
     f = tmp_path / 'file'
     f.write_text('x')
@@ -113,7 +129,8 @@ def test_a_build_over_a_file_size_limit_names_the_file(tmp_path):
     assert {s: sorted(os.listdir(d / s)) for s in ('train', 'test')} == before
 
 
-# the disk of the run filled at the start of step 1 (by another process's file, .filler) and freed at step 6
+# the disk of the run filled at the start of step 1 (by another process's file, .filler) and freed at step 6;
+# train.log then ends 50 bytes short of a page, as metrics.jsonl does
 FILL_IN_STEP_1_FREE_IN_STEP_6 = """import step
 real, calls = step.train_step, [0]
 
@@ -122,6 +139,8 @@ def train_step(*args, **kwargs):
     calls[0] += 1
     disk = os.path.dirname(os.environ['OUT_DIR'])
     if calls[0] == 1:
+        with open(os.path.join(os.environ['OUT_DIR'], 'train.log'), 'a') as f:
+            f.write('x' * (4096 - f.tell() % 4096 - 51) + '\\n')
         from disks import fill_up
         fill_up(disk)
     if calls[0] == 6:
@@ -146,10 +165,15 @@ def test_metrics_on_a_disk_that_fills_and_has_room_again_keep_whole_lines_and_sa
         env['PYTHONPATH'] += os.pathsep + os.path.dirname(os.path.abspath(__file__))  # disks.py
         p = train(toy, out, '--max_steps=8', '--log_interval=1', env=env)
         lines = open(out / 'metrics.jsonl').read().splitlines(keepends=True)
+        log = (out / 'train.log').read_text()
     said = [l for l in p.stdout.splitlines() if 'metrics.jsonl' in l]
     assert len(said) == 2 and 'No space left' in said[0] and '5 line(s)' in said[1], p.stdout[-3000:]
     assert lines[0] == pad and all(l.endswith('\n') and json.loads(l) for l in lines)  # none cut, none glued
     assert [json.loads(l)['step'] for l in lines if json.loads(l)['kind'] == 'train'] == [6, 7, 8]
+    said = [l for l in p.stdout.splitlines() if 'train.log' in l]
+    assert len(said) == 2 and 'No space left' in said[0] and 'line(s)' in said[1], p.stdout[-3000:]
+    missing = said[1].split('; ')[1].split()[0]  # the file says it where the lines are missing, whole lines around
+    assert f'x\nnote: {missing} line(s)' in log and log.endswith('\n'), log[-3000:]
 
 
 def test_a_picture_that_does_not_fit_is_one_line_and_leaves_the_earlier_one_whole(trained, tmp_path):
