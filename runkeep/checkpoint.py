@@ -67,7 +67,7 @@ def save_atomic(obj, path):
     except Exception as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        cause = e.__cause__ or e.__context__ or e
+        cause = e if getattr(e, 'errno', None) else e.__cause__ or e.__context__ or e  # torch's own error is within
         why = os.strerror(cause.errno) if getattr(cause, 'errno', None) else str(e)
         raise CheckpointError(f"could not write {path}: {why}") from e
 

@@ -31,10 +31,10 @@ from step import format_train
 
 from . import gcs
 from .budget import Clock, TimeBudget
-from .checkpoint import (MAX_WEIGHT, check_resume, checkpoint_name, checkpoint_problems, checkpoint_tensors,
-                         delete_all_checkpoints, find_resume_checkpoint, identifiers_of, list_checkpoints, load_state,
-                         load_weights, prune_checkpoints, resume_parts, set_aside_diverged, start_file_missing,
-                         write_checkpoint)
+from .checkpoint import (MAX_WEIGHT, CheckpointError, check_resume, checkpoint_name, checkpoint_problems,
+                         checkpoint_tensors, delete_all_checkpoints, find_resume_checkpoint, identifiers_of,
+                         list_checkpoints, load_state, load_weights, prune_checkpoints, resume_parts, set_aside_diverged,
+                         start_file_missing, write_checkpoint)
 from .hub import all_config_beside
 from .locks import lock_bucket, lock_local, mark_data, release_locks
 from .records import RunRecords, drop_evaluations, drop_results, remove_unfinished, start_log
@@ -243,6 +243,11 @@ class Run:
                     if uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the bucket's prune must
                         self.corrupt.remove(uri)  # not take the new one for it
                     self.records.uploaded(path)
+                except CheckpointError as e:  # nothing of it is left: the checkpoints before it are as they were
+                    kept = f"the last good checkpoint, {self.last_good}, is kept: make room there and continue from " \
+                        "it with --init_from=resume" if self.last_good else "no checkpoint was saved before it: " \
+                        "make room there and run again"
+                    problems = [f"{e}; {kept}"]
                 except Exception as e:
                     problems = [f"saving {path} failed: {e}"]
             fail_together(dev, problems, f'checkpoint at step {step}')

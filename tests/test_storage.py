@@ -110,6 +110,20 @@ def test_train_log_on_a_full_disk_is_one_warning_whole_lines_and_training_goes_o
     assert all(l in shown or l.startswith('note: ') for l in log[len(pad):].splitlines()), log[len(pad):]
 
 
+def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_one_kept_and_what_to_do(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4')
+    kept = str(out / 'ckpt_00000004.pt')
+    p = run(limited(1 << 20) + [f'--data_path={toy}', f'--out_dir={out}', '--init_from=resume', '--max_steps=8']
+            + FAST, check=False)  # a checkpoint (about 1.1 MB) does not fit
+    said = assert_user_error(p, 'checkpoint at step 8 failed', one_line=True)
+    assert said.count('ckpt_00000008.pt') == 1 and 'File too large' in said, said
+    assert f'{kept}, is kept' in said and '--init_from=resume' in said, said
+    assert ckpts(out) == ['ckpt_00000004.pt']
+    p = train(toy, out, '--init_from=resume', '--max_steps=8')  # room again: it goes on from the one kept
+    assert f'resuming from {kept} (step 4)' in p.stdout and ckpts(out)[-1] == 'ckpt_00000008.pt'
+
+
 def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(toy, tmp_path):
     f = tmp_path / 'file'
     f.write_text('x')
