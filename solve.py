@@ -302,6 +302,9 @@ def report(it, kind):
     print(f"{it['label']}: {verdict} {how}; {'; '.join(notes)} | {timing}{answer}", flush=True)
 
 
+NAMED = 8  # answers a summary line names, and views an answer's line names: the rest counted (--eval_views=1000)
+
+
 def report_views(it, kind):
     """A puzzle solved in views: (unless quiet) the puzzle and each distinct answer of its views, mapped back
     to it, with the views that gave it (steps run, halt probability where each stopped) and the verifier's
@@ -316,7 +319,8 @@ def report_views(it, kind):
         for g in groups:
             seen = '; '.join(f"{v}: step {s}, halt prob {p:.3f}"
                              + ('' if h == s - 1 else ', no halt' if h is None else f", halted at step {h + 1}")
-                             for v, s, h, p in g['stops'])
+                             for v, s, h, p in g['stops'][:NAMED]) \
+                + (f"; ... {plural(len(g['stops']) - NAMED, 'more view')}" if len(g['stops']) > NAMED else '')
             roles = [r for r, on in (("the vote's", g is voted), ("the verifier's pick", g is pick and
                                                                    g['accepted'])) if on]
             print(f"answer {g['name']}: {len(g['views'])} of {K} views ({'views' if len(g['views']) > 1 else 'view'}"
@@ -335,9 +339,13 @@ def report_views(it, kind):
     if it['target'] is not None:
         same = bool(np.array_equal(np.where(it['target'] < 0, final, it['target']), final))
         notes.append("identical to the dataset's label" if same else "differs from the dataset's label")
+    named = [g for k, g in enumerate(groups) if k < NAMED or g is pick]
     answers = ', '.join(f"{g['name']} {len(g['views'])} (view{'s' * (len(g['views']) > 1)} "
-                        f"{' '.join(map(str, g['views']))}) {'accepted' if g['accepted'] else 'rejected'}"
-                        for g in groups)
+                        f"{' '.join(map(str, g['views'][:NAMED]))}{' ...' * (len(g['views']) > NAMED)}) "
+                        f"{'accepted' if g['accepted'] else 'rejected'}" for g in named)
+    if rest := [g for g in groups if not any(g is n for n in named)]:
+        answers += (f", {plural(len(rest), 'more answer')} of {plural(sum(len(g['views']) for g in rest), 'view')}, "
+                    f"{sum(g['accepted'] for g in rest)} accepted")
     timing = f"{it['time']:.2f} s (in a batch of " + (f"{it['batch']} puzzles x " if it['batch'] > 1 else '') \
         + f"{K} views)"
     answer = f" | answer {kind.decode(final)}" if kind.one_line_answer else ''

@@ -136,6 +136,20 @@ def test_one_view_is_solve_as_before(sudoku4):
     assert not re.search(r'\bviews\b|answer A:', now.stdout.replace('config: eval_views = 1', ''))
 
 
+def test_many_views_keep_each_line_short_and_count_what_they_do_not_name(sudoku4):
+    """A summary line named every view of every answer (--eval_views=1000: some 8000 characters), and each answer's
+    line every view's steps: the first 8 answers and 8 views of each are named, the rest counted."""
+    n = 200
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={sudoku4.questions[0]}', f'--eval_views={n}')
+    line = summaries(p.stdout)[1]
+    shown = re.findall(r'([A-Z]+) (\d+) \(views? ([\d ]+)(?: \.\.\.)?\) (?:accepted|rejected)', line)
+    rest = re.search(r'(\d+) more answers? of (\d+) views?, \d+ accepted \| ', line)
+    assert rest and len(shown) == 8 and all(len(vs.split()) == min(8, int(c)) for _, c, vs in shown), line
+    assert sum(int(c) for _, c, _ in shown) + int(rest.group(2)) == n, line
+    assert len(line) < 1000 and max(len(l) for l in p.stdout.splitlines()) < 1000, line
+    assert len([l for l in p.stdout.splitlines() if l.startswith('answer ')]) == 8 + int(rest.group(1))
+
+
 def test_refusals(sudoku4, tmp_path):
     # a kind without symmetries (registered by this file's __main__): one line, no traceback
     plain = tmp_path / 'plain4'
