@@ -336,7 +336,9 @@ class Sudoku(Grid):
         if len(s) != self.L:
             guess = looks_like(text)
             also = f" ({article(guess)})" if guess and guess not in (self.title, self.noun) else ''
-            raise ValueError(f"{where}: {plural(len(s), 'character')}{also}; {shape}")
+            row = len(s) == self.n and not re.search(r'[/\n]', text.strip())  # a grid written one row a line
+            hint = f" (one row? a file holds one puzzle a line: its {self.n} rows on one line, or joined by '/')"
+            raise ValueError(f"{where}: {plural(len(s), 'character')}{also}; {shape}{hint * row}")
         # rows of other lengths can still add up to n*n characters: cut anew, a given would move to another cell
         rows = [r for r in (''.join(r.split()) for r in text.replace('/', '\n').split('\n')) if r]
         short = next(((k, r) for k, r in enumerate(rows) if len(r) != self.n), None) if len(rows) > 1 else None

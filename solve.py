@@ -498,8 +498,12 @@ def puzzles(kind, meta, dp, source):
             texts = read_puzzle_file(puzzle, kind, 'puzzle')
         elif puzzle:
             texts = [(puzzle, 'puzzle 1 (--puzzle)')]
-            # a file's name that is no file (a typo) and no puzzle either: say so, not how many characters it has
-            if re.search(r'[A-Za-z_][^./]*\.[A-Za-z][A-Za-z0-9]{1,4}$', puzzle) and not looks_like(puzzle):
+            # a file's name that is no file (a typo) and no puzzle either: say so, not how many characters it has.
+            # A name: an extension, or a word (no puzzle's text holds three letters in a row) in a text not of a
+            # puzzle's length (a puzzle that writes its blanks as letters is one: its character is named)
+            name = re.search(r'[A-Za-z_][^./]*\.[A-Za-z][A-Za-z0-9]{1,4}$', puzzle) or \
+                re.search(r'[A-Za-z_]{3}', puzzle) and len(''.join(puzzle.split()).replace('/', '')) != kind.L
+            if name and not looks_like(puzzle):
                 try:
                     kind.parse(puzzle, '')
                 except ValueError:

@@ -367,6 +367,23 @@ def test_puzzle_errors(sudoku4, tmp_path):
                       one_line=True)
 
 
+def test_a_sudoku_file_of_rows_and_a_file_name_without_extension_are_said_as_such(sudoku4, tmp_path):
+    """A Sudoku written one row a line was said to be '4 characters' with no word that a file holds one puzzle a
+    line; a mistyped file name without an extension was counted as a puzzle's characters."""
+    q = sudoku4.puzzles[0]
+    grid = tmp_path / 'grid4.txt'
+    grid.write_text('\n'.join(q[r:r + 4] for r in range(0, 16, 4)) + '\n')
+    p = solve(f'--init_from={sudoku4.ckpt}', f'--file={grid}', check=False)
+    assert_user_error(p, "puzzle 1 (line 1 of grid4.txt): 4 characters; a 4x4 Sudoku has 16", 'one row?',
+                      'one puzzle a line', one_line=True)
+    for name in ('mypuzzles', str(tmp_path / 'data' / 'mypuzzles')):
+        p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={name}', check=False)
+        assert_user_error(p, f'puzzle={name}: no such file', "16 characters from '.01234'", one_line=True)
+    # a puzzle with a letter for its blanks stays a puzzle: its character is named
+    p = solve(f'--init_from={sudoku4.ckpt}', '--puzzle=' + q.replace('.', 'x'), check=False)
+    assert_user_error(p, "character 'x' at position", one_line=True)
+
+
 def test_a_sudokus_rows_of_other_lengths_are_refused_not_cut_anew(sudoku4):
     """Rows joined by '/': a row one character short beside one a character long still add up to n*n, and were cut
     into rows anew, a given moved to another cell: another puzzle solved without a word. Spaces in a row are no
