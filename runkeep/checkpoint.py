@@ -581,7 +581,10 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
               f"here" if ckpt.get('ema') else f"  the EMA starts from the raw weights of step {ckpt['step']} and "
               f"averages on at ema_rate={cfg['ema_rate']}")
     step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
-    carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb] for k, v in ckpt['carry'].items()}
+    # the latents in this run's forward dtype: the network computes in theirs, and a refill's mix of fresh rows
+    # and another dtype's is the wider one, so a float32 carry would keep a bfloat16 run in float32 to its end
+    carry = {k: v[dev.rank * lb:(dev.rank + 1) * lb].to(model.forward_dtype if v.is_floating_point() else v.dtype)
+             for k, v in ckpt['carry'].items()}
     streams = ckpt.get('rng_ranks')
     if streams and len(streams) == dev.world_size:  # each rank's own: bit for bit, exploration included
         dev.set_rng_state(streams[dev.rank])

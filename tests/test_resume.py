@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-from conftest import SUDOKU, TOY_ARGS, assert_user_error, ckpt_paths, ckpts, make_reverse_dataset, run, train
+from conftest import FAST, SUDOKU, TOY_ARGS, assert_user_error, ckpt_paths, ckpts, make_reverse_dataset, run, train
 
 
 def files(folder):
@@ -169,6 +169,22 @@ def test_a_resume_that_turns_the_ema_off_or_on_says_what_becomes_of_it(toy, tmp_
     assert said and 'starts from' in said[0] and 'step 10' in said[0], p.stdout[-2000:]
     p = train(toy, out, '--init_from=resume', '--max_steps=14')
     assert not [l for l in p.stdout.splitlines() if 'EMA' in l]  # it goes on: nothing to say
+
+
+def test_a_bfloat16_run_resumes_exactly_and_in_bfloat16(toy, tmp_path):
+    """A checkpoint holds the ACT carry in float32 (the host has no bfloat16 arrays), and the network computes in
+    its latents' dtype: resumed as it was, a bfloat16 run trained on in float32 to its end (a refill's mix of
+    fresh bfloat16 rows and float32 ones is float32), neither as it said nor as the run never stopped. The same
+    holds for a resume that changes forward_dtype: the latents are this run's dtype from its first step."""
+    bf16 = [a for a in FAST if not a.startswith('--forward_dtype')] + ['--forward_dtype=bfloat16']
+    train(toy, tmp_path / 'straight', '--max_steps=8', args=bf16)
+    train(toy, tmp_path / 'split', '--max_steps=4', args=bf16)
+    p = train(toy, tmp_path / 'split', '--max_steps=8', '--init_from=resume', args=bf16)
+    assert 'resuming from' in p.stdout
+    a, b = (torch.load(tmp_path / run / 'ckpt_00000008.pt', weights_only=True) for run in ('straight', 'split'))
+    for key in ('model', 'ema', 'carry'):
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), (key, k)
 
 
 def test_a_checkpoint_saved_before_a_model_key_existed_resumes_only_with_that_key_s_default(toy, tmp_path):
