@@ -361,18 +361,20 @@ class GCS:
                 os.remove(tmp)
         return local_path
 
-    def list(self, uri_prefix, max_results=1000):
+    def list(self, uri_prefix, max_results=1000, generations=False):
         """All objects whose name starts with the prefix (recursive: no delimiter), sorted by name.
-        Returns [(uri, size_bytes)]."""
+        Returns [(uri, size_bytes)], with generations [(uri, size_bytes, generation)]: a new one at every
+        write of the object."""
         bucket, prefix = split_gcs(uri_prefix)
         out, page_token = [], None
         while True:  # GCS returns at most max_results per page plus a nextPageToken
             url = self._url(f"/storage/v1/b/{_quote(bucket)}/o", prefix=prefix or None,
-                            maxResults=max_results,
-                            pageToken=page_token, fields="items(name,size),nextPageToken")
+                            maxResults=max_results, pageToken=page_token,
+                            fields=f"items(name,size{',generation' if generations else ''}),nextPageToken")
             get = lambda auth: _check(self._session().get(url, headers=auth, timeout=self.timeout)).json()
             page = self._with_retries(f"list {uri_prefix}", get)
-            out += [(f"gs://{bucket}/{it['name']}", int(it["size"])) for it in page.get("items") or []]
+            out += [(f"gs://{bucket}/{it['name']}", int(it["size"]))
+                    + ((str(it.get("generation")),) if generations else ()) for it in page.get("items") or []]
             page_token = page.get("nextPageToken")
             if not page_token:
                 return out
@@ -542,8 +544,8 @@ def download_if_there(uri, local, otherwise):
         print(f"warning: cannot read {uri} ({e}); {otherwise}")
         return None
 
-def list_objects(uri_prefix):
-    return default_client().list(uri_prefix)
+def list_objects(uri_prefix, generations=False):
+    return default_client().list(uri_prefix, generations=generations)
 
 def delete_object(uri):
     return default_client().delete(uri)
@@ -605,21 +607,38 @@ def publish_dataset(local_dir, uri):
     return uri
 
 
-def fetch_tree(uri, cache_dir):
-    """A local copy of the folder under gs:// uri, made once: every object is downloaded into a temporary
-    folder, its size checked against the listing, and only a complete copy is renamed to its final name,
-    so an interrupted fetch is retried from scratch and never leaves a folder that looks whole."""
+def cached_copy(uri, cache_dir):
+    """Where fetch_tree keeps its copy of the folder under gs:// uri."""
     bucket, prefix = split_gcs(uri.rstrip('/') + '/')
-    dest = os.path.join(os.path.expanduser(cache_dir), bucket, prefix.rstrip('/'))
-    if os.path.exists(os.path.join(dest, '.complete')):
+    return os.path.join(os.path.expanduser(cache_dir), bucket, prefix.rstrip('/'))
+
+
+def fetch_tree(uri, cache_dir):
+    """A local copy of the folder under gs:// uri, made once per version of it: every object is downloaded into
+    a temporary folder, its size checked against the listing, and only a complete copy is renamed to its final
+    name, so an interrupted fetch is retried from scratch and never leaves a folder that looks whole. A copy
+    whose listing (names, sizes, generations) is the bucket's is used as it is; a dataset rebuilt there with
+    another seed keeps its names and sizes, not its generations. A bucket that cannot be listed leaves a
+    complete copy in use, said."""
+    dest = cached_copy(uri, cache_dir)
+    complete = os.path.join(dest, '.complete')
+    try:
+        listing = [list(obj) for obj in list_objects(uri.rstrip('/') + '/', generations=True)]
+    except GCSError as e:
+        if isinstance(e, Stopped) or not os.path.exists(complete):
+            raise
+        print(f"warning: cannot list {uri} ({e}); using the copy fetched earlier, {dest}", file=sys.stderr)
         return dest
-    listing = list_objects(uri.rstrip('/') + '/')
+    if os.path.exists(complete):
+        with open(complete) as f:
+            if f.read() == json.dumps(listing):
+                return dest
     if not listing:
         raise FileNotFoundError(f"nothing under {uri}")
     tmp = f"{dest}.partial.{os.getpid()}"
     import shutil
     shutil.rmtree(tmp, ignore_errors=True)
-    for obj, size in listing:
+    for obj, size, _ in listing:
         rel = obj[len(uri.rstrip('/')) + 1:]
         path = os.path.join(tmp, rel)
         download_file(obj, path)

@@ -186,7 +186,7 @@ def fetch_data(path, cache, dev):
             problems = [f"cannot fetch {path}: {e}"]
     fail_together(dev, problems, f'fetching {path}')
     dev.barrier()
-    return gcs.fetch_tree(path, cache)  # complete now: returns the local copy
+    return gcs.cached_copy(path, cache)  # complete now
 
 
 def local_folder(out_dir):

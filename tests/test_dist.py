@@ -350,6 +350,24 @@ def test_an_interrupted_fetch_is_redone_and_never_leaves_a_dataset_that_loads(em
     assert load_metadata(dest, 'train')['vocab_size'] == 6
 
 
+def test_a_dataset_rebuilt_in_its_bucket_is_fetched_again_and_a_cached_one_serves_when_the_bucket_is_down(
+        emu, tmp_path, toy, monkeypatch):
+    """A copy in the cache was used as long as it was whole: a dataset rebuilt at its gs:// path with another seed
+    (the same names and sizes) was never fetched again, and every run on that host trained on the old examples."""
+    from runkeep import gcs
+    from runkeep.startup import sampled_rows
+    from conftest import BUCKET
+    uri, cache = f'gs://{BUCKET}/datasets/rebuilt', str(tmp_path / 'cache')
+    gcs.upload_tree(toy, uri)
+    assert sampled_rows(gcs.fetch_tree(uri, cache)) == sampled_rows(toy)
+    other = make_reverse_dataset(str(tmp_path / 'other'), seed=1)
+    gcs.upload_tree(other, uri)
+    assert sampled_rows(gcs.fetch_tree(uri, cache)) == sampled_rows(other)
+    monkeypatch.setenv('STORAGE_EMULATOR_HOST', f'127.0.0.1:{free_port()}')  # nothing answers there
+    monkeypatch.setattr(gcs.default_client(), 'retries', 0)
+    assert sampled_rows(gcs.fetch_tree(uri, cache)) == sampled_rows(other)  # the copy it has, said
+
+
 # -----------------------------------------------------------------------------
 # resume that is the same on every rank or refuses
 
