@@ -525,7 +525,9 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path, digest):
         other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
         print(f"resuming from {path} (step {ckpt['step']})"
               + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
-    fail_together(dev, data_problems(ckpt, path, meta, data_path, "A resume keeps the data's shape: point "
+    # a gs:// data_path is read from its copy in data_cache_dir: the words name the path given
+    given = data_path if cfg['data_path'] == data_path else f"{cfg['data_path']} (its copy in {data_path})"
+    fail_together(dev, data_problems(ckpt, path, meta, given, "A resume keeps the data's shape: point "
                                      "--data_path at that dataset, or start a new run (another out_dir)"),
                   'resume')
     why = identifier_mismatch(weights_in(ckpt), path, data_path, meta, say=dev.master)
@@ -537,7 +539,7 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path, digest):
     # other examples of the same shape (a rebuild with another seed, another dataset): the run would train and
     # evaluate on two datasets, its best checkpoint chosen across them. An evaluation may take any test split.
     other = ckpt.get('data_digest') not in (None, digest) and not cfg['eval_only']
-    fail_together(dev, [f"{path} trained on other examples than the dataset at {data_path} holds (data_path was "
+    fail_together(dev, [f"{path} trained on other examples than the dataset at {given} holds (data_path was "
                         f"{ckpt['config'].get('data_path')!r}; a digest of 64 rows of every array differs): a resume "
                         "keeps its data: point --data_path at the dataset it trained on (a copy elsewhere is fine), "
                         f"or train on from its weights in a new run (--init_from={path}, another out_dir)"]

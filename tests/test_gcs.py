@@ -21,7 +21,7 @@ import requests
 from runkeep import checkpoint
 from runkeep import credentials
 from runkeep import gcs
-from conftest import BUCKET, TOY_ARGS, assert_user_error, ckpts, run, site_hook
+from conftest import BUCKET, TOY_ARGS, assert_user_error, ckpts, make_reverse_dataset, run, site_hook
 from test_checkpoints import NAN_AT_STEP_9
 
 
@@ -379,6 +379,21 @@ def test_training_to_a_bucket_resumes_from_it(emu, toy, tmp_path):
     assert f'resuming from gs://{BUCKET}/runs/r1/ckpt_00000006.pt (step 6)' in p.stdout  # the bucket's copy
     assert 'step 8/' in p.stdout
     assert f'gs://{BUCKET}/runs/r1/ckpt_00000008.pt' in [u for u, _ in gcs.list_objects(f'gs://{BUCKET}/runs/r1/')]
+
+
+def test_a_resume_onto_other_examples_in_a_bucket_names_the_gs_data_path_given(emu, toy, tmp_path):
+    """A gs:// data_path is trained on from its copy in data_cache_dir: the refusal names the path the user gave
+    (the cache's was one the user never typed, beside the checkpoint's gs:// one as if the two differed)."""
+    data = f'gs://{BUCKET}/datasets/resumed-onto'
+    gcs.upload_tree(toy, f'{data}/a')
+    gcs.upload_tree(make_reverse_dataset(str(tmp_path / 'b'), seed=1), f'{data}/b')
+    args = [f'--out_dir={tmp_path}/o', f'--data_cache_dir={tmp_path}/cache', '--epochs=1', '--eval_every_epochs=100',
+            '--max_steps=2'] + TOY_ARGS
+    env = dict(STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
+    run(['train.py', f'--data_path={data}/a'] + args, env=env)
+    p = run(['train.py', f'--data_path={data}/b', '--init_from=resume', '--max_steps=4'] + args, env=env, check=False)
+    said = assert_user_error(p, 'other examples', one_line=True)
+    assert f'the dataset at {data}/b (its copy in ' in said and f"data_path was '{data}/a'" in said, said
 
 
 def test_failed_uploads_do_not_stop_training(toy, tmp_path):
