@@ -576,12 +576,16 @@ def load_state(dev, ckpt, path, cfg, model, ema_model, opt, loader):
     if dev.master and was is not None and was != loader.n_groups:
         print(f"  groups: {was} -> {loader.n_groups} (the dataset at {cfg['data_path']} was rebuilt since this "
               "checkpoint: the epochs, the LR schedule and the rest of this epoch's order follow the new count)")
-    if dev.master and (said := schedule_change(ckpt, cfg, loader)):
+    if dev.master and not cfg['eval_only'] and (said := schedule_change(ckpt, cfg, loader)):
         print(said)
     if dev.master and bool(ckpt.get('ema')) != (ema_model is not model):  # --ema turned off or on at this resume
-        print(f"  the checkpoint's EMA weights are dropped: evaluations and checkpoints hold the raw weights from "
-              f"here" if ckpt.get('ema') else f"  the EMA starts from the raw weights of step {ckpt['step']} and "
-              f"averages on at ema_rate={cfg['ema_rate']}")
+        if cfg['eval_only']:  # an evaluation trains and saves nothing: it takes the raw weights either way
+            print("  the checkpoint's EMA weights are not evaluated (--ema=False): its raw weights are"
+                  if ckpt.get('ema') else "  the checkpoint holds no EMA weights: its raw weights are evaluated")
+        else:
+            print("  the checkpoint's EMA weights are dropped: evaluations and checkpoints hold the raw weights from "
+                  "here" if ckpt.get('ema') else f"  the EMA starts from the raw weights of step {ckpt['step']} and "
+                  f"averages on at ema_rate={cfg['ema_rate']}")
     step, lb = ckpt['step'], cfg['global_batch_size'] // dev.world_size  # (the carry of the global batch)
     # the latents in this run's forward dtype: the network computes in theirs, and a refill's mix of fresh rows
     # and another dtype's is the wider one, so a float32 carry would keep a bfloat16 run in float32 to its end

@@ -171,6 +171,16 @@ def test_a_resume_that_turns_the_ema_off_or_on_says_what_becomes_of_it(toy, tmp_
     assert not [l for l in p.stdout.splitlines() if 'EMA' in l]  # it goes on: nothing to say
 
 
+def test_an_eval_only_resume_says_nothing_of_training_on(toy, tmp_path):
+    # an evaluation trains and saves nothing: no LR schedule to come, no EMA that averages on
+    out = tmp_path / 'o'
+    train(toy, out, '--epochs=1')
+    p = train(toy, out, '--init_from=resume', '--eval_only=True', '--epochs=3', '--lr_min_ratio=0.1', '--ema=False')
+    assert 'LR schedule' not in p.stdout and 'from here' not in p.stdout, p.stdout[-2000:]
+    said = [l for l in p.stdout.splitlines() if 'EMA' in l]
+    assert said and 'raw weights' in said[0] and 'evaluat' in said[0], p.stdout[-2000:]
+
+
 def test_a_bfloat16_run_resumes_exactly_and_in_bfloat16(toy, tmp_path):
     """A checkpoint holds the ACT carry in float32 (the host has no bfloat16 arrays), and the network computes in
     its latents' dtype: resumed as it was, a bfloat16 run trained on in float32 to its end (a refill's mix of
