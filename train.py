@@ -245,9 +245,10 @@ def main(index=None):
     if run.owed_final:  # the time budget's last step: its final evaluation, as the run stopped in it would have
         run_steps = step
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
-        # the key that ends the run: a max_steps at or past the end of the epochs moves nothing
-        end = f"--max_steps={max_steps}" if 0 < max_steps < total_steps else \
-            f"--epochs={epochs}" + (f"; --max_steps={max_steps} ends no earlier" if max_steps > 0 else '')
+        # the keys that end the run: a max_steps past the end of the epochs moves nothing, one at it ends it too
+        end = f"--max_steps={max_steps}" if 0 < max_steps < total_steps else f"--epochs={epochs}" + (
+            f" and --max_steps={max_steps}" if max_steps == total_steps else
+            f"; --max_steps={max_steps} ends later" if max_steps > 0 else '')
         done = run.finished_before(step, run_steps, end) or evaluate_and_save(
             run, step, step, model, ema_model, loaders, arc, log=not run.logged('eval', step))
         run.end(stopped=not done)

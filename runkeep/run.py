@@ -383,14 +383,16 @@ class Run:
         self.end(res is None)
 
     def finished_before(self, step, run_steps, end):
-        """A checkpoint at or past this run's last step (`end`: the key that sets it). Past it: nothing to
-        train, said as an error. At it: False when its results.json is missing (the final evaluation is owed:
-        a stop during it, a failed write, or an earlier finish's results.json), else True, said so."""
+        """A checkpoint at or past this run's last step (`end`: the keys that set it, ' and ' between them, then
+        after ';' any words on them). Past it: nothing to train, said as an error. At it: False when its
+        results.json is missing (the final evaluation is owed: a stop during it, a failed write, or an earlier
+        finish's results.json), else True, said so."""
+        keys = ' and '.join(k.split('=')[0] for k in end.split(';')[0].split(' and '))
         if step > run_steps:  # evaluating it again would change nothing
             self.end(False)
             raise SystemExit(f"{self.resumed_from} is at step {step}, past this run's last step {run_steps} "
-                             f"({end}): nothing to train; raise {end.split('=')[0]} to train on, or evaluate "
-                             "it with --eval_only=True")
+                             f"({end}): nothing to train; raise {keys} to train on, or evaluate it with "
+                             "--eval_only=True")
         if self.records.results_missing(step):
             self.open_records(step)
             if self.master:
@@ -399,7 +401,7 @@ class Run:
             return False
         if self.master:
             print(f"the checkpoint is at step {step}, and this run ends at step {run_steps} ({end}): nothing to do "
-                  f"(raise {end.split('=')[0]} to train on)")
+                  f"(raise {keys} to train on)")
         self.records.catch_up(self.resumed_from, True, self.prune_bucket)  # a bucket down at its end: sent now
         return True
 

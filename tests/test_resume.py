@@ -240,6 +240,10 @@ def test_resume_past_the_end_says_so(toy, tmp_path):
     p = train(toy, out, '--init_from=resume', '--max_steps=60')
     said = [l for l in p.stdout.splitlines() if 'nothing to do' in l]
     assert said and 'raise --epochs to train on' in said[0] and '--max_steps=60' in said[0], p.stdout[-2000:]
+    # a max_steps at the epochs' end ends the run as well: raising either alone moves nothing
+    p = train(toy, out, '--init_from=resume', '--max_steps=40')
+    said = [l for l in p.stdout.splitlines() if 'nothing to do' in l]
+    assert said and 'raise --epochs and --max_steps to train on' in said[0], p.stdout[-2000:]
 
 
 def test_init_from_files_that_are_not_checkpoints_of_this_model(toy, tmp_path):
