@@ -346,7 +346,7 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
     except RuntimeError:  # which keys to check: the weights' shapes against the model's (the dataset's too)
         published = published and found['config'] is None
         where = "all_config.yaml's model keys" if published else "this run's model keys"
-        # the only difference that of the data's length: the weights hold it (MLP-t's, learned positions')
+        # the data's length, where it is the only difference: the weights hold it (MLP-t's, learned positions')
         raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {data_path}",
                                           published or bool(length_note)))
     load_into(ema_model, sd)
@@ -791,7 +791,9 @@ def mismatch_message(sd, model, cfg, given, where, ours):
         check += (['puzzle_emb_len', 'puzzle_emb_ndim'] if 'total_len' in differ else []) + ['data_path']
     if not check:
         check = ['expansion', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len', 'data_path']
-    if ours:  # the model keys came from the checkpoint: only the dataset can be wrong
+    # the model keys came from the checkpoint (or agree with it, but for the length its weights hold): only the
+    # dataset can be wrong
+    if ours and all(k in data_keys for k in differ):
         check = ['data_path']
         if 'total_len' in differ:  # its prefix is this model's: the rest is the length of the puzzles it learned
             says += (f": puzzles of seq_len {found['total_len'] - (cfg.total_len - cfg.seq_len)}, the dataset's "

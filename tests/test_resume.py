@@ -246,6 +246,18 @@ def test_resume_past_the_end_says_so(toy, tmp_path):
     assert said and 'raise --epochs and --max_steps to train on' in said[0], p.stdout[-2000:]
 
 
+def test_init_from_onto_another_length_and_width_names_the_width(toy, tmp_path):
+    # another length alone is a fine-tune (a note); a model key that differs too is the user's to fix, not the data
+    att = [a for a in FAST if not a.startswith(('--mlp_t', '--pos_encodings'))] + ['--mlp_t=False',
+                                                                                    '--pos_encodings=rope']
+    longer = make_reverse_dataset(str(tmp_path / 'len12'), n_train=100, n_test=20, L=12)
+    train(toy, tmp_path / 'a', '--max_steps=1', args=att)
+    p = train(longer, tmp_path / 'b', '--max_steps=1', f'--init_from={tmp_path}/a/ckpt_00000001.pt', '--hidden_size=16',
+              args=att, check=False)
+    said = assert_user_error(p, 'hidden_size=32 (here 16)', one_line=True)
+    assert said.endswith('Check --hidden_size'), said
+
+
 def test_init_from_files_that_are_not_checkpoints_of_this_model(toy, tmp_path):
     text = tmp_path / 'notes.txt'
     text.write_text('not a checkpoint')
