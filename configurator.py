@@ -429,8 +429,10 @@ def _configure(g, argv):
     if flag := next((a for a in argv if a.startswith('--') and '=' not in a), None):
         raise SystemExit(f"config error: {flag} should look like --key=value (--help lists the keys)")
     # a puzzle with spaces (a maze's open cells) typed without quotes: the shell's words after it are no config files
+    # (a name ending in .py is one, mistyped: said as such below)
     if any(a.startswith('--puzzle=') for a in argv) and 'puzzle' in known and \
-            (word := next((a for a in argv if not a.startswith('--') and not os.path.exists(find_file(a))), None)):
+            (word := next((a for a in argv if not a.startswith('--') and not a.endswith('.py')
+                           and not os.path.exists(find_file(a))), None)):
         raise SystemExit(f"config error: {word!r} is no key and no config file: a --puzzle with spaces (a maze's open "
                          "cells) needs quotes, or the shell cuts it into words: --puzzle='#S  #/...'")
     # the config files in their order, then the flags, wherever they were typed: a flag always wins over a file

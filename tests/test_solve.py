@@ -416,6 +416,10 @@ def test_a_maze_typed_without_quotes_is_said_to_need_them(maze8):
     words = '/'.join(rows_of(maze8.questions[0])).split(' ')
     p = solve(f'--init_from={maze8.ckpt}', f'--puzzle={words[0]}', *[w for w in words[1:] if w], check=False)
     assert_user_error(p, 'needs quotes', "--puzzle='", one_line=True)
+    # a config file's name mistyped beside a --puzzle is that file not found, not a puzzle to quote
+    p = solve(f'--init_from={maze8.ckpt}', 'config/mazee.py', f'--puzzle={words[0]}', check=False)
+    said = assert_user_error(p, 'cannot read config file', 'mazee.py', one_line=True)
+    assert 'quotes' not in said, said
 
 
 def test_a_mazes_open_cells_at_a_rows_end_stripped_are_said(maze8, tmp_path):
