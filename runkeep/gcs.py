@@ -618,8 +618,8 @@ def fetch_tree(uri, cache_dir):
     a temporary folder, its size checked against the listing, and only a complete copy is renamed to its final
     name, so an interrupted fetch is retried from scratch and never leaves a folder that looks whole. A copy
     whose listing (names, sizes, generations) is the bucket's is used as it is; a dataset rebuilt there with
-    another seed keeps its names and sizes, not its generations. A bucket that cannot be listed leaves a
-    complete copy in use, said."""
+    another seed keeps its names and sizes, not its generations. A bucket that cannot be listed, or holds
+    nothing there now, leaves a complete copy in use, said."""
     dest = cached_copy(uri, cache_dir)
     complete = os.path.join(dest, '.complete')
     try:
@@ -633,6 +633,9 @@ def fetch_tree(uri, cache_dir):
         with open(complete) as f:
             if f.read() == json.dumps(listing):
                 return dest
+        if not listing:  # removed from the bucket since (a clean-up): a run on this host goes on with what it has
+            print(f"warning: nothing under {uri} now; using the copy fetched earlier, {dest}", file=sys.stderr)
+            return dest
     if not listing:
         raise FileNotFoundError(f"nothing under {uri}")
     tmp = f"{dest}.partial.{os.getpid()}"

@@ -368,6 +368,23 @@ def test_a_dataset_rebuilt_in_its_bucket_is_fetched_again_and_a_cached_one_serve
     assert sampled_rows(gcs.fetch_tree(uri, cache)) == sampled_rows(other)  # the copy it has, said
 
 
+def test_a_cached_dataset_whose_bucket_copy_is_gone_serves_said(emu, tmp_path, toy, capsys):
+    """A copy in the cache served whatever the bucket held; a dataset removed from its bucket since (a clean-up)
+    must not stop a run on a host that has it whole: it is used, said, as when the bucket cannot be listed."""
+    from runkeep import gcs
+    from runkeep.startup import sampled_rows
+    from conftest import BUCKET
+    uri, cache = f'gs://{BUCKET}/datasets/removed', str(tmp_path / 'cache')
+    gcs.upload_tree(toy, uri)
+    gcs.fetch_tree(uri, cache)
+    for obj, _ in gcs.list_objects(uri + '/'):
+        gcs.delete_object(obj)
+    assert sampled_rows(gcs.fetch_tree(uri, cache)) == sampled_rows(toy)
+    assert f'nothing under {uri}' in capsys.readouterr().err
+    with pytest.raises(FileNotFoundError, match='nothing under'):  # no copy: nothing to train on
+        gcs.fetch_tree(uri, str(tmp_path / 'empty'))
+
+
 # -----------------------------------------------------------------------------
 # resume that is the same on every rank or refuses
 
