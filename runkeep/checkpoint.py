@@ -154,7 +154,13 @@ def table_rows(weights):
 _NOTED = set()  # checkpoints said to carry no identifiers digest (once per process)
 
 
-def identifier_mismatch(found, path, data_path, meta, say=True):
+def given_data(typed, data_path):
+    """The words for the dataset a run reads: the data_path typed, and for a gs:// one the copy read here (a
+    folder the user never typed)."""
+    return data_path if typed == data_path else f"{typed} (its copy in {data_path})"
+
+
+def identifier_mismatch(found, path, data_path, meta, say=True, given=None):
     """'' when the puzzle-embedding table of a checkpoint (found: weights_in's dict) belongs to the dataset in
     data_path (meta: its train split's dataset.json), else one sentence naming the checkpoint, the dataset and
     both identifier counts. A checkpoint of train.py records its dataset's identifiers (identifiers_of); one
@@ -162,25 +168,26 @@ def identifier_mismatch(found, path, data_path, meta, say=True):
     dict can only be checked by their table's row count, which is said once (say=True). A checkpoint that
     records the names, against a dataset whose identifiers.json is missing or unreadable, is refused (SystemExit):
     the count alone cannot tell a dataset rebuilt with another seed. A model without a puzzle embedding
-    (puzzle_emb_ndim 0) is checked by the count alone: its table's rows stand for nothing."""
-    ours, now = found.get('identifiers'), identifiers_of(data_path, meta)
+    (puzzle_emb_ndim 0) is checked by the count alone: its table's rows stand for nothing. given: the words for
+    the dataset (given_data), where they are not data_path."""
+    ours, now, given = found.get('identifiers'), identifiers_of(data_path, meta), given or data_path
     rows = table_rows(found['weights'])
     saved = ours['count'] if isinstance(ours, dict) else rows
     if saved is None:
         return ''
     if saved != now['count']:
-        return (f"{path} holds a puzzle-embedding table of {saved} identifiers; the dataset {data_path} has "
+        return (f"{path} holds a puzzle-embedding table of {saved} identifiers; the dataset {given} has "
                 f"{now['count']}")
     if (found.get('config') or {}).get('puzzle_emb_ndim', 1) == 0:
         return ''  # no puzzle embedding: its table's rows stand for nothing, whatever the names
     recorded = isinstance(ours, dict) and ours.get('sha256')
     if recorded and not now['sha256']:
         raise SystemExit(f"{path} records which puzzles its puzzle-embedding rows stand for, but "
-                         f"{identifiers_digest(data_path)[1]}: the dataset {data_path} cannot be checked to hold "
+                         f"{identifiers_digest(data_path)[1]}: the dataset {given} cannot be checked to hold "
                          f"the same ones (a rebuild with another --seed keeps their count, {saved}). Restore "
                          "identifiers.json, or rebuild the dataset with the command that built it")
     if recorded and ours['sha256'] != now['sha256']:
-        return (f"{path} was trained on other puzzle identifiers than the dataset {data_path} holds ({saved} "
+        return (f"{path} was trained on other puzzle identifiers than the dataset {given} holds ({saved} "
                 f"each, but identifiers.json names other puzzles: a rebuild with another --seed?), so its "
                 f"puzzle-embedding rows would each serve another puzzle")
     if not recorded and say and path not in _NOTED:
@@ -189,7 +196,7 @@ def identifier_mismatch(found, path, data_path, meta, say=True):
             'was saved before checkpoints recorded' if not isinstance(ours, dict) else \
             'was trained on a dataset without a readable identifiers.json: it records'
         print(f"note: {path} {what} no dataset identifiers: only their count is checked ({saved}, as the "
-              f"dataset {data_path} has)")
+              f"dataset {given} has)")
     return ''
 
 
@@ -303,14 +310,16 @@ def delete_all_checkpoints(folders):
     return problems
 
 
-def load_weights(path, model, ema_model, meta, data_path, adapt, published=False):
+def load_weights(path, model, ema_model, meta, data_path, adapt, published=False, given=None):
     """init_from=FILE: the weights of a checkpoint of ours (its EMA when there is one, for the raw weights and
     the EMA alike) or a reference state dict; ours only on data of the shape and kind it trained on (a 4x4
     Sudoku's weights fit a 4x4 maze's tensors, not its puzzles). A table of another dataset's puzzle
     identifiers (identifier_mismatch) is refused, or with `adapt` (a training run) replaced: the dataset's
     size, every row the checkpoint's mean row (the reference's load_checkpoint does the same), so that new
     puzzles start from what the trained ones share. published: the model keys came from an all_config.yaml
-    beside it (hub.resolve_init_from), which names them in a refusal. Returns the line that says what was loaded."""
+    beside it (hub.resolve_init_from), which names them in a refusal. given: the words for the dataset
+    (given_data), where they are not data_path. Returns the line that says what was loaded."""
+    given = given or data_path
     try:  # mapped: of a checkpoint of ours, only the weights taken are read, not the optimizer's moments or carry
         ckpt = load_checkpoint(path, mmap=True)
     except CheckpointError as e:
@@ -326,14 +335,14 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
                                                              if k != 'seq_len'):
             # the same kind and vocabulary, another length: a fine-tune, not a mistake; attention with RoPE or
             # no positions runs on any length (MLP-t's and learned positions' weights are refused below)
-            length_note = (f"; note: it trained on seq_len {was['seq_len']} ({their_path}), {data_path} holds "
+            length_note = (f"; note: it trained on seq_len {was['seq_len']} ({their_path}), {given} holds "
                            f"seq_len {now['seq_len']}: its weights meet a length they never learned")
         else:
-            for problem in data_problems(ckpt, path, meta, data_path, "Its weights learned that data: point "
+            for problem in data_problems(ckpt, path, meta, given, "Its weights learned that data: point "
                                          "--data_path at a dataset of that kind, or train from scratch"):
                 raise SystemExit(f"init_from={problem}")
     sd = fill_absent_table(found['weights'], model)  # a reference state dict of a model without puzzle table
-    why = identifier_mismatch(found, path, data_path, meta)
+    why = identifier_mismatch(found, path, data_path, meta, given=given)
     if why and not adapt:
         raise SystemExit(f"init_from={why}. Its puzzle embedding answers for that dataset's puzzles: "
                          f"evaluate it on the dataset it trained on, or adapt it to this one first "
@@ -347,7 +356,7 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
         published = published and found['config'] is None
         where = "all_config.yaml's model keys" if published else "this run's model keys"
         # the data's length, where it is the only difference: the weights hold it (MLP-t's, learned positions')
-        raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {data_path}",
+        raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {given}",
                                           published or bool(length_note)))
     load_into(ema_model, sd)
     if not why:
@@ -525,12 +534,11 @@ def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path, digest):
         other = {k: (saved[k], cfg[k]) for k in cfg if k in saved and saved[k] != cfg[k]}
         print(f"resuming from {path} (step {ckpt['step']})"
               + ''.join(f"\n  {k}: {a!r} -> {b!r}" for k, (a, b) in other.items()))
-    # a gs:// data_path is read from its copy in data_cache_dir: the words name the path given
-    given = data_path if cfg['data_path'] == data_path else f"{cfg['data_path']} (its copy in {data_path})"
+    given = given_data(cfg['data_path'], data_path)
     fail_together(dev, data_problems(ckpt, path, meta, given, "A resume keeps the data's shape: point "
                                      "--data_path at that dataset, or start a new run (another out_dir)"),
                   'resume')
-    why = identifier_mismatch(weights_in(ckpt), path, data_path, meta, say=dev.master)
+    why = identifier_mismatch(weights_in(ckpt), path, data_path, meta, say=dev.master, given=given)
     advice = ("Evaluate it on the dataset it trained on, or adapt it to this one first (train.py "
               f"--init_from={path} in another out_dir: a new table, trained)") if cfg['eval_only'] else \
         ("A resume keeps its table: point --data_path at the dataset it trained on, or adapt its network to "

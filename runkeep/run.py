@@ -32,9 +32,9 @@ from step import format_train
 from . import gcs
 from .budget import Clock, TimeBudget
 from .checkpoint import (MAX_WEIGHT, CheckpointError, check_resume, checkpoint_name, checkpoint_problems,
-                         checkpoint_tensors, delete_all_checkpoints, find_resume_checkpoint, identifiers_of,
-                         list_checkpoints, load_state, load_weights, prune_checkpoints, resume_parts, set_aside_diverged,
-                         start_file_missing, write_checkpoint)
+                         checkpoint_tensors, delete_all_checkpoints, find_resume_checkpoint, given_data,
+                         identifiers_of, list_checkpoints, load_state, load_weights, prune_checkpoints, resume_parts,
+                         set_aside_diverged, start_file_missing, write_checkpoint)
 from .hub import all_config_beside
 from .locks import lock_bucket, lock_local, mark_data, release_locks
 from .records import RunRecords, drop_evaluations, drop_results, remove_unfinished, start_log
@@ -159,7 +159,8 @@ class Run:
                              "evaluating it before training on"))
         if init_file and ckpt is None:  # a training run onto other identifiers adapts the network
             said = load_weights(init_file, model, ema_model, self.meta, self.data_path,
-                                adapt=not cfg['eval_only'], published=bool(all_config_beside(init_file)))
+                                adapt=not cfg['eval_only'], published=bool(all_config_beside(init_file)),
+                                given=given_data(cfg['data_path'], self.data_path))
             if self.master:
                 print(said)
         self.run_id = self.run_id or secrets.token_hex(4)

@@ -396,6 +396,27 @@ def test_a_resume_onto_other_examples_in_a_bucket_names_the_gs_data_path_given(e
     assert f'the dataset at {data}/b (its copy in ' in said and f"data_path was '{data}/a'" in said, said
 
 
+def test_a_resume_onto_other_puzzle_identifiers_in_a_bucket_names_the_gs_data_path_given(emu, toy, tmp_path):
+    """The same examples, other names in identifiers.json (a rebuild with another seed): the refusal names the
+    gs:// path the user gave and its copy, as the refusals of other examples and of another shape do."""
+    data = f'gs://{BUCKET}/datasets/renamed'
+    for name, ids in (('a', ['<blank>', 'task0']), ('b', ['<blank>', 'task1'])):
+        shutil.copytree(toy, tmp_path / name)
+        json.dump(ids, open(tmp_path / name / 'identifiers.json', 'w'))
+        gcs.upload_tree(str(tmp_path / name), f'{data}/{name}')
+    args = [f'--out_dir={tmp_path}/o', f'--data_cache_dir={tmp_path}/cache', '--epochs=1', '--eval_every_epochs=100',
+            '--max_steps=2'] + TOY_ARGS + ['--puzzle_emb_ndim=16']
+    env = dict(STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
+    run(['train.py', f'--data_path={data}/a'] + args, env=env)
+    p = run(['train.py', f'--data_path={data}/b', '--init_from=resume', '--max_steps=4'] + args, env=env, check=False)
+    said = assert_user_error(p, 'other puzzle identifiers', one_line=True)
+    assert f'the dataset {data}/b (its copy in ' in said, said
+    p = run(['train.py', f'--data_path={data}/b', '--eval_only=True', f'--init_from={tmp_path}/o/ckpt_00000002.pt']
+            + args, env=env, check=False)
+    said = assert_user_error(p, 'other puzzle identifiers', one_line=True)
+    assert f'the dataset {data}/b (its copy in ' in said, said
+
+
 def test_failed_uploads_do_not_stop_training(toy, tmp_path):
     # the autouse fixture points STORAGE_EMULATOR_HOST at a closed port: every upload fails
     p = run(['train.py', f'--data_path={toy}', f'--out_dir=gs://{BUCKET}/down', f'--local_dir={tmp_path}/local',
