@@ -146,7 +146,9 @@ if compile_mode not in compile_modes:
                      f"{set_where(_set_at, ['compile_mode'])}")
 profile_span = parse_steps(profile_steps) if profile_steps else None  # (checked above) traced after the timing
 warmup_steps = max(warmup_steps, 1)  # the first step (compilation) is never among the timed ones
-forward_dtype, dtype_why = choose_dtype(forward_dtype, device_type)
+forward_dtype, dtype_why, warning = choose_dtype(forward_dtype, device_type)
+if warning:
+    print(warning)
 loss_dtype = resolve_loss_dtype(loss_dtype, device_type)
 
 

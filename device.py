@@ -190,9 +190,9 @@ def resolve_loss_dtype(requested, device_type):
 
 
 def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=None):
-    """(forward dtype, why). 'auto': bfloat16 on TPU and on GPUs of compute capability 8.0 or newer, and
-    on CPUs with native bf16; float32 elsewhere. An explicit choice is obeyed; where it is bf16 on hardware
-    that emulates it, `why` starts with 'warning:'."""
+    """(forward dtype, why, warning). 'auto': bfloat16 on TPU and on GPUs of compute capability 8.0 or newer,
+    and on CPUs with native bf16; float32 elsewhere. An explicit choice is obeyed; where it is bf16 on hardware
+    that emulates it, `warning` is a line of its own to print ('' elsewhere): `why` goes inside the device line."""
     if (device_type == 'xla' and os.environ.get('PJRT_DEVICE', 'TPU') != 'CPU') or device_type == 'tpu':
         native, hw = True, 'TPU'
     elif device_type == 'cuda':
@@ -204,11 +204,12 @@ def choose_dtype(requested, device_type, cuda_capability=None, native_cpu_bf16=N
         hw = 'CPU ' + ('with' if native else 'without') + ' native bf16' + (f" under {capped}"
                                                                           if capped and not native else '')
     if requested == 'auto':
-        return ('bfloat16', f"auto: bfloat16 ({hw})") if native else ('float32', f"auto: float32 ({hw})")
+        return ('bfloat16', f"auto: bfloat16 ({hw})", '') if native else ('float32', f"auto: float32 ({hw})", '')
     if requested == 'bfloat16' and not native:
-        return requested, (f"warning: forward_dtype=bfloat16 on a {hw}: it is emulated and runs many times "
-                           f"slower than float32 (--forward_dtype=auto picks float32 here)")
-    return requested, f"{requested} (as configured)"
+        return requested, "bfloat16 (as configured, emulated: see the warning above)", (
+            f"warning: forward_dtype=bfloat16 on a {hw}: it is emulated and runs many times slower than float32 "
+            "(--forward_dtype=auto picks float32 here)")
+    return requested, f"{requested} (as configured)", ''
 
 
 # -----------------------------------------------------------------------------

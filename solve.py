@@ -399,7 +399,9 @@ def load_model(dev):
     else:
         model_cfg = {k: config[k] for k in MODEL_KEYS if k != 'forward_dtype'}
     requested = forward_dtype if forward_dtype != 'checkpoint' else model_cfg.get('forward_dtype', 'auto')
-    dtype, dtype_why = choose_dtype(requested, dev.type)
+    dtype, dtype_why, warning = choose_dtype(requested, dev.type)
+    if warning:
+        print(warning)
     model_cfg.update(forward_dtype=dtype,
                      loss_dtype=resolve_loss_dtype(model_cfg.get('loss_dtype', 'auto'), dev.type))
     try:

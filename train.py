@@ -152,7 +152,9 @@ def build(meta, dev, total_steps, data_path):
     puzzle embedding, a buffer never averaged: an ARC table held once), the step's settings (the LR schedule,
     EMA, clipping, accumulation) and why this forward dtype; eval_views refused where it would not fit in
     memory."""
-    dtype, dtype_why = choose_dtype(forward_dtype, dev.type)
+    dtype, dtype_why, warning = choose_dtype(forward_dtype, dev.type)
+    if warning and dev.master:
+        print(warning)
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.type))
     torch.manual_seed(seed)  # the same initial weights on every rank

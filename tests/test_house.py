@@ -279,13 +279,14 @@ def test_the_test_requirements_install_on_macos_without_torch_xla():
     ('auto', 'cuda', (7, 5), None, 'float32', 'compute capability 7.5'),    # T4: no native bf16
     ('auto', 'cpu', None, True, 'bfloat16', 'with native bf16'),
     ('auto', 'cpu', None, False, 'float32', 'without native bf16'),
-    ('bfloat16', 'cpu', None, False, 'bfloat16', 'warning: forward_dtype=bfloat16'),  # obeyed, with a warning
-    ('bfloat16', 'cuda', (7, 0), None, 'bfloat16', 'warning'),
+    ('bfloat16', 'cpu', None, False, 'bfloat16', 'emulated'),  # obeyed, with a warning of its own
+    ('bfloat16', 'cuda', (7, 0), None, 'bfloat16', 'emulated'),
     ('float32', 'cuda', (9, 0), None, 'float32', 'as configured'),
 ])
 def test_the_number_format_is_chosen_by_the_hardware(requested, kind, cap, native, want, why):
-    dtype, text = choose_dtype(requested, kind, cuda_capability=cap, native_cpu_bf16=native)
-    assert dtype == want and why in text, (dtype, text)
+    dtype, text, warning = choose_dtype(requested, kind, cuda_capability=cap, native_cpu_bf16=native)
+    assert dtype == want and why in text and not text.startswith('warning'), (dtype, text)
+    assert warning.startswith('warning: forward_dtype=bfloat16 on a ') if why == 'emulated' else warning == ''
 
 
 def test_the_number_format_on_a_tpu_is_bfloat16(monkeypatch):
@@ -316,3 +317,10 @@ def test_torch_held_to_avx2_chooses_float32_as_an_avx2_machine_does_and_says_why
     p = run(one_step(toy, tmp_path), env={name: value})
     first = next(l for l in p.stdout.splitlines() if l.startswith('device cpu'))
     assert f'forward dtype auto: float32 (CPU without native bf16 under {name}={value})' in first, first
+    # bfloat16 typed is obeyed: the device line says so in its place, the warning is a line of its own before it
+    lines = run(one_step(toy, tmp_path / 'bf16') + ['--forward_dtype=bfloat16'], env={name: value}).stdout.splitlines()
+    at = next(i for i, l in enumerate(lines) if l.startswith('device cpu'))
+    assert '| forward dtype bfloat16 (as configured, emulated: see the warning above) |' in lines[at], lines[at]
+    assert [l for l in lines if 'warning' in l and 'bf16' in l] == [
+        f'warning: forward_dtype=bfloat16 on a CPU without native bf16 under {name}={value}: it is emulated and runs '
+        'many times slower than float32 (--forward_dtype=auto picks float32 here)'] == lines[at - 1:at], lines
