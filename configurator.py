@@ -51,7 +51,8 @@ class Tee:
     log = None
     line_start = None  # where the line being written began in train.log; None between lines
     dropping = False  # the rest of a line that did not fit is dropped: the next line tries again
-    missing = 0  # lines not in train.log since the last one that went in
+    missing = 0  # lines of the output not in train.log since the last one that went in
+    header = ''  # this process's header line while it has not fit in train.log: it goes before the next line that does
     said = []  # lines about train.log for the terminal, put there after the line being written
     lock = threading.RLock()  # a thread's print, or a signal handler's in the middle of one, keeps lines whole
     # train.log when the parent process appends this process's output to it already (study.py names that file
@@ -99,13 +100,15 @@ class Tee:
             print(f"warning: cannot write {path} ({e}); the output is not logged there")
             return
         cls.to_log(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: "
-                   f"{' '.join(sys.argv)}\n")
+                   f"{' '.join(sys.argv)}\n", header=True)
 
     @classmethod
-    def to_log(cls, text):
+    def to_log(cls, text, header=False):
         """text appended to train.log in whole lines: a line that does not fit (a full disk) is cut back out and
         the rest of it dropped, the first such says a warning on the terminal, and the first line that fits again
-        is preceded by a note of how many are missing (in the file; on the terminal after it); the run goes on."""
+        is preceded by a note of how many are missing (in the file; on the terminal after it); the run goes on.
+        header: the process's header line, never on the terminal: one that does not fit is not counted, but
+        written before the next line that fits (where this process's lines begin)."""
         with cls.lock:
             for part in re.findall(r'[^\n]*\n|[^\n]+', text):
                 ends = part.endswith('\n')
@@ -117,18 +120,22 @@ class Tee:
                 try:
                     if cls.line_start is None:
                         cls.line_start = os.lseek(cls.log.fileno(), 0, os.SEEK_END)
-                        cls.append(note)
+                        cls.append(cls.header + note)
                     cls.append(part)
                 except OSError as e:
                     with contextlib.suppress(OSError):  # the part of it that fits: the next line would be glued on
                         os.ftruncate(cls.log.fileno(), cls.line_start)
+                    cls.dropping, cls.line_start = not ends, None
+                    if header:
+                        cls.header += part
+                        continue
                     if not cls.missing:
                         cls.said.append(f"warning: could not append to {cls.log.name} ({e.strerror or e}): the output "
                                         "goes on here; lines that do not fit there are left out until there is room, "
                                         "then a note says how many")
                     cls.missing += 1
-                    cls.dropping, cls.line_start = not ends, None
                     continue
+                cls.header = ''
                 if note:
                     cls.said.append(f"note: {cls.log.name} is appended to again; {cls.missing} line(s) of the output "
                                     "before the line above are not in it")

@@ -110,6 +110,41 @@ def test_train_log_on_a_full_disk_is_one_warning_whole_lines_and_training_goes_o
     assert all(l in shown or l.startswith('note: ') for l in log[len(pad):].splitlines()), log[len(pad):]
 
 
+# room again in train.log at the third training step: the older run's lines after the first MiB deleted
+TRAIN_LOG_CUT_IN_STEP_3 = """import step
+real, calls = step.train_step, [0]
+
+
+def train_step(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 3:
+        os.truncate(os.path.join(os.environ['OUT_DIR'], 'train.log'), 1 << 20)
+    return real(*args, **kwargs)
+
+
+step.train_step = train_step
+"""
+
+
+def test_a_header_line_that_does_not_fit_goes_before_the_next_line_that_does_and_is_not_counted(toy, tmp_path):
+    out, limit = tmp_path / 'o', 1 << 21
+    os.makedirs(out)
+    pad = ('x' * 1023 + '\n') * (limit // 1024 - 1) + 'x' * 1013 + '\n'  # an older run's lines: 10 bytes of room
+    (out / 'train.log').write_text(pad)
+    env = dict(site_hook(tmp_path / 'hook', TRAIN_LOG_CUT_IN_STEP_3), OUT_DIR=str(out))
+    p = run(limited(limit) + [f'--data_path={toy}', f'--out_dir={out}', '--max_steps=4'] + FAST + ['--log_interval=1'],
+            env=env)
+    log = (out / 'train.log').read_text()[1 << 20:].splitlines()
+    assert log[0].startswith('--- ') and 'pid ' in log[0] and log[1].startswith('note: '), log[:3]
+    # the lines of the output not in the file, as the terminal shows them after the file's lines were opened
+    shown = p.stdout.splitlines()
+    after = shown[next(i for i, l in enumerate(shown) if l.startswith('device ')):]
+    absent = [l for l in after if l not in log and 'train.log' not in l]
+    said = [l for l in shown if 'train.log' in l]
+    assert len(said) == 2 and f'; {len(absent)} line(s) of the output' in said[1], (said, absent)
+    assert log[1].startswith(f'note: {len(absent)} line(s) of the output'), (log[1], absent)
+
+
 def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_one_kept_and_what_to_do(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=4')
