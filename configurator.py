@@ -54,6 +54,7 @@ class Tee:
     missing = 0  # lines of the output not in train.log since the last one that went in
     header = ''  # this process's header line while it has not fit in train.log: it goes before the next line that does
     said = []  # lines about train.log for the terminal, put there after the line being written
+    queued = []  # lines from another thread (a stop request's) that came while a line was being written: after it
     lock = threading.RLock()  # a thread's print, or a signal handler's in the middle of one, keeps lines whole
     # train.log when the parent process appends this process's output to it already (study.py names that file
     # in OUTPUT_LOG_VAR): written from here only once the parent's reading end is gone, so each line is there once
@@ -142,6 +143,25 @@ class Tee:
                     cls.missing = 0
                 if ends:
                     cls.line_start = None
+            if cls.queued and cls.line_start is None and not cls.dropping:
+                lines, cls.queued = cls.queued, []
+                cls.to_log(''.join(lines))
+
+    @classmethod
+    def line_from_thread(cls, line):
+        """A line of a thread that must not wait (a stop request's, said at once on the terminal): appended
+        whole now, or where a print's parts are being written (its text, then its newline), right after it. A
+        thread stuck in a write to train.log holds the lock: then the line is written as it is."""
+        if not cls.lock.acquire(timeout=1):
+            os.write(cls.log.fileno(), (line + '\n').encode(errors='backslashreplace'))
+            return
+        try:
+            if cls.line_start is None and not cls.dropping:
+                cls.to_log(line + '\n')
+            else:
+                cls.queued.append(line + '\n')
+        finally:
+            cls.lock.release()
 
     @classmethod
     def append(cls, text):

@@ -182,16 +182,19 @@ def read_signals(fd):
 
 
 def say(line):
-    """A line from a signal handler, written straight to stdout's and train.log's files: the handler may run
-    in the middle of a print, and Python's streams refuse to be entered twice. A closed stdout: train.log (also
-    where the parent that copied the output there is gone: Tee.parent_log)."""
+    """A line from a signal handler, written straight to stdout's file: the handler may run in the middle of a
+    print, and Python's streams refuse to be entered twice; train.log takes it whole, after the line being written
+    (Tee.line_from_thread). A closed stdout: train.log (also where the parent that copied the output there is gone:
+    Tee.parent_log)."""
     data, told = (line + '\n').encode(), False
-    for f in (sys.stdout, Tee.log):
-        try:
-            os.write(f.fileno(), data)
-            told = told or f is sys.stdout
-        except (OSError, ValueError, AttributeError):
-            pass
+    try:
+        os.write(sys.stdout.fileno(), data)
+        told = True
+    except (OSError, ValueError, AttributeError):
+        pass
+    if Tee.log is not None:
+        with contextlib.suppress(OSError, ValueError):
+            Tee.line_from_thread(line)
     if not told and Tee.log is None and Tee.parent_log:
         with contextlib.suppress(OSError):
             fd = os.open(Tee.parent_log, os.O_WRONLY | os.O_APPEND)

@@ -6,9 +6,12 @@ a file, a build over a file size limit: one line naming the path, and nothing al
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 
 
-from conftest import FAST, SUDOKU, assert_user_error, ckpts, run, site_hook, train, write_like
+from conftest import FAST, ROOT, SUDOKU, assert_user_error, ckpts, run, script_env, site_hook, train, write_like
 from disks import fill_up, small_disk
 
 
@@ -143,6 +146,45 @@ def test_a_header_line_that_does_not_fit_goes_before_the_next_line_that_does_and
     said = [l for l in shown if 'train.log' in l]
     assert len(said) == 2 and f'; {len(absent)} line(s) of the output' in said[1], (said, absent)
     assert log[1].startswith(f'note: {len(absent)} line(s) of the output'), (log[1], absent)
+
+
+# the second training step waits for a stop request (held_step's, for a script run by limited())
+STEP_2_WAITS_FOR_A_STOP = """import step
+from runkeep.signals import STOP
+real, calls = step.train_step, [0]
+
+
+def train_step(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == 2:
+        print('test hook: step 2 waits', flush=True)
+        while not STOP['requested']:
+            time.sleep(0.05)
+    return real(*args, **kwargs)
+
+
+step.train_step = train_step
+"""
+
+
+def test_a_stop_said_on_a_full_disk_leaves_no_line_of_train_log_in_part(toy, tmp_path):
+    # the stop's line, longer than the room left, was written in part: the next run's lines were glued to it
+    out, limit = tmp_path / 'o', 1 << 21
+    os.makedirs(out)
+    pad = 'x' * (limit - 61) + '\n'
+    (out / 'train.log').write_text(pad)
+    env = site_hook(tmp_path / 'hook', STEP_2_WAITS_FOR_A_STOP)
+    p = subprocess.Popen([sys.executable] + limited(limit) + [f'--data_path={toy}', f'--out_dir={out}',
+                                                              '--max_steps=8'] + FAST, cwd=ROOT, env=script_env(env),
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    shown = []
+    for line in p.stdout:
+        shown.append(line)
+        if line.startswith('test hook: step 2 waits'):
+            p.send_signal(signal.SIGTERM)
+    assert p.wait(60) == 0 and any('got SIGTERM: saving a checkpoint' in l for l in shown), ''.join(shown)[-3000:]
+    log = (out / 'train.log').read_text()
+    assert log.startswith(pad) and log.endswith('\n'), log[len(pad):]
 
 
 def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_one_kept_and_what_to_do(toy, tmp_path):
