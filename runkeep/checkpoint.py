@@ -357,7 +357,7 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
         where = "all_config.yaml's model keys" if published else "this run's model keys"
         # the data's length, where it is the only difference: the weights hold it (MLP-t's, learned positions')
         raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {given}",
-                                          published or bool(length_note)))
+                                          published or bool(length_note), typed=not published))
     load_into(ema_model, sd)
     if not why:
         return f"loaded weights from {path}{length_note}"
@@ -771,7 +771,7 @@ def meta_from_weights(sd, cfg, trained_on=None):
     return meta if puzzle_for(meta) else None
 
 
-def mismatch_message(sd, model, cfg, given, where, ours):
+def mismatch_message(sd, model, cfg, given, where, ours, typed=False):
     """The weights do not fit the model built from the config and the dataset: which keys to check."""
     want = model.state_dict()
     missing = [k for k in want if k not in sd]
@@ -799,9 +799,9 @@ def mismatch_message(sd, model, cfg, given, where, ours):
         check += (['puzzle_emb_len', 'puzzle_emb_ndim'] if 'total_len' in differ else []) + ['data_path']
     if not check:
         check = ['expansion', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len', 'data_path']
-    # the model keys came from the checkpoint (or agree with it, but for the length its weights hold): only the
-    # dataset can be wrong
-    if ours and all(k in data_keys for k in differ):
+    # the model keys came from the checkpoint or its all_config.yaml: only the dataset can be wrong; where flags may
+    # have set them too (typed), a model key that differs is named
+    if ours and not (typed and any(k not in data_keys for k in differ)):
         check = ['data_path']
         if 'total_len' in differ:  # its prefix is this model's: the rest is the length of the puzzles it learned
             says += (f": puzzles of seq_len {found['total_len'] - (cfg.total_len - cfg.seq_len)}, the dataset's "
