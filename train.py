@@ -248,10 +248,10 @@ def main(index=None):
         run_steps = step
     if step >= run_steps:  # nothing to train; a run ended without results.json evaluates again and writes it
         # the keys that end the run: a max_steps past the end of the epochs moves nothing, one at it ends it too
-        end = f"--max_steps={max_steps}" if 0 < max_steps < total_steps else f"--epochs={epochs}" + (
-            f" and --max_steps={max_steps}" if max_steps == total_steps else
-            f"; --max_steps={max_steps} ends later" if max_steps > 0 else '')
-        done = run.finished_before(step, run_steps, end) or evaluate_and_save(
+        ending = [f"--max_steps={max_steps}"] if 0 < max_steps < total_steps else [f"--epochs={epochs}"] + (
+            [f"--max_steps={max_steps}"] if max_steps == total_steps else [])
+        later = f"--max_steps={max_steps} ends later" if max_steps > total_steps else ''
+        done = run.finished_before(step, run_steps, ending, later) or evaluate_and_save(
             run, step, step, model, ema_model, loaders, arc, log=not run.logged('eval', step))
         run.end(stopped=not done)
         if not done and dev.master:  # its checkpoint stays as it was, still owing this evaluation

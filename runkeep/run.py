@@ -383,12 +383,13 @@ class Run:
                 self.records.write_evaluation(res, step, time.time() - t_eval, self.resumed_from, arc)
         self.end(res is None)
 
-    def finished_before(self, step, run_steps, end):
-        """A checkpoint at or past this run's last step (`end`: the keys that set it, ' and ' between them, then
-        after ';' any words on them). Past it: nothing to train, said as an error. At it: False when its
+    def finished_before(self, step, run_steps, ending, later=''):
+        """A checkpoint at or past this run's last step (`ending`: the --key=value flags that set it; `later`:
+        words on one that does not). Past it: nothing to train, said as an error. At it: False when its
         results.json is missing (the final evaluation is owed: a stop during it, a failed write, or an earlier
         finish's results.json), else True, said so."""
-        keys = ' and '.join(k.split('=')[0] for k in end.split(';')[0].split(' and '))
+        end = ' and '.join(ending) + (f"; {later}" if later else '')
+        keys = ' and '.join(k.split('=')[0] for k in ending)
         if step > run_steps:  # evaluating it again would change nothing
             self.end(False)
             raise SystemExit(f"{self.resumed_from} is at step {step}, past this run's last step {run_steps} "
