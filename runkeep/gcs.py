@@ -623,7 +623,7 @@ def fetch_tree(uri, cache_dir):
     dest = cached_copy(uri, cache_dir)
     complete = os.path.join(dest, '.complete')
     try:
-        listing = [list(obj) for obj in list_objects(uri.rstrip('/') + '/', generations=True)]
+        listing = list_objects(uri.rstrip('/') + '/', generations=True)
     except GCSError as e:
         if isinstance(e, Stopped) or not os.path.exists(complete):
             raise
