@@ -32,11 +32,12 @@ from .signals import BEFORE_HARD_EXIT
 # -----------------------------------------------------------------------------
 # metrics.jsonl and results.json
 
-def write_atomic(path, write, mode='w'):
+def write_atomic(path, write, mode='w', newline=None):
     """write(f) into path, through path.tmp and a rename: readers see the old file or the whole new one. A
-    failed write (a full disk) raises OSError naming path and leaves no .tmp behind."""
+    failed write (a full disk) raises OSError naming path and leaves no .tmp behind. newline as open's (csv wants
+    '', or Windows doubles its '\r')."""
     try:
-        with open(path + '.tmp', mode) as f:
+        with open(path + '.tmp', mode, newline=newline) as f:
             write(f)
         os.replace(path + '.tmp', path)
     except OSError as e:

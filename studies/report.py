@@ -299,7 +299,7 @@ def write_csv(rows, folder, seeds):
         for r in rows:
             r = dict(r, **dict(zip(cols[-5:], stats.get(r['name'], [None] * 5))))
             w.writerow(['' if r.get(c) is None else r.get(c) for c in cols])
-    write_atomic(os.path.join(folder, 'report.csv'), write)
+    write_atomic(os.path.join(folder, 'report.csv'), write, newline='')
 
 
 # -----------------------------------------------------------------------------
@@ -386,7 +386,7 @@ def write_views_csv(views, folder):
         w.writerow(VIEW_COLS)
         for r in views:
             w.writerow(['' if r.get(c) is None else r[c] for c in VIEW_COLS])
-    write_atomic(os.path.join(folder, 'report_views.csv'), write)
+    write_atomic(os.path.join(folder, 'report_views.csv'), write, newline='')
 
 
 # -----------------------------------------------------------------------------
