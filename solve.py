@@ -316,7 +316,8 @@ def report_views(it, kind):
         print(f"{plural(len(groups), 'distinct answer')} in {K} views (view 0 the puzzle as given, the others "
               f"under symmetries, seed {VIEWS_SEED}), each mapped back to the puzzle"
               + (f"; cells that differ from answer {voted['name']} marked *" if len(groups) > 1 else ''))
-        for g in groups:
+        drawn = [g for k, g in enumerate(groups) if k < NAMED or g is pick]
+        for g in drawn:
             seen = '; '.join(f"{v}: step {s}, halt prob {p:.3f}"
                              + ('' if h == s - 1 else ', no halt' if h is None else f", halted at step {h + 1}")
                              for v, s, h, p in g['stops'][:NAMED]) \
@@ -328,6 +329,10 @@ def report_views(it, kind):
                   + (f" | {', '.join(roles)}" if roles else '')
                   + (f" | {kind.decode(g['answer'])}" if kind.one_line_answer else ''))
             print(kind.render(g['answer'], None if g is voted else voted['answer']))
+        if undrawn := [g for g in groups if not any(g is d for d in drawn)]:
+            print(f"... {plural(len(undrawn), 'more answer')} of "
+                  f"{plural(sum(len(g['views']) for g in undrawn), 'view')}, {sum(g['accepted'] for g in undrawn)} "
+                  "accepted, not drawn (none with more views than those above; --quiet=True draws none)")
     final = pick['answer']
     verdict = 'solved (verified)' if pick['accepted'] else "NOT solved (the verifier rejects every view's answer)"
     notes = [f"the vote: answer {voted['name']} ({len(voted['views'])} of {K} views), "

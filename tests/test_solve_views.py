@@ -138,7 +138,8 @@ def test_one_view_is_solve_as_before(sudoku4):
 
 def test_many_views_keep_each_line_short_and_count_what_they_do_not_name(sudoku4):
     """A summary line named every view of every answer (--eval_views=1000: some 8000 characters), and each answer's
-    line every view's steps: the first 8 answers and 8 views of each are named, the rest counted."""
+    line every view's steps, and every answer had its board: the first 8 answers and 8 views of each are named and
+    drawn, the rest counted."""
     n = 200
     p = solve(f'--init_from={sudoku4.ckpt}', f'--puzzle={sudoku4.questions[0]}', f'--eval_views={n}')
     line = summaries(p.stdout)[1]
@@ -147,7 +148,9 @@ def test_many_views_keep_each_line_short_and_count_what_they_do_not_name(sudoku4
     assert rest and len(shown) == 8 and all(len(vs.split()) == min(8, int(c)) for _, c, vs in shown), line
     assert sum(int(c) for _, c, _ in shown) + int(rest.group(2)) == n, line
     assert len(line) < 1000 and max(len(l) for l in p.stdout.splitlines()) < 1000, line
-    assert len([l for l in p.stdout.splitlines() if l.startswith('answer ')]) == 8 + int(rest.group(1))
+    # the first 8 answers drawn, the rest one line with the summary's counts
+    assert len([l for l in p.stdout.splitlines() if l.startswith('answer ')]) == 8, p.stdout
+    assert f"... {rest.group(1)} more answer" in p.stdout and f" of {rest.group(2)} view" in p.stdout, p.stdout
 
 
 def test_refusals(sudoku4, tmp_path):
