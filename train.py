@@ -155,6 +155,10 @@ def build(meta, dev, total_steps, data_path):
     dtype, dtype_why, warning = choose_dtype(forward_dtype, dev.type)
     if warning and dev.master:
         print(warning)
+    if dev.master and init_from == 'scratch' and puzzle_emb_ndim not in (0, hidden_size) \
+            and 'puzzle_emb_ndim' not in _set_by:  # --hidden_size alone: not the reference's model
+        print(f"note: puzzle_emb_ndim={puzzle_emb_ndim} with hidden_size={hidden_size}: the reference ties them "
+              f"(--puzzle_emb_ndim={hidden_size} builds its model)")
     model_cfg = {k: config[k] for k in MODEL_KEYS}
     model_cfg.update(forward_dtype=dtype, loss_dtype=resolve_loss_dtype(loss_dtype, dev.type))
     torch.manual_seed(seed)  # the same initial weights on every rank

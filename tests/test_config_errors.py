@@ -158,3 +158,14 @@ def test_a_config_file_is_one_scope_its_functions_and_comprehensions_read_its_na
                    "max_steps = [_n * i for i in range(3)][-1]\n")
     p = run(['train.py', str(cfg), f'--out_dir={tmp_path}/o', '--epochs=2', '--eval_every_epochs=100'] + TOY_ARGS)
     assert [r['step'] for r in step_lines(p.stdout)] == [2, 4], p.stdout
+
+
+def test_hidden_size_alone_says_the_reference_ties_the_puzzle_embedding_to_it(toy, tmp_path):
+    untied = [a for a in TOY_ARGS if not a.startswith('--puzzle_emb_ndim')]  # hidden_size 32, the embedding 512
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/a', '--max_steps=1'] + untied)
+    assert "note: puzzle_emb_ndim=512 with hidden_size=32: the reference ties them (--puzzle_emb_ndim=32 builds " \
+        "its model)" in p.stdout, p.stdout
+    for tied in (['--puzzle_emb_ndim=32'], ['--puzzle_emb_ndim=512']):  # tied, or untied on purpose: no note
+        p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/b{tied[0][-2:]}', '--max_steps=1']
+                + untied + tied)
+        assert 'note: puzzle_emb_ndim' not in p.stdout, p.stdout
