@@ -471,8 +471,8 @@ def refuse_what_memory_cannot_hold(cfg, meta, dev, dtype):
         give, where = memory_headroom()
     if give is not None and need(parts) > give:
         fail(f"init_from={init_from}: this model and a batch of {rows} rows need about {size(need(parts))} of "
-             f"memory ({describe(parts)}), more than the {size(give)} {where}: lower --eval_batch_size (or --eval_views), "
-             "run it on a larger machine, or set --check_memory=False to try anyway")
+             f"memory ({describe(parts)}), more than the {size(give)} {where}: lower --eval_batch_size (or "
+             "--eval_views), run it on a larger machine, or set --check_memory=False to try anyway")
 
 
 def warn_if_trained_on_other_puzzles(saved, trained_on, meta, dp):
