@@ -203,10 +203,12 @@ if problem := views_problem(puzzle, eval_views, eval_B, row_bytes):
     raise SystemExit(f"config error: eval_views={eval_views}: {problem} (the shape: {shape[2]})")
 if check_memory and device_type in ('cpu', 'cuda'):
     # train.py's start-up check on this batch and table: a CPU without swap that runs out stops answering
-    from runkeep.memory import headroom, memory_problem, run_memory
+    from runkeep.memory import ALLOCATOR_SLACK, headroom, memory_problem, run_memory
     mem_shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=forward_dtype, loss_dtype=loss_dtype)
-    mem_parts = run_memory(mem_shape, global_batch_size, eval_B * eval_views if eval_batches else 0, n_eval_steps,
-                           ema=ema, accumulation=gradient_accumulation_steps)
+    mem_parts = run_memory(mem_shape, global_batch_size, eval_B * eval_views if eval_batches and steps else 0,
+                           n_eval_steps, ema=ema, accumulation=gradient_accumulation_steps)
+    if not steps:  # the checkpoint alone: its state is made (gradients, moments, the carry), no step runs
+        mem_parts.update(activations=0, slack=ALLOCATOR_SLACK * mem_parts['gradients'])
     (give, where), own = headroom(dev)
     if problem := memory_problem(mem_parts, 1, 'this bench', where, give, '--check_memory=False', own):
         raise SystemExit(problem)

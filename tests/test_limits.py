@@ -121,6 +121,21 @@ def test_a_bench_this_machine_cannot_hold_is_refused_before_it_starts(toy):
     assert 'bench: device=cpu' in p.stdout and 'needs about' not in p.stdout + p.stderr
 
 
+def test_a_bench_of_the_checkpoint_alone_is_not_refused_for_a_step_it_never_runs(tmp_path):
+    # --steps=0 --checkpoint_dir saves the model, its moments and the carry, and runs no step: a step's
+    # activations at batch 500 (about 2 GB) do not count against a machine of 1 GB, the checkpoint's state does
+    cmd = ['bench.py', '--device=cpu', '--global_batch_size=500', '--hidden_size=32', '--num_heads=2',
+           '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=3', '--steps=0', '--eval_batches=0',
+           '--forward_dtype=float32', '--loss_dtype=float32', '--puzzle_emb_ndim=0',
+           f'--checkpoint_dir={tmp_path}/ck']
+    p = run(cmd, env=dict(TRM_MEMORY_AVAILABLE='1e9'), check=False)
+    assert p.returncode == 0 and 'needs about' not in p.stdout + p.stderr, p.stdout + p.stderr
+    assert 'bench: checkpoint_mb=' in p.stdout and os.path.exists(tmp_path / 'ck' / 'ckpt_bench.pt')
+    p = run(cmd, env=dict(TRM_MEMORY_AVAILABLE='5e6'), check=False)  # the checkpoint's own state is still checked
+    assert_user_error(p, 'this bench needs about', 'ACT carry', 'more than the 5 MB available', one_line=True)
+    assert "a step's activations" not in p.stderr
+
+
 def test_a_run_beyond_its_address_space_limit_is_refused_before_it_allocates(toy, tmp_path):
     # a real limit: 5.5 GB of address space, 4-5 GB of which torch and its libraries map at start-up; the toy
     # model at batch 20,000 would need several GB for a step
