@@ -298,12 +298,19 @@ def checkpoint_problems(cfg, dev, local):
 
 
 def delete_all_checkpoints(folders):
-    """Rank 0, a new run with --overwrite=True: the old run's checkpoints deleted; [problem] where a bucket
-    cannot be reached (nothing trained yet: better to stop than to mix two runs' files)."""
+    """Rank 0, a new run with --overwrite=True: the old run's checkpoints deleted, those a divergence set aside
+    too (*.diverged, local only: the bucket's copies went at the divergence); [problem] where a bucket cannot be
+    reached (nothing trained yet: better to stop than to mix two runs' files)."""
     problems = []
     for folder in folders:
         try:
             prune_checkpoints(folder, 0, -1, delete_all=True)
+            if not gcs.is_gcs(folder):
+                for path in glob.glob(os.path.join(folder, 'ckpt_*.pt.diverged')):
+                    try:
+                        os.remove(path)
+                    except OSError as e:
+                        print(f"warning: could not delete the earlier run's {path}: {e.strerror or e}")
         except gcs.GCSError as e:
             problems.append(f"--overwrite=True cannot delete the checkpoints in {folder} ({e}); retry when "
                             "the bucket is reachable")

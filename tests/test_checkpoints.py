@@ -72,6 +72,16 @@ def test_a_divergence_with_keep_last_n_1_keeps_the_newest_checkpoint_known_to_tr
     assert ckpts(out) == ['ckpt_00000008.pt', 'ckpt_00000012.pt']
 
 
+def test_overwrite_also_deletes_the_checkpoints_an_earlier_run_set_aside_as_diverged(toy, tmp_path):
+    out = tmp_path / 'o'
+    p = train(toy, out, '--max_steps=12', '--checkpoint_interval=4', check=False,
+              env=site_hook(tmp_path / 'hook', NAN_AT_STEP_9))
+    assert_user_error(p, 'loss became NaN or inf at step 9')
+    assert os.path.exists(out / 'ckpt_00000008.pt.diverged')
+    train(toy, out, '--max_steps=4', '--overwrite=True')
+    assert sorted(n for n in os.listdir(out) if n.startswith('ckpt_')) == ['ckpt_00000004.pt']
+
+
 def test_a_corrupt_checkpoint_is_named_never_loaded_and_holds_no_slot(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--checkpoint_interval=10', '--keep_last_n=2', '--max_steps=20')
