@@ -71,21 +71,25 @@ class Records:
     step, so it appends without duplicates."""
     def __init__(self, local, remote, step):
         self.path, self.remote = os.path.join(local, 'metrics.jsonl'), remote
-        lines = []
+        copies = []  # (the lines up to `step`, the steps of those past it) of each copy
         try:
             for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
                 if path and os.path.exists(path):
                     with open(path) as f:  # a torn last line goes
-                        kept = [l for i, l in enumerate(f, 1)
-                                if l.endswith('\n') and self.readable(l, i, path)
-                                and (json.loads(l).get('step') or 0) <= step]  # an older watchdog's: null
-                    # the newest copy: the local one, or the bucket's on a new machine or on one whose folder
-                    # another machine's resume has overtaken since (it may hold more lines, of steps since undone)
-                    lines = max(lines, kept, key=lambda c: (c and json.loads(c[-1]).get('time') or 0, len(c)))
+                        whole = [l for i, l in enumerate(f, 1) if l.endswith('\n') and self.readable(l, i, path)]
+                    at = [json.loads(l).get('step') or 0 for l in whole]  # an older watchdog's: null
+                    copies.append(([l for l, s in zip(whole, at) if s <= step], [s for s in at if s > step]))
         finally:
             if os.path.exists(self.path + '.bucket'):
                 os.remove(self.path + '.bucket')
+        # the newest copy: the local one, or the bucket's on a new machine or on one whose folder another machine's
+        # resume has overtaken since (it may hold more lines, of steps since undone)
+        lines, past = max(copies, key=lambda c: (c[0] and json.loads(c[0][-1]).get('time') or 0, len(c[0])),
+                          default=([], []))
         write_atomic(self.path, lambda f: f.writelines(lines))
+        if past:  # a run killed past its last checkpoint, or one rolled back to an older one: said, as they go
+            print(f"note: {len(past)} line(s) of {self.path} past step {step} (up to step {max(past)}) dropped: the "
+                  f"run goes on from step {step}")
         self.results = os.path.join(local, 'results.json')
         self.lost = 0  # lines not appended since the last one that was
 

@@ -6,6 +6,7 @@ mixes into another run's folder. Real processes on real files.
     python -m pytest -q tests/test_resume.py
 """
 import glob
+import json
 import os
 import shutil
 
@@ -121,6 +122,17 @@ def test_max_steps_below_the_checkpoint_says_so_and_changes_nothing(toy, tmp_pat
         assert 'eval on' not in p.stdout
     assert {n: open(out / n, 'rb').read() for n in before} == before
     assert not os.path.exists(out / 'run.lock')
+
+
+def test_a_resume_of_an_older_checkpoint_says_that_the_records_past_it_are_dropped(toy, tmp_path):
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=4', '--log_interval=2')
+    os.remove(out / 'ckpt_00000008.pt')  # rolled back: the resume takes ckpt_4, and the lines of steps 5-8 go
+    p = train(toy, out, '--init_from=resume', '--max_steps=6', '--checkpoint_interval=4', '--log_interval=2')
+    assert 'resuming from' in p.stdout and 'step 4' in p.stdout
+    assert f"3 line(s) of {out}/metrics.jsonl past step 4 (up to step 8)" in p.stdout, p.stdout[-2000:]
+    steps = [json.loads(l)['step'] for l in open(out / 'metrics.jsonl')]
+    assert steps == [2, 4, 6, 6], steps  # (the train and the final eval lines of step 6)
 
 
 def test_scratch_into_a_folder_with_checkpoints_is_refused_unless_overwrite(toy, tmp_path):
