@@ -701,13 +701,17 @@ def read_checkpoint(path):
     only the config (--task=FILE.json before it adapts) reads none of the gigabytes of a checkpoint at ARC size."""
     if not path:
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
-    if os.path.isdir(path):  # a run's folder, or a published one: the newest checkpoint in it is the likely one
-        numbered = [(int(m.group(1)), f) for f in os.listdir(path)
-                    if (m := CKPT_RE.fullmatch(f) or re.fullmatch(r'step_(\d+)', f))]
-        fail(f"init_from={path} is a folder, not a checkpoint file"
-             + (f": name one in it, such as --init_from={os.path.join(path, max(numbered)[1])}" if numbered else ''))
+    # a run's folder or a published one, or a file missing from one (the step a shorter run did not reach): the
+    # newest checkpoint in that folder is the likely one
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
+    numbered = [(int(m.group(1)), f) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
+                if (m := CKPT_RE.fullmatch(f) or re.fullmatch(r'step_(\d+)', f))]
+    newest = f"--init_from={os.path.join(folder, max(numbered)[1])}" if numbered else ''
+    if os.path.isdir(path):
+        fail(f"init_from={path} is a folder, not a checkpoint file" + (f": name one in it, such as {newest}"
+                                                                          if newest else ''))
     if not os.path.isfile(path):
-        fail(f"init_from={path}: no such file")
+        fail(f"init_from={path}: no such file" + (f"; the newest in its folder: {newest}" if newest else ''))
     try:
         ckpt = load_checkpoint(path, mmap=True)
     except CheckpointError:

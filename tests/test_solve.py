@@ -515,6 +515,14 @@ def test_setup_errors(sudoku4, tmp_path):
     assert not (tmp_path / 'x.png').exists()
 
 
+def test_a_checkpoint_missing_from_its_run_folder_names_the_newest_one_there(maze8):
+    # the README's quick start names its last step's checkpoint; a shorter or stopped run left another one
+    folder = os.path.dirname(maze8.ckpt)
+    missing = os.path.join(folder, 'ckpt_00000703.pt')
+    p = solve(f'--init_from={missing}', '--index=0', check=False)
+    assert_user_error(p, f'init_from={missing}: no such file', f'--init_from={maze8.ckpt}', one_line=True)
+
+
 def test_a_broken_test_split_is_one_line_naming_the_file(sudoku4, tmp_path):
     """--count and --index read the test split: labels of fewer rows than inputs were an IndexError."""
     d = shutil.copytree(sudoku4.data, tmp_path / 'd')
