@@ -1,5 +1,5 @@
 # abl_attn: the paper's Sudoku-Extreme MLP recipe (config/baseline.py) with mlp_t = False, pos_encodings = 'rope'.
-# Family abl_* -- ablations of the recipe: EMA off, halt_max_steps, attention instead of the MLP mixer, ACT continue loss.
+# Family abl_* -- ablations of the recipe: EMA off, halt_max_steps, attention instead of the MLP mixer, ACT continue loss, no puzzle embedding.
 #   one run:      python train.py config/study/abl_attn.py
 #   its dataset:  python prepare_sudoku.py --output_dir data/sudoku-extreme-1k-aug-1000 --subsample_size 1000 --num_aug 1000
 #   the family:   python study.py --pattern='abl_*' [--scale=gpu|cpu] [--dry_run=True | --report=True]
