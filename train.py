@@ -7,6 +7,8 @@ TPU (one process per local chip; on a pod the same command on every host):
     PJRT_DEVICE=TPU python train.py config/baseline.py --out_dir=gs://BUCKET/run1
 Resume after a stop or preemption: the same command with --init_from=resume.
 A new machine first: the same command with --preflight=True (two short runs, then one screen of verdicts).
+A config file is Python that sets the keys below; a line `_base = 'config/baseline.py'` in it (a path from the
+working folder or the repository's root) applies that recipe first, so a file holds only what its run changes.
 
 The story: the config; the set-up (device, start-up checks, data, model, optimizers); the starting point
 (a checkpoint to resume, weights to start from, or scratch); the loop (one supervision step = one optimizer step,

@@ -169,3 +169,9 @@ def test_hidden_size_alone_says_the_reference_ties_the_puzzle_embedding_to_it(to
         p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/b{tied[0][-2:]}', '--max_steps=1']
                 + untied + tied)
         assert 'note: puzzle_emb_ndim' not in p.stdout, p.stdout
+
+
+def test_help_says_what_a_config_file_may_set_besides_the_keys():
+    # a recipe of one's own is the file of the run it changes plus a few lines: --help is where a user looks
+    p = run(['train.py', '--help'])
+    assert "_base = 'config/baseline.py'" in p.stdout and 'config keys' in p.stdout, p.stdout[:2000]
