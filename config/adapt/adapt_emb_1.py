@@ -5,7 +5,7 @@
 _base = 'config/arc_twin.py'  # the twin's model and recipe, applied first, then the lines below
 _prepare = 'prepare_arc.py --challenges data/arc-twin/json/arc-agi_new_challenges.json --solutions data/arc-twin/json/arc-agi_new_solutions.json --canvas 6 --num_aug 7 --output_dir data/arc-twin-new-aug-7'
 out_dir = 'out/adapt/adapt_emb_1'
-init_from = 'out/arc_twin/ckpt_00002925.pt'  # the twin's last checkpoint; each run resumes its own after that
+init_from = 'out/arc_twin/ckpt_00002925.pt'  # the twin's; study.py makes it resume:FILE: a rerun resumes its own
 data_path = 'data/arc-twin-new-aug-7'
 epochs = 100000               # more than any budget here: max_minutes ends the run
 eval_every_epochs = 100           # epochs: the pooled vote gathers every evaluation
