@@ -101,11 +101,18 @@ TRAIN_RENAMED = read_renamed(os.path.join(HERE, 'train.py'))
 
 
 def read_meta(path):
-    """The '_' names of a config file (_base, _prepare): study.py's, not train.py's."""
+    """The '_' names of a config file (_base, _prepare): study.py's, not train.py's. Those of its _base chain
+    come first, as its keys do (configurator.config_files has refused a chain that loops)."""
     scope = {}
     path = find_file(path)
     exec(compile(open(path).read(), path, 'exec'), scope)  # one namespace, as configurator.config_files has
-    return {k: v for k, v in scope.items() if k.startswith('_') and not k.startswith('__')}
+    meta = {k: v for k, v in scope.items() if k.startswith('_') and not k.startswith('__')}
+    if not isinstance(meta.get('_base'), str):
+        return meta
+    inherited = read_meta(meta['_base'])
+    if 'data_path' in scope:  # a dataset of its own: the base's _prepare builds the base's
+        inherited.pop('_prepare', None)
+    return {**inherited, **meta}
 
 
 def effective(path):

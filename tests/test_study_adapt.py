@@ -75,3 +75,24 @@ def test_a_dry_run_times_a_run_with_a_budget_by_its_max_minutes_not_by_its_epoch
     about = re.findall(r'\| about (.+)$', p.stdout, re.M)
     assert about == ['6 s (its max_minutes)', '12 s (its max_minutes)'], p.stdout[-3000:]
     assert 'sequential, each run on 1 device(s) (hosts_mode=all, slots=1): 18 s' in p.stdout, p.stdout[-3000:]
+
+
+def test_a_file_that_changes_an_adaptation_keeps_its_base_s_dataset_builder(tmp_path):
+    """_base applies a file's recipe first, so a point that changes only its minutes is one line more: the base's
+    _prepare builds its dataset too, unless the point names a dataset of its own (the base's builder makes the
+    base's)."""
+    cfg = tmp_path / 'cfg'
+    cfg.mkdir()
+    base, new = cfg / 'ad_full_1.py', tmp_path / 'new'
+    base.write_text(''.join(f"{k} = {v!r}\n" for k, v in TINY.items()) +
+                    f"_prepare = 'prepare_arc.py --challenges c.json --canvas 4 --output_dir {new}'\n"
+                    f"out_dir = 'out/ad_full_1'\ndata_path = {str(new)!r}\nmax_minutes = 0.1\n")
+    (cfg / 'ad_full_3.py').write_text(f"_base = {str(base)!r}\nout_dir = 'out/ad_full_3'\nmax_minutes = 0.3\n")
+    (cfg / 'ad_other_1.py').write_text(f"_base = {str(base)!r}\nout_dir = 'out/ad_other_1'\n"
+                                       f"data_path = '{tmp_path}/other'\n")
+    p = run(['study.py', f'--config_dir={cfg}', '--pattern=ad_*', f'--out_root={tmp_path}/out', '--dry_run=True'],
+            env=ENV)
+    built = re.findall(r'^  data (\S+): (.*)$', p.stdout, re.M)
+    builder = f'missing; built first by: python prepare_arc.py --challenges c.json --canvas 4 --output_dir {new}'
+    assert built == [(str(new), builder)] * 2 + [(f'{tmp_path}/other', 'MISSING, and no rule builds it')], \
+        p.stdout[-3000:]
