@@ -47,7 +47,7 @@ def checkpoint_name(step):
 
 
 class CheckpointError(RuntimeError):
-    pass
+    errno = None  # a write's OS error: whether room would help
 
 
 class UnreadableCheckpoint(CheckpointError):
@@ -69,7 +69,9 @@ def save_atomic(obj, path):
             os.remove(tmp)
         cause = e if getattr(e, 'errno', None) else e.__cause__ or e.__context__ or e  # torch's own error is within
         why = os.strerror(cause.errno) if getattr(cause, 'errno', None) else str(e)
-        raise CheckpointError(f"could not write {path}: {why}") from e
+        error = CheckpointError(f"could not write {path}: {why}")
+        error.errno = getattr(cause, 'errno', None)
+        raise error from e
 
 
 def torch_file_start(path):

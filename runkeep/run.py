@@ -14,6 +14,7 @@ launch(main, config) starts the process (or the processes) a run needs: signals,
 pre-flight.
 """
 import contextlib
+import errno
 import functools
 import os
 import secrets
@@ -245,9 +246,12 @@ class Run:
                         self.corrupt.remove(uri)  # not take the new one for it
                     self.records.uploaded(path)
                 except CheckpointError as e:  # nothing of it is left: the checkpoints before it are as they were
-                    kept = f"the last good checkpoint, {self.last_good}, is kept: make room there and continue from " \
-                        "it with --init_from=resume" if self.last_good else "no checkpoint was saved before it: " \
-                        "make room there and run again"
+                    # room helps a full disk or a file size limit only, not a read-only disk or a folder moved away
+                    fix = 'make room there and' if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else \
+                        f"once {self.local} is a folder this run can write again,"
+                    kept = f"the last good checkpoint, {self.last_good}, is kept: {fix} continue from it with " \
+                        "--init_from=resume" if self.last_good else \
+                        f"no checkpoint was saved before it: {fix} run again"
                     problems = [f"{e}; {kept}"]
                 except Exception as e:
                     problems = [f"saving {path} failed: {e}"]

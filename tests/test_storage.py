@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 
-from conftest import FAST, ROOT, SUDOKU, assert_user_error, ckpts, run, script_env, site_hook, train, write_like
+from conftest import (FAST, ROOT, SUDOKU, assert_user_error, ckpts, held_step, read_until, run, script_env, site_hook,
+                      train, write_like)
 from disks import fill_up, small_disk
 
 
@@ -199,6 +200,22 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_one_kept_and_what
     assert ckpts(out) == ['ckpt_00000004.pt']
     p = train(toy, out, '--init_from=resume', '--max_steps=8')  # room again: it goes on from the one kept
     assert f'resuming from {kept} (step 4)' in p.stdout and ckpts(out)[-1] == 'ckpt_00000008.pt'
+
+
+def test_a_checkpoint_refused_for_another_reason_than_room_does_not_say_make_room(toy, tmp_path):
+    out, moved, go = tmp_path / 'o', tmp_path / 'moved', tmp_path / 'go'
+    env = script_env(held_step(tmp_path / 'hook', 3, go))
+    p = subprocess.Popen([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}', '--max_steps=4',
+                          '--checkpoint_interval=2'] + FAST, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    read_until(p, 'test hook: step 3 waits')
+    os.rename(out, moved)  # its folder moved away mid-run, a file in its place
+    out.write_text('x')
+    go.touch()
+    said = p.communicate(timeout=120)[0]
+    assert p.returncode != 0 and 'checkpoint at step 4 failed' in said and 'Not a directory' in said, said[-3000:]
+    assert 'make room' not in said and '--init_from=resume' in said, said[-3000:]
+    assert ckpts(moved) == ['ckpt_00000002.pt']
 
 
 def test_an_out_dir_that_is_a_file_or_under_a_file_is_one_line(toy, tmp_path):
