@@ -5,6 +5,8 @@ failed check, a hard exit (signals.BEFORE_HARD_EXIT), any other exit of the proc
 carries a mark, removed with the locks, so a builder asked to replace it says that the run goes on with the old.
 """
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -105,8 +107,26 @@ def taken_over(rec, where):
     return True
 
 
+@contextlib.contextmanager
+def one_at_a_time(folder):
+    """The block run by one process of this host at a time (an flock of the folder; where the filesystem has
+    none, the block runs as it is): of two runs that find the same stale lock, the second must not remove the
+    lock the first took over."""
+    with contextlib.ExitStack() as stack:
+        with contextlib.suppress(OSError):
+            fd = os.open(folder, os.O_RDONLY)
+            stack.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+
+
 def lock_local(folder):
     """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
+    with one_at_a_time(folder):
+        return create_lock(folder)
+
+
+def create_lock(folder):
     path = os.path.join(folder, LOCK_NAME)
     for attempt in range(2):
         try:

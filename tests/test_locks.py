@@ -15,7 +15,8 @@ from http.server import ThreadingHTTPServer
 
 import torch
 
-from conftest import BUCKET, ROOT, Preconditioned, assert_user_error, ckpts, finish, read_until, start, train
+from conftest import (BUCKET, ROOT, Preconditioned, assert_user_error, ckpts, finish, popen_train, read_until,
+                      site_hook, start, train)
 from runkeep import locks
 
 
@@ -52,6 +53,44 @@ def test_one_run_per_out_dir_a_stale_lock_is_taken_over_and_every_exit_removes_i
     p = train(toy, out, f"--init_from={out / ckpts(out)[-1]}", '--eval_only=True')
     assert 'eval on 200' in p.stdout
     assert_unlocked(out)  # eval_only
+
+
+# both runs come to the lock together, and each is slow between judging a lock stale and removing it
+BOTH_AT_THE_LOCK = """
+if sys.argv[0].endswith('train.py'):
+    from runkeep import locks
+    lock_local, taken_over = locks.lock_local, locks.taken_over
+    here = os.environ['AT_THE_LOCK']
+
+    def together(folder):
+        open(os.path.join(here, str(os.getpid())), 'w').close()
+        while len(os.listdir(here)) < 2:
+            time.sleep(0.01)
+        return lock_local(folder)
+
+    def slow(rec, where):
+        gone = taken_over(rec, where)
+        time.sleep(1)
+        return gone
+
+    locks.lock_local, locks.taken_over = together, slow
+"""
+
+
+def test_two_runs_that_find_the_same_stale_lock_do_not_both_take_it_over(toy, tmp_path):
+    out, here = tmp_path / 'o', tmp_path / 'at_the_lock'
+    out.mkdir()
+    here.mkdir()
+    gone = subprocess.Popen([sys.executable, '-c', 'pass'])
+    gone.wait()
+    json.dump(dict(locks.lock_record(), pid=gone.pid), open(out / 'run.lock', 'w'))  # a run killed with SIGKILL
+    env = dict(site_hook(tmp_path / 'hook', BOTH_AT_THE_LOCK), AT_THE_LOCK=str(here))
+    runs = [popen_train(toy, out, '--max_steps=4', env=env) for _ in range(2)]
+    said = [r.communicate(timeout=300)[0].decode() for r in runs]
+    assert sorted(r.returncode for r in runs) == [0, 1], said
+    refused = said[[r.returncode for r in runs].index(1)]
+    assert f'{out} is in use' in refused and 'Traceback' not in refused, refused[-3000:]
+    assert_unlocked(out)
 
 
 def test_a_lock_whose_pid_now_names_another_process_is_taken_over(toy, tmp_path):
