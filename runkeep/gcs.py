@@ -17,6 +17,7 @@ done after ANNOUNCE_S says on stderr what it waits for, once per attempt, and GC
 wait at once when it returns True (a stop request while a run starts).
 """
 import base64
+import fcntl
 import hashlib
 import json
 import os
@@ -619,7 +620,9 @@ def fetch_tree(uri, cache_dir):
     name, so an interrupted fetch is retried from scratch and never leaves a folder that looks whole. A copy
     whose listing (names, sizes, generations) is the bucket's is used as it is; a dataset rebuilt there with
     another seed keeps its names and sizes, not its generations. A bucket that cannot be listed, or holds
-    nothing there now, leaves a complete copy in use, said."""
+    nothing there now, leaves a complete copy in use, said. The runs of one host fetch one at a time (an flock
+    of a file beside the copy): a run that waited uses the copy the one before it fetched, and a copy replaced
+    is moved aside before it is removed, never emptied under the name a run is reading."""
     dest = cached_copy(uri, cache_dir)
     complete = os.path.join(dest, '.complete')
     try:
@@ -629,26 +632,40 @@ def fetch_tree(uri, cache_dir):
             raise
         print(f"warning: cannot list {uri} ({e}); using the copy fetched earlier, {dest}", file=sys.stderr)
         return dest
-    if os.path.exists(complete):
-        with open(complete) as f:
-            if f.read() == json.dumps(listing):
-                return dest
-        if not listing:  # removed from the bucket since (a clean-up): a run on this host goes on with what it has
-            print(f"warning: nothing under {uri} now; using the copy fetched earlier, {dest}", file=sys.stderr)
-            return dest
+    if copy_of(complete, listing):
+        return dest
+    # removed from the bucket since (a clean-up): a run on this host goes on with what it has
+    if os.path.exists(complete) and not listing:
+        print(f"warning: nothing under {uri} now; using the copy fetched earlier, {dest}", file=sys.stderr)
+        return dest
     if not listing:
         raise FileNotFoundError(f"nothing under {uri}")
-    tmp = f"{dest}.partial.{os.getpid()}"
     import shutil
-    shutil.rmtree(tmp, ignore_errors=True)
-    for obj, size, _ in listing:
-        rel = obj[len(uri.rstrip('/')) + 1:]
-        path = os.path.join(tmp, rel)
-        download_file(obj, path)
-        if os.path.getsize(path) != size:
-            raise GCSError(f"{obj}: {os.path.getsize(path)} bytes downloaded, the bucket lists {size}")
-    open(os.path.join(tmp, '.complete'), 'w').write(json.dumps(listing))
-    shutil.rmtree(dest, ignore_errors=True)
     os.makedirs(os.path.dirname(dest), exist_ok=True)
-    os.replace(tmp, dest)
+    with open(f"{dest}.lock", 'a') as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        if copy_of(complete, listing):  # fetched by another run of this host meanwhile
+            return dest
+        tmp, old = f"{dest}.partial.{os.getpid()}", f"{dest}.old.{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for obj, size, _ in listing:
+            rel = obj[len(uri.rstrip('/')) + 1:]
+            path = os.path.join(tmp, rel)
+            download_file(obj, path)
+            if os.path.getsize(path) != size:
+                raise GCSError(f"{obj}: {os.path.getsize(path)} bytes downloaded, the bucket lists {size}")
+        open(os.path.join(tmp, '.complete'), 'w').write(json.dumps(listing))
+        if os.path.exists(dest):
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def copy_of(complete, listing):
+    """Whether the copy whose .complete is at `complete` is whole and of this listing of the bucket."""
+    try:
+        with open(complete) as f:
+            return f.read() == json.dumps(listing)
+    except OSError:
+        return False

@@ -385,6 +385,48 @@ def test_a_cached_dataset_whose_bucket_copy_is_gone_serves_said(emu, tmp_path, t
         gcs.fetch_tree(uri, str(tmp_path / 'empty'))
 
 
+# two runs on one host that both found the copy in the cache older than the bucket's, each on to fetch it
+BOTH_LISTED = """
+if sys.argv[0].endswith('train.py'):
+    from runkeep import gcs
+    list_objects, here = gcs.list_objects, os.environ['LISTED']
+
+    def listed(uri, generations=False):
+        objects = list_objects(uri, generations)
+        if generations:
+            open(os.path.join(here, str(os.getpid())), 'w').close()
+            while len(os.listdir(here)) < 2:
+                time.sleep(0.01)
+        return objects
+
+    gcs.list_objects = listed
+"""
+
+
+def test_two_runs_on_one_host_after_a_rebuild_in_the_bucket_fetch_it_once_and_both_train(emu, tmp_path, toy):
+    """The second fetch removed the copy the first had just put in place (the first then failed in the middle of
+    its start, a FileNotFoundError) or found the first's copy where its own was to go (Directory not empty)."""
+    from runkeep import gcs
+    from runkeep.startup import sampled_rows
+    from conftest import BUCKET
+    uri, cache, listed = f'gs://{BUCKET}/datasets/two', str(tmp_path / 'cache'), tmp_path / 'listed'
+    gcs.upload_tree(toy, uri)
+    gcs.fetch_tree(uri, cache)
+    other = make_reverse_dataset(str(tmp_path / 'other'), seed=1)
+    gcs.upload_tree(other, uri)  # rebuilt with another seed
+    listed.mkdir()
+    env = dict(site_hook(tmp_path / 'hook', BOTH_LISTED), LISTED=str(listed),
+               STORAGE_EMULATOR_HOST=emu.replace('http://', ''))
+    runs = [subprocess.Popen([sys.executable, 'train.py', f'--data_path={uri}', f'--data_cache_dir={cache}',
+                              f'--out_dir={tmp_path}/o{i}', '--max_steps=4'] + FAST, cwd=ROOT, env=script_env(env),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    said = [r.communicate(timeout=300)[0] for r in runs]
+    assert [r.returncode for r in runs] == [0, 0], [s[-2000:] for s in said]
+    assert sampled_rows(gcs.cached_copy(uri, cache)) == sampled_rows(other)
+    left = os.listdir(os.path.dirname(gcs.cached_copy(uri, cache)))
+    assert not [n for n in left if '.partial.' in n or '.old.' in n], left
+
+
 # -----------------------------------------------------------------------------
 # resume that is the same on every rank or refuses
 
