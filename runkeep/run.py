@@ -96,7 +96,7 @@ class Run:
         fail_if_ranks_differ(dev, [fingerprint(str(self.identifiers))], lambda _: (
             f"the hosts' copies of {self.data_path} hold different identifiers.json: copy the same dataset to "
             "every host"))
-        if cfg['eval_only']:  # it writes nothing into out_dir: it may evaluate a running run's checkpoints
+        if cfg['eval_only']:  # no lock, only its evals/ file: it may evaluate a running run's checkpoints
             return
         problems = []
         if self.master:

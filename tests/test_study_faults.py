@@ -22,7 +22,7 @@ import time
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, assert_user_error, held_step, run, script_env
+from conftest import BUCKET, ROOT, assert_user_error, held_step, run, script_env, site_hook
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 EXTRA = '--max_steps=20 --checkpoint_interval=10 --log_interval=10'
@@ -257,6 +257,50 @@ def test_a_second_study_on_the_same_out_root_refuses_to_start(grid, data_root):
     p = run(args(grid, data_root, 'rec_L4'))
     assert 'taking over' in p.stdout and re.search(r'rec_L4 +done', summary(p.stdout)), p.stdout[-3000:]
     assert not os.path.exists(lock)  # released at the end
+
+
+# two studies come to a stale study.lock together: each is slow between judging it stale and removing it (both at
+# once where nothing orders them), and the one that takes it holds it a while (its runs' locks read slowly)
+BOTH_AT_THE_STUDY_LOCK = """
+if sys.argv[0].endswith('study.py'):
+    from runkeep import locks
+    holder_gone, local_record = locks.holder_gone, locks.local_record
+    here = os.environ['AT_THE_LOCK']
+
+    def slow(rec):
+        gone = holder_gone(rec)
+        if gone and isinstance(rec, dict) and rec.get('since') == 'earlier':  # the stale lock: both arrive before either goes on
+            open(os.path.join(here, str(os.getpid())), 'w').close()
+            t = time.time()
+            while len(os.listdir(here)) < 2 and time.time() - t < 3:
+                time.sleep(0.01)
+            time.sleep(0.5)
+        return gone
+
+    def held(path):
+        if path.endswith(locks.LOCK_NAME):
+            time.sleep(3)
+        return local_record(path)
+
+    locks.holder_gone, locks.local_record = slow, held
+"""
+
+
+def test_two_studies_that_find_the_same_stale_lock_do_not_both_take_it_over(grid, data_root, tmp_path):
+    out, here = f'{grid}/out', tmp_path / 'at_the_lock'
+    os.makedirs(f'{out}/rec_L2')
+    here.mkdir()
+    dead = subprocess.Popen([sys.executable, '-c', 'pass'])
+    dead.wait()
+    json.dump(dict(host=socket.gethostname(), pid=dead.pid, since='earlier'), open(f'{out}/study.lock', 'w'))
+    json.dump(dict(host=socket.gethostname(), pid=dead.pid, since='earlier'), open(f'{out}/rec_L2/run.lock', 'w'))
+    env = dict(site_hook(tmp_path / 'hook', BOTH_AT_THE_STUDY_LOCK), AT_THE_LOCK=str(here))
+    studies = [start(args(grid, data_root, 'rec_L2', EXTRA, '--eval_only=True'), env=env) for _ in range(2)]
+    said = [p.communicate(timeout=300)[0] for p in studies]
+    assert sorted(p.returncode for p in studies) == [0, 1], said
+    refused = said[[p.returncode for p in studies].index(1)]
+    assert f'{out} is in use by the study on' in refused and 'Traceback' not in refused, refused[-3000:]
+    assert not os.path.exists(f'{out}/study.lock')
 
 
 def stopped_on_a_first_machine(emulator, grid, data_root, tmp_path, name):
