@@ -233,10 +233,12 @@ def main(index=None):
     eval_every = max(1, loader.steps_for(eval_every_epochs))
     eval_at = set(evaluation_steps(run_steps, eval_every))
     if dev.master:
+        upto = f", this run to step {run_steps} (max_steps)" if run_steps < total_steps else ''
+        at = f" (this run: at {', '.join(map(str, sorted(eval_at)))})" if len(eval_at) <= 4 else ''
         print(f"device {dev.type} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
               f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
               f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "
-              f"{global_batch_size}), eval every {eval_every}")
+              f"{global_batch_size}){upto}, eval every {eval_every}{at}")
 
     # --- the starting point: a checkpoint to resume, weights to start from, or scratch ---------------------
     arc = ARCVotes.open(run.data_path, puzzle_for(meta), arc_pool_votes and not eval_only, eval_at, arc_answers)

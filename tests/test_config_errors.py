@@ -5,6 +5,8 @@ naming the key or the file's line, the value and what is allowed, said before to
 file with flags after it, values holding '=' and an int where a float is expected, run.
     python -m pytest -q tests/test_config_errors.py
 """
+import re
+
 import pytest
 
 from configurator import config_problems
@@ -175,3 +177,11 @@ def test_help_says_what_a_config_file_may_set_besides_the_keys():
     # a recipe of one's own is the file of the run it changes plus a few lines: --help is where a user looks
     p = run(['train.py', '--help'])
     assert "_base = 'config/baseline.py'" in p.stdout and 'config keys' in p.stdout, p.stdout[:2000]
+
+
+def test_the_first_line_says_where_max_steps_ends_the_run_and_where_it_evaluates(toy, tmp_path):
+    # the schedule spans `epochs`; --max_steps=3 ends this run before the first interval's evaluation
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--max_steps=3', '--epochs=10',
+             '--eval_every_epochs=2'] + TOY_ARGS)
+    assert re.search(r'\| \d+ steps \(10 epochs of \d+ groups, batch \d+\), this run to step 3 \(max_steps\), '
+                     r'eval every \d+ \(this run: at 3\)\n', p.stdout), p.stdout
