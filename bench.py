@@ -4,7 +4,7 @@ model and training step of train.py (step.train_step: forward, loss, backward, A
 puzzle embedding, EMA), on random batches or on a dataset:
     python bench.py                                             # the paper's Sudoku MLP model
     python bench.py config/baseline.py --global_batch_size=384  # any train.py config and batch
-    python bench.py --device=cpu --forward_dtype=float32 --steps=2 --warmup_steps=1 --eval_batch_size=8
+    python bench.py config/quickstart.py --steps=3 --warmup_steps=1  # a laptop CPU: the quick start's model, seconds
     python bench.py config/maze.py                              # the shape from the config: 900 tokens
     python bench.py config/arc1.py --global_batch_size=8        # ARC-AGI-1: 900 tokens, an 876,406-row table
     python bench.py --compile=False                             # CUDA, TorchTPU, XLA: eager (train.py compiles)
