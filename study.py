@@ -46,7 +46,7 @@ import time
 from collections import deque
 
 from runkeep import gcs
-from configurator import Tee, find_file, parse_flags, type_problem
+from configurator import TRAIN_RULES, Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
 from runkeep.locks import LOCK_NAME, STUDY_VAR, holder_gone, local_record, lock_record, one_at_a_time
 from runkeep.records import take_bucket_log
@@ -137,6 +137,8 @@ if hosts_mode not in ('all', 'share'):
 if os.environ.get('PJRT_DEVICE') and nproc > 1:
     raise SystemExit("config error: with PJRT_DEVICE set train.py starts one process per chip itself: use "
                      "--nproc=1")
+if out_root and not TRAIN_RULES['out_dir'][0](out_root):  # 'gs://' alone would be a local folder named 'gs:'
+    raise SystemExit(f"config error: out_root={out_root!r} (allowed: '', a folder or gs://BUCKET/prefix)")
 ROOT = (out_root or SCALE_ROOTS[scale]).rstrip('/')
 LOCAL_ROOT = local_folder(ROOT) if gcs.is_gcs(ROOT) else ROOT  # a run's local_dir: train.py's default for it
 try:
@@ -163,7 +165,11 @@ if pod:
     if not m or not 0 < assume_mfu <= 1:
         raise SystemExit(f"config error: pod={pod!r}, assume_mfu={assume_mfu!r} (allowed: a TPU slice such as "
                          f"'v4-32', 'v5e-32', 'v6e-8'; assume_mfu in (0, 1])")
-    chips = int(m[2]) // (2 if m[1] in ('v4', 'v5p') else 1)
+    cores = 2 if m[1] in ('v4', 'v5p') else 1  # what the name's number counts a chip as
+    chips = int(m[2]) // cores
+    if chips < 1 or int(m[2]) % cores:
+        raise SystemExit(f"config error: pod={pod!r} is no slice of whole chips (allowed: at least 1 chip; v4 and "
+                         f"v5p names count TensorCores, 2 a chip: 'v4-8' is 4 chips)")
     POD = dict(name=pod, chips=chips, rate=chips * TPU_PEAK[m[1]] * assume_mfu,
                why=f"ASSUMED, not measured: {pod} = {chips} chips x {TPU_PEAK[m[1]] / 1e12:g} TFLOP/s bf16 peak x "
                    f"{assume_mfu:g} MFU = {chips * TPU_PEAK[m[1]] * assume_mfu / 1e15:.3g} PFLOP/s, perfect "

@@ -180,3 +180,17 @@ def test_a_dataset_built_by_the_reference_counts_its_augmentations_from_its_arra
                    extra={}, extra_args=[], nproc=1, seeds=1)
     got = dataset_for(dict(data_path=str(d)), {}, opts)
     assert (got['puzzles'], got['aug'], got['test']) == (30, 2, 6), got
+
+
+@pytest.mark.parametrize('flag,words', [
+    ('--pod=v4-1', ["pod='v4-1'", 'TensorCores', 'v4-8']),
+    ('--pod=v6e-0', ["pod='v6e-0'", 'at least 1 chip']),
+    ('--out_root=gs://', ["out_root='gs://'", 'gs://BUCKET/prefix']),
+    ('--out_root=gs:///study', ["out_root='gs:///study'", 'gs://BUCKET/prefix']),
+])
+def test_a_pod_of_no_chips_or_a_bucket_without_its_name_is_refused_in_one_line(flag, words):
+    """A slice name that counts no chip would divide the dry run's FLOPs by a rate of 0, and a gs:// root without
+    a bucket's name would send the runs to a local folder named 'gs:': each is one line before anything runs."""
+    p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', flag], check=False)
+    said = assert_user_error(p, 'config error: ', *words, one_line=True)
+    assert 'parameters |' not in p.stdout, said
