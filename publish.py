@@ -14,6 +14,7 @@ another run's step files (one all_config.yaml answers for all of them) is refuse
 the folder as it was (published.export).
 """
 import os
+import re
 import signal
 import sys
 import urllib.parse
@@ -37,10 +38,19 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator
 _one_of = lambda *a: (lambda v: v in a, ' | '.join(map(repr, a)))
 RULES = dict(init_from=(lambda v: bool(v), 'a checkpoint of train.py, out/RUN/ckpt_XXXXXXXX.pt'),
              weights=_one_of('ema', 'model'), forward_dtype=_one_of('', 'bfloat16', 'float16', 'float32'),
-             repo=(lambda v: v == '' or (v.count('/') == 1 and all(v.split('/'))), "'' or OWNER/REPO"))
+             repo=(lambda v: v == '' or (v.count('/') == 1 and all(v.split('/'))), "'' or OWNER/REPO"),
+             # written with local file calls: a gs:// or hf:// one would be a folder named 'gs:' here
+             out_dir=(lambda v: v == '' or (bool(v.strip()) and '://' not in v),
+                      "'' (published/ beside the checkpoint) or a local folder; for a bucket publish here, then "
+                      "copy it, e.g. with gcloud storage cp; for the hub --repo=OWNER/REPO"))
 bad = [f"{k}={globals()[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(globals()[k])]
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
+if os.path.isdir(init_from):
+    _newest = max((f for f in os.listdir(init_from) if re.fullmatch(r'ckpt_\d+\.pt', f)), default=None)
+    raise SystemExit(f"init_from={init_from} is a folder, not a checkpoint: " +
+                     (f"name one in it, such as --init_from={os.path.join(init_from, _newest)}" if _newest else
+                      "it holds no ckpt_*.pt of train.py"))
 if not os.path.isfile(init_from):
     raise SystemExit(f"init_from={init_from}: no such file (a checkpoint of train.py; a gs:// one: copy it here "
                      "first, e.g. with gcloud storage cp)")

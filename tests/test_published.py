@@ -336,6 +336,23 @@ def test_publish_refuses_bad_input_in_one_line(tmp_path):
     assert_user_error(publish(f'--init_from={bad}', check=False), str(bad), 'corrupt or truncated')
 
 
+@pytest.mark.parametrize('out_dir', ['gs://bucket/pub', 'hf://owner/repo', ' '])
+def test_an_out_dir_that_is_no_local_folder_is_refused_and_nothing_is_written(table_run, tmp_path, out_dir):
+    """publish.py writes a local folder: a gs:// or hf:// out_dir was written under the working folder as 'gs:/...',
+    and the line after it named the bucket's path to load from, where nothing was."""
+    p = run(['publish.py', f'--init_from={table_run["ckpt"]}', f'--out_dir={out_dir}'], check=False, cwd=tmp_path)
+    assert_user_error(p, f"out_dir={out_dir!r}", 'a local folder', one_line=True)
+    assert not os.listdir(tmp_path)
+
+
+def test_a_run_folder_given_as_init_from_names_its_newest_checkpoint(table_run, tmp_path):
+    p = publish(f'--init_from={table_run["out"]}', check=False)
+    assert_user_error(p, f'init_from={table_run["out"]} is a folder', f'--init_from={table_run["ckpt"]}',
+                      one_line=True)
+    p = publish(f'--init_from={tmp_path}', check=False)
+    assert_user_error(p, f'init_from={tmp_path} is a folder', 'no ckpt_*.pt', one_line=True)
+
+
 def test_a_checkpoint_of_an_earlier_trainer_without_newer_keys_is_published(table_run, tmp_path):
     """A checkpoint saved before a key existed (here rms_norm_eps and rope_theta) had its default: published."""
     ckpt = torch.load(table_run['ckpt'], weights_only=True)
