@@ -89,6 +89,18 @@ def test_bench_refuses_a_bad_profile_steps_before_anything_runs():
         assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
 
 
+def test_bench_refuses_a_profile_dir_it_cannot_make_before_anything_runs(tmp_path):
+    # the trace's folder was made after the timing: a file in its place ended the bench in a traceback, the
+    # timing and its summary line lost
+    (tmp_path / 'f').write_text('mine')
+    for folder in (tmp_path / 'f', tmp_path / 'f' / 'profile'):
+        p = run(['bench.py', '--device=cpu', '--profile_steps=0:1', f'--profile_dir={folder}'] + BENCH_TINY,
+                check=False)
+        said = assert_user_error(p, f"profile_dir='{folder}'", f'{tmp_path / "f"} is a file', one_line=True)
+        assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
+    assert (tmp_path / 'f').read_text() == 'mine'
+
+
 def test_bench_on_xla_stops_compiling():
     pytest.importorskip('torch_xla')  # Linux wheels only
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True',
