@@ -172,6 +172,12 @@ if have_data:  # both splits are read (train and evaluation batches): a broken f
     meta = load_metadata(data_path, 'train')
     shape = (meta['seq_len'], meta['vocab_size'],
              f"{puzzle_type(meta) or 'unknown puzzle'}, from the dataset's metadata in {data_path}")
+elif os.path.exists(data_path):  # only a name with nothing there says the shape: a folder there is a mistake
+    _up = os.path.dirname(os.path.normpath(data_path))  # a dataset's split folder, say: its dataset is above it
+    _hint = f"; --data_path={_up} is one" if os.path.exists(os.path.join(_up, 'train', 'dataset.json')) else ''
+    raise SystemExit(f"config error: data_path={data_path}{set_where(_set_at, ['data_path'])}: no dataset there (no "
+                     f"train/dataset.json; allowed: a dataset folder, or a name with nothing there, whose words say "
+                     f"the shape){_hint}")
 else:
     shape = shape_from_name(data_path)
     if data_path:

@@ -101,6 +101,21 @@ def test_bench_refuses_a_profile_dir_it_cannot_make_before_anything_runs(tmp_pat
     assert (tmp_path / 'f').read_text() == 'mine'
 
 
+def test_bench_refuses_a_data_path_that_is_there_but_holds_no_dataset(toy, tmp_path):
+    # a name with no dataset behind it gives the shape (random batches); an existing folder or file that is no
+    # dataset, such as a dataset's split folder, is a mistake: it was timed as 9x9 Sudoku
+    maze = tmp_path / 'maze-30x30'
+    maze.mkdir()
+    (tmp_path / 'file').write_text('x')
+    for path in (f'{toy}/train', maze, tmp_path / 'file'):
+        p = run(['bench.py', '--device=cpu', f'--data_path={path}'] + BENCH_TINY, check=False)
+        said = assert_user_error(p, f'config error: data_path={path}', 'no dataset', 'train/dataset.json',
+                                 one_line=True)
+        assert 'train:' not in p.stdout, p.stdout
+    p = run(['bench.py', '--device=cpu', f'--data_path={toy}/train'] + BENCH_TINY, check=False)
+    assert f'--data_path={toy}' in p.stderr, p.stderr  # a split folder: its dataset named
+
+
 def test_bench_on_xla_stops_compiling():
     pytest.importorskip('torch_xla')  # Linux wheels only
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True',
