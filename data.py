@@ -151,6 +151,13 @@ def building(root, reads=None):
     read. None (a builder that does not say what it reads): every name of BUILT it did not write stays. A build
     into a root that a live build holds (_build_lock) is refused in one line; a killed build's tmp is removed."""
     tmp, lock = os.path.join(root, BUILDING), None
+    up = os.path.abspath(root)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    if not os.path.isdir(up):  # the OS would say 'File exists' or 'Not a directory', naming no option
+        where = root if up == os.path.abspath(root) else f"{root}: {up}"
+        raise NotADirectoryError(f"{where} is a file, not a folder (allowed: a folder, or a path where one can be "
+                                 "made)")
     new = not os.path.exists(root)
     try:
         lock = _build_lock(root)  # a second build into root stops here, before it touches anything

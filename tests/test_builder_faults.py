@@ -94,6 +94,16 @@ def test_a_maze_size_with_too_few_distinct_mazes_says_so_not_the_path_length(tmp
     assert '--min_path_len' not in err and not os.path.exists(tmp_path / 'm')
 
 
+@pytest.mark.parametrize('args', SMALL_BUILDS, ids=lambda a: a[0])
+def test_an_output_dir_that_is_a_file_or_lies_below_one_is_one_line_and_the_file_stays(tmp_path, args):
+    # said as the OS's 'File exists' or 'Not a directory' before, which did not say that output_dir was the problem
+    (tmp_path / 'f').write_text('mine')
+    for out in (tmp_path / 'f', tmp_path / 'f' / 'd'):
+        p = run(args + [f'--output_dir={out}'], check=False)
+        assert_user_error(p, str(out), f'{tmp_path / "f"} is a file, not a folder', one_line=True)
+    assert tree(tmp_path) == {'f': b'mine'}
+
+
 @pytest.mark.parametrize('option,value,allowed', [
     ('seed', '-1', 'from 0 to 4294967295'), ('seed', str(2 ** 32), 'from 0 to 4294967295'),
     ('min_rating', '-1', 'must not be negative'),
