@@ -455,6 +455,13 @@ def _configure(g, argv):
     # a flag without '=' first: in `--L_cycles 4` the 4 would otherwise be read as a config file
     if flag := next((a for a in argv if a.startswith('--') and '=' not in a), None):
         raise SystemExit(f"config error: {flag} should look like --key=value (--help lists the keys)")
+    # a key typed with one dash, none, or a dash a text editor made of two (en, em): a flag, not a config file's name
+    dashes = '-\u2013\u2014'
+    if typo := next((a for a in argv if not a.startswith('--') and '=' in a and not os.path.exists(find_file(a))
+                     and a.lstrip(dashes).split('=', 1)[0] in known), None):
+        key, text = typo.lstrip(dashes).split('=', 1)
+        raise SystemExit(f"config error: {typo!r} is no config file: a key is set with two dashes, write "
+                         f"--{key}={text}")
     # a puzzle with spaces (a maze's open cells) typed without quotes: the shell's words after it are no config files
     # (a name ending in .py is one, mistyped: said as such below)
     if any(a.startswith('--puzzle=') for a in argv) and 'puzzle' in known and \

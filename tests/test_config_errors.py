@@ -185,3 +185,14 @@ def test_the_first_line_says_where_max_steps_ends_the_run_and_where_it_evaluates
              '--eval_every_epochs=2'] + TOY_ARGS)
     assert re.search(r'\| \d+ steps \(10 epochs of \d+ groups, batch \d+\), this run to step 3 \(max_steps\), '
                      r'eval every \d+ \(this run: at 3\)\n', p.stdout), p.stdout
+
+
+@pytest.mark.parametrize('script,word,flag', [
+    ('publish.py', 'init_from=x.pt', '--init_from=x.pt'), ('publish.py', '-init_from=x.pt', '--init_from=x.pt'),
+    ('study.py', '\u2014pattern=rec_*', '--pattern=rec_*'), ('bench.py', '\u2013steps=2', '--steps=2')])
+def test_a_flag_without_its_two_dashes_is_said_as_a_flag_not_a_missing_config_file(script, word, flag):
+    """A key typed with one dash, none, or the dash a text editor makes of two (an en or em dash) was read as a
+    config file's name: 'cannot read config file <the repository>/-init_from=x.pt'."""
+    said = assert_user_error(run([script, word], check=False), f'config error: {word!r}', f'write {flag}',
+                             one_line=True)
+    assert 'cannot read' not in said, said
