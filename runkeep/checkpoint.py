@@ -32,7 +32,7 @@ from puzzles import puzzle_for, seq_len_for_vocab
 from step import lr_at
 
 from . import gcs
-from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_together
+from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_together, newest_in
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
@@ -705,10 +705,8 @@ def read_checkpoint(path):
         fail("solve.py needs a checkpoint: --init_from=out/RUN/ckpt_XXXXXXXX.pt (or a reference state dict)")
     # a run's folder or a published one, or a file missing from one (the step a shorter run did not reach): the
     # newest checkpoint in that folder is the likely one
-    folder = path if os.path.isdir(path) else os.path.dirname(path) or '.'
-    numbered = [(int(m.group(1)), f) for f in (os.listdir(folder) if os.path.isdir(folder) else [])
-                if (m := CKPT_RE.fullmatch(f) or re.fullmatch(r'step_(\d+)', f))]
-    newest = f"--init_from={os.path.join(folder, max(numbered)[1])}" if numbered else ''
+    newest = newest_in(path if os.path.isdir(path) else os.path.dirname(path))
+    newest = f"--init_from={newest}" if newest else ''
     if os.path.isdir(path):
         fail(f"init_from={path} is a folder, not a checkpoint file" + (f": name one in it, such as {newest}"
                                                                           if newest else ''))

@@ -8,6 +8,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 
@@ -120,7 +121,21 @@ def init_from_problems(init_from):
     if init_from in ('scratch', 'resume') or os.path.isfile(init_from):
         return []
     what = 'a folder, not a checkpoint file' if os.path.isdir(init_from) else 'no such file on this host'
-    return [f"init_from={init_from}: {what} ({allowed})"]
+    newest = newest_in(init_from if os.path.isdir(init_from) else os.path.dirname(init_from))
+    return [f"init_from={init_from}: {what}" + (f"; the newest checkpoint there: --init_from={newest}" if newest
+                                                 else f" ({allowed})")]
+
+
+def newest_in(folder):
+    """The newest checkpoint in folder (ours, ckpt_<N>.pt, or the reference's step_<N>), or None: what a user who
+    named the folder, or a step a shorter run did not reach, most likely meant."""
+    try:
+        names = os.listdir(folder or '.')
+    except OSError:
+        return None
+    numbered = [(int(m.group(1)), n) for n in names
+                if (m := re.fullmatch(r'ckpt_(\d{8,})\.pt', n) or re.fullmatch(r'step_(\d+)', n))]
+    return os.path.join(folder, max(numbered)[1]) if numbered else None
 
 
 def memory_problems(cfg, dev, meta):

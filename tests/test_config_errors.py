@@ -196,3 +196,17 @@ def test_a_flag_without_its_two_dashes_is_said_as_a_flag_not_a_missing_config_fi
     said = assert_user_error(run([script, word], check=False), f'config error: {word!r}', f'write {flag}',
                              one_line=True)
     assert 'cannot read' not in said, said
+
+
+def test_a_checkpoint_missing_from_its_run_folder_names_the_newest_one_there(toy, tmp_path):
+    # the README's step after a shorter run, or the run's folder itself: the newest checkpoint in it is named
+    run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/a', '--max_steps=2'] + TOY_ARGS)
+    newest = f'--init_from={tmp_path}/a/ckpt_00000002.pt'
+    for given, what in ((f'{tmp_path}/a/ckpt_00000703.pt', 'no such file on this host'),
+                        (f'{tmp_path}/a', 'a folder, not a checkpoint file')):
+        p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/b', f'--init_from={given}'] + TOY_ARGS,
+                check=False)
+        assert_user_error(p, f'init_from={given}: {what}; the newest checkpoint there: {newest}')
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/b', f'--init_from={tmp_path}/none.pt']
+            + TOY_ARGS, check=False)  # a folder without checkpoints: what init_from may be
+    assert_user_error(p, f'init_from={tmp_path}/none.pt: no such file on this host (init_from is ')
