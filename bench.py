@@ -222,6 +222,8 @@ if check_memory and device_type in ('cpu', 'cuda'):
                            n_eval_steps, ema=ema, accumulation=gradient_accumulation_steps)
     if not steps:  # the checkpoint alone: its state is made (gradients, moments, the carry), no step runs
         mem_parts.update(activations=0, slack=ALLOCATOR_SLACK * mem_parts['gradients'])
+    elif puzzle_emb_ndim > 0:  # the timed sign-SGD update compares its N ids pairwise: [N, N] bools and int64s
+        mem_parts['emb_update'] = 9 * (emb_update_batch or global_batch_size) ** 2
     (give, where), own = headroom(dev)
     if problem := memory_problem(mem_parts, 1, 'this bench', where, give, '--check_memory=False', own):
         raise SystemExit(problem)

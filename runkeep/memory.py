@@ -139,6 +139,7 @@ def describe(parts):
     names = dict(weights='weights', ema='EMA', puzzle_embeddings='puzzle embeddings', gradients='gradients',
                  optimizer='optimizer moments', carry='ACT carry', activations="a step's activations",
                  evaluation='an evaluation batch', process='the process itself (Python, torch)',
+                 emb_update="bench.py's timed puzzle-embedding update (its ids compared pairwise)",
                  slack=f"the allocator's slack ({ALLOCATOR_SLACK:.0%} of the larger)")
     return ', '.join(f"{names[k]} {size(v)}" for k, v in parts.items() if v)
 

@@ -121,6 +121,15 @@ def test_a_bench_this_machine_cannot_hold_is_refused_before_it_starts(toy):
     assert 'bench: device=cpu' in p.stdout and 'needs about' not in p.stdout + p.stderr
 
 
+def test_a_bench_whose_puzzle_embedding_update_this_machine_cannot_hold_is_refused_before_it_starts():
+    # the timed sign-SGD update compares its ids pairwise: 10^6 ids ask 9 TB, said in one line, not a traceback
+    p = run(['bench.py', '--device=cpu', '--global_batch_size=4', '--hidden_size=16', '--num_heads=1',
+             '--puzzle_emb_ndim=16', '--H_cycles=1', '--L_cycles=1', '--halt_max_steps=2', '--steps=1',
+             '--warmup_steps=1', '--eval_batches=0', '--forward_dtype=float32', '--emb_update_batch=1000000'],
+            check=False)
+    assert_user_error(p, 'this bench needs about', "bench.py's timed puzzle-embedding update", one_line=True)
+
+
 def test_a_bench_of_the_checkpoint_alone_is_not_refused_for_a_step_it_never_runs(tmp_path):
     # --steps=0 --checkpoint_dir saves the model, its moments and the carry, and runs no step: a step's
     # activations at batch 500 (about 2 GB) do not count against a machine of 1 GB, the checkpoint's state does
