@@ -740,11 +740,12 @@ def results_of_step(local, gs_out, step):
 
 def drop_results(local, gs_out, submission=False):
     """Rank 0, before a process's first checkpoint: results.json of an earlier finish (and with `submission`,
-    an ARC run's, the submission.json beside it) removed, local and in the bucket, since they would sit beside
-    a checkpoint of another step; the end of the run writes its own. A bucket that cannot delete one is a
+    an ARC run's, the submission.json and answers.npz beside it) removed, local and in the bucket, since they
+    would sit beside a checkpoint of another step, or of the same step of another run (--overwrite, a roll-back)
+    that keeps no answers; the end of the run writes its own. A bucket that cannot delete one is a
     warning: a resume compares results.json's step with the checkpoint's, and results.json names its
     submission's step. Returns True (done)."""
-    for name in ('results.json',) + (('submission.json',) if submission else ()):
+    for name in ('results.json',) + (('submission.json', 'answers.npz') if submission else ()):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(local, name))
         if gs_out:

@@ -95,6 +95,17 @@ def test_results_json_and_an_eval_only_record_name_their_submission_s_step(synth
     assert os.path.exists(out / 'evals' / 'views1-steps3.submission.json')
 
 
+def test_an_overwrite_rerun_without_arc_answers_keeps_none_of_the_old_run_s_answers(synthetic, tmp_path):
+    from runkeep.adapt import kept_answers
+    out = tmp_path / 'o'
+    train(synthetic, out, '--epochs=1', '--arc_answers=True')
+    assert kept_answers(str(out), 3) is not None
+    # another run to the same step: the old answers would pass as its own (kept_answers checks the step only)
+    train(synthetic, out, '--epochs=1', '--overwrite=True', '--seed=7')
+    assert json.load(open(out / 'results.json'))['step'] == 2
+    assert not os.path.exists(out / 'answers.npz') and kept_answers(str(out), 3) is None
+
+
 # -----------------------------------------------------------------------------
 # test_views.npz must be the test split's
 
