@@ -161,6 +161,25 @@ def test_one_view_within_halt_max_steps_counts_what_the_verifier_accepts_as_more
     assert (row['vote'], row['verified'], row['oracle'], row['accepted']) == ('0.625',) * 4, row
 
 
+def test_a_saved_evaluation_of_another_checkpoint_than_results_json_s_is_left_out_of_the_report(tmp_path):
+    """A run extended past an earlier finish: evals/ still holds a 4-view evaluation of the earlier checkpoint
+    (step 5) beside a 1-view one of results.json's (step 10), at the same steps; the report takes step 10's, as
+    study.py --eval_only does, and says why the other is left out (made by hand, as train.py writes them)."""
+    out = tmp_path / 'out'
+    one_view_report(tmp_path, 0.5, [0.125, 0.25, 0.375, 0.5])
+    fe = dict(exact_accuracy=0.25, count=100, exact_accuracy_q_halt=0.25, verified_accuracy=0.25, views=4,
+              eval_flops=16 * 100 * 1e3,
+              by_views=[dict(views=k, **{m + q: 0.25 for m in ('vote', 'verified', 'oracle') for q in ('', '_q_halt')})
+                        for k in (1, 2, 4)])
+    stale = out / 'one_p0' / 'evals' / 'views4-steps4.json'
+    json.dump(dict(step=5, seconds=1.0, config=dict(halt_max_steps=4), eval=fe), open(stale, 'w'))
+    p = run(['study.py', '--pattern=one_*', f'--config_dir={tmp_path / "cfg"}', f'--out_root={out}',
+             '--report=True'])
+    rows = list(csv.DictReader(open(out / 'report_views.csv')))
+    assert [(r['views'], r['checkpoint_step'], r['vote']) for r in rows] == [('1', '10', '0.5')], rows
+    assert f"{stale} evaluated step 5, not results.json's 10: left out" in p.stdout, p.stdout
+
+
 def test_the_test_compute_plot_keeps_points_and_labels_at_0_percent_inside_its_axes():
     """Runs that solve nothing yet (a first tiny study): their points and k labels are drawn inside the panel,
     not on its frame and over the x axis's numbers."""
