@@ -705,11 +705,13 @@ def take_bucket_log(log, gs_out, start, otherwise):
 
 
 def remove_unfinished(local):
-    """Rank 0: temporary files of saves and downloads that never finished."""
-    for name in os.listdir(local):
-        if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
-                os.path.isfile(os.path.join(local, name)):
-            os.remove(os.path.join(local, name))
+    """Rank 0: temporary files of saves and downloads that never finished, tb/'s too (a resume's catch-up would
+    send them to the bucket with the event files)."""
+    for folder in (local, os.path.join(local, 'tb')):
+        for name in os.listdir(folder) if os.path.isdir(folder) else []:
+            if (name.endswith('.tmp') or name.startswith(('.rank',) + SNAPSHOTS)) and \
+                    os.path.isfile(os.path.join(folder, name)):
+                os.remove(os.path.join(folder, name))
 
 
 def results_step(path):

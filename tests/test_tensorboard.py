@@ -305,6 +305,20 @@ def test_a_bucket_run_started_over_an_earlier_one_leaves_only_its_own_events_the
     assert len(configs) == 1 and '| lr | 0.001 |' in configs[0], configs
 
 
+def test_a_download_a_kill_left_in_tb_is_not_sent_to_the_bucket(emu, toy, tmp_path):
+    """A process killed while it fetched an event file leaves tb/fetch.tmp (cut.tmp likewise, killed while it
+    cut one): the resume removes it, and sends none of it to the bucket with the event files it catches up."""
+    out, local, env = f'gs://{BUCKET}/tb/torn', tmp_path / 'l', dict(STORAGE_EMULATOR_HOST=emu[7:])
+    train(toy, out, f'--local_dir={local}', '--max_steps=8', '--checkpoint_interval=4', env=env)
+    for name in ('fetch.tmp', 'cut.tmp'):
+        (local / 'tb' / name).write_bytes(b'torn')
+    p = train(toy, out, f'--local_dir={local}', '--max_steps=12', '--checkpoint_interval=4', '--init_from=resume',
+              env=env)
+    names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.GCS(endpoint=emu).list(out + '/tb/')]
+    assert names and all('tfevents' in n for n in names) and '.tmp' not in p.stdout, (names, p.stdout[-3000:])
+    assert all('tfevents' in n for n in os.listdir(local / 'tb'))
+
+
 def event_steps(path, tag=None):
     """The steps of every scalar record in one event file (of `tag`, if given), in order, read with TensorBoard's
     own record reader: what its fast loader reads, which ignores the purge a resumed file begins with."""
