@@ -87,9 +87,12 @@ class Records:
         lines, past = max(copies, key=lambda c: (c[0] and json.loads(c[0][-1]).get('time') or 0, len(c[0])),
                           default=([], []))
         write_atomic(self.path, lambda f: f.writelines(lines))
-        if past:  # a run killed past its last checkpoint, or one rolled back to an older one: said, as they go
+        if past and step:  # a run killed past its last checkpoint, or one rolled back to an older one: said
             print(f"note: {len(past)} line(s) of {self.path} past step {step} (up to step {max(past)}) dropped: the "
                   f"run goes on from step {step}")
+        elif past:  # --overwrite, or a run that never saved a checkpoint: another run's lines
+            print(f"note: {len(past)} line(s) of an earlier run (up to step {max(past)}) dropped from {self.path}: "
+                  "this run starts anew")
         self.results = os.path.join(local, 'results.json')
         self.lost = 0  # lines not appended since the last one that was
 

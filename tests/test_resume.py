@@ -133,6 +133,10 @@ def test_a_resume_of_an_older_checkpoint_says_that_the_records_past_it_are_dropp
     assert f"3 line(s) of {out}/metrics.jsonl past step 4 (up to step 8)" in p.stdout, p.stdout[-2000:]
     steps = [json.loads(l)['step'] for l in open(out / 'metrics.jsonl')]
     assert steps == [2, 4, 6, 6], steps  # (the train and the final eval lines of step 6)
+    # a new run over it (--overwrite): the lines are another run's, not a step the run goes on from
+    p = train(toy, out, '--max_steps=2', '--log_interval=2', '--overwrite=True')
+    assert f"4 line(s) of an earlier run (up to step 6) dropped from {out}/metrics.jsonl: this run starts anew" \
+        in p.stdout and 'goes on from step 0' not in p.stdout, p.stdout[-2000:]
 
 
 def test_scratch_into_a_folder_with_checkpoints_is_refused_unless_overwrite(toy, tmp_path):
