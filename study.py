@@ -874,7 +874,7 @@ def run_evals(exps):
         if why:
             summary.append((e.run, '', 'skipped', f"NOT REUSED: {why}"))
             continue
-        have = saved_evals(e, res.get('step'))  # an evaluation of an earlier checkpoint is not this run's
+        have = saved_evals(e, res)  # an evaluation of another checkpoint (earlier, rolled back) is not this run's
         views = views_of(e, K)
         for S in dict.fromkeys(s or own_steps(e) for s in STEPS):
             more = [k for k, s in have if s == S and k >= views]

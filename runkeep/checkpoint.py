@@ -10,7 +10,8 @@ batch), rng (rank 0's random streams), rng_ranks (every rank's, in rank order; N
 config, best, run_id, timing, data (the shape it trained on), identifiers (whose puzzles the rows of its
 puzzle-embedding table are: identifiers_of), data_digest (which examples it trained on: startup.sampled_rows),
 eval_owed (a stop came before its step's evaluation was done: the resume evaluates it first; 'final': it was the
-run's final one, the time budget's last step), and with a pooled ARC vote arc_pool.
+run's final one, the time budget's last step), checkpoint_id (this save's random id, which results.json and an
+--eval_only record name), and with a pooled ARC vote arc_pool.
 """
 import dataclasses
 import hashlib

@@ -885,7 +885,8 @@ class RunRecords:
         if self.master and self.uploads:
             self.uploads.folder(path)
 
-    def finish(self, step, final_eval, best, run_id, wall, device_s, parameters, flops_per_example, arc=None):
+    def finish(self, step, final_eval, best, run_id, checkpoint_id, wall, device_s, parameters, flops_per_example,
+               arc=None):
         """Rank 0: results.json (wall: seconds by phase over every process of the run, device_s their
         device-seconds), and ARC's submission.json first, which results.json names with its step and vote (the
         file itself is the ARC Prize's format)."""
@@ -898,13 +899,14 @@ class RunRecords:
                          cfg['eval_steps'] or cfg['halt_max_steps'], cfg['gcs_retries'])
         wall = dict(wall, total=sum(wall.values()))
         self.records.finish(dict(
-            config=cfg, parameters=parameters, run_id=run_id, flops_per_example_step=flops_per_example,
+            config=cfg, parameters=parameters, run_id=run_id, checkpoint_id=checkpoint_id,
+            flops_per_example_step=flops_per_example,
             device=dev.name(), world_size=dev.world_size, final_eval=final_eval, best_eval=best,
             **(dict(arc_submission=sub) if sub else {}), step=step, examples_seen=step * cfg['global_batch_size'],
             train_flops=flops_per_example * step * cfg['global_batch_size'], wall_s=wall,
             device_hours=device_s / 3600))
 
-    def write_evaluation(self, res, step, seconds, checkpoint, arc=None):
+    def write_evaluation(self, res, step, seconds, checkpoint, checkpoint_id, arc=None):
         """Rank 0, --eval_only: <out_dir>/evals/<name>.json, one re-evaluation of a checkpoint (what a study
         reads for its test-time views and steps), and with an ARC evaluation's votes its submission beside it
         (<name>.submission.json, which the record names with its step and vote); a failed write or upload is a
@@ -913,8 +915,8 @@ class RunRecords:
         name = f"views{cfg['eval_views']}-steps{cfg['eval_steps'] or cfg['halt_max_steps']}"
         sub = arc and save_submission(self.local, self.gs_out, f'evals/{name}.submission.json', arc, step,
                                       cfg['gcs_retries'])
-        record = dict(step=step, checkpoint=checkpoint, seconds=seconds, device=dev.name(),
-                      world_size=dev.world_size, config=cfg, eval=res)
+        record = dict(step=step, checkpoint=checkpoint, checkpoint_id=checkpoint_id, seconds=seconds,
+                      device=dev.name(), world_size=dev.world_size, config=cfg, eval=res)
         record.update(dict(submission=sub) if sub else {})
         return save_evaluation(self.local, self.gs_out, f'evals/{name}.json', record, cfg['gcs_retries'])
 

@@ -65,6 +65,9 @@ class Run:
         gcs.default_client().stop = lambda: STOP['requested']  # until resume(): a stop ends bucket waits
         self.best = dict(step=-1, exact_accuracy=-1.0)
         self.resumed_from = self.last_good = self.run_id = None
+        # which save of the weights the run is at: results.json and an --eval_only record name it, so a study tells
+        # an evaluation of a checkpoint rolled back or overwritten since from one of the new weights of that step
+        self.checkpoint_id = None
         self.owed = False   # the checkpoint resumed was saved by a stop before its step's evaluation was done
         self.owed_final = False  # ... before its final evaluation, at a step short of the run's last
         self.corrupt = []   # checkpoints found unreadable: kept, but they hold no place among the kept ones
@@ -149,6 +152,7 @@ class Run:
                 # an older checkpoint's processes: taken to have had this world size
                 self.device_s = ckpt.get('device_s', sum(self.timing.values()) * self.dev.world_size)
                 self.run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id') or None
+                self.checkpoint_id = ckpt.get('checkpoint_id')
                 self.verified = step
                 self.owed = bool(ckpt.get('eval_owed')) and step < last_step and not cfg['eval_only']
                 # a final evaluation short of last_step: the time budget's, which ended the run there
@@ -227,6 +231,7 @@ class Run:
                             f"with --init_from=resume and a lower --lr (now {self.cfg['lr']})"]
             elif self.master:
                 timing, device_s = self.spent()
+                checkpoint_id = secrets.token_hex(8)
                 state = dict(model=model.state_dict(),
                              ema=ema_model.state_dict() if ema_model is not model else None,
                              optimizer=opt.state_dict(), step=step, loader=loader_state,
@@ -234,13 +239,14 @@ class Run:
                              rng_ranks=rng_ranks,
                              config=self.cfg, best=self.best, run_id=self.run_id, timing=timing, device_s=device_s,
                              data=data_shape(self.meta), identifiers=self.identifiers,
-                             data_digest=self.data_digest, eval_owed=owed,
+                             data_digest=self.data_digest, eval_owed=owed, checkpoint_id=checkpoint_id,
                              **(self.arc.pool_state() if self.arc else {}))
                 try:
                     if self.resumed_from and not self.results_dropped:  # an earlier finish's would sit beside it
                         self.results_dropped = drop_results(self.local, self.gs_out, self.arc is not None)
                     write_checkpoint(state, path, tag, self.cfg['keep_last_n'], self.best['step'], self.corrupt,
                                      protect=self.verified)
+                    self.checkpoint_id = checkpoint_id
                     uri = self.gs_out and f"{self.gs_out.rstrip('/')}/{checkpoint_name(step)}"
                     if uri in self.corrupt:  # its upload replaces the bucket's corrupt copy: the bucket's prune must
                         self.corrupt.remove(uri)  # not take the new one for it
@@ -371,8 +377,8 @@ class Run:
         ARC's submission.json first."""
         if self.master and example:
             print(render_example(self.meta, *example))
-        self.records.finish(step, final_eval, self.best, self.run_id, *self.spent(), parameters, flops_per_example,
-                            arc)
+        self.records.finish(step, final_eval, self.best, self.run_id, self.checkpoint_id, *self.spent(),
+                            parameters, flops_per_example, arc)
 
     def evaluate_checkpoint(self, evaluate, step, arc=None):
         """--eval_only: init_from's weights on the whole test split (evaluate(): (results, example)), printed;
@@ -384,7 +390,8 @@ class Run:
             if example:
                 print(render_example(self.meta, *example))
             if res:
-                self.records.write_evaluation(res, step, time.time() - t_eval, self.resumed_from, arc)
+                self.records.write_evaluation(res, step, time.time() - t_eval, self.resumed_from, self.checkpoint_id,
+                                              arc)
         self.end(res is None)
 
     def finished_before(self, step, run_steps, ending, later=''):

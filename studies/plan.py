@@ -661,9 +661,9 @@ def own_steps(e):
     return e.run_cfg['eval_steps'] or e.run_cfg['halt_max_steps']
 
 
-def saved_evals(e, step=None):
+def saved_evals(e, res=None):
     """{(views, steps): local path} of a run's saved re-evaluations, from its folder and, for a gs:// run, its
-    bucket (downloaded beside the local copies); with `step`, only those of the checkpoint of that step."""
+    bucket (downloaded beside the local copies); with `res` (its results.json), only those of its checkpoint."""
     if gcs.is_gcs(e.out_dir):
         try:
             names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.list_objects(f"{e.out_dir}/evals/")]
@@ -675,16 +675,24 @@ def saved_evals(e, step=None):
     folder = os.path.join(e.local, 'evals')
     found = {}
     for n in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-        if (m := EVAL_FILE.fullmatch(n)) and (step is None or evaluated_step(os.path.join(folder, n)) == step):
+        if (m := EVAL_FILE.fullmatch(n)) and (res is None or not other_checkpoint(os.path.join(folder, n), res)):
             found[int(m[1]), int(m[2])] = os.path.join(folder, n)
     return found
 
 
-def evaluated_step(path):
-    """The checkpoint step a saved re-evaluation evaluated, or None (unreadable)."""
+def other_checkpoint(path, res):
+    """Why the saved re-evaluation at path is not of the checkpoint results.json `res` is of, or '' when it is.
+    A roll-back or an --overwrite run may reach the same step with other weights: each save has its own
+    checkpoint_id (a results.json without one, of an older trainer, is matched by its step)."""
     try:
         with open(path) as f:
-            return json.load(f).get('step')
+            rec = json.load(f)
+        step, cid = rec.get('step'), rec.get('checkpoint_id')
     except (OSError, ValueError, AttributeError):
-        return None
+        step = cid = None
+    if step != res.get('step'):
+        return f"evaluated step {step}, not results.json's {res.get('step')}"
+    if res.get('checkpoint_id') and cid != res['checkpoint_id']:
+        return f"evaluated another checkpoint of step {step} than results.json's (a run rolled back or overwritten)"
+    return ''
 

@@ -11,7 +11,7 @@ import os
 
 from runkeep.records import write_atomic
 
-from .plan import checkpoint_steps, cost, evaluated_step, exists, fetch, has_file, read_results, saved_evals, seeded
+from .plan import checkpoint_steps, cost, exists, fetch, has_file, other_checkpoint, read_results, saved_evals, seeded
 
 
 # -----------------------------------------------------------------------------
@@ -317,8 +317,8 @@ def collect_views(exps):
     the by_views entry of k (K = 1: view 0's answer right, which vote, verified and oracle all are with one view:
     the verifier's accepting it where the count is known, else its exactness); flops_per_puzzle = the evaluation's
     forward FLOPs / puzzles x k / K = k x S x forward FLOPs per step; seconds: the whole K-view evaluation's.
-    A file of another checkpoint than results.json's (a run extended or rolled back since) is left out, as
-    study.py --eval_only leaves it."""
+    A file of another checkpoint than results.json's (a run extended, rolled back or overwritten since: another
+    step or checkpoint_id) is left out, as study.py --eval_only leaves it."""
     rows = []
     for e in exps:
         res = None if e.same_as else read_results(e)[0]
@@ -326,9 +326,8 @@ def collect_views(exps):
             continue
         best = {}
         for (K, S), path in saved_evals(e).items():
-            if (step := evaluated_step(path)) != res.get('step'):
-                print(f"report: {path} evaluated step {step}, not results.json's {res.get('step')}: left out "
-                      "(study.py --eval_only evaluates the run's checkpoint again)")
+            if why := other_checkpoint(path, res):
+                print(f"report: {path} {why}: left out (study.py --eval_only evaluates the run's checkpoint again)")
                 continue
             if K >= best.get(S, (0, None))[0]:
                 best[S] = (K, path)

@@ -11,9 +11,11 @@ import os
 import re
 import shutil
 import time
+from types import SimpleNamespace
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, assert_user_error, run
+from studies.plan import saved_evals
+from conftest import BUCKET, ROOT, assert_user_error, run, train
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 CPU_RUN = ['--scale=cpu', "--extra=--max_steps=40 --checkpoint_interval=20 --log_interval=20"]
@@ -178,6 +180,25 @@ def test_a_saved_evaluation_of_another_checkpoint_than_results_json_s_is_left_ou
     rows = list(csv.DictReader(open(out / 'report_views.csv')))
     assert [(r['views'], r['checkpoint_step'], r['vote']) for r in rows] == [('1', '10', '0.5')], rows
     assert f"{stale} evaluated step 5, not results.json's 10: left out" in p.stdout, p.stdout
+
+
+def test_an_evaluation_of_a_rolled_back_checkpoint_of_the_same_step_is_not_the_new_run_s(toy, tmp_path):
+    """Roll-back: step 10's checkpoint deleted and the run resumed from step 5 with a lower lr, to step 10 again.
+    The old evals file names step 10 too, but other weights: it is not results.json's (study.py --eval_only
+    evaluates again, the report leaves it out); the new checkpoint's evaluation is."""
+    out = tmp_path / 'o'
+    steps = ['--max_steps=10', '--checkpoint_interval=5', '--log_interval=5']
+    train(toy, out, *steps)
+    train(toy, out, *steps, '--init_from=resume', '--eval_only=True')
+    old = json.load(open(out / 'evals' / 'views1-steps4.json'))
+    os.remove(out / 'ckpt_00000010.pt')
+    train(toy, out, *steps, '--init_from=resume', '--lr=5e-4')
+    res = json.load(open(out / 'results.json'))
+    assert res['step'] == old['step'] == 10 and res['final_eval']['loss'] != old['eval']['loss']  # other weights
+    e = SimpleNamespace(out_dir=str(out), local=str(out))
+    assert saved_evals(e, res) == {}
+    train(toy, out, *steps, '--init_from=resume', '--eval_only=True')
+    assert saved_evals(e, res) == {(1, 4): str(out / 'evals' / 'views1-steps4.json')}
 
 
 def test_the_test_compute_plot_keeps_points_and_labels_at_0_percent_inside_its_axes():
