@@ -54,9 +54,9 @@ from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
 from puzzles import KINDS
 from studies.plan import (RUNNER_KEYS, SCALE_ROOTS, TRAIN_DEFAULTS, Experiment, Options, build_display,
-                        checkpoint_steps, config_diffs, cost, duration, family_pattern, flop_rate, has_results,
-                        load_experiments, model_cost, order_runs, own_steps, partition, point_of, read_results,
-                        resume_problem, run_flops, saved_evals, schedule, share_cost, state)
+                        bench_mismatch, checkpoint_steps, config_diffs, cost, duration, family_pattern, flop_rate,
+                        has_results, load_experiments, model_cost, order_runs, own_steps, partition, point_of,
+                        read_results, resume_problem, run_flops, saved_evals, schedule, share_cost, state)
 from studies.report import ENDED, make_report
 
 # -----------------------------------------------------------------------------
@@ -311,8 +311,10 @@ def run_seconds(e, flops, rate, devices):
 
 
 def print_dry_run(exps):
-    rate, why = flop_rate(OPTS, bench_file, examples_per_s)
-    print(f"scale {scale}: {len(exps)} experiment(s), {sum(not e.same_as for e in exps)} run(s) | {why}\n")
+    rate, why, bench = flop_rate(OPTS, bench_file, examples_per_s)
+    note = bench_mismatch(bench, exps)
+    print(f"scale {scale}: {len(exps)} experiment(s), {sum(not e.same_as for e in exps)} run(s) | {why}"
+          + (f"\n{note}" if note else '') + "\n")
     total = dict(train=0.0, eval=0.0, time=0.0, runs=0)
     flops = {}
     for e in exps:

@@ -564,8 +564,9 @@ def cost(e, data=None):
 
 
 def flop_rate(opts, bench_file='', examples_per_s=0.0):
-    """(FLOP/s, where it comes from) of the device, from bench.py's figure: its output in bench_file, or its
-    examples_per_s for config/baseline.py at opts.scale; (None, why not) without one."""
+    """(FLOP/s, where it comes from, what bench_file benched: its 'bench:' line's keys, {} without one) of the
+    device, from bench.py's figure: its output in bench_file, or its examples_per_s for config/baseline.py at
+    opts.scale; (None, why not, {}) without one."""
     if bench_file:
         want = ("(expected: bench.py's output, whose last 'bench:' line gives examples_per_s=N and "
                 "flops_per_example=N)")
@@ -585,7 +586,9 @@ def flop_rate(opts, bench_file='', examples_per_s=0.0):
             raise SystemExit(f"config error: bench_file={bench_file!r}: its last 'bench:' line has no positive "
                              f"examples_per_s and flops_per_example {want}")
         rate = eps * fpe
-        return rate, (f"{bench_file}: {eps:.1f} examples/s x {fpe / 1e9:.2f} GFLOPs = {rate / 1e12:.3g} TFLOP/s")
+        shape = ' '.join(f"{k}={kv[k]}" for k in BENCH_SHAPE if k in kv)
+        return rate, (f"{bench_file} ({shape}): {eps:.1f} examples/s x {fpe / 1e9:.2f} GFLOPs = "
+                      f"{rate / 1e12:.3g} TFLOP/s"), kv
     if examples_per_s > 0:
         ref = Experiment(os.path.join(HERE, 'config', 'baseline.py'), opts, 'baseline')
         rc = cost(ref)
@@ -593,10 +596,36 @@ def flop_rate(opts, bench_file='', examples_per_s=0.0):
             raise SystemExit("cannot cost config/baseline.py at this scale for --examples_per_s")
         rate = examples_per_s * rc['fpe']
         return rate, (f"--examples_per_s={examples_per_s:g} for config/baseline.py at scale {opts.scale} "
-                      f"({rc['fpe'] / 1e9:.3g} GFLOPs per example-step) = {rate / 1e12:.3g} TFLOP/s")
+                      f"({rc['fpe'] / 1e9:.3g} GFLOPs per example-step) = {rate / 1e12:.3g} TFLOP/s"), {}
     return None, ("no speed figure given, so no time estimate: run `python bench.py config/baseline.py` with "
                   "this scale's flags on the target device and pass --examples_per_s=<its examples/s> (or "
-                  "--bench_file=<a file with its output>)")
+                  "--bench_file=<a file with its output>)"), {}
+
+
+# what a 'bench:' line says of the run it timed, which a FLOP rate depends on besides the FLOPs
+BENCH_SHAPE = ('device', 'dtype', 'batch', 'seq_len', 'params')
+
+
+def bench_mismatch(bench, exps):
+    """'' when the bench timed one of these runs' shape, else one line saying what it timed against what the
+    runs are. A run's device or dtype 'auto' is decided on the machine that runs it, so it matches any."""
+    runs = {k: set() for k in BENCH_SHAPE}
+    for e in exps:
+        c = cost(e)
+        if e.same_as or not c or 'error' in c:
+            continue
+        for k, v in (('device', e.run_cfg['device']), ('dtype', e.run_cfg['forward_dtype']), ('batch', c['batch']),
+                     ('seq_len', e.data['seq_len']), ('params', c['params'])):
+            runs[k].add(str(v))
+    runs = {k: v for k, v in runs.items() if v and k in bench and 'auto' not in v}
+    if not runs or all(bench[k] in v for k, v in runs.items()):
+        return ''
+    theirs = ' '.join(f"{k}={'/'.join(sorted(v, key=natural_key))}" for k, v in runs.items())
+    ours = ' '.join(f"{k}={bench[k]}" for k in runs)
+    return (f"note: the bench timed {ours}, not the shape of these runs ({theirs}): its FLOP rate is applied to "
+            f"each run's FLOPs as it is, though a rate changes with the device, dtype, batch and width, so the "
+            f"times below can be several times off; bench one of the runs' own commands (bench.py takes train.py's "
+            f"config file and flags) for a closer figure")
 
 
 def duration(s):

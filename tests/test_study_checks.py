@@ -151,6 +151,27 @@ def test_a_bench_file_that_cannot_give_a_speed_is_one_line(tmp_path):
     assert_user_error(p, 'bench_file=', 'cut.txt', 'examples_per_s', 'flops_per_example', one_line=True)
 
 
+def test_a_bench_of_another_shape_dtype_or_device_than_the_runs_is_said(tmp_path):
+    # the bench's FLOP rate is carried over to each run's FLOPs; measured at another batch, width or dtype it
+    # can be several times off, so the dry run says what was benched against what the runs are
+    bench = run(['bench.py', 'config/quickstart.py', '--steps=2', '--warmup_steps=1', '--eval_batches=1'])
+    line = next(l for l in bench.stdout.splitlines() if l.startswith('bench:'))
+    dry = ['study.py', '--pattern=rec_L2', '--scale=cpu', '--dry_run=True']
+    (tmp_path / 'other.txt').write_text(bench.stdout)
+    out = run(dry + [f'--bench_file={tmp_path}/other.txt']).stdout
+    note = [l for l in out.splitlines() if 'bench' in l and 'not the shape' in l]
+    assert len(note) == 1 and 'batch=128' in note[0] and 'batch=32' in note[0], out
+    assert 'seq_len=36' in note[0] and 'seq_len=16' in note[0] and 'device=cpu dtype=float32' in out, out
+    same = re.sub(r'batch=\d+', 'batch=32', re.sub(r'seq_len=\d+', 'seq_len=16', re.sub(r'params=\d+', 'params=74178',
+                                                                                        line)))
+    (tmp_path / 'same.txt').write_text(same + '\n')
+    out = run(dry + [f'--bench_file={tmp_path}/same.txt']).stdout
+    assert 'not the shape' not in out and 'about ' in out, out
+    (tmp_path / 'bf16.txt').write_text(same.replace('dtype=float32', 'dtype=bfloat16') + '\n')
+    out = run(dry + [f'--bench_file={tmp_path}/bf16.txt']).stdout
+    assert re.search(r'^note: the bench timed device=cpu dtype=bfloat16 .*not the shape.*dtype=float32', out, re.M), out
+
+
 @pytest.mark.parametrize('flag,words', [
     ('--examples_per_s=-5', ['examples_per_s=-5.0', '0: none']),
     ('--examples_per_s=1e999', ['examples_per_s=inf', 'not a finite number']),
