@@ -96,6 +96,7 @@ exec(open(os.path.join(os.path.dirname(os.path.abspath(__file__)), 'configurator
 
 STUDY_LOCK = 'study.lock'       # in the local folder of out_root: one study at a time runs into it
 STOP = dict(requested=False, children=set())
+ESTIMATE = {}                   # run -> its seconds from the speed figure, for a run started from scratch
 
 if scale not in SCALE_ROOTS:
     raise SystemExit(f"config error: scale={scale!r} (allowed: {' | '.join(map(repr, SCALE_ROOTS))})")
@@ -636,6 +637,13 @@ def run_study(exps):
     if hosts_mode == 'share' and hosts > 1 and not gcs.is_gcs(ROOT):
         print(f"warning: out_root {ROOT} is local: each host's results stay on it (--out_root=gs://... shows "
               "all)")
+    # a speed figure given to a real run: each run's estimate beside its measured time. A figure that cannot be
+    # read stops no run (a pod's worker may lack the file the first host has): it is said, and nothing estimated
+    try:
+        rate = flop_rate(OPTS, bench_file, examples_per_s)[0] if bench_file or examples_per_s else None
+    except SystemExit as ex:
+        rate = None
+        print(f"study: no time estimates: {ex}", flush=True)
     kind, ids = host_devices(mine)
     plans = slot_plans(kind, ids, slots, hosts if hosts_mode == 'share' else 1)
     status, t_study = {}, time.time()
@@ -663,6 +671,9 @@ def run_study(exps):
     todo = [e for e in todo if fits(e, kind, ids, status)] if check_memory else todo
     failed_data = build_datasets(todo)
     todo = order_runs(todo, [run_flops(e) for e in todo], slots)
+    for e in todo:  # a resumed run's measured time is only its remainder's
+        if rate and run_flops(e) and not checkpoint_steps(e):
+            ESTIMATE[e.run] = run_seconds(e, run_flops(e), rate, nproc)
     run_slots(todo, plans, status, failed_data)
     print(f"\nstudy: summary ({duration(time.time() - t_study)}):")
     for e in exps:
@@ -763,6 +774,8 @@ def run_slots(todo, plans, status, failed_data):
             on = f" on slot {slot} ({plans[slot]['label']})" if not echo else ''
             print(f"\nstudy: {e.run} [{e.varied_text()}]: "
                   + (f"resuming from its checkpoint at step {steps[-1]}" if steps else "starting") + on
+                  + (f" (estimated about {duration(ESTIMATE[e.run])} from "
+                     f"{'the bench' if bench_file else '--examples_per_s'})" if e.run in ESTIMATE else '')
                   + f"\n  {e.display}", flush=True)
             running.append(Running(e.cmd, os.path.join(e.local, 'train.log'), e.display,
                                    {**plans[slot]['env'], **e.env}, plans[slot]['cores'], e, slot))
@@ -807,7 +820,8 @@ def finished(r, status, failed_data):
     rc, _ = r.close()
     took = time.time() - r.t0
     if has_results(e):
-        status[e.run] = ('done', f"in {duration(took)}")
+        estimate = f" measured (estimated about {duration(ESTIMATE[e.run])})" if e.run in ESTIMATE else ''
+        status[e.run] = ('done', f"in {duration(took)}{estimate}")
     elif STOP['requested']:
         status[e.run] = ('stopped', f"checkpoint saved; rerun to continue ({duration(took)})")
     else:  # its error, not its last line (a board, a step line)

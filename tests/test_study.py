@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -432,6 +433,21 @@ def test_the_table_says_at_how_many_supervision_steps_its_exact_accuracy_is(tmp_
     run(['study.py', '--pattern=w_*', f'--config_dir={cfg}', f'--out_root={out}', '--report=True', f'--seeds={seeds}'])
     intro = open(f'{out}/report.md').read().split('\n| name |')[0]
     assert 'at halt_max_steps supervision steps' in intro and 'acc_vs_supervision_steps.png' in intro, intro
+
+
+def test_a_speed_figure_gives_a_real_run_its_estimate_beside_its_measured_time(tiny_grid):
+    # the dry run's estimate, said again where the measured time is, so a bench can be judged against it
+    tmp = tiny_grid
+    (Path(tmp) / 'bench.txt').write_text("bench: device=cpu batch=32 seq_len=16 params=74178 dtype=float32 "
+                                         "examples_per_s=300.0 flops_per_example=47204736\n")
+    p = run(study_args(tmp, 'rec_L2', f'--bench_file={tmp}/bench.txt'))
+    assert re.search(r'rec_L2 \[L_cycles=2\]: starting \(estimated about \d+ s from the bench\)', p.stdout), p.stdout
+    assert re.search(r'rec_L2 +done +in \d+ s measured \(estimated about \d+ s\)', p.stdout), p.stdout
+    # a speed figure that cannot be read is said in one line, and stops no run
+    p = run(study_args(tmp, 'rec_L2', f'--bench_file={tmp}/none.txt'))
+    said = [l for l in p.stdout.splitlines() if 'none.txt' in l and not l.startswith('config:')]
+    assert len(said) == 1 and 'no time estimates' in said[0] and 'No such file' in said[0], p.stdout
+    assert '1 finished before, 0 to run' in p.stdout and 'estimated' not in p.stdout
 
 
 def test_a_stop_request_to_the_study_saves_the_run_and_a_rerun_finishes_it(tiny_grid):
