@@ -117,7 +117,7 @@ if _typed := [f'--{k}' for k in _run_keys if _set_by.get(k, '').startswith('--')
           f"model from fresh weights, writing no run: checkpoint_dir times a save)")
 # -----------------------------------------------------------------------------
 
-from data import check_split, in_views, load_metadata  # noqa: E402
+from data import BUILDING, check_split, in_views, load_metadata  # noqa: E402
 from device import Device, Profiler, choose_dtype, parse_steps, resolve_device  # noqa: E402
 from device import KERNEL_CHOICES, resolve_loss_dtype, use_kernels  # noqa: E402
 from model import MODEL_KEYS, TRM, TRMConfig  # noqa: E402
@@ -166,13 +166,17 @@ fmt = lambda x, spec: 'n/a' if x is None else format(x, spec)
 # --- the task's shape, then a few batches staged on the device up front (loading is not what is measured) ---
 dev.manual_seed(seed)
 have_data = bool(data_path) and os.path.exists(os.path.join(data_path, 'train', 'dataset.json'))
+# a dataset's first build under way (prepare_*.py, or one that was killed): its name says the shape, as a name with
+# nothing there does
+_unbuilt = os.path.exists(os.path.join(data_path, BUILDING + '.lock')) and \
+    not os.path.exists(os.path.join(data_path, 'train'))
 if have_data:  # both splits are read (train and evaluation batches): a broken file is named, not met mid-run
     if _broken := check_split(data_path, 'train') + check_split(data_path, 'test'):
         raise SystemExit(f"config error: data_path={data_path}: {_broken[0]}")
     meta = load_metadata(data_path, 'train')
     shape = (meta['seq_len'], meta['vocab_size'],
              f"{puzzle_type(meta) or 'unknown puzzle'}, from the dataset's metadata in {data_path}")
-elif os.path.exists(data_path):  # only a name with nothing there says the shape: a folder there is a mistake
+elif os.path.exists(data_path) and not _unbuilt:  # only a name says the shape: a folder there is a mistake
     _up = os.path.dirname(os.path.normpath(data_path))  # a dataset's split folder, say: its dataset is above it
     _hint = f"; --data_path={_up} is one" if os.path.exists(os.path.join(_up, 'train', 'dataset.json')) else ''
     raise SystemExit(f"config error: data_path={data_path}{set_where(_set_at, ['data_path'])}: no dataset there (no "
@@ -181,7 +185,8 @@ elif os.path.exists(data_path):  # only a name with nothing there says the shape
 else:
     shape = shape_from_name(data_path)
     if data_path:
-        shape = shape[:2] + (shape[2] + '; no dataset there: random batches',)
+        shape = shape[:2] + (shape[2] + f"; {'its build unfinished' if _unbuilt else 'no dataset there'}: random "
+                                        "batches",)
 # ARC-AGI's builds (prepare_arc.py's default names), for a run without the dataset: the shape and the table
 ARC_IDENTIFIERS = {'arc1': 876406, 'arc2': 1191730}
 arc_ids = next((n for k, n in ARC_IDENTIFIERS.items()

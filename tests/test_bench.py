@@ -116,6 +116,16 @@ def test_bench_refuses_a_data_path_that_is_there_but_holds_no_dataset(toy, tmp_p
     assert f'--data_path={toy}' in p.stderr, p.stderr  # a split folder: its dataset named
 
 
+def test_bench_times_the_name_s_shape_while_its_dataset_is_being_built(tmp_path):
+    # `python bench.py config/quickstart.py` while prepare_sudoku.py builds data/sudoku6 (or after a build was
+    # killed): the folder holds only the build's own files, no dataset yet, and the name still says the shape
+    from data import building
+    root = tmp_path / 'sudoku6'
+    with building(str(root)):
+        s, out = run_bench(['--device=cpu', f'--data_path={root}'] + BENCH_TINY)
+    assert 'shape: 36 tokens' in out and 'random batches' in out, out
+
+
 def test_bench_on_xla_stops_compiling():
     pytest.importorskip('torch_xla')  # Linux wheels only
     s, out = run_bench(['--device=xla', '--mlp_t=False', '--pos_encodings=rope', '--host_flush_mb=1', '--vs_eager=True',
