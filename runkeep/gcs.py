@@ -647,7 +647,8 @@ def fetch_tree(uri, cache_dir):
         if copy_of(complete, listing):  # fetched by another run of this host meanwhile
             return dest
         tmp, old = f"{dest}.partial.{os.getpid()}", f"{dest}.old.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
+        for left in (tmp, old):  # a killed fetch's, of a process of this pid (a container restarted reuses them)
+            shutil.rmtree(left, ignore_errors=True)
         for obj, size, _ in listing:
             rel = obj[len(uri.rstrip('/')) + 1:]
             path = os.path.join(tmp, rel)

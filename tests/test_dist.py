@@ -6,6 +6,7 @@ of a pod (a file present on one host only, a rank whose disk is full, another co
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -383,6 +384,22 @@ def test_a_cached_dataset_whose_bucket_copy_is_gone_serves_said(emu, tmp_path, t
     assert f'nothing under {uri}' in capsys.readouterr().err
     with pytest.raises(FileNotFoundError, match='nothing under'):  # no copy: nothing to train on
         gcs.fetch_tree(uri, str(tmp_path / 'empty'))
+
+
+def test_a_rebuilt_dataset_is_fetched_over_what_a_killed_fetch_of_the_same_pid_left_aside(emu, tmp_path, toy):
+    """A fetch killed while it removed the copy it had moved aside left <copy>.old.<pid>; a container restarted
+    reuses its pids, and the next fetch of a rebuild failed moving the copy aside onto it (Directory not empty)."""
+    from runkeep import gcs
+    from runkeep.startup import sampled_rows
+    from conftest import BUCKET
+    uri, cache = f'gs://{BUCKET}/datasets/aside', str(tmp_path / 'cache')
+    gcs.upload_tree(toy, uri)
+    dest = gcs.fetch_tree(uri, cache)
+    shutil.copytree(dest, f'{dest}.old.{os.getpid()}')  # half removed when the process died
+    other = make_reverse_dataset(str(tmp_path / 'other'), seed=1)
+    gcs.upload_tree(other, uri)
+    assert sampled_rows(gcs.fetch_tree(uri, cache)) == sampled_rows(other)
+    assert not os.path.exists(f'{dest}.old.{os.getpid()}')
 
 
 # two runs on one host that both found the copy in the cache older than the bucket's, each on to fetch it
