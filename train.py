@@ -234,7 +234,8 @@ def main(index=None):
     eval_at = set(evaluation_steps(run_steps, eval_every))
     if dev.master:
         upto = f", this run to step {run_steps} (max_steps)" if run_steps < total_steps else ''
-        at = f" (this run: at {', '.join(map(str, sorted(eval_at)))})" if len(eval_at) <= 4 else ''
+        # (--eval_only evaluates its checkpoint once, whatever the schedule)
+        at = f" (this run: at {', '.join(map(str, sorted(eval_at)))})" if len(eval_at) <= 4 and not eval_only else ''
         print(f"device {dev.type} x{dev.world_size} ({dev.name()}) | forward dtype {dtype_why} | "
               f"{model.num_params():,} parameters | {model.flops_per_example() / 1e9:.2f} GFLOPs per "
               f"example-step | {total_steps} steps ({epochs} epochs of {loader.n_groups} groups, batch "

@@ -185,6 +185,10 @@ def test_the_first_line_says_where_max_steps_ends_the_run_and_where_it_evaluates
              '--eval_every_epochs=2'] + TOY_ARGS)
     assert re.search(r'\| \d+ steps \(10 epochs of \d+ groups, batch \d+\), this run to step 3 \(max_steps\), '
                      r'eval every \d+ \(this run: at 3\)\n', p.stdout), p.stdout
+    # --eval_only evaluates its checkpoint once: the schedule's steps are not what it does
+    p = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', '--epochs=10', '--eval_every_epochs=4',
+             '--init_from=resume', '--eval_only=True'] + TOY_ARGS)
+    assert 'evaluation saved to' in p.stdout and 'this run: at' not in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize('script,word,flag', [
