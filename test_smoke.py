@@ -123,6 +123,6 @@ def test_stopped_and_resumed_run_ends_where_an_uninterrupted_run_ends(sudoku, tr
     a = torch.load(os.path.join(out_dir, f'ckpt_{STEPS:08d}.pt'), weights_only=True)
     b = torch.load(f'{tmp_path}/split/ckpt_{STEPS:08d}.pt', weights_only=True)
     assert a['step'] == b['step'] == STEPS
-    for k in ('config', 'run_id', 'wandb_run_id', 'timing', 'device_s'):  # out_dir, init_from, max_steps; each
-        a.pop(k, None), b.pop(k, None)                                    # run's own id and wall clock
+    for k in ('config', 'run_id', 'wandb_run_id', 'checkpoint_id', 'timing', 'device_s'):  # out_dir, init_from,
+        a.pop(k, None), b.pop(k, None)  # max_steps; each run's own id, each save's own id, and the wall clock
     same_state(a, b)  # weights, EMA, optimiser moments, data position, ACT carry, RNG, best
