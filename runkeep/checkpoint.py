@@ -328,7 +328,8 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
     size, every row the checkpoint's mean row (the reference's load_checkpoint does the same), so that new
     puzzles start from what the trained ones share. published: the model keys came from an all_config.yaml
     beside it (hub.resolve_init_from), which names them in a refusal. given: the words for the dataset
-    (given_data), where they are not data_path. Returns the line that says what was loaded."""
+    (given_data), where they are not data_path. Returns the line that says what was loaded, and (the
+    checkpoint's step, its checkpoint_id), both None for a reference state dict."""
     given = given or data_path
     try:  # mapped: of a checkpoint of ours, only the weights taken are read, not the optimizer's moments or carry
         ckpt = load_checkpoint(path, mmap=True)
@@ -369,13 +370,14 @@ def load_weights(path, model, ema_model, meta, data_path, adapt, published=False
         raise SystemExit(mismatch_message(sd, model, model.config, path, f"{where} and the dataset at {given}",
                                           published or bool(length_note), typed=not published))
     load_into(ema_model, sd)
+    saved = (found['step'], ckpt.get('checkpoint_id') if found['config'] is not None else None)
     if not why:
-        return f"loaded weights from {path}{length_note}"
+        return f"loaded weights from {path}{length_note}", saved
     origin = f"step {found['step']}" if found['step'] is not None else 'the reference state dict'
     other = ' (of other puzzles)' if old.shape[0] == want[0] else ''
     return (f"init_from={path}: network from {origin}{' (its EMA weights)' if found['ema'] else ''}; "
             f"puzzle-embedding table replaced: {old.shape[0]} -> {want[0]} identifiers{other}, every row the "
-            f"checkpoint's mean row{length_note}")
+            f"checkpoint's mean row{length_note}"), saved
 
 
 def load_into(module, sd):

@@ -163,9 +163,11 @@ class Run:
                              "--init_from=resume to train on)" if self.owed_final else
                              "evaluating it before training on"))
         if init_file and ckpt is None:  # a training run onto other identifiers adapts the network
-            said = load_weights(init_file, model, ema_model, self.meta, self.data_path,
-                                adapt=not cfg['eval_only'], published=bool(all_config_beside(init_file)),
-                                given=given_data(cfg['data_path'], self.data_path))
+            said, (saved_step, saved_id) = load_weights(
+                init_file, model, ema_model, self.meta, self.data_path, adapt=not cfg['eval_only'],
+                published=bool(all_config_beside(init_file)), given=given_data(cfg['data_path'], self.data_path))
+            if cfg['eval_only']:  # its evals/ record names the file, step and save it evaluated, as a resume's
+                self.resumed_from, step, self.checkpoint_id = init_file, saved_step or 0, saved_id
             if self.master:
                 print(said)
         self.run_id = self.run_id or secrets.token_hex(4)

@@ -232,6 +232,11 @@ def test_a_checkpoint_file_gives_the_model_keys_its_run_had_unless_set_and_a_set
     typed = train(toy, tmp_path / 'a', f'--init_from={ckpt}', '--eval_only=True')  # the run's keys, all typed
     p = run(bare + [f'--out_dir={tmp_path}/b'])
     assert eval_lines(p.stdout) == eval_lines(typed.stdout) and eval_lines(typed.stdout), p.stdout[-3000:]
+    # its evals/ record names the file, the step and the save it evaluated, as that of a resume's does
+    record, = [json.load(open(f)) for f in glob.glob(str(tmp_path / 'a' / 'evals' / '*.json'))]
+    saved = load_checkpoint(ckpt)
+    assert (record['checkpoint'], record['step'], record['checkpoint_id']) == (
+        str(ckpt), 4, saved['checkpoint_id']) and saved['checkpoint_id'], record
     said = next(l for l in p.stdout.splitlines() if l.startswith(f'init_from={ckpt}: '))
     assert 'hidden_size=32' in said and 'H_cycles=2' in said and 'halt_max_steps=4' in said, said
     recipe = tmp_path / 'deeper.py'
