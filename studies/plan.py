@@ -582,9 +582,9 @@ def flop_rate(opts, bench_file='', examples_per_s=0.0):
             eps, fpe = float(kv['examples_per_s']), float(kv['flops_per_example'])
         except (KeyError, ValueError):
             eps = fpe = float('nan')
-        if not (eps > 0 and fpe > 0):  # missing, or no speed at all (0, nan)
-            raise SystemExit(f"config error: bench_file={bench_file!r}: its last 'bench:' line has no positive "
-                             f"examples_per_s and flops_per_example {want}")
+        if not (0 < eps < float('inf') and 0 < fpe < float('inf')):  # missing, or no speed at all (0, nan, inf)
+            raise SystemExit(f"config error: bench_file={bench_file!r}: its last 'bench:' line has no finite "
+                             f"positive examples_per_s and flops_per_example {want}")
         rate = eps * fpe
         shape = ' '.join(f"{k}={kv[k]}" for k in BENCH_SHAPE if k in kv)
         return rate, (f"{bench_file} ({shape}): {eps:.1f} examples/s x {fpe / 1e9:.2f} GFLOPs = "

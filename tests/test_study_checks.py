@@ -149,6 +149,10 @@ def test_a_bench_file_that_cannot_give_a_speed_is_one_line(tmp_path):
     (tmp_path / 'cut.txt').write_text("bench: device=cpu batch=32 ms_per_step=12.0\n")
     p = run(dry + [f'--bench_file={tmp_path}/cut.txt'], check=False)
     assert_user_error(p, 'bench_file=', 'cut.txt', 'examples_per_s', 'flops_per_example', one_line=True)
+    # a speed of no finite size (a step timed at 0 ms) would estimate every run at 0 s
+    (tmp_path / 'inf.txt').write_text("bench: device=cpu examples_per_s=inf flops_per_example=4.27e10\n")
+    p = run(dry + [f'--bench_file={tmp_path}/inf.txt'], check=False)
+    assert_user_error(p, 'bench_file=', 'inf.txt', 'examples_per_s', one_line=True)
 
 
 def test_a_bench_of_another_shape_dtype_or_device_than_the_runs_is_said(tmp_path):
