@@ -294,8 +294,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize('over', [dict(), dict(mlp_t=True), dict(pos_encodings='rope', puzzle_emb_ndim=32),
-                                  dict(forward_dtype='bfloat16', loss_dtype='float64', pos_encodings='learned')])
+@pytest.mark.parametrize('over', [dict(mlp_t=False), dict(mlp_t=True),
+                                  dict(mlp_t=False, pos_encodings='rope', puzzle_emb_ndim=32),
+                                  dict(mlp_t=False, forward_dtype='bfloat16', loss_dtype='float64',
+                                       pos_encodings='learned')])
 def test_the_estimate_follows_what_a_real_step_and_evaluation_hold(over):
     from model import TRM, TRMConfig
     from step import AdamATan2, StepConfig, train_step
