@@ -49,7 +49,7 @@ from configurator import import_torch
 
 torch = import_torch()  # where an address-space limit leaves it no room: one line
 
-from configurator import config_problems, read_config_block, set_where  # noqa: E402
+from configurator import config_problems, file_in_the_way, read_config_block, set_where  # noqa: E402
 
 # every key of train.py with its default, so that its config files and flags work here unchanged
 _here = os.path.dirname(os.path.abspath(__file__))
@@ -93,13 +93,9 @@ _bad = config_problems({k: globals()[k] for k in _train_keys if (k, globals()[k]
                        _set_at)
 _bad += [f"{k}={globals()[k]!r} (allowed: >= 0){set_where(_set_at, [k])}" for k in config_keys
          if k not in _train_keys and type(globals()[k]) in (int, float) and globals()[k] < 0]
-if profile_steps:  # the trace's folder is made after the timing: a file in the way is said now, not then
-    _up = os.path.abspath(profile_dir)
-    while not os.path.exists(_up):
-        _up = os.path.dirname(_up)
-    if not os.path.isdir(_up):
-        _bad.append(f"profile_dir={profile_dir!r}: {_up} is a file (allowed: a folder, or one that can be made)"
-                    f"{set_where(_set_at, ['profile_dir'])}")
+if profile_steps and (_up := file_in_the_way(profile_dir)):  # the trace's folder is made after the timing: said now
+    _bad.append(f"profile_dir={profile_dir!r}: {_up} is a file (allowed: a folder, or one that can be made)"
+                f"{set_where(_set_at, ['profile_dir'])}")
 if freeze_weights and not puzzle_emb_ndim:  # train.py's rule: its step would train nothing
     _bad.append("freeze_weights=True trains only the puzzle embedding, and puzzle_emb_ndim=0 has none: nothing "
                 "would train")

@@ -277,6 +277,15 @@ def find_file(path):
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), path)
 
 
+def file_in_the_way(path):
+    """The file where path, a folder to be made, would go (path itself, or the nearest folder above it that is
+    there and is a file), or None: the OS's own 'File exists' or 'Not a directory' names no option."""
+    up = os.path.abspath(path)
+    while not os.path.exists(up):
+        up = os.path.dirname(up)
+    return None if os.path.isdir(up) else up
+
+
 def config_files(path, binary_hint='', keys=()):
     """[(file, {key: value})] that a config file applies, in order: its `_base` chain first, then itself.
     binary_hint: said after the typed file's name where that file is not text (a checkpoint typed without its key).

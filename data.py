@@ -23,6 +23,8 @@ import time
 import numpy as np
 import requests
 
+from configurator import file_in_the_way
+
 IGNORE_LABEL_ID = -100  # what the loss ignores; the dataset's own ignore_label_id is mapped to it
 METADATA_FIELDS = ('pad_id', 'ignore_label_id', 'blank_identifier_id', 'vocab_size', 'seq_len',
                    'num_puzzle_identifiers', 'total_groups', 'mean_puzzle_examples', 'total_puzzles', 'sets')
@@ -151,10 +153,8 @@ def building(root, reads=None):
     read. None (a builder that does not say what it reads): every name of BUILT it did not write stays. A build
     into a root that a live build holds (_build_lock) is refused in one line; a killed build's tmp is removed."""
     tmp, lock = os.path.join(root, BUILDING), None
-    up = os.path.abspath(root)
-    while not os.path.exists(up):
-        up = os.path.dirname(up)
-    if not os.path.isdir(up):  # the OS would say 'File exists' or 'Not a directory', naming no option
+    up = file_in_the_way(root)
+    if up:
         where = root if up == os.path.abspath(root) else f"{root}: {up}"
         raise NotADirectoryError(f"{where} is a file, not a folder (allowed: a folder, or a path where one can be "
                                  "made)")
