@@ -14,7 +14,6 @@ another run's step files (one all_config.yaml answers for all of them) is refuse
 the folder as it was (published.export).
 """
 import os
-import re
 import signal
 import sys
 import urllib.parse
@@ -46,12 +45,7 @@ RULES = dict(init_from=(lambda v: bool(v), 'a checkpoint of train.py, out/RUN/ck
 bad = [f"{k}={globals()[k]!r} (allowed: {what})" for k, (ok, what) in RULES.items() if not ok(globals()[k])]
 if bad:
     raise SystemExit("config error: " + '; '.join(bad))
-if os.path.isdir(init_from):
-    _newest = max((f for f in os.listdir(init_from) if re.fullmatch(r'ckpt_\d+\.pt', f)), default=None)
-    raise SystemExit(f"init_from={init_from} is a folder, not a checkpoint: " +
-                     (f"name one in it, such as --init_from={os.path.join(init_from, _newest)}" if _newest else
-                      "it holds no ckpt_*.pt of train.py"))
-if not os.path.isfile(init_from):
+if not os.path.isfile(init_from) and not os.path.isdir(init_from):
     raise SystemExit(f"init_from={init_from}: no such file (a checkpoint of train.py; a gs:// one: copy it here "
                      "first, e.g. with gcloud storage cp)")
 # -----------------------------------------------------------------------------
@@ -59,6 +53,13 @@ if not os.path.isfile(init_from):
 from configurator import import_torch  # noqa: E402
 
 import_torch()  # where an address-space limit leaves it no room: one line
+from runkeep.startup import newest_in  # noqa: E402
+
+if os.path.isdir(init_from):
+    _newest = newest_in(init_from, reference=False)
+    raise SystemExit(f"init_from={init_from} is a folder, not a checkpoint: " +
+                     (f"name one in it, such as --init_from={_newest}" if _newest else
+                      "it holds no ckpt_*.pt of train.py"))
 from runkeep.checkpoint import CheckpointError, load_checkpoint, what_it_holds  # noqa: E402
 from configurator import read_config_block  # noqa: E402
 from runkeep.hub import export, upload  # noqa: E402

@@ -126,15 +126,16 @@ def init_from_problems(init_from):
                                                  else f" ({allowed})")]
 
 
-def newest_in(folder):
-    """The newest checkpoint in folder (ours, ckpt_<N>.pt, or the reference's step_<N>), or None: what a user who
-    named the folder, or a step a shorter run did not reach, most likely meant."""
+def newest_in(folder, reference=True):
+    """The newest checkpoint in folder (ours, ckpt_<N>.pt, or the reference's step_<N>; reference=False: ours
+    alone, as publish.py publishes those), or None: what a user who named the folder, or a step a shorter run did
+    not reach, most likely meant."""
     try:
         names = os.listdir(folder or '.')
     except OSError:
         return None
     numbered = [(int(m.group(1)), n) for n in names
-                if (m := re.fullmatch(r'ckpt_(\d{8,})\.pt', n) or re.fullmatch(r'step_(\d+)', n))]
+                if (m := re.fullmatch(r'ckpt_(\d{8,})\.pt', n) or reference and re.fullmatch(r'step_(\d+)', n))]
     return os.path.join(folder, max(numbered)[1]) if numbered else None
 
 

@@ -353,6 +353,20 @@ def test_a_run_folder_given_as_init_from_names_its_newest_checkpoint(table_run, 
     assert_user_error(p, f'init_from={tmp_path} is a folder', 'no ckpt_*.pt', one_line=True)
 
 
+def test_a_folder_given_as_init_from_names_train_py_s_newest_checkpoint_by_its_step(tmp_path):
+    # by the number (a run past step 99,999,999 writes one more digit), and train.py's own: a published step_<N>
+    # beside it is not a checkpoint that publish.py publishes
+    for name in ('ckpt_99999999.pt', 'ckpt_100000000.pt', 'step_200000000'):
+        (tmp_path / name).write_bytes(b'')
+    p = publish(f'--init_from={tmp_path}', check=False)
+    assert_user_error(p, f'init_from={tmp_path} is a folder', f'--init_from={tmp_path / "ckpt_100000000.pt"}',
+                      one_line=True)
+    (tmp_path / 'published').mkdir()
+    (tmp_path / 'published' / 'step_5').write_bytes(b'')
+    p = publish(f'--init_from={tmp_path / "published"}', check=False)
+    assert_user_error(p, f'init_from={tmp_path / "published"} is a folder', 'no ckpt_*.pt', one_line=True)
+
+
 def test_a_checkpoint_of_an_earlier_trainer_without_newer_keys_is_published(table_run, tmp_path):
     """A checkpoint saved before a key existed (here rms_norm_eps and rope_theta) had its default: published."""
     ckpt = torch.load(table_run['ckpt'], weights_only=True)
