@@ -48,7 +48,7 @@ from collections import deque
 from runkeep import gcs
 from configurator import TRAIN_RULES, Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, usable_cores
-from runkeep.locks import LOCK_NAME, STUDY_VAR, holder_gone, local_record, lock_record, one_at_a_time
+from runkeep.locks import LOCK_NAME, STUDY_VAR, claim, holder_gone, local_record, lock_record, one_at_a_time
 from runkeep.records import take_bucket_log
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
@@ -577,31 +577,15 @@ def lock_study():
     study is gone (this host's pid ended, or the host restarted), removed at exit."""
     path = os.path.join(LOCAL_ROOT, STUDY_LOCK)
     with one_at_a_time(LOCAL_ROOT):  # of two studies that find one stale lock, one takes it over
-        for attempt in range(2):
-            try:
-                os.makedirs(LOCAL_ROOT, exist_ok=True)
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                rec = local_record(path)
-                if attempt == 0 and holder_gone(rec):
-                    print(f"study: taking over {path}, the lock of a study that is gone (on {rec.get('host')}, "
-                          f"pid {rec.get('pid')}, since {rec.get('since')})")
-                    os.remove(path)
-                    continue
-                who = f"the study on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
-                    if isinstance(rec, dict) else 'a study whose lock cannot be read'
-                raise SystemExit(f"{ROOT} is in use by {who} (lock {path}): wait for it to end, use another "
-                                 "--out_root, or remove the lock if that study is gone")
-            except OSError as ex:
-                raise SystemExit(f"cannot create the lock {path}: {ex.strerror}; out_root must be a folder this "
-                                 "study can write")
-            try:
-                with os.fdopen(fd, 'w') as f:
-                    json.dump(lock_record(), f)
-            except OSError as ex:  # a full disk: the lock is there, without its holder's name
-                print(f"study: cannot write the holder into the lock {path} ({ex.strerror or ex}); the lock holds")
-            atexit.register(lambda: os.path.exists(path) and os.remove(path))
-            return
+        fd, problems = claim(LOCAL_ROOT, STUDY_LOCK, 'study', 'out_root', ROOT)
+        if problems:
+            raise SystemExit(problems[0])
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as ex:  # a full disk: the lock is there, without its holder's name
+            print(f"study: cannot write the holder into the lock {path} ({ex.strerror or ex}); the lock holds")
+    atexit.register(lambda: os.path.exists(path) and os.remove(path))
 
 
 def wait_for_orphans(runs):

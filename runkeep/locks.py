@@ -90,20 +90,20 @@ def holder_gone(rec):
     return False
 
 
-def in_use(where, rec, remove):
-    who = f"the run on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
-        if isinstance(rec, dict) else 'a run whose lock cannot be read'
-    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --out_dir, or "
-            "remove the lock if that run is gone")
+def in_use(where, rec, remove, what='run', key='out_dir'):
+    who = f"the {what} on {rec.get('host')}, pid {rec.get('pid')}, since {rec.get('since')}" \
+        if isinstance(rec, dict) else f'a {what} whose lock cannot be read'
+    return (f"{where} is in use by {who} (lock {remove}): wait for it to end, pick another --{key}, or "
+            f"remove the lock if that {what} is gone")
 
 
-def taken_over(rec, where):
-    """Whether the lock at `where`, holding rec, belongs to a run that is gone (and may be taken over: said
-    so)."""
+def taken_over(rec, where, what='run'):
+    """Whether the lock at `where`, holding rec, belongs to a run (or study) that is gone (and may be taken
+    over: said so)."""
     if not holder_gone(rec):
         return False
-    print(f"{where}: taking over the lock of a run that is gone (on {rec['host']}, pid {rec['pid']}, "
-          f"since {rec['since']})")
+    print(f"{where}: taking over the lock of a {what} that is gone (on {rec.get('host')}, pid {rec.get('pid')}, "
+          f"since {rec.get('since')})")
     return True
 
 
@@ -128,26 +128,38 @@ def lock_local(folder):
 
 def create_lock(folder):
     path = os.path.join(folder, LOCK_NAME)
+    fd, problems = claim(folder, LOCK_NAME)
+    if problems:
+        return problems
+    try:
+        with os.fdopen(fd, 'w') as f:
+            json.dump(lock_record(), f)
+    except OSError as e:  # a full disk: the lock's record does not fit
+        os.remove(path)
+        return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
+    HELD.append(path)
+    return []
+
+
+def claim(folder, name, what='run', key='out_dir', where=None):
+    """The lock file <folder>/<name> created atomically (O_CREAT|O_EXCL; folder made first), a lock of a holder
+    that is gone taken over once: (its open fd, []) or (None, [the problem]); the holder's record is the
+    caller's to write. what and key: the holder and its option in the messages (a run and out_dir, a study and
+    out_root); where: what is in use (folder)."""
+    path = os.path.join(folder, name)
     for attempt in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            os.makedirs(folder, exist_ok=True)
+            return os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), []
         except OSError as e:
-            if not isinstance(e, FileExistsError):
-                return [f"cannot create the lock {path}: {e.strerror}; out_dir must be a folder this run can "
-                        "write"]
+            if not isinstance(e, FileExistsError) or not os.path.isdir(folder):
+                return None, [f"cannot create the lock {path}: {e.strerror}; {key} must be a folder this {what} "
+                              "can write"]
             rec = local_record(path)
-            if attempt == 0 and taken_over(rec, path):
+            if attempt == 0 and taken_over(rec, path, what):
                 os.remove(path)
                 continue
-            return [in_use(folder, rec, path)]
-        try:
-            with os.fdopen(fd, 'w') as f:
-                json.dump(lock_record(), f)
-        except OSError as e:  # a full disk: the lock's record does not fit
-            os.remove(path)
-            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
-        HELD.append(path)
-        return []
+            return None, [in_use(where or folder, rec, path, what, key)]
 
 
 def local_record(path):

@@ -68,8 +68,8 @@ if sys.argv[0].endswith('train.py'):
             time.sleep(0.01)
         return lock_local(folder)
 
-    def slow(rec, where):
-        gone = taken_over(rec, where)
+    def slow(rec, where, *what):
+        gone = taken_over(rec, where, *what)
         time.sleep(1)
         return gone
 
