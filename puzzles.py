@@ -7,13 +7,12 @@ The trainer, solve.py and the prepare_*.py builders ask the object and never tes
     kind.correct(inputs, preds)    # bool [B]
     kind.parse(text, where)        # tokens [L]; a bad text raises ValueError with one line naming the problem
 
-draw_steps and draw_arc_task draw a puzzle's steps and an ARC task's attempts as pictures (solve.py --png).
+draw_steps and draw_arc_task draw a puzzle's steps and an ARC task's attempts as figures (solve.py --png).
 
 A kind's `name` is what dataset.json's puzzle_type and a checkpoint's `data` store. A new kind is one
 subclass of Grid (registered in KINDS under its name), a builder that writes it with
 data.write_split(..., extra=dict(puzzle_type=NAME, grid_size=n)) and a config (README: forking).
 """
-import contextlib
 import functools
 import itertools
 import math
@@ -860,22 +859,7 @@ def render_example(meta, inputs, preds, correct):
 # -----------------------------------------------------------------------------
 # pictures (solve.py --png): plt is matplotlib.pyplot, imported by the caller
 
-def save_figure(fig, path, dpi):
-    """fig in path as matplotlib saves it (in the format its extension names; '.png' added to a name without one),
-    through path.tmp and a rename: a full disk leaves an earlier picture under that name whole, not cut."""
-    ext = os.path.splitext(path)[1]
-    path, form = (path, ext[1:].lower()) if ext else (path + '.png', 'png')
-    try:
-        with open(path + '.tmp', 'wb') as f:
-            fig.savefig(f, dpi=dpi, format=form)
-        os.replace(path + '.tmp', path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path + '.tmp')
-        raise
-
-
-def draw_steps(path, plt, kind, items, title):
+def draw_steps(plt, kind, items, title):
     """One row of small boards per puzzle (wrapped every 6): the puzzle, then each step, changed cells
     highlighted, titled with the step, the halt probability and correct / not. Sudoku: givens bold on grey,
     the model's digits blue; red where a digit clashes with another of its row, column or box, or a given
@@ -943,11 +927,10 @@ def draw_steps(path, plt, kind, items, title):
                              color=(0.05, 0.5, 0.15) if ok else (0.75, 0.1, 0.1))
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, 110)
-    plt.close(fig)
+    return fig
 
 
-def draw_arc_task(path, plt, demos, tests, title):
+def draw_arc_task(plt, demos, tests, title):
     """The task as ARC draws it, under `title`: each demonstration (input, output), then each test input with the two
     attempts (titled with their votes, right or wrong) and the solution when known, in the ARC palette."""
     lut = np.array([ARC_PALETTE[str(c)] for c in range(10)])
@@ -995,6 +978,5 @@ def draw_arc_task(path, plt, demos, tests, title):
             axes[r, c].axis('off')
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    save_figure(fig, path, 110)
-    plt.close(fig)
+    return fig
 

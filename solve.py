@@ -107,6 +107,7 @@ from puzzles import KINDS, Grid, article, looks_like, plural, puzzle_for, puzzle
 from puzzles import draw_arc_task, draw_steps, read_tasks, views_problem, vote  # noqa: E402
 from runkeep.checkpoint import fill_absent_table, identifier_mismatch, meta_from_weights  # noqa: E402
 from runkeep.checkpoint import mismatch_message, read_checkpoint  # noqa: E402
+from runkeep.records import write_atomic  # noqa: E402
 
 
 def cpu_threads():
@@ -379,9 +380,18 @@ def open_png():
     return plt
 
 
-def png_file():
-    """The file --png names: matplotlib adds '.png' to a name without an extension."""
-    return png if os.path.splitext(png)[1] else png + '.png'
+def write_png(plt, fig):
+    """fig into the file --png names, in the format its extension names ('.png' added to a name without one),
+    through write_atomic: a full disk leaves an earlier picture under that name whole, and is one line."""
+    ext = os.path.splitext(png)[1]
+    path = png if ext else png + '.png'
+    try:
+        write_atomic(path, lambda f: fig.savefig(f, dpi=110, format=ext[1:].lower() or 'png'), 'wb')
+    except OSError as e:
+        fail(f"png={png}: cannot write it ({short(e.strerror or e)})")
+    finally:
+        plt.close(fig)
+    print(f"wrote {path}")
 
 
 def load_model(dev):
@@ -629,11 +639,7 @@ def main():
                  "highlighted" + (f" (the steps of the verifier's pick of {eval_views} views, mapped back)"
                                   if eval_views > 1 else '')
                  + (f" (first {len(drawn)} of {n_done} puzzles)" if n_done > len(drawn) else ''))
-        try:
-            draw_steps(png, plt, kind, drawn, title)
-        except OSError as e:
-            fail(f"png={png}: cannot write it ({short(e)})")
-        print(f"wrote {png_file()}")
+        write_png(plt, draw_steps(plt, kind, drawn, title))
 
 
 # -----------------------------------------------------------------------------
@@ -914,11 +920,7 @@ def solve_task(model, dev, split, dp, n_steps, dtype_why, plt, answered=None):
                                 f"{passed / max(known, 1):.2f})" if known else 'no solution known')
           + f" | {len(rows)} views {how}")
     if plt:
-        try:
-            draw_arc_task(png, plt, t['train'], drawn, f"{os.path.basename(init_from)}: ARC task {task}")
-        except OSError as e:
-            fail(f"png={png}: cannot write it ({short(e)})")
-        print(f"wrote {png_file()}")
+        write_png(plt, draw_arc_task(plt, t['train'], drawn, f"{os.path.basename(init_from)}: ARC task {task}"))
 
 
 if __name__ == '__main__':

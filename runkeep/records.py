@@ -34,16 +34,16 @@ from .signals import BEFORE_HARD_EXIT
 
 def write_atomic(path, write, mode='w', newline=None):
     """write(f) into path, through path.tmp and a rename: readers see the old file or the whole new one. A
-    failed write (a full disk) raises OSError naming path and leaves no .tmp behind. newline as open's (csv wants
-    '', or Windows doubles its '\r')."""
+    failed write (a full disk) raises OSError naming path; no failure (a Ctrl-C, write's own error) leaves a .tmp
+    behind. newline as open's (csv wants '', or Windows doubles its '\r')."""
     try:
         with open(path + '.tmp', mode, newline=newline) as f:
             write(f)
         os.replace(path + '.tmp', path)
-    except OSError as e:
-        if os.path.isfile(path + '.tmp'):
+    except BaseException as e:
+        with contextlib.suppress(OSError):
             os.remove(path + '.tmp')
-        if e.errno is None:
+        if not isinstance(e, OSError) or e.errno is None:
             raise
         raise OSError(e.errno, e.strerror, path) from e  # a write's or a close's error names no file
 

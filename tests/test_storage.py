@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 
 from conftest import (FAST, ROOT, SUDOKU, assert_user_error, ckpts, held_step, read_until, run, script_env, site_hook,
                       train, write_like)
@@ -282,6 +283,17 @@ def test_metrics_on_a_disk_that_fills_and_has_room_again_keep_whole_lines_and_sa
     assert len(said) == 2 and 'No space left' in said[0] and 'line(s)' in said[1], p.stdout[-3000:]
     missing = said[1].split('; ')[1].split()[0]  # the file says it where the lines are missing, whole lines around
     assert f'x\nnote: {missing} line(s)' in log and log.endswith('\n'), log[-3000:]
+
+
+def test_an_atomic_write_that_fails_midway_leaves_the_earlier_file_whole_and_no_tmp(tmp_path):
+    # json.dump writes the record's first fields before it meets one it cannot write (a Ctrl-C, a matplotlib
+    # error, the same): the half-written .tmp was left beside the file, only an OSError removed it
+    from runkeep.records import write_json_atomic
+    path = tmp_path / 'results.json'
+    path.write_text('{"step": 4}\n')
+    with pytest.raises(TypeError):
+        write_json_atomic(str(path), {'step': 8, 'loss': object()})
+    assert path.read_text() == '{"step": 4}\n' and os.listdir(tmp_path) == ['results.json']
 
 
 def test_a_picture_that_does_not_fit_is_one_line_and_leaves_the_earlier_one_whole(trained, tmp_path):
