@@ -78,6 +78,13 @@ def launch_tpu(script_args, tpu=None):
     return torchtpu.launch(tpu or TorchTPU(), script_args)
 
 
+def launch_xla(worker):
+    """The parent of a torch_xla run: one worker process per local chip, each running worker(index); every host of
+    a pod runs the same. A worker that ends abruptly (the watchdog, a kill) raises BrokenProcessPool here."""
+    import torch_xla
+    torch_xla.launch(worker)
+
+
 # TPU chips on the PCI bus, counted as torch_xla counts them (Google's vendor id and a TPU device id), without
 # importing torch_xla or touching a device. TRM_PCI_DEVICES names another sysfs folder (tests: a fake tree).
 GOOGLE_PCI_VENDOR = '0x1ae0'
@@ -118,6 +125,19 @@ def pjrt_problem(pjrt):
         return ("PJRT_DEVICE=TPU, but this machine has no TPU chip on its PCI bus: run the command on a TPU VM, "
                 "or set PJRT_DEVICE=CPU for torch_xla on the host CPU (or --device=cpu)")
     return None
+
+
+def tpu_host_index():
+    """This host's index among the TPU slice's hosts (worker 0 first), from the TPU VM's metadata server, as
+    torch_xla asks it; no device is touched."""
+    from torch_xla._internal import tpu
+    return tpu.worker_id()
+
+
+def tpu_hosts():
+    """The TPU slice's hosts (1: a TPU VM of its own), from the metadata server likewise."""
+    from torch_xla._internal import tpu
+    return tpu.num_tpu_workers()
 
 
 def tpu_host_alone_env():
@@ -764,6 +784,14 @@ class Device:
             busy += max(0.0, end - max(start, reach))
             reach = max(reach, end)
         return busy / max(now - since, 1e-9)
+
+    def free_memory(self):
+        """(bytes, where in words) the device itself has free: a CUDA GPU's, a runtime query; None elsewhere (a
+        CPU's: memory_headroom)."""
+        if self.type != 'cuda':
+            return None
+        give, total = torch.cuda.mem_get_info(self.device)
+        return give, f"free on its GPU ({torch.cuda.get_device_name(self.device)}, {size(total)})"
 
     def peak_memory(self):
         """(bytes, what was measured)."""

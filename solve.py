@@ -475,10 +475,7 @@ def refuse_what_memory_cannot_hold(cfg, meta, dev, dtype):
     rows = per * eval_views
     shape = dict(vars(cfg), total_len=cfg.total_len, forward_dtype=dtype)
     parts = run_memory(shape, 0, rows, eval_steps or cfg.halt_max_steps, ema=False, train=False)
-    if dev.type == 'cuda':
-        give, where = torch.cuda.mem_get_info(dev.device)[0], 'free on its GPU'
-    else:
-        give, where = memory_headroom()
+    give, where = dev.free_memory() or memory_headroom()
     if give is not None and need(parts) > give:
         fail(f"init_from={init_from}: this model and a batch of {rows} rows need about {size(need(parts))} of "
              f"memory ({describe(parts)}), more than the {size(give)} {where}: lower --eval_batch_size (or "

@@ -47,7 +47,7 @@ from collections import deque
 
 from runkeep import gcs
 from configurator import TRAIN_RULES, Tee, find_file, parse_flags, type_problem
-from device import tpu_chips, tpu_host_alone_env, usable_cores
+from device import tpu_chips, tpu_host_alone_env, tpu_host_index, tpu_hosts, usable_cores
 from runkeep.locks import LOCK_NAME, STUDY_VAR, claim, holder_gone, local_record, lock_record, one_at_a_time
 from runkeep.records import take_bucket_log
 from runkeep.signals import die_with_parent
@@ -220,9 +220,8 @@ def this_host():
     if count < 1 and os.environ.get('TPU_WORKER_HOSTNAMES'):
         count = len(os.environ['TPU_WORKER_HOSTNAMES'].split(','))
     if (index < 0 or count < 1) and os.environ.get('PJRT_DEVICE') == 'TPU':
-        from torch_xla._internal import tpu  # the metadata server, as torch_xla asks it; no device is touched
-        index = tpu.worker_id() if index < 0 else index
-        count = tpu.num_tpu_workers() if count < 1 else count
+        index = tpu_host_index() if index < 0 else index  # the metadata server's
+        count = tpu_hosts() if count < 1 else count
     count = max(count, 1)
     if index < 0 and count > 1 and hosts_mode == 'share':
         raise SystemExit(f"config error: hosts_mode='share' over {count} hosts, but this host's index is "

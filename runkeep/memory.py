@@ -154,11 +154,7 @@ def headrooms():
 
 def headroom(dev):
     """headrooms() of a CPU device; a CUDA device's free memory as the shared limit, with none of its own."""
-    if dev.type != 'cuda':
-        return headrooms()
-    import torch
-    give, total = torch.cuda.mem_get_info(dev.device)
-    return (give, f"free on its GPU ({torch.cuda.get_device_name(dev.device)}, {size(total)})"), (None, '')
+    return (dev.free_memory(), (None, '')) if dev.type == 'cuda' else headrooms()
 
 
 def memory_problem(parts, processes, what, where, give, override, own=(None, '')):

@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import gcs
-from device import tpu_chips, tpu_host_alone_env
+from device import tpu_chips, tpu_host_alone_env, tpu_hosts
 from .checkpoint import list_checkpoints
 from .signals import STOP
 from .startup import local_folder
@@ -33,8 +33,7 @@ def host_alone_env():
     if os.environ.get('PJRT_DEVICE') != 'TPU':
         return {}
     try:
-        from torch_xla._internal import tpu
-        return tpu_host_alone_env() if tpu.num_tpu_workers() > 1 else {}
+        return tpu_host_alone_env() if tpu_hosts() > 1 else {}
     except Exception as e:
         print(f"preflight: cannot read the TPU metadata ({e}); the runs use the VM's topology as it is")
         return {}

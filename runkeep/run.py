@@ -25,7 +25,7 @@ import torch
 
 from configurator import Tee
 from data import load_metadata
-from device import launch_tpu, resolve_device, stops_every_step, under_torchrun
+from device import launch_tpu, launch_xla, resolve_device, stops_every_step, under_torchrun
 from evaluate import format_eval
 from puzzles import render_example
 from step import format_train
@@ -475,11 +475,10 @@ def launch(main, config, started):
     if kind == 'tpu' and not under_torchrun():
         return launch_tpu(sys.argv)
     if kind == 'xla':
-        import torch_xla
         from concurrent.futures.process import BrokenProcessPool
         forward_signals()  # to the worker processes, which train and hold the out_dir
         try:
-            torch_xla.launch(functools.partial(xla_worker, main))  # every host of a pod runs the same
+            launch_xla(functools.partial(xla_worker, main))
         except BrokenProcessPool:  # a process ended abruptly (the watchdog, a kill): its output says why
             out_dir = config['out_dir']
             folder = (config['local_dir'] or local_folder(out_dir)) if gcs.is_gcs(out_dir) else out_dir

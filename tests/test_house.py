@@ -198,6 +198,30 @@ def test_scripts_sit_above_libraries_and_import_no_script():
         assert not imports_of(f) & {'train', 'bench', 'solve', 'study'}, f
 
 
+def backend_calls(path):
+    """What of a device backend's API a file's code uses: torch_xla and torch.distributed by their imports, CUDA's
+    by torch.cuda (TorchTPU's: tests/test_torchtpu.py)."""
+    uses = set()
+    for node in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+        uses |= {m for m in ('torch_xla', 'torch.distributed') for n in modules if n == m or n.startswith(m + '.')}
+        if isinstance(node, ast.Attribute) and node.attr == 'cuda' and getattr(node.value, 'id', '') == 'torch':
+            uses.add('torch.cuda')
+    return uses
+
+
+def test_every_backend_call_lives_in_device_py_and_backends():
+    """A forker who adds a device, or moves to another torch_xla, edits device.py and backends/ alone. What stays
+    outside, and why: step.py's XLA form of the training step and its torch.compile backend (all of torch.compile's
+    use is in step.py); bench.py's split of an XLA step into the host's and the device's time (it wraps torch_xla's
+    graph runner)."""
+    outside = {'step.py': {'torch_xla'}, 'bench.py': {'torch_xla'}}
+    files = [f for f in SCRIPTS + LIBRARIES + ['test_smoke.py'] if f != 'device.py' and not f.startswith('backends')]
+    assert {f: u for f in files if (u := backend_calls(f))} == outside
+    assert backend_calls('device.py') == {'torch_xla', 'torch.distributed', 'torch.cuda'}  # the test sees them
+
+
 def test_the_order_the_workers_take_the_test_files_in_names_existing_files():
     from conftest import LONGEST_FIRST  # a file renamed or removed would silently lose its place
     files = set(os.listdir(os.path.join(ROOT, 'tests'))) | set(os.listdir(ROOT))
