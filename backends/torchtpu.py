@@ -162,7 +162,16 @@ def launch(tpu, script_args):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     processes = tpu.devices_per_host()
     tpu.set_launch_env(processes)
-    hosts = int(os.environ.get('NNODES', 1))
+    hosts = os.environ.get('NNODES', '1')
+    if not hosts.strip().isdigit() or int(hosts) < 1:
+        raise SystemExit(f"config error: NNODES={hosts!r} is not a number of hosts (allowed: an integer >= 1)")
+    hosts = int(hosts)
+    # where TorchTPU found no slice's hosts (TPU_WORKER_HOSTNAMES) and the command set none of these, torchrun
+    # would have no host to meet the others at
+    if hosts > 1 and (missing := [k for k in ('NODE_RANK', 'MASTER_ADDR', 'MASTER_PORT') if not os.environ.get(k)]):
+        raise SystemExit(f"config error: device='tpu' on NNODES={hosts} hosts, but {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} not set: export them in the command on every "
+                         "host (NODE_RANK: this host's index, worker 0 first; docs/tpu.md's TorchTPU section)")
     where = ['--standalone'] if hosts == 1 else [
         f'--nnodes={hosts}', f"--node_rank={os.environ['NODE_RANK']}",
         f"--master_addr={os.environ['MASTER_ADDR']}", f"--master_port={os.environ['MASTER_PORT']}"]

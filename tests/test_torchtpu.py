@@ -153,6 +153,16 @@ if sys.argv[0].endswith('bench.py'):
     assert s['device'] == 'tpu' and s['compiled'] == '1' and s['variant'] == 'aot_eager', line
 
 
+def test_a_multi_host_launch_without_this_host_s_rank_or_the_first_host_s_address_stops_in_one_line(tmp_path):
+    # NNODES > 1 where neither TorchTPU nor the command set where the hosts meet: one line naming what is missing
+    p = run([DRIVER, f'--data={tmp_path}', f'--out={tmp_path}/o'], check=False,
+            env=dict(NNODES='2', NODE_RANK=None, MASTER_ADDR='10.0.0.2', MASTER_PORT=None))
+    assert_user_error(p, 'NNODES=2', 'NODE_RANK', 'MASTER_PORT', 'docs/tpu.md', one_line=True)
+    assert 'MASTER_ADDR' not in p.stderr and not os.path.exists(tmp_path / 'o')
+    p = run([DRIVER, f'--data={tmp_path}', f'--out={tmp_path}/o'], check=False, env=dict(NNODES='two'))
+    assert_user_error(p, "NNODES='two'", one_line=True)
+
+
 def torchtpu_uses(path):
     """What of TorchTPU a file's code uses: imports of torch_tpu or torchtpu, torch.tpu's attributes, and
     the names of its collectives ('tpu_dist') and of its compiler (backend='tpu')."""
