@@ -218,6 +218,14 @@ def import_torch():
     try:
         import torch
     except (ImportError, OSError, RuntimeError, MemoryError) as e:
+        if str(e).startswith('Failed to load the backend extension') and e.__cause__ is not None:
+            # a device backend's package (TorchTPU's, of backends/torchtpu.py) that torch's import loads itself
+            why = ' '.join(str(e.__cause__).split())[:300] or 'no message'
+            name = str(e).partition(': ')[2].partition('. You can')[0]
+            raise SystemExit(f"cannot import torch: the device backend {name}, which `import torch` loads, failed "
+                             f"({type(e.__cause__).__name__}: {why}): for device='tpu' (TorchTPU) install it again in "
+                             "a fresh virtual environment (pip install -r requirements-torchtpu.txt); another device "
+                             "runs with TORCH_DEVICE_BACKEND_AUTOLOAD=0 set") from None
         cap = resource.getrlimit(resource.RLIMIT_AS)[0]
         words = ('failed to map', 'bad_alloc', 'allocate memory', 'Cannot allocate', 'out of memory')
         if cap == resource.RLIM_INFINITY or not (isinstance(e, MemoryError) or any(w in str(e) for w in words)):

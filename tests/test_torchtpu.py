@@ -59,6 +59,26 @@ def test_device_tpu_with_a_torchtpu_whose_import_fails_stops_in_one_line(tmp_pat
                                    'match', 'RuntimeError')
 
 
+@no_torchtpu
+def test_a_torchtpu_that_torch_s_autoload_cannot_load_stops_every_device_in_one_line(tmp_path):
+    # TorchTPU as pip installs it declares an entry point that `import torch` itself loads: where that load fails (a
+    # libtpu of another version), torch's own import raises, whatever the device
+    site = tmp_path / 'site'
+    (site / 'torch_tpu').mkdir(parents=True)
+    (site / 'torch_tpu' / '__init__.py').write_text('raise RuntimeError("libtpu version 0.0.9 does not match the '
+                                                    '0.0.21 this TorchTPU was built with")\n')
+    (site / 'torch_tpu-0.2.0.dist-info').mkdir()
+    (site / 'torch_tpu-0.2.0.dist-info' / 'METADATA').write_text('Metadata-Version: 2.1\nName: torch-tpu\n'
+                                                                 'Version: 0.2.0\n')
+    (site / 'torch_tpu-0.2.0.dist-info' / 'entry_points.txt').write_text('[torch.backends]\n'
+                                                                         'torch_tpu = torch_tpu:_autoload\n')
+    for device in ('tpu', 'cpu'):
+        p = run(['train.py', 'config/quickstart.py', f'--device={device}', f'--out_dir={tmp_path}/o'],
+                env=dict(PYTHONPATH=str(site)), check=False)
+        assert_refused_before_any_work(p, f'{tmp_path}/o', 'torch_tpu', 'libtpu version 0.0.9 does not match',
+                                       'TORCH_DEVICE_BACKEND_AUTOLOAD=0')
+
+
 def test_auto_still_chooses_torch_xla_with_pjrt_device_and_else_the_cpu_here(monkeypatch, tmp_path):
     monkeypatch.setenv('TRM_PCI_DEVICES', str(tmp_path))  # a PCI bus without TPU chips
     monkeypatch.delenv('PJRT_DEVICE', raising=False)
