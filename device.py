@@ -41,7 +41,7 @@ def resolve_device(name):
     the launch command of every worker should say what it uses (PJRT_DEVICE=TPU, or --device=cpu).
     'tpu' (TorchTPU) is chosen only by name; where TorchTPU or a chip is missing it stops here, before any
     work, with one line naming requirements-torchtpu.txt; so does 'cuda' where torch sees no CUDA GPU, and 'xla'
-    where PJRT_DEVICE names what torch_xla cannot start here (pjrt_problem)."""
+    where torch_xla cannot be imported (xla_problem) or PJRT_DEVICE names what it cannot start here (pjrt_problem)."""
     if name == 'auto':
         if os.environ.get('PJRT_DEVICE'):
             return resolve_device('xla')
@@ -55,7 +55,7 @@ def resolve_device(name):
         raise SystemExit(f"config error: device={name!r}; allowed 'auto', 'cpu', 'cuda', 'xla', 'tpu'")
     if name == 'tpu':
         torchtpu.require()
-    if name == 'xla' and (problem := pjrt_problem(os.environ.get('PJRT_DEVICE'))):
+    if name == 'xla' and (problem := xla_problem() or pjrt_problem(os.environ.get('PJRT_DEVICE'))):
         raise SystemExit(f"config error: {problem}")
     if name == 'cuda' and not torch.cuda.is_available():
         why = 'this torch is a CPU-only build' if torch.version.cuda is None else 'torch sees no CUDA GPU here'
@@ -106,6 +106,17 @@ def tpu_chips():
         except OSError:  # a slot without both files is no TPU chip
             pass
     return chips
+
+
+def xla_problem():
+    """Why torch_xla cannot be imported here (None: it can); its launcher's traceback otherwise."""
+    try:
+        import torch_xla  # noqa: F401
+    except Exception as e:  # not installed (macOS, TorchTPU's environment), or installed for another torch
+        why = ' '.join(str(e).split()) or 'no message'
+        return (f"device='xla' needs torch_xla, which cannot be imported here ({type(e).__name__}: {why}): pip install "
+                f"-r requirements.txt on Linux (TorchTPU's environment cannot hold it; device='tpu' uses that one)")
+    return None
 
 
 def pjrt_problem(pjrt):

@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip('torch_xla')  # Linux wheels only: on macOS these tests skip
 
-from conftest import TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset, run, step_lines
+from conftest import TOY_ARGS, XLA_ENV, assert_user_error, make_reverse_dataset, run, site_hook, step_lines
 
 
 def test_xla_training_matches_cpu_and_stops_compiling(toy, tmp_path):
@@ -148,4 +148,17 @@ def test_pjrt_device_that_cannot_run_here_stops_in_one_line(toy, tmp_path):
         assert_user_error(p, 'PJRT_DEVICE=TPU', 'no TPU chip', 'PJRT_DEVICE=CPU', one_line=True)
         p = run(script + ['--device=xla'], env=dict(PJRT_DEVICE='tpu'), check=False)
         assert_user_error(p, "PJRT_DEVICE='tpu'", "'TPU'", "'CPU'", one_line=True)
+    assert not os.path.exists(f'{tmp_path}/o')
+
+
+def test_device_xla_without_torch_xla_stops_in_one_line(toy, tmp_path):
+    # an environment that cannot import torch_xla (macOS, TorchTPU's): --device=xla, or 'auto' under PJRT_DEVICE,
+    # is one line naming requirements.txt, before any step or file, for train.py (its launcher) and bench.py alike
+    env = site_hook(tmp_path / 'site', "sys.modules['torch_xla'] = None  # as where it is not installed\n")
+    args = [a for a in ['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/o', *TOY_ARGS, '--max_steps=3']
+            if a != '--device=cpu']
+    for script in (args, ['bench.py', '--steps=1', '--warmup_steps=1', '--eval_batches=0', *args[3:]]):
+        for device, pjrt in (('xla', None), ('auto', 'CPU')):
+            p = run(script + [f'--device={device}'], env=dict(env, PJRT_DEVICE=pjrt), check=False)
+            assert_user_error(p, "device='xla' needs torch_xla", 'requirements.txt', one_line=True)
     assert not os.path.exists(f'{tmp_path}/o')
