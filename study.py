@@ -190,6 +190,10 @@ def host_devices(exps):
     (PJRT_DEVICE=TPU) and its chips (on the PCI bus, as torch_xla counts them), 'cuda' and
     CUDA_VISIBLE_DEVICES or the GPUs `nvidia-smi -L` lists, else 'cpu' and the cores study.py may run on."""
     wanted = {e.run_cfg['device'] for e in exps} or {'auto'}
+    if 'tpu' in wanted and (slots > 1 or nproc > 1):  # TorchTPU's launcher in each run would take every chip
+        raise SystemExit(f"config error: --slots={slots} --nproc={nproc} with device='tpu' (TorchTPU): its train.py "
+                         "starts one process per TPU device of this host itself, so its runs go one at a time: "
+                         "--slots=1 --nproc=1")
     if os.environ.get('PJRT_DEVICE') == 'TPU' and wanted <= {'auto', 'xla'}:
         return 'tpu', [str(i) for i in range(tpu_chips())]  # no device is touched
     if wanted <= {'auto', 'cuda'}:
@@ -678,10 +682,11 @@ def fits(e, kind, ids, status):
     """Whether this host can hold run e in memory (memory.run_memory of its config, at its batch, on its dataset's
     sizes, known before the dataset is built), with a process of its own (Python and torch: as much as this one
     holds now) for each of its nproc ranks: a CPU's headroom shared by the slots, or a GPU's free memory
-    (nvidia-smi). One that does not is said in one line and not run, before its dataset is built; TPU runs and
-    datasets of unknown size are not checked."""
+    (nvidia-smi). One that does not is said in one line and not run, before its dataset is built; TPU runs
+    (torch_xla's and TorchTPU's) and datasets of unknown size are not checked."""
     d = e.data
-    if kind == 'tpu' or d.get('num_puzzle_identifiers') is None or d.get('vocab_size') is None:
+    if kind == 'tpu' or e.run_cfg['device'] == 'tpu' or d.get('num_puzzle_identifiers') is None or \
+            d.get('vocab_size') is None:
         return True
     from device import resident_bytes
     from runkeep.memory import config_memory, headrooms, memory_problem

@@ -219,3 +219,17 @@ def test_a_pod_of_no_chips_or_a_bucket_without_its_name_is_refused_in_one_line(f
     p = run(['study.py', '--pattern=rec_L2', '--dry_run=True', flag], check=False)
     said = assert_user_error(p, 'config error: ', *words, one_line=True)
     assert 'parameters |' not in p.stdout, said
+
+
+def test_torchtpu_runs_go_one_at_a_time_and_their_memory_is_not_taken_for_the_host_s(tmp_path):
+    """train.py --device=tpu (TorchTPU) starts one process per TPU device of its host itself: two such runs at once
+    (--slots) or one under study.py's torchrun (--nproc) would each take every chip, so either is one line before
+    anything runs. Its model is on the chips: the host's memory is no limit of it (as for torch_xla's TPU runs)."""
+    study = ['study.py', '--pattern=rec_L2', '--scale=cpu', '--extra=--device=tpu', f'--out_root={tmp_path}/out',
+             f'--data_root={tmp_path}/data']
+    for flag in ('--slots=2', '--nproc=2'):
+        p = run(study + ['--dry_run=True', flag], check=False)
+        assert_user_error(p, "device='tpu'", flag, '--slots=1 --nproc=1', one_line=True)
+    p = run(study, env=dict(TRM_MEMORY_AVAILABLE='1e8'), check=False)  # a host of 100 MB: a CPU run is refused
+    assert 'not run (its dataset not built either)' not in p.stdout, p.stdout[-3000:]
+    assert "device='tpu' needs TorchTPU" in p.stdout + p.stderr, (p.stdout + p.stderr)[-3000:]  # its train.py ran
