@@ -246,6 +246,23 @@ def with_rows(carry, rows, new):
     return {k: torch.cat([carry[k][:a], v, carry[k][b:]]) for k, v in new.items()}
 
 
+def rows_at(tensors, start, m):
+    """Rows start .. start + m of each tensor, `start` a 0-d device tensor: XLA's form cuts its micro-batches so,
+    as one compiled graph serves them all (a Python int is a constant of the graph: one graph each)."""
+    return {k: v.index_select(0, start + torch.arange(m, device=start.device)) for k, v in tensors.items()}
+
+
+def put_rows_at(tensors, start, new):
+    """`tensors` with their rows start .. start + m replaced by `new`'s m rows (rows_at's inverse): a gather of
+    new's rows into place and a select, no scatter."""
+    n, m = tensors['inputs'].shape[0], new['inputs'].shape[0]
+    pos = torch.arange(n, device=start.device) - start
+    inside = (pos >= 0) & (pos < m)
+    at = pos.clamp(0, m - 1)
+    return {k: torch.where(inside.view(-1, *[1] * (v.dim() - 1)), v.index_select(0, at), tensors[k])
+            for k, v in new.items()}
+
+
 class Eager:
     """The step as written: forward_loss and autograd, then apply_update (the CPU's; the base of the others)."""
     forward = staticmethod(forward_loss)
@@ -346,16 +363,16 @@ def xla_backend(gm, example_inputs):
 
 
 def _xla_grads(model, carry, batch, global_batch_size, rows, weights=True):
-    """XLACompiled's forward and backward as ONE graph: on the micro-batch `rows` = (a, b) of the carry and the
-    batch, the refill, the puzzle-row lookup, the supervision step and the loss, and the gradients of
-    loss / global_batch_size (train_step's division: the same rounding) with respect to the parameters (not
-    with weights=False: freeze_weights) and the puzzle rows (torch.func.grad, traced into the same graph).
-    Nothing crosses from a forward graph to a backward one, so the backward uses the forward's activations
-    where they are, as the eager step's graph does: no recomputation, no per-tensor bridge cost. Called under
-    no_grad (torch.func.grad ignores it). Returns the whole carry with those rows replaced, the loss, the
-    metrics, the parameters' gradients by name ({} with weights=False) and the puzzle rows' (None without a
-    puzzle embedding)."""
-    c, x = rows_of_carry(carry, batch, rows)
+    """XLACompiled's forward and backward as ONE graph: on the micro-batch `rows` of the carry and the batch (None: all
+    of them; else (start, m): rows_at's, one graph for every micro-batch of m rows), the refill, the puzzle-row lookup,
+    the supervision step and the loss, and the gradients of loss / global_batch_size (train_step's division: the same
+    rounding) with respect to the parameters (not with weights=False: freeze_weights) and the puzzle rows
+    (torch.func.grad, traced into the same graph). Nothing crosses from a forward graph to a backward one, so the
+    backward uses the forward's activations where they are, as the eager step's graph does: no recomputation, no
+    per-tensor bridge cost. Called under no_grad (torch.func.grad ignores it). Returns the whole carry with those rows
+    replaced, the loss, the metrics, the parameters' gradients by name ({} with weights=False) and the puzzle rows'
+    (None without a puzzle embedding)."""
+    c, x = (carry, batch) if rows is None else (rows_at(carry, *rows), rows_at(batch, *rows))
     c = model.refill(c, x)
     emb = model.puzzle_rows(c['puzzle_identifiers'])  # the refilled rows' ids, as the eager form's
 
@@ -368,15 +385,15 @@ def _xla_grads(model, carry, batch, global_batch_size, rows, weights=True):
     grad = torch.func.grad(scaled_loss, argnums=argnums, has_aux=True)
     grads, (new_c, loss, metrics) = grad(params, emb)
     grads, row_grads = (grads, None) if emb is None else grads if weights else ({}, grads)
-    return with_rows(carry, rows, new_c), loss, metrics, grads, row_grads
+    return new_c if rows is None else put_rows_at(carry, rows[0], new_c), loss, metrics, grads, row_grads
 
 
 def _xla_step(model, opt, ema_params, carry, batch, step_t, sc):
     """XLACompiled's whole step as ONE graph (one process, one micro-batch): _xla_grads, then apply_update
     on those gradients, with no bridge between them. The gradients never become .grad (no graph outputs, no
     host work for them). Returns the new carry, the loss and the metrics with grad_norm."""
-    carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, sc.global_batch_size,
-                                                        (0, batch['inputs'].shape[0]), not sc.freeze_weights)
+    carry, loss, metrics, grads, row_grads = _xla_grads(model, carry, batch, sc.global_batch_size, None,
+                                                        not sc.freeze_weights)
     grads = [grads.get(n) for n, _ in model.named_parameters()]  # opt.params' order (XLACompiled checks)
     norm = apply_update(model, opt, ema_params, grads, carry['puzzle_identifiers'], row_grads, step_t, sc)
     return carry, loss, dict(metrics, grad_norm=norm)
@@ -406,6 +423,7 @@ class XLACompiled(Eager):
         self._whole = torch.compile(_xla_step, backend=xla_backend, dynamic=False)
         self._grads = torch.compile(_xla_grads, backend=xla_backend, dynamic=False)
         self._update = torch.compile(apply_update, backend=xla_backend, dynamic=False)
+        self._starts = {}  # each micro-batch's first row, a 0-d device tensor (rows_at)
 
     def whole(self, model, opt, ema_params, carry, batch, step_t, sc):
         """The whole step as one graph where it can be (one process, one micro-batch), else None."""
@@ -427,6 +445,12 @@ class XLACompiled(Eager):
             return self._whole(model, opt, ema_params, carry, batch, step_t, sc)
 
     def grads(self, model, carry, batch, rows, sc):
+        (a, b), B = rows, batch['inputs'].shape[0]
+        if (a, b) == (0, B):
+            rows = None
+        else:  # the first row on the device, made once (device data: no lazy IR into the compiled graph)
+            key = (a, str(batch['inputs'].device))
+            rows = self._starts.setdefault(key, torch.tensor(a).to(batch['inputs'].device)), b - a
         with torch.no_grad():  # as xla_backend requires
             carry, loss, metrics, grads, row_grads = self._grads(model, carry, batch, sc.global_batch_size, rows,
                                                                  not sc.freeze_weights)

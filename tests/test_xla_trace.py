@@ -19,6 +19,7 @@ SCRIPT = r"""
 import json, re, sys
 import numpy as np
 import torch, torch_xla, torch_xla.core.xla_model as xm, torch_xla.debug.metrics as met
+from torch._dynamo.utils import counters
 import model as M
 import step as S
 
@@ -78,6 +79,7 @@ for H, L in ((1, 1), (2, 3)):
         carry = model.initial_carry(batches[0])
         form = S.step_form('xla', kind != 'eager')
         losses, per_step = [], []
+        graphs0 = counters['stats']['unique_graphs']
         for i in range(6):
             c0, n0, g0 = count('CompileTime'), calls[0], lazy_nodes()
             executed.clear()
@@ -91,6 +93,7 @@ for H, L in ((1, 1), (2, 3)):
             losses.append(loss)
             per_step.append(dict(compiles=count('CompileTime') - c0, net_calls=calls[0] - n0,
                                  lazy_nodes=lazy_nodes() - g0, dots=dots, graphs=len(executed)))
+        dynamo_graphs = counters['stats']['unique_graphs'] - graphs0
         model.eval()
         predict = S.compiled_predict(model) if kind != 'eager' else model.predict
         ev = []
@@ -102,6 +105,7 @@ for H, L in ((1, 1), (2, 3)):
                 ev.append(dict(compiles=count('CompileTime') - c0, net_calls=calls[0] - n0))
             ref, q_ref, _ = model.predict(batches[0], 4)  # the unrolled lazy graph, the same weights
         runs[kind] = dict(losses=[float(x.cpu()) for x in losses], per_step=per_step, eval=ev,
+                          dynamo_graphs=dynamo_graphs,
                           preds_match=bool((preds == ref).all().cpu()), q_diff=float((q - q_ref).abs().max().cpu()),
                           weights={k: v.cpu().tolist() for k, v in model.state_dict().items()},
                           ema=[e.cpu().tolist() for e in ema], grad1=grad1)
@@ -123,6 +127,10 @@ def test_xla_step_is_traced_once_and_equals_eager(tmp_path):
         # compiled once more at the second step)
         assert all(s['net_calls'] == 0 for s in a['per_step'][1:]) and all(s['compiles'] == 0 for s in a['per_step'][2:])
         assert all(x == x and x > 0 for x in a['losses']), a['losses']
+        # ... and its micro-batches share one forward and backward graph: a graph per micro-batch would compile
+        # the whole network k times over (and past dynamo's recompile limit run the rest lazily in Python). At
+        # most the update's graph more than the one-graph step (none where dynamo reuses an earlier depth's)
+        assert a['dynamo_graphs'] <= c['dynamo_graphs'] + 1, (depth, a['dynamo_graphs'], c['dynamo_graphs'])
         # eager traces the whole recursion every step: the counter does see it
         assert all(s['net_calls'] == int(depth[0]) * (int(depth[2]) + 1) for s in e['per_step']), e['per_step']
         # traced once: from the second step on, no Python of the net runs, and nothing compiles
