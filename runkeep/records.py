@@ -75,7 +75,8 @@ class Records:
         try:
             for path in [self.path] + ([self.fetch(step)] if remote and step > 0 else []):
                 if path and os.path.exists(path):
-                    with open(path) as f:  # a torn last line goes
+                    # a torn last line goes; bytes that are no UTF-8 (a damaged block) make their line unreadable
+                    with open(path, errors='replace') as f:
                         whole = [l for i, l in enumerate(f, 1) if l.endswith('\n') and self.readable(l, i, path)]
                     at = [json.loads(l).get('step') or 0 for l in whole]  # an older watchdog's: null
                     copies.append(([l for l, s in zip(whole, at) if s <= step], [s for s in at if s > step]))
@@ -103,13 +104,18 @@ class Records:
 
     @staticmethod
     def readable(line, number, path):
-        """A line that is JSON; another (torn by a crash, then appended to) is dropped with a warning."""
+        """A line that is a JSON record whose step and time are numbers (or null); another (torn by a crash,
+        then appended to; damaged; hand-edited) is dropped with a warning: the resume orders lines by them."""
         try:
-            return isinstance(json.loads(line), dict)
+            rec = json.loads(line)
+            ok = isinstance(rec, dict) and all(isinstance(rec.get(k), (int, float, type(None)))
+                                               for k in ('step', 'time'))
         except ValueError:
+            ok = False
+        if not ok:
             print(f"warning: {path} line {number} is not a JSON record (torn by a crash?): dropped: "
-                  f"{line.strip()[:80]}")
-            return False
+                  f"{line.strip()[:80]!r}")
+        return ok
 
     def log(self, kind, values):
         """A line of metrics.jsonl; a failed write (a full disk) is a warning, once until a line is appended

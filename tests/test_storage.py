@@ -51,14 +51,20 @@ def test_a_full_disk_while_appending_metrics_is_a_warning_and_training_goes_on(t
     assert (out / 'metrics.jsonl').read_text() == pad
 
 
-def test_a_torn_line_in_metrics_is_dropped_with_a_warning(sudoku4, trained, tmp_path):
+@pytest.mark.parametrize('bad', [
+    b'{"kind": "train", "step": 2, "lo\n',  # a line cut by a crash, then appended after
+    b'\xff\xfe{"kind": "train", "step": 2}\n',  # a damaged block's bytes, no UTF-8: a UnicodeDecodeError's traceback
+    b'{"kind": "train", "step": "2"}\n',  # hand-edited: the resume's step comparison was a TypeError's traceback
+])
+def test_a_torn_or_damaged_line_in_metrics_is_dropped_with_a_warning(sudoku4, trained, tmp_path, bad):
     out = shutil.copytree(trained, tmp_path / 'o')
-    lines = open(os.path.join(out, 'metrics.jsonl')).readlines()
-    lines.insert(1, '{"kind": "train", "step": 2, "lo\n')  # a line cut by a crash, then appended after
-    open(os.path.join(out, 'metrics.jsonl'), 'w').writelines(lines)
+    lines = open(os.path.join(out, 'metrics.jsonl'), 'rb').readlines()
+    lines.insert(1, bad)
+    open(os.path.join(out, 'metrics.jsonl'), 'wb').writelines(lines)
     p = train(sudoku4, out, '--init_from=resume', '--max_steps=6', args=SUDOKU)
     assert 'warning' in p.stdout and 'metrics.jsonl line 2' in p.stdout
     rows = [json.loads(l) for l in open(os.path.join(out, 'metrics.jsonl'))]
+    assert rows[:len(lines) - 1] == [json.loads(l) for l in lines if l != bad]  # the others kept
     assert rows[-1]['step'] == 6
 
 
