@@ -20,12 +20,27 @@ from .plan import checkpoint_steps, cost, exists, fetch, has_file, other_checkpo
 def timed_minutes(metrics_path, batch):
     """Minutes of training and evaluation recorded in metrics.jsonl: each train line covers (step - previous
     step) x batch / examples_per_s seconds since the previous one (evaluations in between included), plus the
-    final evaluation; start-up time is not in it. None when there is nothing to add."""
+    final evaluation; start-up time is not in it. None when there is nothing to add. A line that is no record of
+    numbers (torn by a crash, damaged, hand-edited) is left out, the first one said."""
+    lines, bad = [], []
     try:
-        with open(metrics_path) as f:
-            lines = [json.loads(l) for l in f if l.strip()]
-    except (OSError, ValueError):
+        with open(metrics_path, errors='replace') as f:
+            for i, l in enumerate(f, 1):
+                try:
+                    rec = json.loads(l) if l.strip() else {}
+                except ValueError:
+                    rec = None
+                need = ('step', 'time') if isinstance(rec, dict) and rec.get('kind') in ('train', 'eval') else ()
+                if isinstance(rec, dict) and all(isinstance(rec.get(k), (int, float)) for k in need) and \
+                        isinstance(rec.get('examples_per_s') or 0, (int, float)):
+                    lines.append(rec)
+                else:
+                    bad.append(i)
+    except OSError:
         return None
+    if bad:
+        print(f"report: {metrics_path} line {bad[0]} is not a record of numbers (torn by a crash?)"
+              + (f", {len(bad) - 1} more line(s) too" if len(bad) > 1 else '') + ": left out of its minutes")
     total, prev, last_train = 0.0, 0, None
     for l in lines:
         if l.get('kind') == 'train' and l.get('examples_per_s'):

@@ -228,6 +228,17 @@ def test_the_report_says_which_results_cannot_be_read(grid, data_root):
         assert re.search(r'\| rec_L2 \|.*\| done \|', md), md
         row = next(l for l in md.splitlines() if l.startswith('| rec_L4 |'))
         assert 'unreadable' in row and 'results.json' in row, row
+    # rec_L2's metrics.jsonl with a line of another shape (hand-edited: its AttributeError's traceback ended the
+    # report) and a torn one (its minutes were left blank without a word): said, and the minutes of the rest
+    metrics = f'{out}/rec_L2/metrics.jsonl'
+    n = len(open(metrics).readlines())
+    open(metrics, 'a').write('[1]\n{"kind": "train", "st')
+    p = run(args(grid, data_root, 'rec_*', EXTRA, '--report=True'))
+    assert 'Traceback' not in p.stdout + p.stderr
+    assert f"report: {metrics} line {n + 1} is not a record of numbers (torn by a crash?), 1 more line(s) too: " \
+           "left out of its minutes" in p.stdout, p.stdout
+    with open(f'{out}/report.csv') as f:
+        assert float(next(r for r in csv.DictReader(f) if r['name'] == 'rec_L2')['minutes']) > 0
     # a study run ends with its report too: the unreadable run is named, not reused, and the report is made
     p = run(args(grid, data_root, 'rec_*'), check=False)
     assert p.returncode == 1 and 'Traceback' not in p.stdout + p.stderr, p.stdout[-3000:]
