@@ -465,18 +465,41 @@ def read_results(e):
     try:
         with open(path) as f:
             res = json.load(f)
-        fe = res['final_eval']
-        for k in ('exact_accuracy', 'exact_ci_low', 'exact_ci_high', 'token_accuracy', 'q_halt_accuracy'):
-            float(fe[k])
-        int(res['parameters']), float(res['train_flops']), float(res['flops_per_example_step'])
-    except (OSError, ValueError, KeyError, TypeError) as ex:
+        what = results_problem(res)
+    except (OSError, ValueError) as ex:
         what = 'empty' if os.path.isfile(path) and not os.path.getsize(path) else f"{type(ex).__name__}: {ex}"
+    if what:
         return None, (f"unreadable results.json in {e.out_dir} ({what}); not reused: move it away and rerun "
                       "to evaluate the run's last checkpoint again")
     if diffs := config_diffs(e, res.get('config')):
         return None, (f"{e.out_dir}/results.json was made with another configuration ({diffs}): "
                       f"not reused, and not retrained over it: move {e.out_dir} away to train it again")
     return res, ''
+
+
+def results_problem(res):
+    """What in a results.json's value the study and its report could not use (a field missing, a string or a list
+    where train.py writes a number or an object: a hand edit, a damaged copy), or ''."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    shown = lambda v: json.dumps(v)[:40]
+    if not isinstance(res, dict):
+        return f"it is {shown(res)}, not an object"
+    fe = res.get('final_eval')
+    if not isinstance(fe, dict):
+        return f"its final_eval is {shown(fe)}, not an object"
+    for where, d, keys in (('final_eval.', fe, ('exact_accuracy', 'exact_ci_low', 'exact_ci_high', 'token_accuracy',
+                                                'q_halt_accuracy')),
+                           ('', res, ('parameters', 'train_flops', 'flops_per_example_step'))):
+        for k in keys:
+            if not number(d.get(k)):
+                return f"its {where}{k} is {shown(d.get(k))}, not a number"
+    for k in ('config', 'best_eval', 'wall_s'):
+        if res.get(k) is not None and not isinstance(res[k], dict):
+            return f"its {k} is {shown(res[k])}, not an object"
+    steps = fe.get('exact_by_steps')
+    if steps is not None and not (isinstance(steps, list) and all(map(number, steps))):
+        return f"its final_eval.exact_by_steps is {shown(steps)}, not a list of numbers"
+    return ''
 
 
 def config_diffs(e, recorded, then='there'):

@@ -220,7 +220,13 @@ def test_the_report_says_which_results_cannot_be_read(grid, data_root):
     run(args(grid, data_root, 'rec_L2'))
     text = open(f'{out}/rec_L2/results.json').read()
     os.makedirs(f'{out}/rec_L4')
-    for broken in (text[:len(text) // 2], ''):  # rec_L4's results.json, cut short, then empty
+    # rec_L4's results.json, cut short, empty, then with a list where train.py writes an object (hand-edited, or
+    # another program's: each ended the report in an AttributeError's traceback)
+    res = json.loads(text)
+    for broken, said in ((text[:len(text) // 2], 'JSONDecodeError'), ('', 'empty'),
+                         (json.dumps(dict(res, config=['L_cycles', 4])),
+                          'its config is ["L_cycles", 4], not an object'),
+                         (json.dumps(dict(res, config=None, best_eval=[])), 'its best_eval is [], not an object')):
         open(f'{out}/rec_L4/results.json', 'w').write(broken)
         p = run(args(grid, data_root, 'rec_*', EXTRA, '--report=True'))
         assert 'Traceback' not in p.stdout + p.stderr
@@ -228,6 +234,7 @@ def test_the_report_says_which_results_cannot_be_read(grid, data_root):
         assert re.search(r'\| rec_L2 \|.*\| done \|', md), md
         row = next(l for l in md.splitlines() if l.startswith('| rec_L4 |'))
         assert 'unreadable' in row and 'results.json' in row, row
+        assert f"report: rec_L4: unreadable results.json in {out}/rec_L4 ({said}" in p.stdout, p.stdout
     # rec_L2's metrics.jsonl with a line of another shape (hand-edited: its AttributeError's traceback ended the
     # report) and a torn one (its minutes were left blank without a word): said, and the minutes of the rest
     metrics = f'{out}/rec_L2/metrics.jsonl'
