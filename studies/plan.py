@@ -739,9 +739,11 @@ def other_checkpoint(path, res):
     try:
         with open(path) as f:
             rec = json.load(f)
-        step, cid = rec.get('step'), rec.get('checkpoint_id')
-    except (OSError, ValueError, AttributeError):
-        step = cid = None
+    except (OSError, ValueError) as ex:  # cut short, empty: not to be told as an evaluation of step None
+        return f"cannot be read ({'empty' if isinstance(ex, ValueError) and not os.path.getsize(path) else ex})"
+    if not isinstance(rec, dict):
+        return "is not a record of an evaluation (a JSON object)"
+    step, cid = rec.get('step'), rec.get('checkpoint_id')
     if step != res.get('step'):
         return f"evaluated step {step}, not results.json's {res.get('step')}"
     if res.get('checkpoint_id') and cid != res['checkpoint_id']:

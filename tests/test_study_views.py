@@ -180,6 +180,13 @@ def test_a_saved_evaluation_of_another_checkpoint_than_results_json_s_is_left_ou
     rows = list(csv.DictReader(open(out / 'report_views.csv')))
     assert [(r['views'], r['checkpoint_step'], r['vote']) for r in rows] == [('1', '10', '0.5')], rows
     assert f"{stale} evaluated step 5, not results.json's 10: left out" in p.stdout, p.stdout
+    cut = out / 'one_p0' / 'evals' / 'views8-steps4.json'  # a copy cut short: it was told as of step None
+    cut.write_text(stale.read_text()[:30])
+    p = run(['study.py', '--pattern=one_*', f'--config_dir={tmp_path / "cfg"}', f'--out_root={out}',
+             '--report=True'])
+    said = next(l for l in p.stdout.splitlines() if str(cut) in l)
+    assert said.startswith(f"report: {cut} cannot be read (Unterminated string") and 'left out' in said, said
+    assert [r['vote'] for r in csv.DictReader(open(out / 'report_views.csv'))] == ['0.5']
 
 
 def test_an_evaluation_of_a_rolled_back_checkpoint_of_the_same_step_is_not_the_new_run_s(toy, tmp_path):
