@@ -13,8 +13,9 @@ import zlib
 import numpy as np
 import torch
 
-from data import load_arrays
+from data import load_arrays, load_json
 from evaluate import at_first, view_counts, wilson_interval
+from puzzles import read_tasks
 
 PASS_AT = (1, 2, 5, 10, 100, 1000)  # the reference's K of pass@K (capped at the views a test input has)
 ARC_MODES = ('last', 'q_halt')      # the answer after the last step; where the model first halted
@@ -165,11 +166,13 @@ class ARCVotes:
         except ValueError as e:
             raise SystemExit(str(e))
         try:
-            with open(paths[1]) as f:
-                puzzles = json.load(f)
+            puzzles = load_json(paths[1])
+            # every task checked as prepare_arc.py checked it: a damaged output would fail the final evaluation's
+            # scoring, after the training and before its checkpoint
+            read_tasks(puzzles, paths[1], kind.n, unsolved=True)
             split = load_arrays(root, 'test')
         except (OSError, ValueError) as e:
-            raise SystemExit(f"cannot read the ARC test views of {root}: {e}")
+            raise SystemExit(f"cannot read the ARC test views of {root}: {e}; rebuild the dataset with prepare_arc.py")
         if problem := stored_views_problem(views, puzzles, split, kind, os.path.join(root, 'test')):
             raise SystemExit(f"{paths[0]} {problem}: it is not this test split's (another build's, or one stopped "
                              "between its renames); rebuild the dataset with prepare_arc.py")

@@ -321,6 +321,21 @@ def test_test_inputs_without_a_solution_are_submitted_and_not_scored():
     assert [len(v) for v in votes.submission().values()] == [2, 1]
 
 
+def test_a_damaged_test_puzzles_json_fails_at_start_not_at_the_final_evaluation_s_scoring(synthetic, tmp_path):
+    """A solution that is no grid (a hand edit, a damaged copy) in a task the first rows do not check: the run
+    trained to its end, then died in the scoring's ValueError before its final checkpoint was saved."""
+    data = tmp_path / 'd'
+    shutil.copytree(synthetic, data)
+    puzzles = json.load(open(data / 'test_puzzles.json'))
+    last = list(puzzles)[-1]
+    puzzles[last]['test'][0]['output'] = [[1, 2], [3]]
+    json.dump(puzzles, open(data / 'test_puzzles.json', 'w'))
+    p = train(data, tmp_path / 'o', '--epochs=1', check=False)
+    assert_user_error(p, f"{data / 'test_puzzles.json'}: task {last}: test pair 1 output: row 2 has 1 cells, row 1 2: "
+                         "not a rectangle", 'rebuild the dataset with prepare_arc.py')
+    assert 'step 1/' not in p.stdout
+
+
 def test_a_run_on_a_test_split_without_solutions_submits_every_task_and_claims_no_score(synthetic, tmp_path):
     data = tmp_path / 'd'
     shutil.copytree(synthetic, data)
