@@ -253,6 +253,21 @@ def test_the_report_says_which_results_cannot_be_read(grid, data_root):
     assert 'report: ' in p.stdout.split('study: summary')[1]
 
 
+def test_a_dataset_json_cut_short_is_one_line_and_the_study_reports_on(grid, data_root, tmp_path):
+    """A dataset copied in part (gsutil stopped): its dataset.json cut short was a JSONDecodeError's traceback in
+    every study command, the dry run and the report of finished runs too."""
+    run(args(grid, data_root, 'rec_L2'))
+    copy = shutil.copytree(data_root, tmp_path / 'data')
+    meta = next(copy.glob('*/test/dataset.json'))
+    meta.write_text(meta.read_text()[:40])
+    for more in ('--dry_run=True', '--report=True'):
+        p = run(args(grid, str(copy), 'rec_L2', EXTRA, more))
+        assert 'Traceback' not in p.stdout + p.stderr
+        said = [l for l in p.stdout.splitlines() if 'warning' in l]
+        assert len(said) == 1 and said[0].startswith(f"study: warning: cannot read {meta}: "), said
+    assert re.search(r'\| rec_L2 \|.*\| done \|', open(f'{grid}/out/report.md').read())
+
+
 def test_a_second_study_on_the_same_out_root_refuses_to_start(grid, data_root):
     out = f'{grid}/out'
     first = start(args(grid, data_root, 'rec_L2', EXTRA.replace('max_steps=20', 'max_steps=200')))
