@@ -320,6 +320,9 @@ def config_files(path, binary_hint='', keys=()):
         scope = {}
         try:  # (builtins.compile: train.py has its own 'compile')
             tree = ast.parse(src, path)
+            if not tree.body:  # a run of the defaults (the paper's full recipe) where the file's was meant
+                raise SystemExit(f"config error: {path} sets nothing (it is empty or holds only comments: a copy "
+                                 "cut short?)")
             if n := bare_annotation(tree):
                 raise SystemExit(f"config error: {path}, line {n.lineno}: '{ast.unparse(n)}' sets nothing (a config "
                                  f"file is Python): write {ast.unparse(n.target)} = {ast.unparse(n.annotation)}")

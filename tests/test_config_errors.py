@@ -64,6 +64,9 @@ CASES = [
     case(['{cfg}'], '{cfg}, line 2', file="lr = 1e-3\nx = (\n", id='syntax'),
     case(['{cfg}'], '{cfg}, line 2', 'undefined_name', file="lr = 1e-3\nhidden_size = undefined_name\n",
          id='name'),
+    # a file cut to nothing (a partial copy) or to its header comment: the defaults, the paper's full recipe, ran
+    case(['{cfg}'], '{cfg} sets nothing (it is empty or holds only comments', file='', id='empty'),
+    case(['{cfg}'], '{cfg} sets nothing', file="# the quick start's recipe, wider\n", id='comments-only'),
     # `key: value` (a flat YAML file, or a typo for '='): an annotation, which sets nothing
     case(['{cfg}'], "{cfg}, line 2: 'max_steps: 2' sets nothing", 'write max_steps = 2',
          file="lr = 1e-3\nmax_steps: 2\n", id='annotation'),
