@@ -137,6 +137,8 @@ def identifiers_digest(data_path):
         return None, f"{path} is missing"
     except (OSError, ValueError) as e:
         return None, f"{path} cannot be read ({' '.join((getattr(e, 'strerror', None) or str(e)).split())})"
+    if not isinstance(names, list):  # valid JSON of another shape (a hand edit): no names to digest
+        return None, f"{path} cannot be read (it holds no list of names)"
     return hashlib.sha256(json.dumps(names, separators=(',', ':')).encode()).hexdigest(), ''
 
 

@@ -34,8 +34,8 @@ from . import gcs
 from .budget import Clock, TimeBudget
 from .checkpoint import (MAX_WEIGHT, CheckpointError, check_resume, checkpoint_name, checkpoint_problems,
                          checkpoint_tensors, delete_all_checkpoints, find_resume_checkpoint, given_data,
-                         identifiers_of, list_checkpoints, load_state, load_weights, prune_checkpoints, resume_parts,
-                         set_aside_diverged, start_file_missing, write_checkpoint)
+                         identifiers_digest, identifiers_of, list_checkpoints, load_state, load_weights,
+                         prune_checkpoints, resume_parts, set_aside_diverged, start_file_missing, write_checkpoint)
 from .hub import all_config_beside
 from .locks import lock_bucket, lock_local, mark_data, release_locks
 from .records import RunRecords, drop_evaluations, drop_results, remove_unfinished, start_log
@@ -101,6 +101,11 @@ class Run:
             "every host"))
         if cfg['eval_only']:  # no lock, only its evals/ file: it may evaluate a running run's checkpoints
             return
+        names = os.path.join(self.data_path, 'identifiers.json')
+        if self.master and self.identifiers['sha256'] is None and os.path.isfile(names):  # damaged, not absent
+            print(f"warning: {identifiers_digest(self.data_path)[1]}: this run's checkpoints record no digest of "
+                  "its puzzles' names, so a resume or evaluation can check their count alone (a rebuild of the "
+                  "dataset restores the file)")
         problems = []
         if self.master:
             try:

@@ -95,7 +95,9 @@ def test_a_rebuilt_dataset_whose_identifiers_json_cannot_be_read_is_refused_not_
         assert 'eval on' not in p.stdout
     # a run trained on that dataset records no names: its resume checks only their count, and says so once
     fresh = tmp_path / 'fresh'
-    train(data, fresh, '--max_steps=2')
+    p = train(data, fresh, '--max_steps=2')
+    said = [l for l in p.stdout.splitlines() if l.startswith('warning') and ids in l]  # its start said nothing
+    assert len(said) == (damage == 'unreadable') and all('cannot be read' in l for l in said), p.stdout[-3000:]
     p = train(data, fresh, '--init_from=resume', '--max_steps=3')
     said = [l for l in p.stdout.splitlines() if 'only their count is checked' in l]
     assert len(said) == 1 and 'identifiers.json' in said[0], p.stdout[-3000:]
