@@ -224,9 +224,15 @@ def test_the_votes_of_new_tasks_are_the_final_evaluation_s_shown_without_solving
             '--adapt_minutes=0.05', '--adapt_aug=1', f'--adapt_dir={tmp_path}/a']
     shown = run(args, env=ENV).stdout
     assert shown.strip().splitlines()[-1] == 'model.predict called 0 time(s)', shown[-3000:]
-    os.remove(tmp_path / 'a' / 'run' / 'answers.npz')  # an adaptation that kept no answers: solved again
+    kept = tmp_path / 'a' / 'run' / 'answers.npz'
+    whole = kept.read_bytes()
+    os.remove(kept)  # an adaptation that kept no answers: solved again
     again = run(args, env=ENV).stdout
     assert again.strip().splitlines()[-1] == 'model.predict called 2 time(s)', again[-3000:]
+    kept.write_bytes(whole[:len(whole) // 2])  # kept, but cut short (a partial copy): solved again, and said
+    cut = run(args, env=ENV).stdout
+    assert cut.strip().splitlines()[-1] == 'model.predict called 2 time(s)', cut[-3000:]
+    assert f"note: {kept} cannot be read (File is not a zip file): the test views are solved again" in cut, cut
     votes = lambda out: [re.sub(r' \| (\d+ views) (in .* s on cpu|answered by the final evaluation)$', r' | \1', l)
                          for l in out[out.index('\ntask t1: '):out.rindex('\nmodel.predict')].splitlines()
                          if not l.startswith(('device cpu', "the views as the adapted run's final evaluation"))]
