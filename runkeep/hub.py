@@ -80,7 +80,7 @@ def read_all_config(path):
     try:
         with open(path) as f:
             cfg = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError) as e:
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:  # bytes that are no text: a damaged copy
         fail(f"{path} cannot be read as the reference's all_config.yaml: {e}")
     if not isinstance(cfg, dict) or not isinstance(cfg.get('arch'), dict):
         fail(f"{path} is not the reference's all_config.yaml: it has no `arch:` block (the model's config)")

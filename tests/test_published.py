@@ -217,6 +217,16 @@ def test_a_broken_or_foreign_all_config_is_one_line(table_run, tmp_path, change,
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
+def test_an_all_config_of_damaged_bytes_is_one_line(table_run, tmp_path):
+    """A byte that is no UTF-8 (a damaged block of a copy) was a UnicodeDecodeError's traceback."""
+    shutil.copy(f"{table_run['folder']}/step_6", tmp_path / 'step_6')
+    text = open(f"{table_run['folder']}/all_config.yaml", 'rb').read()
+    (tmp_path / 'all_config.yaml').write_bytes(text.replace(b'H_cycles: ', b'H_cycles: \xff', 1))
+    p = run(['solve.py', f'--init_from={tmp_path}/step_6', '--index=0', '--device=cpu'], check=False)
+    assert_user_error(p, f"{tmp_path}/all_config.yaml cannot be read as the reference's all_config.yaml", 'utf-8',
+                      one_line=True)
+
+
 def test_a_published_model_too_large_for_the_machine_is_refused_by_solve_in_one_line(trained, tmp_path):
     """all_config.yaml's hidden_size of ten million: weights of petabytes. solve.py's memory check refuses them
     in one line with the numbers, before anything is allocated (as train.py's does)."""
