@@ -522,11 +522,24 @@ def load_training_checkpoint(path, step, local, rank):
             os.remove(dest)
 
 
+def parts_problem(ckpt, path):
+    """'' when the parts of a training checkpoint that a resume reads are there and of the types train.py saves
+    them in, else why not (another trainer's or version's file, or an edited one: it may be whole, so it is kept)."""
+    for k, kind in dict(model=dict, optimizer=dict, loader=dict, carry=dict, config=dict, rng=dict, best=dict,
+                        step=int).items():
+        if not isinstance(ckpt.get(k), kind) or isinstance(ckpt.get(k), bool):
+            what = 'missing' if k not in ckpt else f"{type(ckpt[k]).__name__!r}, not {kind.__name__!r}"
+            return (f"{path} does not hold what this trainer resumes from (its {k!r} is {what}); the file is "
+                    "kept. Move it aside to resume from the one before, or resume with the trainer that saved it")
+    return ''
+
+
 def check_resume(dev, ckpt, path, cfg, resume_fixed, meta, data_path, digest):
     """The checkpoint at path against this run: it must have been saved with this run's `resume_fixed` keys
     and trained on data of this shape (its model and carry are bound to it), and a training run on its examples
     (digest: startup.sampled_rows of data_path; a checkpoint records its own), or every rank stops naming the
     difference. Rank 0 says the keys that did change."""
+    fail_together(dev, [why] if (why := parts_problem(ckpt, path)) else [], 'resume')
     # a model key the saving trainer did not have yet (a fork's new key) ran as its default: a new key keeps the old
     # model by default (docs/forking.md), so another value is another model on the same weights
     was = {f.name: f.default for f in dataclasses.fields(TRMConfig) if f.default is not dataclasses.MISSING}

@@ -190,6 +190,29 @@ def test_resume_from_a_checkpoint_whose_optimizer_state_does_not_fit_is_one_line
     assert open(c, 'rb').read() == before and ckpt_paths(out) == [c]
 
 
+@pytest.mark.parametrize('part,edit,said', [
+    ('rng', lambda ck: ck.pop('rng'), "its 'rng' is missing"),  # another version's: a KeyError's traceback
+    ('carry', lambda ck: ck.update(carry=[1]), "its 'carry' is 'list', not 'dict'"),  # an AttributeError's
+    ('config', lambda ck: ck.update(config=[1]), "its 'config' is 'list', not 'dict'"),  # a TypeError's
+    ('step', lambda ck: ck.update(step='4'), "its 'step' is 'str', not 'int'"),
+])
+def test_a_checkpoint_whose_parts_are_missing_or_of_another_type_is_one_line_that_keeps_it(toy, tmp_path, part,
+                                                                                        edit, said):
+    """A file that loads but is another trainer's or version's, or edited: never passed over for an older one
+    (it may be whole, and the resume's first save would delete it), never a traceback."""
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=4', '--checkpoint_interval=2')
+    c = ckpt_paths(out)[-1]
+    ck = torch.load(c, weights_only=True)
+    edit(ck)
+    torch.save(ck, c)
+    before = open(c, 'rb').read()
+    p = train(toy, out, '--init_from=resume', '--max_steps=6', check=False)
+    assert_user_error(p, 'resume failed', f"{c} does not hold what this trainer resumes from ({said})",
+                      'the file is kept')
+    assert open(c, 'rb').read() == before and len(ckpt_paths(out)) == 2
+
+
 def test_keep_last_n_zero_keeps_everything(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--checkpoint_interval=10', '--keep_last_n=0')
