@@ -5,7 +5,6 @@ vote, not rows. `ARCVotes` keeps every row's answer, mapped back to its task, an
 over a run's evaluations where asked, and `arc_submission` writes the ARC Prize submission. evaluate.evaluate hands
 each batch's answers to ARCVotes.read; solve.py --task ranks one task's answers with the same vote.
 """
-import json
 import os
 import zipfile
 import zlib
