@@ -369,15 +369,24 @@ def cut_events(folder, step):
     the steps another machine undid since), each rewritten through cut.tmp (no 'tfevents' in its name:
     TensorBoard reads no leftover of it), or removed where none is left; a torn last record goes too. A record is
     TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the Event's CRC; the records kept are copied as they
-    are. A file that cannot be cut is a warning."""
+    are. A file that cannot be cut (a damaged record before others) is a warning, and kept whole."""
     from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
     tmp = os.path.join(folder, 'cut.tmp')
     for path in sorted(glob.glob(os.path.join(folder, '*tfevents*')), reverse=True):  # the latest purge first
         try:
             with open(path, 'rb') as f:
                 data = f.read()
             kept, at, starts = [], 0, []
-            while at + 12 <= len(data) and (end := at + 16 + int.from_bytes(data[at:at + 8], 'little')) <= len(data):
+            while at + 12 <= len(data):
+                # a length its CRC does not match: a damaged block, whose later records a cut would drop as a torn
+                # tail's, or the zeros a crash left past the last record
+                if masked_crc32c(data[at:at + 8]) != int.from_bytes(data[at + 8:at + 12], 'little'):
+                    if data[at:].strip(b'\0'):
+                        raise ValueError(f"a damaged record at byte {at}, records after it")
+                    break
+                if (end := at + 16 + int.from_bytes(data[at:at + 8], 'little')) > len(data):
+                    break
                 event = Event.FromString(data[at + 12:end - 4])
                 if event.step <= step:
                     kept.append(data[at:end])

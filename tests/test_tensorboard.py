@@ -210,6 +210,27 @@ def test_a_stopped_and_resumed_run_shows_every_step_once(toy, tmp_path):
     assert steps == list(range(1, 13)), (stop, steps)
 
 
+def test_a_damaged_record_keeps_its_event_file_whole_at_a_resume_and_a_crash_s_zeros_go(toy, tmp_path):
+    """A length damaged in the middle of an event file (a bad block) was read as a torn tail: the resume's cut
+    dropped every record after it, steps before the checkpoint's too, without a word. Zeros a crash left past the
+    last record are a torn tail: cut (they were kept as empty records)."""
+    for damage in ('middle', 'zeros'):
+        out = tmp_path / damage
+        train(toy, out, '--max_steps=8')
+        [path] = glob.glob(str(out / 'tb' / 'events.out.tfevents.*'))
+        data = open(path, 'rb').read()
+        half = len(data) // 2
+        damaged = data[:half] + b'\xff' * 8 + data[half + 8:] if damage == 'middle' else data + bytes(300)
+        open(path, 'wb').write(damaged)
+        p = train(toy, out, '--init_from=resume', '--max_steps=12')
+        said = [l for l in p.stdout.splitlines() if l.startswith('warning: cannot cut')]
+        if damage == 'middle':
+            assert len(said) == 1 and path in said[0] and 'a damaged record at byte' in said[0], p.stdout[-3000:]
+            assert open(path, 'rb').read() == damaged
+        else:
+            assert not said and open(path, 'rb').read() == data, p.stdout[-3000:]
+
+
 # -----------------------------------------------------------------------------
 # a real TensorBoard server on a study's out_root: every run's scalars through its HTTP API
 
