@@ -154,7 +154,7 @@ print(json.dumps(out))
 '''
 
 
-def interpreted(script, timeout=600):
+def interpreted(script, timeout=2400):  # a guard against a hang only: a slow or busy CPU took over 600 s
     env = dict(os.environ, TRITON_INTERPRET='1', OMP_NUM_THREADS='1')
     p = subprocess.run([sys.executable, '-c', script], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=timeout)
