@@ -368,8 +368,8 @@ def cut_events(folder, step):
     before the one a later file's process resumed from (its purge: a machine back on the run holds in its own file
     the steps another machine undid since), each rewritten through cut.tmp (no 'tfevents' in its name:
     TensorBoard reads no leftover of it), or removed where none is left; a torn last record goes too. A record is
-    TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the Event's CRC; the records kept are copied as they
-    are. A file that cannot be cut (a damaged record before others) is a warning, and kept whole."""
+    TFRecord's: an 8-byte length, its 4-byte CRC, the Event, the Event's CRC, both CRCs checked; the records kept are
+    copied as they are. A file that cannot be cut (a damaged record) is a warning, and kept whole."""
     from tensorboard.compat.proto.event_pb2 import Event, SessionLog
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
     tmp = os.path.join(folder, 'cut.tmp')
@@ -387,6 +387,8 @@ def cut_events(folder, step):
                     break
                 if (end := at + 16 + int.from_bytes(data[at:at + 8], 'little')) > len(data):
                     break
+                if masked_crc32c(data[at + 12:end - 4]) != int.from_bytes(data[end - 4:end], 'little'):
+                    raise ValueError(f"a damaged record at byte {at}")
                 event = Event.FromString(data[at + 12:end - 4])
                 if event.step <= step:
                     kept.append(data[at:end])

@@ -212,23 +212,29 @@ def test_a_stopped_and_resumed_run_shows_every_step_once(toy, tmp_path):
 
 def test_a_damaged_record_keeps_its_event_file_whole_at_a_resume_and_a_crash_s_zeros_go(toy, tmp_path):
     """A length damaged in the middle of an event file (a bad block) was read as a torn tail: the resume's cut
-    dropped every record after it, steps before the checkpoint's too, without a word. Zeros a crash left past the
-    last record are a torn tail: cut (they were kept as empty records)."""
-    for damage in ('middle', 'zeros'):
+    dropped every record after it, steps before the checkpoint's too, without a word; an Event damaged inside was
+    kept or not as its bytes happened to parse (its CRC unread). Zeros a crash left past the last record are a torn
+    tail: cut (they were kept as empty records)."""
+    for damage in ('length', 'event', 'zeros'):
         out = tmp_path / damage
         train(toy, out, '--max_steps=8')
         [path] = glob.glob(str(out / 'tb' / 'events.out.tfevents.*'))
         data = open(path, 'rb').read()
-        half = len(data) // 2
-        damaged = data[:half] + b'\xff' * 8 + data[half + 8:] if damage == 'middle' else data + bytes(300)
+        at = 0  # the first record starting past the file's middle: its length, or 4 bytes into its Event
+        while at < len(data) // 2:
+            at += 16 + int.from_bytes(data[at:at + 8], 'little')
+        at += {'length': 0, 'event': 16}.get(damage, 0)
+        damaged = data + bytes(300) if damage == 'zeros' else data[:at] + b'\xff' * 4 + data[at + 4:]
         open(path, 'wb').write(damaged)
         p = train(toy, out, '--init_from=resume', '--max_steps=12')
         said = [l for l in p.stdout.splitlines() if l.startswith('warning: cannot cut')]
-        if damage == 'middle':
-            assert len(said) == 1 and path in said[0] and 'a damaged record at byte' in said[0], p.stdout[-3000:]
-            assert open(path, 'rb').read() == damaged
-        else:
+        if damage == 'zeros':
             assert not said and open(path, 'rb').read() == data, p.stdout[-3000:]
+        else:
+            record = at - (16 if damage == 'event' else 0)
+            assert len(said) == 1 and path in said[0] and f'a damaged record at byte {record}' in said[0], \
+                (damage, p.stdout[-3000:])
+            assert open(path, 'rb').read() == damaged
 
 
 # -----------------------------------------------------------------------------
