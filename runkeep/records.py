@@ -16,8 +16,6 @@ import numbers
 import os
 import re
 import shutil
-import socket
-import sys
 import threading
 import time
 import urllib.parse

@@ -307,12 +307,13 @@ def exit_if_orphaned(code):
 
 def ended_abruptly(folder, since):
     """A torch_xla launcher whose worker ended abruptly (the watchdog, a kill): says so, and returns the exit
-    code: the watchdog's, when it fired in `folder` after `since` (time.time()), else HUNG_EXIT."""
+    code: the watchdog's, when it fired in `folder` after `since` (time.time()), else HUNG_EXIT (a damaged file's
+    too: a launcher that exits 0 after a hang reads as a finished run)."""
     code = HUNG_EXIT
     with contextlib.suppress(OSError, ValueError, AttributeError):
         if os.path.getmtime(os.path.join(folder, 'watchdog.json')) >= since:
             with open(os.path.join(folder, 'watchdog.json')) as f:
-                code = int(json.load(f).get('exit_code', HUNG_EXIT))
+                code = HUNG_AGAIN_EXIT if json.load(f).get('exit_code') == HUNG_AGAIN_EXIT else HUNG_EXIT
     then = ('the same command with --init_from=resume continues from the last checkpoint' if code == HUNG_EXIT
             else 'the watchdog fired on the same work as in the last run: a rerun would repeat it')
     print(f"a training process ended abruptly; exiting with code {code}: {then}", file=sys.stderr)

@@ -137,3 +137,16 @@ def test_a_hung_run_s_offline_w_and_b_history_is_written_before_it_exits(toy, tm
                 if f.endswith('.wandb')]
     # each history record names its keys: every logged line's train/loss is in the file (the summary adds one)
     assert len(logged) == 4 and history.count(b'train/loss') >= len(logged), (len(history), len(logged))
+
+
+@pytest.mark.parametrize('text', ['{"exit_code": [70]}', '{"exit_code": 0}', '{"exit_code": "x"}', '[70]', '{"ex'])
+def test_a_damaged_watchdog_json_is_read_as_a_first_hang(tmp_path, text, capsys):
+    """A torch_xla launcher takes its exit code from the watchdog.json its worker wrote: one damaged (a value of
+    another type, a code the watchdog never writes) ended the launcher in a traceback or with that code (0: a
+    hang that SkyPilot reads as success); it is read as a first hang (75: resume), as one missing is."""
+    from runkeep.signals import HUNG_AGAIN_EXIT, HUNG_EXIT, ended_abruptly
+    (tmp_path / 'watchdog.json').write_text(text)
+    assert ended_abruptly(str(tmp_path), 0) == HUNG_EXIT
+    (tmp_path / 'watchdog.json').write_text(json.dumps(dict(exit_code=HUNG_AGAIN_EXIT)))
+    assert ended_abruptly(str(tmp_path), 0) == HUNG_AGAIN_EXIT
+    assert f"exiting with code {HUNG_AGAIN_EXIT}" in capsys.readouterr().err
