@@ -128,6 +128,8 @@ def complete_submission(path, tasks, fallback=False):
     try:
         with open(path) as f:
             theirs = json.load(f)
+        if not isinstance(theirs, dict):
+            raise ValueError(f"{path} holds no {{task id: answers}}")
     except (OSError, ValueError):
         if not fallback:
             return

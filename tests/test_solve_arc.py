@@ -609,3 +609,18 @@ def test_an_adaptation_whose_train_py_fails_still_leaves_a_complete_submission(a
     p = solve(ckpt, f'--task={path}', '--adapt_minutes=0.05', '--adapt_aug=1', f'--adapt_dir={tmp_path}/b')
     sub = json.load(open(tmp_path / 'b' / 'run' / 'submission.json'))
     assert sorted(sub) == ['g1', 'g2', 'ten'] and sub['ten'] == [none] and len(sub['g1']) == 2
+
+
+def test_a_submission_that_is_not_a_dict_is_read_as_none(tmp_path):
+    """The adapted run's submission.json completed with the file's tasks: one that holds JSON of another shape (a
+    list) ended solve.py in a TypeError after the adaptation's minutes; it is read as no submission (left as it is,
+    or, where nothing was adapted, replaced by one that answers every task)."""
+    from runkeep.adapt import complete_submission
+    path = tmp_path / 'submission.json'
+    path.write_text('[1, 2]')
+    tasks = {'a': dict(train=[], test=[dict(input=[[1]])]), 'b': {}}
+    complete_submission(str(path), tasks)
+    assert path.read_text() == '[1, 2]'
+    complete_submission(str(path), tasks, fallback=True)
+    none = {'attempt_1': [[0]], 'attempt_2': [[0]]}
+    assert json.load(open(path)) == {'a': [none], 'b': [none]}
