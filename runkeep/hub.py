@@ -29,6 +29,8 @@ import urllib.parse
 
 from configurator import config_problems, fail
 
+from .records import write_atomic
+
 ARCH = 'recursive_reasoning.trm@TinyRecursiveReasoningModel_ACTV1'
 LOSS = 'losses@ACTLossHead'
 LOSS_TYPES = dict(stablemax='stablemax_cross_entropy', softmax='softmax_cross_entropy')
@@ -369,11 +371,13 @@ def sha256(path):
 def corrupt(path, expected=None):
     """Why the cached file at `path` is not the file it was downloaded as, in words, or None: its sha256 against
     `expected` (the hub's word), else against the one recorded beside it when it was downloaded (none recorded:
-    nothing to tell). A file that matches gets the record, so that a later run offline can tell too."""
+    nothing to tell; a record cut or garbled is none). A file that matches gets the record, so that a later run
+    offline can tell too."""
     record, recorded = path + '.sha256', None
     if os.path.isfile(record):
-        with open(record) as f:
-            recorded = f.read().strip()
+        with open(record, 'rb') as f:
+            recorded = f.read().strip().decode('ascii', 'replace')
+        recorded = recorded if re.fullmatch(r'[0-9a-f]{64}', recorded) else None
     whose = 'the hub announces' if expected else 'recorded when it was downloaded'
     expected = expected or recorded
     if expected is None:
@@ -381,8 +385,8 @@ def corrupt(path, expected=None):
     if (got := sha256(path)) != expected:
         return f"the cached copy {path} has sha256 {got[:12]}..., not the {expected[:12]}... {whose}: it is corrupt"
     if recorded != got:
-        with contextlib.suppress(OSError), open(record, 'w') as f:  # a cache shared read-only: nothing to record
-            f.write(got)
+        with contextlib.suppress(OSError):  # a cache shared read-only: nothing to record
+            write_atomic(record, lambda f: f.write(got))
     return None
 
 
@@ -471,8 +475,7 @@ def download(meta, url, dest, name, uri):
             print(f"warning: the download of {name}, resumed after {have / 1e6:.1f} MB, {words}: fetching it "
                   "again from the start", flush=True)
         else:
-            with open(dest + '.sha256', 'w') as f:
-                f.write(got)
+            write_atomic(dest + '.sha256', lambda f: f.write(got))
             os.replace(part, dest)
             return
     download(meta, url, dest, name, uri)

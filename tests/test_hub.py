@@ -619,3 +619,17 @@ def test_a_corrupt_cached_copy_is_fetched_again_never_used(hub, table_run, tmp_p
     p = evaluate(hub, table_run, tmp_path / 'e', uri)
     assert 'resuming after' in p.stdout and 'again from the start' in p.stdout and len(gets('/cdn/')) == 5
     assert open(cached, 'rb').read() == whole and eval_lines(p.stdout) == eval_lines(good.stdout)
+
+
+@pytest.mark.parametrize('record', [b'', b'abc\n', b'\xff' * 64], ids=['empty', 'cut', 'garbled'])
+def test_a_damaged_sha256_record_is_no_record_and_a_wrong_one_is_a_corrupt_copy(tmp_path, record):
+    """The sha256 recorded beside a cached copy, cut to nothing or garbled (a crash while it was written, a
+    damaged disk), made an offline run refuse the good copy as corrupt; it is read as no record (nothing to tell),
+    while a well-formed record the copy does not match still is a corrupt copy."""
+    from runkeep.hub import corrupt
+    path = tmp_path / 'step_6'
+    path.write_bytes(b'weights')
+    (tmp_path / 'step_6.sha256').write_bytes(record)
+    assert corrupt(str(path)) is None
+    (tmp_path / 'step_6.sha256').write_text(hashlib.sha256(b'other').hexdigest())
+    assert 'it is corrupt' in corrupt(str(path))
