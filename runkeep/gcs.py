@@ -621,7 +621,7 @@ def fetch_tree(uri, cache_dir):
     whose listing (names, sizes, generations) is the bucket's is used as it is; a dataset rebuilt there with
     another seed keeps its names and sizes, not its generations. A bucket that cannot be listed, or holds
     nothing there now, leaves a complete copy in use, said. The runs of one host fetch one at a time (an flock
-    of a file beside the copy): a run that waited uses the copy the one before it fetched, and a copy replaced
+    of a file beside the copy; a stop ends the wait): a run that waited uses the copy the one before it fetched, and a copy replaced
     is moved aside before it is removed, never emptied under the name a run is reading."""
     dest = cached_copy(uri, cache_dir)
     complete = os.path.join(dest, '.complete')
@@ -643,7 +643,14 @@ def fetch_tree(uri, cache_dir):
     import shutil
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with open(f"{dest}.lock", 'a') as guard:
-        fcntl.flock(guard, fcntl.LOCK_EX)
+        while True:  # polled, not blocked in flock: a stop (a preemption) must end the wait for another's fetch
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if (stop := default_client().stop) is not None and stop():
+                    raise Stopped(f"a stop was requested while waiting for another run's fetch of {uri}") from None
+                time.sleep(0.2)
         if copy_of(complete, listing):  # fetched by another run of this host meanwhile
             return dest
         tmp, old = f"{dest}.partial.{os.getpid()}", f"{dest}.old.{os.getpid()}"

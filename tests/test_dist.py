@@ -402,6 +402,33 @@ def test_a_rebuilt_dataset_is_fetched_over_what_a_killed_fetch_of_the_same_pid_l
     assert not os.path.exists(f'{dest}.old.{os.getpid()}')
 
 
+def test_a_run_waiting_for_another_s_fetch_of_its_dataset_stops_when_asked(emu, tmp_path, toy, monkeypatch):
+    """A run of this host waiting for another run's fetch of the same dataset (its flock) waited out the whole
+    fetch, however long, whatever stop it was asked: a spot VM's preemption notice passed unheeded. The wait ends
+    with the stop, as every bucket wait of the start does."""
+    import fcntl
+    import threading
+    from runkeep import gcs
+    from conftest import BUCKET
+    uri, cache = f'gs://{BUCKET}/datasets/waits', str(tmp_path / 'cache')
+    gcs.upload_tree(toy, uri)
+    dest = gcs.cached_copy(uri, cache)
+    os.makedirs(os.path.dirname(dest))
+    stop = threading.Event()
+    monkeypatch.setattr(gcs.default_client(), 'stop', stop.is_set)
+    with open(f'{dest}.lock', 'a') as other:  # another run of this host, fetching
+        fcntl.flock(other, fcntl.LOCK_EX)
+        ended = []
+        waiting = threading.Thread(target=lambda: ended.append(pytest.raises(gcs.Stopped, gcs.fetch_tree, uri, cache)))
+        waiting.start()
+        waiting.join(1)
+        assert waiting.is_alive()  # it waits for the other's fetch
+        stop.set()
+        waiting.join(60)  # a guard against a hang only
+        assert not waiting.is_alive() and ended and 'stop was requested' in str(ended[0].value)
+    assert not os.path.exists(dest)
+
+
 # two runs on one host that both found the copy in the cache older than the bucket's, each on to fetch it
 BOTH_LISTED = """
 if sys.argv[0].endswith('train.py'):
