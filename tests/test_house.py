@@ -8,8 +8,11 @@ hardware.
 """
 import ast
 import dataclasses
+import fnmatch
+import functools
 import os
 import re
+import shlex
 
 import pytest
 
@@ -25,6 +28,15 @@ KERNEL = ['model.py', 'step.py', 'data.py', 'evaluate.py', 'arc.py', 'puzzles.py
 PACKAGES = ['backends', 'runkeep', 'studies']
 LIBRARIES = KERNEL + [os.path.join(p, f) for p in PACKAGES for f in sorted(os.listdir(os.path.join(ROOT, p)))
                       if f.endswith('.py')]
+
+
+@functools.cache
+def script_help(script):
+    """A script's --help, run once for the whole file."""
+    return run([script, '--help']).stdout
+
+
+CONFIG_KEYS = 'config keys (set in a config file or as --key=value):'  # configurator.py's heading of the keys
 
 
 def train_defaults():
@@ -156,19 +168,16 @@ def test_every_config_key_has_a_meaning_and_help_lists_it_with_its_default():
     block = read_config_block(os.path.join(ROOT, 'train.py'))
     assert [k for k, (_, m) in block.items() if not m] == []
     for args in (['train.py', '--help'], ['train.py', '-h'], ['bench.py', '--help']):
-        p = run(args)
-        assert p.returncode == 0
+        out = script_help(args[0]) if args[1] == '--help' else run(args).stdout
         for k, (v, meaning) in block.items():  # bench.py lists train.py's keys too, some with its own defaults
-            assert (f"--{k}={v!r}" if args[0] == 'train.py' else f"--{k}=") in p.stdout, (args, k)
-    p = run(['train.py', '--help'])
-    assert "--L_cycles=6  " in p.stdout and "n: z-updates per round" in p.stdout
+            assert (f"--{k}={v!r}" if args[0] == 'train.py' else f"--{k}=") in out, (args, k)
+    assert "--L_cycles=6  " in script_help('train.py') and "n: z-updates per round" in script_help('train.py')
 
 
 def test_every_key_a_scripts_help_lists_is_one_of_its_config_keys_with_a_meaning():
     # a name the script imports (a constant of a library) must not become a key a flag could set
     for script in ('train.py', 'bench.py', 'solve.py', 'study.py', 'publish.py'):
-        p = run([script, '--help'])
-        listed = p.stdout.partition('config keys (set in a config file or as --key=value):')[2].strip('\n')
+        listed = script_help(script).partition(CONFIG_KEYS)[2].strip('\n')
         assert listed, script
         blank = [line.split('=')[0].strip() for line in listed.splitlines()
                  if not re.match(r'\s*--\w+=.*\S\s{2,}\S', line)]
@@ -230,6 +239,12 @@ def test_the_order_the_workers_take_the_test_files_in_names_existing_files():
 
 DOCS = ['README.md'] + sorted('docs/' + f for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.md'))
 LINK = re.compile(r'!?\[[^\]]*\]\(([^)\s]+)\)')
+FENCE = re.compile(r'(?ms)^```(\w*)\n(.*?)^```')  # a fenced block: its language, its text
+
+
+def prose(path):
+    """A page without its fenced blocks."""
+    return FENCE.sub('', open(path).read())
 
 
 def test_no_comment_points_outside_the_repository():
@@ -245,16 +260,14 @@ def test_no_comment_points_outside_the_repository():
 
 def anchors(path):
     """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
-    text = re.sub(r'(?ms)^```.*?^```', '', open(path).read())
     return {re.sub(r'[^\w\- ]', '', h.strip().lower()).replace(' ', '-')
-            for h in re.findall(r'(?m)^#{1,6} (.*)$', text)}
+            for h in re.findall(r'(?m)^#{1,6} (.*)$', prose(path))}
 
 
 def test_every_relative_link_in_the_docs_resolves():
     broken = []
     for page in DOCS:
-        text = re.sub(r'(?ms)^```.*?^```', '', open(os.path.join(ROOT, page)).read())
-        for target in LINK.findall(text):
+        for target in LINK.findall(prose(os.path.join(ROOT, page))):
             if re.match(r'[a-z]+:', target):
                 continue  # https://..., a page outside the repository
             file, _, anchor = target.partition('#')
@@ -268,6 +281,100 @@ def test_every_relative_link_in_the_docs_resolves():
     linked = {os.path.basename(t) for page in DOCS for t in LINK.findall(open(os.path.join(ROOT, page)).read())}
     unlinked = [f for f in os.listdir(os.path.join(ROOT, 'docs')) if f.endswith('.png') and f not in linked]
     assert not unlinked, unlinked  # a picture that no page shows
+
+
+def shell_words(text):
+    """text's words as the shell splits them, its operators (&&, |, ;, >, <) words of their own and a comment
+    dropped; a <placeholder> stays in its word."""
+    lexer = shlex.shlex(re.sub(r'<([\w.-]+)>', '\u2039\\1\u203a', text), posix=True, punctuation_chars='&|;<>')
+    lexer.whitespace_split = True
+    try:
+        return list(lexer)
+    except ValueError:  # a quote an inline span cut
+        return text.split()
+
+
+def commands_in(text):
+    """(script, its words) of each command in a line of shell that runs a file of the repository's: the word
+    after python/torchrun/bash (their own flags and VAR=value words between), or a script of SCRIPTS that starts
+    the line; a quoted word with a command in it (ssh's --command="...", CMD="...") is read as shell."""
+    words = shell_words(text) + [';']
+    start = 0
+    for end, word in enumerate(words):
+        if word and set(word) <= set('&|;<>'):
+            part = words[start:end - (word[0] == '>' and words[end - 1].isdigit())]  # 2>&1: the 2 is the stream's
+            for i, w in enumerate(part):
+                if ' ' in w:
+                    yield from commands_in(re.sub(r'^[\w-]*=', '', w))
+                elif re.search(r'\.(py|sh)$', w):
+                    runner = [b for b in part[:i] if not re.match(r'-|\w+=', b)][-1:]
+                    if runner and re.fullmatch(r'(\S*/)?(python[\d.]*|torchrun|bash|sh)', runner[0]) \
+                            or i == 0 and fnmatch.filter(SCRIPTS, w):
+                        yield w, part[i + 1:]
+                        break
+            start = end + 1
+
+
+def guide_commands():
+    """(page, command, script, its words) of every command in the guides: each line of a fenced block but a
+    ```python one (a \\ at a line's end goes on on the next), and each inline code span."""
+    for page in DOCS:
+        if page == 'docs/log.md':
+            continue
+        text = open(os.path.join(ROOT, page)).read()
+        lines = [line for lang, block in FENCE.findall(text) if lang != 'python'
+                 for line in block.replace('\\\n', ' ').splitlines()]
+        for line in lines + re.findall(r'`([^`]+)`', prose(os.path.join(ROOT, page))):
+            for script, words in commands_in(line):
+                yield page, ' '.join(line.split()), script, words
+
+
+def script_flags(script):
+    """{flag: whether it takes a value} of a script: configurator.py's scripts the keys their --help lists (as
+    --key=value alone), argparse's (prepare_*.py) the options of their usage line."""
+    text = script_help(script)
+    if CONFIG_KEYS in text:
+        return {k: True for k in re.findall(r'(?m)^  --(\w+)=', text.partition(CONFIG_KEYS)[2])}
+    return {k: bool(v) for k, v in re.findall(r'--(\w+)( [A-Z{][^\s\]]*)?', text.split('\n\n')[0])}
+
+
+def test_every_command_in_the_guides_runs_as_written():
+    """A command a newcomer copies from a guide names a script that is there, config files that are there and
+    flags its script takes: train.py, bench.py, solve.py, study.py and publish.py take --key=value of a key their
+    --help lists (configurator.py refuses --key value), prepare_*.py the options of their --help, with a value
+    after those that take one and none after a switch (--aug).
+    The guides' placeholders pass, by these rules: a value is not checked (CKPT, OWNER/REPO, path/to/..., N, M, K),
+    but a config file's path (config/...py); a word in [] is an optional part, checked as the rest; `...` and a
+    word with a <placeholder> in it stand for what the reader fills in; --key=value is the guides' name for any
+    key; a script named with a * (prepare_*.py) is each script it matches. A flag is written in full (argparse
+    would take a prefix of it)."""
+    wrong = []
+    for page, line, script, words in guide_commands():
+        scripts = fnmatch.filter(SCRIPTS, script) if '*' in script else [script]
+        if not scripts or not all(os.path.isfile(os.path.join(ROOT, s)) for s in scripts):
+            wrong.append(f"{page}: {line}: no script {script}")
+        words = [w.strip('[]') for w in words if w.strip('[]') not in ('', '...')]
+        for w in words:
+            path = w.rpartition('=')[2] if w.startswith('-') else w
+            if re.fullmatch(r'config/[\w/.-]+\.py', path) and not os.path.isfile(os.path.join(ROOT, path)):
+                wrong.append(f"{page}: {line}: no config file {path}")
+        for s in (s for s in scripts if s in SCRIPTS):
+            flags, keys, value = script_flags(s), CONFIG_KEYS in script_help(s), False
+            for w in words:
+                flag, eq, _ = w.lstrip('-').partition('=')
+                if w in ('-h', '--help', '--key=value'):
+                    continue
+                if not w.startswith('-'):
+                    if not (value or keys or '\u2039' in w):  # (configurator's: a config file; a <placeholder>)
+                        wrong.append(f"{page}: {line}: {s} takes no word {w!r} here")
+                elif not w.startswith('--') or flag not in flags:
+                    wrong.append(f"{page}: {line}: {s} has no flag {w.partition('=')[0]}")
+                elif keys and not eq:
+                    wrong.append(f"{page}: {line}: {s} takes --{flag}=VALUE, not --{flag} VALUE")
+                elif eq and not flags[flag]:
+                    wrong.append(f"{page}: {line}: {s}'s --{flag} is a switch: it takes no value")
+                value = w.startswith('-') and not eq and flags.get(flag, True)  # an unknown flag's: no word of its own
+    assert wrong == [], '\n'.join(wrong)
 
 
 def test_the_docs_are_guides_and_the_log_is_the_notebook():
