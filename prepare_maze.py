@@ -40,7 +40,8 @@ def read_csv(path, skip_bad=False):
     A malformed row raises ValueError naming the file and 1-based line, or with skip_bad is skipped
     and counted. The grid size n is inferred from the most common question length (a perfect square)."""
     qs, ans, lines, bad = [], [], [], []  # bad: (line, reason)
-    with open(path, newline='', encoding='utf-8', errors='replace') as f:
+    # utf-8-sig: a spreadsheet's export starts with a BOM, which would be part of the first column's name
+    with open(path, newline='', encoding='utf-8-sig', errors='replace') as f:
         reader = csv.reader(f)
         header = next(reader, None)
         if not header or 'question' not in header or 'answer' not in header:

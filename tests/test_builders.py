@@ -572,6 +572,17 @@ def test_maze_csv_roundtrip(gen_csv, tmp_path):
     assert n == 30 and not skipped and np.array_equal(q, load_arrays(out, 'test')['inputs'])
 
 
+def test_a_maze_csv_with_a_byte_order_mark_reads_as_without(gen_csv, tmp_path):
+    # a spreadsheet's UTF-8 export: a BOM before the header, whose first column is then the question
+    rows = _rows(gen_csv / 'test.csv')
+    with open(tmp_path / 'bom.csv', 'w', newline='', encoding='utf-8-sig') as f:
+        w = csv.writer(f, lineterminator='\r\n')
+        w.writerow(['question', 'answer', 'source', 'rating'])
+        w.writerows([[r['question'], r['answer'], r['source'], r['rating']] for r in rows])
+    q, a, n, skipped = pm.read_csv(str(tmp_path / 'bom.csv'))
+    assert n == 30 and not skipped and [Maze(30).decode(r) for r in q] == [r['question'] for r in rows]
+
+
 def test_maze_seed_determinism(gen_csv, tmp_path):
     dirs = {}
     for name, seed in (('a', 3), ('b', 3), ('c', 4)):
