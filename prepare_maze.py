@@ -35,10 +35,11 @@ HARD_MIN_PATH_LEN = 110  # the hard set keeps 30x30 mazes whose shortest path is
 # -----------------------------------------------------------------------------
 # CSV -> validated token arrays
 
-def read_csv(path, skip_bad=False):
+def read_csv(path, skip_bad=False, n=None, n_from=None):
     """One split's CSV -> (questions, answers, n, n_skipped); questions/answers: [N, n*n] uint8 tokens.
     A malformed row raises ValueError naming the file and 1-based line, or with skip_bad is skipped
-    and counted. The grid size n is inferred from the most common question length (a perfect square)."""
+    and counted. The grid size n is inferred from the most common question length (a perfect square),
+    or given (n_from: the file whose size it is; a row of another size is a bad row)."""
     qs, ans, lines, bad = [], [], [], []  # bad: (line, reason)
     # utf-8-sig: a spreadsheet's export starts with a BOM, which would be part of the first column's name
     with open(path, newline='', encoding='utf-8-sig', errors='replace') as f:
@@ -57,14 +58,16 @@ def read_csv(path, skip_bad=False):
             qs.append(row[qi]); ans.append(row[ai]); lines.append(reader.line_num)
     if not qs:
         raise ValueError(f"{path}: no data rows")
-    L = Counter(len(q) for q in qs).most_common(1)[0][0]
-    n = math.isqrt(L)
-    if n < 2 or n * n != L:
-        raise ValueError(f"{path}: questions are {L} characters long, not n*n for an n x n maze")
+    if n is None:
+        L = Counter(len(q) for q in qs).most_common(1)[0][0]
+        n = math.isqrt(L)
+        if n < 2 or n * n != L:
+            raise ValueError(f"{path}: questions are {L} characters long, not n*n for an n x n maze")
+    L, size = n * n, f"{n}x{n}" + (f": the size of {n_from}" if n_from else '')
     good = []
     for i, (q, a) in enumerate(zip(qs, ans)):
         if len(q) != L or len(a) != L:
-            bad.append((lines[i], f"question/answer lengths {len(q)}/{len(a)}, expected {L} ({n}x{n})"))
+            bad.append((lines[i], f"question/answer lengths {len(q)}/{len(a)}, expected {L} ({size})"))
         else:
             good.append(i)
     kind = Maze(n)
@@ -121,12 +124,11 @@ def build_dataset(csv_dir, output_dir, aug=False, subsample_size=None, seed=0, s
     maze, one example per puzzle; one group per maze (with aug: the maze and its 7 images). The same
     seed gives byte-identical files. Returns {split: metadata}."""
     rng = np.random.default_rng(seed)
-    metas, sizes = {}, set()
+    metas, n = {}, None
     for split in ('train', 'test'):
-        q, a, n, skipped = read_csv(os.path.join(csv_dir, f'{split}.csv'), skip_bad)
-        sizes.add(n)
-        if len(sizes) > 1:
-            raise ValueError(f"train and test mazes differ in size: {sorted(sizes)}")
+        # test.csv is read at train's size: a row of another size is its bad row, not another size of split
+        q, a, n, skipped = read_csv(os.path.join(csv_dir, f'{split}.csv'), skip_bad, n,
+                                    n and os.path.join(csv_dir, 'train.csv'))
         if split == 'train' and subsample_size is not None and subsample_size < len(q):
             keep = np.sort(rng.choice(len(q), subsample_size, replace=False))  # sorted: keeps CSV order
             q, a = q[keep], a[keep]

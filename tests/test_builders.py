@@ -722,6 +722,26 @@ def test_maze_malformed_rows(gen_csv, tmp_path, capsys):
     assert load_metadata(str(tmp_path / 'out'), 'train')['total_puzzles'] == 3
 
 
+def test_maze_test_split_is_read_at_the_train_split_s_size(tmp_path):
+    """train.csv of 6x6 mazes, test.csv of two 7x7 ones and a 6x6 one: not a test split of 7x7 mazes with a bad
+    row (nor splits that differ in size, without a file named), but one line naming test.csv's first 7x7 row and
+    both sizes; with --skip_bad the 7x7 rows are bad rows of the 6x6 test split."""
+    small, big, d = tmp_path / 'small', tmp_path / 'big', tmp_path / 'csv'
+    pm.generate_csvs(str(small), 4, 2, size=6, seed=1)
+    pm.generate_csvs(str(big), 1, 2, size=7, seed=2)
+    os.makedirs(d)
+    (d / 'train.csv').write_text((small / 'train.csv').read_text())
+    one_small = (small / 'test.csv').read_text().splitlines()[1]
+    (d / 'test.csv').write_text((big / 'test.csv').read_text() + one_small + '\n')
+    args = ['prepare_maze.py', '--csv_dir', str(d), '--output_dir', str(tmp_path / 'o')]
+    assert_user_error(run(args, check=False), f"{d / 'test.csv'}:2: question/answer lengths 49/49, expected 36 "
+                      f"(6x6: the size of {d / 'train.csv'})", one_line=True)
+    assert not os.path.exists(tmp_path / 'o')
+    p = run(args + ['--skip_bad'])
+    assert 'test: 1 mazes 6x6 -> 1 examples, 1 groups, skipped 2' in p.stdout, p.stdout
+    assert load_metadata(str(tmp_path / 'o'), 'test')['grid_size'] == 6
+
+
 def test_maze_download(gen_csv, http_dir, tmp_path):
     root, url = http_dir
     (root / 'maze').mkdir()
