@@ -205,6 +205,7 @@ class Run:
         self.watchdog.pause()
         with self.budget.evaluating(loader):
             yield Watched(self)
+        self.watchdog.evaluated()
         self.records.window.skip_graphs()  # the evaluation's graphs are not the training's
 
     def loop_started(self, step):

@@ -23,21 +23,23 @@ class Watchdog:
     training step, evaluation batch or evaluation supervision step) or host() (an evaluation's work on the host: a
     batch's views, its scoring), every thread's stack goes to stderr and train.log, record(values) is called (rank
     0: a line of metrics.jsonl), the out_dir's lock is removed and the process exits with HUNG_EXIT, for a rerun.
-    It is armed by the `warmup`-th report (the first steps compile their graphs); pause(), at an evaluation's
-    start, disarms it until the evaluation's first batch is done (its views, its graphs, all its steps), and
-    that batch is the evaluation's yardstick: for the rest of it, a unit of work up to SLOW_FACTOR x the
-    slowest of that batch's is no hang, whatever `minutes` says (a batch of many views may take a step longer
-    than the limit). minutes=0: off. A firing is remembered in <folder>/watchdog.json: one on the same work as
-    the last one remembered (the same command, waiting at the same point) in an earlier launch exits with
-    HUNG_AGAIN_EXIT instead, so a loop that reruns on HUNG_EXIT stops rather than repeat that work for ever; a
-    sibling rank's firing in this launch (launch_id) gives its verdict. waiting() says what the run waits for
-    and what it finished last (signals.StopBound names them when a stop cannot be acted on)."""
+    It is armed by the `warmup`-th report (the first steps compile their graphs; an evaluation's reports warm up
+    only that evaluation); pause(), at an evaluation's start, disarms it until the evaluation's first batch is
+    done (its views, its graphs, all its steps), and that batch is the evaluation's yardstick: for the rest of it,
+    a unit of work up to SLOW_FACTOR x the slowest of that batch's is no hang, whatever `minutes` says (a batch of
+    many views may take a step longer than the limit). minutes=0: off. A firing is remembered in
+    <folder>/watchdog.json: one on the same work as the last one remembered (the same command, waiting at the same
+    point) in an earlier launch exits with HUNG_AGAIN_EXIT instead, so a loop that reruns on HUNG_EXIT stops rather
+    than repeat that work for ever; a sibling rank's firing in this launch (launch_id) gives its verdict. waiting()
+    says what the run waits for and what it finished last (signals.StopBound names them when a stop cannot be acted
+    on)."""
     SLOW_FACTOR = 3
 
     def __init__(self, minutes, record=None, warmup=2, folder=None, step=None):
         self.limit, self.record, self.warmup, self.folder = 60.0 * minutes, record, warmup, folder
         self.last, self.what, self.step, self.evaluating = time.time(), 'start-up', step, False
         self.paused, self.slowest = False, 0.0  # in an evaluation's first batch; its slowest unit (s)
+        self.training_warmup = warmup  # the warm-up an evaluation interrupted
         self.launch = launch_id()  # now: a launcher gone by the firing has no start to read
         self.done = threading.Event()
         if self.limit > 0:
@@ -67,7 +69,12 @@ class Watchdog:
     def pause(self):
         """At an evaluation's start: disarmed until its first batch is done (host(..., batch_done=True))."""
         self.paused, self.evaluating, self.slowest, self.last = True, True, 0.0, time.time()
-        self.warmup = max(self.warmup, 1)
+        self.training_warmup, self.warmup = self.warmup, max(self.warmup, 1)
+
+    def evaluated(self):
+        """At an evaluation's end: the training's warm-up goes on where the evaluation found it (a resume's owed
+        evaluation comes before the training's first steps, whose compiles its reports must not arm)."""
+        self.warmup = self.training_warmup
 
     def allowed(self):
         """Seconds without a report that make a hang: the limit, or within an evaluation SLOW_FACTOR x the
