@@ -79,6 +79,7 @@ def read_csv(path, skip_bad=False, n=None, n_from=None):
          ~np.isin(q, (WALL, OPEN, START, GOAL)).all(1)),
         (f"answer has a character outside '{kind.chars}'", (a == 255).any(1)),
         ("question needs exactly one S and one G", ((q == START).sum(1) != 1) | ((q == GOAL).sum(1) != 1)),
+        ("no open path leads from S to G", shortest_path_length(q) < 0),  # the maze's fault, not its answer's
         ("answer differs from the question other than by 'o' on open cells",
          ~np.where(a == PATH, q == OPEN, a == q).all(1)),
     ]

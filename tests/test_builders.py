@@ -693,6 +693,7 @@ def test_maze_malformed_rows(gen_csv, tmp_path, capsys):
         'two_starts': ([src, q[:wall] + 'S' + q[wall + 1:], a[:wall] + 'S' + a[wall + 1:], rating], 'exactly one S'),
         'wall': ([src, q, a[:wall] + ' ' + a[wall + 1:], rating], "differs from the question"),
         'broken_path': ([src, q, a[:o] + ' ' + a[o + 1:], rating], 'not a shortest'),
+        'closed': ([src, q.replace(' ', '#'), q.replace(' ', '#'), rating], 'no open path leads from S to G'),
         'fields': ([src, q], 'field'),
     }
     for name, (bad, reason) in cases.items():
@@ -700,7 +701,7 @@ def test_maze_malformed_rows(gen_csv, tmp_path, capsys):
         with pytest.raises(ValueError, match=f"{name}.csv:4: .*{reason}"):
             pm.read_csv(path)
     path = _write_csv(tmp_path / 'all.csv', good[:1] + [bad for bad, _ in cases.values()] + good[1:])
-    with pytest.raises(ValueError, match=r"all\.csv:3: .*\(5 more bad row"):
+    with pytest.raises(ValueError, match=r"all\.csv:3: .*\(6 more bad row"):
         pm.read_csv(path)
     qs, ans, n, skipped = pm.read_csv(path, skip_bad=True)
     assert skipped == len(cases) and n == 30 and [Maze(30).decode(r) for r in qs] == [g[1] for g in good]
