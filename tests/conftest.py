@@ -415,6 +415,18 @@ def popen_train(data, out, *extra, args=FAST, env=None):
                             stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
 
 
+def stopped_owing_an_evaluation(data, out, args, hook):
+    """A run of `args` stopped by SIGTERM in step 20, an evaluation's (held there by a test hook in the folder
+    `hook`): it saves ckpt_00000020.pt with that evaluation owed, and exits 0."""
+    proc = popen_train(data, out, *args, env=held_step(hook, 20))
+    lines = Lines(proc)
+    lines.until('test hook: step 20 waits')
+    proc.send_signal(signal.SIGTERM)
+    text = lines.rest(120)
+    assert proc.returncode == 0 and ckpts(out) == ['ckpt_00000020.pt'], text[-3000:]
+    return text
+
+
 class Lines:
     """The lines a process prints, read from its pipe's file descriptor without read-ahead: what has not been
     read is still in the pipe, and `drain` drops what the process has written so far."""

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from conftest import ROOT, TOY_ARGS, Lines, ckpts, held_step, popen_train, run, script_env, site_hook, train
+from conftest import (ROOT, TOY_ARGS, Lines, ckpts, popen_train, run, script_env, site_hook,
+                      stopped_owing_an_evaluation, train)
 from test_dist import torchrun
 
 TINY_ARC = ['--hidden_size=32', '--num_heads=2', '--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32',
@@ -113,12 +114,7 @@ def test_a_resume_whose_owed_evaluation_spent_the_budget_stops_at_its_first_step
     # SIGTERM in the step of an evaluation (20 of 40) saves it owed; the resume evaluates it first, which knows the
     # evaluation's pace, so its first check already finds a budget shorter than its start-up spent
     out, args = tmp_path / 'o', ['--epochs=2', '--eval_every_epochs=1', '--log_interval=1']
-    proc = popen_train(toy, out, *args, env=held_step(tmp_path / 'hook', 20))
-    lines = Lines(proc)
-    lines.until('test hook: step 20 waits')
-    proc.send_signal(signal.SIGTERM)
-    text = lines.rest(120)
-    assert proc.returncode == 0 and ckpts(out) == ['ckpt_00000020.pt'], text[-3000:]
+    text = stopped_owing_an_evaluation(toy, out, args, tmp_path / 'hook')
     assert torch.load(out / 'ckpt_00000020.pt', weights_only=True)['eval_owed'], text[-3000:]
     p = train(toy, out, *args, '--init_from=resume', '--max_minutes=0.001')
     said = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]

@@ -5,12 +5,10 @@ same command resumes; a slow evaluation that progresses is not ended.
 import json
 import os
 import re
-import signal
 
 import pytest
 
-from conftest import (ROOT, TOY_ARGS, XLA_ENV, Lines, ckpts, held_step, make_reverse_dataset, popen_train, run,
-                      site_hook)
+from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook, stopped_owing_an_evaluation
 from test_dist import torchrun
 
 
@@ -156,15 +154,10 @@ def test_a_damaged_watchdog_json_is_read_as_a_first_hang(tmp_path, text, capsys)
 
 def test_a_resume_s_owed_evaluation_leaves_the_first_training_steps_unwatched(toy, tmp_path):
     # a stop in step 20, an evaluation's, saves it owed; the resume evaluates it before training on, and then its
-    # first training step takes 3 s (a real accelerator compiles its graphs there) against a watchdog of 1.2 s:
+    # first training step takes 8 s (a real accelerator compiles its graphs there) against a watchdog of 3 s:
     # the evaluation's reports are not the training's, which is armed once the first log line is past, as always
     out, args = tmp_path / 'o', ['--epochs=2', '--eval_every_epochs=1', '--log_interval=10']
-    proc = popen_train(toy, out, *args, env=held_step(tmp_path / 'hook', 20))
-    lines = Lines(proc)
-    lines.until('test hook: step 20 waits')
-    proc.send_signal(signal.SIGTERM)
-    text = lines.rest(120)
-    assert proc.returncode == 0 and ckpts(out) == ['ckpt_00000020.pt'], text[-3000:]
+    stopped_owing_an_evaluation(toy, out, args, tmp_path / 'hook')
     compiles = site_hook(tmp_path / 'compiles', """import step
 real, calls = step.train_step, [0]
 
@@ -172,14 +165,14 @@ real, calls = step.train_step, [0]
 def train_step(*args, **kwargs):
     calls[0] += 1
     if calls[0] == 1:
-        time.sleep(3)
+        time.sleep(8)
     return real(*args, **kwargs)
 
 
 step.train_step = train_step
 """)
     p = run(['train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS, *args, '--init_from=resume',
-             '--watchdog_minutes=0.02'], env=compiles, timeout=300, check=False)
+             '--watchdog_minutes=0.05'], env=compiles, timeout=300, check=False)
     text = p.stdout + p.stderr
     assert 'evaluating it before training on' in p.stdout, text[-3000:]
     assert p.returncode == 0 and 'watchdog:' not in text, (p.returncode, text[-3000:])
