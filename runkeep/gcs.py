@@ -621,8 +621,8 @@ def fetch_tree(uri, cache_dir):
     whose listing (names, sizes, generations) is the bucket's is used as it is; a dataset rebuilt there with
     another seed keeps its names and sizes, not its generations. A bucket that cannot be listed, or holds
     nothing there now, leaves a complete copy in use, said. The runs of one host fetch one at a time (an flock
-    of a file beside the copy; a stop ends the wait): a run that waited uses the copy the one before it fetched, and a copy replaced
-    is moved aside before it is removed, never emptied under the name a run is reading."""
+    of a file beside the copy; a stop ends the wait): a run that waited uses the copy the one before it fetched,
+    and a copy replaced is moved aside before it is removed, never emptied under the name a run is reading."""
     dest = cached_copy(uri, cache_dir)
     complete = os.path.join(dest, '.complete')
     try:
