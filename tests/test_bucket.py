@@ -233,12 +233,15 @@ def test_sigterm_ends_a_wait_for_the_bucket_at_start_within_seconds(stall, toy, 
 
 
 class ListsButFailsUploads(BaseHTTPRequestHandler):
-    """Lists an empty bucket; every other request (uploads) answers 503, the way an outage does."""
+    """Lists an empty bucket and takes the lock object's one-request writes; every other request (the uploads)
+    answers 503, the way an outage of the upload path does. (A lock the bucket refuses is retried for minutes,
+    then warned of: test_failed_uploads_counted_at_exit_are_the_files_still_only_local, with fewer retries.)"""
     def log_message(self, *args):
         pass
 
     def do_GET(self):
-        body = b'{}' if self.command == 'GET' and self.path.split('?')[0].endswith('/o') else b''
+        listing = self.command == 'GET' and self.path.split('?')[0].endswith('/o')
+        body = b'{}' if listing or (self.command == 'POST' and 'uploadType=media' in self.path) else b''
         self.send_response(200 if body else 503)
         self.send_header('Content-Length', str(len(body)))
         self.end_headers()
@@ -287,6 +290,7 @@ def test_failed_uploads_counted_at_exit_are_the_files_still_only_local(toy, tmp_
     p = run(train_args(toy, out, local, '--max_steps=8', '--keep_last_n=1', '--gcs_retries=1'))
     m = re.search(rf'(\d+) upload\(s\) to {out} failed; only in {local}: (.*)', p.stdout)
     assert m, p.stdout[-3000:]
+    assert f'warning: cannot lock {out} (' in p.stdout  # the run goes on, unlocked, and says so
     named = m.group(2).split(', ')
     kept = sorted(os.listdir(local))  # train.log too: its copy in the bucket failed as well
     assert sorted(named) == kept and int(m.group(1)) == len(named), (named, os.listdir(local))
