@@ -33,18 +33,12 @@ from puzzles import puzzle_for, seq_len_for_vocab
 from step import lr_at
 
 from . import gcs
+from .records import CKPT_RE, checkpoint_name
 from .startup import data_shape, describe_data, fail_if_ranks_differ, fail_together, newest_in
 
 # a weight above this is divergence, not learning: trained TRM weights stay near their init scale (about 1 at
 # most), and float32 activations overflow within a few blocks of weights this large
 MAX_WEIGHT = 1e4
-# checkpoint_name's: eight digits at least (a ninth from step 10^8 on); the lister, the pruning and solve.py's
-# hint read names by it alone
-CKPT_RE = re.compile(r'ckpt_(\d{8,})\.pt$')
-
-
-def checkpoint_name(step):
-    return f'ckpt_{step:08d}.pt'
 
 
 class CheckpointError(RuntimeError):

@@ -457,7 +457,13 @@ def quiet_event_writers(args):
 # uploaded
 GROWING = ('train.log', 'metrics.jsonl')
 SNAPSHOTS = tuple(f'.{name}.' for name in GROWING) + ('.tb.',)
-CKPT_RE = re.compile(r'/ckpt_(\d{8,})\.pt$')  # checkpoint.py's names (it imports torch, and this module does not)
+# a checkpoint's name: eight digits at least (a ninth from step 10^8 on). The lister, the pruning, the uploads'
+# order and solve.py's hint read names by CKPT_RE alone: a name by itself, or ending a path or URI
+CKPT_RE = re.compile(r'(?:^|/)ckpt_(\d{8,})\.pt$')
+
+
+def checkpoint_name(step):
+    return f'ckpt_{step:08d}.pt'
 
 
 def snapshot_of(path):

@@ -19,6 +19,7 @@ from puzzles import puzzle_for, puzzle_type, views_problem
 from . import gcs
 from .locks import release_locks
 from .memory import config_memory, config_shape, describe, headroom, latent_bytes, memory_problem, need
+from .records import CKPT_RE
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository's root
 
@@ -135,7 +136,7 @@ def newest_in(folder, reference=True):
     except OSError:
         return None
     numbered = [(int(m.group(1)), n) for n in names
-                if (m := re.fullmatch(r'ckpt_(\d{8,})\.pt', n) or reference and re.fullmatch(r'step_(\d+)', n))]
+                if (m := CKPT_RE.fullmatch(n) or reference and re.fullmatch(r'step_(\d+)', n))]
     return os.path.join(folder, max(numbered)[1]) if numbered else None
 
 
