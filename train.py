@@ -308,7 +308,7 @@ def main(index=None):
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
         at_ckpt = checkpoint_interval > 0 and step % checkpoint_interval == 0
-        stop_now = run.stop_requested(step, start_step, at_eval)  # SIGTERM or Ctrl-C on any rank
+        stop_now = run.stop_requested(step, start_step, at_eval, at_ckpt)  # SIGTERM or Ctrl-C on any rank
         if run.out_of_time:  # --max_minutes: this step is the last, in time for the final evaluation
             run_steps, at_eval = step, True
         if step % log_interval == 0 or at_eval or at_ckpt or stop_now:

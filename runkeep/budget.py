@@ -47,8 +47,10 @@ class TimeBudget:
     FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
     warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
     slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s. The steps to the next check
-    (~2 s) and an intermediate evaluation and save due now are added to the wait. The first check has no
-    training pace: it decides only after an evaluation (a resume's owed one), taking those steps as free."""
+    (~2 s) and an intermediate evaluation and save due now are added to the wait: a step that evaluates or
+    saves (--checkpoint_interval) is checked itself, as the pace counts them only as an average over the steps
+    behind. The first check has no training pace: it decides only after an evaluation (a resume's owed one),
+    taking those steps as free."""
 
     def __init__(self, minutes, clock):
         self.seconds, self.clock = minutes * 60, clock
@@ -89,9 +91,9 @@ class TimeBudget:
     def save_estimate(self):
         return 1.5 * self.save_s if self.save_s is not None else self.state_bytes / 50e6
 
-    def late(self, step, check_every, at_eval):
-        """Whether the wait to the next check, an intermediate evaluation and save due now, and the final
-        evaluation and save would end past the budget."""
+    def late(self, step, check_every, at_eval, at_save=False):
+        """Whether the wait to the next check, an intermediate evaluation (at_eval) and save (at_eval or at_save:
+        --checkpoint_interval) due now, and the final evaluation and save would end past the budget."""
         if step >= self.run_steps:  # its final evaluation comes next in any case
             return False
         train_s = self.clock()['train']
@@ -103,15 +105,17 @@ class TimeBudget:
         self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
         wait = (check_every + 1) * pace
         if at_eval:
-            wait += self.evaluation_s(self.subset_rows, pace) + self.save_estimate()
+            wait += self.evaluation_s(self.subset_rows, pace)
+        if at_eval or at_save:
+            wait += self.save_estimate()
         return time.time() - self.clock.started + wait + self.need >= self.seconds
 
-    def agree(self, dev, step, check_every, at_eval):
+    def agree(self, dev, step, check_every, at_eval, at_save=False):
         """Whether any rank got SIGTERM or Ctrl-C, and in the same reduction whether any rank is out of time:
         then, unless a stop was requested (it saves and exits as always), `out_of_time` is set on every rank
-        at this step, the run's last. Called on every rank at the same steps (at evaluation steps too,
-        `at_eval`: that evaluation must fit as well); rank 0 says why the run stops."""
-        stop, late = dev.agree([float(STOP['requested']), float(self.late(step, check_every, at_eval))],
+        at this step, the run's last. Called on every rank at the same steps (at evaluation and checkpoint steps
+        too, `at_eval`, `at_save`: that evaluation or save must fit as well); rank 0 says why the run stops."""
+        stop, late = dev.agree([float(STOP['requested']), float(self.late(step, check_every, at_eval, at_save))],
                                'max') > 0
         self.out_of_time = bool(late and not stop)
         if self.out_of_time and dev.master:

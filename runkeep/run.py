@@ -306,14 +306,15 @@ class Run:
 
     # --- stop requests and divergence -----------------------------------------------------------------
 
-    def stop_requested(self, step, start_step, at_eval=False):
+    def stop_requested(self, step, start_step, at_eval=False, at_save=False):
         """Whether any rank got SIGTERM or Ctrl-C: a host flag agreed every ~2 s of the slowest rank's steps
         (the pace measured over steps 5 to 10 after the start), so the agreement costs nothing measurable.
-        With --max_minutes the same reduction also says whether the budget ends the run (TimeBudget.agree).
+        With --max_minutes the same reduction also says whether the budget ends the run (TimeBudget.agree),
+        agreed at every step that evaluates (at_eval) or saves (at_save: --checkpoint_interval) as well.
         A single process off XLA reads its own flag after every step too (self.alone)."""
         stop = False
-        if self.budget.seconds and (step % self.stop_every == 0 or at_eval):
-            stop = self.budget.agree(self.dev, step, self.stop_every, at_eval)
+        if self.budget.seconds and (step % self.stop_every == 0 or at_eval or at_save):
+            stop = self.budget.agree(self.dev, step, self.stop_every, at_eval, at_save)
         elif step % self.stop_every == 0:
             stop = self.stop_agreed()
         stop = stop or (self.alone and STOP['requested'])

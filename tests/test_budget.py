@@ -152,3 +152,28 @@ def test_an_evaluation_before_the_loop_is_counted_once_and_no_phase_is_negative(
     more = {k: wall[k] - before[k] for k in ('startup', 'eval')}  # this process's phases, which never overlap
     assert 0 < more['startup'] and 0 < more['eval'] and more['startup'] + more['eval'] <= took, (more, took)
     assert min(wall.values()) >= 0 and abs(wall['total'] - wall['startup'] - wall['train'] - wall['eval']) < 1e-6
+
+
+def test_a_checkpoint_interval_save_is_made_only_where_the_budget_holds_it(toy, tmp_path):
+    # the clock jumps a day ahead at step 36, after the pace is known: the saves every 7 steps are checked at their
+    # own steps, as evaluations are, so the run ends by step 42 with its final evaluation in place of that save,
+    # however far apart the ~2 s checks of the steps between them fall
+    hook = site_hook(tmp_path / 'hook', """
+if sys.argv[0].endswith('train.py'):
+    import runkeep.run
+    done, real = runkeep.run.Run.step_done, time.time
+
+    def step_done(self, step, host_s):
+        if step == 36:
+            time.time = lambda: real() + 86400
+        return done(self, step, host_s)
+
+    runkeep.run.Run.step_done = step_done
+""")
+    out = tmp_path / 'o'
+    p = train(toy, out, '--epochs=100', '--eval_every_epochs=1000', '--log_interval=50', '--checkpoint_interval=7',
+              '--max_minutes=600', '--watchdog_minutes=0', env=hook)
+    said = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
+    assert len(said) == 1 and 36 <= int(said[0][1]) <= 42, p.stdout[-3000:]
+    step = int(said[0][1])
+    assert json.load(open(out / 'results.json'))['step'] == step and ckpts(out)[-1] == f'ckpt_{step:08d}.pt'
