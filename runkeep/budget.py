@@ -46,7 +46,8 @@ class TimeBudget:
     long: this process's slowest evaluation per row (x 1.25), or before any evaluation, the final one's
     FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
     warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
-    slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s. The steps to the next check
+    slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s; in a gs:// run, the final
+    checkpoint's upload, which the end waits for (upload_estimate). The steps to the next check
     (~2 s) and an intermediate evaluation and save due now are added to the wait: a step that evaluates or
     saves (--checkpoint_interval) is checked itself, as the pace counts them only as an average over the steps
     behind. The first check has no training pace: it decides only after an evaluation (a resume's owed one),
@@ -55,6 +56,7 @@ class TimeBudget:
     def __init__(self, minutes, clock):
         self.seconds, self.clock = minutes * 60, clock
         self.eval_pace = self.save_s = self.first = None
+        self.upload_s = None  # rank 0 of a gs:// run: the slowest checkpoint upload so far (a callable)
         self.need, self.out_of_time = 0.0, False
 
     def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
@@ -91,6 +93,14 @@ class TimeBudget:
     def save_estimate(self):
         return 1.5 * self.save_s if self.save_s is not None else self.state_bytes / 50e6
 
+    def upload_estimate(self):
+        """A gs:// run's final checkpoint upload: 1.5 x the slowest so far, or before any, its bytes at 20 MB/s;
+        at most the end's wait for its uploads (30 s plus 1 s per 20 MB: Uploads.settle)."""
+        if self.upload_s is None:
+            return 0.0
+        s, bound = self.upload_s(), 30 + self.state_bytes / 20e6
+        return min(1.5 * s if s is not None else self.state_bytes / 20e6, bound)
+
     def late(self, step, check_every, at_eval, at_save=False):
         """Whether the wait to the next check, an intermediate evaluation (at_eval) and save (at_eval or at_save:
         --checkpoint_interval) due now, and the final evaluation and save would end past the budget."""
@@ -102,7 +112,7 @@ class TimeBudget:
         if step == s0 and self.eval_pace is None:  # the compilations and warm-up: the pace is measured from here on
             return False
         pace = (train_s - t0) / (step - s0) if step > s0 else 0.0
-        self.need = self.evaluation_s(self.rows, pace) + self.save_estimate()
+        self.need = self.evaluation_s(self.rows, pace) + self.save_estimate() + self.upload_estimate()
         wait = (check_every + 1) * pace
         if at_eval:
             wait += self.evaluation_s(self.subset_rows, pace)

@@ -461,6 +461,7 @@ class Uploader:
                            # submitted
         self.failed = []   # [(local_path, uri)] whose last upload failed
         self.unsaid = 0    # failures since the last upload that worked
+        self.took = {}     # {uri: seconds} of its last upload that worked
         self._cv = threading.Condition()
         threading.Thread(target=self._run, name="gcs-uploader", daemon=True).start()
 
@@ -483,9 +484,11 @@ class Uploader:
                 self.pending.remove(job)
                 self.pending.insert(0, job)
             ok = sent = False
+            t = time.monotonic()
             try:
                 (self.client or default_client()).upload(local_path, uri)
                 sent = ok = True
+                self.took[uri] = time.monotonic() - t
                 if self.unsaid:
                     print(f"gcs: uploads work again ({uri} uploaded); {self.unsaid} failed meanwhile",
                           file=sys.stderr, flush=True)

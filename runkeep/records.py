@@ -514,6 +514,11 @@ class Uploads:
     def wait(self, timeout=None):
         return self.uploader.wait(timeout=timeout)
 
+    def checkpoint_s(self):
+        """The slowest checkpoint upload so far in seconds, None before the first (--max_minutes keeps time for the
+        final one: the end waits for it)."""
+        return max((s for uri, s in list(self.uploader.took.items()) if CKPT_RE.search(uri)), default=None)
+
     def log(self, name='train.log'):
         """A growing file of the run's folder (GROWING: train.log, metrics.jsonl) as it is now (a preempted VM's
         disk goes with the VM, and a resume on a new machine goes on with the bucket's). It grows while it

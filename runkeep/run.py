@@ -352,6 +352,8 @@ class Run:
         problems = self.records.open(step, self.run_id, self.prune_bucket)
         fail_together(self.dev, problems, 'opening the records')
         self.records.catch_up(self.resumed_from, False, self.prune_bucket)
+        if self.records.uploads:  # rank 0 of a gs:// run: the end waits for the final checkpoint's upload
+            self.budget.upload_s = self.records.uploads.checkpoint_s
 
     def prune_bucket(self):
         """After each upload: the bucket's checkpoints pruned like the local folder's."""

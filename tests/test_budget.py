@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from conftest import (ROOT, TOY_ARGS, Lines, ckpts, popen_train, run, script_env, site_hook,
+from runkeep import gcs
+from conftest import (BUCKET, ROOT, TOY_ARGS, Lines, ckpts, popen_train, run, script_env, site_hook,
                       stopped_owing_an_evaluation, train)
 from test_dist import torchrun
 
@@ -177,3 +178,38 @@ if sys.argv[0].endswith('train.py'):
     assert len(said) == 1 and 36 <= int(said[0][1]) <= 42, p.stdout[-3000:]
     step = int(said[0][1])
     assert json.load(open(out / 'results.json'))['step'] == step and ckpts(out)[-1] == f'ckpt_{step:08d}.pt'
+
+
+def test_a_gs_run_keeps_time_for_its_final_checkpoint_s_upload(toy, emulator, tmp_path):
+    # the first checkpoint's upload takes 6 s more; at step 30 (a save: checked), once it is done, 8 s of the budget
+    # are left: the time kept for the end holds the final checkpoint's upload too (1.5 x the slowest one: 9 s at
+    # least), which the end waits for, so the run stops there
+    hook = site_hook(tmp_path / 'hook', """
+if sys.argv[0].endswith('train.py'):
+    import runkeep.gcs, runkeep.run
+    upload, done = runkeep.gcs.GCS.upload, runkeep.run.Run.step_done
+
+    def slow_upload(self, path, uri, *args, **kwargs):
+        sent = upload(self, path, uri, *args, **kwargs)
+        if uri.endswith('/ckpt_00000005.pt'):
+            time.sleep(6)
+        return sent
+
+    def step_done(self, step, host_s):
+        if step == 30:
+            t = time.time()
+            self.records.uploads.wait()
+            self.clock.loop_start += time.time() - t  # the wait is not the training's: its pace stays the steps'
+            self.budget.seconds = time.time() - self.clock.started + 8
+        return done(self, step, host_s)
+
+    runkeep.gcs.GCS.upload, runkeep.run.Run.step_done = slow_upload, step_done
+""")
+    out = f'gs://{BUCKET}/budget/up'
+    p = train(toy, out, f'--local_dir={tmp_path / "l"}', '--epochs=100', '--eval_every_epochs=1000',
+              '--log_interval=50', '--checkpoint_interval=5', '--max_minutes=600', '--watchdog_minutes=0',
+              env=dict(hook, STORAGE_EMULATOR_HOST=emulator.replace('http://', '')))
+    said = [m for l in p.stdout.splitlines() if (m := VERDICT.fullmatch(l.split(' (--max_minutes')[0]))]
+    assert len(said) == 1 and int(said[0][1]) == 30 and float(said[0][3]) >= 9, p.stdout[-3000:]
+    names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.GCS(endpoint=emulator).list(out + '/')]
+    assert f'ckpt_{int(said[0][1]):08d}.pt' in names and 'results.json' in names
