@@ -670,7 +670,17 @@ def eval_line(step, res, raw, xla):
     it compiled) and its scalars for W&B and TensorBoard."""
     compiles = {'xla_compiles': xla['xla_compiles']} if xla else {}
     return (dict(step=step, **res, **(dict(raw=raw) if raw else {}), **compiles),
-            dict(eval=res, eval_raw=raw or {}, xla=dict(eval_compiles=xla['xla_compiles']) if xla else {}))
+            dict(eval=charted(res), eval_raw=charted(raw or {}),
+                 xla=dict(eval_compiles=xla['xla_compiles']) if xla else {}))
+
+
+def charted(res):
+    """An evaluation's results as W&B and TensorBoard chart them: where no test row has a known answer (a hidden
+    test set's), its accuracies, losses and steps over those rows are over none, and their zeros no figures (the
+    console says so): only its count, steps run, views, cost and ARC's counts are."""
+    if not res or res['count']:
+        return res
+    return {k: v for k, v in res.items() if k in ('count', 'steps', 'views', 'eval_flops') or k.startswith('arc_')}
 
 
 def xla_since(now, then):
@@ -803,7 +813,7 @@ def drop_evaluations(local, gs_out):
 class LogWindow:
     """The steps since the last training log line: when it began, the host's seconds in them (XLA: tracing and
     dispatch), the device's execution mark and XLA's counters at its start (an evaluation's or a save's
-    graphs are skipped: not the training's)."""
+    time, device work and graphs are skipped: not the training's)."""
 
     def __init__(self):
         self.dev, self.start_step = None, 0
@@ -816,9 +826,12 @@ class LogWindow:
         self.t0, self.last_step, self.host_s = time.time(), step, 0.0
         self.mark, self.then = self.dev.execution_mark(), self.dev.xla_counters()
 
-    def skip_graphs(self):
+    def skip(self, seconds):
+        """An evaluation's or a save's `seconds` taken out of the window, and its graphs and device work: each
+        comes right after a log line, so the device's work since the window began is theirs alone."""
         if self.dev is not None:
-            self.then = self.dev.xla_counters()
+            self.t0 += seconds
+            self.mark, self.then = self.dev.execution_mark(), self.dev.xla_counters()
 
 
 class RunRecords:

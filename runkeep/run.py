@@ -203,10 +203,11 @@ class Run:
         asks between batches (should_stop(): every rank's verdict on a stop request) and after each supervision
         step (progress(i))."""
         self.watchdog.pause()
+        t0 = time.time()
         with self.budget.evaluating(loader):
             yield Watched(self)
         self.watchdog.evaluated()
-        self.records.window.skip_graphs()  # the evaluation's graphs are not the training's
+        self.records.window.skip(time.time() - t0)  # the next log line's pace is the training's alone
 
     def loop_started(self, step):
         """The training loop begins at `step`: its clock, and its first log line's window."""
@@ -229,7 +230,7 @@ class Run:
         before this step's evaluation was done (the checkpoint says so: its resume evaluates it first, so a
         pooled vote loses none). Returns the checkpoint's path."""
         with self.bound.save():  # a stop request that comes meanwhile waits for it
-            dev, keys = self.dev, sorted(carry)
+            dev, keys, t_start = self.dev, sorted(carry), time.time()
             sane, *gathered = dev.read(checkpoint_tensors(dev, model, ema_model, carry))  # carry in `keys` order
             rng_ranks = dev.rng_states()  # each rank's ACT exploration stream, where it goes on
             path, problems, t_save = os.path.join(self.local, checkpoint_name(step)), [], time.time()
@@ -271,7 +272,7 @@ class Run:
                     problems = [f"saving {path} failed: {e}"]
             fail_together(dev, problems, f'checkpoint at step {step}')
             self.budget.saved(time.time() - t_save)
-            self.records.window.skip_graphs()  # the save's graphs are not the training's
+            self.records.window.skip(time.time() - t_start)  # the next log line's pace is the training's alone
             self.last_good = path
             return path
 

@@ -4,7 +4,7 @@ server (its fast loader too), equal to metrics.jsonl, after a stop and a resume 
 emulator), off when asked; XLA's compilations, the memory in use and the evaluation loss in the records; a
 profile of chosen steps that its viewer's loader parses (torch.profiler on the CPU, torch_xla's profiler on XLA),
 a range past the run's last step said at start, a profile a full disk did not let through not reported as
-written.
+written; the pace after an evaluation or a save is the steps' alone; a test set without answers charts no accuracy.
     python -m pytest -q tests/test_tensorboard.py
 """
 import contextlib
@@ -147,6 +147,59 @@ def test_a_window_where_no_row_halted_has_no_accuracy_or_steps(toy, tmp_path):
     for key in halted:
         assert series(acc, f'train/{key}') == [(r['step'], np.float32(r[key])) for r in rows if key in r], key
     assert [s for s, _ in series(acc, 'train/loss')] == list(range(1, 7))
+
+
+SLOW_EVALUATION_AND_SAVE = """import evaluate
+import runkeep.run
+
+real, shift = time.time, [0.0]
+time.time = lambda: real() + shift[0]
+
+
+def slow(call):
+    def day_long(*args, **kwargs):
+        done = call(*args, **kwargs)
+        shift[0] += 86400  # the clock jumps a day ahead within it: a day in the wrong place shows on any CPU
+        return done
+    return day_long
+
+
+evaluate.evaluate = slow(evaluate.evaluate)
+runkeep.run.write_checkpoint = slow(runkeep.run.write_checkpoint)
+"""
+
+
+def test_the_pace_after_an_evaluation_or_a_save_is_the_training_s_alone(toy, tmp_path):
+    """Each evaluation and save comes right after a log line: its seconds (here a day each, the clock's jump) were
+    counted in the next line's steps, so perf/ms_per_step and examples/s dipped after every one as if training had
+    slowed."""
+    out = tmp_path / 'o'
+    train(toy, out, '--max_steps=32', '--checkpoint_interval=8', '--watchdog_minutes=0',  # saves at 8, 16;
+          env=site_hook(tmp_path / 'hook', SLOW_EVALUATION_AND_SAVE))                    # evaluations at 20, 32
+    steps = {r['step']: r for r in records(out, 'train')}
+    for step in (12, 24):  # steps 9-12 after the save at 8, 21-24 after the evaluation (and save) at 20
+        assert steps[step]['ms_per_step'] < 3.6e6, steps[step]  # under an hour a step: no day in it
+    assert_board_equals_records(out)
+
+
+def test_an_evaluation_of_no_row_with_a_known_answer_charts_no_accuracy_or_loss(tmp_path):
+    """A hidden test set (labels all ignored, as ARC's without solutions): the evaluation's accuracies and losses
+    are over no row, undefined (the console says so); TensorBoard charted them as zeros, a run that looked like it
+    solved nothing. What the evaluation did count (its rows, its cost) is charted."""
+    from data import write_split
+    data, rng = tmp_path / 'hidden', np.random.default_rng(0)
+    for split, n in (('train', 200), ('test', 40)):
+        x = rng.integers(2, 6, (n, 8))
+        write_split(str(data), split, x, x[:, ::-1] if split == 'train' else np.zeros_like(x), np.zeros(n),
+                    np.arange(n + 1), np.arange(n + 1), vocab_size=6)
+    out = tmp_path / 'o'
+    p = train(data, out, '--max_steps=4')
+    assert 'eval on 0 rows with a known answer' in p.stdout, p.stdout[-3000:]
+    tags = board(out / 'tb').Tags()['scalars']
+    assert 'eval/eval_flops' in tags and 'eval/count' in tags, tags
+    shown = [t for t in tags if t.startswith('eval/') and ('accuracy' in t or 'loss' in t or '_ci_' in t
+                                                           or 'exact_at_steps' in t)]
+    assert not shown, shown
 
 
 def test_a_run_started_over_an_earlier_one_shows_its_own_config_alone(toy, tmp_path):
