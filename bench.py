@@ -40,6 +40,7 @@ The votes over the views (host work after the batch's one read) are not timed.
 A CPU or CUDA bench whose batch its memory cannot hold (runkeep/memory.py's estimate, train.py's start-up check)
 is refused in one line before anything is allocated; check_memory=False starts it anyway.
 """
+import contextlib
 import os
 import time
 
@@ -93,7 +94,10 @@ _bad = config_problems({k: globals()[k] for k in _train_keys if (k, globals()[k]
                        _set_at)
 _bad += [f"{k}={globals()[k]!r} (allowed: >= 0){set_where(_set_at, [k])}" for k in config_keys
          if k not in _train_keys and type(globals()[k]) in (int, float) and globals()[k] < 0]
-if profile_steps and (_up := file_in_the_way(profile_dir)):  # the trace's folder is made after the timing: said now
+if profile_steps and not profile_dir:  # the trace's folder is made after the timing: said now
+    _bad.append(f"profile_dir={profile_dir!r} names no folder (allowed: a folder, or one that can be made)"
+                f"{set_where(_set_at, ['profile_dir'])}")
+elif profile_steps and (_up := file_in_the_way(profile_dir)):
     _bad.append(f"profile_dir={profile_dir!r}: {_up} is a file (allowed: a folder, or one that can be made)"
                 f"{set_where(_set_at, ['profile_dir'])}")
 if freeze_weights and not puzzle_emb_ndim:  # train.py's rule: its step would train nothing
@@ -134,6 +138,8 @@ global_batch_size = global_batch_size or (64 if device_type == 'cpu' else 768)
 if steps == 0 and not checkpoint_dir:  # (a negative count is refused above)
     raise SystemExit(f"config error: steps={steps}; at least 1 step is timed (0 only with checkpoint_dir)"
                      f"{set_where(_set_at, ['steps'])}")
+if steps == 0 and profile_steps:  # it ends after the save, before the steps a trace would take
+    print(f"note: profile_steps={profile_steps}: steps=0 times the checkpoint alone, so no step is traced")
 if seq_align < 1:
     raise SystemExit(f"config error: seq_align={seq_align} (allowed: >= 1){set_where(_set_at, ['seq_align'])}")
 if vocab_size == 1:  # random batches draw their tokens from 1 .. vocab_size-1
@@ -298,6 +304,7 @@ print(f"model: {model.num_params():,} parameters | {'mlp_t' if mlp_t else 'atten
 
 
 # --- a checkpoint: the same parts as train.py's (weights, EMA, AdamATan2 moments, the ACT carry of the batch)
+size_mb = carry_mb = save_s = upload_s = None  # the save's figures: scripts read them on the last line too
 if checkpoint_dir:
     import shutil
     import tempfile
@@ -313,7 +320,6 @@ if checkpoint_dir:
     remote = checkpoint_dir if gcs.is_gcs(checkpoint_dir) else ''
     folder = tempfile.mkdtemp(prefix='bench_ckpt_') if remote else checkpoint_dir
     path = os.path.join(folder, 'ckpt_bench.pt')
-    upload_s = None
     try:
         os.makedirs(folder, exist_ok=True)
         t0 = time.perf_counter()
@@ -345,9 +351,12 @@ if checkpoint_dir:
         raise SystemExit(0)
 
 
-def one_step(i):
+def one_step(i, span=None):
+    """Step i; span: the profiler's phase it runs in (the sync after it outside, as in train.py: XLA cuts the
+    graph there, which a profiler's scope must not span)."""
     global carry, loss
-    carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, form)
+    with span or contextlib.nullcontext():
+        carry, loss, _ = train_step(model, opt, ema_params, carry, batches[i % len(batches)], step_t, sc, form)
     dev.sync()  # one graph per step on XLA, cut where train.py cuts it
 
 
@@ -603,8 +612,9 @@ if device_type == 'xla':
 if profile_span:
     prof = Profiler(dev, profile_dir, 0, profile_span[1] - profile_span[0])
     prof.begin(0)
-    with prof.phase('train_step'):
-        run_steps(prof.end)
+    for i in range(prof.end):  # a span per step, as train.py's trace has: its length is a step's
+        one_step(i, prof.phase('train_step'))
+    finish()
     where = prof.finish(prof.end)
     if device_type == 'xla':
         print(f"profile: XLA trace in {where}/plugins/profile/<time>/ (*.xplane.pb: TensorBoard's profile "
@@ -631,4 +641,6 @@ print(f"bench: device={device_type} batch={global_batch_size} seq_len={seq_len} 
       f"device_vs_eager={fmt(eager_device_s and device_s / eager_device_s, '.3f')} "
       f"device_vs_eager_alternated={fmt(alternated, '.3f')} "
       f"eager_host_ms_per_step={fmt(eager_host_s and eager_host_s * 1e3, '.2f')} "
-      f"eager_device_ms_per_step={fmt(eager_device_s and eager_device_s * 1e3, '.2f')}")
+      f"eager_device_ms_per_step={fmt(eager_device_s and eager_device_s * 1e3, '.2f')} "
+      f"checkpoint_mb={fmt(size_mb, '.1f')} carry_mb={fmt(carry_mb, '.1f')} save_s={fmt(save_s, '.2f')} "
+      f"upload_s={fmt(upload_s, '.2f')}")

@@ -99,6 +99,10 @@ def test_bench_refuses_a_profile_dir_it_cannot_make_before_anything_runs(tmp_pat
         said = assert_user_error(p, f"profile_dir='{folder}'", f'{tmp_path / "f"} is a file', one_line=True)
         assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
     assert (tmp_path / 'f').read_text() == 'mine'
+    # an empty one names no folder: the trace's os.makedirs('') ended the bench in a traceback after its timing
+    p = run(['bench.py', '--device=cpu', '--profile_steps=0:1', '--profile_dir='] + BENCH_TINY, check=False)
+    said = assert_user_error(p, "profile_dir=''", 'allowed: a folder', '--profile_dir=', one_line=True)
+    assert said.startswith('config error: ') and 'train:' not in p.stdout, p.stdout
 
 
 def test_bench_refuses_a_data_path_that_is_there_but_holds_no_dataset(toy, tmp_path):
@@ -176,6 +180,27 @@ def test_bench_writes_and_uploads_a_checkpoint_as_train_writes_one(emu, tmp_path
     p = run(['bench.py', '--device=cpu', '--steps=0', '--eval_batches=0', f'--checkpoint_dir={tmp_path}/a_file/ck'] + tiny,
             check=False)
     assert p.returncode == 1 and f"checkpoint_dir='{tmp_path}/a_file/ck'" in p.stderr and 'Traceback' not in p.stderr, p.stderr
+
+
+def test_bench_s_last_line_holds_the_checkpoint_s_figures_when_it_also_times_steps(tmp_path):
+    # checkpoint_dir with steps: the save is timed first, then the steps; the line scripts read held the steps'
+    # figures alone, and the save's only on the console's `checkpoint:` line
+    s, out = run_bench(['--device=cpu', f'--checkpoint_dir={tmp_path}/ck'] + BENCH_TINY)
+    size_mb = (tmp_path / 'ck' / 'ckpt_bench.pt').stat().st_size / 1e6
+    assert abs(float(s['checkpoint_mb']) - size_mb) < 0.05 and float(s['save_s']) >= 0, s
+    assert float(s['carry_mb']) > 0 and s['upload_s'] == 'n/a', s
+    s, _ = run_bench(['--device=cpu'] + BENCH_TINY)  # none: the same fields, n/a
+    assert [s[k] for k in ('checkpoint_mb', 'carry_mb', 'save_s', 'upload_s')] == ['n/a'] * 4, s
+
+
+def test_bench_says_a_profile_steps_its_checkpoint_only_run_does_not_trace(tmp_path):
+    # steps=0 times the save alone: a profile_steps asked for then traced nothing, without a word
+    tiny = [a for a in BENCH_TINY if not a.startswith('--steps=')]
+    p = run(['bench.py', '--device=cpu', '--steps=0', f'--checkpoint_dir={tmp_path}/ck2', '--profile_steps=0:2',
+             f'--profile_dir={tmp_path}/prof'] + tiny)
+    said = [l for l in p.stdout.splitlines() if 'profile_steps' in l and not l.startswith('config:')]
+    assert len(said) == 1 and 'steps=0' in said[0] and 'no step is traced' in said[0], p.stdout[-2000:]
+    assert not (tmp_path / 'prof').exists()
 
 
 def test_bench_refuses_views_its_evaluation_batch_cannot_hold():
@@ -264,6 +289,15 @@ def test_bench_help_says_what_its_profile_steps_does(tmp_path):
     assert '<run>' not in line and 'END-START' in line and 'profile_dir' in line, line
     p = run(['bench.py', '--device=cpu', '--profile_steps=5:6', f'--profile_dir={tmp_path}/prof'] + BENCH_TINY)
     assert f'profile: Chrome trace {tmp_path}/prof' in p.stdout, p.stdout[-2000:]
+
+
+def test_bench_s_trace_has_a_train_step_span_per_step_as_train_s_has(tmp_path):
+    # monitoring.md: each step is a `train_step` span; bench wrapped all END-START steps (and the wait for the
+    # device after them) in one span, which reads in Perfetto as one step three times as long
+    import json
+    run(['bench.py', '--device=cpu', '--profile_steps=0:3', f'--profile_dir={tmp_path}/prof'] + BENCH_TINY)
+    events = json.load(open(tmp_path / 'prof' / 'trace_0_3.json'))['traceEvents']
+    assert sum(e.get('name') == 'train_step' for e in events) == 3
 
 
 COUNT_LOSS_STEPS = """
