@@ -19,6 +19,7 @@ import time
 from . import gcs
 from device import tpu_chips, tpu_host_alone_env, tpu_hosts
 from .checkpoint import list_checkpoints
+from .records import wandb_key_set
 from .signals import STOP
 from .startup import local_folder
 
@@ -99,16 +100,10 @@ def wandb_check():
     if importlib.util.find_spec('wandb') is None:
         return "not installed (pip install wandb)"
     url = os.environ.get('WANDB_BASE_URL', 'https://api.wandb.ai')
-    try:
-        import netrc
-        import requests
-        host = url.split('//')[-1].split('/')[0]
-        key = os.environ.get('WANDB_API_KEY') or netrc.netrc().authenticators(host)
-    except (OSError, netrc.NetrcParseError):  # no ~/.netrc
-        key = None
-    if not key:
+    if not wandb_key_set():  # where a run looks for the key (NETRC's file too, as W&B's login writes it)
         return "not logged in (wandb login, or WANDB_API_KEY): runs would log offline"
     try:
+        import requests
         requests.head(url, timeout=5)
         return f"logged in, {url} reachable"
     except Exception as e:

@@ -115,3 +115,16 @@ def test_preflight_on_cpu_xla_ends_with_its_verdict_and_compiles_are_no_hang(toy
     check_preflight(p, out, xla=True)
     for n in (1, 2):
         assert 'watchdog: nothing finished' not in open(f'{out}/preflight/phase{n}.out').read()
+
+
+def test_the_w_b_verdict_finds_the_key_where_a_run_finds_it(tmp_path, server, monkeypatch):
+    # a run finds its W&B key in the .netrc that NETRC names, as W&B does; the pre-flight looked in ~/.netrc alone
+    # and said of a machine whose runs log online that they would log offline
+    from runkeep.preflight import wandb_check
+    (tmp_path / 'netrc').write_text(f"machine {server.split('//')[1]}\n  login user\n  password {'k' * 40}\n")
+    for name in ('WANDB_API_KEY', 'WANDB_MODE'):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv('HOME', str(tmp_path / 'home'))
+    monkeypatch.setenv('NETRC', str(tmp_path / 'netrc'))
+    monkeypatch.setenv('WANDB_BASE_URL', server)
+    assert wandb_check() == f"logged in, {server} reachable"
