@@ -62,7 +62,7 @@ if os.path.isdir(init_from):
                       "it holds no ckpt_*.pt of train.py"))
 from runkeep.checkpoint import CheckpointError, load_checkpoint, what_it_holds  # noqa: E402
 from configurator import read_config_block  # noqa: E402
-from runkeep.hub import export, upload  # noqa: E402
+from runkeep.hub import address_problem, export, need_packages, upload  # noqa: E402
 
 try:
     ckpt = load_checkpoint(init_from)
@@ -78,6 +78,14 @@ trainer = read_config_block(os.path.join(os.path.dirname(os.path.abspath(__file_
 ckpt['config'] = {**{k: v for k, (v, _) in trainer.items()}, **ckpt['config']}
 run_folder = os.path.dirname(os.path.abspath(init_from))
 folder = out_dir or os.path.join(os.path.dirname(init_from), 'published')
+where = (path_in_repo or os.path.basename(run_folder)).strip('/')
+if repo:  # an address the hub cannot have, or a hub the environment forbids, is refused before anything is written
+    need_packages('huggingface_hub', 'yaml', purpose=f"uploading to the hub repository {repo}")
+    from huggingface_hub import constants
+    offline = constants.is_offline_mode() and "HF_HUB_OFFLINE is set, and a commit needs the hub: unset it, or " \
+        "publish without --repo"
+    if problem := address_problem(repo, where) or offline:
+        raise SystemExit(f"config error: upload to {repo}: {problem}; nothing was written or committed")
 
 
 def interrupted(what):
@@ -96,7 +104,6 @@ for p in paths:
     print(f"  {p} ({os.path.getsize(p) / 1e6:.1f} MB)")
 print(f"load it with --init_from={paths[0]} (train.py, solve.py; the model keys come from all_config.yaml)")
 if repo:
-    where = (path_in_repo or os.path.basename(run_folder)).strip('/')
     try:
         commit = upload(paths, repo, where, revision, private, commit_message,
                         ckpt.get('run_id') or ckpt.get('wandb_run_id'))

@@ -48,7 +48,8 @@ ARCH_FIELDS = dict(hidden_size=(int, None), num_heads=(int, None), expansion=(fl
 # what a resume may change (train.py's RESUME_FIXED leaves them out) may also differ from the published run's:
 # set explicitly, they win; every other model key set to another value than the run's is refused
 MAY_DIFFER = ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')
-HUB_RE = re.compile(r'hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>[^@]+)$')
+# the revision is the '@' right after the repository; the path may hold '@' too (a run folder's name, 'sudoku@h512')
+HUB_RE = re.compile(r'hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>.+)$')
 # a file fetch() cached (TRM_HUB_CACHE/OWNER--REPO/COMMIT/PATH, on whichever machine it ran)
 CACHED_RE = re.compile(r'(?:^|/)(?P<owner>[^/]+?)--(?P<name>[^/]+)/(?P<commit>[0-9a-f]{40})/(?P<path>.+)$')
 COMMIT_RE = re.compile(r'[0-9a-f]{40}')
@@ -169,6 +170,15 @@ def said_keys(g, set_by, keys, differ, whose):
             + ''.join(f"; {k}={g[k]!r} as set ({set_by[k]}), {whose} {v!r}" for k, v in differ.items()))
 
 
+def hub_file(address):
+    """(OWNER/REPO, PATH) of an hf:// address or of a file fetch() cached, whatever its revision; else None."""
+    if m := HUB_RE.match(address):
+        return m['repo'], m['path'].strip('/')
+    if m := CACHED_RE.search(address):
+        return f"{m['owner']}/{m['name']}", m['path']
+    return None
+
+
 def train_run(path):
     """weights_in's dict of a checkpoint of train.py at `path` (its run's config, its step), or None: a state
     dict, or a file that does not load (loading its weights says why). Memory-mapped: the tensors are not read."""
@@ -192,13 +202,32 @@ def resolve_init_from(g, ours=False):
     the config came from in one line. Otherwise: nothing changes (the keys are the script's, as for any file), but
     with `ours` (train.py) a checkpoint of train.py to start from (not a resume's) gives its run's model keys where
     no config file or flag set them; one set to another value is used (changing no weight's shape, H_cycles at test
-    time, say), and said in that line."""
+    time, say), and said in that line. train.py's resume:hf://... with checkpoints in out_dir of a run that started
+    from that file fetches nothing: their run's model keys, data_path and the file it started from."""
     init_from, set_by, updates = g.get('init_from', ''), dict(g.get('_set_by') or {}), {}
     resume = 'resume:' if init_from.startswith('resume:') else ''  # resume, else start from the file after it
     init_from = init_from[len(resume):]
     if g.get('forward_dtype') == 'checkpoint':  # solve.py's word for "the run's", typed or not
         set_by.pop('forward_dtype', None)
     shown = init_from
+    if resume and ours and HUB_RE.match(init_from or ''):
+        # a run with checkpoints of its own resumes them without the file it started from (init_from_problems'
+        # rule for resume:FILE): the hub need not be in reach, nor the file cached, and their model keys are the
+        # run's (a resume checks them against its checkpoint), where that run started from this file
+        from .startup import newest_in
+        newest = newest_in(g.get('out_dir') or '', reference=False)
+        found = newest and train_run(newest)
+        started = str(found['config'].get('init_from') or '').removeprefix('resume:') if found else ''
+        if found and hub_file(started) == hub_file(init_from):
+            from model import MODEL_KEYS
+            keys, taken, differ = run_keys(g, set_by, {k: v for k, v in found['config'].items() if k in MODEL_KEYS})
+            data = found['config'].get('data_path') if 'data_path' not in set_by else None  # as all_config's was
+            print(f"init_from=resume:{shown}: {g['out_dir']} holds the run's checkpoints (the newest: step "
+                  f"{found['step']}), resumed without the published file; model config from its run: "
+                  + said_keys(g, set_by, keys, differ, "the checkpoint's")
+                  + (f"; data_path={data!r}, the run's" if data else ''))
+            # the file it started from stays the run's record (publish.py's load_checkpoint: its commit)
+            return {**taken, **({'data_path': data} if data else {}), 'init_from': resume + started}
     if HUB_RE.match(init_from or ''):
         init_from = fetch(init_from)
         updates['init_from'] = resume + init_from
@@ -274,9 +303,26 @@ def fetch(uri):
     need_packages('huggingface_hub', 'yaml', purpose=uri)
     m = HUB_RE.match(uri)
     repo, revision, path = m['repo'], urllib.parse.unquote(m['rev'] or 'main'), m['path'].strip('/')
+    if problem := address_problem(repo, path):
+        fail(f"init_from={uri}: {problem}")
     local, commit = fetch_file(repo, revision, path, uri)
     fetch_file(repo, commit, posixpath.join(posixpath.dirname(path), 'all_config.yaml'), uri, optional=True)
     return local
+
+
+def address_problem(repo, path):
+    """Why OWNER/REPO and PATH cannot name a file of a hub repository, in words, or '': a repository id against the
+    hub's naming rules (the client raises its traceback), or a path with a '..' part (the HTTP client resolves it
+    into another request, and the cache path would leave the repository's folder)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+    try:
+        validate_repo_id(repo)
+    except HFValidationError as e:
+        return f"{repo!r} is not a repository id of the hub ({short(e)})"
+    if '..' in path.split('/'):
+        return f"the path {path!r} has a '..' part: name the file from the repository's root"
+    return ''
 
 
 def fetch_file(repo, revision, path, uri, optional=False):
@@ -344,8 +390,11 @@ def fetch_file(repo, revision, path, uri, optional=False):
              f"{url}): check HF_ENDPOINT")
     if revision != meta.commit_hash:
         os.makedirs(os.path.dirname(ref), exist_ok=True)
-        with open(ref, 'w') as f:
-            f.write(meta.commit_hash)
+        # through a rename: written in place, a run killed midway left it empty, and the runs out of reach after it
+        # found nothing cached. Its failure is another process of this host writing the same commit at once (one
+        # .tmp between them), or a cache shared read-only
+        with contextlib.suppress(OSError):
+            write_atomic(ref, lambda f: f.write(meta.commit_hash))
     dest = cached(meta.commit_hash)
     if not (os.path.isfile(dest) and meta.size in (None, os.path.getsize(dest))):
         download(meta, url, dest, f"hf://{repo}@{meta.commit_hash[:12]}/{path}", uri)

@@ -291,6 +291,26 @@ def test_a_revision_and_a_new_commit(hub, table_run, tmp_path):
     assert eval_lines(pinned.stdout) == eval_lines(a.stdout)
 
 
+def test_a_run_killed_while_it_records_a_branch_s_commit_leaves_the_cache_usable_offline(hub, table_run, tmp_path):
+    """The commit a branch was last seen at (the cache's refs/) is what a run out of reach or offline loads: a run
+    killed as it records a newer one (here at the moment the file is opened for writing) left it empty, written in
+    place, and every later offline run refused the copy cached for that branch as "not cached"."""
+    publish_to(hub, table_run, '--private=False')
+    uri = 'hf://alice/trm-toy/toy/step_6'
+    first = evaluate(hub, table_run, tmp_path / 'a', uri)
+    publish_to(hub, table_run, '--weights=model', f'--out_dir={tmp_path}/raw')  # main moves on
+    killed = site_hook(tmp_path / 'hook', 'import builtins\n_open = builtins.open\n'
+                       'def open(file, mode="r", *a, **k):\n    f = _open(file, mode, *a, **k)\n'
+                       f'    if "w" in mode and str(file).startswith({hub["TRM_HUB_CACHE"] + os.sep!r}) and '
+                       f'{os.sep + "refs" + os.sep!r} in str(file):\n'
+                       '        os._exit(9)\n    return f\nbuiltins.open = open\n')
+    p = evaluate(hub, table_run, tmp_path / 'b', uri, check=False, env=killed)
+    assert p.returncode == 9, p.stdout[-3000:] + p.stderr[-3000:]
+    p = evaluate(hub, table_run, tmp_path / 'c', uri, check=False, env=dict(HF_HUB_OFFLINE='1'))
+    assert p.returncode == 0 and 'using the copy of toy/step_6 cached from commit' in p.stdout, p.stderr[-3000:]
+    assert eval_lines(p.stdout) == eval_lines(first.stdout) and eval_lines(p.stdout)
+
+
 def test_a_publish_to_a_branch_prints_the_address_of_that_branch(hub, table_run, tmp_path):
     """Committed to a branch other than main, the printed load command names the branch (URL-encoded: it has a
     '/'), and followed it loads what was committed there, not main's file of the same path."""
@@ -305,6 +325,21 @@ def test_a_publish_to_a_branch_prints_the_address_of_that_branch(hub, table_run,
     assert f'cached at {cached}' in there.stdout and repo['branches']['exp/v1'] != repo['branches']['main']
     assert eval_lines(there.stdout) == eval_lines(here.stdout) and eval_lines(here.stdout)
     assert uri == 'hf://alice/trm-toy@exp%2Fv1/toy/step_6'
+
+
+def test_the_address_publish_prints_for_a_run_folder_with_an_at_sign_loads(hub, table_run, tmp_path):
+    """path_in_repo defaults to the run folder's name, which may hold an '@' ('sudoku@h512'): the hf:// address
+    publish.py printed for it was refused by train.py as no hub address at all."""
+    import shutil
+    run_dir = tmp_path / 'sudoku@h512'
+    run_dir.mkdir()
+    shutil.copy(table_run['ckpt'], run_dir)
+    p = publish_to(hub, dict(ckpt=str(run_dir / os.path.basename(table_run['ckpt']))), '--path_in_repo=')
+    uri = re.search(r'committed to .*: load it with --init_from=(\S+)', p.stdout)[1]
+    assert uri == 'hf://alice/trm-toy/sudoku@h512/step_6', uri
+    there = evaluate(hub, table_run, tmp_path / 'a', uri, env=dict(HF_TOKEN=TOKEN))
+    here = evaluate(hub, table_run, tmp_path / 'b', f'{run_dir}/published/step_6')
+    assert eval_lines(there.stdout) == eval_lines(here.stdout) and eval_lines(here.stdout)
 
 
 def test_an_interrupted_download_resumes(hub, tmp_path):
@@ -387,6 +422,30 @@ def test_what_is_missing_or_out_of_reach_is_one_line(hub, table_run, tmp_path, r
     assert not gets('/cdn/')
 
 
+def test_an_address_the_hub_cannot_have_is_one_line_and_nothing_is_asked_or_written(hub, table_run, tmp_path):
+    """A repository id against the hub's naming rules (a space, a leading '-') or a path with a '..' part, in an
+    hf:// address or in publish.py's --repo and --path_in_repo, is one line naming it, before the hub is asked or a
+    file written (the client's validation ended in its traceback; a '..' was resolved away by the HTTP client into
+    another request: "no revision 'main'"). An upload with HF_HUB_OFFLINE set says so, not "cannot reach"."""
+    publish_to(hub, table_run, '--private=False')
+    asked = len(FakeHub.log)
+    for uri, words in (('hf://alice/trm toy/toy/step_6', "'alice/trm toy' is not a repository id"),
+                       ('hf://-alice/trm-toy/toy/step_6', "'-alice/trm-toy' is not a repository id"),
+                       ('hf://alice/trm-toy@main/../toy/step_6', "'../toy/step_6' has a '..' part")):
+        assert_user_error(evaluate(hub, table_run, tmp_path / 'o', uri, check=False), f'init_from={uri}', words,
+                          one_line=True)
+    for flag, words in (('--repo=alice/trm toy', "'alice/trm toy' is not a repository id"),
+                        ('--path_in_repo=../toy', "'../toy' has a '..' part")):
+        p = publish_to(hub, table_run, f'--out_dir={tmp_path}/pub', flag, check=False)
+        assert_user_error(p, words, one_line=True)
+        assert not (tmp_path / 'pub').exists()
+    assert len(FakeHub.log) == asked
+    # HF_HUB_OFFLINE set (a cluster's profile): an upload is not a network to check
+    p = publish_to(dict(hub, HF_HUB_OFFLINE='1'), table_run, f'--out_dir={tmp_path}/pub', check=False)
+    said = assert_user_error(p, 'HF_HUB_OFFLINE is set', 'alice/trm-toy', one_line=True)
+    assert 'cannot reach' not in said and not (tmp_path / 'pub').exists() and len(FakeHub.log) == asked
+
+
 def test_a_missing_hub_package_is_one_line_naming_the_install(hub, table_run, tmp_path):
     # a TPU VM whose pip line installed torch, torch_xla and a few more, not requirements.txt
     def without(*modules):
@@ -464,6 +523,33 @@ def test_solve_takes_a_hub_checkpoint(hub, table_run, tmp_path):
             check=False)
     assert 'init_from=hf://alice/trm-toy/toy/step_6: a checkpoint in the reference' in p.stdout
     assert_user_error(p, f"dataset {table_run['data']} holds no puzzle kind that solve.py knows")
+
+
+def test_a_resume_with_checkpoints_of_its_own_needs_not_the_published_file(hub, table_run, tmp_path):
+    """init_from=resume:hf://... resumes out_dir's own checkpoints where it holds any, as resume:FILE does without
+    FILE (startup.init_from_problems): the published file was fetched first all the same, so a run whose hub cache
+    is gone (a cleared cache, another machine's) stopped offline or with the hub out of reach ("not cached"), and
+    in reach downloaded the whole file for nothing. The resume is the one it would have been with the file here."""
+    import shutil
+    import torch
+    publish_to(hub, table_run, '--private=False')
+    uri = 'hf://alice/trm-toy/toy/step_6'
+    untyped = [a for a in TABLE_ARGS if a not in MODEL_FLAGS]  # the model keys: all_config's, then the run's
+    train(table_run['data'], tmp_path / 'a', f'--init_from=resume:{uri}', '--max_steps=2', args=untyped, env=hub)
+    shutil.copytree(tmp_path / 'a', tmp_path / 'b')
+    started = torch.load(tmp_path / 'b' / 'ckpt_00000002.pt', weights_only=True)['config']['init_from']
+    train(table_run['data'], tmp_path / 'a', f'--init_from=resume:{uri}', '--max_steps=4', args=untyped, env=hub)
+    shutil.rmtree(hub['TRM_HUB_CACHE'])
+    fetched = len(gets('/cdn/'))
+    # the same command less --data_path, which the first start took from all_config.yaml where it was not given
+    p = run(['train.py', f"--out_dir={tmp_path / 'b'}", f'--init_from=resume:{uri}', '--max_steps=4', *untyped],
+            env=dict(hub, HF_HUB_OFFLINE='1'), check=False)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert 'hidden_size=32' in p.stdout and f"data_path='{table_run['data']}'" in p.stdout
+    assert len(gets('/cdn/')) == fetched
+    a, b = (torch.load(tmp_path / r / 'ckpt_00000004.pt', weights_only=True) for r in 'ab')
+    assert all(torch.equal(a['model'][k], v) for k, v in b['model'].items()) and a['step'] == b['step'] == 4
+    assert a['config']['init_from'] == b['config']['init_from'] == started  # its commit, for publish.py
 
 
 def test_a_run_started_from_the_hub_publishes_the_hub_address_it_started_from(hub, table_run, tmp_path):
