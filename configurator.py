@@ -45,14 +45,73 @@ for _fd, _name in ((1, 'stdout'), (2, 'stderr')):
 # SSH session) never stops it, from its first line on (the config lines); a run's rank 0 also copies every
 # line to train.log in the run's folder (runkeep's Run)
 
+class LineLog:
+    """A log file appended to in whole lines (train.log): a line that does not fit (a full disk) is cut back out
+    and the rest of it dropped, and the first line that fits again is preceded by a note of how many are missing;
+    never written late when room comes back, after lines said missing. header: a process's header line, which,
+    not fitting, is not counted but goes before the next line that fits (where that process's lines begin).
+    write() returns what to say on the terminal: ('lost', the error) at the first line left out, ('back', how
+    many) when lines fit again; the caller words it."""
+
+    def __init__(self, path):
+        # unbuffered: a line that does not fit is known at its write
+        self.f, self.name = open(path, 'ab', buffering=0), path
+        self.line_start = None  # where the line being written began; None between lines
+        self.dropping = False  # the rest of a line that did not fit is dropped: the next line tries again
+        self.missing = 0  # lines not in the file since the last one that went in
+        self.header = b''  # the header while it has not fit
+
+    def fileno(self):
+        return self.f.fileno()
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.f.close()
+
+    def write(self, data, header=False):
+        said = []
+        for part in re.findall(rb'[^\n]*\n|[^\n]+', data):
+            ends = part.endswith(b'\n')
+            if self.dropping:
+                self.dropping = not ends
+                continue
+            note = f"note: {self.missing} line(s) of the output before this one are not in this file (it could " \
+                   "not be appended to)\n" if self.missing else ''
+            try:
+                if self.line_start is None:
+                    self.line_start = os.lseek(self.f.fileno(), 0, os.SEEK_END)
+                    self.append(self.header + note.encode())
+                self.append(part)
+            except OSError as e:
+                with contextlib.suppress(OSError):  # the part of it that fits: the next line would be glued on
+                    if self.line_start is not None:
+                        os.ftruncate(self.f.fileno(), self.line_start)
+                self.dropping, self.line_start = not ends, None
+                if header:
+                    self.header += part
+                    continue
+                if not self.missing:
+                    said.append(('lost', e))
+                self.missing += 1
+                continue
+            self.header = b''
+            if note:
+                said.append(('back', self.missing))
+                self.missing = 0
+            if ends:
+                self.line_start = None
+        return said
+
+    def append(self, data):
+        data = memoryview(data)
+        while data:  # a write that fits in part returns short; the next one raises
+            data = data[self.f.write(data):]
+
+
 class Tee:
-    # train.log, shared by stdout and stderr: unbuffered, so that a line that does not fit (a full disk) is known
-    # at once, cut back out whole, and said; never written late when room comes back, after lines said missing
-    log = None
-    line_start = None  # where the line being written began in train.log; None between lines
-    dropping = False  # the rest of a line that did not fit is dropped: the next line tries again
-    missing = 0  # lines of the output not in train.log since the last one that went in
-    header = ''  # this process's header line while it has not fit in train.log: it goes before the next line that does
+    log = None  # train.log (a LineLog), shared by stdout and stderr
     said = []  # lines about train.log for the terminal, put there after the line being written
     queued = []  # lines from another thread (a stop request's) that came while a line was being written: after it
     lock = threading.RLock()  # a thread's print, or a signal handler's in the middle of one, keeps lines whole
@@ -96,7 +155,7 @@ class Tee:
     @classmethod
     def open_log(cls, path):
         try:
-            cls.log = open(path, 'ab', buffering=0)
+            cls.log = LineLog(path)
         except OSError as e:
             print(f"warning: cannot write {path} ({e}); the output is not logged there")
             return
@@ -105,45 +164,17 @@ class Tee:
 
     @classmethod
     def to_log(cls, text, header=False):
-        """text appended to train.log in whole lines: a line that does not fit (a full disk) is cut back out and
-        the rest of it dropped, the first such says a warning on the terminal, and the first line that fits again
-        is preceded by a note of how many are missing (in the file; on the terminal after it); the run goes on.
-        header: the process's header line, never on the terminal: one that does not fit is not counted, but
-        written before the next line that fits (where this process's lines begin)."""
+        """text appended to train.log in whole lines (LineLog); a line left out says a warning on the terminal, and
+        the note when lines fit again follows it there; the run goes on. header: the process's header line, never
+        on the terminal."""
         with cls.lock:
-            for part in re.findall(r'[^\n]*\n|[^\n]+', text):
-                ends = part.endswith('\n')
-                if cls.dropping:
-                    cls.dropping = not ends
-                    continue
-                note = f"note: {cls.missing} line(s) of the output before this one are not in this file (it could " \
-                       "not be appended to)\n" if cls.missing else ''
-                try:
-                    if cls.line_start is None:
-                        cls.line_start = os.lseek(cls.log.fileno(), 0, os.SEEK_END)
-                        cls.append(cls.header + note)
-                    cls.append(part)
-                except OSError as e:
-                    with contextlib.suppress(OSError):  # the part of it that fits: the next line would be glued on
-                        os.ftruncate(cls.log.fileno(), cls.line_start)
-                    cls.dropping, cls.line_start = not ends, None
-                    if header:
-                        cls.header += part
-                        continue
-                    if not cls.missing:
-                        cls.said.append(f"warning: could not append to {cls.log.name} ({e.strerror or e}): the output "
-                                        "goes on here; lines that do not fit there are left out until there is room, "
-                                        "then a note says how many")
-                    cls.missing += 1
-                    continue
-                cls.header = ''
-                if note:
-                    cls.said.append(f"note: {cls.log.name} is appended to again; {cls.missing} line(s) of the output "
-                                    "before the line above are not in it")
-                    cls.missing = 0
-                if ends:
-                    cls.line_start = None
-            if cls.queued and cls.line_start is None and not cls.dropping:
+            for what, x in cls.log.write(text.encode(errors='backslashreplace'), header):
+                cls.said.append(f"warning: could not append to {cls.log.name} ({x.strerror or x}): the output goes on "
+                                "here; lines that do not fit there are left out until there is room, then a note "
+                                "says how many" if what == 'lost' else
+                                f"note: {cls.log.name} is appended to again; {x} line(s) of the output before the "
+                                "line above are not in it")
+            if cls.queued and cls.log.line_start is None and not cls.log.dropping:
                 lines, cls.queued = cls.queued, []
                 cls.to_log(''.join(lines))
 
@@ -156,18 +187,12 @@ class Tee:
             os.write(cls.log.fileno(), (line + '\n').encode(errors='backslashreplace'))
             return
         try:
-            if cls.line_start is None and not cls.dropping:
+            if cls.log.line_start is None and not cls.log.dropping:
                 cls.to_log(line + '\n')
             else:
                 cls.queued.append(line + '\n')
         finally:
             cls.lock.release()
-
-    @classmethod
-    def append(cls, text):
-        data = memoryview(text.encode(errors='backslashreplace'))
-        while data:  # a write that fits in part returns short; the next one raises
-            data = data[cls.log.write(data):]
 
     def write(self, text):
         if not self.closed_seen:

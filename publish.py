@@ -10,8 +10,8 @@ asked, step_<N>_train_state.pt (raw weights and optimizer moments). The referenc
 (pretrain.py's load_checkpoint); train.py and solve.py load it with --init_from=PATH/step_<N>, or from the hub
 with --init_from=hf://OWNER/REPO/PATH/step_<N>, and take the model keys from all_config.yaml. HF_ENDPOINT names
 another hub server; HF_TOKEN (or `hf auth login`) the identity that may write the repository. A folder that holds
-another run's step files (one all_config.yaml answers for all of them) is refused, and a write that fails leaves
-the folder as it was (published.export).
+another run's step files (one all_config.yaml answers for all of them), or one another publish is writing into, is
+refused, and a write that fails leaves the folder as it was (published.export).
 """
 import os
 import signal
@@ -84,7 +84,7 @@ if repo:  # an address the hub cannot have, or a hub the environment forbids, is
     from huggingface_hub import constants
     offline = constants.is_offline_mode() and "HF_HUB_OFFLINE is set, and a commit needs the hub: unset it, or " \
         "publish without --repo"
-    if problem := address_problem(repo, where) or offline:
+    if problem := address_problem(repo, where, 'path_in_repo') or offline:
         raise SystemExit(f"config error: upload to {repo}: {problem}; nothing was written or committed")
 
 

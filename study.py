@@ -46,7 +46,7 @@ import time
 from collections import deque
 
 from runkeep import gcs
-from configurator import TRAIN_RULES, Tee, find_file, parse_flags, type_problem
+from configurator import TRAIN_RULES, LineLog, Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, tpu_host_index, tpu_hosts, usable_cores
 from runkeep.locks import LOCK_NAME, STUDY_VAR, claim, holder_gone, local_record, lock_record, one_at_a_time
 from runkeep.records import take_bucket_log
@@ -477,11 +477,12 @@ class Running:
         self.log_path, self.log = log_path, None
         try:
             os.makedirs(os.path.dirname(log_path) or '.', exist_ok=True)
-            self.log = open(log_path, 'ab')
+            self.log = LineLog(log_path)
         except OSError as ex:
             self.log_failed(ex)
-        self.start = self.log.tell() if self.log else None  # where this process's part of the log begins
-        self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode())
+        # where this process's part of the log begins
+        self.start = os.lseek(self.log.fileno(), 0, os.SEEK_END) if self.log else None
+        self.write_log(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')}: {display}\n".encode(), header=True)
         parent = os.getpid()
         # a run's rank 0 writes the log not again; a gs:// run resumed on another machine puts the bucket's log
         # before this process's part (OUTPUT_FROM_VAR), not in its place
@@ -531,9 +532,12 @@ class Running:
                     self.last_eval = line
         return got or ('' if self.bufs else 'eof')
 
-    def write_log(self, data):
-        """Appends to the log; a failed write (a full disk) is said once, and the log left as it is. A log
-        replaced meanwhile (a resumed gs:// run on a new machine fetches its train.log) is appended to anew."""
+    def write_log(self, data, header=False):
+        """Appends to the log in whole lines, as the child's Tee appends to a train.log of its own (LineLog): a
+        line that does not fit (a full disk) is left out, said here at the first, and counted in a note there once
+        lines fit again; the copying goes on. A log replaced meanwhile (a resumed gs:// run on a new machine
+        fetches its train.log) is appended to anew; one that cannot be opened again is said once and left as it
+        is."""
         if self.log is None:
             return
         try:
@@ -543,11 +547,15 @@ class Running:
                 replaced = True
             if replaced:
                 self.log.close()
-                self.log = open(self.log_path, 'ab')
-            self.log.write(data)
-            self.log.flush()
+                self.log = LineLog(self.log_path)
         except OSError as ex:
             self.log_failed(ex)
+            return
+        for what, x in self.log.write(data, header):
+            print(f"\nstudy: could not append to {self.log_path} ({x.strerror or x}): this process's lines that do "
+                  "not fit there are left out until there is room, then a note says how many" if what == 'lost' else
+                  f"\nstudy: note: {self.log_path} is appended to again; {x} line(s) of this process's output before "
+                  "its note there are not in it", flush=True)
 
     def log_failed(self, ex):
         print(f"\nstudy: cannot write {self.log_path} ({ex.strerror or ex}): the rest of this process's output "

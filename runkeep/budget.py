@@ -40,12 +40,21 @@ def eval_rows(loader):
     return len(loader) * loader.B * loader.views
 
 
+def eval_cost_rows(loader, micro_batch):
+    """The rows an evaluation of an EvalLoader costs at the training's FLOP rate: its batches (each a device call
+    per supervision step) counted as at least `micro_batch` rows (the training's global rows per forward): a call
+    of fewer rows costs no more than one of the micro-batch, and where its fixed costs (launches, the host's
+    dispatch) rule, about as much: its FLOPs alone would count it far short."""
+    return len(loader) * max(loader.B * loader.views, micro_batch)
+
+
 class TimeBudget:
     """--max_minutes: whether training must stop at this step so that the final evaluation and its save still
     end within the budget, counted in wall seconds from the process's start. What they will take, erring
     long: this process's slowest evaluation per row (x 1.25), or before any evaluation, the final one's
     FLOPs at the training's measured FLOP rate (from the second step on: the first holds compilations and
-    warm-up), doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
+    warm-up), each of its device calls counted as at least the training micro-batch's rows (eval_cost_rows),
+    doubled, plus the first step's seconds (the evaluation's own compilation); and this process's
     slowest save (x 1.5), or before any, the checkpoint's bytes at 50 MB/s; in a gs:// run, the final
     checkpoint's upload, which the end waits for (upload_estimate). The steps to the next check
     (~2 s) and an intermediate evaluation and save due now are added to the wait: a step that evaluates or
@@ -59,12 +68,16 @@ class TimeBudget:
         self.upload_s = None  # rank 0 of a gs:// run: the slowest checkpoint upload so far (a callable)
         self.need, self.out_of_time = 0.0, False
 
-    def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
+    def plan(self, model, ema_model, final, subset, eval_steps, run_steps, batch, accumulation=1):
         """What a run's evaluations and saves hold: the final evaluation's and an intermediate one's loaders
         (EvalLoader; an intermediate one runs twice with an EMA: its weights and the raw ones), the
-        supervision steps of an evaluation, the run's last step, the global batch."""
-        self.rows = eval_rows(final)
-        self.subset_rows = eval_rows(subset) * (2 if ema_model is not model else 1)
+        supervision steps of an evaluation, the run's last step, the global batch and its micro-batches per
+        step (gradient accumulation)."""
+        twice = 2 if ema_model is not model else 1
+        micro = batch / accumulation
+        # (rows, rows as they cost before an evaluation's pace is known)
+        self.rows = eval_rows(final), eval_cost_rows(final, micro)
+        self.subset_rows = eval_rows(subset) * twice, eval_cost_rows(subset, micro) * twice
         self.run_steps, self.row_flops = run_steps, model.flops_per_example(train=False) * eval_steps
         self.step_flops = model.flops_per_example() * batch
         params = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -85,10 +98,11 @@ class TimeBudget:
         self.save_s = max(self.save_s or 0.0, seconds)
 
     def evaluation_s(self, rows, pace):
-        """An evaluation of `rows` rows, `pace` the training's seconds per step."""
+        """An evaluation of `rows` (its rows, and its rows as they cost: plan), `pace` the training's seconds per
+        step."""
         if self.eval_pace is not None:
-            return 1.25 * self.eval_pace * rows
-        return 2 * rows * self.row_flops * pace / self.step_flops + self.first[1]
+            return 1.25 * self.eval_pace * rows[0]
+        return 2 * rows[1] * self.row_flops * pace / self.step_flops + self.first[1]
 
     def save_estimate(self):
         return 1.5 * self.save_s if self.save_s is not None else self.state_bytes / 50e6

@@ -53,6 +53,9 @@ HUB_RE = re.compile(r'hf://(?P<repo>[^/@]+/[^/@]+)(?:@(?P<rev>[^/]+))?/(?P<path>
 # a file fetch() cached (TRM_HUB_CACHE/OWNER--REPO/COMMIT/PATH, on whichever machine it ran)
 CACHED_RE = re.compile(r'(?:^|/)(?P<owner>[^/]+?)--(?P<name>[^/]+)/(?P<commit>[0-9a-f]{40})/(?P<path>.+)$')
 COMMIT_RE = re.compile(r'[0-9a-f]{40}')
+# folders of a repository that the hub keeps for itself: no file of a commit may be in one (huggingface_hub's rule)
+HUB_KEPT = ('.git', '.cache')
+PUBLISH_LOCK = '.publishing.lock'  # export's: one publish into a folder at a time
 
 
 def need_packages(*modules, purpose):
@@ -310,18 +313,22 @@ def fetch(uri):
     return local
 
 
-def address_problem(repo, path):
+def address_problem(repo, path, flag=''):
     """Why OWNER/REPO and PATH cannot name a file of a hub repository, in words, or '': a repository id against the
-    hub's naming rules (the client raises its traceback), or a path with a '..' part (the HTTP client resolves it
-    into another request, and the cache path would leave the repository's folder)."""
+    hub's naming rules (the client raises its traceback), a path with a '..' part (the HTTP client resolves it
+    into another request, and the cache path would leave the repository's folder), or one in a folder the hub
+    keeps for itself (HUB_KEPT: the client refuses to commit there, with its traceback). flag: the option that
+    gave the path ('path_in_repo'), named in the words."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
     try:
         validate_repo_id(repo)
     except HFValidationError as e:
         return f"{repo!r} is not a repository id of the hub ({short(e)})"
-    if '..' in path.split('/'):
-        return f"the path {path!r} has a '..' part: name the file from the repository's root"
+    shown = f"{flag}={path!r}" if flag else f"the path {path!r}"
+    allowed = "name it from the repository's root, with no '..', " + ' or '.join(map(repr, HUB_KEPT)) + " part"
+    if bad := next((p for p in path.split('/') if p == '..' or p in HUB_KEPT), None):
+        return f"{shown} has a {bad!r} part: {allowed}"
     return ''
 
 
@@ -562,12 +569,25 @@ def all_config(cfg, folder, forward_dtype, arc, run_id=None):
         started_from = f"hf://{m['owner']}/{m['name']}@{m['commit']}/{m['path']}"
     return dict(arch=arch, data_paths=[cfg['data_path']], data_paths_test=[],
                 evaluators=[dict(name='arc@ARC')] if arc else [], checkpoint_path=folder,
-                checkpoint_every_eval=True, eval_interval=cfg['eval_every_epochs'], min_eval_interval=0,
+                checkpoint_every_eval=True, eval_interval=eval_interval(cfg['epochs'], cfg['eval_every_epochs']),
+                min_eval_interval=0,
                 eval_save_outputs=[], freeze_weights=bool(cfg.get('freeze_weights', False)),
                 load_checkpoint=started_from or None, project_name=cfg.get('wandb_project'),
                 run_name=' '.join(filter(None, (cfg.get('wandb_run_name') or
                                                 os.path.basename(os.path.normpath(cfg['out_dir'])), run_id))),
                 **{k: cfg[k] for k in RECIPE_FIELDS})
+
+
+def eval_interval(epochs, every):
+    """all_config.yaml's eval_interval for a run of `epochs` that evaluated every `every` epochs: `every` where it
+    divides epochs, else the divisor of epochs nearest to it, of two as near the smaller. The reference's
+    pretrain.py asserts epochs % eval_interval == 0 (it trains eval_interval epochs per evaluation), where this
+    trainer's last evaluation is at the end whatever is left: the nearest interval it accepts keeps the run's
+    pace, and the smaller evaluates and checkpoints no less often than the run did."""
+    if not (isinstance(epochs, int) and isinstance(every, int) and epochs > 0 and every > 0) or epochs % every == 0:
+        return every
+    divisors = {d for i in range(1, math.isqrt(epochs) + 1) if epochs % i == 0 for d in (i, epochs // i)}
+    return min(divisors, key=lambda d: (abs(d - every), d))
 
 
 def train_state(ckpt, cfg):
@@ -681,29 +701,42 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     """A loaded checkpoint of train.py written into `folder` in the reference's layout: step_<N> (the EMA's
     weights, as the reference saves them, or `weights='model'`: the raw ones), all_config.yaml and, asked,
     step_<N>_train_state.pt. forward_dtype: the one all_config.yaml names ('': the run's; its 'auto' is
-    bfloat16, what it picks on a GPU or TPU). Returns the paths written. A folder of another run's files is
-    refused (folder_problem); every file is written into folder/.publishing first and renamed into place once
-    all are whole, so a failed write (a full disk, a file-size limit) leaves the folder as it was, and no folder
-    where there was none. Each refusal and failure is one line."""
+    bfloat16, what it picks on a GPU or TPU). Returns the paths written. One publish at a time holds the folder
+    (PUBLISH_LOCK in it; another is refused, naming it); a folder of another run's files is refused
+    (folder_problem); every file is written into folder/.publishing first and renamed into place once all are
+    whole, so a failed write (a full disk, a file-size limit) leaves the folder as it was, and no folder where
+    there was none. Each refusal and failure is one line."""
     need_packages('yaml', purpose='a published folder (all_config.yaml)')
+    import json
     import yaml
     from .checkpoint import CheckpointError, save_atomic
+    from .locks import claim, lock_record, one_at_a_time
     cfg, step = ckpt['config'], ckpt['step']
     dtype = forward_dtype or (cfg['forward_dtype'] if cfg['forward_dtype'] != 'auto' else 'bfloat16')
     chosen = ckpt['ema'] if weights == 'ema' and ckpt.get('ema') else ckpt['model']
     arc = (ckpt.get('data') or {}).get('puzzle_type') == 'arc'
     run_id = ckpt.get('run_id') or ckpt.get('wandb_run_id')
     sd, config = reference_weights(chosen, cfg, dtype), all_config(cfg, folder, dtype, arc, run_id)
-    if problem := folder_problem(folder, config, sd, step, run_id):
-        fail(problem)
     names = [f'step_{step}', 'all_config.yaml'] + ([f'step_{step}_train_state.pt'] if with_train_state else [])
     made, up = [], os.path.abspath(folder)
     while not os.path.lexists(up):  # the folders this publish makes, deepest first: gone again if it fails
         made.append(up)
         up = os.path.dirname(up)
-    stage = os.path.join(folder, '.publishing')
-    shutil.rmtree(stage, ignore_errors=True)  # what a publish killed midway had staged is no one's
+    stage, lock, done = os.path.join(folder, '.publishing'), None, False
     try:
+        os.makedirs(folder, exist_ok=True)
+        # two publishes at once would share .publishing, and each checks the folder before the other's files
+        # land there: the second is refused while the first holds the lock
+        with one_at_a_time(folder):
+            fd, problems = claim(folder, PUBLISH_LOCK, 'publish', 'out_dir', f"out_dir={folder}")
+        if problems:
+            fail(problems[0])
+        lock = os.path.join(folder, PUBLISH_LOCK)
+        with os.fdopen(fd, 'w') as f:
+            json.dump(lock_record(), f)
+        if problem := folder_problem(folder, config, sd, step, run_id):
+            fail(problem)
+        shutil.rmtree(stage, ignore_errors=True)  # what a publish killed midway had staged is no one's
         os.makedirs(stage, exist_ok=True)
         save_atomic(sd, os.path.join(stage, names[0]))
         with open(os.path.join(stage, names[1]), 'w') as f:
@@ -712,13 +745,9 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
             save_atomic(train_state(ckpt, cfg), os.path.join(stage, names[2]))
         for n in names:
             os.replace(os.path.join(stage, n), os.path.join(folder, n))
-    except (CheckpointError, OSError, KeyboardInterrupt) as e:  # Ctrl-C too: the caller says it
-        shutil.rmtree(stage, ignore_errors=True)
-        for d in made:
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
-        if isinstance(e, KeyboardInterrupt):
-            raise
+        os.rmdir(stage)
+        done = True
+    except (CheckpointError, OSError) as e:
         if isinstance(e, (FileExistsError, NotADirectoryError)) and not os.path.isdir(folder):
             fail(f"out_dir={folder} is not a folder, and cannot be made one ({e.strerror}): give a folder")
         # a staged file is named where it was going; anything else (a folder above out_dir) as it is
@@ -726,7 +755,16 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
             f"could not write {e.filename or os.path.join(stage, names[1])}: {e.strerror or e}"
         why = why.replace(stage + os.sep, folder + os.sep)
         fail(f"publish: {why}; nothing was published, and {folder} is as it was before")
-    os.rmdir(stage)
+    finally:  # a refusal, a failure and Ctrl-C (the caller says it) alike
+        if not done and lock:
+            shutil.rmtree(stage, ignore_errors=True)
+        if lock:
+            with contextlib.suppress(OSError):
+                os.remove(lock)
+        if not done:
+            for d in made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
     return [os.path.join(folder, n) for n in names]
 
 

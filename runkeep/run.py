@@ -190,7 +190,8 @@ class Run:
 
     def plan_budget(self, model, ema_model, final, subset, eval_steps, run_steps, batch):
         """--max_minutes: what the run's evaluations and saves will hold (TimeBudget.plan)."""
-        self.budget.plan(model, ema_model, final, subset, eval_steps, run_steps, batch)
+        self.budget.plan(model, ema_model, final, subset, eval_steps, run_steps, batch,
+                         self.cfg.get('gradient_accumulation_steps', 1))
 
     def host_progress(self, what, batch_done=False):
         """An evaluation's host work finished (an EvalLoader's views built, a batch scored): the watchdog's."""

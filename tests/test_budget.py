@@ -213,3 +213,29 @@ if sys.argv[0].endswith('train.py'):
     assert len(said) == 1 and int(said[0][1]) == 30 and float(said[0][3]) >= 9, p.stdout[-3000:]
     names = [uri.rsplit('/', 1)[1] for uri, _ in gcs.GCS(endpoint=emulator).list(out + '/')]
     assert f'ckpt_{int(said[0][1]):08d}.pt' in names and 'results.json' in names
+
+
+def test_before_any_evaluation_the_budget_keeps_what_an_evaluation_of_small_batches_takes(toy, tmp_path):
+    # an evaluation batch of 1 row against a training batch of 50: the final evaluation, the run's only one, makes
+    # 200 x its supervision steps device calls of a row each; the time the budget keeps for it at its last check
+    # before it (no evaluation's pace known yet) must hold what it then took in the same process: a run stopping on
+    # less would begin a final evaluation that overruns its budget
+    hook = site_hook(tmp_path / 'hook', """
+if sys.argv[0].endswith('train.py'):
+    import runkeep.budget
+    late = runkeep.budget.TimeBudget.late
+
+    def kept(self, *args, **kwargs):
+        out = late(self, *args, **kwargs)
+        if self.eval_pace is None and self.need:
+            print(f'test hook: kept {self.need - self.save_estimate() - self.upload_estimate():.6f}', flush=True)
+        return out
+
+    runkeep.budget.TimeBudget.late = kept
+""")
+    out = tmp_path / 'o'
+    p = train(toy, out, '--eval_batch_size=1', '--max_minutes=600', '--watchdog_minutes=0', env=dict(ENV, **hook))
+    kept = [float(l.split()[-1]) for l in p.stdout.splitlines() if l.startswith('test hook: kept')]
+    assert kept and 'time budget' not in p.stdout, p.stdout[-3000:]
+    took = json.load(open(out / 'results.json'))['wall_s']['eval']
+    assert kept[-1] >= took, (kept[-1], took)

@@ -446,6 +446,16 @@ def test_an_address_the_hub_cannot_have_is_one_line_and_nothing_is_asked_or_writ
     assert 'cannot reach' not in said and not (tmp_path / 'pub').exists() and len(FakeHub.log) == asked
 
 
+@pytest.mark.parametrize('path_in_repo', ['.git', '.cache', 'runs/.git/toy', '.cache/toy'])
+def test_a_path_in_repo_in_a_folder_the_hub_keeps_is_one_line_before_anything_is_written(hub, table_run, tmp_path,
+                                                                                        path_in_repo):
+    """The hub takes no file under .git/ or .cache/ (its client refuses them with a traceback, once the local
+    files were written): --path_in_repo there is one line naming it, and nothing is written or asked."""
+    p = publish_to(hub, table_run, f'--out_dir={tmp_path}/pub', f'--path_in_repo={path_in_repo}', check=False)
+    assert_user_error(p, f"path_in_repo={path_in_repo!r}", "'.git'", "'.cache'", one_line=True)
+    assert not (tmp_path / 'pub').exists() and not FakeHub.log
+
+
 def test_a_missing_hub_package_is_one_line_naming_the_install(hub, table_run, tmp_path):
     # a TPU VM whose pip line installed torch, torch_xla and a few more, not requirements.txt
     def without(*modules):

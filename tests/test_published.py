@@ -8,13 +8,17 @@ against all_config.yaml, a broken or foreign all_config.yaml, and a file that is
 """
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 import torch
 import yaml
 
-from conftest import FAST, ROOT, TOY_ARGS, assert_user_error, eval_lines, run, train, tree
+from conftest import FAST, ROOT, TOY_ARGS, assert_user_error, eval_lines, run, script_env, site_hook, train, tree
 from data import load_metadata, write_split
 from device import choose_dtype
 
@@ -500,3 +504,60 @@ def test_a_publish_after_one_that_was_killed_midway_publishes(table_run, tmp_pat
     p = publish(f'--init_from={table_run["ckpt"]}', f'--out_dir={pub}', check=False)
     assert p.returncode == 0 and 'Traceback' not in p.stderr, p.stderr[-3000:]
     assert sorted(os.listdir(pub)) == ['all_config.yaml', 'step_6']
+
+
+def test_a_second_publish_into_a_folder_being_published_is_refused_and_the_first_publishes(table_run, tmp_path):
+    """Two publishes into one out_dir at once: the second, started while the first is surely midway (a test hook
+    holds it, a file of its step staged, until the test lets go), is one line naming the publish that holds the
+    folder and leaves that one's staged files alone; the first then publishes whole, leaving no lock or staging
+    folder behind."""
+    pub, reached, go = tmp_path / 'pub', tmp_path / 'reached', tmp_path / 'go'
+    env = site_hook(tmp_path / 'hook', f'''
+import yaml
+real_dump = yaml.safe_dump
+
+def safe_dump(*args, **kwargs):
+    open({str(reached)!r}, 'w').close()
+    while not os.path.exists({str(go)!r}):
+        time.sleep(0.05)
+    return real_dump(*args, **kwargs)
+
+yaml.safe_dump = safe_dump
+''')
+    first = subprocess.Popen([sys.executable, 'publish.py', f'--init_from={table_run["ckpt"]}', f'--out_dir={pub}'],
+                             cwd=ROOT, env=script_env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        while not reached.exists():
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.05)
+        second = publish(f'--init_from={table_run["ckpt"]}', f'--out_dir={pub}', check=False)
+        assert_user_error(second, str(pub), 'in use by the publish', f'pid {first.pid}', one_line=True)
+        go.touch()
+        out, err = first.communicate(timeout=300)
+    finally:
+        go.touch()
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 0 and 'Traceback' not in err, err[-3000:]
+    assert sorted(os.listdir(pub)) == ['all_config.yaml', 'step_6']
+    sd = torch.load(pub / 'step_6', weights_only=True)
+    theirs = torch.load(os.path.join(table_run['folder'], 'step_6'), weights_only=True)
+    assert sd.keys() == theirs.keys() and all(torch.equal(sd[k], theirs[k]) for k in sd)
+    assert yaml.safe_load(open(pub / 'all_config.yaml')) == \
+        dict(yaml.safe_load(open(os.path.join(table_run['folder'], 'all_config.yaml'))), checkpoint_path=str(pub))
+
+
+@pytest.mark.parametrize('epochs,every,written', [(2, 100, 2), (12, 5, 4), (12, 4, 4), (12, 12, 12), (7, 3, 1)])
+def test_all_config_s_eval_interval_divides_its_epochs_as_the_reference_asserts(table_run, tmp_path, epochs,
+                                                                                 every, written):
+    """The reference's pretrain.py asserts epochs % eval_interval == 0: a run whose eval_every_epochs does not
+    divide its epochs is written with the divisor of its epochs nearest to it (of two as near, the smaller); one
+    that divides is written as it is."""
+    ckpt = torch.load(table_run['ckpt'], weights_only=True)
+    ckpt['config'].update(epochs=epochs, eval_every_epochs=every)
+    torch.save(ckpt, tmp_path / 'ckpt.pt')
+    publish(f'--init_from={tmp_path}/ckpt.pt', f'--out_dir={tmp_path}/pub')
+    cfg = yaml.safe_load(open(tmp_path / 'pub' / 'all_config.yaml'))
+    assert cfg['epochs'] == epochs and cfg['epochs'] % cfg['eval_interval'] == 0
+    assert cfg['eval_interval'] == written

@@ -2,7 +2,9 @@
 study.py --eval_only on a full disk: the child's output that cannot be copied is one line naming the path, and
 the summary still prints (no traceback, no output stopped mid-line). A real tiny study at the cpu scale whose
 out_root is a small tmpfs, filled once the run is trained (root; skipped where it cannot be mounted). A report
-that does not fit (a file-size limit) names its file and leaves the earlier report's files as they were.
+that does not fit (a file-size limit) names its file and leaves the earlier report's files as they were. A
+child's line that study.py cannot copy whole into train.log is cut back out, and the copying resumes with a note of
+how many lines are missing once there is room.
     python -m pytest -q tests/test_study_disk.py
 """
 import os
@@ -49,3 +51,47 @@ def test_a_report_that_does_not_fit_names_its_file_and_leaves_the_earlier_report
     assert len(said) == 1 and str(out / 'report.md') in said[0], text[-3000:]
     assert {n: (out / n).read_bytes() for n in before} == before
     assert not [n for n in os.listdir(out) if n.endswith('.tmp')]
+
+
+# The parent's side of a run's train.log: a real child's output copied by study.py's Running, as a study copies
+# it, into a log whose last page has room for the header but not for a whole line of the child's, on a full tmpfs;
+# then room again before the child's last lines.
+COPY_DRIVER = r'''
+import os, sys, time
+log, filler, go = sys.argv[1:4]
+sys.argv = ['study.py']
+import study
+child = ("import os, sys, time\n"
+         "for i in range(5): print('early line', i, 'x' * 300)\n"
+         "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+         "for i in range(3): print('late line', i, 'x' * 300)\n")
+r = study.Running(['-c', child, go], log, 'the child')
+while (got := r.pump(echo=True)) != 'eof':
+    if any(l.startswith('early line 4 ') for l in r.tail) and not os.path.exists(go):
+        os.remove(filler)  # every early line has been copied or refused: the disk has room from now on
+        open(go, 'w').close()
+    elif not got:
+        time.sleep(0.05)
+print('exit code', r.close()[0])
+'''
+
+
+def test_a_line_the_full_disk_refuses_is_cut_back_out_of_train_log_and_copying_resumes(tmp_path):
+    disk = tmp_path / 'disk'
+    log = disk / 'train.log'
+    with small_disk(disk, '1m'):
+        page = os.statvfs(disk).f_bsize  # what tmpfs allocates a file in
+        earlier = b'#' * (2 * page - 151) + b'\n'  # an earlier process's part; its last page has 150 bytes free
+        log.write_bytes(earlier)
+        fill_up(disk)
+        p = run(['-c', COPY_DRIVER, str(log), str(disk / '.filler'), str(tmp_path / 'go')])
+        data = log.read_bytes()
+    assert 'exit code 0' in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert data.startswith(earlier) and data.endswith(b'\n'), data[-400:]
+    lines = data[len(earlier):].decode().split('\n')[:-1]
+    late = [f"late line {i} {'x' * 300}" for i in range(3)]
+    note = "note: 5 line(s) of the output before this one are not in this file (it could not be appended to)"
+    assert lines[0] == '' and lines[1].startswith('=== ') and lines[1].endswith(': the child'), lines[:2]
+    assert lines[2:] == [note] + late, lines[2:]
+    said = [l for l in p.stdout.splitlines() if str(log) in l]
+    assert len(said) == 2 and 'No space left on device' in said[0] and '5 line(s)' in said[1], p.stdout[-3000:]
