@@ -46,7 +46,7 @@ ARC1_SIZES = {10: (10_559, 43_862, 4_607), 100: (95_993, 398_598, 41_907), 1000:
 ARC1 = dict(groups=960, seq_len=900, vocab_size=12)
 # the cpu twin of an ARC run: synthetic tasks on a 10x10 canvas (prepare_arc.py --synthetic), num_aug / aug_div
 # augmentations: 128 tasks (96 trained + 32 whose test outputs are held out) x (num_aug + 1) puzzles of about 3.75
-# rows; a 16th of the cpu scale's epochs (about 240 steps at batch 32)
+# rows; a fifth of the cpu scale's epochs, 16 (about 240 steps at batch 32)
 CPU_ARC = dict(canvas=10, num_tasks=96, num_eval_tasks=32, aug_div=10, mean=3.75, epochs_div=5)
 # differ between runs without changing what is trained
 NOT_VARIED = ('out_dir', 'wandb_run_name', 'local_dir')
