@@ -65,7 +65,7 @@ class LineLog:
         return self.f.fileno()
 
     def flush(self):
-        pass
+        pass  # unbuffered: a stream's flush (the watchdog's, before its stack dump) has nothing to do
 
     def close(self):
         self.f.close()

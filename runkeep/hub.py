@@ -707,10 +707,9 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
     whole, so a failed write (a full disk, a file-size limit) leaves the folder as it was, and no folder where
     there was none. Each refusal and failure is one line."""
     need_packages('yaml', purpose='a published folder (all_config.yaml)')
-    import json
     import yaml
     from .checkpoint import CheckpointError, save_atomic
-    from .locks import claim, lock_record, one_at_a_time
+    from .locks import create_lock
     cfg, step = ckpt['config'], ckpt['step']
     dtype = forward_dtype or (cfg['forward_dtype'] if cfg['forward_dtype'] != 'auto' else 'bfloat16')
     chosen = ckpt['ema'] if weights == 'ema' and ckpt.get('ema') else ckpt['model']
@@ -727,13 +726,9 @@ def export(ckpt, folder, weights='ema', with_train_state=False, forward_dtype=''
         os.makedirs(folder, exist_ok=True)
         # two publishes at once would share .publishing, and each checks the folder before the other's files
         # land there: the second is refused while the first holds the lock
-        with one_at_a_time(folder):
-            fd, problems = claim(folder, PUBLISH_LOCK, 'publish', 'out_dir', f"out_dir={folder}")
-        if problems:
+        if problems := create_lock(folder, PUBLISH_LOCK, 'publish', 'out_dir', f"out_dir={folder}"):
             fail(problems[0])
         lock = os.path.join(folder, PUBLISH_LOCK)
-        with os.fdopen(fd, 'w') as f:
-            json.dump(lock_record(), f)
         if problem := folder_problem(folder, config, sd, step, run_id):
             fail(problem)
         shutil.rmtree(stage, ignore_errors=True)  # what a publish killed midway had staged is no one's

@@ -122,22 +122,26 @@ def one_at_a_time(folder):
 
 def lock_local(folder):
     """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
+    problems = create_lock(folder)
+    if not problems:
+        HELD.append(os.path.join(folder, LOCK_NAME))
+    return problems
+
+
+def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None):
+    """The lock file <folder>/<name> taken (claim: what, key and where as there) by one process of this host at a
+    time, its holder's record written in it; [] or [the problem]. Releasing it is the caller's."""
+    path = os.path.join(folder, name)
     with one_at_a_time(folder):
-        return create_lock(folder)
-
-
-def create_lock(folder):
-    path = os.path.join(folder, LOCK_NAME)
-    fd, problems = claim(folder, LOCK_NAME)
-    if problems:
-        return problems
-    try:
-        with os.fdopen(fd, 'w') as f:
-            json.dump(lock_record(), f)
-    except OSError as e:  # a full disk: the lock's record does not fit
-        os.remove(path)
-        return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
-    HELD.append(path)
+        fd, problems = claim(folder, name, what, key, where)
+        if problems:
+            return problems
+        try:
+            with os.fdopen(fd, 'w') as f:
+                json.dump(lock_record(), f)
+        except OSError as e:  # a full disk: the lock's record does not fit
+            os.remove(path)
+            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
     return []
 
 
