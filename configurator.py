@@ -16,6 +16,7 @@ which keys were set, and where, in `_set_by` ({key: the config file or '--key=va
 others from it), and config_problems(cfg, _set_at) names the file's line or the flag of a value it refuses.
 """
 import ast
+import atexit
 import builtins
 import contextlib
 import difflib
@@ -51,7 +52,8 @@ class LineLog:
     never written late when room comes back, after lines said missing. header: a process's header line, which,
     not fitting, is not counted but goes before the next line that fits (where that process's lines begin).
     write() returns what to say on the terminal: ('lost', the error) at the first line left out, ('back', how
-    many) when lines fit again; the caller words it."""
+    many) when lines fit again; the caller words it. end_note() words the count of lines still missing at the
+    output's end, which no note in the file counts."""
 
     def __init__(self, path):
         # unbuffered: a line that does not fit is known at its write
@@ -69,6 +71,21 @@ class LineLog:
 
     def close(self):
         self.f.close()
+
+    def reopened(self):
+        """This log on the file now at its path, which replaced the one open: what this file still owes (the lines
+        missing so far, for the note; a header not in yet; the rest of a line being dropped) goes on in that
+        one."""
+        self.close()
+        log = LineLog(self.name)
+        log.missing, log.header, log.dropping = self.missing, self.header, self.dropping
+        return log
+
+    def end_note(self, whose):
+        """At the end of the output: the line to say where its last lines are missing from the file (no line
+        fitted after them, so no note there counts them), whose: the output they are of; else ''."""
+        return f"note: the last {self.missing} line(s) of {whose} are not in {self.name} (it could not be " \
+               "appended to)" if self.missing else ''
 
     def write(self, data, header=False):
         said = []
@@ -96,12 +113,11 @@ class LineLog:
                     said.append(('lost', e))
                 self.missing += 1
                 continue
-            self.header = b''
-            if note:
-                said.append(('back', self.missing))
-                self.missing = 0
-            if ends:
-                self.line_start = None
+            if ends:  # only a whole line is in: a first part that fits is still cut back out with the rest's
+                self.line_start, self.header = None, b''
+                if note:
+                    said.append(('back', self.missing))
+                    self.missing = 0
         return said
 
     def append(self, data):
@@ -161,6 +177,18 @@ class Tee:
             return
         cls.to_log(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} {socket.gethostname()} pid {os.getpid()}: "
                    f"{' '.join(sys.argv)}\n", header=True)
+        atexit.unregister(cls.at_exit)  # once, whichever log it is
+        atexit.register(cls.at_exit)
+
+    @classmethod
+    def at_exit(cls):
+        """The process's end: lines still missing from train.log are said on stderr's own stream (through the Tee,
+        the line would be one more that train.log lacks)."""
+        if cls.log is not None and (note := cls.log.end_note('the output')):
+            stream = sys.stderr.stream if isinstance(sys.stderr, cls) else sys.stderr
+            with contextlib.suppress(OSError, ValueError):
+                stream.write(note + '\n')
+                stream.flush()
 
     @classmethod
     def to_log(cls, text, header=False):

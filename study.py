@@ -514,8 +514,11 @@ class Running:
                     sys.stdout.flush()
                 except (OSError, ValueError):  # the reader of study.py's stdout is gone
                     sys.stdout.lost()
-            self.write_log(chunk)
-            *lines, rest = (self.bufs[fd] + chunk).split(b'\n') if chunk else [self.bufs[fd], b'']
+            # the log takes whole lines of each pipe (a line of one glued into the other's unfinished one is
+            # neither's); an unfinished line at the end of the output is ended there
+            text = self.bufs[fd] + chunk if chunk else self.bufs[fd] + b'\n' * bool(self.bufs[fd])
+            *lines, rest = text.split(b'\n')
+            self.write_log(text[:len(text) - len(rest)])
             if chunk:
                 self.bufs[fd], got = rest, 'more'
             else:
@@ -536,8 +539,9 @@ class Running:
         """Appends to the log in whole lines, as the child's Tee appends to a train.log of its own (LineLog): a
         line that does not fit (a full disk) is left out, said here at the first, and counted in a note there once
         lines fit again; the copying goes on. A log replaced meanwhile (a resumed gs:// run on a new machine
-        fetches its train.log) is appended to anew; one that cannot be opened again is said once and left as it
-        is."""
+        fetches its train.log) is appended to anew, its note counting the lines missing from the one before; one
+        that cannot be opened again is said once and left as it is. Lines still missing at the process's end are
+        counted on this terminal then (close)."""
         if self.log is None:
             return
         try:
@@ -546,8 +550,7 @@ class Running:
             except FileNotFoundError:
                 replaced = True
             if replaced:
-                self.log.close()
-                self.log = LineLog(self.log_path)
+                self.log = self.log.reopened()
         except OSError as ex:
             self.log_failed(ex)
             return
@@ -580,6 +583,8 @@ class Running:
         if self.log is not None:
             with contextlib.suppress(OSError):  # what did not fit was said at its write
                 self.log.close()
+            if note := self.log.end_note("this process's output"):
+                print(f"\nstudy: {note}", flush=True)
         return rc, list(self.tail)
 
 

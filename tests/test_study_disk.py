@@ -4,7 +4,10 @@ the summary still prints (no traceback, no output stopped mid-line). A real tiny
 out_root is a small tmpfs, filled once the run is trained (root; skipped where it cannot be mounted). A report
 that does not fit (a file-size limit) names its file and leaves the earlier report's files as they were. A
 child's line that study.py cannot copy whole into train.log is cut back out, and the copying resumes with a note of
-how many lines are missing once there is room.
+how many lines are missing once there is room, in the same file or in one that replaced it meanwhile; lines still
+missing when the child ends are counted in one line on the terminal, as the child's own train.log (Tee) counts its
+own on stderr, where a line print() writes in parts counts as in only once all of it is. A child's stdout and
+stderr go into train.log in whole lines, never one glued into the other's.
     python -m pytest -q tests/test_study_disk.py
 """
 import os
@@ -59,6 +62,7 @@ def test_a_report_that_does_not_fit_names_its_file_and_leaves_the_earlier_report
 COPY_DRIVER = r'''
 import os, sys, time
 log, filler, go = sys.argv[1:4]
+replace = sys.argv[4:] == ['replace']  # the log replaced by another file as room comes back
 sys.argv = ['study.py']
 import study
 child = ("import os, sys, time\n"
@@ -69,6 +73,10 @@ r = study.Running(['-c', child, go], log, 'the child')
 while (got := r.pump(echo=True)) != 'eof':
     if any(l.startswith('early line 4 ') for l in r.tail) and not os.path.exists(go):
         os.remove(filler)  # every early line has been copied or refused: the disk has room from now on
+        if replace:  # as a resumed gs:// run on a new machine fetches the bucket's train.log
+            with open(log + '.new', 'wb') as f:
+                f.write(b'the replacing log\n')
+            os.replace(log + '.new', log)
         open(go, 'w').close()
     elif not got:
         time.sleep(0.05)
@@ -95,3 +103,102 @@ def test_a_line_the_full_disk_refuses_is_cut_back_out_of_train_log_and_copying_r
     assert lines[2:] == [note] + late, lines[2:]
     said = [l for l in p.stdout.splitlines() if str(log) in l]
     assert len(said) == 2 and 'No space left on device' in said[0] and '5 line(s)' in said[1], p.stdout[-3000:]
+
+
+def test_lines_missing_when_the_log_is_replaced_are_counted_in_the_note_of_the_new_one(tmp_path):
+    disk = tmp_path / 'disk'
+    log = disk / 'train.log'
+    with small_disk(disk, '1m'):
+        page = os.statvfs(disk).f_bsize
+        log.write_bytes(b'#' * (2 * page - 151) + b'\n')  # room for the header, not for a line of the child's
+        fill_up(disk)
+        p = run(['-c', COPY_DRIVER, str(log), str(disk / '.filler'), str(tmp_path / 'go'), 'replace'])
+        data = log.read_bytes()
+    assert 'exit code 0' in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    note = "note: 5 line(s) of the output before this one are not in this file (it could not be appended to)"
+    late = [f"late line {i} {'x' * 300}" for i in range(3)]
+    assert data.decode().split('\n') == ['the replacing log', note] + late + [''], data[-600:]
+    said = [l for l in p.stdout.splitlines() if str(log) in l]
+    assert len(said) == 2 and 'No space left on device' in said[0] and '5 line(s)' in said[1], p.stdout[-3000:]
+
+
+# A child whose lines never fit: the disk stays full to its end
+END_DRIVER = r'''
+import sys
+log = sys.argv[1]
+sys.argv = ['study.py']
+import study
+child = "for i in range(3): print('line', i, 'x' * 300)"
+print('exit code', study.run_process(['-c', child], log, display='the child')[0])
+'''
+
+
+def test_lines_still_missing_when_the_child_ends_are_counted_on_the_terminal(tmp_path):
+    disk = tmp_path / 'disk'
+    log = disk / 'train.log'
+    with small_disk(disk, '1m'):
+        page = os.statvfs(disk).f_bsize
+        earlier = b'#' * (2 * page - 151) + b'\n'
+        log.write_bytes(earlier)
+        fill_up(disk)
+        p = run(['-c', END_DRIVER, str(log)])
+        data = log.read_bytes()
+    assert 'exit code 0' in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    assert data.startswith(earlier) and data[len(earlier):].decode().split('\n')[2:] == [''], data[-400:]  # header
+    said = [l for l in p.stdout.splitlines() if str(log) in l]
+    assert len(said) == 2 and 'No space left on device' in said[0], p.stdout[-3000:]
+    assert '3 line(s)' in said[1], p.stdout[-3000:]
+
+
+# The child's own train.log (configurator's Tee, as train.py's rank 0 writes it), on a disk full to its end
+TEE_DRIVER = r'''
+import sys
+log = sys.argv[1]
+sys.argv = ['the script']
+from configurator import Tee
+Tee.install()
+Tee.log_to(log)
+for i in range(3):
+    print('line', i, 'x' * 300)
+'''
+
+
+def test_lines_of_a_tee_s_log_still_missing_at_the_process_s_end_are_counted_on_stderr(tmp_path):
+    disk = tmp_path / 'disk'
+    log = disk / 'train.log'
+    with small_disk(disk, '1m'):
+        page = os.statvfs(disk).f_bsize
+        log.write_bytes(b'#' * (2 * page - 151) + b'\n')  # room for the header line, not for a line
+        fill_up(disk)
+        p = run(['-c', TEE_DRIVER, str(log)])
+    assert 'Traceback' not in p.stderr, p.stderr[-3000:]
+    # print() writes a line in parts: a first part that fits is not the line fitting
+    shown = [l for l in p.stdout.splitlines() if str(log) in l]
+    assert len(shown) == 1 and shown[0].startswith('warning: could not append'), p.stdout
+    said = [l for l in p.stderr.splitlines() if str(log) in l]
+    assert len(said) == 1 and '3 line(s)' in said[0], p.stderr[-3000:]
+
+
+# A line of stdout still unfinished when a line of stderr comes, and one unfinished at the end of the output
+GLUE_DRIVER = r'''
+import sys
+log = sys.argv[1]
+sys.argv = ['study.py']
+import study
+child = ("import sys, time\n"
+         "sys.stdout.write('step 5 lo'); sys.stdout.flush(); time.sleep(0.5)\n"
+         "sys.stderr.write('warning: a line of stderr\\n'); sys.stderr.flush(); time.sleep(0.5)\n"
+         "print('ss 0.5')\n"
+         "sys.stdout.write('the last line, unfinished')\n")
+print('exit code', study.run_process(['-c', child], log, display='the child')[0])
+'''
+
+
+def test_a_child_s_stdout_and_stderr_go_into_train_log_in_whole_lines_of_each(tmp_path):
+    log = tmp_path / 'train.log'
+    p = run(['-c', GLUE_DRIVER, str(log)])
+    assert 'exit code 0' in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = log.read_text().split('\n')
+    assert lines[0] == '' and lines[1].endswith(': the child'), lines
+    assert lines[-1] == '' and sorted(lines[2:-1]) == ['step 5 loss 0.5', 'the last line, unfinished',
+                                                      'warning: a line of stderr'], lines
