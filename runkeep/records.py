@@ -798,11 +798,21 @@ def drop_results(local, gs_out, submission=False):
     return True
 
 
-def drop_evaluations(local, gs_out):
+def drop_earlier_records(local, gs_out):
     """Rank 0, a new run over an earlier one (--overwrite=True): the earlier run's --eval_only records (evals/,
     ARC's submissions with them) removed, local and in the bucket, since a study would take one of the same step
-    and name for this run's. A bucket that cannot delete one is a warning."""
-    shutil.rmtree(os.path.join(local, 'evals'), ignore_errors=True)
+    and name for this run's; and its W&B folder (local only: it is never uploaded), since the `wandb sync` that
+    this run's offline warning prints would upload the earlier run's offline runs beside this one. What cannot be
+    deleted is a warning."""
+    for name, why in (('evals', "a study would take its records for this run's"),
+                      ('wandb', "`wandb sync` of this run would upload the earlier run too")):
+        path = os.path.join(local, name)
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            print(f"warning: could not delete the earlier run's {path} ({e.strerror or e}): {why}")
     if gs_out:
         drop_in_bucket(f"{gs_out.rstrip('/')}/evals/", lambda name: True, "evaluations", "they are not this run's")
 

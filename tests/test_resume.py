@@ -8,11 +8,13 @@ mixes into another run's folder. Real processes on real files.
 import glob
 import json
 import os
+import re
 import shutil
 
 import torch
 
 from conftest import FAST, SUDOKU, TOY_ARGS, assert_user_error, ckpt_paths, ckpts, make_reverse_dataset, run, train
+from runkeep.records import drop_earlier_records
 
 
 def files(folder):
@@ -42,17 +44,32 @@ def test_resume_continues_exactly(toy, tmp_path):
     assert a['loader'] == b['loader'] and a['step'] == b['step'] == 16
 
 
-def test_wandb_offline_run_is_continued_after_resume(toy, tmp_path):
-    out = tmp_path / 'o'
+def test_wandb_offline_run_is_continued_after_resume_and_replaced_after_overwrite(toy, tmp_path):
+    out, home = tmp_path / 'o', tmp_path / 'home'
+    home.mkdir()
     args = ['--epochs=1', '--log_interval=2', '--wandb_log=True', '--wandb_run_name=smoke']
-    env = dict(WANDB_MODE='offline', WANDB_SILENT='true')
+    # not logged in: W&B's offline fallback, whose warning prints the `wandb sync` command that uploads it later
+    env = dict(HOME=str(home), WANDB_MODE=None, WANDB_CONFIG_DIR=str(home / '.config'), WANDB_SILENT='true')
+
+    def synced(p):
+        """The run ids of the folders the printed `wandb sync` command would upload."""
+        pattern, = re.findall(r'`wandb sync (\S+)`', p.stdout)
+        return sorted(folder.rsplit('-', 1)[1] for folder in glob.glob(pattern))
+
     train(toy, out, '--max_steps=4', *args, env=env)
-    train(toy, out, '--max_steps=6', '--init_from=resume', *args, env=env)
-    runs = sorted(glob.glob(f'{out}/wandb/offline-run-*'))
-    assert len(runs) == 2
-    ids = {r.rsplit('-', 1)[1] for r in runs}
-    assert len(ids) == 1  # the same run id both times
-    assert torch.load(out / 'ckpt_00000006.pt', weights_only=True)['run_id'] == ids.pop()
+    p = train(toy, out, '--max_steps=6', '--init_from=resume', *args, env=env)
+    old = torch.load(out / 'ckpt_00000006.pt', weights_only=True)['run_id']
+    assert synced(p) == [old, old]  # the resumed run's history in two folders, one W&B run
+    p = train(toy, out, '--max_steps=2', '--overwrite=True', *args, env=env)
+    new = torch.load(out / 'ckpt_00000002.pt', weights_only=True)['run_id']
+    assert new != old and synced(p) == [new]  # the replaced run is not uploaded beside this one
+
+
+def test_an_earlier_run_s_w_and_b_folder_that_cannot_be_deleted_is_one_warning(tmp_path, capsys):
+    (tmp_path / 'wandb').write_text('')  # not a folder: rmtree fails
+    drop_earlier_records(str(tmp_path), None)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith('warning: could not delete') and 'wandb sync' in said[0], said
 
 
 def test_init_from_a_file_into_a_folder_of_checkpoints_is_refused_unless_overwrite(sudoku4, trained, tmp_path):
