@@ -302,8 +302,10 @@ def main(index=None):
         dev.sync()  # outside the phase: XLA cuts the graph here, which a profiler's scope must not span
         step += 1
         run.step_done(step, time.time() - t_step)  # the host's part (XLA: the device runs the graph on its own)
-        if prof:
-            run.upload_folder(prof.finish(step))
+        if prof and prof.finish(step):
+            # its folder, not the path finish() names: off XLA that is the trace's file, and TorchTPU's device trace
+            # lies beside it
+            run.upload_folder(prof.folder)
 
         # --- log, stop, evaluate, save ------------------------------------------------------------------
         at_eval = step in eval_at
@@ -330,8 +332,8 @@ def main(index=None):
             run.warm_save(model, ema_model, carry)  # XLA: the save's graph now, not at SIGTERM
 
     # --- finish: bounded waits for uploads and W&B, then every rank leaves together ---
-    if prof:
-        run.upload_folder(prof.finish(step, last=True))
+    if prof and prof.finish(step, last=True):
+        run.upload_folder(prof.folder)
     if dev.type == 'xla' and dev.master:
         compiles, fallbacks = dev.xla_report()
         print(f"xla: {compiles} graph compilations; CPU fallbacks: {', '.join(fallbacks) or 'none'}")

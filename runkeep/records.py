@@ -801,10 +801,12 @@ def drop_results(local, gs_out, submission=False):
 def drop_earlier_records(local, gs_out):
     """Rank 0, a new run over an earlier one (--overwrite=True): the earlier run's --eval_only records (evals/,
     ARC's submissions with them) removed, local and in the bucket, since a study would take one of the same step
-    and name for this run's; and its W&B folder (local only: it is never uploaded), since the `wandb sync` that
-    this run's offline warning prints would upload the earlier run's offline runs beside this one. What cannot be
-    deleted is a warning."""
+    and name for this run's; its profiler traces (profile/), local and in the bucket, since they would pass for
+    this run's; and its W&B folder (local only: it is never uploaded), since the `wandb sync` that this run's
+    offline warning prints would upload the earlier run's offline runs beside this one. What cannot be deleted
+    is a warning."""
     for name, why in (('evals', "a study would take its records for this run's"),
+                      ('profile', "its traces would pass for this run's"),
                       ('wandb', "`wandb sync` of this run would upload the earlier run too")):
         path = os.path.join(local, name)
         try:
@@ -814,7 +816,8 @@ def drop_earlier_records(local, gs_out):
         except OSError as e:
             print(f"warning: could not delete the earlier run's {path} ({e.strerror or e}): {why}")
     if gs_out:
-        drop_in_bucket(f"{gs_out.rstrip('/')}/evals/", lambda name: True, "evaluations", "they are not this run's")
+        for name, what in (('evals', "evaluations"), ('profile', "profiler traces")):
+            drop_in_bucket(f"{gs_out.rstrip('/')}/{name}/", lambda _: True, what, "they are not this run's")
 
 
 # -----------------------------------------------------------------------------
@@ -873,6 +876,10 @@ class RunRecords:
             self.board = TensorBoardWriter.open(self.local, step, self.cfg, self.gs_out)
         if self.gs_out:
             self.uploads = Uploads(self.local, self.gs_out, prune)
+            if self.cfg['overwrite'] and not step:
+                # the bucket's train.log is the earlier run's until this one's first upload: a report made where
+                # there is no local copy would read its last line (a study's word on how it ended) as this run's
+                self.uploads.log()
         return []
 
     def log(self, kind, values, step, groups):

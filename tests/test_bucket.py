@@ -12,12 +12,14 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from runkeep import gcs
+from studies.report import ENDED, last_line
 from conftest import BUCKET, ROOT, TOY_ARGS, assert_user_error, Preconditioned, run, script_env
 
 FAST = TOY_ARGS + ['--epochs=1', '--eval_every_epochs=100', '--log_interval=2', '--checkpoint_interval=2']
@@ -89,16 +91,50 @@ def test_a_resume_back_on_the_first_machine_goes_on_with_the_bucket_s_newer_metr
     assert log.count(' pid ') == 3 and log.index('(step 2)') < log.index('(step 6)'), log
 
 
-def test_a_run_started_over_an_earlier_one_leaves_none_of_its_evaluations(emulator, toy, tmp_path):
-    """--overwrite=True: the earlier run's --eval_only records (evals/) go with its checkpoints, here and in the
-    bucket; a study would otherwise take them for the new run's, at the same step and name."""
+def test_a_run_started_over_an_earlier_one_leaves_none_of_its_evaluations_or_profiles(emulator, toy, tmp_path):
+    """--overwrite=True: the earlier run's --eval_only records (evals/) and its profiler traces (profile/) go with
+    its checkpoints, here and in the bucket; a study would otherwise take them for the new run's, at the same step
+    and name, and a person the trace for this run's."""
     out, local, env = f'gs://{BUCKET}/lost/over', tmp_path / 'l', dict(STORAGE_EMULATOR_HOST=host(emulator))
-    run(train_args(toy, out, local, '--max_steps=4'), env=env)
+    run(train_args(toy, out, local, '--max_steps=4', '--profile_steps=1:2'), env=env)
     run(train_args(toy, out, local, '--max_steps=4', '--eval_only=True', '--init_from=resume'), env=env)
     client = gcs.GCS(endpoint=emulator)
     assert [uri for uri, _ in client.list(f'{out}/evals/')] == [f'{out}/evals/views1-steps4.json']
+    assert [uri for uri, _ in client.list(f'{out}/profile/')] == [f'{out}/profile/trace_1_2.json']
     run(train_args(toy, out, local, '--max_steps=4', '--lr=1e-3', '--overwrite=True'), env=env)
     assert not client.list(f'{out}/evals/') and not os.path.exists(local / 'evals')
+    assert not client.list(f'{out}/profile/') and not os.path.exists(local / 'profile')
+
+
+def test_a_run_started_over_an_earlier_one_replaces_its_train_log_in_the_bucket_at_once(emulator, emu, toy,
+                                                                                           tmp_path):
+    """--overwrite=True on a new machine: until this run's first upload of its train.log the bucket's was the
+    earlier run's, whose last line (a study's word on how it ended) a report made where there is no local copy
+    read as the new run's status; the new run puts its own there at its start."""
+    out, env = f'gs://{BUCKET}/lost/relog', dict(STORAGE_EMULATOR_HOST=host(emulator))
+    client = gcs.GCS(endpoint=emulator)
+    run(train_args(toy, out, tmp_path / 'a', '--max_steps=2'), env=env)
+    with open(tmp_path / 'a' / 'train.log', 'a') as f:  # as a study ends a run it saw fail
+        f.write(f"{ENDED}FAILED exited 1: out of memory\n")
+    client.upload(str(tmp_path / 'a' / 'train.log'), f'{out}/train.log')
+    # no checkpoint before its end, where it uploads its train.log anyway: it is killed at step 100 of 200 at most
+    p = subprocess.Popen([sys.executable] + train_args(toy, out, tmp_path / 'b', '--overwrite=True', '--epochs=10',
+                                                        '--max_steps=200', '--checkpoint_interval=1000'),
+                         cwd=ROOT, env=script_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / 'b' / 'train.log'
+    try:
+        deadline = time.time() + 120
+        while p.poll() is None and time.time() < deadline:
+            client.download(f'{out}/train.log', str(tmp_path / 'bucket.log'))
+            if '--overwrite=True' in open(tmp_path / 'bucket.log').read() or \
+                    os.path.exists(log) and 'step 100/' in open(log).read():
+                break
+            time.sleep(0.2)
+    finally:
+        p.kill()
+        p.wait()
+    elsewhere = types.SimpleNamespace(local=str(tmp_path / 'c'), out_dir=out)  # a report on a third machine
+    assert not (end := last_line(elsewhere)).startswith(ENDED), end  # the new run's, not the earlier run's end
 
 
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):

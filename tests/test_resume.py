@@ -158,11 +158,12 @@ def test_a_resume_of_an_older_checkpoint_says_that_the_records_past_it_are_dropp
 
 def test_scratch_into_a_folder_with_checkpoints_is_refused_unless_overwrite(toy, tmp_path):
     out = tmp_path / 'o'
-    train(toy, out, '--max_steps=8', '--checkpoint_interval=8')
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8', '--profile_steps=1:2')
     p = train(toy, out, '--max_steps=4', check=False)
     assert_user_error(p, str(out), '--init_from=resume', '--overwrite=True')
     p = train(toy, out, '--max_steps=4', '--checkpoint_interval=4', '--overwrite=True')
     assert [os.path.basename(c) for c in ckpt_paths(out)] == ['ckpt_00000004.pt']  # the old run's ckpt_8 is gone
+    assert not os.path.exists(out / 'profile')  # and its trace, which would pass for this run's
 
 
 def test_resume_refuses_another_model_shape_or_batch_size_and_allows_a_lower_lr(toy, tmp_path):
