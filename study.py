@@ -495,30 +495,32 @@ class Running:
                                   env=child_env(env), start_new_session=True,
                                   preexec_fn=lambda: _child_setup(parent, cores))
         self.bufs = {self.p.stdout.fileno(): b'', self.p.stderr.fileno(): b''}  # open pipes: unfinished line
+        self.shown = dict.fromkeys(self.bufs, 0)  # of each unfinished line, how much is on the terminal
+        self.mid_line = None  # the pipe whose unfinished line the terminal ends with
         for fd in self.bufs:
             os.set_blocking(fd, False)
         STOP['children'].add(self.p)
 
     def pump(self, echo):
-        """Takes what the process wrote (stdout and stderr): into its log, and here when echo. 'eof' at the
-        end of its output, '' when nothing is waiting, else 'more'."""
+        """Takes what the process wrote (stdout and stderr), in whole lines: into its log, and here when echo.
+        'eof' at the end of its output, '' when nothing is waiting, else 'more'."""
         got = ''
         for fd in list(self.bufs):
             try:
                 chunk = os.read(fd, 1 << 16)
             except BlockingIOError:
                 continue
-            if echo and chunk:
-                try:
-                    sys.stdout.buffer.write(chunk)
-                    sys.stdout.flush()
-                except (OSError, ValueError):  # the reader of study.py's stdout is gone
-                    sys.stdout.lost()
-            # the log takes whole lines of each pipe (a line of one glued into the other's unfinished one is
-            # neither's); an unfinished line at the end of the output is ended there
+            # the log and the terminal take whole lines of each pipe (a line of one glued into the other's
+            # unfinished one is neither's); an unfinished line at the end of the output is ended there
             text = self.bufs[fd] + chunk if chunk else self.bufs[fd] + b'\n' * bool(self.bufs[fd])
             *lines, rest = text.split(b'\n')
-            self.write_log(text[:len(text) - len(rest)])
+            whole = text[:len(text) - len(rest)]
+            if echo:
+                # a line rewritten in place ('\r': a download's progress) is shown as it goes, not at its end
+                upto = len(text) if b'\r' in rest else len(whole)
+                self.echo(fd, text[self.shown[fd]:upto])
+                self.shown[fd] = upto - len(whole)
+            self.write_log(whole)
             if chunk:
                 self.bufs[fd], got = rest, 'more'
             else:
@@ -534,6 +536,20 @@ class Running:
                 elif line.startswith('eval on'):
                     self.last_eval = line
         return got or ('' if self.bufs else 'eof')
+
+    def echo(self, fd, data):
+        """Onto study.py's stdout, which shows both pipes: the other pipe's unfinished line there is ended first,
+        so that neither is glued into the other."""
+        if not data:
+            return
+        if self.mid_line not in (None, fd):
+            data = b'\n' + data
+        self.mid_line = None if data.endswith(b'\n') else fd
+        try:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
+        except (OSError, ValueError):  # the reader of study.py's stdout is gone
+            sys.stdout.lost()
 
     def write_log(self, data, header=False):
         """Appends to the log in whole lines, as the child's Tee appends to a train.log of its own (LineLog): a

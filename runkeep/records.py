@@ -708,12 +708,44 @@ def groups(line):
 def start_log(local, gs_out, resuming):
     """Rank 0: stdout and stderr also into <local>/train.log; a gs:// run resumed on a new machine first
     fetches the bucket's log, so it goes on with it, and so does one on a machine whose log the bucket's goes on
-    from (another machine resumed the run since)."""
+    from (another machine resumed the run since). Returns where this process's lines begin there (a byte offset),
+    for drop_earlier_log."""
     log = os.path.join(local, 'train.log')
     if gs_out and resuming:
         here = f"{log} goes on as it is" if os.path.exists(log) else "train.log starts anew here"
         take_bucket_log(log, gs_out, Tee.own_part(log), f"{here}, and its upload replaces the bucket's")
+    start = os.path.getsize(log) if os.path.isfile(log) else 0
     Tee.log_to(log)
+    return start
+
+
+def drop_earlier_log(local, start):
+    """Rank 0, a new run over an earlier one (--overwrite=True): train.log keeps this process's lines alone, from
+    byte `start` (its header) on, as metrics.jsonl keeps this run's; `grep` or `tail` of it would mix two runs.
+    A log that study.py writes for this process is left as it is: it appends there from its own open file. What
+    cannot be rewritten is a warning, and the log goes on as it was."""
+    log = os.path.join(local, 'train.log')
+    if not start or Tee.log is None or Tee.log.name != log:
+        return
+    tmp = log + '.tmp'  # a stale one (a process killed here) goes at start (remove_unfinished)
+    with Tee.lock:  # another thread's line waits, so none goes to the file being replaced
+        try:
+            with open(log, 'rb') as f:
+                f.seek(start)
+                ours = f.read()
+            with open(tmp, 'wb') as f:
+                f.write(ours)
+            os.replace(tmp, log)
+            Tee.log = Tee.log.reopened()
+            return
+        except OSError as e:
+            why = e
+        if Tee.log.f.closed:  # replaced, but not open again: the terminal alone has the output from here
+            Tee.log = None
+    with contextlib.suppress(OSError):
+        os.remove(tmp)
+    print(f"warning: cannot drop the earlier run's lines from {log} ({why.strerror or why}): this run's lines "
+          "follow them there")
 
 
 def take_bucket_log(log, gs_out, start, otherwise):
@@ -876,10 +908,9 @@ class RunRecords:
             self.board = TensorBoardWriter.open(self.local, step, self.cfg, self.gs_out)
         if self.gs_out:
             self.uploads = Uploads(self.local, self.gs_out, prune)
-            if self.cfg['overwrite'] and not step:
-                # the bucket's train.log is the earlier run's until this one's first upload: a report made where
-                # there is no local copy would read its last line (a study's word on how it ended) as this run's
-                self.uploads.log()
+            # the bucket's train.log is the earlier process's until this one's first upload: a report made where
+            # there is no local copy would read its last line (a study's word on how it ended) as this run's
+            self.uploads.log()
         return []
 
     def log(self, kind, values, step, groups):

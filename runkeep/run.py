@@ -38,7 +38,7 @@ from .checkpoint import (MAX_WEIGHT, CheckpointError, check_resume, checkpoint_n
                          prune_checkpoints, resume_parts, set_aside_diverged, start_file_missing, write_checkpoint)
 from .hub import all_config_beside
 from .locks import lock_bucket, lock_local, mark_data, release_locks
-from .records import RunRecords, drop_earlier_records, drop_results, remove_unfinished, start_log
+from .records import RunRecords, drop_earlier_log, drop_earlier_records, drop_results, remove_unfinished, start_log
 from .signals import (JOINING, PARENT, STOP, StopBound, die_with_parent, ended_abruptly, exit_if_orphaned,
                       follow_launcher, forward_signals, install_signal_handlers)
 from .startup import (data_shape, fail_if_ranks_differ, fail_together, fetch_data, fingerprint, hosts_differ,
@@ -117,7 +117,7 @@ class Run:
                 (lock_bucket(self.gs_out, self.local) if self.gs_out else [])
         fail_together(dev, problems, 'out_dir lock')
         if self.master:
-            start_log(self.local, self.gs_out, resume_parts(cfg['init_from'])[0])
+            log_from = start_log(self.local, self.gs_out, resume_parts(cfg['init_from'])[0])
             mark_data(self.data_path, cfg['out_dir'])
             remove_unfinished(self.local)
         problems = []
@@ -127,6 +127,7 @@ class Run:
             self.results_dropped = not problems and drop_results(self.local, self.gs_out, submission=True)
             if not problems:
                 drop_earlier_records(self.local, self.gs_out)
+                drop_earlier_log(self.local, log_from)
         fail_together(dev, problems, 'overwrite')
 
     def resume(self, model, ema_model, opt, loader, resume_fixed, last_step, arc=None):

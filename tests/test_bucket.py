@@ -106,35 +106,47 @@ def test_a_run_started_over_an_earlier_one_leaves_none_of_its_evaluations_or_pro
     assert not client.list(f'{out}/profile/') and not os.path.exists(local / 'profile')
 
 
-def test_a_run_started_over_an_earlier_one_replaces_its_train_log_in_the_bucket_at_once(emulator, emu, toy,
-                                                                                           tmp_path):
-    """--overwrite=True on a new machine: until this run's first upload of its train.log the bucket's was the
-    earlier run's, whose last line (a study's word on how it ended) a report made where there is no local copy
-    read as the new run's status; the new run puts its own there at its start."""
-    out, env = f'gs://{BUCKET}/lost/relog', dict(STORAGE_EMULATOR_HOST=host(emulator))
+@pytest.mark.parametrize('start', ['overwrite', 'scratch', 'resume'])
+def test_a_run_started_after_an_earlier_process_replaces_its_train_log_in_the_bucket_at_once(emulator, emu, toy,
+                                                                                             tmp_path, start):
+    """A gs:// run started on a new machine after a process a study saw fail: until this process's first upload of
+    its train.log the bucket's was the earlier one's, whose last line (a study's word on how it ended) a report made
+    where there is no local copy read as the running run's status. The new process puts its own there at its start:
+    over an earlier run (--overwrite=True), from scratch where the earlier process saved no checkpoint
+    (--init_from=resume, a study's rerun), or resumed from its checkpoint."""
+    out, env = f'gs://{BUCKET}/lost/relog_{start}', dict(STORAGE_EMULATOR_HOST=host(emulator))
     client = gcs.GCS(endpoint=emulator)
-    run(train_args(toy, out, tmp_path / 'a', '--max_steps=2'), env=env)
+    # no checkpoint before its end, where it uploads its train.log anyway: it is killed at step 100 of 200 at most
+    args = ['--epochs=10', '--checkpoint_interval=1000']
+    if start == 'scratch':  # the earlier process failed before its first checkpoint: its train.log alone is there
+        (tmp_path / 'a').mkdir()
+        with open(tmp_path / 'a' / 'train.log', 'w') as f:
+            f.write('step 1/200 loss 2.0\n')
+    else:
+        run(train_args(toy, out, tmp_path / 'a', *args, '--max_steps=2'), env=env)
     with open(tmp_path / 'a' / 'train.log', 'a') as f:  # as a study ends a run it saw fail
         f.write(f"{ENDED}FAILED exited 1: out of memory\n")
     client.upload(str(tmp_path / 'a' / 'train.log'), f'{out}/train.log')
-    # no checkpoint before its end, where it uploads its train.log anyway: it is killed at step 100 of 200 at most
-    p = subprocess.Popen([sys.executable] + train_args(toy, out, tmp_path / 'b', '--overwrite=True', '--epochs=10',
-                                                        '--max_steps=200', '--checkpoint_interval=1000'),
+    extra = dict(overwrite=['--overwrite=True'], scratch=['--init_from=resume'], resume=['--init_from=resume'])[start]
+    p = subprocess.Popen([sys.executable] + train_args(toy, out, tmp_path / 'b', *args, '--max_steps=200', *extra),
                          cwd=ROOT, env=script_env(env), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     log = tmp_path / 'b' / 'train.log'
     try:
         deadline = time.time() + 120
         while p.poll() is None and time.time() < deadline:
             client.download(f'{out}/train.log', str(tmp_path / 'bucket.log'))
-            if '--overwrite=True' in open(tmp_path / 'bucket.log').read() or \
+            if '--max_steps=200' in open(tmp_path / 'bucket.log').read() or \
                     os.path.exists(log) and 'step 100/' in open(log).read():
                 break
             time.sleep(0.2)
+        alive = p.poll() is None  # its end uploads its train.log anyway: a run that failed early proves nothing
     finally:
         p.kill()
         p.wait()
+    assert alive, open(log).read()[-3000:]
     elsewhere = types.SimpleNamespace(local=str(tmp_path / 'c'), out_dir=out)  # a report on a third machine
-    assert not (end := last_line(elsewhere)).startswith(ENDED), end  # the new run's, not the earlier run's end
+    end = last_line(elsewhere)
+    assert end and not end.startswith(ENDED), end  # the new process's, not the earlier one's end
 
 
 def test_two_bucket_runs_ending_in_the_same_name_have_their_own_local_folders(emulator, toy, tmp_path):
@@ -295,9 +307,10 @@ def test_uploads_at_exit_get_an_announced_bounded_wait_then_the_local_copies_are
         srv.server_close()
     m = re.search(rf'waiting up to (\d+) s for 5 upload\(s\) to {out}', p.stdout)
     assert m and int(m.group(1)) <= 60, p.stdout[-3000:]
-    # in the order they would go: the snapshots queued with the checkpoint gave way to the newer ones of the end
-    assert f'5 upload(s) to {out} still running at exit; only in {local}: ckpt_00000002.pt, metrics.jsonl, ' \
-           f'results.json, train.log, tb' in p.stdout, p.stdout[-3000:]
+    # in the order they would go: train.log's of the start (being tried), then the checkpoint; the snapshots queued
+    # with it gave way to the newer ones of the end
+    assert f'5 upload(s) to {out} still running at exit; only in {local}: train.log, ckpt_00000002.pt, ' \
+           f'metrics.jsonl, results.json, tb' in p.stdout, p.stdout[-3000:]
     assert sorted(os.listdir(local)) == ['ckpt_00000002.pt', 'metrics.jsonl', 'results.json', 'tb', 'train.log']
     assert 'waiting for GCS upload' in p.stderr  # the retries say what they wait for
 

@@ -423,7 +423,9 @@ def test_failed_uploads_do_not_stop_training(toy, tmp_path):
              '--epochs=1', '--eval_every_epochs=100', '--log_interval=2', '--checkpoint_interval=2', '--max_steps=4',
              '--gcs_retries=2'] + TOY_ARGS)
     assert 'step 4/' in p.stdout and 'upload(s) to gs://test-bucket/down failed' in p.stdout
-    assert 'ckpt_00000002.pt' in p.stderr  # each failure is logged with the object
+    # the first failure is logged with its object (train.log's at the start), the end names every file not sent
+    assert 'to gs://test-bucket/down/train.log failed' in p.stderr, p.stderr[-3000:]
+    assert re.search(r'failed; only in .*ckpt_00000002\.pt', p.stdout), p.stdout[-3000:]
     assert 'cannot list gs://test-bucket/down' in p.stdout  # the start-up check of the bucket says it could not look
     assert sorted(os.listdir(f'{tmp_path}/local')) == ['ckpt_00000002.pt', 'ckpt_00000004.pt', 'metrics.jsonl',
                                                         'results.json', 'tb', 'train.log']  # all stays local

@@ -166,6 +166,35 @@ def test_scratch_into_a_folder_with_checkpoints_is_refused_unless_overwrite(toy,
     assert not os.path.exists(out / 'profile')  # and its trace, which would pass for this run's
 
 
+def test_train_log_after_overwrite_holds_this_run_s_lines_only_and_a_resume_appends(toy, tmp_path):
+    out = tmp_path / 'o'
+
+    def log():
+        """train.log's process headers (their command lines) and step lines."""
+        text = open(out / 'train.log').read()
+        return ([l for l in text.splitlines() if l.startswith('--- ')],
+                [l.split(' |')[0] for l in text.splitlines() if l.startswith('step ')])
+
+    train(toy, out, '--max_steps=8', '--checkpoint_interval=8', '--log_interval=2')
+    train(toy, out, '--max_steps=4', '--checkpoint_interval=4', '--log_interval=2', '--overwrite=True')
+    heads, steps = log()
+    assert len(heads) == 1 and '--overwrite=True' in heads[0], heads  # the earlier run's header is gone
+    assert steps == ['step 2/4', 'step 4/4'], steps
+    # a resume goes on in the same log
+    train(toy, out, '--max_steps=6', '--checkpoint_interval=2', '--log_interval=2', '--init_from=resume')
+    heads, steps = log()
+    assert len(heads) == 2 and '--init_from=resume' in heads[1], heads
+    assert steps == ['step 2/4', 'step 4/4', 'step 6/6'], steps
+    # a log that cannot be rewritten (its temporary file's name taken): one warning, none of this run's lines lost
+    os.mkdir(out / 'train.log.tmp')
+    p = train(toy, out, '--max_steps=2', '--log_interval=2', '--overwrite=True')
+    said = [l for l in p.stdout.splitlines() if 'train.log' in l]
+    assert len(said) == 1 and said[0].startswith('warning: ') and str(out) in said[0], said
+    heads, steps = log()
+    assert len(heads) == 3 and '--overwrite=True' in heads[2] and steps[-1] == 'step 2/2', (heads, steps)
+    assert said[0] in open(out / 'train.log').read()
+
+
 def test_resume_refuses_another_model_shape_or_batch_size_and_allows_a_lower_lr(toy, tmp_path):
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=8', '--checkpoint_interval=8')

@@ -7,7 +7,8 @@ child's line that study.py cannot copy whole into train.log is cut back out, and
 how many lines are missing once there is room, in the same file or in one that replaced it meanwhile; lines still
 missing when the child ends are counted in one line on the terminal, as the child's own train.log (Tee) counts its
 own on stderr, where a line print() writes in parts counts as in only once all of it is. A child's stdout and
-stderr go into train.log in whole lines, never one glued into the other's.
+stderr go into train.log, and onto study.py's terminal, in whole lines, never one glued into the other's; a line
+rewritten in place (a download's progress) is on the terminal as it goes.
     python -m pytest -q tests/test_study_disk.py
 """
 import os
@@ -202,3 +203,43 @@ def test_a_child_s_stdout_and_stderr_go_into_train_log_in_whole_lines_of_each(tm
     assert lines[0] == '' and lines[1].endswith(': the child'), lines
     assert lines[-1] == '' and sorted(lines[2:-1]) == ['step 5 loss 0.5', 'the last line, unfinished',
                                                       'warning: a line of stderr'], lines
+
+
+def test_a_child_s_stdout_and_stderr_reach_the_terminal_in_whole_lines_of_each(tmp_path):
+    p = run(['-c', GLUE_DRIVER, str(tmp_path / 'train.log')])
+    # both of the child's streams are echoed on study.py's stdout; its unfinished last line is ended there
+    assert sorted(p.stdout.split('\n')) == ['', 'exit code 0', 'step 5 loss 0.5', 'the last line, unfinished',
+                                            'warning: a line of stderr'], p.stdout + p.stderr[-3000:]
+
+
+# A download's progress, rewritten in place on stderr ('\r'), unfinished while the child waits; then a line of stdout
+PROGRESS_DRIVER = r"""
+import os, sys, time
+log, term, go = sys.argv[1:4]
+os.dup2(os.open(term, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 1)  # study.py's terminal, read back as it goes
+sys.argv = ['study.py']
+import study
+child = ("import os, sys, time\n"
+         "sys.stderr.write('\\rfetched 1 of 2'); sys.stderr.flush()\n"
+         "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+         "print('a line of stdout', flush=True)\n"
+         "sys.stderr.write('\\rfetched 2 of 2\\n')\n")
+r, t0 = study.Running(['-c', child, go], log, 'the child'), time.time()
+while (got := r.pump(echo=True)) != 'eof':
+    if not os.path.exists(go) and ((shown := b'fetched 1 of 2' in open(term, 'rb').read()) or time.time() - t0 > 60):
+        print('progress on the terminal while the child waited:', shown, file=sys.stderr)
+        open(go, 'w').close()
+    elif not got:
+        time.sleep(0.05)
+print('exit code', r.close()[0])
+"""
+
+
+def test_a_progress_line_rewritten_in_place_is_on_the_terminal_as_it_goes_and_glued_to_no_line(tmp_path):
+    term = tmp_path / 'terminal'
+    p = run(['-c', PROGRESS_DRIVER, str(tmp_path / 'train.log'), str(term), str(tmp_path / 'go')])
+    text = term.read_text()
+    assert 'progress on the terminal while the child waited: True' in p.stderr, p.stderr[-3000:] + text
+    shown = [row.split('\r')[-1] for row in text.split('\n')]  # what each row of the terminal ends up showing
+    assert shown.count('a line of stdout') == 1 and 'fetched 2 of 2' in shown and shown[-2:] == ['exit code 0', ''] \
+        and set(shown) <= {'fetched 1 of 2', 'fetched 2 of 2', 'a line of stdout', 'exit code 0', ''}, repr(text)
