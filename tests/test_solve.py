@@ -574,7 +574,8 @@ def test_a_model_trained_with_q_continue_stops_where_it_learned_to_halt(tmp_path
         '--forward_dtype=float32', '--xla_cache_dir=', '--no_ACT_continue=False')
     ckpt = sorted(glob.glob(str(out / 'ckpt_*.pt')))[-1]
     saved = weights_in(load_checkpoint(ckpt))
-    keys = {k: v for k, v in saved['config'].items() if k in MODEL_KEYS and k not in ('forward_dtype', 'loss_dtype')}
+    keys = {k: v for k, v in saved['config'].items() if k in MODEL_KEYS and k != 'loss_dtype'}  # 'auto': no loss here
+    assert keys['forward_dtype'] == 'float32'  # as the run evaluated it: bf16 would move the heads' near ties
     m = TRM(TRMConfig.for_data(load_metadata(str(data), 'train'), **keys)).eval()
     m.load_state_dict(saved['weights'])
     inputs, labels = (torch.from_numpy(np.load(data / 'test' / f'all__{n}.npy')) for n in ('inputs', 'labels'))
@@ -592,17 +593,20 @@ def test_a_model_trained_with_q_continue_stops_where_it_learned_to_halt(tmp_path
     first = stop.int().argmax(0)
     learned_steps = float((first + 1).float().mean())
     learned_exact = float(right.gather(0, first[None])[0].float().mean())
-    # the two rules part by far more than rounding moves either: what the assertions below tell apart
-    assert abs(float((old.int().argmax(0) + 1).float().mean()) - learned_steps) > 0.8
+    # a near tie (q_halt within float32 rounding of q_continue) may fall the other way in another batch shape: a
+    # step of a row or two in the mean of 100; the two rules part by more than twice that (how far, the training's
+    # path decides: it differs from one CPU and thread count to another)
+    tie = 0.03
+    old_steps = float((old.int().argmax(0) + 1).float().mean())
+    assert abs(old_steps - learned_steps) > 2 * tie, (old_steps, learned_steps)
     with open(out / 'results.json') as f:
         final = json.load(f)['final_eval']
-    # near ties (q_halt within rounding of q_continue) fall either way in another batch shape: some tenths of a step
-    assert abs(final['steps_q_halt'] - learned_steps) < 0.4, (final['steps_q_halt'], learned_steps)
-    assert abs(final['exact_accuracy_q_halt'] - learned_exact) < 0.1, (final['exact_accuracy_q_halt'], learned_exact)
+    assert abs(final['steps_q_halt'] - learned_steps) <= tie, (final['steps_q_halt'], learned_steps, old_steps)
+    assert abs(final['exact_accuracy_q_halt'] - learned_exact) <= tie, (final['exact_accuracy_q_halt'], learned_exact)
     puzzles = tmp_path / 'puzzles.txt'
     with open(data / 'csv' / 'test.csv') as f:
         puzzles.write_text('\n'.join(r['question'] for r in csv.DictReader(f)) + '\n')
     p = solve(f'--init_from={ckpt}', f'--file={puzzles}', '--quiet=True')
     assert 'stopping where the model halts (q_halt > q_continue)' in p.stdout, p.stdout[:2000]
     steps = [int(re.search(r' (?:in|after) (\d+) steps?;', l).group(1)) for l in summaries(p.stdout).values()]
-    assert len(steps) == 100 and abs(np.mean(steps) - learned_steps) < 0.4, (np.mean(steps), learned_steps)
+    assert len(steps) == 100 and abs(np.mean(steps) - learned_steps) <= tie, (np.mean(steps), learned_steps, old_steps)
