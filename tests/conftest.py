@@ -415,6 +415,27 @@ def popen_train(data, out, *extra, args=FAST, env=None):
                             stderr=subprocess.STDOUT, bufsize=0, start_new_session=True)
 
 
+def hold(proc, timeout=60):
+    """SIGSTOP to proc, returning once every thread of it is stopped: the signal stops them only when each is next
+    scheduled, so a thread may still write a file or a line meanwhile. SIGCONT is the caller's."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.time() + timeout
+    while not all(state in 'Tt' for state in thread_states(proc.pid)):
+        assert time.time() < deadline, f"pid {proc.pid} not stopped {timeout} s after SIGSTOP"
+        time.sleep(0.01)
+
+
+def thread_states(pid):
+    """The state letter of each thread of process pid (/proc/<pid>/task/*/stat)."""
+    states = []
+    for task in os.listdir(f'/proc/{pid}/task'):
+        try:
+            states.append(open(f'/proc/{pid}/task/{task}/stat').read().rsplit(')', 1)[1].split()[0])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return states
+
+
 def stopped_owing_an_evaluation(data, out, args, hook):
     """A run of `args` stopped by SIGTERM in step 20, an evaluation's (held there by a test hook in the folder
     `hook`): it saves ckpt_00000020.pt with that evaluation owed, and exits 0."""

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from conftest import (FAST, ROOT, TOY_ARGS, XLA_ENV, Lines, ckpts, finish, popen_train, read_until, script_env,
+from conftest import (FAST, ROOT, TOY_ARGS, XLA_ENV, Lines, ckpts, finish, hold, popen_train, read_until, script_env,
                       site_hook, start, train)
 
 
@@ -145,11 +145,7 @@ def test_the_first_stop_signal_is_acknowledged_at_once_and_a_second_does_not_los
     proc = popen_train(toy, out, '--epochs=200', '--log_interval=1')
     lines = Lines(proc)
     lines.until('step 30/')  # past the calibration: the ranks agree on stop requests every ~2 s from here
-    os.kill(proc.pid, signal.SIGSTOP)
-    deadline = time.time() + 60
-    while not stopped(proc.pid):  # every thread of it, so nothing more is written until SIGCONT
-        assert time.time() < deadline
-        time.sleep(0.01)
+    hold(proc)  # every thread of it, so nothing more is written until SIGCONT
     lines.drain()  # every line printed before the signal
     partial = bool(lines.buf)
     os.kill(proc.pid, signal.SIGTERM)
@@ -195,17 +191,6 @@ model.TRM.predict_step = predict_step
     assert proc.returncode == 0, text[-3000:]
     assert 'eval on' not in text and 'stopped cleanly' in text, text[-3000:]
     assert ckpts(out) == ['ckpt_00000003.pt'] and not os.path.exists(out / 'results.json')
-
-
-def stopped(pid):
-    """Whether every thread of process pid is stopped (SIGSTOP)."""
-    states = []
-    for task in os.listdir(f'/proc/{pid}/task'):
-        try:
-            states.append(open(f'/proc/{pid}/task/{task}/stat').read().rsplit(')', 1)[1].split()[0])
-        except OSError:  # a thread that ended meanwhile
-            pass
-    return all(s in 'Tt' for s in states)
 
 
 def children(pid):

@@ -14,7 +14,7 @@ import signal
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from runkeep.records import TensorBoardWriter
-from conftest import TOY_ARGS, Lines, popen_train, run
+from conftest import TOY_ARGS, Lines, hold, popen_train, run
 from disks import small_disk
 
 FAST = TOY_ARGS + ['--epochs=2', '--eval_every_epochs=100', '--log_interval=2']
@@ -43,7 +43,7 @@ def test_a_tb_folder_deleted_mid_run_is_made_again(toy, tmp_path):
     proc = popen_train(toy, out, args=LONG)
     lines = Lines(proc)
     lines.until('step 10/')  # its board written to
-    os.kill(proc.pid, signal.SIGSTOP)  # held still while its board goes
+    hold(proc)  # every thread still while its board goes (the writer's too)
     try:
         shutil.rmtree(out / 'tb')
     finally:
