@@ -42,18 +42,22 @@ def test_a_tb_folder_deleted_mid_run_is_made_again(toy, tmp_path):
     out = tmp_path / 'o'
     proc = popen_train(toy, out, args=LONG)
     lines = Lines(proc)
-    lines.until('step 10/')  # its board written to
-    hold(proc)  # every thread still while its board goes (the writer's too)
     try:
-        shutil.rmtree(out / 'tb')
-    finally:
-        os.kill(proc.pid, signal.SIGCONT)
-    while 'was deleted under the run' not in (warning := lines.until('warning: ')):  # its next log finds tb/ gone
-        pass
-    since = int(re.search(r'from step (\d+)', warning).group(1))
-    lines.until('step ')  # the log that made tb/ again is done: its scalars are in the new writer
-    proc.send_signal(signal.SIGTERM)
-    text = lines.rest(600)
+        lines.until('step 10/')  # its board written to
+        hold(proc)  # every thread still while its board goes (the writer's too)
+        try:
+            shutil.rmtree(out / 'tb')
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        while 'was deleted under the run' not in (warning := lines.until('warning: ')):  # its next log: tb/ gone
+            pass
+        since = int(re.search(r'from step (\d+)', warning).group(1))
+        lines.until('step ')  # the log that made tb/ again is done: its scalars are in the new writer
+        proc.send_signal(signal.SIGTERM)
+        text = lines.rest(600)
+    finally:  # a failure above would leave the run going on for hours, beside the next tests
+        if proc.poll() is None:
+            lines.kill()
     assert proc.returncode == 0 and 'stopped cleanly' in text, text[-3000:]
     assert len(warnings_about_tb(text)) == 1, warnings_about_tb(text)
     acc = EventAccumulator(str(out / 'tb'), size_guidance={'scalars': 0})
