@@ -727,23 +727,18 @@ def drop_earlier_log(local, start):
     log = os.path.join(local, 'train.log')
     if not start or Tee.log is None or Tee.log.name != log:
         return
-    tmp = log + '.tmp'  # a stale one (a process killed here) goes at start (remove_unfinished)
     with Tee.lock:  # another thread's line waits, so none goes to the file being replaced
         try:
             with open(log, 'rb') as f:
                 f.seek(start)
                 ours = f.read()
-            with open(tmp, 'wb') as f:
-                f.write(ours)
-            os.replace(tmp, log)
+            write_atomic(log, lambda f: f.write(ours), mode='wb')
             Tee.log = Tee.log.reopened()
             return
         except OSError as e:
             why = e
         if Tee.log.f.closed:  # replaced, but not open again: the terminal alone has the output from here
             Tee.log = None
-    with contextlib.suppress(OSError):
-        os.remove(tmp)
     print(f"warning: cannot drop the earlier run's lines from {log} ({why.strerror or why}): this run's lines "
           "follow them there")
 
