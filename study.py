@@ -35,7 +35,6 @@ The design, each scale's flags, the cost model, slots and pods, seeds, views and
 """
 import atexit
 import contextlib
-import json
 import os
 import re
 import shlex
@@ -48,7 +47,7 @@ from collections import deque
 from runkeep import gcs
 from configurator import TRAIN_RULES, LineLog, Tee, find_file, parse_flags, type_problem
 from device import tpu_chips, tpu_host_alone_env, tpu_host_index, tpu_hosts, usable_cores
-from runkeep.locks import LOCK_NAME, STUDY_VAR, claim, holder_gone, local_record, lock_record, one_at_a_time
+from runkeep.locks import LOCK_NAME, STUDY_VAR, create_lock, holder_gone, local_record
 from runkeep.records import take_bucket_log
 from runkeep.signals import die_with_parent
 from runkeep.startup import local_folder
@@ -608,15 +607,8 @@ def lock_study():
     """One study at a time into an out_root: a lock file in its local folder (host, pid), taken over when its
     study is gone (this host's pid ended, or the host restarted), removed at exit."""
     path = os.path.join(LOCAL_ROOT, STUDY_LOCK)
-    with one_at_a_time(LOCAL_ROOT):  # of two studies that find one stale lock, one takes it over
-        fd, problems = claim(LOCAL_ROOT, STUDY_LOCK, 'study', 'out_root', ROOT)
-        if problems:
-            raise SystemExit(problems[0])
-        try:
-            with os.fdopen(fd, 'w') as f:
-                json.dump(lock_record(), f)
-        except OSError as ex:  # a full disk: the lock is there, without its holder's name
-            print(f"study: cannot write the holder into the lock {path} ({ex.strerror or ex}); the lock holds")
+    if problems := create_lock(LOCAL_ROOT, STUDY_LOCK, 'study', 'out_root', ROOT):
+        raise SystemExit(problems[0])
     atexit.register(lambda: os.path.exists(path) and os.remove(path))
 
 

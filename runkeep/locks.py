@@ -6,6 +6,7 @@ carries a mark, removed with the locks, so a builder asked to replace it says th
 """
 import atexit
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -121,7 +122,7 @@ def one_at_a_time(folder):
 
 
 def lock_local(folder):
-    """Rank 0: this folder's lock, created atomically (O_CREAT|O_EXCL); [] or [the problem]."""
+    """Rank 0: this folder's lock, taken atomically (create_lock); [] or [the problem]."""
     problems = create_lock(folder)
     if not problems:
         HELD.append(os.path.join(folder, LOCK_NAME))
@@ -129,41 +130,54 @@ def lock_local(folder):
 
 
 def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None):
-    """The lock file <folder>/<name> taken (claim: what, key and where as there) by one process of this host at a
-    time, its holder's record written in it; [] or [the problem]. Releasing it is the caller's."""
+    """The lock file <folder>/<name> taken, with this process's record in it, by one process of this host at a
+    time (what, key and where: the holder and its option in the messages, and what is in use: folder); a lock of
+    a holder that is gone is taken over once. [] or [the problem]. Releasing it is the caller's."""
     path = os.path.join(folder, name)
     with one_at_a_time(folder):
-        fd, problems = claim(folder, name, what, key, where)
-        if problems:
-            return problems
-        try:
-            with os.fdopen(fd, 'w') as f:
-                json.dump(lock_record(), f)
-        except OSError as e:  # a full disk: the lock's record does not fit
-            os.remove(path)
-            return [f"cannot write the lock {path}: {e.strerror or e}; free some space in {folder}"]
+        for attempt in range(2):
+            try:
+                os.makedirs(folder, exist_ok=True)
+                place(path, json.dumps(lock_record()))
+                return []
+            except OSError as e:
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    return [f"cannot write the lock {path}: {e.strerror}; free some space in {folder}"]
+                if not isinstance(e, FileExistsError) or not os.path.isdir(folder):  # folder: a file
+                    return [f"cannot create the lock {path}: {e.strerror or e}; {key} must be a folder this "
+                            f"{what} can write"]
+                rec = local_record(path)
+                if attempt == 0 and taken_over(rec, path, what):
+                    os.remove(path)
+                    continue
+                return [in_use(where or folder, rec, path, what, key)]
     return []
 
 
-def claim(folder, name, what='run', key='out_dir', where=None):
-    """The lock file <folder>/<name> created atomically (O_CREAT|O_EXCL; folder made first), a lock of a holder
-    that is gone taken over once: (its open fd, []) or (None, [the problem]); the holder's record is the
-    caller's to write. what and key: the holder and its option in the messages (a run and out_dir, a study and
-    out_root); where: what is in use (folder)."""
-    path = os.path.join(folder, name)
-    for attempt in range(2):
+def place(path, text):
+    """path created holding text; FileExistsError where it is there. The text is written beside it and linked
+    into place, so the lock never exists empty: a process stopped at any point (a Ctrl-C, SIGKILL) leaves no lock
+    or a whole one, which the next holder takes over, never an unreadable one that refuses every later run. A
+    filesystem without hard links (some FUSE mounts) gets the lock created exclusively and written after."""
+    tmp = f'{path}.{os.getpid()}.tmp'
+    try:
+        with open(tmp, 'w') as f:
+            f.write(text)
         try:
-            os.makedirs(folder, exist_ok=True)
-            return os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644), []
-        except OSError as e:
-            if not isinstance(e, FileExistsError) or not os.path.isdir(folder):
-                return None, [f"cannot create the lock {path}: {e.strerror}; {key} must be a folder this {what} "
-                              "can write"]
-            rec = local_record(path)
-            if attempt == 0 and taken_over(rec, path, what):
+            os.link(tmp, path)
+        except FileExistsError:
+            raise
+        except OSError:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            try:
+                with os.fdopen(fd, 'w') as f:
+                    f.write(text)
+            except BaseException:
                 os.remove(path)
-                continue
-            return None, [in_use(where or folder, rec, path, what, key)]
+                raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
 
 
 def local_record(path):
