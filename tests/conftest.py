@@ -1,7 +1,9 @@
 """
 Shared fixtures and helpers for tests/: run() a script of the repo as a user would, the toy dataset,
-the TINY model config, the GCS emulator, local HTTP servers. Run all:  python -m pytest -q tests/
+the TINY model config, the GCS emulator, local HTTP servers; no process a test starts outlives it.
+Run all:  python -m pytest -q tests/
 """
+import contextlib
 import functools
 import glob
 import http.server
@@ -45,6 +47,57 @@ LONGEST_FIRST = ('test_pod.py', 'test_watchdog.py', 'test_learns.py', 'test_sign
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
+
+
+def descendants(spared=()):
+    """(pid, start time) -> command of each live process descended from this one, but for those in `spared`
+    and the processes under them; empty without /proc."""
+    children = {}
+    for pid in filter(str.isdigit, os.listdir('/proc') if os.path.exists('/proc/self/stat') else []):
+        try:
+            name, rest = open(f'/proc/{pid}/stat').read().split(' (', 1)[1].rsplit(')', 1)  # a name may hold ')'
+        except OSError:  # ended meanwhile
+            continue
+        fields = rest.split()  # from the stat's third field on: the state, the parent's pid, ..., the start time
+        if fields[0] != 'Z':
+            children.setdefault(int(fields[1]), []).append(((int(pid), fields[19]), name))
+    found, parents = {}, [os.getpid()]
+    while parents:
+        for key, name in children.get(parents.pop(), []):
+            if key not in spared:
+                with contextlib.suppress(OSError):  # the command line says more than the name (python)
+                    name = open(f'/proc/{key[0]}/cmdline').read().replace('\0', ' ').strip()[:200] or name
+                found[key] = name
+                parents.append(key[0])
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _no_process_outlives_its_test():
+    """A test ends what it starts on its success path only: when an assertion or a timeout fails first, its
+    train.py or study.py would go on holding a core through the tests after it. So at teardown every process the
+    test started is killed, their children too; those running at its setup (a session's emulator), and what they
+    start, are spared."""
+    before = set(descendants())
+    yield
+    doomed = {}
+    while new := {k: v for k, v in descendants(before).items() if k not in doomed}:
+        for pid, _ in new:  # stopped first: a stopped process starts no other, and its children stay in the tree
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        doomed.update(new)
+    for pid, _ in doomed:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    if doomed:
+        print('killed, left running by the test:', ', '.join(f'{pid} ({n})' for (pid, _), n in doomed.items()),
+              file=sys.stderr)
+    deadline = time.time() + 10
+    for pid, _ in doomed:  # this process's own children; the others' are reaped by whoever inherits them
+        with contextlib.suppress(ChildProcessError):
+            while not os.waitpid(pid, os.WNOHANG)[0] and time.time() < deadline:
+                time.sleep(0.01)
+
 
 TINY = dict(vocab_size=6, seq_len=8, num_puzzle_identifiers=3, hidden_size=32, num_heads=2, expansion=2.0,
             H_cycles=2, L_cycles=2, halt_max_steps=4, puzzle_emb_ndim=32, puzzle_emb_len=2,
