@@ -67,8 +67,9 @@ def descendants(spared=()):
             if key not in spared:
                 with contextlib.suppress(OSError):  # the command line says more than the name (python)
                     name = open(f'/proc/{key[0]}/cmdline').read().replace('\0', ' ').strip()[:200] or name
-                found[key] = name
-                parents.append(key[0])
+                if 'compile_worker' not in name:  # inductor's pool of compile workers serves the whole session
+                    found[key] = name
+                    parents.append(key[0])
     return found
 
 
