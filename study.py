@@ -607,7 +607,7 @@ def lock_study():
     """One study at a time into an out_root: a lock file in its local folder (host, pid), taken over when its
     study is gone (this host's pid ended, or the host restarted), removed at exit."""
     path = os.path.join(LOCAL_ROOT, STUDY_LOCK)
-    if problems := create_lock(LOCAL_ROOT, STUDY_LOCK, 'study', 'out_root', ROOT):
+    if problems := create_lock(LOCAL_ROOT, STUDY_LOCK, 'study', 'out_root', ROOT, bare_when_full=True):
         raise SystemExit(problems[0])
     atexit.register(lambda: os.path.exists(path) and os.remove(path))
 

@@ -129,16 +129,19 @@ def lock_local(folder):
     return problems
 
 
-def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None):
+def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None, bare_when_full=False):
     """The lock file <folder>/<name> taken, with this process's record in it, by one process of this host at a
     time (what, key and where: the holder and its option in the messages, and what is in use: folder); a lock of
-    a holder that is gone is taken over once. [] or [the problem]. Releasing it is the caller's."""
+    a holder that is gone is taken over once. [] or [the problem]. Releasing it is the caller's. A full disk
+    refuses the lock, or with bare_when_full (a study, which re-evaluates and reports on a full disk) takes it
+    without its record, said."""
     path = os.path.join(folder, name)
     with one_at_a_time(folder):
         for attempt in range(2):
             try:
                 os.makedirs(folder, exist_ok=True)
-                place(path, json.dumps(lock_record()))
+                if not place(path, json.dumps(lock_record()), bare_when_full):
+                    print(f"{what}: cannot write its holder into the lock {path} (the disk is full); the lock holds")
                 return []
             except OSError as e:
                 if e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -154,15 +157,22 @@ def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None):
     return []
 
 
-def place(path, text):
-    """path created holding text; FileExistsError where it is there. The text is written beside it and linked
-    into place, so the lock never exists empty: a process stopped at any point (a Ctrl-C, SIGKILL) leaves no lock
-    or a whole one, which the next holder takes over, never an unreadable one that refuses every later run. A
-    filesystem without hard links (some FUSE mounts) gets the lock created exclusively and written after."""
+def place(path, text, bare_when_full=False):
+    """path created holding text (True), or where the disk is full and bare_when_full, empty (False);
+    FileExistsError where it is there. The text is written beside it and linked into place, so the lock never
+    exists empty: a process stopped at any point (a Ctrl-C, SIGKILL) leaves no lock or a whole one, which the next
+    holder takes over, never an unreadable one that refuses every later run. A filesystem without hard links
+    (some FUSE mounts) gets the lock created exclusively and written after."""
     tmp = f'{path}.{os.getpid()}.tmp'
     try:
-        with open(tmp, 'w') as f:
-            f.write(text)
+        try:
+            with open(tmp, 'w') as f:
+                f.write(text)
+        except OSError as e:
+            if not bare_when_full or e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            open(tmp, 'w').close()
+            text = ''
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -178,6 +188,7 @@ def place(path, text):
     finally:
         with contextlib.suppress(OSError):
             os.remove(tmp)
+    return bool(text)
 
 
 def local_record(path):

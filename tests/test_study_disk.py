@@ -32,6 +32,7 @@ def test_a_study_re_evaluation_on_a_full_disk_names_the_path_and_prints_its_summ
     text = p.stdout + p.stderr
     assert 'Traceback' not in text, text[-3000:]
     assert 'summary of the test-time evaluations' in p.stdout, text[-3000:]
+    assert 'the lock holds' in p.stdout, text[-3000:]  # taken without its holder's record, said
     full = [l for l in text.splitlines() if 'No space left' in l]
     assert full and str(out) in full[0], text[-3000:]
 
