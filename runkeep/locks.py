@@ -154,7 +154,6 @@ def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None, b
                     os.remove(path)
                     continue
                 return [in_use(where or folder, rec, path, what, key)]
-    return []
 
 
 def place(path, text, bare_when_full=False):
