@@ -29,6 +29,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from data import write_split  # noqa: E402
+from runkeep.locks import proc_stat  # noqa: E402
 
 # Every process a test starts computes in one thread. The suite runs in parallel (README: pytest -n auto, one
 # worker per core), and processes with two threads each on a busy core wait on each other at every small op:
@@ -54,21 +55,19 @@ def descendants(spared=()):
     and the processes under them; empty without /proc."""
     children = {}
     for pid in filter(str.isdigit, os.listdir('/proc') if os.path.exists('/proc/self/stat') else []):
-        try:
-            name, rest = open(f'/proc/{pid}/stat').read().split(' (', 1)[1].rsplit(')', 1)  # a name may hold ')'
-        except OSError:  # ended meanwhile
-            continue
-        fields = rest.split()  # from the stat's third field on: the state, the parent's pid, ..., the start time
-        if fields[0] != 'Z':
-            children.setdefault(int(fields[1]), []).append(((int(pid), fields[19]), name))
+        fields = proc_stat(pid)  # the state, the parent's pid, ..., the start time (None: ended meanwhile)
+        if fields and fields[0] != 'Z':
+            children.setdefault(int(fields[1]), []).append((int(pid), fields[19]))
     found, parents = {}, [os.getpid()]
     while parents:
-        for key, name in children.get(parents.pop(), []):
+        for key in children.get(parents.pop(), []):
             if key not in spared:
-                with contextlib.suppress(OSError):  # the command line says more than the name (python)
-                    name = open(f'/proc/{key[0]}/cmdline').read().replace('\0', ' ').strip()[:200] or name
-                if 'compile_worker' not in name:  # inductor's pool of compile workers serves the whole session
-                    found[key] = name
+                try:
+                    command = open(f'/proc/{key[0]}/cmdline').read().replace('\0', ' ').strip()[:200]
+                except OSError:  # ended meanwhile
+                    continue
+                if 'compile_worker' not in command:  # inductor's pool of compile workers serves the whole session
+                    found[key] = command
                     parents.append(key[0])
     return found
 

@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from runkeep.locks import proc_stat
+
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
 INNER = '''
@@ -35,12 +37,12 @@ def test_fails_with_its_processes_running(tmp_path):
 def running(pid):
     """Whether pid is one of the inner test's processes and has not ended (a zombie has: killed, not yet reaped
     by the init process it was handed to)."""
+    fields = proc_stat(pid)
     try:
-        state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]
         command = open(f'/proc/{pid}/cmdline', 'rb').read().replace(b'\0', b' ')
     except OSError:
         return False
-    return state != 'Z' and b'sleep 600' in command
+    return bool(fields) and fields[0] != 'Z' and b'sleep 600' in command
 
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/stat'), reason='the guard reads /proc')
