@@ -29,7 +29,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from data import write_split  # noqa: E402
-from runkeep.locks import proc_stat  # noqa: E402
+from runkeep.locks import ended, proc_stat  # noqa: E402
 
 # Every process a test starts computes in one thread. The suite runs in parallel (README: pytest -n auto, one
 # worker per core), and processes with two threads each on a busy core wait on each other at every small op:
@@ -50,24 +50,56 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
-def descendants(spared=()):
-    """(pid, start time) -> command of each live process descended from this one, but for those in `spared`
-    and the processes under them; empty without /proc."""
-    children = {}
+def process_table():
+    """parent pid -> [(pid, start time)] of each live process (zombies left out); empty without /proc."""
+    table = {}
     for pid in filter(str.isdigit, os.listdir('/proc') if os.path.exists('/proc/self/stat') else []):
         fields = proc_stat(pid)  # the state, the parent's pid, ..., the start time (None: ended meanwhile)
-        if fields and fields[0] != 'Z':
-            children.setdefault(int(fields[1]), []).append((int(pid), fields[19]))
-    found, parents = {}, [os.getpid()]
+        if fields and fields[0] not in ('Z', 'X'):
+            table.setdefault(int(fields[1]), []).append((int(pid), fields[19]))
+    return table
+
+
+def children(pid):
+    """The live processes whose parent is pid."""
+    return [kid for kid, _ in process_table().get(pid, [])]
+
+
+def below(pid):
+    """Every live process descended from pid: its children, theirs, and so on (a launcher's workers, which may
+    run in sessions of their own)."""
+    table, found, parents = process_table(), [], [pid]
     while parents:
-        for key in children.get(parents.pop(), []):
+        kids = [kid for kid, _ in table.get(parents.pop(), [])]
+        found += kids
+        parents += kids
+    return found
+
+
+def alive(pid):
+    """Whether process pid runs: it is there and not a zombie (ended, not yet waited for)."""
+    return proc_stat(pid) is not None and not ended(pid)
+
+
+def command(pid):
+    """Process pid's command line, its arguments joined by spaces ('' once it has ended)."""
+    try:
+        with open(f'/proc/{pid}/cmdline', 'rb') as f:
+            return f.read().replace(b'\0', b' ').decode(errors='replace').strip()
+    except OSError:
+        return ''
+
+
+def descendants(spared=()):
+    """(pid, start time) -> command of each live process descended from this one, but for those in `spared`
+    and the processes under them."""
+    table, found, parents = process_table(), {}, [os.getpid()]
+    while parents:
+        for key in table.get(parents.pop(), []):
             if key not in spared:
-                try:
-                    command = open(f'/proc/{key[0]}/cmdline').read().replace('\0', ' ').strip()[:200]
-                except OSError:  # ended meanwhile
-                    continue
-                if 'compile_worker' not in command:  # inductor's pool of compile workers serves the whole session
-                    found[key] = command
+                text = command(key[0])[:200]
+                if text and 'compile_worker' not in text:  # inductor's compile workers serve the whole session
+                    found[key] = text
                     parents.append(key[0])
     return found
 

@@ -119,7 +119,7 @@ def test_a_lock_whose_holder_ended_but_is_not_reaped_is_stale():
     that reaps nothing) stays a zombie under its pid: it holds nothing, and a study rerun waiting for it, or a run
     refused by its lock, would wait or be refused for good."""
     ended = subprocess.Popen([sys.executable, '-c', 'pass'])
-    while open(f'/proc/{ended.pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z':  # not waited for
+    while locks.proc_stat(ended.pid)[0] != 'Z':  # not waited for
         time.sleep(0.01)
     try:
         rec = dict(locks.lock_record(), pid=ended.pid, started=locks.started(ended.pid))

@@ -14,22 +14,14 @@ import time
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, held_step, run, script_env
+from conftest import BUCKET, ROOT, TOY_ARGS, XLA_ENV, children, command, held_step, run, script_env
 
 SMOKE = TOY_ARGS + ['--preflight=True', '--eval_subset=20', '--log_interval=1']
 
 
 def phase_pid(parent, phase):
     """The pid of the pre-flight run `phase` that `parent` started, or None."""
-    for pid in filter(str.isdigit, os.listdir('/proc')):
-        try:
-            cmd = open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\0')
-            stat = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()
-        except OSError:
-            continue
-        if f'--preflight_phase={phase}'.encode() in cmd and int(stat[1]) == parent:
-            return int(pid)
-    return None
+    return next((kid for kid in children(parent) if f'--preflight_phase={phase}' in command(kid)), None)
 
 
 def test_a_preflight_whose_second_run_was_stopped_before_evaluating_fails(toy, tmp_path):

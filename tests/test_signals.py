@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from conftest import (FAST, ROOT, TOY_ARGS, XLA_ENV, Lines, ckpts, finish, hold, popen_train, read_until, script_env,
-                      site_hook, start, train)
+from conftest import (FAST, ROOT, TOY_ARGS, XLA_ENV, Lines, alive, children, ckpts, command, finish, hold, popen_train,
+                      read_until, script_env, site_hook, start, train)
 
 
 def assert_unlocked(out):
@@ -193,20 +193,9 @@ model.TRM.predict_step = predict_step
     assert ckpts(out) == ['ckpt_00000003.pt'] and not os.path.exists(out / 'results.json')
 
 
-def children(pid):
-    kids = []
-    for d in os.listdir('/proc'):
-        try:
-            if d.isdigit() and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == pid:
-                kids.append(int(d))
-        except (OSError, IndexError, ValueError):
-            pass
-    return kids
-
-
 def xla_workers(pid):
     """The torch_xla worker processes of a launcher (not multiprocessing's resource tracker)."""
-    return [k for k in children(pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
+    return [k for k in children(pid) if 'spawn_main' in command(k)]
 
 
 def test_the_xla_launcher_passes_on_a_sigterm_the_kernel_gave_to_a_thread_other_than_its_main_one(toy, tmp_path):
@@ -233,15 +222,11 @@ def test_the_xla_launcher_passes_on_a_sigterm_the_kernel_gave_to_a_thread_other_
 
 def gone(pid, timeout):
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            state = open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0]
-        except OSError:
-            return True
-        if state == 'Z':
-            return True
+    while alive(pid):
+        if time.time() > deadline:
+            return False
         time.sleep(0.2)
-    return False
+    return True
 
 
 @pytest.mark.skipif(not os.path.exists('/proc'), reason='reads /proc')

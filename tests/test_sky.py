@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, TOY_ARGS, Lines, free_port, site_hook
+from conftest import BUCKET, ROOT, TOY_ARGS, Lines, below, free_port, site_hook
 from runkeep.signals import HUNG_AGAIN_EXIT, HUNG_EXIT
 from test_watchdog import hang_at
 
@@ -276,24 +276,6 @@ if sys.argv[0].endswith('train.py') or sys.argv[-1] == '--multiprocessing-fork':
 '''
 
 
-def tree(pid):
-    """pid and every process below it (torchrun's workers and torch_xla's have sessions of their own)."""
-    children = {}
-    for entry in os.listdir('/proc'):
-        if entry.isdigit():
-            try:
-                with open(f'/proc/{entry}/stat') as f:
-                    ppid = int(f.read().rsplit(')', 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        out.append(todo.pop())
-        todo += children.get(out[-1], [])
-    return out
-
-
 def signal_one(pid, sig):
     try:
         os.kill(pid, sig)
@@ -303,7 +285,7 @@ def signal_one(pid, sig):
 
 def signal_all(pid, sig):
     """sig to every process of a node at once, as the VM's shutdown sends SIGTERM to all of them."""
-    for p in tree(pid):
+    for p in [pid] + below(pid):  # torchrun's workers and torch_xla's have sessions of their own
         signal_one(p, sig)
 
 
@@ -311,10 +293,10 @@ def vm_gone(*runs):
     """Every process of the nodes dies at once, as with VMs that are gone: all stopped first (none can exit, save
     or start another), then all killed."""
     while True:
-        pids = [p for r in runs for p in tree(r.proc.pid)]
+        pids = [p for r in runs for p in [r.proc.pid] + below(r.proc.pid)]
         for p in pids:
             signal_one(p, signal.SIGSTOP)
-        if sorted(pids) == sorted(p for r in runs for p in tree(r.proc.pid)):
+        if sorted(pids) == sorted(p for r in runs for p in [r.proc.pid] + below(r.proc.pid)):
             break
     for p in pids:
         signal_one(p, signal.SIGKILL)

@@ -17,7 +17,8 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, ROOT, XLA_ENV, Lines, ckpts, our_frames, popen_train, script_env, site_hook, train
+from conftest import (FAST, ROOT, XLA_ENV, Lines, alive, below, ckpts, command, our_frames, popen_train, script_env,
+                      site_hook, train)
 
 GRACE = 3  # seconds (TRM_STOP_GRACE_S), so the tests take seconds
 
@@ -215,7 +216,7 @@ def test_every_torchrun_rank_ends_when_one_rank_s_step_does_not(toy, tmp_path):
     lines = Lines(proc)
     lines.until('test hook: step 12 never ends')  # rank 0 then waits for rank 1 in step 12, or soon will
     t = time.time()
-    for pid in [proc.pid] + descendants(proc.pid):
+    for pid in [proc.pid] + below(proc.pid):
         os.kill(pid, signal.SIGTERM)
     text = lines.rest(120)
     assert time.time() - t < GRACE + 20, (time.time() - t, text[-3000:])
@@ -239,7 +240,7 @@ def test_under_torch_xla_s_launcher_the_worker_ends_and_so_does_the_launcher(toy
                        env=dict(XLA_ENV, **step_never_ends(tmp_path)))
     lines = Lines(proc)
     lines.until('test hook: step 12 never ends', timeout=600)
-    workers = [k for k in descendants(proc.pid) if 'spawn_main' in open(f'/proc/{k}/cmdline').read()]
+    workers = [k for k in below(proc.pid) if 'spawn_main' in command(k)]
     assert workers
     proc.send_signal(signal.SIGTERM)  # the launcher's pid, as `kill PID` or a scheduler would
     text = lines.rest(120)
@@ -260,21 +261,3 @@ def torchrun(toy, out, args, env):
                             + [a for a in FAST if not a.startswith('--global_batch_size')] + args,
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=0,
                             start_new_session=True)
-
-
-def descendants(pid):
-    kids = []
-    for d in os.listdir('/proc'):
-        try:
-            if d.isdigit() and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == pid:
-                kids.append(int(d))
-        except (OSError, IndexError, ValueError):
-            pass
-    return kids + [k for kid in kids for k in descendants(kid)]
-
-
-def alive(pid):
-    try:
-        return open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] != 'Z'
-    except OSError:
-        return False

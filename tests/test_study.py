@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, fresh_checkout, held_step, run, script_env, site_hook
+from conftest import BUCKET, ROOT, alive, children, fresh_checkout, held_step, run, script_env, site_hook
 from configurator import config_files, read_config_block
 from studies.plan import Options, load_experiments
 from studies.report import collect, plot_ablations, plot_fits, plot_supervision_steps, points
@@ -171,20 +171,6 @@ def test_the_cost_of_a_run_with_frozen_weights_counts_the_step_train_py_runs(tmp
     fpe = {name: re.search(r'([\d.e+]+) GFLOPs per example-step', b).group(1) for name, b in blocks.items()}
     assert fpe.keys() == {'fz_off', 'fz_on'}, p.stdout
     assert abs(float(fpe['fz_on']) / float(fpe['fz_off']) - 0.8) < 0.01, fpe
-
-
-def children(pid):
-    """Process ids whose parent is pid (Linux /proc)."""
-    kids = []
-    for d in os.listdir('/proc'):
-        if d.isdigit():
-            try:
-                stat = open(f'/proc/{d}/stat').read()
-            except OSError:
-                continue
-            if int(stat.rsplit(')', 1)[1].split()[1]) == pid:
-                kids.append(int(d))
-    return kids
 
 
 def study_args(tmp, pattern, *more):
@@ -534,8 +520,7 @@ def test_parallel_slots_give_the_sequential_results_and_a_killed_study_resumes(t
     assert len(kids) == 2, kids  # both runs at once
     p.kill()
     p.communicate(timeout=60)
-    wait_for(lambda: not any(os.path.exists(f'/proc/{k}') and open(f'/proc/{k}/stat').read().split()[2] != 'Z'
-                             for k in kids), timeout=120)
+    wait_for(lambda: not any(alive(k) for k in kids), timeout=120)
     for n in names:  # the study copied each run's output to its train.log; once gone, the run writes it itself
         log = open(f'{tmp}/out2/{n}/train.log').read()
         assert f'its parent process (pid {p.pid}) ended: saving' in log, log[-3000:]

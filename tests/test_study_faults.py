@@ -22,7 +22,7 @@ import time
 import pytest
 
 from runkeep import gcs
-from conftest import BUCKET, ROOT, assert_user_error, held_step, run, script_env, site_hook
+from conftest import BUCKET, ROOT, alive, assert_user_error, children, held_step, run, script_env, site_hook
 
 STUDY = os.path.join(ROOT, 'config', 'study')
 EXTRA = '--max_steps=20 --checkpoint_interval=10 --log_interval=10'
@@ -82,7 +82,7 @@ def test_extra_may_not_set_what_the_runner_owns(grid, data_root):
     for key, value in (('out_dir', f'{grid}/x'), ('local_dir', f'{grid}/x'), ('init_from', 'scratch'),
                        ('eval_only', 'True')):
         p = run(args(grid, data_root, 'rec_*', f'{EXTRA} --{key}={value}'), check=False)
-        assert_user_error(p, f'--extra', key, '--out_root')
+        assert_user_error(p, '--extra', key, '--out_root')
         assert len((p.stdout + p.stderr).strip().splitlines()[-1]) < 300
         assert not os.path.exists(f'{grid}/x') and not os.path.exists(f'{grid}/out/rec_L2')
 
@@ -100,9 +100,7 @@ def test_a_failed_runs_reason_is_its_error_not_its_last_line(grid, data_root):
     shutil.copy(os.path.join(STUDY, 'rec_L2.py'), f'{grid}/cfg')
     p = start(args(grid, data_root, extra='--max_steps=200 --checkpoint_interval=10 --log_interval=10'))
     wait_for(lambda: os.path.exists(f'{grid}/out/rec_L2/ckpt_00000010.pt') or p.poll() is not None)
-    kids = [int(d) for d in os.listdir('/proc') if d.isdigit() and os.path.exists(f'/proc/{d}/stat')
-            and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == p.pid]
-    for kid in kids:
+    for kid in children(p.pid):
         os.kill(kid, signal.SIGKILL)
     text = p.communicate(timeout=300)[0]
     line = next(l for l in summary(text).splitlines() if 'rec_L2' in l)
@@ -426,7 +424,7 @@ def test_a_study_rerun_at_once_after_a_kill_waits_for_the_train_py_the_killed_on
     assert 'resuming from its checkpoint at step 11' in text, text[-3000:]  # the orphan's stop checkpoint
     assert re.search(r'rec_L2 +done', summary(text)), text[-3000:]
     assert json.load(open(f'{out}/results.json'))['step'] == 30
-    assert not os.path.exists(f'/proc/{orphan}') or 'Z' == open(f'/proc/{orphan}/stat').read().split()[2]
+    assert not alive(orphan)
 
 
 def test_a_killed_study_s_torchrun_ranks_save_and_stop_and_the_rerun_resumes_them(grid, data_root):
@@ -440,14 +438,11 @@ def test_a_killed_study_s_torchrun_ranks_save_and_stop_and_the_rerun_resumes_the
     try:
         wait_for(lambda: first.poll() is not None or os.path.exists(f'{out}/train.log')
                  and open(f'{out}/train.log').read().count('test hook: step 11 waits') == 2)
-        agent = [int(d) for d in os.listdir('/proc') if d.isdigit() and os.path.exists(f'/proc/{d}/stat')
-                 and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) == first.pid]
-        ranks = [int(d) for d in os.listdir('/proc') if d.isdigit() and os.path.exists(f'/proc/{d}/stat')
-                 and int(open(f'/proc/{d}/stat').read().rsplit(')', 1)[1].split()[1]) in agent]
+        agent = children(first.pid)
+        ranks = [rank for pid in agent for rank in children(pid)]
         assert len(ranks) == 2, (agent, ranks)
         first.kill()
         first.wait()
-        alive = lambda pid: os.path.exists(f'/proc/{pid}') and open(f'/proc/{pid}/stat').read().split()[2] != 'Z'
         wait_for(lambda: not any(alive(r) for r in ranks), timeout=120)
     finally:
         for r in ranks:

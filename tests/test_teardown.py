@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from runkeep.locks import proc_stat
+from conftest import alive, command
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,12 +37,7 @@ def test_fails_with_its_processes_running(tmp_path):
 def running(pid):
     """Whether pid is one of the inner test's processes and has not ended (a zombie has: killed, not yet reaped
     by the init process it was handed to)."""
-    fields = proc_stat(pid)
-    try:
-        command = open(f'/proc/{pid}/cmdline', 'rb').read().replace(b'\0', b' ')
-    except OSError:
-        return False
-    return bool(fields) and fields[0] != 'Z' and b'sleep 600' in command
+    return alive(pid) and 'sleep 600' in command(pid)
 
 
 @pytest.mark.skipif(not os.path.exists('/proc/self/stat'), reason='the guard reads /proc')
