@@ -21,7 +21,7 @@ import os
 import time
 
 import runkeep  # the shell's front (its FRONT: Run, launch, resolve_init_from, ...): what keeps the run alive
-from configurator import config_problems, import_torch  # (torch-free: the config is checked before torch)
+from configurator import TRAIN_RULES, config_problems, import_torch, set_where  # (torch-free: checked first)
 
 _T_START = time.time()  # this process's start (a torch_xla worker: its own, when it re-imports this file)
 runkeep.tell_other_hosts_if_ending_early()  # under a torchrun spanning hosts: an error before joining, there too
@@ -112,6 +112,8 @@ def config_errors(config, set_at=None):
     """Every key's allowed values and the model's shape (configurator.py's rules; set_at: where each key was set),
     then the keys that must agree with each other."""
     return config_problems(config, set_at) + [why for broken, why in (
+        (not TRAIN_RULES['out_dir'][0](config['data_path']), f"data_path={config['data_path']!r} (allowed: a "
+         "dataset's folder or gs://BUCKET/prefix, not empty)" + set_where(set_at or {}, ['data_path'])),
         (config['eval_only'] and config['init_from'] == 'scratch',
          "eval_only=True needs --init_from=resume or a checkpoint file"),
         (config['freeze_weights'] and not config['puzzle_emb_ndim'],

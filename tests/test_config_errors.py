@@ -80,6 +80,10 @@ CASES = [
          "'config/nosuch.py'\n", id='base-missing'),
     # a value a rule does not allow: the value and what is allowed
     case(['--data_path={toy}', '--out_dir='] + FAST + ['--max_steps=2'], "out_dir=''", 'allowed', id='out_dir'),
+    # an empty data_path would be the working folder, blamed for lacking train/dataset.json after torch's import
+    case(['--data_path=', '--out_dir={out}'] + FAST + ['--max_steps=2'], "data_path=''", 'allowed', id='data_path'),
+    case(['--data_path=gs://', '--out_dir={out}'] + FAST + ['--max_steps=2'], "data_path='gs://'", 'BUCKET',
+         id='data_path-no-bucket'),
     *[case(TOY + [flag], *words, 'allowed', id=flag[2:]) for flag, *words in RULES],
     # a project name W&B refuses: the run would go on without W&B, its start-up saying so among many lines
     case(TOY + ['--wandb_log=True', '--wandb_project=sudoku/mlp'], "wandb_project='sudoku/mlp'", 'allowed', '/',
