@@ -624,6 +624,16 @@ class _Retryable(Exception):
     """A failure worth another try (5xx, dropped connection)."""
 
 
+def csv_dir_problem(csv_dir):
+    """What a builder's --csv_dir lacks (train.csv and test.csv, the splits it reads), in one line; None when
+    both are there."""
+    missing = [name for name in ('train.csv', 'test.csv') if not os.path.isfile(os.path.join(csv_dir, name))]
+    if not os.path.isdir(csv_dir):
+        return f"--csv_dir {csv_dir}: no such folder (allowed: a folder holding train.csv and test.csv)"
+    return f"--csv_dir {csv_dir} holds no {' and no '.join(missing)} (allowed: a folder holding train.csv and " \
+        "test.csv)" if missing else None
+
+
 def count_rows(path):
     """Data rows in a CSV file (lines minus the header; a last line without '\\n' counts)."""
     lines, last = 0, b'\n'

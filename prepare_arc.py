@@ -617,8 +617,8 @@ def main(argv=None):
         return 2
     canvas = args.canvas or (10 if args.synthetic else ARC_MAX)
     num_aug = args.num_aug if args.num_aug is not None else (100 if args.synthetic else 1000)
-    out = args.output_dir or (f'data/arc-synthetic-{canvas}' if args.synthetic
-                              else f'data/arc{args.version or 1}concept-aug-{num_aug}')
+    out = args.output_dir if args.output_dir is not None else (
+        f'data/arc-synthetic-{canvas}' if args.synthetic else f'data/arc{args.version or 1}concept-aug-{num_aug}')
     out, bucket_uri = gcs.build_folder(out)
     uploading = ''
     try:

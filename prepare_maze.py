@@ -25,7 +25,8 @@ from collections import Counter, deque
 import numpy as np
 
 from runkeep import gcs
-from data import DownloadError, WriteError, building, download, interrupted, write_split, writing
+from data import (DownloadError, WriteError, building, csv_dir_problem, download, interrupted, write_split,
+                  writing)
 from puzzles import GOAL, OPEN, PAD, PATH, START, WALL, Maze, shortest_path_length
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/maze-30x30-hard-1k/resolve/main'
@@ -307,7 +308,7 @@ def option_problem(args):
         value = getattr(args, name)
         if value is not None and value < low:
             return f"--{name} {value}: must be at least {low}"
-    return None
+    return csv_dir_problem(args.csv_dir) if args.csv_dir is not None else None
 
 
 def main(argv=None):
@@ -334,8 +335,8 @@ def main(argv=None):
         return 2
 
     generate = args.generate is not None
-    out = args.output_dir or (f'data/maze-gen-{args.size}x{args.size}' if generate
-                              else 'data/maze-30x30-hard-1k')
+    out = args.output_dir if args.output_dir is not None else (
+        f'data/maze-gen-{args.size}x{args.size}' if generate else 'data/maze-30x30-hard-1k')
     out, bucket_uri = gcs.build_folder(out)
     uploading = ''
     try:

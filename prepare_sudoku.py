@@ -28,7 +28,8 @@ import time
 import numpy as np
 
 from runkeep import gcs
-from data import DownloadError, building, download, final_path, interrupted, write_split, writing
+from data import (DownloadError, building, csv_dir_problem, download, final_path, interrupted, write_split,
+                  writing)
 from puzzles import BOXES, Sudoku
 
 BASE_URL = 'https://huggingface.co/datasets/sapientinc/sudoku-extreme/resolve/main'
@@ -592,6 +593,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.generate is not None and args.csv_dir is not None:
         p.error('--generate and --csv_dir exclude each other')
+    if args.csv_dir is not None and (problem := csv_dir_problem(args.csv_dir)):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     for name in ('generate', 'num_test', 'subsample_size', 'num_aug', 'min_rating'):
         if (getattr(args, name) or 0) < 0:
             p.error(f'--{name} {getattr(args, name)}: must not be negative')

@@ -587,7 +587,10 @@ def build_folder(output_dir):
     """(the folder a builder writes into, the gs:// uri publish_dataset then uploads it to, or ''): a gs://
     output_dir is built in data/upload/BUCKET/PREFIX. Its bucket is listed first, so one that does not exist or
     refuses ends the builder in one line before it builds (one that does not answer is said, and the build goes
-    on: the upload retries it)."""
+    on: the upload retries it). An empty one (a shell variable that is not set) names no folder: refused."""
+    if not output_dir.strip():
+        raise SystemExit("error: --output_dir is empty: name the folder to build the dataset in (a shell variable "
+                         "that is not set?)")
     if not is_gcs(output_dir):
         return output_dir, ''
     try:

@@ -104,6 +104,25 @@ def test_an_output_dir_that_is_a_file_or_lies_below_one_is_one_line_and_the_file
     assert tree(tmp_path) == {'f': b'mine'}
 
 
+@pytest.mark.parametrize('args', SMALL_BUILDS, ids=lambda a: a[0])
+def test_an_empty_output_dir_is_one_line_and_nothing_is_written(tmp_path, args):
+    """`--output_dir=$OUT` with OUT unset: prepare_sudoku.py ended in the OS's "No such file or directory: ''",
+    naming no option; prepare_maze.py and prepare_arc.py built into their default folder instead."""
+    p = run(args + ['--output_dir='], check=False, cwd=tmp_path)
+    assert_user_error(p, '--output_dir', 'empty', one_line=True)
+    assert tree(tmp_path) == {} and not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize('script', ['prepare_sudoku.py', 'prepare_maze.py'])
+def test_a_csv_dir_without_its_csv_files_is_one_line_naming_the_option(tmp_path, script):
+    (tmp_path / 'csv').mkdir()
+    (tmp_path / 'csv' / 'test.csv').write_text('')
+    for where in (tmp_path / 'none', tmp_path / 'csv'):  # no such folder; a folder without train.csv
+        p = run([script, f'--csv_dir={where}', f'--output_dir={tmp_path}/out'], check=False)
+        assert_user_error(p, f'--csv_dir {where}', 'train.csv', one_line=True)
+        assert not os.path.exists(tmp_path / 'out')
+
+
 @pytest.mark.parametrize('option,value,allowed', [
     ('seed', '-1', 'from 0 to 4294967295'), ('seed', str(2 ** 32), 'from 0 to 4294967295'),
     ('min_rating', '-1', 'must not be negative'),
