@@ -139,7 +139,7 @@ class Tee:
                                              # this process's output
 
     def __init__(self, stream):
-        self.stream, self.closed_seen = stream, False
+        self.stream, self.closed_seen, self.part = stream, False, ''
 
     @classmethod
     def install(cls):
@@ -223,11 +223,13 @@ class Tee:
             cls.lock.release()
 
     def write(self, text):
-        if not self.closed_seen:
-            try:
-                self.stream.write(text)
-            except (OSError, ValueError):
-                self.lost()
+        # print() writes a line's text and its end in two calls, and torchrun's ranks share one terminal: a line
+        # goes out whole, in one write, once its end comes (a part of one, at a flush), so that another rank's
+        # line never lands inside it
+        with Tee.lock:  # (another thread's print)
+            lines, end, self.part = (self.part + text).rpartition('\n')
+        if end:
+            self._out(lines + end)
         if Tee.log is not None:
             try:
                 Tee.to_log(text)
@@ -242,9 +244,19 @@ class Tee:
         return len(text)
 
     def flush(self):
+        with Tee.lock:
+            part, self.part = self.part, ''
+        self._out(part)
         if not self.closed_seen:
             try:
                 self.stream.flush()
+            except (OSError, ValueError):
+                self.lost()
+
+    def _out(self, text):
+        if text and not self.closed_seen:
+            try:
+                self.stream.write(text)
             except (OSError, ValueError):
                 self.lost()
 

@@ -112,3 +112,28 @@ def test_under_torchrun_whose_agent_ends_at_a_hangup_the_ranks_save_and_stop(toy
     assert 'got SIGHUP' in log and 'stopped cleanly' in log, (rc, log[-3000:])
     assert len(ckpts(out)) == 1
     assert_unlocked(out)
+
+
+MANY_LINES = """
+import sys
+sys.path.insert(0, {root!r})
+from configurator import Tee
+Tee.install()
+for i in range(3000):
+    print(f'rank {{sys.argv[1]}} line {{i}} ' + 'x' * 40)
+"""
+
+
+def test_two_ranks_printing_into_one_terminal_keep_their_lines_whole():
+    """torchrun's ranks share the terminal (one pipe), and print() writes a line's text and its end in two calls:
+    the Tee makes each line one write, so another rank's line never lands inside it ('...x rank 1 line 7 ...')."""
+    code = MANY_LINES.format(root=ROOT)
+    r, w = os.pipe()
+    ranks = [subprocess.Popen([sys.executable, '-c', code, str(rank)], env=script_env(), stdout=w) for rank in (0, 1)]
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    lines = text.splitlines()
+    glued = [l for l in lines if not re.fullmatch(r'rank [01] line \d+ x{40}', l)]
+    assert not glued and len(lines) == 6000, (len(lines), glued[:5])
