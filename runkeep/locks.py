@@ -140,6 +140,7 @@ def create_lock(folder, name=LOCK_NAME, what='run', key='out_dir', where=None, b
         for attempt in range(2):
             try:
                 os.makedirs(folder, exist_ok=True)
+                remove_left_records(path)
                 if not place(path, json.dumps(lock_record()), bare_when_full):
                     print(f"{what}: cannot write its holder into the lock {path} (the disk is full); the lock holds")
                 return []
@@ -162,7 +163,7 @@ def place(path, text, bare_when_full=False):
     exists empty: a process stopped at any point (a Ctrl-C, SIGKILL) leaves no lock or a whole one, which the next
     holder takes over, never an unreadable one that refuses every later run. A filesystem without hard links
     (some FUSE mounts) gets the lock created exclusively and written after."""
-    tmp = f'{path}.{os.getpid()}.tmp'
+    tmp = f'{path}.{socket.gethostname()}.{os.getpid()}.tmp'  # remove_left_records knows these names
     try:
         try:
             with open(tmp, 'w') as f:
@@ -188,6 +189,19 @@ def place(path, text, bare_when_full=False):
         with contextlib.suppress(OSError):
             os.remove(tmp)
     return bool(text)
+
+
+def remove_left_records(path):
+    """The records beside the lock at path that a holder of this host stopped before removing (a kill between
+    writing and linking it, or during the removal) are removed, so the folder keeps the lock alone."""
+    folder, name = os.path.split(path)
+    head, tail = f'{name}.{socket.gethostname()}.', '.tmp'  # place's names, the pid between
+    for entry in os.listdir(folder):
+        pid = entry[len(head):-len(tail)]
+        if entry.startswith(head) and entry.endswith(tail) and pid.isdigit() and \
+                holder_gone(dict(host=socket.gethostname(), pid=int(pid))):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(folder, entry))
 
 
 def local_record(path):

@@ -273,17 +273,20 @@ def test_a_lock_renewal_that_fails_for_a_while_is_said_once_and_again_when_it_wo
     assert out.count('renewed again') == 1, out
 
 
-# A Ctrl-C at the n-th audited operation (a file opened, a folder locked, a link, a removal...) of taking a lock,
-# in a process of its own: KeyboardInterrupt is raised where the signal's would be, between two steps of the code
+# A Ctrl-C (KeyboardInterrupt raised where the signal's would be) or a kill (os._exit: no finally runs, as under
+# SIGKILL) at the n-th audited operation (a file opened, a folder locked, a link, a removal...) of taking a lock,
+# in a process of its own: between two steps of the code
 INTERRUPTED_AT = """
 import json, os, sys
 from runkeep import locks
-folder, name, what, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+folder, name, what, n, stop = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 seen = 0
 def ctrl_c(event, args):
     global seen
     if armed:
         seen += 1
+        if seen == n and stop == 'kill':
+            os._exit(3)
         if seen == n:
             raise KeyboardInterrupt
 armed = False
@@ -299,24 +302,27 @@ except KeyboardInterrupt:
 """
 
 
+@pytest.mark.parametrize('stop', ['ctrl_c', 'kill'])
 @pytest.mark.parametrize('name, what', [('run.lock', 'run'), ('.publishing.lock', 'publish'),
                                         ('study.lock', 'study')])
-def test_a_ctrl_c_at_any_point_of_taking_a_lock_leaves_none_that_refuses_the_next_holder(tmp_path, name, what):
+def test_a_stop_at_any_point_of_taking_a_lock_leaves_none_that_refuses_the_next_holder(tmp_path, name, what, stop):
     """A lock created empty and written after (O_EXCL, then its record) left an empty file by a Ctrl-C between the
     two: unreadable, never stale, it refused every later run, publish or study in that folder until removed by
-    hand. Interrupted at every step in turn, taking the lock leaves none, or one whose holder is gone."""
+    hand. Stopped at every step in turn, taking the lock leaves none, or one whose holder is gone; and the next
+    holder leaves the folder with its lock alone, no record a killed holder left half placed beside it."""
     folder = tmp_path / 'out'
     for n in range(1, 200):
-        p = subprocess.run([sys.executable, '-c', INTERRUPTED_AT, str(folder), name, what, str(n)], cwd=ROOT,
+        p = subprocess.run([sys.executable, '-c', INTERRUPTED_AT, str(folder), name, what, str(n), stop], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
-        assert p.returncode == 0, p.stderr[-3000:]
-        said = json.loads(p.stdout.splitlines()[-1])
+        assert p.returncode == (3 if stop == 'kill' else 0) or p.stdout, p.stderr[-3000:]
+        said = json.loads(p.stdout.splitlines()[-1]) if p.stdout else dict(done=False)
         if said['done']:  # past the last step: taken whole
             assert said['problems'] == [] and locks.local_record(str(folder / name))['pid'] == said['pid']
             assert n > 5, 'the steps of taking a lock were not seen'
             break
-        assert locks.create_lock(str(folder), name, what) == [], f'interrupted at step {n}'
+        assert locks.create_lock(str(folder), name, what) == [], f'stopped at step {n}'
         assert locks.local_record(str(folder / name))['pid'] == os.getpid()
+        assert sorted(os.listdir(folder)) == [name], f'stopped at step {n}'
         os.remove(folder / name)
     else:
         raise AssertionError('taking the lock was interrupted at each of 199 steps')
