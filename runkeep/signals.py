@@ -101,9 +101,23 @@ def leave_note(stderr):
 BEFORE_HARD_EXIT = []
 
 
-def before_hard_exit(quick=False):
+def hard_exit(code, quick=False):
+    """The process ended now (os._exit: the main thread may be stuck, or must not finish what it does), after
+    BEFORE_HARD_EXIT and with stdout and stderr flushed: into a file or a pipe they are block-buffered, and the
+    lines left in the buffer, the last before a hang, would be lost. The flush runs in a thread given 2 s: the
+    thread stuck may hold a stream's lock for good."""
     for cleanup in BEFORE_HARD_EXIT:
         cleanup(quick=quick)
+    flush = threading.Thread(target=flush_streams, daemon=True)
+    flush.start()
+    flush.join(2)
+    os._exit(code)
+
+
+def flush_streams():
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed stream, a reader gone
+            stream.flush()
 
 
 def stop_exit_code(name):
@@ -121,8 +135,7 @@ def on_signal(signum, why=None):
     if JOINING['now']:
         say(f"pid {os.getpid()}: {why or 'got ' + name} while joining the other ranks: nothing to save yet; ending "
             "now (a rank that ended before joining says why in its output)")
-        before_hard_exit(quick=True)
-        os._exit(stop_exit_code(name))
+        hard_exit(stop_exit_code(name), quick=True)
     STOP['count'] += 1
     if STOP['count'] == 1:
         STOP.update(requested=True, signal=name, at=time.time())
@@ -133,8 +146,7 @@ def on_signal(signum, why=None):
             "once, without the checkpoint")
     else:
         say(f"pid {os.getpid()}: got {name} a third time: ending now, without the checkpoint")
-        before_hard_exit(quick=True)
-        os._exit(128 + signum)
+        hard_exit(128 + signum, quick=True)
 
 
 def newly_orphaned():
@@ -252,7 +264,7 @@ def forward_signals():
         say(f"pid {os.getpid()}: the training processes did not end {STOP_GRACE_S + 60:g} s after "
             f"{STOP['signal']}: killed; exiting with code {HUNG_EXIT} (the same command with "
             "--init_from=resume continues from the last checkpoint)")
-        os._exit(HUNG_EXIT)
+        hard_exit(HUNG_EXIT)
     # read as install_signal_handlers reads them (its thread, not the main one: that waits for the workers in a
     # lock, where a signal the kernel gives another thread would wait with it), then passed on, not acted on
     READER['act'] = act
@@ -298,11 +310,7 @@ def exit_if_orphaned(code):
     """In a torch_xla worker whose launcher is gone, at the end of its work: exit now (its process pool would
     wait for the next task forever)."""
     if orphaned():
-        before_hard_exit()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        hard_exit(code)
 
 
 def ended_abruptly(folder, since):
@@ -413,11 +421,7 @@ class StopBound:
         say(f"pid {os.getpid()}: the stop request ({STOP['signal']}, {time.time() - STOP['at']:.0f} s ago) was not "
             f"reached{why}; ending now, with exit code {code}, without a checkpoint; the last checkpoint "
             f"kept: {kept or 'none'} (the same command with --init_from=resume continues from it)")
-        before_hard_exit(quick=True)
-        flush = threading.Thread(target=lambda: [f.flush() for f in (sys.stdout, sys.stderr)], daemon=True)
-        flush.start()
-        flush.join(2)  # the main thread may hold a stream's lock for good
-        os._exit(code)
+        hard_exit(code, quick=True)
 
     def last_kept(self):
         try:

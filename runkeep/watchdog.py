@@ -15,7 +15,7 @@ from configurator import Tee  # the script's output (and rank 0's train.log)
 
 
 from .locks import boot_id, started
-from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT, before_hard_exit
+from .signals import HUNG_AGAIN_EXIT, HUNG_EXIT, hard_exit
 
 
 class Watchdog:
@@ -125,8 +125,7 @@ class Watchdog:
                                  exit_code=code))
         except Exception as e:
             print(f"watchdog: could not record it ({e})", file=sys.stderr)
-        before_hard_exit()  # the locks, W&B
-        os._exit(code)  # the main thread is stuck: only a hard exit ends the process
+        hard_exit(code)  # the main thread is stuck: only a hard exit ends the process (the locks, W&B first)
 
     def remember(self, work):
         """Whether this firing repeats the one remembered in the folder: one on `work` too in an earlier launch,

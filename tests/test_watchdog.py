@@ -5,10 +5,13 @@ same command resumes; a slow evaluation that progresses is not ended.
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
-from conftest import ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, site_hook, stopped_owing_an_evaluation
+from conftest import (ROOT, TOY_ARGS, XLA_ENV, make_reverse_dataset, run, script_env, site_hook,
+                      stopped_owing_an_evaluation)
 from test_dist import torchrun
 
 
@@ -51,6 +54,23 @@ def test_a_hung_rank_is_ended_with_its_stacks_and_the_same_command_resumes(toy, 
     p = run(args, timeout=300)
     assert f'resuming from {out}/ckpt_00000020.pt (step 20)' in p.stdout
     assert json.load(open(f'{out}/results.json'))['step'] == 40
+
+
+def test_a_hung_run_whose_output_goes_to_a_file_leaves_its_last_lines_there(toy, tmp_path):
+    """`nohup python train.py ... > run.out`: stdout into a file is block-buffered, and the watchdog's hard exit
+    (no atexit, no flush) dropped what was still in the buffer: the steps before the hang, the lines a user reads
+    first to see where it hung. Every line of stdout that train.log holds is in the file too."""
+    out = f'{tmp_path}/o'
+    with open(tmp_path / 'run.out', 'w') as f:
+        p = subprocess.run([sys.executable, 'train.py', f'--data_path={toy}', f'--out_dir={out}', *TOY_ARGS,
+                            '--max_steps=40', '--log_interval=5', '--watchdog_minutes=0.05'], cwd=ROOT, stdout=f,
+                           stderr=subprocess.PIPE, text=True, timeout=300,
+                           env=script_env(dict(hang_at(tmp_path, 'step 25'), PYTHONUNBUFFERED=None)))
+    assert p.returncode == 75, p.stderr[-3000:]
+    said = open(tmp_path / 'run.out').read().splitlines()
+    steps = [l for l in open(f'{out}/train.log').read().splitlines() if l.startswith('step ')]
+    assert len(steps) == 4 and steps[-1].startswith('step 20/40'), steps  # steps 5 ... 20, then the hang
+    assert [l for l in said if l.startswith('step ')] == steps, said[-10:]
 
 
 def test_ranks_that_hang_together_exit_75_and_the_rerun_that_hangs_there_again_70(toy, tmp_path):
