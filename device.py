@@ -328,12 +328,21 @@ def _why_not_quack(device_type, dtype, cuda_capability, have_quack):
     return ''
 
 
+# backends/kernels.py's tiles divide a SwiGLU's inner width: the reference's rounding (model.swiglu_inter) or a
+# multiple of it
+KERNEL_INNER_MULTIPLE = 256
+
+
 def use_kernels(requested, device_type, dtype, model):
     """choose_kernels for this device, forward dtype and model, applied to model's blocks: backends/kernels.py's fused
     forward installed ('mlp_t', 'cudnn', 'gated', 'quack', 'triton'; a copy made afterwards, such as the EMA's,
     keeps it) or the plain forward. Returns (the kernels in effect, why; a forced value says what it fused); a
     triton or quack that fails to import means the plain path, said in `why`."""
     choice, why = choose_kernels(requested, device_type, dtype, mlp_t=hasattr(model.net.layers[0], 'mlp_t'))
+    if choice != 'off' and model.config.mlp_multiple % KERNEL_INNER_MULTIPLE:
+        choice, why = 'off', (f"{'warning: ' if requested != 'auto' else ''}kernels='{requested}': their tiles "
+                              f"divide SwiGLU inner widths in multiples of {KERNEL_INNER_MULTIPLE}, not of "
+                              f"mlp_multiple={model.config.mlp_multiple}: plain path")
     if choice != 'off':
         try:
             from backends.kernels import fuse_blocks

@@ -59,6 +59,7 @@ class TRMConfig:
     rope_theta: float = 10000.0
     loss_type: str = 'stablemax'
     loss_dtype: str = 'float64'      # stablemax precision; TPUs want 'float32'
+    mlp_multiple: int = 256          # SwiGLU inner widths round up to a multiple of this (the reference's)
 
     def __post_init__(self):
         for k, allowed in MODEL_CHOICES.items():
@@ -120,8 +121,10 @@ def round_up(x, multiple):
 SEQ_ALIGN = 8
 
 
-def swiglu_inter(d, expansion):
-    return round_up(round(expansion * d * 2 / 3), 256)
+def swiglu_inter(d, expansion, multiple=256):
+    """A SwiGLU's inner width: 2/3 of expansion * d, rounded up to `multiple`. The reference's 256 keeps a toy
+    model's MLPs at least 256 wide whatever its d, most of its compute; a smaller multiple keeps them to scale."""
+    return round_up(round(expansion * d * 2 / 3), multiple)
 
 
 def rms_norm(x, eps):
@@ -162,9 +165,9 @@ class CastedEmbedding(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d, expansion):
+    def __init__(self, d, expansion, multiple=256):
         super().__init__()
-        inter = swiglu_inter(d, expansion)
+        inter = swiglu_inter(d, expansion, multiple)
         self.gate_up_proj = CastedLinear(d, 2 * inter)  # rows: [gate, up]
         self.down_proj = CastedLinear(inter, d)
 
@@ -213,11 +216,11 @@ class Block(nn.Module):
         super().__init__()
         self.eps = cfg.rms_norm_eps
         if cfg.mlp_t:
-            self.mlp_t = SwiGLU(cfg.total_len, cfg.expansion)
+            self.mlp_t = SwiGLU(cfg.total_len, cfg.expansion, cfg.mlp_multiple)
             self.seq_pad = round_up(cfg.total_len, seq_align or SEQ_ALIGN) - cfg.total_len
         else:
             self.self_attn = Attention(cfg.hidden_size, cfg.num_heads)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.expansion)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.expansion, cfg.mlp_multiple)
 
     def mix_sequence(self, h):
         """mlp_t: [B, S, D] -> [B, S, D], a SwiGLU across positions, then RMSNorm over the sequence axis."""

@@ -74,6 +74,7 @@ forward_dtype = 'auto'          # 'auto' (bf16 where native, else fp32) | 'bfloa
 no_ACT_continue = True          # False: also learn q_continue against a bootstrapped target
 rms_norm_eps = 1e-5             # RMSNorm epsilon
 rope_theta = 10000.0            # RoPE base
+mlp_multiple = 256              # SwiGLU inner widths round up to a multiple of this (the reference's; toys: 32)
 loss_type = 'stablemax'         # 'stablemax' | 'softmax'
 loss_dtype = 'auto'             # stablemax precision: 'auto' (float64; XLA float32) | 'float64' | 'float32'
 # optimiser

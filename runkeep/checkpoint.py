@@ -810,7 +810,7 @@ def mismatch_message(sd, model, cfg, given, where, ours, typed=False):
     differ = [k for k in found if k in mine and found[k] != mine[k]]
     down = sd.get('net.layers.0.mlp.down_proj.weight')
     if 'expansion' not in differ and 'hidden_size' in found and down is not None and \
-            down.shape[1] != swiglu_inter(found['hidden_size'], cfg.expansion):
+            down.shape[1] != swiglu_inter(found['hidden_size'], cfg.expansion, cfg.mlp_multiple):
         differ.append('expansion')
     data_keys = {'vocab_size', 'num_puzzle_identifiers', 'total_len'}
     names = {'total_len': 'positions (seq_len + puzzle_emb_len)'}

@@ -44,7 +44,11 @@ ARCH_FIELDS = dict(hidden_size=(int, None), num_heads=(int, None), expansion=(fl
                    L_cycles=(int, None), L_layers=(int, None), halt_max_steps=(int, None),
                    halt_exploration_prob=(float, None), pos_encodings=(str, None), puzzle_emb_ndim=(int, 0),
                    puzzle_emb_len=(int, 16), mlp_t=(bool, False), forward_dtype=(str, 'bfloat16'),
-                   no_ACT_continue=(bool, True), rms_norm_eps=(float, 1e-5), rope_theta=(float, 10000.0))
+                   no_ACT_continue=(bool, True), rms_norm_eps=(float, 1e-5), rope_theta=(float, 10000.0),
+                   mlp_multiple=(int, 256))
+# the fields of ARCH_FIELDS the reference fixes in its code (the last: its SwiGLU widths' rounding): written only
+# where a run has another value, which this trainer reads back and the reference ignores
+FIXED_FIELDS = ('rms_norm_eps', 'rope_theta', 'mlp_multiple')
 # what a resume may change (train.py's RESUME_FIXED leaves them out) may also differ from the published run's:
 # set explicitly, they win; every other model key set to another value than the run's is refused
 MAY_DIFFER = ('halt_exploration_prob', 'forward_dtype', 'loss_dtype')
@@ -557,11 +561,11 @@ def all_config(cfg, folder, forward_dtype, arc, run_id=None):
     run id its checkpoints carry: run_name ends in it, as the reference's ends in a random slug)."""
     ndim = cfg['puzzle_emb_ndim']
     arch = dict(name=ARCH, loss=dict(name=LOSS, loss_type=LOSS_TYPES[cfg['loss_type']]), H_layers=0,
-                **{k: cfg[k] for k in ARCH_FIELDS if k not in ('rms_norm_eps', 'rope_theta')})
+                **{k: cfg[k] for k in ARCH_FIELDS if k not in FIXED_FIELDS})
     arch.update(forward_dtype=forward_dtype, expansion=float(cfg['expansion']),
                 puzzle_emb_len=cfg['puzzle_emb_len'] if ndim else 0)  # 0 and 0: no prefix, as this model
-    for k in ('rms_norm_eps', 'rope_theta'):  # written only where they are not the reference's fixed values
-        if not same(cfg[k], ARCH_FIELDS[k][1]):
+    for k in FIXED_FIELDS:
+        if not same(cfg.get(k, ARCH_FIELDS[k][1]), ARCH_FIELDS[k][1]):  # (a checkpoint from before the key: 256)
             arch[k] = cfg[k]
     from .checkpoint import resume_parts
     started_from = resume_parts(cfg.get('init_from', 'scratch'))[1]  # 'resume:FILE' started from FILE

@@ -26,6 +26,11 @@ DTYPE_BYTES = dict(float32=4, bfloat16=2, float16=2, float64=8)
 ALLOCATOR_SLACK = 0.3
 
 
+def inner_multiple(shape):
+    """The multiple a SwiGLU's inner width rounds up to: a checkpoint from before the key has the reference's."""
+    return shape.get('mlp_multiple', 256)
+
+
 def model_parameters(shape):
     """The parameter count of the TRM of `shape`, as model.py builds it (no model is built: on the meta device
     that would import torch._dynamo, seconds at every start): the token embedding, the lm and q heads, learned
@@ -33,7 +38,7 @@ def model_parameters(shape):
     tests/test_limits.py keeps it equal to TRM.num_params()."""
     from model import swiglu_inter
     S, D, V, e = shape['total_len'], shape['hidden_size'], shape['vocab_size'], shape['expansion']
-    swiglu = lambda d: 3 * d * swiglu_inter(d, e)  # gate-up (d -> 2 inner) and down (inner -> d)
+    swiglu = lambda d: 3 * d * swiglu_inter(d, e, inner_multiple(shape))  # gate-up (d -> 2 inner) and down (inner -> d)
     mix = swiglu(S) if shape['mlp_t'] else 4 * D * D
     return (2 * V * D + 2 * D + 2 + (S * D if shape['pos_encodings'] == 'learned' else 0)
             + shape['L_layers'] * (mix + swiglu(D)))
@@ -46,11 +51,11 @@ def block_bytes(shape, s):
     mlp_t's padded input and sequence SwiGLU."""
     from model import SEQ_ALIGN, swiglu_inter
     S, D, e = shape['total_len'], shape['hidden_size'], shape['expansion']  # S: positions
-    I = swiglu_inter(D, e)
+    I = swiglu_inter(D, e, inner_multiple(shape))
     norms = 2 * (S * D * 4 + S * 4)
     mlp = S * D * s + 4 * S * I * s  # its input (the first norm's output), gate-up, silu(gate), product
     if shape['mlp_t']:
-        Sp, It = -(-S // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(S, e)
+        Sp, It = -(-S // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(S, e, inner_multiple(shape))
         mix = D * Sp * s + 4 * D * It * s
     else:
         rope = 2 * S * D * s if shape['pos_encodings'] == 'rope' else 0
@@ -94,9 +99,10 @@ def run_memory(shape, rows, eval_rows, eval_steps, params=None, ema=True, train=
     table = shape['num_puzzle_identifiers'] * max(shape['puzzle_emb_ndim'], 1) * 4
     parts = dict(weights=4 * P, ema=4 * P if ema else 0, puzzle_embeddings=table)
     per_call = shape['L_layers'] * block_bytes(shape, s)
-    widest = S * swiglu_inter(D, shape['expansion'])  # per row, a SwiGLU's widest tensor
+    multiple = inner_multiple(shape)
+    widest = S * swiglu_inter(D, shape['expansion'], multiple)  # per row, a SwiGLU's widest tensor
     if shape['mlp_t']:
-        widest = max(widest, D * swiglu_inter(S, shape['expansion']))
+        widest = max(widest, D * swiglu_inter(S, shape['expansion'], multiple))
     if train:
         micro = math.ceil(rows / accumulation)
         parts.update(gradients=4 * P, optimizer=8 * P,

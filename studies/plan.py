@@ -28,7 +28,9 @@ CPU_FIXED = dict(device='cpu', forward_dtype='float32', loss_dtype='float32', xl
                  global_batch_size=32,
                  lr=2e-3, lr_warmup_steps=30, weight_decay=0.1, puzzle_emb_ndim=0, ema_rate=0.99,
                  eval_subset=0,
-                 log_interval=25, checkpoint_interval=50, num_heads=2)
+                 log_interval=25, checkpoint_interval=50, num_heads=2,
+                 # the reference's 256 would keep every twin's SwiGLUs 256 wide whatever its width (hidden_size / 16)
+                 mlp_multiple=32)
 CPU_SUDOKU = dict(size=4, pool=1000, num_test=200, puzzles_div=5, aug_div=100)
 # The maze twin trains the mlp_t variant at batch 64: attention with RoPE stays on its copying plateau for thousands of
 # steps on 8x8 mazes (the reference's model too), so an attention twin could only ever report zeros.

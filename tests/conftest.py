@@ -138,7 +138,7 @@ TINY = dict(vocab_size=6, seq_len=8, num_puzzle_identifiers=3, hidden_size=32, n
 TOY_ARGS = ['--hidden_size=32', '--num_heads=2', '--mlp_t=True', '--pos_encodings=none', '--puzzle_emb_ndim=0',
             '--H_cycles=2', '--L_cycles=2', '--halt_max_steps=4', '--global_batch_size=50', '--lr=2e-3',
             '--lr_warmup_steps=10', '--weight_decay=0.1', '--forward_dtype=float32', '--loss_dtype=float32',
-            '--device=cpu', '--ema_rate=0.95', '--xla_cache_dir=']
+            '--device=cpu', '--ema_rate=0.95', '--xla_cache_dir=', '--mlp_multiple=32']
 
 XLA_ENV = dict(PJRT_DEVICE='CPU', CPU_NUM_DEVICES='1')  # torch_xla on the CPU
 

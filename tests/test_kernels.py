@@ -337,7 +337,8 @@ class PreNorm(Block):  # a fork's edit of Block.forward alone: pre-norm, the sam
 # a fork's Block (docs/forking.md, a new mixer): a module the fused forwards do not know, zero-initialised as a new
 # residual branch often is, so that its output says nothing at the start; a bias in the channel SwiGLU; Block's
 # forward edited; and the Block as it is
-forks = dict(module=model(), bias=model(), forward=model(), none=model(), attention=model(mlp_t=False))
+forks = dict(module=model(), bias=model(), forward=model(), none=model(), attention=model(mlp_t=False),
+             multiple=model(mlp_multiple=32))
 for block in forks['module'].net.layers:
     block.conv = torch.nn.Conv1d(64, 64, 3, padding=1, groups=64, bias=False)
     torch.nn.init.zeros_(block.conv.weight)
@@ -354,9 +355,11 @@ print(json.dumps({name: {which: use_kernels(which, 'cpu', 'float32', m) for whic
 def test_a_block_with_a_tensor_module_or_code_the_fused_forwards_do_not_compute_runs_the_plain_path_in_one_line():
     """A fork that changes model.py's Block (a new module, a bias, an edited forward) and leaves backends/kernels.py
     as it is: the fused forwards would compute the old Block, so every kernels value runs the plain path and says
-    why; the Block as it is fuses (its code is the one the kernels were written for: PLAIN_PATH)."""
+    why; the Block as it is fuses (its code is the one the kernels were written for: PLAIN_PATH). So does a model
+    whose SwiGLU widths round to another multiple than the kernels' tiles divide (--mlp_multiple=32)."""
     out = interpreted(FORKED_BLOCK)
-    for fork, said in (('module', 'conv'), ('bias', 'mlp.down_proj.bias'), ('forward', 'PLAIN_PATH')):
+    for fork, said in (('module', 'conv'), ('bias', 'mlp.down_proj.bias'), ('forward', 'PLAIN_PATH'),
+                       ('multiple', 'not of mlp_multiple=32')):
         for which, (got, why) in out[fork].items():
             assert got == 'off' and said in why and 'plain path' in why and '\n' not in why, (fork, which, why)
     assert [got for got, _ in out['none'].values()] == ['mlp_t', 'gated', 'triton'], out['none']

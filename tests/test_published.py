@@ -31,8 +31,9 @@ PRETRAIN_FIELDS = {'arch', 'data_paths', 'data_paths_test', 'evaluators', 'globa
 ARCH_FIELDS = {'name', 'loss', 'H_cycles', 'H_layers', 'L_cycles', 'L_layers', 'expansion', 'forward_dtype',
                'halt_exploration_prob', 'halt_max_steps', 'hidden_size', 'mlp_t', 'no_ACT_continue', 'num_heads',
                'pos_encodings', 'puzzle_emb_len', 'puzzle_emb_ndim'}
-# attention with RoPE and a puzzle table: the reference's ARC shape, tiny
-TABLE_ARGS = [a for a in FAST if not a.startswith(('--mlp_t', '--pos_encodings', '--puzzle_emb_ndim'))] + \
+# attention with RoPE and a puzzle table: the reference's ARC shape, tiny (its SwiGLUs rounded to 256, the reference's)
+TABLE_ARGS = [a for a in FAST if a.split('=')[0] not in ('--mlp_t', '--pos_encodings', '--puzzle_emb_ndim',
+                                                         '--mlp_multiple')] + \
     ['--mlp_t=False', '--pos_encodings=rope', '--puzzle_emb_ndim=32', '--puzzle_emb_len=1', '--puzzle_emb_lr=0.1']
 MODEL_FLAGS = [a for a in TABLE_ARGS if a.split('=')[0][2:] in
                ('hidden_size', 'num_heads', 'mlp_t', 'pos_encodings', 'puzzle_emb_ndim', 'puzzle_emb_len',
@@ -156,6 +157,24 @@ def test_a_model_key_that_contradicts_all_config_is_refused_in_one_line(table_ru
     # the run uses bfloat16 as typed: said as this machine says it ('as configured', or a warning where it is
     # emulated)
     assert f"forward dtype {choose_dtype('bfloat16', 'cpu')[1]}" in p.stdout and eval_lines(p.stdout)
+
+
+def test_a_model_rounded_to_another_multiple_than_256_carries_it_into_the_layout(toy, tmp_path):
+    """The toy's SwiGLUs round to 32 (--mlp_multiple=32), not the reference's 256: all_config.yaml holds
+    arch.mlp_multiple, and the layout evaluates as its checkpoint does with no model key typed."""
+    train(toy, tmp_path / 'run', '--max_steps=4')
+    ckpt = tmp_path / 'run' / 'ckpt_00000004.pt'
+    publish(f'--init_from={ckpt}')
+    folder = tmp_path / 'run' / 'published'
+    arch = yaml.safe_load(open(folder / 'all_config.yaml'))['arch']
+    assert arch['mlp_multiple'] == 32 and set(arch) == ARCH_FIELDS | {'mlp_multiple'}, arch
+    from model import MODEL_KEYS
+    keys = [a for a in FAST if a.split('=')[0][2:] in MODEL_KEYS]
+    ours = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/a', f'--init_from={ckpt}', *keys, *EVAL])
+    theirs = run(['train.py', f'--data_path={toy}', f'--out_dir={tmp_path}/b', f'--init_from={folder}/step_4',
+                  *EVAL])
+    assert eval_lines(theirs.stdout) == eval_lines(ours.stdout) and eval_lines(ours.stdout)
+    assert 'mlp_multiple=32' in next(l for l in theirs.stdout.splitlines() if l.startswith('init_from='))
 
 
 def test_without_all_config_the_keys_are_the_config_s_as_before(table_run, tmp_path):
