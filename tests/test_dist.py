@@ -207,9 +207,10 @@ def test_two_ranks_log_the_loss_and_the_gradient_norm_of_one(toy, tmp_path):
 
 def test_a_resumed_torchrun_run_trains_on_as_the_uninterrupted_one_did(toy, tmp_path):
     """Bit for bit on the CPU, ACT exploration included: every rank's random stream is saved and restored (rows
-    halt from the first steps with no_ACT_continue=False, so each rank's exploration draws decide which)."""
+    halt from the first steps with no_ACT_continue=False, so each rank's exploration draws decide which: in the
+    reference's widths, --mlp_multiple=256; the toy's narrower SwiGLUs halt none in 16 steps)."""
     args = [f'--data_path={toy}', '--max_steps=16', '--checkpoint_interval=8', '--no_ACT_continue=False'] + FAST \
-        + ['--log_interval=1']
+        + ['--log_interval=1', '--mlp_multiple=256']
     p = torchrun(2, [f'--out_dir={tmp_path}/straight'] + args)
     assert p.returncode == 0, p.stderr[-3000:]
     os.makedirs(tmp_path / 'resumed')

@@ -28,8 +28,8 @@ from test_checkpoints import NAN_AT_STEP_9
 class Proxy:
     """A real HTTP proxy in front of the emulator adding what the emulator lacks: list pagination
     (it ignores maxResults) and, on request, losing the reply to one resumable upload chunk, an outage of
-    uploads (every resumable upload started after the one of a given object answers 503, while `refusing`), or of
-    the downloads of the objects whose names hold `fail_downloads`."""
+    uploads (every resumable upload answers 503 from the first of a checkpoint of a given step or later on, while
+    `refusing`), or of the downloads of the objects whose names hold `fail_downloads`."""
 
     def __init__(self, upstream):
         self.upstream = upstream
@@ -37,7 +37,7 @@ class Proxy:
         self.drop_reply_at = None  # byte offset of the chunk whose reply is replaced by a 503
         self.corrupt_uploads = False  # flip the first byte of every upload chunk in transit
         self.dropped = 0
-        self.refuse_uploads_after, self.refusing = None, False  # the object name (bytes) last let through
+        self.outage_from_step, self.refusing = None, False
         self.refused = 0  # uploads refused so far
         self.started = []  # the object names of the uploads asked to start (refused too), in order
         self.fail_downloads = None
@@ -66,6 +66,9 @@ class Proxy:
         starts_upload = h.command == "POST" and query.get("uploadType") == ["resumable"]
         if starts_upload:
             self.started.append(json.loads(body)["name"])
+            step = re.search(r'ckpt_(\d+)\.pt$', self.started[-1])
+            if self.outage_from_step is not None and step and int(step.group(1)) >= self.outage_from_step:
+                self.refusing = True
         if h.command == "GET" and url.path.endswith("/o") and "maxResults" in query:
             status, resp_headers, content = self.paginate(url.path, query)
         elif starts_upload and self.refusing or \
@@ -83,8 +86,6 @@ class Proxy:
                 self.drop_reply_at = None
                 self.dropped += 1
                 status, resp_headers, content = 503, {}, b""
-            if starts_upload and self.refuse_uploads_after and self.refuse_uploads_after in body:
-                self.refusing = True
         h.send_response(status)
         for k, v in resp_headers.items():
             if k.lower() not in ("content-length", "transfer-encoding", "connection", "content-encoding"):
@@ -544,25 +545,30 @@ def test_a_run_s_end_sends_each_record_once_its_newest_copy(emu, proxy, toy, tmp
 
 @pytest.mark.parametrize('results_lost', [False, True])
 def test_a_rerun_uploads_what_a_bucket_outage_at_the_end_left_only_local(emu, proxy, toy, tmp_path, results_lost):
-    # uploads refused from the checkpoint of step 4 to the end: its checkpoints, results.json and history past step
-    # 4 stay local; the same command with the bucket back finds the run done (or, results.json lost, evaluates it)
+    # uploads refused from the first of a checkpoint of step 4 or later to the end (the newest checkpoint goes
+    # first: when the training outruns the uploads, that of step 6 may be it): the checkpoints, results.json and
+    # history past step 2 stay local; the same command with the bucket back finds the run done (or, results.json
+    # lost, evaluates it)
     out, local = f'gs://{BUCKET}/runs/outage-{results_lost}', tmp_path / 'local'
     args = bucket_run(toy, out, local, '--max_steps=8', '--log_interval=2', '--checkpoint_interval=2',
                       '--keep_last_n=2', '--gcs_retries=1', '--init_from=resume')
     env = dict(STORAGE_EMULATOR_HOST=proxy.url.replace('http://', ''))
-    proxy.refuse_uploads_after = b'outage-%s/ckpt_00000004.pt' % str(results_lost).encode()
+    proxy.outage_from_step = 4
     p = run(args, env=env)
+    proxy.outage_from_step = None
     assert re.search(rf'upload\(s\) to {out} (failed|still running at exit); only in .*ckpt_00000008.pt', p.stdout) \
         and proxy.refusing, p.stdout[-3000:]
     in_bucket = lambda: dict((u[len(out) + 1:], size) for u, size in gcs.list_objects(f'{out}/'))
     assert 'ckpt_00000008.pt' not in in_bucket() and 'results.json' not in in_bucket()
+    sent = sorted(n for n in in_bucket() if n.startswith('ckpt_'))
+    assert sent in (['ckpt_00000002.pt'], []), sent  # none: step 4's upload went first, step 2's still waiting
     if results_lost:
         os.remove(local / 'results.json')
     proxy.refusing = False
     p = run(args, env=env)
     assert ('results.json of step 8 is missing: evaluating' if results_lost else 'nothing to do') in p.stdout
     bucket = in_bucket()
-    assert sorted(n for n in bucket if n.startswith('ckpt_')) == ['ckpt_00000004.pt', 'ckpt_00000008.pt'], bucket
+    assert sorted(n for n in bucket if n.startswith('ckpt_')) == sent + ['ckpt_00000008.pt'], bucket
     for name in ['metrics.jsonl', 'results.json'] + [f'tb/{n}' for n in os.listdir(local / 'tb')]:
         assert bucket.get(name) == os.path.getsize(local / name), (name, bucket)
     gcs.download_file(f'{out}/results.json', str(tmp_path / 'results.json'))

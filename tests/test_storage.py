@@ -199,8 +199,8 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_one_kept_and_what
     out = tmp_path / 'o'
     train(toy, out, '--max_steps=4')
     kept = str(out / 'ckpt_00000004.pt')
-    p = run(limited(1 << 20) + [f'--data_path={toy}', f'--out_dir={out}', '--init_from=resume', '--max_steps=8']
-            + FAST, check=False)  # a checkpoint (about 1.1 MB) does not fit
+    p = run(limited(1 << 18) + [f'--data_path={toy}', f'--out_dir={out}', '--init_from=resume', '--max_steps=8']
+            + FAST, check=False)  # a checkpoint (about 0.5 MB) does not fit
     said = assert_user_error(p, 'checkpoint at step 8 failed', one_line=True)
     assert said.count('ckpt_00000008.pt') == 1 and 'File too large' in said, said
     assert f'{kept}, is kept' in said and '--init_from=resume' in said, said
