@@ -308,8 +308,8 @@ def ops():
     model = TRM(TRMConfig(**sudoku, forward_dtype=str(dtype).split('.')[-1])).to(dev)
     block = model.net.layers[0]
     S, D = model.config.total_len, model.config.hidden_size
-    mix, channel = 6 * B * D * S * swiglu_inter(S, model.config.expansion), \
-        6 * B * S * D * swiglu_inter(D, model.config.expansion)
+    e, multiple = model.config.expansion, model.config.mlp_multiple
+    mix, channel = 6 * B * D * S * swiglu_inter(S, e, multiple), 6 * B * S * D * swiglu_inter(D, e, multiple)
     flops = dict(mlp_t=mix, mlp_t_backward=3 * mix, mlp_t_gated_backward=3 * mix, swiglu=channel * 2 / 3,
                  down_norm=channel / 3, dgated=channel / 3, gated_mlp_backward=3 * channel)
     speed = lambda op, ms: f"{ms:.3f} ms {flops[op] / ms / 1e9:6.1f} TFLOP/s"

@@ -27,8 +27,9 @@ ALLOCATOR_SLACK = 0.3
 
 
 def inner_multiple(shape):
-    """The multiple a SwiGLU's inner width rounds up to: a checkpoint from before the key has the reference's."""
-    return shape.get('mlp_multiple', 256)
+    """The multiple a SwiGLU's inner width rounds up to: a checkpoint from before the key has model.py's default."""
+    from model import TRMConfig
+    return shape.get('mlp_multiple', TRMConfig.mlp_multiple)
 
 
 def model_parameters(shape):
@@ -38,7 +39,8 @@ def model_parameters(shape):
     tests/test_limits.py keeps it equal to TRM.num_params()."""
     from model import swiglu_inter
     S, D, V, e = shape['total_len'], shape['hidden_size'], shape['vocab_size'], shape['expansion']
-    swiglu = lambda d: 3 * d * swiglu_inter(d, e, inner_multiple(shape))  # gate-up (d -> 2 inner) and down (inner -> d)
+    multiple = inner_multiple(shape)
+    swiglu = lambda d: 3 * d * swiglu_inter(d, e, multiple)  # gate-up (d -> 2 inner) and down (inner -> d)
     mix = swiglu(S) if shape['mlp_t'] else 4 * D * D
     return (2 * V * D + 2 * D + 2 + (S * D if shape['pos_encodings'] == 'learned' else 0)
             + shape['L_layers'] * (mix + swiglu(D)))
@@ -51,11 +53,12 @@ def block_bytes(shape, s):
     mlp_t's padded input and sequence SwiGLU."""
     from model import SEQ_ALIGN, swiglu_inter
     S, D, e = shape['total_len'], shape['hidden_size'], shape['expansion']  # S: positions
-    I = swiglu_inter(D, e, inner_multiple(shape))
+    multiple = inner_multiple(shape)
+    I = swiglu_inter(D, e, multiple)
     norms = 2 * (S * D * 4 + S * 4)
     mlp = S * D * s + 4 * S * I * s  # its input (the first norm's output), gate-up, silu(gate), product
     if shape['mlp_t']:
-        Sp, It = -(-S // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(S, e, inner_multiple(shape))
+        Sp, It = -(-S // SEQ_ALIGN) * SEQ_ALIGN, swiglu_inter(S, e, multiple)
         mix = D * Sp * s + 4 * D * It * s
     else:
         rope = 2 * S * D * s if shape['pos_encodings'] == 'rope' else 0
